@@ -1,0 +1,173 @@
+"""Shared command-line plumbing for the entry points (``python -m rlax_tpu.<component>``).
+
+Every entry point takes ``--config=<file>[:<preset>]`` (ml_collections config files) plus
+``--config.<section>.<field>=<value>`` overrides, validates the result into a :class:`RunConfig`
+and hands it to the component's main. Bad input ends with one clear line and exit code 2, not a
+traceback (set ``RLAX_DEBUG=1`` to see the traceback).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from rlax_tpu.config import ConfigError, RunConfig, base_config_dict, from_dict, to_dict
+
+EXIT_USAGE = 2  # bad flags or config
+EXIT_NOT_BUILT = 3  # the component exists as a command but its service is not built yet
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "codeforces.py"
+
+_OVERRIDE = re.compile(r"^--config\.([A-Za-z0-9_.]+)(=|$)")
+
+
+class UsageError(Exception):
+    """Bad command-line input; the message is shown to the user as is."""
+
+
+def _debug() -> bool:
+    return os.environ.get("RLAX_DEBUG", "") not in ("", "0")
+
+
+def unknown_override(argv: Sequence[str]) -> str | None:
+    """Describes the first ``--config.a.b=`` override whose path is not a config field, if any."""
+    base = base_config_dict()
+    for arg in argv:
+        m = _OVERRIDE.match(arg)
+        if not m:
+            continue
+        node, walked = base, []
+        for part in m.group(1).split("."):
+            keys = list(node.keys()) if hasattr(node, "keys") else []
+            if part not in keys:
+                where = ".".join(walked) or "the top level"
+                close = difflib.get_close_matches(part, keys, n=1)
+                hint = f"; did you mean {'.'.join([*walked, close[0]])!r}?" if close else ""
+                return f"{arg}: unknown config field {part!r} in {where}{hint}"
+            node, walked = node[part], [*walked, part]
+    return None
+
+
+def _missing_config_file(argv: Sequence[str]) -> str | None:
+    for arg in argv:
+        if arg.startswith("--config="):
+            path = arg.removeprefix("--config=").split(":", 1)[0]
+            if not Path(path).is_file():
+                return f"{arg}: no such config file {path!r}"
+    return None
+
+
+def _last_line_if_traceback(message: str) -> str:
+    """config_flags embeds the config file's traceback; the last line says what went wrong."""
+    if "Traceback" not in message:
+        return message
+    first = message.splitlines()[0].rstrip(":")
+    last = [ln for ln in message.splitlines() if ln.strip()][-1]
+    return f"{first}: {last}"
+
+
+def _config_flag_default() -> str | None:
+    return str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None
+
+
+def load_config(argv: Sequence[str]) -> tuple[RunConfig, list[str]]:
+    """Parses ``argv`` into a validated RunConfig and the remaining positional arguments.
+
+    ``argv[0]`` is the program name. Raises UsageError.
+    """
+    problem = unknown_override(argv) or _missing_config_file(argv)
+    if problem:
+        raise UsageError(problem)
+    try:
+        rest = flags.FLAGS(list(argv))
+    except flags.Error as e:
+        if _debug():
+            raise
+        raise UsageError(_last_line_if_traceback(str(e))) from e
+    except Exception as e:  # config file errors: missing file, bad preset, syntax error
+        if _debug():
+            raise
+        raise UsageError(f"--config: {type(e).__name__}: {e}") from e
+    cfg_dict = flags.FLAGS["config"].value
+    if cfg_dict is None:
+        raise UsageError("--config is required (e.g. --config=configs/codeforces.py:local)")
+    try:
+        return from_dict(RunConfig, cfg_dict), rest
+    except ConfigError as e:
+        raise UsageError(f"config error: {e}") from e
+
+
+def main(component: str, run: Callable[[RunConfig, list[str]], int]) -> None:
+    """Entry point of ``python -m rlax_tpu.<component>``: parse flags, validate, run.
+
+    ``run(config, positional_args)`` returns the process exit code.
+    """
+    if "config" not in flags.FLAGS:
+        config_flags.DEFINE_config_file(
+            "config",
+            default=_config_flag_default(),
+            help_string="Config file and optional preset: configs/codeforces.py[:local|v5p]. "
+            "Override any field with --config.<section>.<field>=<value>.",
+            lock_config=True,
+        )
+        flags.DEFINE_boolean(
+            "print_config", False, "Print the validated config as JSON and exit without running."
+        )
+    holder: dict[str, RunConfig] = {}
+
+    def parse(argv: list[str]) -> list[str]:
+        if any(a in ("-h", "--help", "--helpshort", "-?") for a in argv[1:]):
+            print(usage(component))
+            sys.exit(0)
+        try:
+            holder["cfg"], rest = load_config(argv)
+        except UsageError as e:
+            print(f"rlax_tpu.{component}: error: {e}", file=sys.stderr)
+            sys.exit(EXIT_USAGE)
+        return rest
+
+    def _main(args: list[str]) -> int:
+        if flags.FLAGS.print_config:
+            print(json.dumps(to_dict(holder["cfg"]), indent=2))
+            return 0
+        return run(holder["cfg"], args[1:])
+
+    app.run(_main, flags_parser=parse)
+
+
+def usage(component: str) -> str:
+    doc = (sys.modules["__main__"].__doc__ or "").strip()
+    return f"""usage: python -m rlax_tpu.{component} [--config=FILE[:PRESET]] [--config.SECTION.FIELD=VALUE ...]
+
+{doc}
+
+flags:
+  --config=FILE[:PRESET]   config file in configs/ and an optional preset
+                           (default: {_config_flag_default() or "none; required"})
+  --config.SECTION.FIELD=VALUE
+                           override one field, e.g. --config.trainer.learning_rate=3e-6
+                           sections: model, mesh, trainer, inference, param_server, verifiers,
+                           data, controller, algorithm (see rlax_tpu/config.py for every field)
+  --print_config           print the validated config as JSON and exit
+  --helpfull               every absl flag (logging and more)
+
+exit codes: 0 success, {EXIT_USAGE} bad flags or config, {EXIT_NOT_BUILT} component not built yet"""
+
+
+def not_built(component: str, issue: str, config: RunConfig) -> int:
+    """Says plainly that a component's service is not built yet; returns EXIT_NOT_BUILT."""
+    print(
+        f"rlax_tpu.{component}: the config is valid (preset {config.preset!r}), but the "
+        f"{component} service is not built yet (issue {issue}). Nothing was run.",
+        file=sys.stderr,
+    )
+    return EXIT_NOT_BUILT

@@ -1,0 +1,652 @@
+"""Typed run configuration: one frozen, keyword-only dataclass per component.
+
+Config files (``configs/*.py``) build an ``ml_collections.ConfigDict`` from :func:`base_config_dict`,
+edit it, and the command line may override fields (``--config.trainer.learning_rate=3e-6``). The
+result is turned into a :class:`RunConfig` by :func:`from_dict`, which rejects unknown keys, wrong
+types, out-of-range values and inconsistent combinations. Every error names the dotted field path and
+says why, e.g. ``trainer.learning_rate = -1.0: must be > 0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import ipaddress
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import ml_collections
+
+# Acceptance staleness meaning "no bound" (η_a = ∞, RLAX's fully off-policy mode).
+UNBOUNDED = -1
+
+ALGORITHMS = (
+    "grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce", "rloo", "reinforce_pp", "ppo",
+    "aipo", "tb", "online_dpo",
+)  # fmt: skip
+# Algorithms whose advantage or loss is defined over a group of samples of one prompt.
+GROUP_ALGORITHMS = frozenset(
+    {"grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "tb", "online_dpo"}
+)
+LANGUAGES = ("python", "cpp", "rust", "java")
+
+
+_NO_VALUE = object()
+
+
+class ConfigError(ValueError):
+    """A bad config value: ``<field> = <value>: <why>``, with ``field`` the dotted path."""
+
+    def __init__(self, field: str, why: str, value: Any = _NO_VALUE):
+        self.field, self.why, self.value = field, why, value
+        shown = "" if value is _NO_VALUE else f" = {value!r}"
+        super().__init__(f"{field}{shown}: {why}" if field else why)
+
+    def prefixed(self, prefix: str) -> ConfigError:
+        field = f"{prefix}.{self.field}" if self.field else prefix
+        return ConfigError(field, self.why, self.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small validation helpers used by the dataclasses' __post_init__.
+
+
+def _bad(obj: Any, name: str, why: str) -> ConfigError:
+    return ConfigError(name, why, getattr(obj, name))
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for n in names:
+        if not getattr(obj, n) > 0:
+            raise _bad(obj, n, "must be > 0")
+
+
+def _non_negative(obj: Any, *names: str) -> None:
+    for n in names:
+        if getattr(obj, n) < 0:
+            raise _bad(obj, n, "must be >= 0")
+
+
+def _in_range(obj: Any, name: str, lo: float, hi: float, *, hi_open: bool = False) -> None:
+    v = getattr(obj, name)
+    if not (lo <= v < hi if hi_open else lo <= v <= hi):
+        raise _bad(obj, name, f"must be in [{lo}, {hi}{')' if hi_open else ']'}")
+
+
+def _check_address(obj: Any, name: str, auth_token_file: str, tls_cert_file: str) -> None:
+    """A service binds to loopback unless credentials are configured (no open doors)."""
+    addr = getattr(obj, name)
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise _bad(obj, name, "must be 'host:port' (port 0 picks a free port)")
+    if int(port) > 65535:
+        raise _bad(obj, name, "port must be <= 65535")
+    if not _is_loopback(host) and not (auth_token_file or tls_cert_file):
+        raise _bad(
+            obj,
+            name,
+            "a non-loopback address needs credentials: set auth_token_file or tls_cert_file",
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def detect_accelerator() -> Literal["tpu", "gpu", "cpu"]:
+    """The accelerator this host has, from device nodes (cheap: does not start JAX)."""
+    if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+        return "tpu"
+    if glob.glob("/dev/nvidia[0-9]*"):
+        return "gpu"
+    return "cpu"
+
+
+_frozen = dataclasses.dataclass(frozen=True, kw_only=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Component configs.
+
+
+@_frozen
+class ModelConfig:
+    """Decoder-only transformer (Llama / Qwen2 / Qwen3 families)."""
+
+    arch: Literal["llama", "qwen2", "qwen3"] = "llama"
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rope_theta: float = 10_000.0
+    rope_scaling: Literal["none", "linear", "dynamic", "llama3", "yarn"] = "none"
+    rope_scaling_factor: float = 1.0
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = True
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Where the initial weights come from: random init (seeded), HF safetensors dir, or a GGUF file.
+    weights_format: Literal["init", "safetensors", "gguf"] = "init"
+    weights_path: str = ""
+    tokenizer_path: str = ""  # "" means: the tokenizer that comes with the weights / the task
+    seed: int = 0  # random init only
+
+    def __post_init__(self) -> None:
+        _positive(
+            self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+            "num_kv_heads", "rope_theta", "max_position_embeddings", "rms_norm_eps",
+        )  # fmt: skip
+        _non_negative(self, "head_dim")
+        if self.num_heads % self.num_kv_heads:
+            raise _bad(
+                self,
+                "num_kv_heads",
+                f"must divide num_heads ({self.num_heads}) for grouped-query attention",
+            )
+        if self.head_dim == 0 and self.hidden_size % self.num_heads:
+            raise _bad(
+                self,
+                "hidden_size",
+                f"must be divisible by num_heads ({self.num_heads}) when head_dim is 0",
+            )
+        if self.rope_scaling_factor < 1.0:
+            raise _bad(self, "rope_scaling_factor", "must be >= 1")
+        if self.rope_scaling == "none" and self.rope_scaling_factor != 1.0:
+            raise _bad(self, "rope_scaling_factor", "is set but rope_scaling is 'none'")
+        if self.weights_format != "init" and not self.weights_path:
+            raise _bad(
+                self, "weights_path", f"required when weights_format is '{self.weights_format}'"
+            )
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+@_frozen
+class MeshConfig:
+    """Device mesh axes. One axis may be -1: it takes the devices the others leave."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        for n in ("data", "fsdp", "tensor"):
+            if getattr(self, n) == 0 or getattr(self, n) < -1:
+                raise _bad(self, n, "must be >= 1, or -1 for 'the remaining devices'")
+        if sum(getattr(self, n) == -1 for n in ("data", "fsdp", "tensor")) > 1:
+            raise ConfigError("", "at most one of data, fsdp, tensor may be -1")
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) for ``num_devices`` devices; raises ConfigError if they don't fit."""
+        sizes = [self.data, self.fsdp, self.tensor]
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % known:
+                raise ConfigError(
+                    "mesh",
+                    f"{num_devices} devices are not divisible by the fixed axes' product {known}",
+                )
+            sizes[sizes.index(-1)] = num_devices // known
+        elif known != num_devices:
+            raise ConfigError("mesh", f"data*fsdp*tensor = {known} but {num_devices} devices exist")
+        return tuple(sizes)  # type: ignore[return-value]
+
+
+@_frozen
+class TrainerConfig:
+    learning_rate: float = 1e-6
+    schedule: Literal["constant", "warmup_cosine", "warmup_stable_decay"] = "constant"
+    warmup_steps: int = 0
+    decay_steps: int = 0  # for warmup_stable_decay: length of the final decay
+    weight_decay: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip_norm: float = 1.0  # 0 disables clipping
+    micro_batch_size: int = 8  # rollouts per micro-batch (gradient accumulation)
+    remat: bool = True  # nothing-saveable remat on the training forward
+    align_logprobs: bool = True  # recompute π_old with the inference graph (DESIGN §6)
+    publish_dtype: Literal["float32", "bfloat16"] = "float32"
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 2
+    nan_policy: Literal["skip", "stop"] = "stop"
+    address: str = "127.0.0.1:0"
+    auth_token_file: str = ""
+    tls_cert_file: str = ""
+
+    def __post_init__(self) -> None:
+        _positive(self, "learning_rate", "micro_batch_size", "checkpoint_every", "keep_checkpoints")
+        _non_negative(self, "warmup_steps", "decay_steps", "weight_decay", "grad_clip_norm")
+        _positive(self, "adam_eps")
+        _in_range(self, "adam_b1", 0.0, 1.0, hi_open=True)
+        _in_range(self, "adam_b2", 0.0, 1.0, hi_open=True)
+        if self.schedule == "warmup_stable_decay" and self.decay_steps == 0:
+            raise _bad(self, "decay_steps", "must be > 0 for the warmup_stable_decay schedule")
+        _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
+
+
+@_frozen
+class InferenceConfig:
+    num_workers: int = 1
+    backend: Literal["auto", "cpu", "gpu", "tpu"] = "auto"
+    max_concurrent_seqs: int = 64
+    page_size: int = 16  # tokens per KV page
+    kv_cache_bytes: int = 256 * 2**20  # memory budget for KV pages, per worker
+    prefill_chunk: int = 128
+    max_prompt_len: int = 256
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    # On reload, continue in-flight requests under the new weights (per-token versions recorded)
+    # instead of aborting and returning them.
+    continue_on_reload: bool = False
+    address: str = "127.0.0.1:0"
+    auth_token_file: str = ""
+    tls_cert_file: str = ""
+
+    def __post_init__(self) -> None:
+        _positive(
+            self, "num_workers", "max_concurrent_seqs", "page_size", "kv_cache_bytes",
+            "prefill_chunk", "max_prompt_len", "max_new_tokens", "temperature",
+        )  # fmt: skip
+        _non_negative(self, "top_k")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _bad(self, "top_p", "must be in (0, 1]")
+        _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
+
+
+@_frozen
+class ParamServerConfig:
+    address: str = "127.0.0.1:0"
+    auth_token_file: str = ""
+    tls_cert_file: str = ""
+    in_memory_versions: int = 4  # K: versions kept hot
+    persist_every: int = 1  # write every N-th version through to persistent storage; 0: never
+    persist_path: str = ""  # local dir or gs:// path; "" means <run_dir>/param_server
+    chunk_bytes: int = 4 * 2**20
+    max_message_bytes: int = 64 * 2**20
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "chunk_bytes", "max_message_bytes", "replicas")
+        _non_negative(self, "persist_every")
+        if self.in_memory_versions < 2:
+            raise _bad(
+                self,
+                "in_memory_versions",
+                "must be >= 2 (a new version is written while the previous is read)",
+            )
+        if self.chunk_bytes > self.max_message_bytes:
+            raise _bad(
+                self, "chunk_bytes", f"must be <= max_message_bytes ({self.max_message_bytes})"
+            )
+        _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
+
+
+@_frozen
+class VerifierConfig:
+    address: str = "127.0.0.1:0"
+    auth_token_file: str = ""
+    tls_cert_file: str = ""
+    languages: tuple[str, ...] = LANGUAGES
+    workers: int = 2
+    max_pending: int = 1024  # backpressure: requests queued beyond this are refused
+    time_limit_s: float = 2.0  # default per test when the problem gives none
+    memory_limit_mb: int = 256
+    compile_time_limit_s: float = 30.0
+    max_output_bytes: int = 1 << 20
+    sandbox_uid: int = 65534  # nobody: RLIMIT_NPROC does not bind root
+    testlib_path: str = ""  # testlib.h for problems' own checkers; "" = none available
+    request_deadline_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _positive(
+            self, "workers", "max_pending", "time_limit_s", "memory_limit_mb", "compile_time_limit_s",
+            "max_output_bytes", "request_deadline_s",
+        )  # fmt: skip
+        if not self.languages:
+            raise _bad(self, "languages", "must name at least one language")
+        for lang in self.languages:
+            if lang not in LANGUAGES:
+                raise _bad(
+                    self,
+                    "languages",
+                    f"unknown language {lang!r}; supported: {', '.join(LANGUAGES)}",
+                )
+        if self.sandbox_uid == 0:
+            raise _bad(self, "sandbox_uid", "must not be 0: untrusted code never runs as root")
+        _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
+
+
+@_frozen
+class DataConfig:
+    datasets: tuple[str, ...] = ("procedural",)
+    weights: tuple[float, ...] = (1.0,)
+    data_dir: str = ""  # local files for file-backed datasets
+    eval_every: int = 0  # steps between held-out evaluations; 0: only at start and end
+    eval_samples: int = 8  # k of pass@k
+    eval_problems: int = 32
+    replay: bool = False
+    replay_recency_prob: float = 0.5  # m: draw from the last replay_recent_versions with prob. m
+    replay_recent_versions: int = 4
+    replay_priority: Literal["reward", "uniform"] = "reward"
+    replay_temperature: float = 1.0
+    replay_per_prompt: int = 16
+    replay_max_items: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not self.datasets:
+            raise _bad(self, "datasets", "must name at least one dataset")
+        if len(self.weights) != len(self.datasets):
+            raise _bad(
+                self,
+                "weights",
+                f"needs one weight per dataset ({len(self.datasets)}), got {len(self.weights)}",
+            )
+        if any(not w > 0 for w in self.weights):
+            raise _bad(self, "weights", "every mixture weight must be > 0")
+        _non_negative(self, "eval_every")
+        _positive(
+            self, "eval_samples", "eval_problems", "replay_recent_versions", "replay_temperature",
+            "replay_per_prompt", "replay_max_items",
+        )  # fmt: skip
+        _in_range(self, "replay_recency_prob", 0.0, 1.0)
+
+
+@_frozen
+class AlgorithmConfig:
+    """The objective (DESIGN §5). Zero/empty values mean "the named algorithm's paper default"."""
+
+    name: str = "grpo"
+    group_size: int = 8  # G samples per prompt
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_coef: float = 0.0  # β
+    kl_estimator: Literal["none", "k1", "k2", "k3"] = "none"
+    aggregation: Literal["default", "seq_mean_token_mean", "token_mean", "max_length"] = "default"
+    is_cap: float = 0.0  # AIPO truncation c; 0 = algorithm default
+    behaviour_correction: Literal[
+        "none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"
+    ] = "none"
+    behaviour_cap: float = 2.0
+    dynamic_sampling: bool = False
+    overlong_buffer: int = 0  # DAPO soft overlong punishment length; 0: off
+    overlong_penalty: float = 1.0
+    gamma: float = 1.0  # PPO GAE
+    gae_lambda: float = 0.95
+    value_clip: float = 0.2
+    tb_beta: float = 0.1
+    dpo_beta: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.name not in ALGORITHMS:
+            close = difflib.get_close_matches(self.name, ALGORITHMS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(ALGORITHMS)}"
+            raise _bad(self, "name", f"unknown algorithm{hint}")
+        _positive(self, "group_size", "behaviour_cap", "overlong_penalty", "tb_beta", "dpo_beta")
+        _in_range(self, "eps_low", 0.0, 1.0, hi_open=True)
+        _non_negative(self, "eps_high", "kl_coef", "is_cap", "overlong_buffer", "value_clip")
+        _in_range(self, "gamma", 0.0, 1.0)
+        _in_range(self, "gae_lambda", 0.0, 1.0)
+        if self.kl_coef > 0 and self.kl_estimator == "none":
+            raise _bad(
+                self, "kl_estimator", f"is 'none' but kl_coef is {self.kl_coef}; pick k1, k2 or k3"
+            )
+        if self.name in GROUP_ALGORITHMS and self.group_size < 2:
+            raise _bad(
+                self, "group_size", f"{self.name} compares samples within a group: needs >= 2"
+            )
+
+
+@_frozen
+class ControllerConfig:
+    run_dir: str = "runs/local"
+    num_steps: int = 20
+    prompts_per_step: int = 4
+    mode: Literal["deterministic", "throughput"] = "deterministic"
+    reload_staleness: int = 1  # η_r: workers reload every η_r-th version
+    acceptance_staleness: int = 1  # η_a: max v − version(rollout); -1 = unbounded
+    pipeline_depth: int = 1  # deterministic mode: steps generation runs ahead of training
+    consume_order: Literal["oldest_first", "freshest_first"] = "oldest_first"
+    transport: Literal["local", "distributed"] = "local"
+    # distributed transport: endpoints of the components ("host:port").
+    inference_endpoints: tuple[str, ...] = ()
+    verifier_endpoint: str = ""
+    trainer_endpoint: str = ""
+    param_server_endpoint: str = ""
+    auth_token_file: str = ""
+    rpc_timeout_s: float = 60.0
+    snapshot_keep: int = 3
+    log_every: int = 1
+    seed: int = 0  # root of every run-level RNG stream (mixture, sampling, replay)
+
+    def __post_init__(self) -> None:
+        if not self.run_dir:
+            raise _bad(self, "run_dir", "must be set")
+        _positive(self, "num_steps", "prompts_per_step", "reload_staleness", "rpc_timeout_s",
+                  "snapshot_keep", "log_every")  # fmt: skip
+        _non_negative(self, "pipeline_depth")
+        if self.acceptance_staleness < UNBOUNDED:
+            raise _bad(self, "acceptance_staleness", "must be >= 0, or -1 for unbounded")
+        eta_a, eta_r = self.acceptance_bound, self.reload_staleness
+        if eta_a < eta_r - 1:
+            raise ConfigError(
+                "acceptance_staleness",
+                f"can never be met with reload_staleness {eta_r}: "
+                f"workers hold a version for {eta_r} updates, so the trainer would need rollouts "
+                f"{eta_r - 1} versions old; set acceptance_staleness >= reload_staleness - 1",
+                self.acceptance_staleness,
+            )
+        if self.mode == "deterministic" and self.pipeline_depth + eta_r - 1 > eta_a:
+            raise ConfigError(
+                "pipeline_depth",
+                "in deterministic mode a rollout is consumed up to "
+                f"pipeline_depth + reload_staleness - 1 = {self.pipeline_depth + eta_r - 1} versions "
+                f"after its weights, more than acceptance_staleness {self.acceptance_staleness}",
+                self.pipeline_depth,
+            )
+        if self.transport == "distributed":
+            for n in ("verifier_endpoint", "trainer_endpoint", "param_server_endpoint"):
+                if not getattr(self, n):
+                    raise _bad(self, n, "required when transport is 'distributed'")
+            if not self.inference_endpoints:
+                raise _bad(self, "inference_endpoints", "required when transport is 'distributed'")
+            endpoints = [*self.inference_endpoints, self.verifier_endpoint, self.trainer_endpoint,
+                         self.param_server_endpoint]  # fmt: skip
+            remote = [e for e in endpoints if not _is_loopback(e.rpartition(":")[0])]
+            if remote and not self.auth_token_file:
+                raise ConfigError(
+                    "auth_token_file",
+                    f"required to reach non-loopback endpoints (e.g. {remote[0]!r})",
+                    self.auth_token_file,
+                )
+
+    @property
+    def acceptance_bound(self) -> float:
+        """η_a as a number (math.inf when unbounded)."""
+        return math.inf if self.acceptance_staleness == UNBOUNDED else self.acceptance_staleness
+
+
+@_frozen
+class RunConfig:
+    preset: str = "default"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
+    param_server: ParamServerConfig = dataclasses.field(default_factory=ParamServerConfig)
+    verifiers: VerifierConfig = dataclasses.field(default_factory=VerifierConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+
+    def __post_init__(self) -> None:
+        """Rules that span components."""
+        inf, model, ctl, alg = self.inference, self.model, self.controller, self.algorithm
+        needed = inf.max_prompt_len + inf.max_new_tokens
+        if needed > model.max_position_embeddings:
+            raise ConfigError(
+                "inference.max_new_tokens",
+                f"max_prompt_len + max_new_tokens = {needed} exceeds "
+                f"model.max_position_embeddings ({model.max_position_embeddings})",
+                inf.max_new_tokens,
+            )
+        batch = ctl.prompts_per_step * alg.group_size
+        if batch % self.trainer.micro_batch_size:
+            raise ConfigError(
+                "trainer.micro_batch_size",
+                "must divide the rollouts per step "
+                f"(controller.prompts_per_step * algorithm.group_size = {batch})",
+                self.trainer.micro_batch_size,
+            )
+        if self.mesh.tensor != -1:
+            tp = self.mesh.tensor
+            kv = model.num_kv_heads
+            if model.num_heads % tp or (kv % tp and tp % kv):
+                raise ConfigError(
+                    "mesh.tensor",
+                    f"must divide model.num_heads ({model.num_heads}) and divide or be a "
+                    f"multiple of model.num_kv_heads ({kv})",
+                    tp,
+                )
+        if (
+            self.data.replay
+            and ctl.acceptance_staleness == UNBOUNDED
+            and ctl.mode == "deterministic"
+        ):
+            raise ConfigError(
+                "data.replay",
+                "replay with unbounded staleness draws from an unbounded past, which "
+                "deterministic mode cannot schedule; use mode 'throughput'",
+                True,
+            )
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.controller.prompts_per_step * self.algorithm.group_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Dict <-> dataclass conversion with type checks.
+
+
+def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
+    """Builds dataclass ``cls`` from a (nested) mapping, checking keys, types and values.
+
+    Raises ConfigError naming the dotted field path. Missing keys take their defaults.
+    """
+    if isinstance(data, ml_collections.ConfigDict):
+        data = data.to_dict()
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, f"expected a section (mapping), got {type(data).__name__}", data)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(where, f"unknown field{hint}")
+        kwargs[key] = _convert(hints[key], value, where)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise e.prefixed(path) if path else e from None
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(where, f"must be one of {', '.join(map(repr, choices))}{hint}", value)
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, where)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(where, f"expected a tuple, got {type(value).__name__}", value)
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        return tuple(_convert(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(where, f"expected a float, got {type(value).__name__}", value)
+        if math.isnan(value):
+            raise ConfigError(where, "must be a number", value)
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(where, f"expected an int, got {type(value).__name__}", value)
+        return value
+    if tp in (bool, str):
+        if not isinstance(value, tp):
+            raise ConfigError(where, f"expected a {tp.__name__}, got {type(value).__name__}", value)
+        return value
+    raise TypeError(f"config field {where} has an unsupported annotation {tp!r}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config dataclass (tuples kept)."""
+    return {
+        f.name: to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v
+        for f in dataclasses.fields(cfg)
+    }
+
+
+def diff(a: RunConfig, b: RunConfig) -> list[str]:
+    """Dotted paths of fields whose values differ between two configs."""
+
+    def flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, Mapping):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    fa, fb = flat(to_dict(a)), flat(to_dict(b))
+    return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
+
+
+def base_config_dict() -> ml_collections.ConfigDict:
+    """A locked ConfigDict with every field of RunConfig at its default.
+
+    Config files start from this, so an assignment to a misspelt field fails where it is made.
+    """
+    cfg = ml_collections.ConfigDict(to_dict(RunConfig()))
+    cfg.lock()
+    return cfg
+
+
+def to_config_dict(cfg: RunConfig) -> ml_collections.ConfigDict:
+    out = ml_collections.ConfigDict(to_dict(cfg))
+    out.lock()
+    return out

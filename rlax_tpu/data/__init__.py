@@ -1,0 +1,1 @@
+"""Problem schemas, dataset loaders, prompt mixture, replay buffer and filters."""

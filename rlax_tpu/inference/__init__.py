@@ -1,0 +1,1 @@
+"""Inference worker service: paged-attention engine with continuous batching, served over gRPC."""

@@ -1,0 +1,1 @@
+"""Metrics writers (TensorBoard + JSONL), progress display and the run report."""

@@ -1,0 +1,1 @@
+"""Parameter server: TensorStore-backed, versioned weights served over gRPC."""

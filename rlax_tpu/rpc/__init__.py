@@ -1,0 +1,1 @@
+"""gRPC .proto definitions and their generated stubs."""

@@ -1,0 +1,1 @@
+"""Trainer service: sharded JAX train steps, aligned log-prob recompute, Orbax checkpoints."""

@@ -1,0 +1,1 @@
+"""Verifier service: sandboxed (bubblewrap) code execution, Codeforces-style checkers, math answers."""

@@ -1,0 +1,102 @@
+"""The entry points, run as users run them: ``python -m rlax_tpu.<component>``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlax_tpu.cli import EXIT_NOT_BUILT, EXIT_USAGE, unknown_override
+
+REPO = Path(__file__).resolve().parents[1]
+COMPONENTS = ["controller", "param_server", "inference", "verifiers", "trainer"]
+LOCAL = "--config=configs/codeforces.py:local"
+
+
+def run(component: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", f"rlax_tpu.{component}", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_help(component):
+    out = run(component, "--help")
+    assert out.returncode == 0, out.stderr
+    assert f"usage: python -m rlax_tpu.{component}" in out.stdout
+    assert "--config.SECTION.FIELD=VALUE" in out.stdout
+
+
+def test_unknown_override_is_named():
+    out = run("controller", LOCAL, "--config.bogus=1")
+    assert out.returncode == EXIT_USAGE
+    assert out.stderr.strip() == (
+        "rlax_tpu.controller: error: --config.bogus=1: unknown config field 'bogus' in the top level"
+    )
+    assert "Traceback" not in out.stderr
+
+
+def test_unknown_nested_override_gets_a_suggestion():
+    out = run("trainer", LOCAL, "--config.trainer.learnig_rate=1e-3")
+    assert out.returncode == EXIT_USAGE
+    assert (
+        "unknown config field 'learnig_rate' in trainer; did you mean 'trainer.learning_rate'?"
+        in out.stderr
+    )
+
+
+def test_bad_value_gets_a_validation_error():
+    out = run("param_server", LOCAL, "--config.param_server.in_memory_versions=1")
+    assert out.returncode == EXIT_USAGE
+    assert "config error: param_server.in_memory_versions = 1: must be >= 2" in out.stderr
+
+
+def test_unparsable_value_names_the_flag():
+    out = run("controller", LOCAL, "--config.trainer.learning_rate=fast")
+    assert out.returncode == EXIT_USAGE
+    assert "--config.trainer.learning_rate=fast" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bad_preset_and_missing_file():
+    out = run("controller", "--config=configs/codeforces.py:v6e")
+    assert out.returncode == EXIT_USAGE
+    assert "unknown preset 'v6e'" in out.stderr and "Traceback" not in out.stderr
+    out = run("controller", "--config=configs/nope.py")
+    assert out.returncode == EXIT_USAGE
+    assert "no such config file 'configs/nope.py'" in out.stderr
+
+
+def test_overrides_reach_the_validated_config():
+    out = run("controller", LOCAL, "--config.trainer.learning_rate=3e-6",
+              "--config.verifiers.languages=('python','cpp')", "--print_config")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads(out.stdout)
+    assert cfg["preset"] == "local"
+    assert cfg["trainer"]["learning_rate"] == 3e-6
+    assert cfg["verifiers"]["languages"] == ["python", "cpp"]
+
+
+def test_no_config_flag_uses_the_machine_preset():
+    out = run("controller", "--print_config")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["preset"] == "local"
+
+
+@pytest.mark.parametrize(
+    "component", ["param_server", "inference", "verifiers", "trainer", "controller"]
+)
+def test_unbuilt_components_say_so(component):
+    out = run(component, LOCAL)
+    assert out.returncode == EXIT_NOT_BUILT
+    assert "not built yet" in out.stderr
+
+
+def test_unknown_override_helper():
+    assert unknown_override(["prog", "--config.trainer.learning_rate=1"]) is None
+    assert unknown_override(["prog", "--config.mesh.tensor.x=1"]) == (
+        "--config.mesh.tensor.x=1: unknown config field 'x' in mesh.tensor"
+    )

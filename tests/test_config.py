@@ -1,0 +1,442 @@
+"""Every validation rule of rlax_tpu.config, each with a bad input and the exact error it gets."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from rlax_tpu import config as C
+from rlax_tpu.config import ConfigError, MeshConfig, RunConfig, from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _codeforces():
+    spec = importlib.util.spec_from_file_location(
+        "codeforces_cfg", REPO / "configs" / "codeforces.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def local_dict() -> dict:
+    return _codeforces().get_config("local").to_dict()
+
+
+def build(overrides: dict[str, object], base: dict | None = None) -> RunConfig:
+    """The local preset with dotted-path overrides applied, validated."""
+    d = copy.deepcopy(base if base is not None else local_dict())
+    for path, value in overrides.items():
+        node = d
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return from_dict(RunConfig, d)
+
+
+def expect_error(overrides: dict[str, object], message: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        build(overrides)
+    assert str(info.value) == message
+    return info.value
+
+
+# --------------------------------------------------------------------------------------------
+# Presets
+
+
+def test_presets_validate():
+    mod = _codeforces()
+    local = from_dict(RunConfig, mod.get_config("local"))
+    v5p = from_dict(RunConfig, mod.get_config("v5p"))
+    assert local.preset == "local" and v5p.preset == "v5p"
+    assert local.controller.transport == "local" and local.inference.backend == "auto"
+    assert (v5p.controller.reload_staleness, v5p.controller.acceptance_staleness) == (16, 32)
+    assert (
+        v5p.model.arch == "qwen2" and v5p.model.hidden_size == 5120 and v5p.model.num_layers == 64
+    )
+    assert v5p.rollouts_per_step == v5p.controller.prompts_per_step * v5p.algorithm.group_size
+
+
+def test_unknown_preset():
+    with pytest.raises(
+        ValueError, match=re.escape("unknown preset 'v6e' for configs/codeforces.py")
+    ):
+        _codeforces().get_config("v6e")
+
+
+def test_default_preset_fits_this_cpu_machine():
+    assert C.detect_accelerator() == "cpu"
+    assert _codeforces().get_config().preset == "local"
+
+
+def test_config_dict_is_locked_so_config_file_typos_fail_where_made():
+    cfg = C.base_config_dict()
+    with pytest.raises(AttributeError, match="learnig_rate"):
+        cfg.trainer.learnig_rate = 1.0
+
+
+def test_defaults_round_trip_and_diff():
+    cfg = build({})
+    assert from_dict(RunConfig, C.to_dict(cfg)) == cfg
+    other = build({"trainer.learning_rate": 0.5, "controller.num_steps": 3})
+    assert C.diff(cfg, other) == ["controller.num_steps", "trainer.learning_rate"]
+    assert C.diff(cfg, cfg) == []
+
+
+def test_configs_are_frozen_and_keyword_only():
+    cfg = build({})
+    with pytest.raises(AttributeError):
+        cfg.trainer.learning_rate = 1.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        C.TrainerConfig(1e-3)  # type: ignore[misc]
+
+
+def test_int_is_accepted_for_float_fields():
+    assert build({"trainer.learning_rate": 1}).trainer.learning_rate == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Keys and types
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"bogus": 1}, "bogus: unknown field"),
+        (
+            {"trainer": {"learnig_rate": 1.0}},
+            "trainer.learnig_rate: unknown field; did you mean 'learning_rate'?",
+        ),
+        ({"trainer": 3}, "trainer = 3: expected a section (mapping), got int"),
+        (
+            {"controller": {"num_steps": 2.5}},
+            "controller.num_steps = 2.5: expected an int, got float",
+        ),
+        (
+            {"controller": {"num_steps": True}},
+            "controller.num_steps = True: expected an int, got bool",
+        ),
+        (
+            {"trainer": {"learning_rate": "fast"}},
+            "trainer.learning_rate = 'fast': expected a float, got str",
+        ),
+        (
+            {"trainer": {"learning_rate": float("nan")}},
+            "trainer.learning_rate = nan: must be a number",
+        ),
+        ({"controller": {"run_dir": 5}}, "controller.run_dir = 5: expected a str, got int"),
+        ({"trainer": {"remat": 1}}, "trainer.remat = 1: expected a bool, got int"),
+        (
+            {"model": {"arch": "mistral"}},
+            "model.arch = 'mistral': must be one of 'llama', 'qwen2', 'qwen3'",
+        ),
+        (
+            {"controller": {"mode": "determinstic"}},
+            "controller.mode = 'determinstic': must be one of 'deterministic', 'throughput'; "
+            "did you mean 'deterministic'?",
+        ),
+        (
+            {"data": {"datasets": "procedural"}},
+            "data.datasets = 'procedural': expected a tuple, got str",
+        ),
+        (
+            {"data": {"datasets": ("a", "b"), "weights": (1.0, "x")}},
+            "data.weights[1] = 'x': expected a float, got str",
+        ),
+    ],
+)
+def test_keys_and_types(data, message):
+    with pytest.raises(ConfigError) as info:
+        from_dict(RunConfig, data)
+    assert str(info.value) == message
+
+
+def test_error_carries_the_field_path():
+    err = expect_error({"trainer.learning_rate": -1.0}, "trainer.learning_rate = -1.0: must be > 0")
+    assert err.field == "trainer.learning_rate" and err.value == -1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Ranges: every field that must be > 0 or >= 0.
+
+POSITIVE = {
+    "model": ["vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "rope_theta", "max_position_embeddings", "rms_norm_eps"],
+    "trainer": ["learning_rate", "micro_batch_size", "checkpoint_every", "keep_checkpoints", "adam_eps"],
+    "inference": ["num_workers", "max_concurrent_seqs", "page_size", "kv_cache_bytes",
+                  "prefill_chunk", "max_prompt_len", "max_new_tokens", "temperature"],
+    "param_server": ["chunk_bytes", "max_message_bytes", "replicas"],
+    "verifiers": ["workers", "max_pending", "time_limit_s", "memory_limit_mb",
+                  "compile_time_limit_s", "max_output_bytes", "request_deadline_s"],
+    "data": ["eval_samples", "eval_problems", "replay_recent_versions", "replay_temperature",
+             "replay_per_prompt", "replay_max_items"],
+    "algorithm": ["group_size", "behaviour_cap", "overlong_penalty", "tb_beta", "dpo_beta"],
+    "controller": ["num_steps", "prompts_per_step", "reload_staleness", "rpc_timeout_s",
+                   "snapshot_keep", "log_every"],
+}  # fmt: skip
+NON_NEGATIVE = {
+    "model": ["head_dim"],
+    "trainer": ["warmup_steps", "decay_steps", "weight_decay", "grad_clip_norm"],
+    "inference": ["top_k"],
+    "param_server": ["persist_every"],
+    "data": ["eval_every"],
+    "algorithm": ["eps_high", "kl_coef", "is_cap", "overlong_buffer", "value_clip"],
+    "controller": ["pipeline_depth"],
+}
+
+
+def _numeric_bad(section: str, name: str, value: float):
+    default = C.to_dict(RunConfig())[section][name]
+    return float(value) if isinstance(default, float) else int(value)
+
+
+@pytest.mark.parametrize("section, name", [(s, n) for s, names in POSITIVE.items() for n in names])
+def test_must_be_positive(section, name):
+    bad = _numeric_bad(section, name, 0)
+    expect_error({f"{section}.{name}": bad}, f"{section}.{name} = {bad!r}: must be > 0")
+
+
+@pytest.mark.parametrize(
+    "section, name", [(s, n) for s, names in NON_NEGATIVE.items() for n in names]
+)
+def test_must_be_non_negative(section, name):
+    bad = _numeric_bad(section, name, -1)
+    expect_error({f"{section}.{name}": bad}, f"{section}.{name} = {bad!r}: must be >= 0")
+
+
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        ("trainer.adam_b1", 1.0, "trainer.adam_b1 = 1.0: must be in [0.0, 1.0)"),
+        ("trainer.adam_b2", -0.1, "trainer.adam_b2 = -0.1: must be in [0.0, 1.0)"),
+        ("inference.top_p", 0.0, "inference.top_p = 0.0: must be in (0, 1]"),
+        ("inference.top_p", 1.5, "inference.top_p = 1.5: must be in (0, 1]"),
+        ("data.replay_recency_prob", 1.5, "data.replay_recency_prob = 1.5: must be in [0.0, 1.0]"),
+        ("algorithm.eps_low", 1.0, "algorithm.eps_low = 1.0: must be in [0.0, 1.0)"),
+        ("algorithm.gamma", 1.1, "algorithm.gamma = 1.1: must be in [0.0, 1.0]"),
+        ("algorithm.gae_lambda", -0.5, "algorithm.gae_lambda = -0.5: must be in [0.0, 1.0]"),
+        ("model.rope_scaling_factor", 0.5, "model.rope_scaling_factor = 0.5: must be >= 1"),
+        ("mesh.data", 0, "mesh.data = 0: must be >= 1, or -1 for 'the remaining devices'"),
+        ("mesh.tensor", -2, "mesh.tensor = -2: must be >= 1, or -1 for 'the remaining devices'"),
+        (
+            "controller.acceptance_staleness", -2,
+            "controller.acceptance_staleness = -2: must be >= 0, or -1 for unbounded",
+        ),
+        ("controller.run_dir", "", "controller.run_dir = '': must be set"),
+        ("verifiers.sandbox_uid", 0, "verifiers.sandbox_uid = 0: must not be 0: untrusted code never runs as root"),
+        ("verifiers.languages", (), "verifiers.languages = (): must name at least one language"),
+        (
+            "verifiers.languages", ("python", "go"),
+            "verifiers.languages = ('python', 'go'): unknown language 'go'; supported: python, cpp, rust, java",
+        ),
+        ("data.weights", (1.0,), "data.weights = (1.0,): needs one weight per dataset (2), got 1"),
+        ("data.weights", (1.0, 0.0), "data.weights = (1.0, 0.0): every mixture weight must be > 0"),
+        (
+            "param_server.in_memory_versions", 1,
+            "param_server.in_memory_versions = 1: must be >= 2 (a new version is written while the previous is read)",
+        ),
+        ("algorithm.name", "grop", "algorithm.name = 'grop': unknown algorithm; did you mean 'grpo'?"),
+        (
+            "algorithm.name", "zzz",
+            "algorithm.name = 'zzz': unknown algorithm; known: grpo, dapo, dr_grpo, gspo, cispo, "
+            "reinforce, rloo, reinforce_pp, ppo, aipo, tb, online_dpo",
+        ),
+    ],
+)  # fmt: skip
+def test_value_rules(path, value, message):
+    expect_error({path: value}, message)
+
+
+def test_empty_datasets():
+    expect_error(
+        {"data.datasets": (), "data.weights": ()},
+        "data.datasets = (): must name at least one dataset",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Inconsistent combinations inside one component.
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"model.num_heads": 4, "model.num_kv_heads": 3},
+            "model.num_kv_heads = 3: must divide num_heads (4) for grouped-query attention",
+        ),
+        (
+            {"model.hidden_size": 130},
+            "model.hidden_size = 130: must be divisible by num_heads (4) when head_dim is 0",
+        ),
+        (
+            {"model.rope_scaling_factor": 2.0},
+            "model.rope_scaling_factor = 2.0: is set but rope_scaling is 'none'",
+        ),
+        (
+            {"model.weights_format": "gguf"},
+            "model.weights_path = '': required when weights_format is 'gguf'",
+        ),
+        (
+            {"mesh.data": -1, "mesh.fsdp": -1},
+            "mesh: at most one of data, fsdp, tensor may be -1",
+        ),
+        (
+            {"trainer.schedule": "warmup_stable_decay"},
+            "trainer.decay_steps = 0: must be > 0 for the warmup_stable_decay schedule",
+        ),
+        (
+            {"param_server.chunk_bytes": 2**27},
+            "param_server.chunk_bytes = 134217728: must be <= max_message_bytes (67108864)",
+        ),
+        (
+            {"algorithm.kl_coef": 0.05},
+            "algorithm.kl_estimator = 'none': is 'none' but kl_coef is 0.05; pick k1, k2 or k3",
+        ),
+        (
+            {"algorithm.name": "rloo", "algorithm.group_size": 1, "trainer.micro_batch_size": 8},
+            "algorithm.group_size = 1: rloo compares samples within a group: needs >= 2",
+        ),
+        (
+            {"controller.reload_staleness": 4, "controller.acceptance_staleness": 2},
+            "controller.acceptance_staleness = 2: can never be met with reload_staleness 4: workers "
+            "hold a version for 4 updates, so the trainer would need rollouts 3 versions old; set "
+            "acceptance_staleness >= reload_staleness - 1",
+        ),
+        (
+            {"controller.acceptance_staleness": 0},
+            "controller.pipeline_depth = 1: in deterministic mode a rollout is consumed up to "
+            "pipeline_depth + reload_staleness - 1 = 1 versions after its weights, more than "
+            "acceptance_staleness 0",
+        ),
+        (
+            {"controller.transport": "distributed"},
+            "controller.verifier_endpoint = '': required when transport is 'distributed'",
+        ),
+        (
+            {
+                "controller.transport": "distributed",
+                "controller.verifier_endpoint": "127.0.0.1:1",
+                "controller.trainer_endpoint": "127.0.0.1:2",
+                "controller.param_server_endpoint": "127.0.0.1:3",
+            },
+            "controller.inference_endpoints = (): required when transport is 'distributed'",
+        ),
+        (
+            {
+                "controller.transport": "distributed",
+                "controller.inference_endpoints": ("10.0.0.5:50051",),
+                "controller.verifier_endpoint": "127.0.0.1:1",
+                "controller.trainer_endpoint": "127.0.0.1:2",
+                "controller.param_server_endpoint": "127.0.0.1:3",
+            },
+            "controller.auth_token_file = '': required to reach non-loopback endpoints (e.g. '10.0.0.5:50051')",
+        ),
+    ],
+)  # fmt: skip
+def test_component_combinations(overrides, message):
+    expect_error(overrides, message)
+
+
+def test_staleness_settings_that_can_progress():
+    on_policy = build({"controller.acceptance_staleness": 0, "controller.pipeline_depth": 0})
+    assert on_policy.controller.acceptance_bound == 0
+    paper = build({"controller.reload_staleness": 16, "controller.acceptance_staleness": 32})
+    assert paper.controller.acceptance_bound == 32
+    unbounded = build(
+        {"controller.acceptance_staleness": C.UNBOUNDED, "controller.pipeline_depth": 5}
+    )
+    assert unbounded.controller.acceptance_bound == float("inf")
+    # Throughput mode has no pipeline formula to satisfy.
+    build({"controller.acceptance_staleness": 0, "controller.mode": "throughput"})
+
+
+# --------------------------------------------------------------------------------------------
+# Addresses: loopback unless credentials are configured.
+
+
+@pytest.mark.parametrize("section", ["trainer", "inference", "param_server", "verifiers"])
+def test_non_loopback_address_needs_credentials(section):
+    expect_error(
+        {f"{section}.address": "0.0.0.0:50051"},
+        f"{section}.address = '0.0.0.0:50051': a non-loopback address needs credentials: "
+        "set auth_token_file or tls_cert_file",
+    )
+    assert build({f"{section}.address": "0.0.0.0:50051", f"{section}.auth_token_file": "/t"})
+    assert build({f"{section}.address": "10.1.2.3:1", f"{section}.tls_cert_file": "/c"})
+    for loopback in ("127.0.0.1:0", "localhost:9000", "[::1]:9000", "127.0.0.2:80"):
+        assert build({f"{section}.address": loopback})
+
+
+@pytest.mark.parametrize(
+    "address, message",
+    [
+        ("localhost", "must be 'host:port' (port 0 picks a free port)"),
+        ("127.0.0.1:http", "must be 'host:port' (port 0 picks a free port)"),
+        (":50051", "must be 'host:port' (port 0 picks a free port)"),
+        ("127.0.0.1:70000", "port must be <= 65535"),
+    ],
+)
+def test_malformed_address(address, message):
+    expect_error(
+        {"param_server.address": address}, f"param_server.address = {address!r}: {message}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Rules across components.
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"inference.max_new_tokens": 400},
+            "inference.max_new_tokens = 400: max_prompt_len + max_new_tokens = 528 exceeds "
+            "model.max_position_embeddings (512)",
+        ),
+        (
+            {"trainer.micro_batch_size": 24},
+            "trainer.micro_batch_size = 24: must divide the rollouts per step "
+            "(controller.prompts_per_step * algorithm.group_size = 64)",
+        ),
+        (
+            {"mesh.tensor": 3, "mesh.fsdp": 1},
+            "mesh.tensor = 3: must divide model.num_heads (4) and divide or be a multiple of "
+            "model.num_kv_heads (2)",
+        ),
+        (
+            {"data.replay": True, "controller.acceptance_staleness": -1},
+            "data.replay = True: replay with unbounded staleness draws from an unbounded past, which "
+            "deterministic mode cannot schedule; use mode 'throughput'",
+        ),
+    ],
+)
+def test_cross_component_rules(overrides, message):
+    expect_error(overrides, message)
+
+
+def test_tensor_parallel_may_exceed_kv_heads_when_a_multiple():
+    assert build({"mesh.tensor": 4, "mesh.fsdp": 1}).mesh.tensor == 4
+
+
+# --------------------------------------------------------------------------------------------
+# Mesh shape resolution.
+
+
+def test_mesh_shape():
+    assert MeshConfig(data=1, fsdp=-1, tensor=2).shape(8) == (1, 4, 2)
+    assert MeshConfig(data=2, fsdp=4, tensor=1).shape(8) == (2, 4, 1)
+    with pytest.raises(ConfigError) as info:
+        MeshConfig(data=3, fsdp=-1, tensor=1).shape(8)
+    assert str(info.value) == "mesh: 8 devices are not divisible by the fixed axes' product 3"
+    with pytest.raises(ConfigError) as info:
+        MeshConfig(data=2, fsdp=2, tensor=1).shape(8)
+    assert str(info.value) == "mesh: data*fsdp*tensor = 4 but 8 devices exist"
