@@ -21,12 +21,16 @@ lint: setup
 
 setup: sysdeps $(STAMP)
 
-# bubblewrap is the verifiers' sandbox.
+# command:package pairs. bubblewrap is the verifiers' sandbox; openssl makes the TLS test certificates.
+SYSDEPS := bwrap:bubblewrap openssl:openssl
+
 sysdeps:
-	@command -v bwrap >/dev/null 2>&1 || { \
-	  echo "installing bubblewrap"; \
+	@missing=""; for pair in $(SYSDEPS); do \
+	  command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap >/dev/null; }
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing >/dev/null; fi
 
 # torch comes first from the local CPU wheel so that transformers does not pull a CUDA build.
 $(STAMP): pyproject.toml

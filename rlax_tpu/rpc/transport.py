@@ -1,0 +1,226 @@
+"""gRPC servers and channels shared by every service: loopback by default, token auth, optional TLS.
+
+No open doors: a server binds to its configured address; the config only accepts a non-loopback
+address together with credentials (``auth_token_file`` and/or ``tls_cert_file``). With a token, every
+call must carry ``authorization: Bearer <token>`` metadata or it fails with UNAUTHENTICATED. With TLS,
+``tls_cert_file`` is a PEM bundle holding the certificate chain and its private key (server side);
+clients trust the certificate in the same file.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hmac
+import re
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
+_AUTH_KEY = "authorization"
+
+
+class ComponentUnreachable(ConnectionError):
+    """A component did not answer at its endpoint in time."""
+
+    def __init__(self, component: str, endpoint: str, timeout_s: float):
+        self.component, self.endpoint = component, endpoint
+        super().__init__(f"{component} at {endpoint} did not answer within {timeout_s:g} s")
+
+
+class CredentialsError(ValueError):
+    """A token or certificate file is missing, empty or malformed."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Credentials:
+    """What a server demands and a client presents. Empty fields mean "not used"."""
+
+    auth_token_file: str = ""
+    tls_cert_file: str = ""
+
+    def token(self) -> str | None:
+        if not self.auth_token_file:
+            return None
+        path = Path(self.auth_token_file)
+        if not path.is_file():
+            raise CredentialsError(f"auth_token_file {path} does not exist")
+        token = path.read_text().strip()
+        if not token or any(c.isspace() for c in token):
+            raise CredentialsError(f"auth_token_file {path} must hold one non-empty token")
+        return token
+
+    def _pem(self) -> bytes:
+        path = Path(self.tls_cert_file)
+        if not path.is_file():
+            raise CredentialsError(f"tls_cert_file {path} does not exist")
+        return path.read_bytes()
+
+    def server_tls(self) -> grpc.ServerCredentials | None:
+        if not self.tls_cert_file:
+            return None
+        pem = self._pem()
+        key = _pem_blocks(pem, "PRIVATE KEY")
+        cert = _pem_blocks(pem, "CERTIFICATE")
+        if not key or not cert:
+            raise CredentialsError(
+                f"tls_cert_file {self.tls_cert_file} must hold a certificate and its private key"
+            )
+        return grpc.ssl_server_credentials([(key, cert)])
+
+    def channel_tls(self) -> grpc.ChannelCredentials | None:
+        if not self.tls_cert_file:
+            return None
+        cert = _pem_blocks(self._pem(), "CERTIFICATE")
+        if not cert:
+            raise CredentialsError(f"tls_cert_file {self.tls_cert_file} holds no certificate")
+        return grpc.ssl_channel_credentials(root_certificates=cert)
+
+
+def _pem_blocks(pem: bytes, kind: str) -> bytes:
+    pattern = (
+        rb"-----BEGIN [A-Z ]*"
+        + kind.encode()
+        + rb"-----.*?-----END [A-Z ]*"
+        + kind.encode()
+        + rb"-----\s*"
+    )
+    return b"".join(m.group(0) for m in re.finditer(pattern, pem, re.S))
+
+
+def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(_request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = deny
+
+    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
+        presented = dict(handler_call_details.invocation_metadata or ()).get(_AUTH_KEY, "")
+        if hmac.compare_digest(str(presented).encode(), self._expected):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        # Answer with the handler's own streaming shape so the client sees a clean status.
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: self._deny(it, ctx))
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(self._deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(lambda r, ctx: self._deny(r, ctx))
+        return grpc.unary_unary_rpc_method_handler(self._deny)
+
+
+def make_server(
+    address: str,
+    add_servicers: Callable[[grpc.Server], None],
+    *,
+    credentials: Credentials = Credentials(),
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_workers: int = 8,
+) -> tuple[grpc.Server, int]:
+    """Builds, binds and starts a server. Returns (server, bound port); port 0 picks a free one."""
+    token = credentials.token()
+    interceptors = [_TokenCheck(token)] if token else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=interceptors,
+        options=_channel_options(max_message_bytes),
+    )
+    add_servicers(server)
+    tls = credentials.server_tls()
+    port = server.add_secure_port(address, tls) if tls else server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind a gRPC server to {address}")
+    server.start()
+    return server, port
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _TokenMetadata(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    def __init__(self, token: str):
+        self._pair = (_AUTH_KEY, f"Bearer {token}")
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            [*(details.metadata or ()), self._pair],
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), request_iterator)
+
+
+def make_channel(
+    endpoint: str,
+    *,
+    credentials: Credentials = Credentials(),
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> grpc.Channel:
+    """A channel to ``endpoint`` that presents the configured token and trusts the configured cert."""
+    options = _channel_options(max_message_bytes)
+    tls = credentials.channel_tls()
+    channel = (
+        grpc.secure_channel(endpoint, tls, options=options)
+        if tls
+        else grpc.insecure_channel(endpoint, options=options)
+    )
+    token = credentials.token()
+    return grpc.intercept_channel(channel, _TokenMetadata(token)) if token else channel
+
+
+def wait_ready(channel: grpc.Channel, *, component: str, endpoint: str, timeout_s: float) -> None:
+    """Blocks until the channel connects; raises ComponentUnreachable naming the component."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError as e:
+        raise ComponentUnreachable(component, endpoint, timeout_s) from e
+
+
+def chunks(data: bytes | memoryview, chunk_bytes: int) -> Sequence[memoryview]:
+    """Splits a buffer into views of at most ``chunk_bytes`` (no copies)."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    view = memoryview(data).cast("B")
+    return [view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes)] or [view[:0]]
