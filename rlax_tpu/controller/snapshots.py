@@ -1,0 +1,84 @@
+"""Controller snapshots: atomic, checksummed, newest K kept, on a local dir or ``gs://``.
+
+A snapshot is one file ``snapshot_<step:09d>.msgpack``: a magic line, the SHA-256 of the payload, then
+the payload (msgpack of plain dicts/lists/scalars/numpy arrays). It is written under a temporary name
+and renamed (atomic on a local filesystem; an object upload is atomic on GCS), so a reader sees a
+complete file or none. A file that is truncated or fails its checksum is skipped with a warning and the
+previous snapshot is used. Paths go through ``etils.epath`` so local and GCS share one code path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import uuid
+from typing import Any
+
+from etils import epath
+from flax import serialization
+
+MAGIC = b"rlax_tpu-snapshot-v1\n"
+_NAME = re.compile(r"^snapshot_(\d{9})\.msgpack$")
+log = logging.getLogger(__name__)
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot file is unreadable: truncated, corrupt, or not a snapshot."""
+
+
+def _encode(payload: dict[str, Any]) -> bytes:
+    body = serialization.msgpack_serialize(payload)
+    return MAGIC + hashlib.sha256(body).digest() + body
+
+
+def _decode(data: bytes, name: str) -> dict[str, Any]:
+    if not data.startswith(MAGIC):
+        raise SnapshotError(f"{name}: not a snapshot (bad header)")
+    digest, body = data[len(MAGIC) : len(MAGIC) + 32], data[len(MAGIC) + 32 :]
+    if len(digest) != 32 or hashlib.sha256(body).digest() != digest:
+        raise SnapshotError(f"{name}: checksum mismatch (truncated or corrupt)")
+    try:
+        return serialization.msgpack_restore(body)
+    except Exception as e:  # msgpack raises several types on garbage
+        raise SnapshotError(f"{name}: undecodable payload: {e}") from e
+
+
+class SnapshotStore:
+    def __init__(self, directory: str | epath.Path, *, keep: int):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.dir = epath.Path(directory)
+        self.keep = keep
+
+    def _steps(self) -> list[int]:
+        if not self.dir.exists():
+            return []
+        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _NAME.match(p.name)))
+
+    def path(self, step: int) -> epath.Path:
+        return self.dir / f"snapshot_{step:09d}.msgpack"
+
+    def save(self, step: int, payload: dict[str, Any]) -> epath.Path:
+        """Writes the snapshot of ``step`` atomically, then deletes all but the newest ``keep``."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.path(step)
+        tmp = self.dir / f".{final.name}.{uuid.uuid4().hex}.tmp"
+        tmp.write_bytes(_encode(payload))
+        tmp.rename(final)
+        for old in self._steps()[: -self.keep]:
+            self.path(old).unlink(missing_ok=True)
+        return final
+
+    def load(self, step: int) -> dict[str, Any]:
+        path = self.path(step)
+        return _decode(path.read_bytes(), str(path))
+
+    def latest(self) -> tuple[int, dict[str, Any]] | None:
+        """The newest readable snapshot as (step, payload); corrupt newer ones are skipped, warned."""
+        for step in reversed(self._steps()):
+            try:
+                return step, self.load(step)
+            except SnapshotError as e:
+                log.warning("skipping unreadable snapshot: %s", e)
+        return None
