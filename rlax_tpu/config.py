@@ -377,23 +377,30 @@ class AlgorithmConfig:
 
     name: str = "grpo"
     group_size: int = 8  # G samples per prompt
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    kl_coef: float = 0.0  # β
+    eps_low: float = 0.0  # PPO-style clip 1 - ε_low; 0 = algorithm default
+    eps_high: float = 0.0  # clip 1 + ε_high; 0 = algorithm default
+    # Regularizer β·R: 'none' turns it off; with an estimator, kl_coef 0 = algorithm default β.
+    kl_coef: float = 0.0
     kl_estimator: Literal["none", "k1", "k2", "k3"] = "none"
+    reward_kl_coef: float = 0.0  # KL folded into the reward (ppo, reinforce_pp); 0 = default
     aggregation: Literal["default", "seq_mean_token_mean", "token_mean", "max_length"] = "default"
     is_cap: float = 0.0  # AIPO truncation c; 0 = algorithm default
     behaviour_correction: Literal[
         "none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"
     ] = "none"
     behaviour_cap: float = 2.0
-    dynamic_sampling: bool = False
-    overlong_buffer: int = 0  # DAPO soft overlong punishment length; 0: off
+    dynamic_sampling: Literal["default", "on", "off"] = "default"
+    overlong_shaping: Literal["default", "on", "off"] = "default"  # DAPO soft overlong punishment
+    overlong_buffer: int = 0  # its length L_cache; 0 = max_new_tokens // 5 (DAPO's 4096 of 20480)
     overlong_penalty: float = 1.0
     gamma: float = 1.0  # PPO GAE
     gae_lambda: float = 0.95
     value_clip: float = 0.2
-    tb_beta: float = 0.1
+    value_coef: float = 0.0  # PPO value-loss weight; 0 = algorithm default
+    # TB's β decays linearly from tb_beta to tb_beta_final over tb_beta_decay_steps (0: constant).
+    tb_beta: float = 0.012
+    tb_beta_final: float = 0.004
+    tb_beta_decay_steps: int = 500
     dpo_beta: float = 0.1
 
     def __post_init__(self) -> None:
@@ -401,19 +408,36 @@ class AlgorithmConfig:
             close = difflib.get_close_matches(self.name, ALGORITHMS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(ALGORITHMS)}"
             raise _bad(self, "name", f"unknown algorithm{hint}")
-        _positive(self, "group_size", "behaviour_cap", "overlong_penalty", "tb_beta", "dpo_beta")
+        _positive(
+            self, "group_size", "behaviour_cap", "overlong_penalty", "tb_beta", "tb_beta_final",
+            "dpo_beta",
+        )  # fmt: skip
         _in_range(self, "eps_low", 0.0, 1.0, hi_open=True)
         _non_negative(self, "eps_high", "kl_coef", "is_cap", "overlong_buffer", "value_clip")
+        _non_negative(self, "reward_kl_coef", "value_coef", "tb_beta_decay_steps")
         _in_range(self, "gamma", 0.0, 1.0)
         _in_range(self, "gae_lambda", 0.0, 1.0)
         if self.kl_coef > 0 and self.kl_estimator == "none":
             raise _bad(
                 self, "kl_estimator", f"is 'none' but kl_coef is {self.kl_coef}; pick k1, k2 or k3"
             )
-        if self.name in GROUP_ALGORITHMS and self.group_size < 2:
+        if (self.name in GROUP_ALGORITHMS or self.name == "aipo") and self.group_size < 2:
             raise _bad(
                 self, "group_size", f"{self.name} compares samples within a group: needs >= 2"
             )
+        if self.is_cap and self.name != "aipo":
+            raise _bad(self, "is_cap", f"only aipo truncates at a cap; {self.name} has none")
+        if self.reward_kl_coef and self.name not in ("ppo", "reinforce_pp"):
+            raise _bad(
+                self, "reward_kl_coef", "only ppo and reinforce_pp fold a KL term into the reward"
+            )
+        if self.behaviour_correction != "none" and self.name in ("aipo", "tb", "online_dpo"):
+            why = {
+                "aipo": "aipo's truncated weight min(π/μ, c) already corrects for μ",
+                "tb": "tb is off-policy by construction and uses no importance weight",
+                "online_dpo": "online_dpo uses no importance weight",
+            }[self.name]
+            raise _bad(self, "behaviour_correction", f"must be 'none': {why}")
 
 
 @_frozen

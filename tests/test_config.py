@@ -440,3 +440,56 @@ def test_mesh_shape():
     with pytest.raises(ConfigError) as info:
         MeshConfig(data=2, fsdp=2, tensor=1).shape(8)
     assert str(info.value) == "mesh: data*fsdp*tensor = 4 but 8 devices exist"
+
+
+# --------------------------------------------------------------------------------------------
+# AlgorithmConfig rules added with rlax_tpu.algorithms (issue #7).
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"algorithm.tb_beta_final": 0.0}, "algorithm.tb_beta_final = 0.0: must be > 0"),
+        ({"algorithm.reward_kl_coef": -1.0}, "algorithm.reward_kl_coef = -1.0: must be >= 0"),
+        ({"algorithm.value_coef": -1.0}, "algorithm.value_coef = -1.0: must be >= 0"),
+        ({"algorithm.tb_beta_decay_steps": -1}, "algorithm.tb_beta_decay_steps = -1: must be >= 0"),
+        (
+            {"algorithm.name": "aipo", "algorithm.group_size": 1, "trainer.micro_batch_size": 8},
+            "algorithm.group_size = 1: aipo compares samples within a group: needs >= 2",
+        ),
+        ({"algorithm.is_cap": 2.0}, "algorithm.is_cap = 2.0: only aipo truncates at a cap; grpo has none"),
+        (
+            {"algorithm.reward_kl_coef": 0.1},
+            "algorithm.reward_kl_coef = 0.1: only ppo and reinforce_pp fold a KL term into the reward",
+        ),
+        (
+            {"algorithm.name": "aipo", "algorithm.behaviour_correction": "token_truncate"},
+            "algorithm.behaviour_correction = 'token_truncate': must be 'none': aipo's truncated "
+            "weight min(π/μ, c) already corrects for μ",
+        ),
+        (
+            {"algorithm.name": "tb", "algorithm.behaviour_correction": "seq_mask"},
+            "algorithm.behaviour_correction = 'seq_mask': must be 'none': tb is off-policy by "
+            "construction and uses no importance weight",
+        ),
+        (
+            {"algorithm.name": "online_dpo", "algorithm.behaviour_correction": "token_mask"},
+            "algorithm.behaviour_correction = 'token_mask': must be 'none': online_dpo uses no "
+            "importance weight",
+        ),
+        (
+            {"algorithm.dynamic_sampling": True},
+            "algorithm.dynamic_sampling = True: must be one of 'default', 'on', 'off'",
+        ),
+    ],
+)  # fmt: skip
+def test_algorithm_rules(overrides, message):
+    expect_error(overrides, message)
+
+
+def test_algorithm_defaults_mean_paper_defaults():
+    alg = build({}).algorithm
+    assert (alg.eps_low, alg.eps_high, alg.kl_coef, alg.is_cap, alg.value_coef) == (0.0,) * 5
+    assert alg.dynamic_sampling == alg.overlong_shaping == alg.aggregation == "default"
+    ok = build({"algorithm.name": "reinforce_pp", "algorithm.reward_kl_coef": 0.02})
+    assert ok.algorithm.reward_kl_coef == 0.02

@@ -1,0 +1,189 @@
+"""algorithm.name -> a configured Objective, with each algorithm's paper defaults.
+
+An AlgorithmConfig value of 0 / 'default' means "this algorithm's default" (the tables below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from rlax_tpu.algorithms import objectives, shaping
+from rlax_tpu.algorithms.batch import LossInputs, RolloutBatch, validate_batch
+from rlax_tpu.algorithms.spec import ObjectiveSpec
+from rlax_tpu.algorithms.tb import tb_beta
+from rlax_tpu.config import AlgorithmConfig, ConfigError
+
+# Components and hyperparameters per algorithm, from its paper.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    # DeepSeekMath Eq. 3: PPO clip 0.2, group-normalized A, per-sequence token mean.
+    "grpo": dict(advantage="group_norm", aggregation="seq_mean_token_mean"),
+    # DAPO: clip-higher, token mean, dynamic sampling, soft overlong punishment, no KL.
+    "dapo": dict(
+        advantage="group_norm",
+        aggregation="token_mean",
+        eps_high=0.28,
+        dynamic_sampling=True,
+        overlong_shaping=True,
+    ),  # fmt: skip
+    # Dr.GRPO: no std normalization, no length normalization (constant L_max).
+    "dr_grpo": dict(advantage="group_center", aggregation="max_length"),
+    # GSPO: length-normalized sequence ratio, per-sequence clipping with ε = (3e-4, 4e-4).
+    "gspo": dict(
+        advantage="group_norm",
+        aggregation="seq_mean_token_mean",
+        importance="sequence_ratio",
+        eps_low=3e-4,
+        eps_high=4e-4,
+    ),  # fmt: skip
+    # CISPO (MiniMax-M1): sg(clipped ρ) weight, no mask, token mean. The paper sets no lower
+    # bound (ε_low = 1) and does not publish its tuned ε_high; 0.28 follows DAPO's clip-higher.
+    "cispo": dict(
+        advantage="group_norm",
+        aggregation="token_mean",
+        importance="clipped_ratio",
+        clip_mask=False,
+        eps_low=1.0,
+        eps_high=0.28,
+    ),  # fmt: skip
+    # Token-level REINFORCE (RLAX Eq. 9): ω = 1, A = r, w = 1/(G·L_max).
+    "reinforce": dict(
+        advantage="reward", aggregation="max_length", importance="one", clip_mask=False
+    ),
+    # RLOO (Kool et al.): REINFORCE with the leave-one-out baseline.
+    "rloo": dict(
+        advantage="leave_one_out", aggregation="max_length", importance="one", clip_mask=False
+    ),
+    # REINFORCE++: k1 KL in the token reward, return-to-go, batch-normalized A, PPO clip 0.2.
+    "reinforce_pp": dict(
+        advantage="batch_norm_kl_reward", aggregation="token_mean", reward_kl_coef=0.01
+    ),
+    # PPO for LMs (TRL PPOv2 defaults used by Async RLHF): GAE(γ=1, λ=0.95) on a KL-in-reward
+    # with β = 0.05, whitened advantages, clip 0.2, clipped value loss with weight 0.1.
+    "ppo": dict(advantage="gae", aggregation="token_mean", reward_kl_coef=0.05, value_coef=0.1),
+    # AIPO (LlamaRL): ω = min(π_θ/μ, ρ) with ρ in [2, 10] (we take 5), A = r − group mean,
+    # Σ_t over tokens (constant normalization).
+    "aipo": dict(
+        advantage="group_center",
+        aggregation="max_length",
+        importance="truncated",
+        clip_mask=False,
+        is_cap=5.0,
+    ),  # fmt: skip
+    "tb": dict(kind="tb", advantage="none"),
+    "online_dpo": dict(kind="online_dpo", advantage="none"),
+}
+# β of the KL regularizer when kl_estimator is set and kl_coef is 0 (DeepSeekMath: 0.04).
+DEFAULT_KL_COEF = {"grpo": 0.04}
+OVERLONG_BUFFER_FRACTION = 5  # DAPO: a 4096-token buffer in a 20480-token budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """A configured objective. Hashable: close over it (or mark it static) under jax.jit."""
+
+    spec: ObjectiveSpec
+
+    def validate(self, batch: RolloutBatch) -> None:
+        """Host-side input check (numpy); raises ValueError naming the bad input."""
+        validate_batch(batch, self.spec)
+
+    def prepare(self, batch: RolloutBatch, *, step: int | jax.Array = 0) -> LossInputs:
+        """Advantages, aggregation and behaviour weights for the full batch (jit-compatible)."""
+        return objectives.prepare(self.spec, batch, step)
+
+    def loss(
+        self,
+        logp: jax.Array,
+        inputs: LossInputs,
+        *,
+        values: jax.Array | None = None,
+        entropy: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(loss, metrics) from the current log-probs logp: [B, T] (see objectives.loss)."""
+        return objectives.loss(self.spec, logp, inputs, values=values, entropy=entropy)
+
+    def shape_rewards(self, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Rewards [B] plus the overlong penalty for completion lengths [B], if enabled."""
+        rewards = np.asarray(rewards, dtype=np.float64)
+        if not self.spec.overlong_buffer:
+            return rewards
+        return rewards + shaping.overlong_penalty(
+            lengths,
+            max_length=self.spec.max_length,
+            buffer=self.spec.overlong_buffer,
+            penalty=self.spec.overlong_penalty,
+        )
+
+    def filter_groups(self, rewards: np.ndarray) -> tuple[np.ndarray, int]:
+        """(keep [N], dropped) for rewards [N, G]: dynamic sampling if enabled, else keep all."""
+        if self.spec.dynamic_sampling:
+            return shaping.dynamic_sampling_filter(rewards)
+        return np.ones(np.asarray(rewards).shape[0], bool), 0
+
+    def beta(self, step: int) -> float:
+        """tb/online_dpo temperature at a training step (0 for Eq.-3 objectives)."""
+        s = self.spec
+        return float(
+            tb_beta(step, beta=s.beta, beta_final=s.beta_final, decay_steps=s.beta_decay_steps)
+        )
+
+
+def make_objective(cfg: AlgorithmConfig, *, max_length: int) -> Objective:
+    """The objective for cfg.name with cfg's overrides on its paper defaults.
+
+    max_length: the generation budget L_max (inference.max_new_tokens), used by the max_length
+    aggregation and overlong shaping. Raises ConfigError for combinations left unresolvable.
+    """
+    if max_length < 1:
+        raise ConfigError("max_length", "must be >= 1", max_length)
+    d = dict(DEFAULTS[cfg.name])
+    dynamic = d.pop("dynamic_sampling", False)
+    overlong = d.pop("overlong_shaping", False)
+    fields: dict[str, Any] = dict(
+        name=cfg.name,
+        group_size=cfg.group_size,
+        max_length=max_length,
+        behaviour_correction=cfg.behaviour_correction,
+        behaviour_cap=cfg.behaviour_cap,
+        gamma=cfg.gamma,
+        gae_lambda=cfg.gae_lambda,
+        value_clip=cfg.value_clip,
+        dynamic_sampling={"on": True, "off": False, "default": dynamic}[cfg.dynamic_sampling],
+        overlong_penalty=cfg.overlong_penalty,
+    )
+    fields |= d
+    for name in ("eps_low", "eps_high", "is_cap", "reward_kl_coef", "value_coef"):
+        if getattr(cfg, name):
+            fields[name] = getattr(cfg, name)
+    if cfg.aggregation != "default":
+        fields["aggregation"] = cfg.aggregation
+    if cfg.kl_estimator != "none":
+        if d.get("kind", "eq3") != "eq3":
+            raise ConfigError(
+                "kl_estimator", f"must be 'none': {cfg.name} already measures itself against π_ref",
+                cfg.kl_estimator,
+            )  # fmt: skip
+        coef = cfg.kl_coef or DEFAULT_KL_COEF.get(cfg.name)
+        if not coef:
+            raise ConfigError(
+                "kl_coef", f"{cfg.name} has no default KL coefficient; set kl_coef", 0.0
+            )
+        fields |= dict(kl_estimator=cfg.kl_estimator, kl_coef=coef)
+    if {"on": True, "off": False, "default": overlong}[cfg.overlong_shaping]:
+        buffer = cfg.overlong_buffer or max(1, max_length // OVERLONG_BUFFER_FRACTION)
+        if buffer > max_length:
+            raise ConfigError(
+                "overlong_buffer", f"must be <= max_length ({max_length})", cfg.overlong_buffer
+            )
+        fields["overlong_buffer"] = buffer
+    if cfg.name == "tb":
+        fields |= dict(
+            beta=cfg.tb_beta, beta_final=cfg.tb_beta_final, beta_decay_steps=cfg.tb_beta_decay_steps
+        )
+    elif cfg.name == "online_dpo":
+        fields |= dict(beta=cfg.dpo_beta, beta_final=cfg.dpo_beta)
+    return Objective(ObjectiveSpec(**fields))
