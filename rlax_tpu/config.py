@@ -133,6 +133,13 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     rope_scaling: Literal["none", "linear", "dynamic", "llama3", "yarn"] = "none"
     rope_scaling_factor: float = 1.0
+    # Context length the model was pretrained with, for llama3 / yarn scaling; 0: max_position_embeddings.
+    rope_original_max_position_embeddings: int = 0
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_attention_factor: float = 0.0  # yarn cos/sin scale; 0: 0.1 * ln(factor) + 1
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     qkv_bias: bool = False
@@ -168,6 +175,21 @@ class ModelConfig:
             raise _bad(self, "rope_scaling_factor", "must be >= 1")
         if self.rope_scaling == "none" and self.rope_scaling_factor != 1.0:
             raise _bad(self, "rope_scaling_factor", "is set but rope_scaling is 'none'")
+        _non_negative(self, "rope_original_max_position_embeddings", "rope_attention_factor")
+        if self.rope_scaling == "llama3" and not (
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            raise _bad(
+                self,
+                "rope_high_freq_factor",
+                f"must be > rope_low_freq_factor ({self.rope_low_freq_factor}) > 0 for llama3 RoPE",
+            )
+        if self.rope_scaling == "yarn" and not 0 < self.rope_beta_slow < self.rope_beta_fast:
+            raise _bad(
+                self,
+                "rope_beta_fast",
+                f"must be > rope_beta_slow ({self.rope_beta_slow}) > 0 for yarn RoPE",
+            )
         if self.weights_format != "init" and not self.weights_path:
             raise _bad(
                 self, "weights_path", f"required when weights_format is '{self.weights_format}'"
@@ -176,6 +198,10 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def resolved_rope_original_max_position_embeddings(self) -> int:
+        return self.rope_original_max_position_embeddings or self.max_position_embeddings
 
 
 @_frozen
@@ -313,14 +339,20 @@ class VerifierConfig:
     memory_limit_mb: int = 256
     compile_time_limit_s: float = 30.0
     max_output_bytes: int = 1 << 20
-    sandbox_uid: int = 65534  # nobody: RLIMIT_NPROC does not bind root
+    # Worker slot i runs untrusted code as uid sandbox_uid + i (RLIMIT_NPROC counts per uid and
+    # does not bind root, so each slot gets its own non-root uid).
+    sandbox_uid: int = 65534
     testlib_path: str = ""  # testlib.h for problems' own checkers; "" = none available
     request_deadline_s: float = 120.0
+    compile_memory_limit_mb: int = 2048  # compilers (rustc, javac) need far more than programs
+    disk_limit_mb: int = 64  # size of each sandbox's private /work and /tmp (tmpfs, in RAM)
+    seccomp: bool = True  # deny kernel attack surface (ptrace, mount, namespaces...) on x86_64
+    repository_dir: str = ""  # content-addressed test data; "" = a private temporary directory
 
     def __post_init__(self) -> None:
         _positive(
             self, "workers", "max_pending", "time_limit_s", "memory_limit_mb", "compile_time_limit_s",
-            "max_output_bytes", "request_deadline_s",
+            "max_output_bytes", "request_deadline_s", "compile_memory_limit_mb", "disk_limit_mb",
         )  # fmt: skip
         if not self.languages:
             raise _bad(self, "languages", "must name at least one language")
@@ -333,6 +365,11 @@ class VerifierConfig:
                 )
         if self.sandbox_uid == 0:
             raise _bad(self, "sandbox_uid", "must not be 0: untrusted code never runs as root")
+        if not 0 < self.sandbox_uid <= 2**31 - 1 - self.workers:
+            raise _bad(
+                self, "sandbox_uid",
+                "must be > 0 and leave room for one uid per worker (sandbox_uid + workers < 2^31)",
+            )  # fmt: skip
         _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
 
 

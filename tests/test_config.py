@@ -443,6 +443,45 @@ def test_mesh_shape():
 
 
 # --------------------------------------------------------------------------------------------
+# ModelConfig RoPE scaling parameters (model issue #3).
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"model.rope_scaling": "llama3", "model.rope_scaling_factor": 8.0,
+             "model.rope_low_freq_factor": 4.0, "model.rope_high_freq_factor": 1.0},
+            "model.rope_high_freq_factor = 1.0: must be > rope_low_freq_factor (4.0) > 0 for "
+            "llama3 RoPE",
+        ),
+        (
+            {"model.rope_scaling": "yarn", "model.rope_scaling_factor": 4.0,
+             "model.rope_beta_fast": 1.0, "model.rope_beta_slow": 2.0},
+            "model.rope_beta_fast = 1.0: must be > rope_beta_slow (2.0) > 0 for yarn RoPE",
+        ),
+        (
+            {"model.rope_original_max_position_embeddings": -1},
+            "model.rope_original_max_position_embeddings = -1: must be >= 0",
+        ),
+        (
+            {"model.rope_attention_factor": -0.5},
+            "model.rope_attention_factor = -0.5: must be >= 0",
+        ),
+    ],
+)  # fmt: skip
+def test_model_rope_scaling_rules(overrides, message):
+    expect_error(overrides, message)
+
+
+def test_model_rope_original_context_defaults_to_max_positions():
+    cfg = build({"model.rope_scaling": "yarn", "model.rope_scaling_factor": 4.0})
+    assert cfg.model.resolved_rope_original_max_position_embeddings == 512
+    cfg = build({"model.rope_original_max_position_embeddings": 128})
+    assert cfg.model.resolved_rope_original_max_position_embeddings == 128
+
+
+# --------------------------------------------------------------------------------------------
 # AlgorithmConfig rules added with rlax_tpu.algorithms (issue #7).
 
 

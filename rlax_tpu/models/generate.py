@@ -1,0 +1,57 @@
+"""A minimal greedy decoder over the dense KV cache, for tests, demos and sanity checks.
+
+The inference engine (paged cache, continuous batching, sampling) lives in ``rlax_tpu.inference``;
+this is the simplest correct user of ``step``: prefill the prompt in one chunk, then decode one
+token at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlax_tpu.models.attention import DenseKVCache
+from rlax_tpu.models.transformer import Transformer, make_dense_cache, step
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=4)
+def _step(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: DenseKVCache,
+):
+    logits, cache = step(nnx.merge(graphdef, state), tokens, positions, cache)
+    return logits[:, -1], cache
+
+
+def greedy_generate(
+    model: Transformer, prompt: Sequence[int], *, max_new_tokens: int,
+    stop_ids: Collection[int] = (),
+) -> tuple[list[int], np.ndarray]:  # fmt: skip
+    """Greedy continuation of one prompt.
+
+    Returns the generated ids (ending with a stop id if one was produced) and the f32 logits
+    [n, V] each of them was chosen from.
+    """
+    graphdef, state = nnx.split(model)
+    cache = make_dense_cache(model.cfg, 1, len(prompt) + max_new_tokens)
+    tokens = jnp.asarray([list(prompt)], jnp.int32)
+    positions = jnp.arange(len(prompt), dtype=jnp.int32)[None]
+    logits, cache = _step(graphdef, state, tokens, positions, cache)
+    out: list[int] = []
+    all_logits = []
+    for i in range(max_new_tokens):
+        all_logits.append(np.asarray(logits[0]))
+        out.append(int(jnp.argmax(logits[0])))
+        if out[-1] in stop_ids or i == max_new_tokens - 1:
+            break
+        pos = jnp.full((1, 1), len(prompt) + i, jnp.int32)
+        logits, cache = _step(graphdef, state, jnp.full((1, 1), out[-1], jnp.int32), pos, cache)
+    return out, np.stack(all_logits)

@@ -1,0 +1,136 @@
+"""Transformer building blocks: RMSNorm, grouped-query attention (optional QKV bias / QK-norm),
+SwiGLU MLP, and the pre-norm decoder layer.
+
+Parameters are stored in ``param_dtype`` and cast to ``compute_dtype`` where used. Every
+parameter carries logical axis names (see ``sharding.LOGICAL_AXIS_RULES``). Shapes:
+B batch, T tokens, E hidden, H / Hkv query / KV heads, D head dim, F MLP width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlax_tpu.config import ModelConfig
+from rlax_tpu.models.attention import KVCache
+from rlax_tpu.models.rope import apply_rope
+
+Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
+INIT_STDDEV = 0.02  # HF's initializer_range for these families
+
+
+def param(
+    rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str], dtype: jnp.dtype
+) -> nnx.Param:
+    """A parameter with logical axis names; sharding is applied later by the rules table."""
+    return nnx.Param(init(rngs.params(), shape, dtype), eager_sharding=False, out_sharding=axes)
+
+
+def _normal(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:
+    return (INIT_STDDEV * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _ones(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:
+    del key
+    return jnp.ones(shape, dtype)
+
+
+def _zeros(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:
+    del key
+    return jnp.zeros(shape, dtype)
+
+
+def dtypes(cfg: ModelConfig) -> tuple[jnp.dtype, jnp.dtype]:
+    """(param dtype, compute dtype)."""
+    return jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight over the last axis; the normalization runs in f32."""
+
+    def __init__(self, dim: int, eps: float, cfg: ModelConfig, axis_name: str, *, rngs: nnx.Rngs):
+        pdtype, self.compute_dtype = dtypes(cfg)
+        self.eps = eps
+        self.weight = param(rngs, _ones, (dim,), (axis_name,), pdtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return xf.astype(self.compute_dtype) * self.weight[...].astype(self.compute_dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention; the attention itself is done by the KV cache backend."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        pdtype, self.compute_dtype = dtypes(cfg)
+        e, h, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        self.layer = layer
+        self.q_proj = param(rngs, _normal, (e, h, d), ("embed", "heads", "head_dim"), pdtype)
+        self.k_proj = param(rngs, _normal, (e, hkv, d), ("embed", "kv_heads", "head_dim"), pdtype)
+        self.v_proj = param(rngs, _normal, (e, hkv, d), ("embed", "kv_heads", "head_dim"), pdtype)
+        self.o_proj = param(rngs, _normal, (h, d, e), ("heads", "head_dim", "embed"), pdtype)
+        if cfg.qkv_bias:
+            self.q_bias = param(rngs, _zeros, (h, d), ("heads", "head_dim"), pdtype)
+            self.k_bias = param(rngs, _zeros, (hkv, d), ("kv_heads", "head_dim"), pdtype)
+            self.v_bias = param(rngs, _zeros, (hkv, d), ("kv_heads", "head_dim"), pdtype)
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg, "head_dim", rngs=rngs)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg, "head_dim", rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _project(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
+        y = jnp.einsum("bte,ehd->bthd", x, kernel[...].astype(self.compute_dtype))
+        return y if bias is None else y + bias[...].astype(self.compute_dtype)
+
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        """x [B, T, E], cos/sin [B, T, D], positions [B, T] -> ([B, T, E], cache)."""
+        q = self._project(x, self.q_proj, self.q_bias)
+        k = self._project(x, self.k_proj, self.k_bias)
+        v = self._project(x, self.v_proj, self.v_bias)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, cache = cache.attend(self.layer, q, k, v, positions)
+        y = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(self.compute_dtype))
+        return y, cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pdtype, self.compute_dtype = dtypes(cfg)
+        e, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = param(rngs, _normal, (e, f), ("embed", "mlp"), pdtype)
+        self.up_proj = param(rngs, _normal, (e, f), ("embed", "mlp"), pdtype)
+        self.down_proj = param(rngs, _normal, (f, e), ("mlp", "embed"), pdtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.compute_dtype
+        gate = x @ self.gate_proj[...].astype(c)
+        up = x @ self.up_proj[...].astype(c)
+        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(c)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, "norm", rngs=rngs)
+        self.attn = Attention(cfg, layer, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, "norm", rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        h, cache = self.attn(self.input_norm(x), cos, sin, positions, cache)
+        x = x + h
+        return x + self.mlp(self.post_attn_norm(x)), cache

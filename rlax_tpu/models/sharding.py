@@ -1,0 +1,103 @@
+"""Logical axis names -> mesh axes: the one table that decides how the model is partitioned.
+
+Every parameter carries logical axis names (``out_sharding`` metadata on its ``nnx.Param``);
+activations are constrained with the same names. Parallelism changes by changing the mesh shape
+in ``MeshConfig`` (data, fsdp, tensor), never the model code.
+
+The mesh uses ``AxisType.Auto`` axes (``jax.make_mesh`` defaults to Explicit): parameters and a
+few activations are annotated and XLA's sharding propagation partitions the rest, so the model's
+einsums need no per-op output shardings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from rlax_tpu.config import MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axis (or axes, or None = replicated).
+LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),  # activations: the batch is split over data and fsdp
+    "length": None,
+    "act_embed": None,
+    "vocab": "tensor",
+    "embed": "fsdp",  # parameters' model dimension: ZeRO-3 style sharding
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "norm": None,
+}
+
+LogicalAxes = Sequence[str | None]
+
+
+def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over ``devices`` (default: all) shaped by ``mesh_cfg``."""
+    devices = list(devices if devices is not None else jax.devices())
+    shape = mesh_cfg.shape(len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def logical_to_spec(
+    axes: LogicalAxes, shape: Sequence[int] | None = None, mesh: Mesh | None = None
+) -> PartitionSpec:
+    """The PartitionSpec for logical ``axes``.
+
+    With ``shape`` and ``mesh``, a dimension that the mapped mesh axes do not divide evenly is
+    replicated instead (e.g. 3 KV heads on tensor=2), so any mesh shape works for any model.
+    """
+    spec: list[str | tuple[str, ...] | None] = []
+    used: set[str] = set()
+    for i, name in enumerate(axes):
+        if name is not None and name not in LOGICAL_AXIS_RULES:
+            raise KeyError(f"logical axis {name!r} has no rule in LOGICAL_AXIS_RULES")
+        target = LOGICAL_AXIS_RULES.get(name) if name is not None else None
+        mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        mesh_axes = tuple(a for a in mesh_axes if a not in used)  # an axis shards one dim only
+        if mesh is not None:
+            mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
+        if shape is not None and mesh is not None and mesh_axes:
+            size = int(np.prod([mesh.shape[a] for a in mesh_axes]))
+            if shape[i] % size:
+                mesh_axes = ()
+        used.update(mesh_axes)
+        spec.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*spec)
+
+
+def logical_sharding(axes: LogicalAxes, shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes, shape, mesh))
+
+
+def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """A pytree like ``state`` (concrete or abstract) holding each parameter's NamedSharding."""
+
+    def one(var: nnx.Variable) -> nnx.Variable:
+        axes = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
+        return var.replace(logical_sharding(axes, var.shape, mesh))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Move ``model``'s parameters onto ``mesh`` as the rules table says (in place; returns it)."""
+    state = nnx.state(model)
+    shardings = param_shardings(state, mesh)
+    nnx.update(model, jax.device_put(state, shardings))
+    return model
+
+
+def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+    """Constrain an activation's sharding by logical axes; a no-op outside ``jax.set_mesh``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))

@@ -1,0 +1,221 @@
+"""Tokenizers (all backed by HF ``tokenizers``): from tokenizer.json, from a GGUF file's embedded
+vocabulary and merges, or a small byte-level BPE trained locally; plus special tokens and a
+minimal ChatML chat template (the format of SmolLM2 and Qwen instruct models).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+from rlax_tpu.models.errors import ModelLoadError
+from rlax_tpu.models.gguf_file import GGUFFile
+
+IM_START, IM_END, ENDOFTEXT, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|pad|>"
+TRAINED_SPECIALS = (PAD, ENDOFTEXT, IM_START, IM_END)
+
+# Pre-tokenizer split patterns by GGUF ``tokenizer.ggml.pre`` (the regexes the vocabularies were
+# trained with; llama.cpp keeps the same table).
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GGUF_TOKEN_CONTROL, _GGUF_TOKEN_USER_DEFINED = 3, 4
+
+
+def _byte_level(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _pre_tokenizer_for(gguf_pre: str) -> pre_tokenizers.PreTokenizer:
+    if gguf_pre == "smollm":  # digits one by one, then GPT-2 splitting
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if gguf_pre in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"):
+        return _byte_level(_LLAMA3_PATTERN)
+    if gguf_pre in ("qwen2", "deepseek-r1-qwen"):
+        return _byte_level(_QWEN2_PATTERN)
+    return _byte_level(_GPT2_PATTERN)
+
+
+class Tokenizer:
+    """Text <-> token ids, with bos/eos/pad ids and a ChatML template.
+
+    ``stop_ids`` are the ids that end a generation (eos and, for chat vocabularies, <|im_end|>).
+    """
+
+    def __init__(
+        self, backend: HFTokenizer, *, bos: str | None = None, eos: str | None = None,
+        pad: str | None = None, add_bos: bool = False,
+    ):  # fmt: skip
+        self.backend = backend
+        self.add_bos = add_bos
+        self.bos_id, self.eos_id, self.pad_id = (self._id_of(t) for t in (bos, eos, pad))
+        if self.pad_id is None:
+            self.pad_id = self.eos_id
+        stops = {self.eos_id, self.backend.token_to_id(IM_END)}
+        self.stop_ids = frozenset(i for i in stops if i is not None)
+
+    def _id_of(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        i = self.backend.token_to_id(token)
+        if i is None:
+            raise ModelLoadError("tokenizer", f"special token {token!r} is not in the vocabulary")
+        return i
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``; special-token strings in it (e.g. <|im_start|>) map to their ids."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then
+        ``<|im_start|>assistant\\n`` when ``add_generation_prompt``."""
+        for tok in (IM_START, IM_END):
+            if self.backend.token_to_id(tok) is None:
+                raise ValueError(f"this vocabulary has no {tok} token, so no ChatML template")
+        text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+        return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+    # -- constructors -----------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        """An HF ``tokenizer.json`` (or a directory holding it and tokenizer_config.json)."""
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        try:
+            backend = HFTokenizer.from_file(str(file))
+        except Exception as e:
+            raise ModelLoadError(str(file), f"not a valid tokenizer.json ({e})") from None
+        specials = _specials_from_config(file.parent / "tokenizer_config.json")
+        return cls(backend, **specials)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path | GGUFFile) -> Tokenizer:
+        """The vocabulary and merges embedded in a GGUF file, as a byte-level BPE."""
+        f = path if isinstance(path, GGUFFile) else GGUFFile(path)
+        kind = f.require("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(
+                f.path,
+                f"field 'tokenizer.ggml.model' = {kind!r}: only byte-level BPE ('gpt2') is supported",
+            )
+        tokens: list[str] = list(f.require("tokenizer.ggml.tokens"))
+        merges = [tuple(m.split(" ", 1)) for m in f.require("tokenizer.ggml.merges")]
+        backend = HFTokenizer(
+            models.BPE(
+                vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False
+            )
+        )
+        backend.pre_tokenizer = _pre_tokenizer_for(f.field("tokenizer.ggml.pre", "default"))
+        backend.decoder = decoders.ByteLevel()
+        types = f.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        backend.add_special_tokens(
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, k in zip(tokens, types, strict=True)
+                if k == _GGUF_TOKEN_CONTROL
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(t, normalized=False)
+                for t, k in zip(tokens, types, strict=True)
+                if k == _GGUF_TOKEN_USER_DEFINED
+            ]
+        )
+
+        def token(key: str) -> str | None:
+            i = f.field(key)
+            return None if i is None else tokens[int(i)]
+
+        return cls(
+            backend, bos=token("tokenizer.ggml.bos_token_id"), eos=token("tokenizer.ggml.eos_token_id"),
+            pad=token("tokenizer.ggml.padding_token_id"), add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
+        )  # fmt: skip
+
+    @classmethod
+    def train_bpe(
+        cls, texts: Iterable[str], vocab_size: int = 512, specials: Sequence[str] = TRAINED_SPECIALS
+    ) -> Tokenizer:
+        """A byte-level BPE trained on ``texts`` (deterministic; any text encodes, no unknowns).
+
+        Specials take the first ids; eos = bos = <|endoftext|>, pad = <|pad|> when present.
+        """
+        backend = HFTokenizer(models.BPE())
+        backend.pre_tokenizer = _byte_level(_GPT2_PATTERN)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )  # fmt: skip
+        backend.train_from_iterator(texts, trainer=trainer)
+        has = set(specials).__contains__
+        return cls(
+            backend, bos=ENDOFTEXT if has(ENDOFTEXT) else None,
+            eos=ENDOFTEXT if has(ENDOFTEXT) else None, pad=PAD if has(PAD) else None,
+        )  # fmt: skip
+
+    def save(self, directory: str | Path) -> Path:
+        """Write tokenizer.json + tokenizer_config.json (readable by ``from_file`` and HF)."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(out / "tokenizer.json"))
+        name = self.backend.id_to_token
+        config = {
+            "bos_token": None if self.bos_id is None else name(self.bos_id),
+            "eos_token": None if self.eos_id is None else name(self.eos_id),
+            "pad_token": None if self.pad_id is None else name(self.pad_id),
+            "add_bos_token": self.add_bos,
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+        return out / "tokenizer.json"
+
+
+def _specials_from_config(path: Path) -> dict[str, object]:
+    if not path.exists():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(str(path), f"not valid JSON ({e})") from None
+
+    def content(key: str) -> str | None:
+        v = cfg.get(key)
+        return v.get("content") if isinstance(v, dict) else v
+
+    return {
+        "bos": content("bos_token"), "eos": content("eos_token"), "pad": content("pad_token"),
+        "add_bos": bool(cfg.get("add_bos_token", False)),
+    }  # fmt: skip

@@ -1,0 +1,117 @@
+"""The decoder-only transformer and its two entry points.
+
+``forward``      full sequences (training, log-prob recompute): logits [B, T, V] in f32.
+``step``         a chunk of T tokens per sequence against a KV cache (prefill, chunked prefill,
+                 decode): logits and the updated cache.
+Both run ``Transformer.__call__``; they differ only in the :class:`KVCache` they pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlax_tpu.config import ModelConfig
+from rlax_tpu.models.attention import DenseKVCache, KVCache, NoCache
+from rlax_tpu.models.layers import DecoderLayer, RMSNorm, _normal, dtypes, param
+from rlax_tpu.models.rope import rope_tables
+from rlax_tpu.models.sharding import constrain
+
+_ACT = ("batch", "length", "act_embed")
+
+
+class Transformer(nnx.Module):
+    """Llama / Qwen2 / Qwen3 decoder. Parameter tree (logical axes in brackets):
+
+    embed [vocab, embed]; layers[i].{input_norm, post_attn_norm}.weight [norm];
+    layers[i].attn.{q,k,v}_proj [embed, heads|kv_heads, head_dim], o_proj [heads, head_dim, embed],
+    optional {q,k,v}_bias [heads|kv_heads, head_dim], optional {q,k}_norm.weight [head_dim];
+    layers[i].mlp.{gate,up}_proj [embed, mlp], down_proj [mlp, embed]; final_norm.weight [norm];
+    lm_head [embed, vocab] unless embeddings are tied.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pdtype, self.compute_dtype = dtypes(cfg)
+        self.cfg = cfg
+        self.embed = param(
+            rngs, _normal, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pdtype
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, "norm", rngs=rngs)
+        if cfg.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = param(
+                rngs, _normal, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pdtype
+            )
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        """tokens, positions [B, T] int32 -> (final-normed hidden states [B, T, E], cache)."""
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.compute_dtype)
+        x = constrain(x, _ACT)
+        cos, sin = rope_tables(self.cfg, positions)
+        for layer in self.layers:
+            x, cache = layer(x, cos, sin, positions, cache)
+            x = constrain(x, _ACT)
+        return self.final_norm(x), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [B, T, E] -> logits [B, T, V], accumulated and returned in f32."""
+        c = self.compute_dtype
+        if self.lm_head is None:
+            w = self.embed[...].astype(c)
+            return jnp.einsum("bte,ve->btv", hidden, w, preferred_element_type=jnp.float32)
+        w = self.lm_head[...].astype(c)
+        return jnp.einsum("bte,ev->btv", hidden, w, preferred_element_type=jnp.float32)
+
+
+def init_model(cfg: ModelConfig, *, seed: int | None = None) -> Transformer:
+    """A randomly initialized model (seed defaults to ``cfg.seed``)."""
+    return Transformer(cfg, rngs=nnx.Rngs(cfg.seed if seed is None else seed))
+
+
+def default_positions(tokens: jax.Array) -> jax.Array:
+    """[B, T] positions 0..T-1 for unpadded sequences."""
+    b, t = tokens.shape
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def forward(model: Transformer, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Full-sequence forward: tokens [B, T] int32 -> logits [B, T, V] f32.
+
+    ``positions`` [B, T] defaults to 0..T-1; mark padding with negative positions (left padding:
+    start the real tokens at 0). Causal by position within each row.
+    """
+    positions = default_positions(tokens) if positions is None else positions
+    hidden, _ = model(tokens, positions, NoCache())
+    return model.logits(hidden)
+
+
+def step(
+    model: Transformer, tokens: jax.Array, positions: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
+    """One cached step over a chunk: tokens, positions [B, T] -> (logits [B, T, V] f32, cache).
+
+    Serves prefill (T = prompt length), chunked prefill and decode (T = 1). Padding slots have
+    negative positions; they are not written to the cache.
+    """
+    hidden, cache = model(tokens, positions, cache)
+    return model.logits(hidden), cache
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """log p(targets) under logits: [B, T, V] f32, [B, T] int -> [B, T] f32."""
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return picked - logz
+
+
+def make_dense_cache(cfg: ModelConfig, batch: int, max_len: int) -> DenseKVCache:
+    """An empty dense cache for ``batch`` sequences of up to ``max_len`` tokens (compute dtype)."""
+    return DenseKVCache.create(
+        num_layers=cfg.num_layers, batch=batch, max_len=max_len, kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.resolved_head_dim, dtype=jnp.dtype(cfg.compute_dtype),
+    )  # fmt: skip
