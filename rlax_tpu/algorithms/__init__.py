@@ -12,9 +12,17 @@ Usage (controller on the host, trainer under jit)::
     loss, metrics = objective.loss(logp, inputs, values=v, entropy=h)   # under jax.grad/jit
 
 ``objective.spec`` (ObjectiveSpec) tells the trainer what to compute: ``needs_reference`` (π_ref
-log-probs), ``advantage == 'gae'`` (a value head; pass ``values``), ``needs_groups`` (tb and
-online_dpo micro-batches must hold whole groups; every other objective splits rows freely, since
-``prepare`` normalizes the aggregation weights over the full batch).
+log-probs), ``advantage == 'gae'`` (a value head; pass ``values``), ``kind`` and
+``needs_groups``. Eq.-3 objectives split rows freely into micro-batches whose losses *sum* to the
+full batch's (``prepare`` normalizes the aggregation weights over the full batch). tb and
+online_dpo compare the samples of a group inside the loss: their micro-batches must hold whole
+groups, and their losses are means over groups/pairs, so average them over equal micro-batches.
+
+Metrics (all stop-gradient scalars): ratio_mean/max (π_θ/π_old), behaviour_logp_diff_mean/p95,
+tokens, kl_ref (k3 vs π_ref, when given), entropy (when given); Eq.-3 objectives add
+clip_fraction, importance_weight_mean, behaviour_weight_mean, advantage_mean/std/min/max,
+policy_loss, and kl_loss / value_loss where used; tb adds tb_log_z_mean, tb_beta; online_dpo
+adds dpo_pairs, dpo_margin_mean, dpo_accuracy.
 
 Components, each a small pure function: aggregation.aggregation_weights; importance.token_ratio /
 clipped_ratio / truncated_ratio / sequence_ratio / behaviour_weights; advantages.group_normalized

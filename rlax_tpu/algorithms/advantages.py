@@ -83,7 +83,8 @@ def gae(
     """Generalized advantage estimation. Inputs [B, T]; returns (advantages, returns), [B, T].
 
     δ_t = r_t + γ V_{t+1} − V_t with V = 0 past the last real token;
-    A_t = δ_t + γλ A_{t+1};  returns_t = A_t + V_t. Both are 0 on padding.
+    A_t = δ_t + γλ A_{t+1};  returns_t = A_t + V_t. Both are 0 on padding. Each row's real
+    tokens must be a prefix (a completion is contiguous); a hole would cut the recursion.
     """
     values = values * mask
     next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)

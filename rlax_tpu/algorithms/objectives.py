@@ -113,11 +113,14 @@ def loss(
     else:
         out, metrics = _sequence_loss(spec, logp, inputs)
     ratio = token_ratio(_sg(logp), inputs.logp_old, mask)
+    # |log π_old − log μ|: the trainer/inference numerical mismatch of DESIGN §6.
+    mismatch = jnp.abs(masked_log_ratio(inputs.logp_old, inputs.logp_behaviour, mask))
     metrics |= {
         "ratio_mean": _masked_mean(ratio, mask),
         "ratio_max": jnp.where(mask > 0, ratio, 0.0).max(),
-        "behaviour_logp_diff_mean": _masked_mean(
-            jnp.abs(masked_log_ratio(inputs.logp_old, inputs.logp_behaviour, mask)), mask
+        "behaviour_logp_diff_mean": _masked_mean(mismatch, mask),
+        "behaviour_logp_diff_p95": jnp.nan_to_num(
+            jnp.nanquantile(jnp.where(mask > 0, mismatch, jnp.nan), 0.95)
         ),
         "tokens": mask.sum(),
     }
