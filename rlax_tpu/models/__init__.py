@@ -5,6 +5,7 @@ Entry points:
   step(model, tokens, positions, cache) -> logits, cache   chunked prefill / decode via a KVCache
   KVCache (Protocol), DenseKVCache, NoCache                attention backends (see attention.py)
   LOGICAL_AXIS_RULES, make_mesh, shard_model, param_shardings
+  load_model(cfg, mesh=None), load_tokenizer(cfg)          from a run's ModelConfig
   load_safetensors / save_safetensors, load_gguf, Tokenizer
 """
 
@@ -26,6 +27,7 @@ from rlax_tpu.models.errors import ModelLoadError
 from rlax_tpu.models.generate import greedy_generate
 from rlax_tpu.models.gguf_io import config_from_gguf, load_gguf
 from rlax_tpu.models.hf_format import config_from_hf, config_to_hf
+from rlax_tpu.models.loader import checkpoint_config, load_model, load_tokenizer
 from rlax_tpu.models.presets import PRESETS, preset
 from rlax_tpu.models.sharding import (
     LOGICAL_AXIS_RULES,
@@ -48,9 +50,10 @@ from rlax_tpu.models.transformer import (
 
 __all__ = [
     "LOGICAL_AXIS_RULES", "PRESETS", "DenseKVCache", "KVCache", "ModelLoadError", "NoCache",
-    "Tokenizer", "Transformer", "abstract_model", "build_model", "causal_mask", "config_from_gguf",
+    "Tokenizer", "Transformer", "abstract_model", "build_model", "causal_mask", "checkpoint_config",
+    "config_from_gguf",
     "config_from_hf", "config_to_hf", "constrain", "default_positions", "dot_product_attention",
     "forward", "greedy_generate", "init_model", "load_gguf", "load_safetensors", "logical_to_spec",
-    "make_dense_cache", "make_mesh", "param_shardings", "preset", "read_hf_config",
+    "load_model", "load_tokenizer", "make_dense_cache", "make_mesh", "param_shardings", "preset", "read_hf_config",
     "save_safetensors", "shard_model", "step", "token_logprobs",
 ]  # fmt: skip

@@ -8,15 +8,18 @@ Both run ``Transformer.__call__``; they differ only in the :class:`KVCache` they
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.models.attention import DenseKVCache, KVCache, NoCache
 from rlax_tpu.models.layers import DecoderLayer, RMSNorm, _normal, dtypes, param
 from rlax_tpu.models.rope import rope_tables
-from rlax_tpu.models.sharding import constrain
+from rlax_tpu.models.sharding import constrain, param_shardings
 
 _ACT = ("batch", "length", "act_embed")
 
@@ -68,9 +71,24 @@ class Transformer(nnx.Module):
         return jnp.einsum("bte,ev->btv", hidden, w, preferred_element_type=jnp.float32)
 
 
-def init_model(cfg: ModelConfig, *, seed: int | None = None) -> Transformer:
-    """A randomly initialized model (seed defaults to ``cfg.seed``)."""
-    return Transformer(cfg, rngs=nnx.Rngs(cfg.seed if seed is None else seed))
+def init_model(
+    cfg: ModelConfig, *, seed: int | None = None, mesh: Mesh | None = None
+) -> Transformer:
+    """A randomly initialized model (seed defaults to ``cfg.seed``).
+
+    With ``mesh``, parameters are created already sharded by the rules table (the init runs
+    under ``jax.jit`` with those output shardings, so no device holds a full copy).
+    """
+    seed = cfg.seed if seed is None else seed
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed))))
+    shardings = None if mesh is None else param_shardings(abstract, mesh)
+
+    # Always jitted, so that the values do not depend on whether a mesh is given.
+    @partial(jax.jit, out_shardings=shardings)
+    def create() -> nnx.State:
+        return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+
+    return nnx.merge(graphdef, create())
 
 
 def default_positions(tokens: jax.Array) -> jax.Array:

@@ -13,12 +13,15 @@ from rlax_tpu.models.attention import DenseKVCache
 from rlax_tpu.models.presets import preset
 from rlax_tpu.models.transformer import (
     default_positions,
-    forward,
     init_model,
     make_dense_cache,
-    step,
     token_logprobs,
 )
+from rlax_tpu.models.transformer import forward as _forward
+from rlax_tpu.models.transformer import step as _step
+
+# Jitted: compiling is cheaper than running eagerly op by op on CPU.
+forward, step = nnx.jit(_forward), nnx.jit(_step)
 
 # Qwen3-style features on the tiny shape so every code path runs.
 CFG = preset("tiny", arch="qwen3", qk_norm=True, qkv_bias=True, tie_embeddings=False, head_dim=48)

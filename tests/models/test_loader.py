@@ -1,0 +1,72 @@
+"""load_model / load_tokenizer: from a run's ModelConfig to weights (init, safetensors, GGUF)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlax_tpu.config import MeshConfig
+from rlax_tpu.models.checkpoint import save_safetensors
+from rlax_tpu.models.errors import ModelLoadError
+from rlax_tpu.models.loader import checkpoint_config, load_model, load_tokenizer
+from rlax_tpu.models.presets import preset
+from rlax_tpu.models.sharding import make_mesh
+from rlax_tpu.models.tokenizer import Tokenizer
+from rlax_tpu.models.transformer import forward
+
+
+def _values(model) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+
+
+def test_seeded_init_is_the_same_sharded_or_not():
+    cfg = preset("tiny", seed=7)
+    sharded = load_model(cfg, mesh=make_mesh(MeshConfig(fsdp=4, tensor=2)))
+    assert sharded.layers[0].mlp.gate_proj[...].sharding.spec == jax.sharding.PartitionSpec(
+        "fsdp", "tensor"
+    )
+    for a, b in zip(_values(sharded), _values(load_model(cfg)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_safetensors_checkpoint_must_match_the_config(tmp_path):
+    original = load_model(preset("tiny", seed=1))
+    save_safetensors(original, tmp_path)
+    cfg = preset("tiny", weights_format="safetensors", weights_path=str(tmp_path))
+    tokens = jnp.arange(10, dtype=jnp.int32)[None]
+    np.testing.assert_array_equal(
+        np.asarray(forward(load_model(cfg), tokens)), np.asarray(forward(original, tokens))
+    )
+    wrong = dataclasses.replace(cfg, num_layers=2, rope_theta=500.0)
+    with pytest.raises(ModelLoadError) as info:
+        load_model(wrong)
+    assert str(info.value) == (
+        f"{tmp_path}: the checkpoint does not match model config: "
+        "num_layers: config 2, checkpoint 4; rope_theta: config 500.0, checkpoint 10000.0"
+    )
+    assert checkpoint_config(wrong).num_layers == 4
+
+
+def test_smollm2_preset_loads_from_gguf_in_bf16(smollm2_path):
+    cfg = preset(
+        "smollm2-135m", weights_format="gguf", weights_path=str(smollm2_path),
+        param_dtype="bfloat16", compute_dtype="bfloat16",
+    )  # fmt: skip
+    model = load_model(cfg)
+    assert model.embed[...].dtype == jnp.bfloat16
+    tok = load_tokenizer(cfg)
+    assert tok.encode("Hello world!") == [19556, 905, 17]
+
+
+def test_tokenizer_sources(tmp_path):
+    trained = Tokenizer.train_bpe(["some text for a tiny vocabulary"] * 10, vocab_size=300)
+    trained.save(tmp_path)
+    cfg = preset("tiny", tokenizer_path=str(tmp_path))
+    assert load_tokenizer(cfg).encode("some text") == trained.encode("some text")
+    with pytest.raises(ModelLoadError, match="^model.tokenizer_path: a randomly initialized model"):
+        load_tokenizer(preset("tiny"))
