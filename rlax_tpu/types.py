@@ -63,3 +63,45 @@ def staleness(consumer_version: int, rollout_version: int) -> int:
             f"rollout version {rollout_version} is newer than the consuming version {consumer_version}"
         )
     return consumer_version - rollout_version
+
+
+class VerdictKind(enum.Enum):
+    """What a verifier concluded about one rollout (Codeforces verdict names)."""
+
+    ACCEPTED = "accepted"
+    WRONG_ANSWER = "wrong_answer"
+    PRESENTATION_ERROR = "presentation_error"
+    TIME_LIMIT = "time_limit"
+    MEMORY_LIMIT = "memory_limit"
+    RUNTIME_ERROR = "runtime_error"
+    COMPILE_ERROR = "compile_error"
+    OUTPUT_LIMIT = "output_limit"
+    # The sandbox, a checker or the service failed: says nothing about the model's answer.
+    INTERNAL_ERROR = "internal_error"
+
+
+@_frozen
+class Verdict:
+    """The verifier's result for one rollout.
+
+    ``time_s`` and ``memory_bytes`` are the largest CPU time and peak RSS of one test run (0 for
+    math answers). ``score`` is in [0, 1]: 1 when accepted, else the fraction of tests passed
+    (checkers may award partial points per test).
+    """
+
+    kind: VerdictKind
+    detail: str = ""  # short and human-readable, e.g. "test 3: expected 5, got 4"
+    time_s: float = 0.0
+    memory_bytes: int = 0
+    tests_passed: int = 0
+    tests_total: int = 0
+    score: float = 0.0
+
+    @property
+    def accepted(self) -> bool:
+        return self.kind is VerdictKind.ACCEPTED
+
+    @property
+    def is_model_failure(self) -> bool:
+        """False for accepted answers and for internal errors (which must not become rewards)."""
+        return self.kind not in (VerdictKind.ACCEPTED, VerdictKind.INTERNAL_ERROR)

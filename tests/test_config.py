@@ -532,3 +532,29 @@ def test_algorithm_defaults_mean_paper_defaults():
     assert alg.dynamic_sampling == alg.overlong_shaping == alg.aggregation == "default"
     ok = build({"algorithm.name": "reinforce_pp", "algorithm.reward_kl_coef": 0.02})
     assert ok.algorithm.reward_kl_coef == 0.02
+
+
+# --------------------------------------------------------------------------------------------
+# Verifiers (issue #6): one sandbox uid per worker, compiler and disk limits.
+
+
+def test_verifier_sandbox_uids_must_fit():
+    expect_error(
+        {"verifiers.sandbox_uid": -5},
+        "verifiers.sandbox_uid = -5: must be > 0 and leave room for one uid per worker "
+        "(sandbox_uid + workers < 2^31)",
+    )
+    expect_error(
+        {"verifiers.sandbox_uid": 2**31 - 2, "verifiers.workers": 4},
+        f"verifiers.sandbox_uid = {2**31 - 2}: must be > 0 and leave room for one uid per worker "
+        "(sandbox_uid + workers < 2^31)",
+    )
+    assert build({"verifiers.sandbox_uid": 100_000}).verifiers.sandbox_uid == 100_000
+
+
+def test_verifier_compile_and_disk_limits_must_be_positive():
+    expect_error({"verifiers.disk_limit_mb": 0}, "verifiers.disk_limit_mb = 0: must be > 0")
+    expect_error(
+        {"verifiers.compile_memory_limit_mb": -1},
+        "verifiers.compile_memory_limit_mb = -1: must be > 0",
+    )

@@ -1,0 +1,314 @@
+"""Runs untrusted programs in bubblewrap sandboxes (DESIGN.md §9, RLAX §6.1).
+
+Each run gets fresh pid, network, ipc, uts and cgroup namespaces and a mount namespace that holds
+only read-only system directories, the toolchains, the mounts the caller names (read-only unless
+marked writable) and private, size-limited tmpfs ``/work`` and ``/tmp``. No network (only a
+loopback that is down), no host environment, no host /proc. Inside, ``launcher.cpp`` (root with
+only CAP_SETUID/CAP_SETGID/CAP_KILL) applies rlimits, drops to the slot's non-root uid and supervises the
+program: wall-clock limit, whole-tree kill, exact exit status and CPU time. stdout and stderr go to
+host files whose size RLIMIT_FSIZE caps. If the service itself dies, ``--die-with-parent`` takes the
+sandbox with it.
+
+Concurrent runs use distinct uids (``uid_base + slot``): RLIMIT_NPROC counts processes per uid, so a
+fork bomb in one slot cannot starve another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from rlax_tpu.verifiers import seccomp
+
+_LAUNCHER_SOURCE = Path(__file__).with_name("launcher.cpp")
+_LAUNCHER_IN_SANDBOX = "/.launcher"
+_STDERR_KEPT = 4096
+# System paths visible (read-only) in every sandbox; /etc only in part: nothing that names hosts,
+# users or secrets, just what the dynamic loader, `cc` and the JDK look up.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_ENTRIES = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime")
+ETC_GLOBS = ("java-*",)
+DEFAULT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
+
+
+class SandboxUnavailable(RuntimeError):
+    """bubblewrap or a C++ compiler for the launcher is missing, or we cannot switch uids."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Per-run limits. Memory is address space (RLIMIT_AS); processes count threads too."""
+
+    cpu_time_s: float
+    wall_time_s: float
+    memory_bytes: int
+    output_bytes: int  # RLIMIT_FSIZE: stdout, stderr and every file the program writes
+    disk_bytes: int = 64 << 20  # size of each of the private tmpfs /work and /tmp
+    processes: int = 64
+    open_files: int = 128
+    stack_bytes: int = 0  # 0: same as memory_bytes (Codeforces gives the stack the whole limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mount:
+    source: Path
+    target: str  # absolute path inside the sandbox
+    writable: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunResult:
+    exit_code: int | None  # None: killed by a signal (or the run never started)
+    signal: int  # 0: none
+    cpu_time_s: float
+    wall_time_s: float
+    max_rss_bytes: int
+    timed_out: bool  # the wall-clock limit killed it
+    stdout: bytes
+    stderr: bytes  # the last few KiB
+    error: str = ""  # the sandbox failed (not the program): an internal error
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.exit_code == 0 and not self.timed_out
+
+
+def _parse_status(line: str) -> dict[str, int]:
+    fields = dict(part.split("=", 1) for part in line.split())
+    return {k: int(v) for k, v in fields.items()}
+
+
+class Sandbox:
+    """A pool of ``slots`` sandbox uids; ``run`` blocks until a slot is free."""
+
+    def __init__(
+        self,
+        *,
+        uid_base: int,
+        slots: int,
+        scratch_dir: Path,
+        toolchain_mounts: Sequence[Mount] = (),
+        use_seccomp: bool = True,
+    ):
+        self._bwrap = shutil.which("bwrap")
+        if self._bwrap is None:
+            raise SandboxUnavailable("bubblewrap (bwrap) is not installed; `make` installs it")
+        if os.geteuid() != 0:
+            raise SandboxUnavailable(
+                "the verifier sandbox needs root (or CAP_SETUID/CAP_SETGID/CAP_SYS_ADMIN) to run "
+                "untrusted code under its own non-root uids"
+            )
+        if uid_base <= 0:
+            raise ValueError(f"uid_base must be > 0, got {uid_base}")
+        self.uid_base, self.slots = uid_base, slots
+        self._scratch = Path(scratch_dir)
+        self._scratch.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._launcher = self._build_launcher()
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(slots):
+            self._free.put(uid_base + slot)
+        self._seccomp = seccomp.build_filter() if use_seccomp and seccomp.supported() else None
+        self._fixed_args = self._system_args(toolchain_mounts)
+
+    @property
+    def uids(self) -> range:
+        return range(self.uid_base, self.uid_base + self.slots)
+
+    def _build_launcher(self) -> Path:
+        source = _LAUNCHER_SOURCE.read_bytes()
+        out = self._scratch / f"launcher-{hashlib.sha256(source).hexdigest()[:16]}"
+        if out.exists():
+            return out
+        compiler = shutil.which("g++") or shutil.which("c++")
+        if compiler is None:
+            raise SandboxUnavailable("a C++ compiler (g++) is needed to build the sandbox launcher")
+        tmp = out.with_suffix(".tmp")
+        done = subprocess.run(
+            [compiler, "-O2", "-o", str(tmp), str(_LAUNCHER_SOURCE)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise SandboxUnavailable(f"building the sandbox launcher failed: {done.stderr[-2000:]}")
+        tmp.chmod(0o755)
+        tmp.rename(out)
+        return out
+
+    def _system_args(self, toolchain_mounts: Sequence[Mount]) -> list[str]:
+        args = [
+            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL",
+            # The launcher needs these to drop to the sandbox uid and to kill what it leaves.
+            "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL",
+            "--hostname", "sandbox",
+        ]  # fmt: skip
+        for d in SYSTEM_DIRS:
+            if os.path.islink(d):
+                args += ["--symlink", os.readlink(d), d]
+            elif os.path.isdir(d):
+                args += ["--ro-bind", d, d]
+        args += ["--perms", "0755", "--dir", "/etc"]
+        etc = [Path("/etc", e) for e in ETC_ENTRIES]
+        etc += [p for g in ETC_GLOBS for p in sorted(Path("/etc").glob(g))]
+        for p in etc:
+            if p.exists():
+                args += ["--ro-bind", str(p), str(p)]
+        args += self._mount_args(toolchain_mounts, created={"/", "/etc"})
+        args += ["--ro-bind", str(self._launcher), _LAUNCHER_IN_SANDBOX]
+        args += ["--proc", "/proc", "--dev", "/dev", "--clearenv"]
+        return args
+
+    @staticmethod
+    def _mount_args(mounts: Sequence[Mount], created: set[str]) -> list[str]:
+        args: list[str] = []
+        for m in mounts:
+            # bwrap makes missing parents with mode 0700, which the sandbox uid could not enter.
+            for parent in reversed(Path(m.target).parents):
+                p = str(parent)
+                if p not in created:
+                    created.add(p)
+                    args += ["--perms", "0755", "--dir", p]
+            args += ["--bind" if m.writable else "--ro-bind", str(m.source), m.target]
+        return args
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        limits: Limits,
+        mounts: Sequence[Mount] = (),
+        stdin: str | None = None,
+        cwd: str = "/work",
+        env: Mapping[str, str] | None = None,
+        writable_dirs: Sequence[Path] = (),
+    ) -> RunResult:
+        """Runs ``argv`` (paths as seen inside the sandbox) and returns its outcome.
+
+        ``stdin`` is a path inside the sandbox (usually a read-only mount). ``writable_dirs`` are
+        host directories among ``mounts`` that the sandbox uid must be able to write; they are
+        handed to it for the run and taken back afterwards.
+        """
+        uid = self._free.get()
+        try:
+            return self._run(uid, argv, limits, mounts, stdin, cwd, env, writable_dirs)
+        finally:
+            self._free.put(uid)
+
+    def _run(self, uid, argv, limits, mounts, stdin, cwd, env, writable_dirs) -> RunResult:  # noqa: ANN001
+        run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=self._scratch))
+        for d in writable_dirs:
+            _chown_tree(d, uid)
+        try:
+            return self._spawn(uid, argv, limits, mounts, stdin, cwd, env, run_dir)
+        finally:
+            for d in writable_dirs:
+                _chown_tree(d, 0)
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _spawn(self, uid, argv, limits, mounts, stdin, cwd, env, run_dir) -> RunResult:  # noqa: ANN001
+        disk = str(limits.disk_bytes)
+        args = [self._bwrap, *self._fixed_args]
+        args += ["--size", disk, "--perms", "1777", "--tmpfs", "/tmp"]
+        args += ["--size", disk, "--perms", "1777", "--tmpfs", "/work"]
+        args += self._mount_args(mounts, created={"/", "/etc", "/tmp", "/work"})
+        for k, v in {**DEFAULT_ENV, **(env or {})}.items():
+            args += ["--setenv", k, v]
+        status_r, status_w = os.pipe()
+        fds = [status_w]
+        filter_r = None
+        if self._seccomp is not None:
+            filter_r, filter_w = os.pipe()
+            os.write(filter_w, self._seccomp)  # a few hundred bytes: fits the pipe buffer
+            os.close(filter_w)
+            fds.append(filter_r)
+            args += ["--seccomp", str(filter_r)]
+        cpu_s = int(limits.cpu_time_s) + 1  # the verdict compares the measured time to the limit
+        args += [
+            _LAUNCHER_IN_SANDBOX, "--status-fd", str(status_w), "--uid", str(uid), "--gid", str(uid),
+            "--wall-ms", str(int(limits.wall_time_s * 1000)), "--cpu-s", str(cpu_s),
+            "--as", str(limits.memory_bytes), "--fsize", str(limits.output_bytes),
+            "--nofile", str(limits.open_files), "--nproc", str(limits.processes),
+            "--stack", str(limits.stack_bytes or limits.memory_bytes), "--cwd", cwd,
+        ]  # fmt: skip
+        if stdin is not None:
+            args += ["--stdin", stdin]
+        args += ["--", *argv]
+        out_path, err_path = run_dir / "stdout", run_dir / "stderr"
+        try:
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                proc = subprocess.Popen(
+                    args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env={},
+                    pass_fds=fds, start_new_session=True,
+                )  # fmt: skip
+        finally:
+            os.close(status_w)
+            if filter_r is not None:
+                os.close(filter_r)
+        backstop = limits.wall_time_s + 10.0  # the launcher enforces the real wall limit
+        try:
+            with os.fdopen(status_r, "r") as status_file:
+                proc.wait(timeout=backstop)
+                status_line = status_file.read(4096)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # the sandbox's pid 1 dies with bwrap and takes the namespace along
+            proc.wait()
+            status_line = ""
+        stdout = _read_capped(out_path, limits.output_bytes)
+        stderr = _read_tail(err_path, _STDERR_KEPT)
+        if not status_line.strip():
+            return RunResult(
+                exit_code=None, signal=0, cpu_time_s=0.0, wall_time_s=0.0, max_rss_bytes=0,
+                timed_out=False, stdout=b"", stderr=stderr,
+                error=f"sandbox failed (bwrap exit {proc.returncode}): "
+                f"{stderr.decode(errors='replace').strip()[-300:]}",
+            )  # fmt: skip
+        st = _parse_status(status_line)
+        error = ""
+        if st["exec_errno"]:
+            error = f"could not start {argv[0]}: {os.strerror(st['exec_errno'])}"
+        return RunResult(
+            exit_code=st["code"] if st["exited"] else None,
+            signal=st["signal"],
+            cpu_time_s=st["cpu_ms"] / 1000,
+            wall_time_s=st["wall_ms"] / 1000,
+            max_rss_bytes=st["maxrss_kb"] * 1024,
+            timed_out=bool(st["timed_out"]),
+            stdout=stdout,
+            stderr=stderr,
+            error=error,
+        )
+
+
+def _read_capped(path: Path, cap: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(cap)
+
+
+def _read_tail(path: Path, keep: int) -> bytes:
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - keep))
+        return f.read(keep)
+
+
+def _chown_tree(root: Path, uid: int) -> None:
+    """Hands a directory tree to ``uid`` (0: back to root). Never follows symlinks."""
+    os.lchown(root, uid, uid)
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
