@@ -81,7 +81,7 @@ PPO_FAMILY = ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce_pp", "ppo",
 def test_on_policy_every_ratio_is_one_and_the_objective_is_reinforce(
     name, seed, groups, group_size, length, correction
 ):
-    from conftest import random_batch
+    from .conftest import random_batch
 
     previous = jax.config.jax_enable_x64  # a fixture would not be reset per example
     jax.config.update("jax_enable_x64", True)
