@@ -67,11 +67,11 @@ def tensor_mappings(cfg: ModelConfig) -> list[TensorMapping]:
     if not cfg.tie_embeddings:
         out.append(TensorMapping("lm_head.weight", ("lm_head",), (v, e), _transpose, _transpose))
     for i in range(cfg.num_layers):
-        p, L = f"model.layers.{i}.", ("layers", i)
-        attn = L + ("attn",)
+        p, layer = f"model.layers.{i}.", ("layers", i)
+        attn = layer + ("attn",)
         out += [
-            TensorMapping(p + "input_layernorm.weight", L + ("input_norm", "weight"), (e,), _same, _same),
-            TensorMapping(p + "post_attention_layernorm.weight", L + ("post_attn_norm", "weight"), (e,), _same, _same),
+            TensorMapping(p + "input_layernorm.weight", layer + ("input_norm", "weight"), (e,), _same, _same),
+            TensorMapping(p + "post_attention_layernorm.weight", layer + ("post_attn_norm", "weight"), (e,), _same, _same),
             TensorMapping(p + "self_attn.q_proj.weight", attn + ("q_proj",), (h * d, e), *qkv(h)),
             TensorMapping(p + "self_attn.k_proj.weight", attn + ("k_proj",), (hkv * d, e), *qkv(hkv)),
             TensorMapping(p + "self_attn.v_proj.weight", attn + ("v_proj",), (hkv * d, e), *qkv(hkv)),
@@ -80,9 +80,9 @@ def tensor_mappings(cfg: ModelConfig) -> list[TensorMapping]:
                 lambda w: np.ascontiguousarray(w.T.reshape(h, d, e)),
                 lambda w: np.ascontiguousarray(w.reshape(h * d, e).T),
             ),
-            TensorMapping(p + "mlp.gate_proj.weight", L + ("mlp", "gate_proj"), (f, e), _transpose, _transpose),
-            TensorMapping(p + "mlp.up_proj.weight", L + ("mlp", "up_proj"), (f, e), _transpose, _transpose),
-            TensorMapping(p + "mlp.down_proj.weight", L + ("mlp", "down_proj"), (e, f), _transpose, _transpose),
+            TensorMapping(p + "mlp.gate_proj.weight", layer + ("mlp", "gate_proj"), (f, e), _transpose, _transpose),
+            TensorMapping(p + "mlp.up_proj.weight", layer + ("mlp", "up_proj"), (f, e), _transpose, _transpose),
+            TensorMapping(p + "mlp.down_proj.weight", layer + ("mlp", "down_proj"), (e, f), _transpose, _transpose),
         ]  # fmt: skip
         if cfg.qkv_bias:
             for name, heads in (("q", h), ("k", hkv), ("v", hkv)):

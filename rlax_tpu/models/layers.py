@@ -29,16 +29,16 @@ def param(
     return nnx.Param(init(rngs.params(), shape, dtype), eager_sharding=False, out_sharding=axes)
 
 
-def _normal(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:
+def normal_init(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:
     return (INIT_STDDEV * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def _ones(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:
+def ones_init(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:
     del key
     return jnp.ones(shape, dtype)
 
 
-def _zeros(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:
+def zeros_init(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:
     del key
     return jnp.zeros(shape, dtype)
 
@@ -54,7 +54,7 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, cfg: ModelConfig, axis_name: str, *, rngs: nnx.Rngs):
         pdtype, self.compute_dtype = dtypes(cfg)
         self.eps = eps
-        self.weight = param(rngs, _ones, (dim,), (axis_name,), pdtype)
+        self.weight = param(rngs, ones_init, (dim,), (axis_name,), pdtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
@@ -69,14 +69,18 @@ class Attention(nnx.Module):
         pdtype, self.compute_dtype = dtypes(cfg)
         e, h, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         self.layer = layer
-        self.q_proj = param(rngs, _normal, (e, h, d), ("embed", "heads", "head_dim"), pdtype)
-        self.k_proj = param(rngs, _normal, (e, hkv, d), ("embed", "kv_heads", "head_dim"), pdtype)
-        self.v_proj = param(rngs, _normal, (e, hkv, d), ("embed", "kv_heads", "head_dim"), pdtype)
-        self.o_proj = param(rngs, _normal, (h, d, e), ("heads", "head_dim", "embed"), pdtype)
+        self.q_proj = param(rngs, normal_init, (e, h, d), ("embed", "heads", "head_dim"), pdtype)
+        self.k_proj = param(
+            rngs, normal_init, (e, hkv, d), ("embed", "kv_heads", "head_dim"), pdtype
+        )
+        self.v_proj = param(
+            rngs, normal_init, (e, hkv, d), ("embed", "kv_heads", "head_dim"), pdtype
+        )
+        self.o_proj = param(rngs, normal_init, (h, d, e), ("heads", "head_dim", "embed"), pdtype)
         if cfg.qkv_bias:
-            self.q_bias = param(rngs, _zeros, (h, d), ("heads", "head_dim"), pdtype)
-            self.k_bias = param(rngs, _zeros, (hkv, d), ("kv_heads", "head_dim"), pdtype)
-            self.v_bias = param(rngs, _zeros, (hkv, d), ("kv_heads", "head_dim"), pdtype)
+            self.q_bias = param(rngs, zeros_init, (h, d), ("heads", "head_dim"), pdtype)
+            self.k_bias = param(rngs, zeros_init, (hkv, d), ("kv_heads", "head_dim"), pdtype)
+            self.v_bias = param(rngs, zeros_init, (hkv, d), ("kv_heads", "head_dim"), pdtype)
         else:
             self.q_bias = self.k_bias = self.v_bias = None
         if cfg.qk_norm:
@@ -110,9 +114,9 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pdtype, self.compute_dtype = dtypes(cfg)
         e, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = param(rngs, _normal, (e, f), ("embed", "mlp"), pdtype)
-        self.up_proj = param(rngs, _normal, (e, f), ("embed", "mlp"), pdtype)
-        self.down_proj = param(rngs, _normal, (f, e), ("mlp", "embed"), pdtype)
+        self.gate_proj = param(rngs, normal_init, (e, f), ("embed", "mlp"), pdtype)
+        self.up_proj = param(rngs, normal_init, (e, f), ("embed", "mlp"), pdtype)
+        self.down_proj = param(rngs, normal_init, (f, e), ("mlp", "embed"), pdtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.compute_dtype

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.models.attention import DenseKVCache, KVCache, NoCache
-from rlax_tpu.models.layers import DecoderLayer, RMSNorm, _normal, dtypes, param
+from rlax_tpu.models.layers import DecoderLayer, RMSNorm, dtypes, normal_init, param
 from rlax_tpu.models.rope import rope_tables
 from rlax_tpu.models.sharding import constrain, param_shardings
 
@@ -38,7 +38,7 @@ class Transformer(nnx.Module):
         pdtype, self.compute_dtype = dtypes(cfg)
         self.cfg = cfg
         self.embed = param(
-            rngs, _normal, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pdtype
+            rngs, normal_init, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pdtype
         )
         self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, "norm", rngs=rngs)
@@ -46,7 +46,7 @@ class Transformer(nnx.Module):
             self.lm_head = None
         else:
             self.lm_head = param(
-                rngs, _normal, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pdtype
+                rngs, normal_init, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pdtype
             )
 
     def __call__(
