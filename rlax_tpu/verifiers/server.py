@@ -51,7 +51,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         deadline = request.deadline_s or None
         remaining = context.time_remaining()
-        if remaining is not None:  # answer before the caller gives up
+        if remaining is not None and remaining < 1e6:  # answer before the caller gives up
             deadline = min(deadline or remaining, max(remaining - 0.5, 0.1))
         try:
             verdicts = self._service.verify(tasks, deadline_s=deadline)

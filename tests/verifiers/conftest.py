@@ -56,3 +56,13 @@ def assert_no_sandbox_processes(uids) -> None:
 @pytest.fixture()
 def no_sandbox_processes():
     return assert_no_sandbox_processes
+
+
+@pytest.fixture()
+def verifier_config():
+    """Builds a test VerifierConfig; ``uid_offset`` moves a second service off the shared uids."""
+
+    def build(uid_offset: int = 0, **overrides: object) -> VerifierConfig:
+        return make_config(sandbox_uid=session_uid_base() + uid_offset, **overrides)
+
+    return build

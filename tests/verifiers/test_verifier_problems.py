@@ -1,0 +1,122 @@
+"""Bundled Codeforces-style problems in every language, and the checker protocol's corners."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlax_tpu.types import VerdictKind
+from rlax_tpu.verifiers.api import CodeTask
+from rlax_tpu.verifiers.problems import bundled_problems, upload_files, upload_problem
+from rlax_tpu.verifiers.service import VerifierService
+
+FAKE_TESTLIB = Path(__file__).parent / "fixtures" / "fake_testlib" / "testlib.h"
+TESTLIB_CHECKER = """#include "testlib.h"
+int main(int argc, char** argv) {
+  return read_first_token(argv[2]) == read_first_token(argv[3]) ? 0 : 1;
+}
+"""
+
+
+def test_bundled_problems_in_every_language(service):
+    problems = bundled_problems()
+    assert len(problems) >= 4
+    tasks, expected = [], []
+    for problem in problems:
+        spec = upload_files(service, problem)
+        assert spec.checker or problem.checker_source == ""
+        languages = {s.language for s in problem.solutions if s.verdict == "accepted"}
+        assert languages == {"python", "cpp", "rust", "java"}, problem.id
+        assert any(s.verdict != "accepted" for s in problem.solutions), problem.id
+        for s in problem.solutions:
+            tasks.append(CodeTask(problem=spec, language=s.language, code=s.code))
+            expected.append((problem.id, s.language, s.note, s.verdict))
+    verdicts = service.verify(tasks)
+    got = [(*e[:3], v.kind.value) for e, v in zip(expected, verdicts, strict=True)]
+    assert got == [(*e[:3], e[3]) for e in expected]
+    for v, e in zip(verdicts, expected, strict=True):
+        assert (v.tests_passed == v.tests_total) == (e[3] == "accepted")
+
+
+def test_special_checker_accepts_an_answer_other_than_the_jury_answer(service):
+    [problem] = [p for p in bundled_problems() if p.id == "any_divisor"]
+    assert problem.tests[0] == ("12\n", "6\n")
+    spec = upload_files(service, problem)
+    # Prints the largest divisor below the jury's (3 for 12, not 6): right, yet not the answer file.
+    code = (
+        "n = int(input())\n"
+        "ds = [d for d in range(2, int(n ** 0.5) + 1) if n % d == 0]\n"
+        "print(n // ds[0] // (ds[0] if n // ds[0] > ds[0] and n // ds[0] % ds[0] == 0 and "
+        "n // ds[0] // ds[0] > 1 else 1) if ds else -1)\n"
+    )
+    [verdict] = service.verify([CodeTask(problem=spec, language="python", code=code)])
+    assert verdict.kind is VerdictKind.ACCEPTED, verdict
+    no_checker = upload_problem(service, problem_id="plain", tests=problem.tests[:1])
+    [plain] = service.verify([CodeTask(problem=no_checker, language="python", code=code)])
+    assert plain.kind is VerdictKind.WRONG_ANSWER
+    assert plain.detail == "test 1: token 1: expected '6', got '3'"
+
+
+def test_uploads_are_content_addressed(service):
+    link = service.upload(b"1 2\n")
+    assert link == service.upload(b"1 2\n") and link.startswith("sha256:")
+    assert service.missing([link, "sha256:" + "0" * 64]) == ["sha256:" + "0" * 64]
+    assert service.repository.read(link) == b"1 2\n"
+
+
+def test_missing_links_are_an_internal_error_not_a_model_failure(service):
+    spec = upload_problem(service, problem_id="p", tests=[("1\n", "1\n")])
+    broken = spec.__class__(problem_id="p", tests=(spec.tests[0].__class__(
+        input="sha256:" + "1" * 64, answer=spec.tests[0].answer),))  # fmt: skip
+    [verdict] = service.verify([CodeTask(problem=broken, language="python", code="print(1)")])
+    assert verdict.kind is VerdictKind.INTERNAL_ERROR and not verdict.is_model_failure
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "kind", "score"),
+    [(3, VerdictKind.INTERNAL_ERROR, 0.0), (2, VerdictKind.PRESENTATION_ERROR, 0.0),
+     (7, VerdictKind.WRONG_ANSWER, 0.25)],
+)  # fmt: skip
+def test_checker_exit_codes(service, exit_code, kind, score):
+    checker = (
+        f"import sys\nprint('points 0.25 partly right', file=sys.stderr)\nsys.exit({exit_code})\n"
+    )
+    spec = upload_problem(
+        service, problem_id="codes", tests=[("1\n", "1\n")], checker_source=checker,
+        checker_language="python",
+    )  # fmt: skip
+    [verdict] = service.verify([CodeTask(problem=spec, language="python", code="print(1)")])
+    assert verdict.kind is kind
+    assert verdict.score == pytest.approx(score)
+    assert verdict.is_model_failure == (kind is not VerdictKind.INTERNAL_ERROR)
+
+
+def test_testlib_checker_without_testlib_is_a_clear_error(service):
+    spec = upload_problem(
+        service, problem_id="needs_testlib", tests=[("1\n", "1\n")], checker_source=TESTLIB_CHECKER
+    )
+    [verdict] = service.verify([CodeTask(problem=spec, language="python", code="print(1)")])
+    assert verdict.kind is VerdictKind.INTERNAL_ERROR
+    assert "testlib.h" in verdict.detail and "verifiers.testlib_path" in verdict.detail
+
+
+def test_testlib_checker_with_testlib_shipped_by_the_problem(service):
+    spec = upload_problem(
+        service, problem_id="ships_testlib", tests=[("1\n", "1\n")],
+        checker_source=TESTLIB_CHECKER, testlib_source=FAKE_TESTLIB.read_text(),
+    )  # fmt: skip
+    ok, wrong = service.verify(
+        [CodeTask(problem=spec, language="python", code=c) for c in ("print(1)", "print(2)")]
+    )
+    assert ok.kind is VerdictKind.ACCEPTED and wrong.kind is VerdictKind.WRONG_ANSWER
+
+
+def test_testlib_checker_with_configured_testlib_path(tmp_path, verifier_config):
+    config = verifier_config(4, testlib_path=str(FAKE_TESTLIB), languages=("python", "cpp"))
+    with VerifierService(config, scratch_dir=tmp_path) as svc:
+        spec = upload_problem(
+            svc, problem_id="configured", tests=[("1\n", "1\n")], checker_source=TESTLIB_CHECKER
+        )
+        [verdict] = svc.verify([CodeTask(problem=spec, language="python", code="print(1)")])
+    assert verdict.kind is VerdictKind.ACCEPTED
