@@ -310,10 +310,14 @@ class ParamServerConfig:
     chunk_bytes: int = 4 * 2**20
     max_message_bytes: int = 64 * 2**20
     replicas: int = 1
+    replica_index: int = 0  # which of the replicas this server is; its commits are its progress
+    lease_ttl_s: float = 600.0  # a consumer's lease lapses unless renewed within this
 
     def __post_init__(self) -> None:
-        _positive(self, "chunk_bytes", "max_message_bytes", "replicas")
+        _positive(self, "chunk_bytes", "max_message_bytes", "replicas", "lease_ttl_s")
         _non_negative(self, "persist_every")
+        if not 0 <= self.replica_index < self.replicas:
+            raise _bad(self, "replica_index", f"must be in [0, replicas={self.replicas})")
         if self.in_memory_versions < 2:
             raise _bad(
                 self,

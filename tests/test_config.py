@@ -558,3 +558,17 @@ def test_verifier_compile_and_disk_limits_must_be_positive():
         {"verifiers.compile_memory_limit_mb": -1},
         "verifiers.compile_memory_limit_mb = -1: must be > 0",
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter server (issue #5): which replica a server is, and how long a lease lives.
+
+
+def test_param_server_replica_index_and_lease_ttl():
+    expect_error(
+        {"param_server.replicas": 2, "param_server.replica_index": 2},
+        "param_server.replica_index = 2: must be in [0, replicas=2)",
+    )
+    expect_error({"param_server.lease_ttl_s": 0.0}, "param_server.lease_ttl_s = 0.0: must be > 0")
+    ok = build({"param_server.replicas": 4, "param_server.replica_index": 3})
+    assert ok.param_server.replica_index == 3

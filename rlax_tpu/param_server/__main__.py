@@ -1,18 +1,43 @@
 """Parameter server: TensorStore-backed, versioned weights served over gRPC.
 
 Serves publish, pull, list_versions, report_progress/lease and health on param_server.address,
-persisting every param_server.persist_every-th version.
+persisting every param_server.persist_every-th version to param_server.persist_path (default
+<controller.run_dir>/param_server). On start it serves the newest complete persisted version.
+Prints "param_server listening on HOST:PORT" once ready; SIGTERM or SIGINT stops it (exit 0).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 from rlax_tpu import cli
 from rlax_tpu.config import RunConfig
+from rlax_tpu.param_server.service import serve
+
+
+def persist_location(config: RunConfig) -> str:
+    """Where versions are persisted; "" when persistence is off."""
+    ps = config.param_server
+    if ps.persist_every == 0:
+        return ""
+    return ps.persist_path or os.path.join(config.controller.run_dir, "param_server")
 
 
 def run(config: RunConfig, args: list[str]) -> int:
-    # Not built yet: say so instead of pretending (#5 [param-server]).
-    return cli.not_built("param_server", "#5 [param-server]", config)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server, port, store = serve(config.param_server, persist_location=persist_location(config))
+    host = config.param_server.address.rpartition(":")[0]
+    print(f"param_server listening on {host}:{port}", flush=True)
+    while not stop.wait(1.0):
+        pass
+    server.stop(grace=5).wait()
+    store.flush(timeout_s=60)  # let a write-through in progress finish
+    store.close()
+    return 0
 
 
 if __name__ == "__main__":

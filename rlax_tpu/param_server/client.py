@@ -1,0 +1,280 @@
+"""Client of the parameter server: the trainer pushes, inference workers pull.
+
+With several replicas (``endpoints[r]`` is replica r), ``push`` publishes to every replica and
+then tells each one that all replicas hold the version, which is what lets them collect older
+versions. ``pull`` reads from this client's own replica (``replica``), only the slices its
+shardings need.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+import jax
+import numpy as np
+
+from rlax_tpu.config import ParamServerConfig
+from rlax_tpu.param_server import errors, wire
+from rlax_tpu.param_server.codec import (
+    ArraySpec,
+    VersionManifest,
+    as_bytes,
+    crc32,
+    describe_sharding,
+    flatten,
+    normalize_index,
+    np_dtype,
+    unflatten_nested,
+)
+from rlax_tpu.param_server.server import LATEST, Bounds, VersionInfo
+from rlax_tpu.rpc import common_pb2, param_server_pb2_grpc
+from rlax_tpu.rpc import param_server_pb2 as pb
+from rlax_tpu.rpc.transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Credentials,
+    make_channel,
+    wait_ready,
+)
+
+_NO_CREDENTIALS = Credentials()
+
+
+def _raise(e: grpc.RpcError) -> None:
+    """Re-raises a failed call as the ParamServerError its status names."""
+    code = e.code()
+    cls = errors.BY_STATUS.get(code.name) if code is not None else None
+    if cls is None:
+        raise e
+    raise cls(e.details()) from e
+
+
+class ParamServerClient:
+    """Calls one parameter server, or a set of replicas (push goes to all, pull to ``replica``)."""
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        credentials: Credentials = _NO_CREDENTIALS,
+        chunk_bytes: int = 4 * 2**20,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        replica: int = 0,
+        timeout_s: float = 600.0,
+    ):
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not 0 <= replica < len(self.endpoints):
+            raise ValueError(f"replica {replica} is not one of {len(self.endpoints)} endpoints")
+        self.replica, self.chunk_bytes, self.timeout_s = replica, chunk_bytes, timeout_s
+        self.bytes_pulled = 0  # payload bytes received by pulls, for metrics
+        self._channels = [make_channel(e, credentials=credentials, max_message_bytes=max_message_bytes)
+                          for e in self.endpoints]  # fmt: skip
+        self._stubs = [param_server_pb2_grpc.ParamServerStub(c) for c in self._channels]
+
+    @classmethod
+    def from_config(cls, config: ParamServerConfig, endpoints: str | Sequence[str],
+                    *, replica: int = 0) -> ParamServerClient:  # fmt: skip
+        creds = Credentials(
+            auth_token_file=config.auth_token_file, tls_cert_file=config.tls_cert_file
+        )
+        return cls(endpoints, credentials=creds, chunk_bytes=config.chunk_bytes,
+                   max_message_bytes=config.max_message_bytes, replica=replica)  # fmt: skip
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Raises rpc.transport.ComponentUnreachable if a replica does not answer in time."""
+        for channel, endpoint in zip(self._channels, self.endpoints, strict=True):
+            wait_ready(channel, component="param_server", endpoint=endpoint, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        for c in self._channels:
+            c.close()
+
+    def __enter__(self) -> ParamServerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------ push
+
+    def push(self, params: Any, version: int, *, step: int | None = None) -> VersionInfo:
+        """Publishes a pytree of arrays (jax or numpy) as ``version`` to every replica.
+
+        Idempotent: pushing the same content again is a no-op; different content for an existing
+        version raises AlreadyExists.
+        """
+        paths, leaves, _ = flatten(params)
+        specs, hosts = [], []
+        for path, leaf in zip(paths, leaves, strict=True):
+            sharding, block = describe_sharding(leaf)
+            host = np.asarray(leaf)  # gathers a sharded jax.Array
+            specs.append(ArraySpec(path=path, shape=tuple(host.shape), dtype=host.dtype.name,
+                                   sharding=sharding, shard_shape=block))  # fmt: skip
+            hosts.append(host)
+        header = wire.header_to_pb(
+            VersionManifest(
+                version=version, step=version if step is None else step, arrays=tuple(specs)
+            )
+        )
+
+        def one(stub: param_server_pb2_grpc.ParamServerStub) -> pb.PublishReply:
+            try:
+                return stub.Publish(self._publish_stream(header, hosts), timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                _raise(e)
+
+        replies = self._on_all(one)
+        for r in range(len(self.endpoints)):
+            self.report_progress(r, version)
+        return wire.info_from_pb(replies[self.replica].info)
+
+    def _publish_stream(self, header: pb.VersionHeader,
+                        hosts: list[np.ndarray]) -> Iterator[pb.PublishRequest]:  # fmt: skip
+        yield pb.PublishRequest(header=header)
+        crcs = []
+        for index, host in enumerate(hosts):
+            flat, crc = as_bytes(host), 0
+            for offset in range(0, len(flat), self.chunk_bytes):
+                data = flat[offset : offset + self.chunk_bytes].tobytes()
+                crc = zlib.crc32(data, crc)
+                yield pb.PublishRequest(chunk=pb.Chunk(index=index, offset=offset, data=data))
+            crcs.append(crc)
+        yield pb.PublishRequest(trailer=pb.PublishTrailer(crc32=crcs))
+
+    def _on_all(self, call: Any) -> list[Any]:
+        if len(self._stubs) == 1:
+            return [call(self._stubs[0])]
+        with futures.ThreadPoolExecutor(len(self._stubs)) as pool:
+            return list(pool.map(call, self._stubs))
+
+    # ------------------------------------------------------------------------------ pull
+
+    def pull_arrays(
+        self, version: int = LATEST, slices: Sequence[tuple[int, Bounds]] | None = None
+    ) -> tuple[VersionManifest, list[np.ndarray]]:
+        """(manifest, host arrays): whole arrays in manifest order, or one per requested box.
+
+        Whole arrays are checked against the manifest's crc32 (DataLoss on mismatch).
+        """
+        request = pb.PullRequest(version=version)
+        for i, bounds in slices or ():
+            request.slices.add(
+                array=i, start=[lo for lo, _ in bounds], stop=[hi for _, hi in bounds]
+            )
+        try:
+            stream = self._stubs[self.replica].Pull(request, timeout=self.timeout_s)
+            first = next(stream)
+            manifest = wire.header_from_pb(first.header)
+            boxes = slices or [(i, None) for i in range(len(manifest.arrays))]
+            out = [_empty(manifest.arrays[i], bounds) for i, bounds in boxes]
+            flats = [as_bytes(o) for o in out]
+            received = [0] * len(out)
+            for reply in stream:
+                c = reply.chunk
+                n = len(c.data)
+                flats[c.index][c.offset : c.offset + n] = np.frombuffer(c.data, np.uint8)
+                received[c.index] += n
+                self.bytes_pulled += n
+        except grpc.RpcError as e:
+            _raise(e)
+        short = [i for i, (r, f) in enumerate(zip(received, flats, strict=True)) if r != len(f)]
+        if short:
+            raise errors.DataLoss(f"pull of version {manifest.version} ended early (boxes {short})")
+        if not slices:
+            bad = [s.path for s, a in zip(manifest.arrays, out, strict=True) if crc32(a) != s.crc32]
+            if bad:
+                raise errors.DataLoss(f"version {manifest.version}: checksum mismatch in {bad}")
+        return manifest, out
+
+    def pull(self, version: int = LATEST, shardings: Any = None) -> Any:
+        """A version as a pytree of jax.Arrays.
+
+        ``shardings``: a pytree of jax.sharding.Sharding with the pushed tree's structure; each
+        array is built from the per-device slices this process needs, and only those are pulled.
+        None: whole arrays on the default device, as nested dicts/lists.
+        """
+        if shardings is None:
+            manifest, arrays = self.pull_arrays(version)
+            return unflatten_nested(
+                [a.path for a in manifest.arrays], [jax.device_put(a) for a in arrays]
+            )
+        paths, leaf_shardings, treedef = flatten(shardings)
+        manifest = self._manifest(version)
+        position = {a.path: i for i, a in enumerate(manifest.arrays)}
+        missing = [p for p in paths if p not in position]
+        if missing:
+            raise errors.InvalidArgument(f"version {manifest.version} has no arrays at {missing}")
+        boxes: dict[tuple[int, Bounds], int] = {}
+        for path, sharding in zip(paths, leaf_shardings, strict=True):
+            shape = manifest.arrays[position[path]].shape
+            for index in sharding.addressable_devices_indices_map(shape).values():
+                boxes.setdefault((position[path], normalize_index(index, shape)), len(boxes))
+        _, data = self.pull_arrays(manifest.version, list(boxes))
+        leaves = []
+        for path, sharding in zip(paths, leaf_shardings, strict=True):
+            i = position[path]
+            shape = manifest.arrays[i].shape
+            leaves.append(jax.make_array_from_callback(
+                shape, sharding, lambda idx, i=i, shape=shape: data[boxes[(i, normalize_index(idx, shape))]]
+            ))  # fmt: skip
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def _manifest(self, version: int) -> VersionManifest:
+        """The header of ``version`` (resolving LATEST), without its data: an empty slice pull."""
+        request = pb.PullRequest(version=version, header_only=True)
+        try:
+            return wire.header_from_pb(
+                next(self._stubs[self.replica].Pull(request, timeout=self.timeout_s)).header
+            )
+        except grpc.RpcError as e:
+            _raise(e)
+
+    # ------------------------------------------------------------------------------ control
+
+    def list_versions(self) -> tuple[list[VersionInfo], int | None]:
+        """(hot versions of this client's replica, the latest or None)."""
+        try:
+            reply = self._stubs[self.replica].ListVersions(
+                common_pb2.Empty(), timeout=self.timeout_s
+            )
+        except grpc.RpcError as e:
+            _raise(e)
+        latest = None if reply.latest < 0 else reply.latest
+        return [wire.info_from_pb(v) for v in reply.versions], latest
+
+    def report_progress(self, replica: int, version: int) -> None:
+        """Tells every replica that replica ``replica`` has committed ``version``."""
+        request = pb.ProgressRequest(replica=replica, version=version)
+        try:
+            self._on_all(lambda stub: stub.ReportProgress(request, timeout=self.timeout_s))
+        except grpc.RpcError as e:
+            _raise(e)
+
+    def lease(self, consumer: str, versions: Sequence[int], ttl_s: float = 0.0) -> float:
+        """Sets the versions ``consumer`` holds on every replica (empty releases); returns the TTL.
+
+        Renew before the TTL ends. 0: the server's default (param_server.lease_ttl_s).
+        """
+        request = pb.LeaseRequest(consumer=consumer, versions=list(versions), ttl_s=ttl_s)
+        try:
+            replies = self._on_all(lambda stub: stub.Lease(request, timeout=self.timeout_s))
+        except grpc.RpcError as e:
+            _raise(e)
+        return min(r.ttl_s for r in replies)
+
+    def health(self) -> list[common_pb2.HealthReply]:
+        """One HealthReply per replica."""
+        try:
+            return self._on_all(
+                lambda stub: stub.Health(common_pb2.Empty(), timeout=self.timeout_s)
+            )
+        except grpc.RpcError as e:
+            _raise(e)
+
+
+def _empty(spec: ArraySpec, bounds: Bounds | None) -> np.ndarray:
+    shape = spec.shape if bounds is None else tuple(hi - lo for lo, hi in bounds)
+    return np.empty(shape, np_dtype(spec.dtype))

@@ -1,0 +1,46 @@
+"""Errors of the parameter server; each names the gRPC status it is sent with."""
+
+from __future__ import annotations
+
+
+class ParamServerError(Exception):
+    """Base class. ``status`` is a ``grpc.StatusCode`` name."""
+
+    status = "INTERNAL"
+
+
+class InvalidArgument(ParamServerError):
+    status = "INVALID_ARGUMENT"
+
+
+class NotFound(ParamServerError):
+    status = "NOT_FOUND"
+
+
+class AlreadyExists(ParamServerError):
+    status = "ALREADY_EXISTS"
+
+
+class DataLoss(ParamServerError):
+    """Bytes were lost or corrupted: a truncated stream or a checksum mismatch."""
+
+    status = "DATA_LOSS"
+
+
+class ResourceExhausted(ParamServerError):
+    """No room for another hot version: nothing can be collected yet."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
+BY_STATUS = {c.status: c for c in (InvalidArgument, NotFound, AlreadyExists, DataLoss,
+                                  ResourceExhausted)}  # fmt: skip
+
+
+class Aborted(ParamServerError):
+    """A conflicting call is in flight (e.g. the same version published twice at once); retry."""
+
+    status = "ABORTED"
+
+
+BY_STATUS[Aborted.status] = Aborted

@@ -1,0 +1,426 @@
+"""The parameter server as an in-process object: versioned weights in TensorStore, leases, GC,
+write-through persistence. ``service.py`` exposes the same calls over gRPC.
+
+Atomic publish: a version's arrays are written under a fresh staging prefix of the hot store; the
+version becomes visible only when its manifest enters the index, under the lock, after every
+array is written and its crc32 checked. Readers resolve versions through the index only, and pin
+the version for the duration of a pull, so GC cannot pull it from under them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import uuid
+import zlib
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+
+import numpy as np
+
+from rlax_tpu.config import ParamServerConfig
+from rlax_tpu.param_server import errors
+from rlax_tpu.param_server.codec import ArraySpec, VersionManifest, check_bounds, np_dtype
+from rlax_tpu.param_server.persistence import Persister
+from rlax_tpu.param_server.retention import Retention
+from rlax_tpu.param_server.store import ArrayStore
+
+log = logging.getLogger(__name__)
+
+LATEST = -1
+Bounds = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VersionInfo:
+    version: int
+    step: int
+    nbytes: int
+    persisted: bool = False
+    leased_by: tuple[str, ...] = ()
+
+
+class ParamServer:
+    """Versioned weight store. Thread-safe. ``persist_location`` "" disables persistence."""
+
+    def __init__(self, config: ParamServerConfig, *, persist_location: str = ""):
+        self.config = config
+        self._hot = ArrayStore("memory")
+        self._lock = threading.Lock()
+        self._index: dict[int, tuple[VersionManifest, str]] = {}  # committed: version -> prefix
+        self._publishing: set[int] = set()
+        self._pins: collections.Counter[int] = collections.Counter()  # pulls and persists in flight
+        self._persisted: set[int] = set()
+        self._retention = Retention(replicas=config.replicas)
+        self._crc_pool = futures.ThreadPoolExecutor(2, thread_name_prefix="param-server-crc")
+        self._persister = Persister(self._hot, persist_location) if persist_location else None
+        if self._persister is not None:
+            self._recover()
+
+    # ------------------------------------------------------------------------------ publish
+
+    def begin_publish(self, version: int, step: int, arrays: Sequence[ArraySpec]) -> PublishSession:
+        """Validates a version's declared tree and opens a session that receives its bytes."""
+        if version < 0 or step < 0:
+            raise errors.InvalidArgument(f"version and step must be >= 0, got {version}, {step}")
+        if not arrays:
+            raise errors.InvalidArgument(f"version {version} declares no arrays")
+        paths = [a.path for a in arrays]
+        if len(set(paths)) != len(paths):
+            raise errors.InvalidArgument(f"version {version} declares a path twice")
+        with self._lock:
+            existing = self._index.get(version)
+            if existing is not None and not _same_layout(existing[0].arrays, arrays):
+                raise errors.AlreadyExists(
+                    f"version {version} exists with a different tree, shapes or dtypes"
+                )
+            latest = self._latest_locked()
+            if existing is None and latest is not None:
+                reference = self._index[latest][0].arrays
+                if not _same_layout(reference, arrays):
+                    raise errors.InvalidArgument(
+                        f"version {version} does not match the tree, shapes and dtypes of version "
+                        f"{latest}: {_first_difference(reference, arrays)}"
+                    )
+            if version in self._publishing:
+                raise errors.Aborted(f"version {version} is being published by another stream")
+            if existing is None:
+                self._collectible_locked(need_room=True)  # fail early, collect at commit
+            self._publishing.add(version)
+        return PublishSession(self, version, step, tuple(arrays), existing=existing)
+
+    def publish(self, version: int, step: int, paths: Sequence[str],
+                arrays: Sequence[np.ndarray]) -> tuple[VersionInfo, bool]:  # fmt: skip
+        """In-process publish of host arrays. Returns (info, already_present)."""
+        specs = [ArraySpec(path=p, shape=tuple(a.shape), dtype=np.dtype(a.dtype).name)
+                 for p, a in zip(paths, arrays, strict=True)]  # fmt: skip
+        session = self.begin_publish(version, step, specs)
+        try:
+            crcs = []
+            for i, a in enumerate(arrays):
+                data = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                session.add(i, 0, data)
+                crcs.append(zlib.crc32(data))
+            return session.finish(crcs)
+        finally:
+            session.abort()
+
+    def _commit(self, manifest: VersionManifest, prefix: str) -> list[str]:
+        """Makes a written version visible; returns hot prefixes collected to make room."""
+        with self._lock:
+            doomed = self._collectible_locked(need_room=True)
+            for v in doomed:
+                self._index.pop(v)
+                self._persisted.discard(v)
+            self._index[manifest.version] = (manifest, prefix)
+            self._retention.report_progress(
+                self.config.replica_index, max(self._index)
+            )  # our own progress
+            persist = (
+                self._persister is not None
+                and self.config.persist_every > 0
+                and (manifest.version % self.config.persist_every == 0)
+            )
+            if persist:
+                self._pins[manifest.version] += 1
+        if persist:
+            self._persister.submit(manifest, prefix, lambda ok: self._persist_done(manifest, ok))
+        return [p for p in doomed.values()]
+
+    def _persist_done(self, manifest: VersionManifest, ok: bool) -> None:
+        with self._lock:
+            self._unpin_locked(manifest.version)
+            if ok and manifest.version in self._index:
+                self._persisted.add(manifest.version)
+
+    # ------------------------------------------------------------------------------ retention
+
+    def _collectible_locked(self, *, need_room: bool) -> dict[int, str]:
+        """Versions to drop so one more fits in K (oldest first); raises if that is impossible."""
+        if not need_room or len(self._index) < self.config.in_memory_versions:
+            return {}
+        latest = self._latest_locked()
+        reasons = []
+        for v in sorted(self._index):
+            why = self._retention.blocker(v) if v != latest else "it is the latest"
+            if why is None and self._pins[v]:
+                why = f"version {v} is being read or persisted"
+            if why is None:
+                return {v: self._index[v][1]}
+            reasons.append(why)
+        raise errors.ResourceExhausted(
+            f"{len(self._index)} versions are hot (in_memory_versions="
+            f"{self.config.in_memory_versions}) and none can be collected: {'; '.join(reasons)}"
+        )
+
+    def report_progress(self, replica: int, version: int) -> None:
+        """Replica ``replica`` has committed ``version`` (versions before it may be collected)."""
+        with self._lock:
+            self._retention.report_progress(replica, version)
+
+    def lease(self, consumer: str, versions: Sequence[int], ttl_s: float = 0.0) -> float:
+        """Sets the versions ``consumer`` holds (replacing its previous set); returns the TTL."""
+        ttl_s = ttl_s or self.config.lease_ttl_s
+        with self._lock:
+            missing = sorted(v for v in set(versions) if v not in self._index)
+            if missing:
+                raise errors.NotFound(
+                    f"cannot lease versions {missing}: not held (hot: {sorted(self._index)})"
+                )
+            self._retention.set_lease(consumer, versions, ttl_s)
+        return ttl_s
+
+    # ------------------------------------------------------------------------------ reads
+
+    def _latest_locked(self) -> int | None:
+        return max(self._index) if self._index else None
+
+    def _unpin_locked(self, version: int) -> None:
+        self._pins[version] -= 1
+        if self._pins[version] <= 0:
+            del self._pins[version]
+
+    def list_versions(self) -> list[VersionInfo]:
+        with self._lock:
+            return [
+                VersionInfo(
+                    version=v,
+                    step=m.step,
+                    nbytes=m.nbytes,
+                    persisted=v in self._persisted,
+                    leased_by=tuple(self._retention.holders(v)),
+                )  # fmt: skip
+                for v, (m, _) in sorted(self._index.items())
+            ]
+
+    def latest(self) -> int | None:
+        with self._lock:
+            return self._latest_locked()
+
+    def pull(
+        self, version: int = LATEST, slices: Sequence[tuple[int, Bounds | None]] | None = None
+    ) -> tuple[VersionManifest, Iterator[np.ndarray]]:
+        """(manifest, arrays): whole arrays in order, or each requested (array, bounds) box.
+
+        The version stays pinned until the iterator is exhausted or closed.
+        """
+        with self._lock:
+            if version == LATEST:
+                version = self._latest_locked()
+                if version is None:
+                    raise errors.NotFound("no version has been published yet")
+            if version not in self._index:
+                raise errors.NotFound(f"version {version} is not held (hot: {sorted(self._index)})")
+            manifest, prefix = self._index[version]
+            self._pins[version] += 1
+        try:
+            if slices is None:
+                slices = [(i, None) for i in range(len(manifest.arrays))]
+            for i, bounds in slices:
+                if not 0 <= i < len(manifest.arrays):
+                    raise errors.InvalidArgument(f"array index {i} is not in version {version}")
+                if bounds is not None:
+                    check_bounds(manifest.arrays[i], bounds)
+        except errors.ParamServerError:
+            self._unpin(version)
+            raise
+        return manifest, self._read(manifest, prefix, list(slices))
+
+    def _unpin(self, version: int) -> None:
+        with self._lock:
+            self._unpin_locked(version)
+
+    def _read(self, manifest: VersionManifest, prefix: str,
+              slices: list[tuple[int, Bounds | None]]) -> Iterator[np.ndarray]:  # fmt: skip
+        try:
+            ahead = 2  # reads in flight while the previous result is being sent
+            pending = collections.deque()
+            for i, bounds in slices:
+                pending.append(self._hot.read_array(prefix, i, manifest.arrays[i], bounds))
+                if len(pending) > ahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            self._unpin(manifest.version)
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def _recover(self) -> None:
+        found = self._persister.recover()
+        if found is None:
+            log.info("no complete persisted version in %s", self._persister.location)
+            return
+        manifest, arrays = found
+        prefix = f"v{manifest.version}-{uuid.uuid4().hex[:8]}"
+        pending = [self._hot.write_array(prefix, i, s, a)
+                   for i, (s, a) in enumerate(zip(manifest.arrays, arrays, strict=True))]  # fmt: skip
+        for f in pending:
+            f.result()
+        with self._lock:
+            self._index[manifest.version] = (manifest, prefix)
+            self._persisted.add(manifest.version)
+            self._retention.report_progress(self.config.replica_index, manifest.version)
+        log.info("recovered version %d from %s", manifest.version, self._persister.location)
+
+    def stored_prefixes(self) -> tuple[set[str], set[str]]:
+        """(prefixes of committed versions, every prefix with data in the hot store).
+
+        They are equal when no publish is in flight: a failed one leaves nothing behind.
+        """
+        with self._lock:
+            committed = {p for _, p in self._index.values()}
+        return committed, self._hot.prefixes()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Waits for background persistence to catch up."""
+        return self._persister is None or self._persister.flush(timeout_s)
+
+    def health(self) -> tuple[bool, str]:
+        with self._lock:
+            hot = sorted(self._index)
+            persisted = sorted(self._persisted)
+        problems = self._persister.errors[-1:] if self._persister is not None else []
+        detail = f"hot versions {hot}; persisted {persisted}" + "".join(f"; {p}" for p in problems)
+        return True, detail
+
+    def close(self) -> None:
+        if self._persister is not None:
+            self._persister.close()
+        self._crc_pool.shutdown(wait=False)
+
+
+def _same_layout(a: Sequence[ArraySpec], b: Sequence[ArraySpec]) -> bool:
+    return len(a) == len(b) and all(x.same_layout(y) for x, y in zip(a, b, strict=True))
+
+
+def _first_difference(reference: Sequence[ArraySpec], arrays: Sequence[ArraySpec]) -> str:
+    if len(reference) != len(arrays):
+        return f"{len(arrays)} arrays instead of {len(reference)}"
+    for r, a in zip(reference, arrays, strict=True):
+        if not r.same_layout(a):
+            return (
+                f"{a.path} is {a.dtype}{list(a.shape)}, expected {r.path} {r.dtype}{list(r.shape)}"
+            )
+    return "no difference"
+
+
+class PublishSession:
+    """Receives one version's bytes: arrays in declared order, each as contiguous chunks.
+
+    Each array is handed to TensorStore (and its crc32 to a worker thread) as soon as its last
+    byte arrives, so writing overlaps receiving. Nothing is visible until ``finish`` commits.
+    """
+
+    def __init__(self, server: ParamServer, version: int, step: int, arrays: tuple[ArraySpec, ...],
+                 *, existing: tuple[VersionManifest, str] | None):  # fmt: skip
+        self._server, self.version, self.step, self.arrays = server, version, step, arrays
+        self._existing = existing  # a retry of a committed version: only checksums are compared
+        self._prefix = f"v{version}-{uuid.uuid4().hex[:8]}"
+        self._current, self._received = -1, 0
+        self._buffer: np.ndarray | None = None
+        self._crcs: list[futures.Future] = []
+        self._writes: list = []
+        self._open = True
+        self._advance_to(0)
+
+    def _advance_to(self, index: int) -> None:
+        """Closes arrays before ``index`` (each must be complete) and starts ``index``."""
+        while self._current < index:
+            if self._current >= 0:
+                spec = self.arrays[self._current]
+                if self._received != spec.nbytes:
+                    raise errors.InvalidArgument(
+                        f"chunk for array {index} arrived while array {self._current} ({spec.path}) "
+                        f"has {self._received} of {spec.nbytes} bytes"
+                    )
+                self._seal(spec)
+            self._current += 1
+            if self._current < len(self.arrays):
+                self._buffer = np.empty(self.arrays[self._current].nbytes, np.uint8)
+                self._received = 0
+
+    def _seal(self, spec: ArraySpec) -> None:
+        data = self._buffer.view(np_dtype(spec.dtype)).reshape(spec.shape)
+        self._crcs.append(self._server._crc_pool.submit(zlib.crc32, self._buffer))
+        if self._existing is None:
+            self._writes.append(
+                self._server._hot.write_array(self._prefix, self._current, spec, data)
+            )
+        self._buffer = None
+
+    def add(self, index: int, offset: int, data: bytes | memoryview | np.ndarray) -> None:
+        """Bytes [offset, offset + len(data)) of array ``index``."""
+        if not self._open:
+            raise errors.InvalidArgument("the publish session is closed")
+        if not 0 <= index < len(self.arrays) or index < self._current:
+            raise errors.InvalidArgument(
+                f"chunk for array {index}: arrays must arrive in order 0..{len(self.arrays) - 1}, "
+                f"now at {self._current}"
+            )
+        self._advance_to(index)
+        spec, n = self.arrays[index], len(data)
+        if offset != self._received:
+            raise errors.InvalidArgument(
+                f"array {index} ({spec.path}): chunk at offset {offset}, expected {self._received}"
+            )
+        if offset + n > spec.nbytes:
+            raise errors.InvalidArgument(
+                f"array {index} ({spec.path}) is declared {spec.dtype}{list(spec.shape)} = "
+                f"{spec.nbytes} bytes, got at least {offset + n}"
+            )
+        self._buffer[offset : offset + n] = np.frombuffer(data, np.uint8)
+        self._received += n
+
+    def finish(self, crcs: Sequence[int]) -> tuple[VersionInfo, bool]:
+        """Checks completeness and checksums, then commits. Returns (info, already_present)."""
+        if len(crcs) != len(self.arrays):
+            raise errors.InvalidArgument(f"{len(crcs)} checksums for {len(self.arrays)} arrays")
+        last = self.arrays[self._current] if self._current < len(self.arrays) else None
+        if self._current < len(self.arrays) - 1 or (last and self._received != last.nbytes):
+            raise errors.DataLoss(
+                f"truncated publish of version {self.version}: array {self._current} "
+                f"({last.path}) has {self._received} of {last.nbytes} bytes"
+            )
+        self._advance_to(len(self.arrays))
+        got = [f.result() for f in self._crcs]
+        bad = [s.path for s, g, c in zip(self.arrays, got, crcs, strict=True) if g != c]
+        if bad:
+            raise errors.DataLoss(f"version {self.version}: checksum mismatch in {bad}")
+        for w in self._writes:
+            w.result()
+        manifest = VersionManifest(
+            version=self.version, step=self.step,
+            arrays=tuple(dataclasses.replace(s, crc32=c) for s, c in zip(self.arrays, got, strict=True)),
+        )  # fmt: skip
+        info = VersionInfo(version=self.version, step=self.step, nbytes=manifest.nbytes)
+        if self._existing is not None:
+            if [a.crc32 for a in self._existing[0].arrays] != got or self._existing[
+                0
+            ].step != self.step:
+                raise errors.AlreadyExists(
+                    f"version {self.version} exists with different content; versions are immutable"
+                )
+            self._close(keep=False)
+            return dataclasses.replace(info, step=self._existing[0].step), True
+        doomed = self._server._commit(manifest, self._prefix)
+        self._close(keep=True)
+        for prefix in doomed:
+            self._server._hot.delete(prefix)
+        return info, False
+
+    def abort(self) -> None:
+        """Drops whatever was staged (a no-op after a successful finish)."""
+        if self._open:
+            self._close(keep=False)
+
+    def _close(self, *, keep: bool) -> None:
+        self._open = False
+        with self._server._lock:
+            self._server._publishing.discard(self.version)
+        if not keep:
+            for w in self._writes:
+                w.exception()  # wait: a late write must not recreate deleted keys
+            self._server._hot.delete(self._prefix)

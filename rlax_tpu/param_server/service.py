@@ -1,0 +1,132 @@
+"""The gRPC face of :class:`ParamServer`: the same calls, data as chunked byte streams."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+
+from rlax_tpu.config import ParamServerConfig
+from rlax_tpu.param_server import errors, wire
+from rlax_tpu.param_server.codec import as_bytes
+from rlax_tpu.param_server.server import ParamServer
+from rlax_tpu.rpc import common_pb2, param_server_pb2_grpc
+from rlax_tpu.rpc import param_server_pb2 as pb
+from rlax_tpu.rpc.transport import Credentials, make_server
+
+log = logging.getLogger(__name__)
+COMPONENT = "param_server"
+
+
+def _statuses(method: Callable) -> Callable:
+    """Turns ParamServerError into its gRPC status; the store is left as it was."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):  # noqa: ANN001, ANN202
+        try:
+            return method(self, request, context)
+        except errors.ParamServerError as e:
+            context.abort(getattr(grpc.StatusCode, e.status), str(e))
+
+    return wrapper
+
+
+class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
+    def __init__(self, server: ParamServer, *, chunk_bytes: int):
+        self._server, self._chunk_bytes = server, chunk_bytes
+
+    @_statuses
+    def Publish(self, request_iterator: Iterator[pb.PublishRequest], context) -> pb.PublishReply:  # noqa: ANN001
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise errors.InvalidArgument("a publish stream must start with a header")
+        header = wire.header_from_pb(first.header)
+        session = self._server.begin_publish(header.version, header.step, header.arrays)
+        try:
+            for request in request_iterator:
+                part = request.WhichOneof("part")
+                if part == "chunk":
+                    c = request.chunk
+                    session.add(c.index, c.offset, c.data)
+                elif part == "trailer":
+                    info, present = session.finish(list(request.trailer.crc32))
+                    return pb.PublishReply(info=wire.info_to_pb(info), already_present=present)
+                else:
+                    raise errors.InvalidArgument(f"unexpected {part!r} in the middle of a publish")
+            raise errors.DataLoss(
+                f"truncated publish of version {header.version}: the stream ended without a trailer"
+            )
+        finally:
+            session.abort()
+
+    @_statuses
+    def Pull(self, request: pb.PullRequest, context) -> Iterator[pb.PullReply]:  # noqa: ANN001
+        slices = [] if request.header_only else None
+        if request.slices:
+            slices = []
+            for s in request.slices:
+                if len(s.start) != len(s.stop):
+                    raise errors.InvalidArgument(
+                        f"slice of array {s.array}: start/stop lengths differ"
+                    )
+                slices.append((s.array, tuple(zip(s.start, s.stop, strict=True))))
+        manifest, arrays = self._server.pull(request.version, slices)
+        return self._stream(manifest, arrays)
+
+    def _stream(self, manifest, arrays: Iterator[np.ndarray]) -> Iterator[pb.PullReply]:  # noqa: ANN001
+        yield pb.PullReply(header=wire.header_to_pb(manifest))
+        n = self._chunk_bytes
+        try:
+            for index, array in enumerate(arrays):
+                flat = as_bytes(array)
+                for offset in range(0, max(len(flat), 1), n):
+                    data = flat[offset : offset + n].tobytes()
+                    yield pb.PullReply(chunk=pb.Chunk(index=index, offset=offset, data=data))
+        finally:
+            arrays.close()  # unpins the version even if the client went away
+
+    @_statuses
+    def ListVersions(self, request: common_pb2.Empty, context) -> pb.VersionList:  # noqa: ANN001
+        latest = self._server.latest()
+        return pb.VersionList(versions=[wire.info_to_pb(i) for i in self._server.list_versions()],
+                              latest=-1 if latest is None else latest)  # fmt: skip
+
+    @_statuses
+    def ReportProgress(self, request: pb.ProgressRequest, context) -> common_pb2.Empty:  # noqa: ANN001
+        self._server.report_progress(request.replica, request.version)
+        return common_pb2.Empty()
+
+    @_statuses
+    def Lease(self, request: pb.LeaseRequest, context) -> pb.LeaseReply:  # noqa: ANN001
+        ttl = self._server.lease(request.consumer, list(request.versions), request.ttl_s)
+        return pb.LeaseReply(versions=sorted(set(request.versions)), ttl_s=ttl)
+
+    def Health(self, request: common_pb2.Empty, context) -> common_pb2.HealthReply:  # noqa: ANN001
+        serving, detail = self._server.health()
+        return common_pb2.HealthReply(component=COMPONENT, serving=serving, detail=detail)
+
+
+def serve(
+    config: ParamServerConfig, *, persist_location: str = ""
+) -> tuple[grpc.Server, int, ParamServer]:
+    """Starts a ParamServer behind a gRPC server on ``config.address``: (server, port, store)."""
+    store = ParamServer(config, persist_location=persist_location)
+    service = ParamServerService(store, chunk_bytes=config.chunk_bytes)
+    credentials = Credentials(
+        auth_token_file=config.auth_token_file, tls_cert_file=config.tls_cert_file
+    )
+    try:
+        server, port = make_server(
+            config.address,
+            lambda s: param_server_pb2_grpc.add_ParamServerServicer_to_server(service, s),
+            credentials=credentials,
+            max_message_bytes=config.max_message_bytes,
+            max_workers=16,
+        )
+    except Exception:
+        store.close()
+        raise
+    return server, port, store

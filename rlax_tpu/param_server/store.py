@@ -1,0 +1,102 @@
+"""Zarr3 arrays on a TensorStore kvstore: the hot store (``memory``) and the persistent one
+(``file`` here, ``gs://`` in production) share this code; only the kvstore spec differs.
+
+Keys: ``<prefix>/a<i>/`` holds array i of a version, ``<prefix>/manifest.json`` its manifest.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from rlax_tpu.param_server.codec import ArraySpec, VersionManifest, chunk_shape, np_dtype
+
+MANIFEST = "manifest.json"
+
+
+def kvstore_spec(location: str) -> dict:
+    """A kvstore spec for ``memory``, a ``gs://`` / ``file://`` URL, or a local directory."""
+    if location == "memory":
+        return {"driver": "memory"}
+    if "://" not in location:
+        location = "file://" + os.path.abspath(location)
+    return ts.KvStore.Spec(location.rstrip("/") + "/").to_json()
+
+
+class ArrayStore:
+    """Versions' arrays under one kvstore root. Thread-safe (TensorStore is)."""
+
+    def __init__(self, location: str, *, copy_threads: int = 4):
+        self.location = location
+        self._base = kvstore_spec(location)
+        # Own context: a memory kvstore is private to it, and copies use a few threads.
+        self._context = ts.Context({"data_copy_concurrency": {"limit": copy_threads}})
+        self._kv = ts.KvStore.open(self._base, context=self._context).result()
+        self._open: dict[tuple[str, int], ts.TensorStore] = {}  # handles, to skip re-opening
+        self._lock = threading.Lock()
+
+    def _array_spec(self, prefix: str, i: int) -> dict:
+        path = self._base.get("path", "") + f"{prefix}/a{i}/"
+        return {"driver": "zarr3", "kvstore": {**self._base, "path": path}}
+
+    def write_array(self, prefix: str, i: int, spec: ArraySpec, data: np.ndarray) -> ts.Future:
+        """Starts writing array i (a new zarr array) under ``prefix``; returns the write future."""
+        chunks = chunk_shape(spec)
+        store = ts.open(
+            self._array_spec(prefix, i),
+            create=True,
+            delete_existing=True,
+            dtype=ts.dtype(spec.dtype),
+            shape=list(spec.shape),
+            chunk_layout=ts.ChunkLayout(chunk_shape=chunks) if chunks else None,
+            context=self._context,
+        ).result()
+        with self._lock:
+            self._open[(prefix, i)] = store
+        return store.write(data.reshape(spec.shape))
+
+    def read_array(
+        self, prefix: str, i: int, spec: ArraySpec, bounds: Sequence[tuple[int, int]] | None = None
+    ) -> ts.Future:
+        """Starts reading array i, or the index box ``bounds`` of it; the future gives numpy."""
+        with self._lock:
+            store = self._open.get((prefix, i))
+        if store is None:
+            spec_json = self._array_spec(prefix, i)
+            store = ts.open(spec_json, open=True, context=self._context).result()
+        if store.dtype.numpy_dtype != np_dtype(spec.dtype) or tuple(store.shape) != spec.shape:
+            raise OSError(f"{self.location}/{prefix}/a{i} does not hold {spec.dtype}{spec.shape}")
+        if bounds is not None:
+            store = store[tuple(slice(lo, hi) for lo, hi in bounds)]
+        return store.read()
+
+    def write_manifest(self, prefix: str, manifest: VersionManifest) -> None:
+        self._kv.write(f"{prefix}/{MANIFEST}", manifest.to_json()).result()
+
+    def read_manifest(self, prefix: str) -> VersionManifest | None:
+        got = self._kv.read(f"{prefix}/{MANIFEST}").result()
+        return VersionManifest.from_json(got.value) if got.state == "value" else None
+
+    def manifest_prefixes(self) -> list[str]:
+        """Prefixes that hold a manifest (committed or not yet verified)."""
+        suffix = f"/{MANIFEST}".encode()
+        return sorted(
+            k[: -len(suffix)].decode() for k in self._kv.list().result() if k.endswith(suffix)
+        )
+
+    def prefixes(self) -> set[str]:
+        """Top-level prefixes that hold any key (committed, staged or partial)."""
+        return {k.decode().split("/", 1)[0] for k in self._kv.list().result()}
+
+    def delete(self, prefix: str) -> None:
+        """Deletes everything under ``prefix/``, manifest first so a half-deleted one is not taken."""
+        with self._lock:
+            self._open = {k: v for k, v in self._open.items() if k[0] != prefix}
+        self._kv.delete_range(
+            ts.KvStore.KeyRange(f"{prefix}/{MANIFEST}", f"{prefix}/{MANIFEST}\0")
+        ).result()
+        self._kv.delete_range(ts.KvStore.KeyRange(f"{prefix}/", f"{prefix}0")).result()

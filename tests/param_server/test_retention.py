@@ -1,0 +1,85 @@
+"""GC waits for every replica's progress and for consumers' leases."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlax_tpu.config import ParamServerConfig
+from rlax_tpu.param_server import errors
+from rlax_tpu.param_server.client import ParamServerClient
+from rlax_tpu.param_server.retention import Retention
+from tests.param_server.conftest import assert_same_tree, make_tree, running
+
+
+def hot(client) -> list[int]:
+    return [v.version for v in client.list_versions()[0]]
+
+
+def test_gc_waits_for_replica_progress_and_leases():
+    # This server is replica 0 of 2; replica 1 reports its progress over RPC.
+    config = ParamServerConfig(in_memory_versions=2, replicas=2, replica_index=0, persist_every=0)
+    with running(config) as ps:
+        c = ps.client
+        c.push(make_tree(0), 0)
+        c.push(make_tree(1), 1)
+        with pytest.raises(errors.ResourceExhausted, match=r"replicas \[1\] have not confirmed"):
+            c.push(make_tree(2), 2)
+        assert hot(c) == [0, 1]
+
+        c.report_progress(1, 1)  # replica 1 holds version 1: version 0 may go
+        c.push(make_tree(2), 2)
+        assert hot(c) == [1, 2]
+
+        c.lease("worker-7", [1])  # a consumer still needs version 1
+        c.report_progress(1, 2)
+        with pytest.raises(errors.ResourceExhausted, match="leased by worker-7"):
+            c.push(make_tree(3), 3)
+        assert hot(c) == [1, 2]
+        assert c.list_versions()[0][0].leased_by == ("worker-7",)
+        assert_same_tree(c.pull(1), make_tree(1))
+
+        c.lease("worker-7", [])  # released
+        c.push(make_tree(3), 3)
+        assert hot(c) == [2, 3]
+        committed, stored = ps.store.stored_prefixes()
+        assert committed == stored and len(committed) == 2  # collected data is gone
+
+
+def test_lease_on_a_version_not_held_is_refused():
+    with running(ParamServerConfig(persist_every=0)) as ps:
+        ps.client.push(make_tree(0), 0)
+        with pytest.raises(errors.NotFound, match=r"cannot lease versions \[4\]"):
+            ps.client.lease("w", [0, 4])
+        assert ps.client.list_versions()[0][0].leased_by == ()
+        with pytest.raises(errors.InvalidArgument, match="replica 3 is not in"):
+            ps.client.report_progress(3, 0)
+
+
+def test_two_replicas_collect_once_both_hold_the_newer_version():
+    configs = [ParamServerConfig(in_memory_versions=2, replicas=2, replica_index=r, persist_every=0)
+               for r in range(2)]  # fmt: skip
+    with running(configs[0]) as r0, running(configs[1]) as r1:
+        both = ParamServerClient([r0.endpoint, r1.endpoint], replica=1)
+        for v in range(4):  # push reports every replica's progress to every replica
+            both.push(make_tree(v), v)
+        assert hot(r0.client) == hot(r1.client) == [2, 3]
+        assert_same_tree(both.pull(3), make_tree(3))  # from replica 1
+        both.close()
+
+
+def test_leases_lapse_after_their_ttl():
+    now = [0.0]
+    r = Retention(replicas=1, clock=lambda: now[0])
+    r.report_progress(0, 5)
+    r.set_lease("w", [3], ttl_s=10.0)
+    assert r.blocker(3) == "version 3 is leased by w"
+    assert r.blocker(4) is None
+    assert r.blocker(5) == "replicas [0] have not confirmed progress past version 5"
+    now[0] = 9.0
+    r.set_lease("w", [3], ttl_s=10.0)  # renewed
+    now[0] = 18.0
+    assert r.holders(3) == ["w"]
+    now[0] = 19.5
+    assert r.holders(3) == [] and r.blocker(3) is None
+    r.report_progress(0, 2)  # progress never goes back
+    assert r.progress() == {0: 5}
