@@ -8,6 +8,7 @@ shardings need.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterator, Sequence
 from concurrent import futures
@@ -18,18 +19,18 @@ import jax
 import numpy as np
 
 from rlax_tpu.config import ParamServerConfig
-from rlax_tpu.param_server import errors, wire
+from rlax_tpu.param_server import errors, framing, wire
 from rlax_tpu.param_server.codec import (
     ArraySpec,
     VersionManifest,
     as_bytes,
-    crc32,
     describe_sharding,
     flatten,
     normalize_index,
     np_dtype,
     unflatten_nested,
 )
+from rlax_tpu.param_server.framing import SERVICE, ChunkView
 from rlax_tpu.param_server.server import LATEST, Bounds, VersionInfo
 from rlax_tpu.rpc import common_pb2, param_server_pb2_grpc
 from rlax_tpu.rpc import param_server_pb2 as pb
@@ -41,6 +42,7 @@ from rlax_tpu.rpc.transport import (
 )
 
 _NO_CREDENTIALS = Credentials()
+_ALIGN = 64
 
 
 def _raise(e: grpc.RpcError) -> None:
@@ -73,6 +75,14 @@ class ParamServerClient:
         self._channels = [make_channel(e, credentials=credentials, max_message_bytes=max_message_bytes)
                           for e in self.endpoints]  # fmt: skip
         self._stubs = [param_server_pb2_grpc.ParamServerStub(c) for c in self._channels]
+        # Publish and Pull carry chunks with copy-free framing (same bytes on the wire).
+        self._publish = [c.stream_unary(f"/{SERVICE}/Publish", request_serializer=framing.encode,
+                                        response_deserializer=pb.PublishReply.FromString)
+                         for c in self._channels]  # fmt: skip
+        self._pull = [c.unary_stream(f"/{SERVICE}/Pull",
+                                     request_serializer=pb.PullRequest.SerializeToString,
+                                     response_deserializer=framing.decode_pull_reply)
+                      for c in self._channels]  # fmt: skip
 
     @classmethod
     def from_config(cls, config: ParamServerConfig, endpoints: str | Sequence[str],
@@ -120,35 +130,37 @@ class ParamServerClient:
             )
         )
 
-        def one(stub: param_server_pb2_grpc.ParamServerStub) -> pb.PublishReply:
+        def one(publish: Any) -> pb.PublishReply:
             try:
-                return stub.Publish(self._publish_stream(header, hosts), timeout=self.timeout_s)
+                return publish(self._publish_stream(header, hosts), timeout=self.timeout_s)
             except grpc.RpcError as e:
                 _raise(e)
 
-        replies = self._on_all(one)
+        replies = self._on_all(one, self._publish)
         for r in range(len(self.endpoints)):
             self.report_progress(r, version)
         return wire.info_from_pb(replies[self.replica].info)
 
     def _publish_stream(self, header: pb.VersionHeader,
-                        hosts: list[np.ndarray]) -> Iterator[pb.PublishRequest]:  # fmt: skip
+                        hosts: list[np.ndarray]) -> Iterator[pb.PublishRequest | ChunkView]:  # fmt: skip
         yield pb.PublishRequest(header=header)
         crcs = []
         for index, host in enumerate(hosts):
             flat, crc = as_bytes(host), 0
             for offset in range(0, len(flat), self.chunk_bytes):
-                data = flat[offset : offset + self.chunk_bytes].tobytes()
+                data = memoryview(flat[offset : offset + self.chunk_bytes])
                 crc = zlib.crc32(data, crc)
-                yield pb.PublishRequest(chunk=pb.Chunk(index=index, offset=offset, data=data))
+                yield ChunkView(index, offset, data)
             crcs.append(crc)
         yield pb.PublishRequest(trailer=pb.PublishTrailer(crc32=crcs))
 
-    def _on_all(self, call: Any) -> list[Any]:
-        if len(self._stubs) == 1:
-            return [call(self._stubs[0])]
-        with futures.ThreadPoolExecutor(len(self._stubs)) as pool:
-            return list(pool.map(call, self._stubs))
+    def _on_all(self, call: Any, targets: Sequence[Any] | None = None) -> list[Any]:
+        """``call(target)`` for every replica's stub (or ``targets``), concurrently."""
+        targets = self._stubs if targets is None else targets
+        if len(targets) == 1:
+            return [call(targets[0])]
+        with futures.ThreadPoolExecutor(len(targets)) as pool:
+            return list(pool.map(call, targets))
 
     # ------------------------------------------------------------------------------ pull
 
@@ -164,18 +176,19 @@ class ParamServerClient:
             request.slices.add(
                 array=i, start=[lo for lo, _ in bounds], stop=[hi for _, hi in bounds]
             )
+        whole = not slices
         try:
-            stream = self._stubs[self.replica].Pull(request, timeout=self.timeout_s)
-            first = next(stream)
-            manifest = wire.header_from_pb(first.header)
+            stream = self._pull[self.replica](request, timeout=self.timeout_s)
+            manifest = wire.header_from_pb(next(stream).header)
             boxes = slices or [(i, None) for i in range(len(manifest.arrays))]
             out = [_empty(manifest.arrays[i], bounds) for i, bounds in boxes]
             flats = [as_bytes(o) for o in out]
-            received = [0] * len(out)
-            for reply in stream:
-                c = reply.chunk
+            received, crcs = [0] * len(out), [0] * len(out)
+            for c in stream:
                 n = len(c.data)
                 flats[c.index][c.offset : c.offset + n] = np.frombuffer(c.data, np.uint8)
+                if whole:  # chunks of an array arrive in order
+                    crcs[c.index] = zlib.crc32(c.data, crcs[c.index])
                 received[c.index] += n
                 self.bytes_pulled += n
         except grpc.RpcError as e:
@@ -183,8 +196,8 @@ class ParamServerClient:
         short = [i for i, (r, f) in enumerate(zip(received, flats, strict=True)) if r != len(f)]
         if short:
             raise errors.DataLoss(f"pull of version {manifest.version} ended early (boxes {short})")
-        if not slices:
-            bad = [s.path for s, a in zip(manifest.arrays, out, strict=True) if crc32(a) != s.crc32]
+        if whole:
+            bad = [s.path for s, c in zip(manifest.arrays, crcs, strict=True) if c != s.crc32]
             if bad:
                 raise errors.DataLoss(f"version {manifest.version}: checksum mismatch in {bad}")
         return manifest, out
@@ -276,5 +289,10 @@ class ParamServerClient:
 
 
 def _empty(spec: ArraySpec, bounds: Bounds | None) -> np.ndarray:
+    """An uninitialized array, 64-byte aligned so that jax on CPU can use it without a copy."""
     shape = spec.shape if bounds is None else tuple(hi - lo for lo, hi in bounds)
-    return np.empty(shape, np_dtype(spec.dtype))
+    dtype = np_dtype(spec.dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)

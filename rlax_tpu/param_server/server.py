@@ -16,7 +16,6 @@ import threading
 import uuid
 import zlib
 from collections.abc import Iterator, Sequence
-from concurrent import futures
 
 import numpy as np
 
@@ -54,7 +53,6 @@ class ParamServer:
         self._pins: collections.Counter[int] = collections.Counter()  # pulls and persists in flight
         self._persisted: set[int] = set()
         self._retention = Retention(replicas=config.replicas)
-        self._crc_pool = futures.ThreadPoolExecutor(2, thread_name_prefix="param-server-crc")
         self._persister = Persister(self._hot, persist_location) if persist_location else None
         if self._persister is not None:
             self._recover()
@@ -289,7 +287,6 @@ class ParamServer:
     def close(self) -> None:
         if self._persister is not None:
             self._persister.close()
-        self._crc_pool.shutdown(wait=False)
 
 
 def _same_layout(a: Sequence[ArraySpec], b: Sequence[ArraySpec]) -> bool:
@@ -310,8 +307,8 @@ def _first_difference(reference: Sequence[ArraySpec], arrays: Sequence[ArraySpec
 class PublishSession:
     """Receives one version's bytes: arrays in declared order, each as contiguous chunks.
 
-    Each array is handed to TensorStore (and its crc32 to a worker thread) as soon as its last
-    byte arrives, so writing overlaps receiving. Nothing is visible until ``finish`` commits.
+    Each array is handed to TensorStore as soon as its last byte arrives, so writing overlaps
+    receiving; checksums are computed chunk by chunk. Nothing is visible until ``finish`` commits.
     """
 
     def __init__(self, server: ParamServer, version: int, step: int, arrays: tuple[ArraySpec, ...],
@@ -321,7 +318,8 @@ class PublishSession:
         self._prefix = f"v{version}-{uuid.uuid4().hex[:8]}"
         self._current, self._received = -1, 0
         self._buffer: np.ndarray | None = None
-        self._crcs: list[futures.Future] = []
+        self._crcs: list[int] = []
+        self._crc = 0
         self._writes: list = []
         self._open = True
         self._advance_to(0)
@@ -340,11 +338,11 @@ class PublishSession:
             self._current += 1
             if self._current < len(self.arrays):
                 self._buffer = np.empty(self.arrays[self._current].nbytes, np.uint8)
-                self._received = 0
+                self._received, self._crc = 0, 0
 
     def _seal(self, spec: ArraySpec) -> None:
         data = self._buffer.view(np_dtype(spec.dtype)).reshape(spec.shape)
-        self._crcs.append(self._server._crc_pool.submit(zlib.crc32, self._buffer))
+        self._crcs.append(self._crc)
         if self._existing is None:
             self._writes.append(
                 self._server._hot.write_array(self._prefix, self._current, spec, data)
@@ -372,6 +370,7 @@ class PublishSession:
                 f"{spec.nbytes} bytes, got at least {offset + n}"
             )
         self._buffer[offset : offset + n] = np.frombuffer(data, np.uint8)
+        self._crc = zlib.crc32(data, self._crc)  # while the chunk is still in cache
         self._received += n
 
     def finish(self, crcs: Sequence[int]) -> tuple[VersionInfo, bool]:
@@ -385,7 +384,7 @@ class PublishSession:
                 f"({last.path}) has {self._received} of {last.nbytes} bytes"
             )
         self._advance_to(len(self.arrays))
-        got = [f.result() for f in self._crcs]
+        got = self._crcs
         bad = [s.path for s, g, c in zip(self.arrays, got, crcs, strict=True) if g != c]
         if bad:
             raise errors.DataLoss(f"version {self.version}: checksum mismatch in {bad}")

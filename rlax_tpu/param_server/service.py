@@ -5,13 +5,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
 
 from rlax_tpu.config import ParamServerConfig
-from rlax_tpu.param_server import errors, wire
+from rlax_tpu.param_server import errors, framing, wire
 from rlax_tpu.param_server.codec import as_bytes
+from rlax_tpu.param_server.framing import SERVICE, ChunkView
 from rlax_tpu.param_server.server import ParamServer
 from rlax_tpu.rpc import common_pb2, param_server_pb2_grpc
 from rlax_tpu.rpc import param_server_pb2 as pb
@@ -41,17 +43,17 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
     @_statuses
     def Publish(self, request_iterator: Iterator[pb.PublishRequest], context) -> pb.PublishReply:  # noqa: ANN001
         first = next(request_iterator, None)
-        if first is None or first.WhichOneof("part") != "header":
+        if not isinstance(first, pb.PublishRequest) or first.WhichOneof("part") != "header":
             raise errors.InvalidArgument("a publish stream must start with a header")
         header = wire.header_from_pb(first.header)
         session = self._server.begin_publish(header.version, header.step, header.arrays)
         try:
             for request in request_iterator:
+                if isinstance(request, ChunkView):
+                    session.add(request.index, request.offset, request.data)
+                    continue
                 part = request.WhichOneof("part")
-                if part == "chunk":
-                    c = request.chunk
-                    session.add(c.index, c.offset, c.data)
-                elif part == "trailer":
+                if part == "trailer":
                     info, present = session.finish(list(request.trailer.crc32))
                     return pb.PublishReply(info=wire.info_to_pb(info), already_present=present)
                 else:
@@ -83,8 +85,7 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
             for index, array in enumerate(arrays):
                 flat = as_bytes(array)
                 for offset in range(0, max(len(flat), 1), n):
-                    data = flat[offset : offset + n].tobytes()
-                    yield pb.PullReply(chunk=pb.Chunk(index=index, offset=offset, data=data))
+                    yield ChunkView(index, offset, memoryview(flat[offset : offset + n]))
         finally:
             arrays.close()  # unpins the version even if the client went away
 
@@ -109,6 +110,33 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
         return common_pb2.HealthReply(component=COMPONENT, serving=serving, detail=detail)
 
 
+def add_to_server(service: ParamServerService, server: grpc.Server) -> None:
+    """Like the generated ``add_ParamServerServicer_to_server``, with copy-free chunk framing."""
+    unary = lambda method, request: grpc.unary_unary_rpc_method_handler(
+        method, request_deserializer=request.FromString, response_serializer=_serialize
+    )
+    handlers = {
+        "Publish": grpc.stream_unary_rpc_method_handler(
+            service.Publish,
+            request_deserializer=framing.decode_publish_request,
+            response_serializer=_serialize,
+        ),
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            service.Pull, request_deserializer=pb.PullRequest.FromString,
+            response_serializer=framing.encode,
+        ),
+        "ListVersions": unary(service.ListVersions, common_pb2.Empty),
+        "ReportProgress": unary(service.ReportProgress, pb.ProgressRequest),
+        "Lease": unary(service.Lease, pb.LeaseRequest),
+        "Health": unary(service.Health, common_pb2.Empty),
+    }  # fmt: skip
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
+
+
 def serve(
     config: ParamServerConfig, *, persist_location: str = ""
 ) -> tuple[grpc.Server, int, ParamServer]:
@@ -121,7 +149,7 @@ def serve(
     try:
         server, port = make_server(
             config.address,
-            lambda s: param_server_pb2_grpc.add_ParamServerServicer_to_server(service, s),
+            lambda s: add_to_server(service, s),
             credentials=credentials,
             max_message_bytes=config.max_message_bytes,
             max_workers=16,
