@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import uuid
 import zlib
@@ -198,11 +199,18 @@ class ParamServer:
             return self._latest_locked()
 
     def pull(
-        self, version: int = LATEST, slices: Sequence[tuple[int, Bounds | None]] | None = None
-    ) -> tuple[VersionManifest, Iterator[np.ndarray]]:
-        """(manifest, arrays): whole arrays in order, or each requested (array, bounds) box.
+        self,
+        version: int = LATEST,
+        slices: Sequence[tuple[int, Bounds | None]] | None = None,
+        *,
+        piece_bytes: int = 4 * 2**20,
+    ) -> tuple[VersionManifest, Iterator[tuple[int, int, np.ndarray]]]:
+        """(manifest, pieces) of whole arrays in order, or of each requested (array, bounds) box.
 
-        The version stays pinned until the iterator is exhausted or closed.
+        A piece ``(k, offset, rows)`` is a run of leading-dim rows of box k (about
+        ``piece_bytes``), starting at byte ``offset`` of the box's C-order bytes. Reading in
+        pieces keeps buffers small and lets sending start before a whole array is read. The
+        version stays pinned until the iterator is exhausted or closed.
         """
         with self._lock:
             if version == LATEST:
@@ -216,31 +224,38 @@ class ParamServer:
         try:
             if slices is None:
                 slices = [(i, None) for i in range(len(manifest.arrays))]
+            boxes = []
             for i, bounds in slices:
                 if not 0 <= i < len(manifest.arrays):
                     raise errors.InvalidArgument(f"array index {i} is not in version {version}")
-                if bounds is not None:
-                    check_bounds(manifest.arrays[i], bounds)
+                spec = manifest.arrays[i]
+                if bounds is None:
+                    bounds = tuple((0, d) for d in spec.shape)
+                check_bounds(spec, bounds)
+                boxes.append((i, tuple(bounds)))
         except errors.ParamServerError:
             self._unpin(version)
             raise
-        return manifest, self._read(manifest, prefix, list(slices))
+        return manifest, self._read(manifest, prefix, boxes, piece_bytes)
 
     def _unpin(self, version: int) -> None:
         with self._lock:
             self._unpin_locked(version)
 
-    def _read(self, manifest: VersionManifest, prefix: str,
-              slices: list[tuple[int, Bounds | None]]) -> Iterator[np.ndarray]:  # fmt: skip
+    def _read(self, manifest: VersionManifest, prefix: str, boxes: list[tuple[int, Bounds]],
+              piece_bytes: int) -> Iterator[tuple[int, int, np.ndarray]]:  # fmt: skip
         try:
-            ahead = 2  # reads in flight while the previous result is being sent
-            pending = collections.deque()
-            for i, bounds in slices:
-                pending.append(self._hot.read_array(prefix, i, manifest.arrays[i], bounds))
-                if len(pending) > ahead:
-                    yield pending.popleft().result()
+            pending = collections.deque()  # a few reads in flight while earlier pieces are sent
+            for k, (i, bounds) in enumerate(boxes):
+                spec = manifest.arrays[i]
+                for offset, piece in _pieces(spec, bounds, piece_bytes):
+                    pending.append((k, offset, self._hot.read_array(prefix, i, spec, piece)))
+                    if len(pending) > 2:
+                        k0, o0, f = pending.popleft()
+                        yield k0, o0, f.result()
             while pending:
-                yield pending.popleft().result()
+                k0, o0, f = pending.popleft()
+                yield k0, o0, f.result()
         finally:
             self._unpin(manifest.version)
 
@@ -287,6 +302,18 @@ class ParamServer:
     def close(self) -> None:
         if self._persister is not None:
             self._persister.close()
+
+
+def _pieces(spec: ArraySpec, bounds: Bounds, piece_bytes: int) -> Iterator[tuple[int, Bounds]]:
+    """(byte offset, bounds) of runs of leading-dim rows of a box, about piece_bytes each."""
+    if not bounds:  # a scalar
+        yield 0, bounds
+        return
+    (lo, hi), rest = bounds[0], bounds[1:]
+    row = np_dtype(spec.dtype).itemsize * math.prod(b - a for a, b in rest)
+    step = max(1, piece_bytes // max(row, 1))
+    for start in range(lo, max(hi, lo + 1), step):
+        yield (start - lo) * row, ((start, min(start + step, hi)), *rest)
 
 
 def _same_layout(a: Sequence[ArraySpec], b: Sequence[ArraySpec]) -> bool:

@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 
 from rlax_tpu.config import ParamServerConfig
 from rlax_tpu.param_server import errors, framing, wire
@@ -75,19 +74,19 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
                         f"slice of array {s.array}: start/stop lengths differ"
                     )
                 slices.append((s.array, tuple(zip(s.start, s.stop, strict=True))))
-        manifest, arrays = self._server.pull(request.version, slices)
-        return self._stream(manifest, arrays)
+        manifest, pieces = self._server.pull(request.version, slices, piece_bytes=self._chunk_bytes)
+        return self._stream(manifest, pieces)
 
-    def _stream(self, manifest, arrays: Iterator[np.ndarray]) -> Iterator[pb.PullReply]:  # noqa: ANN001
+    def _stream(self, manifest, pieces: Iterator) -> Iterator[pb.PullReply | ChunkView]:  # noqa: ANN001
         yield pb.PullReply(header=wire.header_to_pb(manifest))
         n = self._chunk_bytes
         try:
-            for index, array in enumerate(arrays):
-                flat = as_bytes(array)
+            for index, start, piece in pieces:
+                flat = as_bytes(piece)
                 for offset in range(0, max(len(flat), 1), n):
-                    yield ChunkView(index, offset, memoryview(flat[offset : offset + n]))
+                    yield ChunkView(index, start + offset, memoryview(flat[offset : offset + n]))
         finally:
-            arrays.close()  # unpins the version even if the client went away
+            pieces.close()  # unpins the version even if the client went away
 
     @_statuses
     def ListVersions(self, request: common_pb2.Empty, context) -> pb.VersionList:  # noqa: ANN001
