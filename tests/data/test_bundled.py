@@ -45,9 +45,13 @@ def test_the_bundled_set(problems):
     )
 
 
-def test_the_default_directory_ships_with_the_package():
-    assert BUNDLED_DIR.parent == Path(load_bundled.__code__.co_filename).parent
-    assert all((d / "problem.json").is_file() for d in BUNDLED_DIR.iterdir() if d.is_dir())
+def test_every_file_is_used_and_ships_with_the_package():
+    # pyproject's package-data ships **/*.json and **/*.cpp; anything else would be lost.
+    for d in BUNDLED_DIR.iterdir():
+        meta = json.loads((d / "problem.json").read_text())
+        used = {"problem.json"} | ({meta["checker"]["file"]} if meta["checker"] else set())
+        assert {f.name for f in d.iterdir()} == used, d.name
+        assert all(name.endswith((".json", ".cpp")) for name in used), d.name
 
 
 # --- broken fixtures -------------------------------------------------------------------------
