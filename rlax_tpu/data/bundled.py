@@ -47,7 +47,9 @@ def expected_verdicts(directory: str | Path = BUNDLED_DIR) -> dict[str, list[tup
 def _read_all(directory: Path) -> list[tuple[CodeProblem, list[tuple[Solution, str]]]]:
     if not directory.is_dir():
         raise DataError(str(directory), None, "no such directory")
-    return [_read(d) for d in sorted(directory.iterdir()) if d.is_dir()]
+    # Hidden and underscore directories (caches, editors' files) are not problems.
+    return [_read(d) for d in sorted(directory.iterdir())
+            if d.is_dir() and not d.name.startswith((".", "_"))]  # fmt: skip
 
 
 def _read(problem_dir: Path) -> tuple[CodeProblem, list[tuple[Solution, str]]]:
