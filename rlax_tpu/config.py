@@ -247,11 +247,13 @@ class TrainerConfig:
     adam_eps: float = 1e-8
     grad_clip_norm: float = 1.0  # 0 disables clipping
     micro_batch_size: int = 8  # rollouts per micro-batch (gradient accumulation)
+    length_bucket: int = 16  # micro-batch lengths are padded to a multiple (bounds recompiles)
     remat: bool = True  # nothing-saveable remat on the training forward
     align_logprobs: bool = True  # recompute π_old with the inference graph (DESIGN §6)
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
+    checkpoint_dir: str = ""  # "" means <controller.run_dir>/trainer
     nan_policy: Literal["skip", "stop"] = "stop"
     address: str = "127.0.0.1:0"
     auth_token_file: str = ""
@@ -259,6 +261,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "learning_rate", "micro_batch_size", "checkpoint_every", "keep_checkpoints")
+        _positive(self, "length_bucket")
         _non_negative(self, "warmup_steps", "decay_steps", "weight_decay", "grad_clip_norm")
         _positive(self, "adam_eps")
         _in_range(self, "adam_b1", 0.0, 1.0, hi_open=True)

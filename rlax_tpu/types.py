@@ -105,3 +105,107 @@ class Verdict:
     def is_model_failure(self) -> bool:
         """False for accepted answers and for internal errors (which must not become rewards)."""
         return self.kind not in (VerdictKind.ACCEPTED, VerdictKind.INTERNAL_ERROR)
+
+
+@_frozen
+class TrainBatch:
+    """One training step's rollouts, as the controller hands them to the trainer.
+
+    Rows are group-major: B = N·G rows, row b is sample ``b % G`` of prompt ``b // G``.
+
+    tokens: [B, L] int32. Row b holds its prompt (``prompt_lengths[b]`` tokens), then its
+        completion (``completion_lengths[b]`` tokens), then padding (any value; ignored).
+    prompt_lengths: [B] int32, >= 1.
+    completion_lengths: [B] int32, >= 0 (an empty completion contributes no tokens).
+    behaviour_logprobs: [B, T] float32, completion-aligned: entry [b, t] is log μ of completion
+        token t of row b as the inference worker reported it (``Rollout.logprobs``); T >= the
+        longest completion, entries past a row's completion are ignored.
+    rewards: [B] float32 sequence rewards (after any shaping).
+    versions: [B] int64, the weight version each rollout was generated with (``Rollout.version``).
+    group_size: G.
+    temperature: the sampling temperature the behaviour log-probs are under (the workers report
+        log-softmax(logits / temperature)); the trainer scores π_old, π_θ and π_ref the same way.
+    """
+
+    tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    completion_lengths: np.ndarray
+    behaviour_logprobs: np.ndarray
+    rewards: np.ndarray
+    versions: np.ndarray
+    group_size: int
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if np.ndim(self.tokens) != 2:
+            raise ValueError(f"TrainBatch.tokens must be [B, L], got shape {np.shape(self.tokens)}")
+        b, length = np.shape(self.tokens)
+        for name in ("prompt_lengths", "completion_lengths", "rewards", "versions"):
+            if np.shape(getattr(self, name)) != (b,):
+                raise ValueError(
+                    f"TrainBatch.{name} has shape {np.shape(getattr(self, name))}, expected ({b},)"
+                    " (one per row of tokens)"
+                )
+        if np.ndim(self.behaviour_logprobs) != 2 or len(self.behaviour_logprobs) != b:
+            raise ValueError(
+                f"TrainBatch.behaviour_logprobs has shape {np.shape(self.behaviour_logprobs)}, "
+                f"expected ({b}, T)"
+            )
+        if self.group_size < 1 or b % self.group_size:
+            raise ValueError(
+                f"TrainBatch has {b} rows, not a multiple of group_size {self.group_size}"
+            )
+        if not self.temperature > 0:
+            raise ValueError(f"TrainBatch.temperature must be > 0, got {self.temperature}")
+        prompt, completion = np.asarray(self.prompt_lengths), np.asarray(self.completion_lengths)
+        if b and (prompt.min() < 1 or completion.min() < 0):
+            raise ValueError("TrainBatch: prompt_lengths must be >= 1 and completion_lengths >= 0")
+        if b and (prompt + completion).max() > length:
+            row = int(np.argmax(prompt + completion))
+            raise ValueError(
+                f"TrainBatch row {row}: prompt {prompt[row]} + completion {completion[row]} tokens "
+                f"do not fit in tokens' {length} columns"
+            )
+        if b and completion.max() > np.shape(self.behaviour_logprobs)[1]:
+            raise ValueError(
+                f"TrainBatch.behaviour_logprobs has {np.shape(self.behaviour_logprobs)[1]} columns, "
+                f"fewer than the longest completion ({completion.max()})"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        return int(np.shape(self.tokens)[0])
+
+    def completion_mask(self) -> np.ndarray:
+        """[B, T] float32: 1 on completion tokens (T = behaviour_logprobs' width)."""
+        t = np.shape(self.behaviour_logprobs)[1]
+        return (np.arange(t)[None, :] < np.asarray(self.completion_lengths)[:, None]).astype(
+            np.float32
+        )
+
+    @classmethod
+    def from_rollouts(
+        cls, rollouts: list[Rollout], rewards: np.ndarray, *, group_size: int,
+        temperature: float = 1.0,
+    ) -> TrainBatch:  # fmt: skip
+        """Packs group-major rollouts (right padding) into a TrainBatch."""
+        if not rollouts:
+            raise ValueError("TrainBatch.from_rollouts: no rollouts")
+        length = max(len(r.prompt_tokens) + len(r.tokens) for r in rollouts)
+        width = max(1, max(len(r.tokens) for r in rollouts))
+        tokens = np.zeros((len(rollouts), length), np.int32)
+        logprobs = np.zeros((len(rollouts), width), np.float32)
+        for i, r in enumerate(rollouts):
+            p, c = len(r.prompt_tokens), len(r.tokens)
+            tokens[i, :p], tokens[i, p : p + c] = r.prompt_tokens, r.tokens
+            logprobs[i, :c] = r.logprobs
+        return cls(
+            tokens=tokens,
+            prompt_lengths=np.array([len(r.prompt_tokens) for r in rollouts], np.int32),
+            completion_lengths=np.array([len(r.tokens) for r in rollouts], np.int32),
+            behaviour_logprobs=logprobs,
+            rewards=np.asarray(rewards, np.float32),
+            versions=np.array([r.version if len(r.tokens) else -1 for r in rollouts], np.int64),
+            group_size=group_size,
+            temperature=temperature,
+        )

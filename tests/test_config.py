@@ -572,3 +572,13 @@ def test_param_server_replica_index_and_lease_ttl():
     expect_error({"param_server.lease_ttl_s": 0.0}, "param_server.lease_ttl_s = 0.0: must be > 0")
     ok = build({"param_server.replicas": 4, "param_server.replica_index": 3})
     assert ok.param_server.replica_index == 3
+
+
+# --------------------------------------------------------------------------------------------
+# Trainer (issue #8): micro-batch length buckets and the checkpoint directory.
+
+
+def test_trainer_length_bucket_must_be_positive():
+    expect_error({"trainer.length_bucket": 0}, "trainer.length_bucket = 0: must be > 0")
+    ok = build({"trainer.length_bucket": 64, "trainer.checkpoint_dir": "/tmp/ckpt"})
+    assert ok.trainer.length_bucket == 64 and ok.trainer.checkpoint_dir == "/tmp/ckpt"

@@ -1,0 +1,113 @@
+"""Scoring given tokens the way the inference engine scored them when it sampled them.
+
+``sampled_logprobs``  the per-token log-prob the engine reports: log-softmax of the f32
+                      decode-time logits divided by the temperature, at the sampled token.
+``replay_logprobs``   re-runs the engine's computation for whole rollouts (RLAX §5: the old-policy
+                      recompute runs the inference graph): every token goes through ``step`` as
+                      one row of a [slots, 1] batch against a ``DenseKVCache`` of ``cache_len``
+                      positions, each step under its own ``jax.jit``, as the engine's decode runs.
+
+Why this reproduces the engine bit for bit on CPU: the engine lays every token of a step out as
+one row (a prefill chunk of C tokens is C rows sharing the sequence's pages; attention over the
+gathered pages is bitwise the dense cache's, see ``rlax_tpu/inference/attention_backends.py``), and
+XLA's CPU kernels give a row the same bits whatever the other rows hold. They do *not* give the
+same bits for every batch size (the matmul kernel changes with the row count: measured classes
+1, 2-15, 16-24, 32+ on x86), so the replay runs batches of exactly the engine's row count, padding
+with idle rows, and never the cheapest shape.
+
+Rollout layout (as ``types.TrainBatch``): tokens [B, L] hold prompt (P_b tokens), completion
+(C_b tokens), padding; log-probs are completion-aligned [B, T] (entry t scores completion token t).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlax_tpu.models.transformer import Transformer, make_dense_cache, step
+
+
+def sampled_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:
+    """logits [B, T, V] f32, tokens [B, T] int -> [B, T] f32 log-softmax(logits / temperature)[token]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayShape:
+    """The engine's shapes that decide the bits: the rows of one model step (``slots``; a smaller
+    batch is padded with idle rows, larger ones are split) and the KV length per sequence."""
+
+    slots: int
+    cache_len: int
+
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
+def _scored_step(graphdef, state, tokens, positions, cache, targets, temperature):
+    logits, cache = step(nnx.merge(graphdef, state), tokens, positions, cache)
+    return sampled_logprobs(logits, targets, temperature), cache
+
+
+def replay_logprobs(
+    model: Transformer,
+    tokens: np.ndarray,
+    prompt_lengths: np.ndarray,
+    completion_lengths: np.ndarray,
+    *,
+    shape: ReplayShape,
+    temperature: float = 1.0,
+    width: int | None = None,
+) -> np.ndarray:
+    """Completion log-probs [B, width] (default width: the longest completion), 0 past each
+    completion, computed as the engine computes them (see the module docstring)."""
+    tokens = np.asarray(tokens, np.int32)
+    prompt = np.asarray(prompt_lengths, np.int64)
+    completion = np.asarray(completion_lengths, np.int64)
+    b = len(tokens)
+    width = int(completion.max(initial=0)) if width is None else width
+    out = np.zeros((b, width), np.float32)
+    if b == 0 or width == 0:
+        return out
+    if (prompt + completion).max() > shape.cache_len:
+        raise ValueError(
+            f"a rollout of {(prompt + completion).max()} tokens does not fit the replay's "
+            f"cache of {shape.cache_len} positions"
+        )
+    graphdef, state = nnx.split(model)
+    for start in range(0, b, shape.slots):
+        rows = slice(start, min(b, start + shape.slots))
+        out[rows] = _replay_rows(
+            graphdef, state, model.cfg, tokens[rows], prompt[rows], completion[rows],
+            shape=shape, temperature=temperature, width=width,
+        )  # fmt: skip
+    return out
+
+
+def _replay_rows(graphdef, state, cfg, tokens, prompt, completion, *, shape, temperature, width):  # noqa: ANN001, ANN202
+    n, slots = len(tokens), shape.slots
+    tokens = np.pad(tokens, ((0, slots - n), (0, 1)))  # idle rows; one spare column
+    total = np.concatenate([prompt + completion, np.zeros(slots - n, np.int64)])
+    prompt = np.concatenate([prompt, np.ones(slots - n, np.int64)])
+    length = tokens.shape[1]
+    cache = make_dense_cache(cfg, slots, shape.cache_len)
+    out = np.zeros((slots, width), np.float32)
+    temperature = jnp.float32(temperature)
+    # Step p feeds token p of every row and scores token p + 1: completion token p + 1 - P_b.
+    for p in range(int(total.max()) - 1):
+        live = p + 1 < total
+        fed = tokens[:, min(p, length - 1)]
+        targets = tokens[:, min(p + 1, length - 1)]
+        positions = np.where(live, p, -1)
+        logp, cache = _scored_step(
+            graphdef, state, jnp.asarray(fed[:, None]), jnp.asarray(positions[:, None], jnp.int32),
+            cache, jnp.asarray(targets[:, None]), temperature,
+        )  # fmt: skip
+        t = p + 1 - prompt
+        hit = live & (t >= 0) & (t < width)
+        out[hit, t[hit]] = np.asarray(logp)[hit, 0]
+    return out[:n]

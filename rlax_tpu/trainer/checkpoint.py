@@ -1,0 +1,119 @@
+"""Orbax checkpoints of the trainer state: params, optimizer state, step and RNG.
+
+Saves are asynchronous (the device-to-host copy happens in ``save``, the writes in the
+background) and committed atomically by Orbax: a checkpoint killed mid-write is never listed, so
+``latest_step`` only names complete ones. Restores take the *target* shardings, so a checkpoint
+written on one mesh restores onto another. Each checkpoint records the model architecture; one
+from a different model is refused with the differing fields named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from rlax_tpu.config import ModelConfig, to_dict
+
+# Model fields that do not change what the checkpointed arrays mean.
+_RUN_FIELDS = ("weights_format", "weights_path", "tokenizer_path", "seed")
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint written for a different model (or objective head) than the trainer's."""
+
+
+class NoCheckpointError(FileNotFoundError):
+    """No complete checkpoint where one was asked for."""
+
+
+def model_signature(cfg: ModelConfig) -> dict[str, Any]:
+    """The architecture fields a checkpoint must match (resolved, run-only fields dropped)."""
+    fields = to_dict(cfg)
+    for name in _RUN_FIELDS:
+        fields.pop(name, None)
+    fields["head_dim"] = cfg.resolved_head_dim
+    return fields
+
+
+class Checkpointer:
+    """Trainer checkpoints under ``directory`` (local path; Orbax also takes gs:// paths)."""
+
+    def __init__(self, directory: str | Path, *, keep: int, signature: dict[str, Any]):
+        self.directory = str(directory)
+        self.signature = signature
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=True, create=True
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Starts an asynchronous save of ``state`` (a pytree of jax arrays) as ``step``."""
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave({"step": step, "signature": self.signature}),
+            ),
+        )
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def restore(self, step: int | None, abstract_state: dict[str, Any]) -> tuple[int, Any]:
+        """(step, state) with every array placed as ``abstract_state``'s ShapeDtypeStruct says.
+
+        ``step=None`` takes the newest complete checkpoint.
+        """
+        self.wait()
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self.steps():
+            raise NoCheckpointError(
+                f"no complete trainer checkpoint {'' if step is None else step} in "
+                f"{self.directory} (have: {self.steps()})"
+            )
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        self._check_signature(step, meta["meta"]["signature"])
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            )
+        except (ValueError, KeyError) as e:
+            raise CheckpointMismatchError(
+                f"checkpoint {step} in {self.directory} does not fit this trainer's state "
+                f"(a different objective or optimizer?): {e}"
+            ) from e
+        return step, restored["state"]
+
+    def _check_signature(self, step: int, saved: dict[str, Any]) -> None:
+        diffs = [
+            f"{k}: checkpoint {saved.get(k)!r}, config {v!r}"
+            for k, v in self.signature.items()
+            if saved.get(k) != v
+        ]
+        if diffs:
+            raise CheckpointMismatchError(
+                f"checkpoint {step} in {self.directory} was written for a different model: "
+                + "; ".join(diffs)
+            )
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def abstract_like(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) of a pytree of jax arrays."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def signature_with(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
+    return model_signature(cfg) | {f"trainer.{k}": v for k, v in extra.items()}

@@ -1,0 +1,57 @@
+"""A gRPC client with the Trainer's API (what the controller uses in distributed mode)."""
+
+from __future__ import annotations
+
+from rlax_tpu.rpc import common_pb2, trainer_pb2_grpc
+from rlax_tpu.rpc import trainer_pb2 as pb
+from rlax_tpu.rpc.transport import Credentials, make_channel, wait_ready
+from rlax_tpu.trainer.trainer import TrainerStatus
+from rlax_tpu.trainer.wire import batch_to_pb
+from rlax_tpu.types import TrainBatch
+
+_NO_CREDENTIALS = Credentials()
+
+
+class TrainerClient:
+    def __init__(self, endpoint: str, *, credentials: Credentials = _NO_CREDENTIALS,
+                 timeout_s: float = 3600.0):  # fmt: skip
+        self.endpoint, self.timeout_s = endpoint, timeout_s
+        self._channel = make_channel(endpoint, credentials=credentials)
+        self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        wait_ready(self._channel, component="trainer", endpoint=self.endpoint, timeout_s=timeout_s)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        reply = self._stub.TrainStep(batch_to_pb(batch), timeout=self.timeout_s)
+        return dict(reply.metrics)
+
+    def publish(self) -> int:
+        return self._stub.Publish(common_pb2.Empty(), timeout=self.timeout_s).step
+
+    def save(self, *, wait: bool = False) -> int:
+        return self._stub.Save(pb.TrainerSaveRequest(wait=wait), timeout=self.timeout_s).step
+
+    def restore(self, step: int | None = None) -> int:
+        request = pb.TrainerRestoreRequest(step=step or 0, latest=step is None)
+        return self._stub.Restore(request, timeout=self.timeout_s).step
+
+    def status(self) -> TrainerStatus:
+        s = self._stub.Status(common_pb2.Empty(), timeout=self.timeout_s)
+        return TrainerStatus(
+            step=s.step, published_version=s.published_version, mesh=dict(s.mesh),
+            process_count=s.process_count, halted=s.halted,
+            checkpoint_steps=tuple(s.checkpoint_steps), last_metrics=dict(s.last_metrics),
+        )  # fmt: skip
+
+    def health(self) -> common_pb2.HealthReply:
+        return self._stub.Health(common_pb2.Empty(), timeout=self.timeout_s)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> TrainerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

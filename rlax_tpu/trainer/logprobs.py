@@ -1,0 +1,142 @@
+"""Completion log-probs (and values) from a full-sequence forward, for training and scoring.
+
+Shapes: B rows, L token columns (prompt, completion, padding), T completion columns, E hidden,
+V vocab. Completion token t of row b sits at column P_b + t and is predicted by the hidden state
+at column P_b + t - 1, so the forward gathers those T hidden states per row before the vocab
+projection (the prompt's logits are never formed).
+
+The vocab projection and log-softmax have two implementations that agree to f32 rounding:
+``plain_logprobs`` (the partitioner decides) and ``vocab_parallel_logprobs`` (``jax.shard_map``
+over the tensor axis: each device forms the logits of its vocab slice only and combines max,
+sum-exp and the target's logit with three small collectives, so the [B, T, V] logits are never
+gathered).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from rlax_tpu import models
+from rlax_tpu.trainer.mesh import BATCH_AXES, TENSOR_AXIS
+
+
+class _RematLayer(nnx.Module):
+    """A decoder layer under ``jax.checkpoint(nothing_saveable)``: only its input is kept for
+    the backward pass, so the forward fuses as at inference (RLAX §5) and activation memory is
+    one layer's."""
+
+    def __init__(self, layer: nnx.Module):
+        self.layer = layer
+
+    def __call__(self, x, cos, sin, positions, cache):  # noqa: ANN001, ANN204
+        graphdef, state = nnx.split(self.layer)
+
+        def run(state, x, cos, sin, positions):  # noqa: ANN001, ANN202
+            return nnx.merge(graphdef, state)(x, cos, sin, positions, cache)[0]
+
+        policy = jax.checkpoint_policies.nothing_saveable
+        return jax.checkpoint(run, policy=policy)(state, x, cos, sin, positions), cache
+
+
+def hidden_states(
+    model: models.Transformer, tokens: jax.Array, positions: jax.Array, *, remat: bool
+) -> jax.Array:
+    """tokens, positions [B, L] -> final-normed hidden states [B, L, E].
+
+    With ``remat`` the layers of ``model`` are wrapped in place: pass a model merged inside the
+    traced function (a throwaway), never a long-lived one.
+    """
+    if remat:
+        model.layers = nnx.List([_RematLayer(layer) for layer in model.layers])
+    hidden, _ = model(tokens, positions, models.NoCache())
+    return hidden
+
+
+def gather_completion(hidden: jax.Array, prompt_lengths: jax.Array, width: int) -> jax.Array:
+    """hidden [B, L, E] -> [B, width, E]: the states that predict completion tokens 0..width-1."""
+    cols = prompt_lengths[:, None] - 1 + jnp.arange(width)[None, :]
+    cols = jnp.clip(cols, 0, hidden.shape[1] - 1)
+    return jnp.take_along_axis(hidden, cols[..., None], axis=1)
+
+
+def plain_logprobs(
+    model: models.Transformer, hidden: jax.Array, targets: jax.Array, temperature: jax.Array
+) -> jax.Array:
+    """hidden [B, T, E], targets [B, T] -> log-softmax(logits / temperature)[target] [B, T] f32."""
+    logits = model.logits(hidden) / temperature
+    return models.token_logprobs(logits, targets)
+
+
+def vocab_parallel_logprobs(
+    model: models.Transformer,
+    hidden: jax.Array,
+    targets: jax.Array,
+    temperature: jax.Array,
+    mesh: Mesh,
+) -> jax.Array:
+    """As ``plain_logprobs``, with the vocab split over the mesh's tensor axis (see module doc).
+
+    Needs V divisible by the tensor axis size; rows split over the batch axes.
+    """
+    tied = model.lm_head is None
+    weight = (model.embed if tied else model.lm_head)[...].astype(hidden.dtype)
+    w_spec = PartitionSpec(TENSOR_AXIS, None) if tied else PartitionSpec(None, TENSOR_AXIS)
+    rows = PartitionSpec(BATCH_AXES, None)
+
+    def local(h, w, tgt, temp):  # noqa: ANN001, ANN202
+        eq = "bte,ve->btv" if tied else "bte,ev->btv"
+        logits = jnp.einsum(eq, h, w, preferred_element_type=jnp.float32) / temp
+        vocab_local = logits.shape[-1]
+        # The max only stabilizes the exponentials; it cancels in the result.
+        top = jax.lax.pmax(jax.lax.stop_gradient(logits.max(axis=-1)), TENSOR_AXIS)
+        sum_exp = jax.lax.psum(jnp.exp(logits - top[..., None]).sum(axis=-1), TENSOR_AXIS)
+        offset = tgt - jax.lax.axis_index(TENSOR_AXIS) * vocab_local
+        here = (offset >= 0) & (offset < vocab_local)
+        picked = jnp.take_along_axis(logits, jnp.clip(offset, 0, vocab_local - 1)[..., None], -1)
+        picked = jax.lax.psum(jnp.where(here, picked[..., 0], 0.0), TENSOR_AXIS)
+        return picked - top - jnp.log(sum_exp)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(BATCH_AXES, None, None), w_spec, rows, PartitionSpec()),
+        out_specs=rows,
+    )(hidden, weight, targets, temperature)
+
+
+def use_vocab_parallel(mesh: Mesh | None, vocab_size: int) -> bool:
+    """Vocab-parallel pays off when the vocab is split over a tensor axis."""
+    if mesh is None:
+        return False
+    tp = mesh.shape[TENSOR_AXIS]
+    return tp > 1 and vocab_size % tp == 0
+
+
+def completion_logprobs(
+    model: models.Transformer,
+    tokens: jax.Array,
+    positions: jax.Array,
+    prompt_lengths: jax.Array,
+    targets: jax.Array,
+    temperature: jax.Array,
+    *,
+    remat: bool,
+    mesh: Mesh | None,
+    value_head: dict[str, jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Log-probs [B, T] of the completion ``targets`` [B, T] and, with a value head, the values
+    [B, T] (f32) of the states that emit them. tokens/positions [B, L] (padding at position -1)."""
+    hidden = hidden_states(model, tokens, positions, remat=remat)
+    hidden = gather_completion(hidden, prompt_lengths, targets.shape[1])
+    if use_vocab_parallel(mesh, model.cfg.vocab_size):
+        logp = vocab_parallel_logprobs(model, hidden, targets, temperature, mesh)
+    else:
+        logp = plain_logprobs(model, hidden, targets, temperature)
+    values = None
+    if value_head is not None:
+        h = hidden.astype(jnp.float32)
+        values = h @ value_head["w"].astype(jnp.float32) + value_head["b"].astype(jnp.float32)
+    return logp, values

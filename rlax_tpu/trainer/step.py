@@ -1,0 +1,197 @@
+"""The jitted pieces of a train step, each with explicit in/out shardings and buffer donation.
+
+  score     (no grad) completion log-probs [b, T] (and values) of one micro-batch; replicated
+            outputs, so every process can read them (π_old without alignment, π_ref, values).
+  prepare   the objective's θ-independent inputs (advantages, weights) for the full batch.
+  accumulate  loss and gradient of one micro-batch added into the gradient accumulator
+            (donated); the training forward runs under nothing-saveable remat.
+  apply     clip + AdamW on the accumulated gradient (params, optimizer state and accumulator
+            donated); the update is kept only if the loss, the gradient norm and the new
+            params are finite, otherwise params and optimizer state come back unchanged.
+
+Trainable parameters are a dict: ``{"model": <model params, nested dict>}`` plus
+``"value_head": {"w": [E], "b": []}`` for objectives with a value model (PPO).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from rlax_tpu.algorithms import LossInputs, Objective, RolloutBatch
+from rlax_tpu.trainer.logprobs import completion_logprobs
+from rlax_tpu.trainer.mesh import batch_sharding, replicated
+
+Params = dict[str, Any]
+
+# Micro-batch arrays: tokens, positions [b, L]; prompt_lengths [b]; targets [b, T].
+_BATCH_NDIM = {"tokens": 2, "positions": 2, "prompt_lengths": 1, "targets": 2}
+
+
+def _finite(tree: Any) -> jax.Array:
+    return jnp.all(jnp.array([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+    """The compiled step pieces for one (model, objective, mesh, optimizer)."""
+
+    graphdef: nnx.GraphDef
+    objective: Objective
+    mesh: Mesh
+    trainable_shardings: Params
+    opt_shardings: Any
+    tx: optax.GradientTransformation
+    remat: bool
+
+    def batch_shardings(self, arrays: dict[str, Any]) -> dict[str, NamedSharding]:
+        return {k: batch_sharding(self.mesh, _BATCH_NDIM[k]) for k in arrays}
+
+    def inputs_shardings(self, inputs: LossInputs) -> LossInputs:
+        rep = replicated(self.mesh)
+        return jax.tree.map(lambda x: batch_sharding(self.mesh, x.ndim) if x.ndim else rep, inputs)
+
+    # ------------------------------------------------------------------ score
+    def score(
+        self, model_params: Params, value_head: Params | None, arrays: dict[str, jax.Array],
+        temperature: jax.Array,
+    ) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+        rep = replicated(self.mesh)
+        fn = _jit_cached(
+            self,
+            f"score:{value_head is None}",
+            lambda: jax.jit(
+                partial(_score, self.graphdef, self.mesh),
+                in_shardings=(
+                    self.trainable_shardings["model"],
+                    None if value_head is None else self.trainable_shardings["value_head"],
+                    self.batch_shardings(arrays),
+                    rep,
+                ),
+                out_shardings=rep,
+            ),
+        )
+        with jax.set_mesh(self.mesh):
+            return fn(model_params, value_head, arrays, temperature)
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, batch: RolloutBatch, step: jax.Array) -> LossInputs:
+        rep = replicated(self.mesh)
+        fn = _jit_cached(
+            self, "prepare", lambda: jax.jit(self.objective.prepare, out_shardings=rep)
+        )
+        with jax.set_mesh(self.mesh):
+            return fn(batch, step=step)
+
+    # ------------------------------------------------------------------ accumulate
+    def zeros_like_trainable(self, trainable: Params) -> Params:
+        fn = _jit_cached(
+            self,
+            "zeros",
+            lambda: jax.jit(
+                lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=self.trainable_shardings
+            ),
+        )
+        return fn(trainable)
+
+    def accumulate(
+        self, trainable: Params, acc: Params, arrays: dict[str, jax.Array], inputs: LossInputs,
+        temperature: jax.Array, scale: jax.Array,
+    ) -> tuple[Params, jax.Array, dict[str, jax.Array]]:  # fmt: skip
+        rep = replicated(self.mesh)
+        fn = _jit_cached(
+            self,
+            "accumulate",
+            lambda: jax.jit(
+                partial(_accumulate, self.graphdef, self.objective, self.mesh, self.remat),
+                in_shardings=(
+                    self.trainable_shardings,
+                    self.trainable_shardings,
+                    self.batch_shardings(arrays),
+                    self.inputs_shardings(inputs),
+                    rep,
+                    rep,
+                ),  # fmt: skip
+                out_shardings=(self.trainable_shardings, rep, rep),
+                donate_argnums=(1,),
+            ),
+        )
+        with jax.set_mesh(self.mesh):
+            return fn(trainable, acc, arrays, inputs, temperature, scale)
+
+    # ------------------------------------------------------------------ apply
+    def apply(
+        self, trainable: Params, opt_state: Any, grads: Params, loss: jax.Array
+    ) -> tuple[Params, Any, dict[str, jax.Array]]:
+        rep = replicated(self.mesh)
+        fn = _jit_cached(
+            self,
+            "apply",
+            lambda: jax.jit(
+                partial(_apply, self.tx),
+                in_shardings=(
+                    self.trainable_shardings,
+                    self.opt_shardings,
+                    self.trainable_shardings,
+                    rep,
+                ),  # fmt: skip
+                out_shardings=(self.trainable_shardings, self.opt_shardings, rep),
+                donate_argnums=(0, 1),
+            ),
+        )
+        with jax.set_mesh(self.mesh):
+            return fn(trainable, opt_state, grads, loss)
+
+
+def _jit_cached(owner: StepFunctions, name: str, build: Any) -> Any:
+    # jax.jit caches compilations per function object; keep one object per StepFunctions.
+    cache = owner.__dict__.setdefault("_jitted", {})
+    if name not in cache:
+        cache[name] = build()
+    return cache[name]
+
+
+def _score(graphdef, mesh, model_params, value_head, arrays, temperature):  # noqa: ANN001, ANN202
+    model = nnx.merge(graphdef, model_params)
+    return completion_logprobs(
+        model, arrays["tokens"], arrays["positions"], arrays["prompt_lengths"],
+        arrays["targets"], temperature, remat=False, mesh=mesh, value_head=value_head,
+    )  # fmt: skip
+
+
+def _accumulate(graphdef, objective, mesh, remat, trainable, acc, arrays, inputs, temperature,
+                scale):  # noqa: ANN001, ANN202  # fmt: skip
+    def loss_fn(trainable):  # noqa: ANN001, ANN202
+        model = nnx.merge(graphdef, trainable["model"])
+        logp, values = completion_logprobs(
+            model, arrays["tokens"], arrays["positions"], arrays["prompt_lengths"],
+            arrays["targets"], temperature, remat=remat, mesh=mesh,
+            value_head=trainable.get("value_head"),
+        )  # fmt: skip
+        loss, metrics = objective.loss(logp, inputs, values=values)
+        return loss * scale, (loss, metrics)
+
+    grads, (loss, metrics) = jax.grad(loss_fn, has_aux=True)(trainable)
+    return jax.tree.map(jnp.add, acc, grads), loss, metrics
+
+
+def _apply(tx, trainable, opt_state, grads, loss):  # noqa: ANN001, ANN202
+    updates, new_opt_state = tx.update(grads, opt_state, trainable)
+    new_trainable = optax.apply_updates(trainable, updates)
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _finite(new_trainable)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    stats = {
+        "grad_norm": grad_norm,
+        "update_norm": optax.tree.norm(updates),
+        "param_norm": optax.tree.norm(new_trainable),
+        "update_ok": ok,
+    }
+    return keep(new_trainable, trainable), keep(new_opt_state, opt_state), stats

@@ -1,0 +1,427 @@
+"""The Trainer: a passive component that turns a TrainBatch into the next weight version.
+
+    trainer = Trainer(config, sink=param_server_client)   # any object with push(params, version)
+    metrics = trainer.train_step(batch)                   # one optimizer update: v -> v + 1
+    trainer.publish(); trainer.save(); trainer.restore(); trainer.status()
+
+One ``train_step``:
+  1. plan micro-batches (rows sorted by length, padded per micro-batch; ``batching``);
+  2. π_old: with ``trainer.align_logprobs`` the engine's computation is replayed
+     (``models.scoring.replay_logprobs``: chunked prefill + token-by-token decode, the engine's
+     shapes), else one full-sequence forward; |log π_old − log μ| is reported either way;
+     π_ref (frozen reference params, same shardings, no optimizer state) and values (PPO's value
+     head) come from forwards of the same micro-batches;
+  3. the objective's full-batch inputs (``Objective.prepare``), then per micro-batch loss and
+     gradient accumulated on device (remat'd training forward), then one clipped AdamW update;
+  4. if the loss, gradient or new params are not finite the update is dropped: ``nan_policy``
+     'skip' reports it (metrics ``skipped`` = 1, version unchanged), 'stop' raises
+     NonFiniteLossError and refuses further steps until ``restore``; NaN weights are never
+     published;
+  5. version v + 1 is pushed to the sink (``trainer.publish_dtype``) and, every
+     ``checkpoint_every`` steps, saved asynchronously with Orbax.
+
+Multi-host: every process of a ``jax.distributed`` job builds the Trainer and calls
+``train_step`` with the same batch (the mesh spans all processes' devices); host arrays enter as
+global arrays and every value read back to the host is replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from rlax_tpu import models
+from rlax_tpu.algorithms import LossInputs, RolloutBatch, make_objective
+from rlax_tpu.config import InferenceConfig, RunConfig
+from rlax_tpu.models.scoring import ReplayShape, replay_logprobs
+from rlax_tpu.trainer import mesh as mesh_lib
+from rlax_tpu.trainer.batching import MicroBatch, micro_arrays, plan_micro_batches
+from rlax_tpu.trainer.checkpoint import Checkpointer, abstract_like, signature_with
+from rlax_tpu.trainer.optimizer import make_optimizer, make_schedule
+from rlax_tpu.trainer.step import StepFunctions
+from rlax_tpu.types import TrainBatch
+
+
+class WeightSink(Protocol):
+    """Where new versions go (the parameter-server client has this method)."""
+
+    def push(self, params: Any, version: int) -> Any:
+        """params: nested dict of jax arrays (the model's parameter tree)."""
+        ...
+
+
+class TrainerHalted(RuntimeError):
+    """The trainer stopped (nan_policy 'stop') and takes no steps until restored."""
+
+
+class NonFiniteLossError(TrainerHalted):
+    """The step's loss, gradient or updated params were not finite (nan_policy 'stop')."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerStatus:
+    step: int  # optimizer updates applied = the version of the current params
+    published_version: int  # last version pushed to the sink (-1: none)
+    mesh: dict[str, int]
+    process_count: int
+    halted: str  # why the trainer stopped, "" if it did not
+    checkpoint_steps: tuple[int, ...]
+    last_metrics: dict[str, float]
+
+
+def engine_replay_shape(cfg: InferenceConfig) -> ReplayShape:
+    """The inference engine's step shapes (``models.scoring``): rows per decode step
+    (max_concurrent_seqs) and KV positions per sequence (whole pages for the longest rollout)."""
+    longest = cfg.max_prompt_len + cfg.max_new_tokens
+    return ReplayShape(
+        slots=cfg.max_concurrent_seqs, cache_len=-(-longest // cfg.page_size) * cfg.page_size
+    )
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        sink: WeightSink | None = None,
+        devices: list[jax.Device] | None = None,
+        checkpoint_dir: str | Path | None = None,
+        model: models.Transformer | None = None,
+    ):
+        """Builds the mesh, loads (or takes) the model sharded by the logical rules, a frozen
+        reference copy if the objective needs one, the optimizer and the checkpointer."""
+        self.config = config
+        tcfg = config.trainer
+        self.mesh = mesh_lib.build_mesh(config.mesh, devices)
+        self.objective = make_objective(
+            config.algorithm, max_length=config.inference.max_new_tokens
+        )
+        spec = self.objective.spec
+        self.sink = sink
+        if model is None:
+            model = models.load_model(config.model, mesh=self.mesh)
+        self._graphdef, state = nnx.split(model)
+        model_shardings = nnx.to_pure_dict(models.param_shardings(state, self.mesh))
+        params = jax.device_put(nnx.to_pure_dict(state), model_shardings)
+        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=model_shardings)
+        # The reference stays frozen while the policy's buffers are donated step after step.
+        self._ref_params = copy(params) if spec.needs_reference else None
+        trainable: dict[str, Any] = {"model": copy(params)}
+        shardings: dict[str, Any] = {"model": model_shardings}
+        if spec.advantage == "gae":
+            rep = mesh_lib.replicated(self.mesh)
+            e = config.model.hidden_size
+            trainable["value_head"] = {
+                "w": mesh_lib.put(np.zeros(e, np.float32), rep),
+                "b": mesh_lib.put(np.zeros((), np.float32), rep),
+            }
+            shardings["value_head"] = {"w": rep, "b": rep}
+        total_steps = config.controller.num_steps
+        self.schedule = make_schedule(tcfg, total_steps)
+        tx = make_optimizer(tcfg, total_steps)
+        opt_shardings = optax.tree_map_params(
+            tx, lambda _, s: s, jax.eval_shape(tx.init, trainable), shardings,
+            transform_non_params=lambda _: mesh_lib.replicated(self.mesh),
+        )  # fmt: skip
+        self._opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(trainable)
+        self._trainable = trainable
+        self._fns = StepFunctions(
+            graphdef=self._graphdef, objective=self.objective, mesh=self.mesh,
+            trainable_shardings=shardings, opt_shardings=opt_shardings, tx=tx, remat=tcfg.remat,
+        )  # fmt: skip
+        self._step = 0
+        self._rng = jax.random.key_data(jax.random.PRNGKey(config.controller.seed))
+        self._published = -1
+        self._halted = ""
+        self._last_metrics: dict[str, float] = {}
+        self.replay_shape = engine_replay_shape(config.inference)
+        directory = (
+            checkpoint_dir or tcfg.checkpoint_dir or Path(config.controller.run_dir) / "trainer"
+        )
+        self._checkpointer = Checkpointer(
+            Path(directory).absolute(), keep=tcfg.keep_checkpoints,
+            signature=signature_with(config.model, value_head=spec.advantage == "gae"),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def step(self) -> int:
+        """Optimizer updates applied so far = the version of the current params."""
+        return self._step
+
+    @property
+    def version(self) -> int:
+        return self._step
+
+    def params(self) -> dict[str, Any]:
+        """The current model parameters (nested dict of sharded jax arrays; do not keep across
+        steps: the next step donates them)."""
+        return self._trainable["model"]
+
+    def model(self) -> models.Transformer:
+        """The current policy as an nnx module (a view of ``params()``)."""
+        return nnx.merge(self._graphdef, self._trainable["model"])
+
+    # ------------------------------------------------------------------ train step
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer update on ``batch``; returns the step's metrics (floats).
+
+        Raises BatchShapeError / ValueError for a batch that does not fit the mesh, the
+        micro-batching or the objective; NonFiniteLossError under nan_policy 'stop'.
+        """
+        if self._halted:
+            raise TrainerHalted(f"the trainer is halted ({self._halted}); restore a checkpoint")
+        t_start = time.perf_counter()
+        tcfg, spec = self.config.trainer, self.objective.spec
+        if batch.group_size != spec.group_size:
+            raise ValueError(
+                f"TrainBatch.group_size {batch.group_size} differs from algorithm.group_size "
+                f"{spec.group_size}"
+            )
+        plan = plan_micro_batches(
+            batch, micro_batch_size=tcfg.micro_batch_size, whole_groups=spec.kind != "eq3",
+            bucket=tcfg.length_bucket, row_multiple=mesh_lib.batch_shards(self.mesh),
+        )  # fmt: skip
+        width = max(m.width for m in plan.micro_batches)
+        completion = np.asarray(batch.completion_lengths)
+        mask = (np.arange(width)[None, :] < completion[:, None]).astype(np.float32)
+        behaviour = np.zeros((batch.num_rows, width), np.float32)
+        have = min(width, np.shape(batch.behaviour_logprobs)[1])
+        behaviour[:, :have] = np.asarray(batch.behaviour_logprobs, np.float32)[:, :have]
+        behaviour = np.where(mask > 0, behaviour, 0.0)
+        temperature = mesh_lib.put(np.float32(batch.temperature), mesh_lib.replicated(self.mesh))
+        micro = [(mb, self._put_arrays(micro_arrays(batch, mb))) for mb in plan.micro_batches]
+
+        t_old = time.perf_counter()
+        if tcfg.align_logprobs:
+            logp_old = replay_logprobs(
+                self.model(), batch.tokens, batch.prompt_lengths, completion,
+                shape=self.replay_shape, temperature=batch.temperature, width=width,
+            )  # fmt: skip
+        else:
+            logp_old = self._score_all(self._trainable["model"], None, micro, width, temperature)[0]
+        t_old = time.perf_counter() - t_old
+        logp_ref = values = None
+        if spec.needs_reference:
+            logp_ref = self._score_all(self._ref_params, None, micro, width, temperature)[0]
+        if "value_head" in self._trainable:
+            values = self._score_all(
+                self._trainable["model"], self._trainable["value_head"], micro, width, temperature
+            )[1]
+        rollout = RolloutBatch(
+            logp_old=logp_old * mask, logp_behaviour=behaviour, mask=mask,
+            rewards=np.asarray(batch.rewards, np.float32),
+            logp_ref=None if logp_ref is None else logp_ref * mask,
+            values=None if values is None else values * mask,
+        )  # fmt: skip
+        self.objective.validate(rollout)
+        rep = mesh_lib.replicated(self.mesh)
+        inputs = self._fns.prepare(
+            jax.tree.map(lambda x: mesh_lib.put(x, rep), rollout),
+            mesh_lib.put(np.int32(self._step), rep),
+        )
+        inputs_host = jax.tree.map(np.asarray, inputs)
+
+        t_update = time.perf_counter()
+        scale = 1.0 if spec.kind == "eq3" else 1.0 / plan.num_micro_batches
+        scale_arr = mesh_lib.put(np.float32(scale), rep)
+        acc = self._fns.zeros_like_trainable(self._trainable)
+        loss_total, parts = 0.0, []
+        for mb, arrays in micro:
+            mb_inputs = self._put_inputs(_slice_inputs(inputs_host, mb))
+            acc, loss, mb_metrics = self._fns.accumulate(
+                self._trainable, acc, arrays, mb_inputs, temperature, scale_arr
+            )
+            loss_total += float(loss) * scale
+            parts.append((float(mask[mb.rows].sum()), jax.tree.map(float, mb_metrics)))
+        new_trainable, new_opt, stats = self._fns.apply(
+            self._trainable, self._opt_state, acc, mesh_lib.put(np.float32(loss_total), rep)
+        )
+        self._trainable, self._opt_state = new_trainable, new_opt
+        ok = bool(stats["update_ok"])
+        t_update = time.perf_counter() - t_update
+
+        diff = np.abs(logp_old - behaviour)[mask > 0]
+        versions = np.asarray(batch.versions)[np.asarray(batch.versions) >= 0]
+        metrics = _combine(parts) | {
+            "loss": loss_total,
+            "grad_norm": float(stats["grad_norm"]),
+            "update_norm": float(stats["update_norm"]),
+            "param_norm": float(stats["param_norm"]),
+            "learning_rate": float(self.schedule(self._step)),
+            "logp_old_behaviour_diff_mean": float(diff.mean()) if diff.size else 0.0,
+            "logp_old_behaviour_diff_p95": float(np.percentile(diff, 95)) if diff.size else 0.0,
+            "logp_old_behaviour_diff_max": float(diff.max()) if diff.size else 0.0,
+            "aligned_logprobs": float(tcfg.align_logprobs),
+            "padding_fraction": plan.padding_fraction,
+            "padding_fraction_unsorted": plan.padding_fraction_unsorted,
+            "micro_batches": float(plan.num_micro_batches),
+            "completion_tokens": float(mask.sum()),
+            "sequence_tokens": float(np.sum(batch.prompt_lengths) + completion.sum()),
+            "staleness_max": float(self._step - versions.min()) if versions.size else 0.0,
+            "time_logp_old_s": t_old,
+            "time_update_s": t_update,
+            "skipped": float(not ok),
+        }
+        if not ok:
+            reason = (
+                f"non-finite update at step {self._step} (loss {loss_total}, grad norm "
+                f"{metrics['grad_norm']}); params left at version {self._step}"
+            )
+            metrics |= {"step": float(self._step), "time_step_s": time.perf_counter() - t_start}
+            self._last_metrics = metrics
+            if tcfg.nan_policy == "stop":
+                self._halted = reason
+                raise NonFiniteLossError(reason)
+            return metrics
+        self._step += 1
+        self._rng = jax.random.key_data(
+            jax.random.fold_in(jax.random.wrap_key_data(self._rng), self._step)
+        )
+        if self.sink is not None:
+            self.publish()
+        if self._step % tcfg.checkpoint_every == 0:
+            self.save()
+        metrics |= {"step": float(self._step), "time_step_s": time.perf_counter() - t_start}
+        self._last_metrics = metrics
+        return metrics
+
+    def _put_arrays(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {
+            k: mesh_lib.put(v, mesh_lib.batch_sharding(self.mesh, v.ndim))
+            for k, v in arrays.items()
+        }
+
+    def _put_inputs(self, inputs: LossInputs) -> LossInputs:
+        rep = mesh_lib.replicated(self.mesh)
+        return jax.tree.map(
+            lambda x: mesh_lib.put(
+                x, mesh_lib.batch_sharding(self.mesh, x.ndim) if x.ndim else rep
+            ),
+            inputs,
+        )
+
+    def _score_all(
+        self, model_params: Any, value_head: Any, micro: list[tuple[MicroBatch, Any]], width: int,
+        temperature: jax.Array,
+    ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+        """Completion log-probs (and values) [B, width] of every row, by micro-batch."""
+        rows = sum(len(mb.rows) for mb, _ in micro)
+        logp = np.zeros((rows, width), np.float32)
+        values = np.zeros((rows, width), np.float32) if value_head is not None else None
+        for mb, arrays in micro:
+            lp, v = self._fns.score(model_params, value_head, arrays, temperature)
+            logp[mb.rows, : mb.width] = np.asarray(lp)
+            if values is not None:
+                values[mb.rows, : mb.width] = np.asarray(v)
+        return logp, values
+
+    # ------------------------------------------------------------------ publish / checkpoints
+    def publish(self) -> int:
+        """Pushes the current params as version ``step`` (in ``trainer.publish_dtype``)."""
+        if self.sink is None:
+            raise RuntimeError("this trainer has no weight sink to publish to")
+        dtype = jnp.dtype(self.config.trainer.publish_dtype)
+        params = self._cast(self._trainable["model"], dtype)
+        self.sink.push(params, self._step)
+        self._published = self._step
+        return self._step
+
+    def _cast(self, params: Any, dtype: jnp.dtype) -> Any:
+        shardings = self._fns.trainable_shardings["model"]
+        cast = jax.jit(
+            lambda t: jax.tree.map(lambda x: x.astype(dtype), t), out_shardings=shardings
+        )
+        return cast(params)
+
+    def _state(self) -> dict[str, Any]:
+        rep = mesh_lib.replicated(self.mesh)
+        return {
+            "params": self._trainable,
+            "opt_state": self._opt_state,
+            "step": mesh_lib.put(np.int32(self._step), rep),
+            "rng": mesh_lib.put(np.asarray(self._rng), rep),
+        }
+
+    def save(self, *, wait: bool = False) -> int:
+        """Starts an asynchronous checkpoint of the current state; returns its step."""
+        self._checkpointer.save(self._step, self._state())
+        if wait:
+            self._checkpointer.wait()
+        return self._step
+
+    def wait_for_checkpoints(self) -> None:
+        self._checkpointer.wait()
+
+    def restore(self, step: int | None = None, *, directory: str | Path | None = None) -> int:
+        """Loads checkpoint ``step`` (default: the newest complete one) onto this trainer's mesh,
+        from this trainer's checkpoint directory or from ``directory`` (another run's).
+
+        Raises NoCheckpointError, or CheckpointMismatchError for another model's checkpoint.
+        """
+        abstract = abstract_like(self._state())
+        if directory is None:
+            step, state = self._checkpointer.restore(step, abstract)
+        else:
+            other = Checkpointer(
+                Path(directory).absolute(), keep=self.config.trainer.keep_checkpoints,
+                signature=self._checkpointer.signature,
+            )  # fmt: skip
+            try:
+                step, state = other.restore(step, abstract)
+            finally:
+                other.close()
+        self._trainable, self._opt_state = state["params"], state["opt_state"]
+        self._step = int(state["step"])
+        self._rng = np.asarray(state["rng"])
+        self._halted = ""
+        return self._step
+
+    def status(self) -> TrainerStatus:
+        return TrainerStatus(
+            step=self._step,
+            published_version=self._published,
+            mesh=dict(self.mesh.shape),
+            process_count=jax.process_count(),
+            halted=self._halted,
+            checkpoint_steps=tuple(self._checkpointer.steps()),
+            last_metrics=dict(self._last_metrics),
+        )
+
+    def close(self) -> None:
+        self._checkpointer.close()
+
+
+def _slice_inputs(inputs: LossInputs, mb: MicroBatch) -> LossInputs:
+    def one(x: np.ndarray) -> np.ndarray:
+        if x.ndim == 2:
+            return x[mb.rows, : mb.width]
+        return x[mb.rows] if x.ndim == 1 else x
+
+    return jax.tree.map(one, inputs)
+
+
+def _combine(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Micro-batch metrics -> step metrics: *_max max, *_min min, tokens summed, others
+    token-weighted means (p95s become the token-weighted mean of micro-batch p95s)."""
+    out: dict[str, float] = {}
+    total = sum(w for w, _ in parts) or 1.0
+    for name in parts[0][1]:
+        vals = [m[name] for _, m in parts]
+        if name.endswith("_max"):
+            out[name] = max(vals)
+        elif name.endswith("_min"):
+            out[name] = min(vals)
+        elif name == "tokens":
+            out[name] = sum(vals)
+        else:
+            out[name] = sum(w * m[name] for w, m in parts) / total
+    return out
