@@ -1,0 +1,93 @@
+"""Publishing to a real parameter server (gRPC on 127.0.0.1), and bad input: batches that do not
+fit the mesh, NaN losses under nan_policy 'skip' and 'stop' (never published)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlax_tpu.config import ParamServerConfig
+from rlax_tpu.param_server.client import ParamServerClient
+from rlax_tpu.param_server.service import serve as serve_param_server
+from rlax_tpu.trainer import BatchShapeError, NonFiniteLossError, Trainer, TrainerHalted
+
+from .helpers import host, random_batch, run_config
+
+# Rewards whose group mean overflows f32 (3e38 * 4 = inf): finite input, NaN advantages and loss.
+OVERFLOW = np.full(16, 3e38, np.float32)
+
+
+@pytest.fixture
+def param_server():
+    server, port, _ = serve_param_server(ParamServerConfig(persist_every=0))
+    client = ParamServerClient(f"127.0.0.1:{port}")
+    client.wait_ready()
+    yield client
+    client.close()
+    server.stop(0)
+
+
+def _versions(client):
+    return [v.version for v in client.list_versions()[0]]
+
+
+def test_publish_versions_and_skip_nan(param_server, tmp_path):
+    cfg = run_config((1, 2, 1), publish_dtype="bfloat16", nan_policy="skip")
+    trainer = Trainer(cfg, sink=param_server, devices=jax.devices()[:2], checkpoint_dir=tmp_path)
+    assert trainer.publish() == 0
+    trainer.train_step(random_batch(0))
+    assert _versions(param_server) == [0, 1]
+    pulled = param_server.pull(1)
+    expected = jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16)), trainer.params())
+    assert pulled["embed"].dtype == jnp.bfloat16
+    # (the server returns layers as a list where the trainer has a dict keyed 0..n-1)
+    leaves = jax.tree.leaves(host(pulled))
+    assert len(leaves) == len(jax.tree.leaves(expected))
+    for a, b in zip(leaves, jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # A NaN step is skipped and reported: params and version unchanged, nothing published.
+    before = host(trainer.params())
+    metrics = trainer.train_step(random_batch(1, rewards=OVERFLOW))
+    assert metrics["skipped"] == 1.0 and not np.isfinite(metrics["loss"])
+    assert trainer.step == 1 and _versions(param_server) == [0, 1]
+    jax.tree.map(np.testing.assert_array_equal, host(trainer.params()), before)
+    # Training goes on after a skip.
+    assert trainer.train_step(random_batch(2))["skipped"] == 0.0
+    assert _versions(param_server) == [0, 1, 2]
+    trainer.close()
+
+
+def test_nan_stop_halts_until_restore(param_server, tmp_path):
+    cfg = run_config(nan_policy="stop")
+    trainer = Trainer(cfg, sink=param_server, devices=jax.devices()[:1], checkpoint_dir=tmp_path)
+    trainer.train_step(random_batch(0))
+    trainer.wait_for_checkpoints()
+    with pytest.raises(NonFiniteLossError, match="non-finite update at step 1"):
+        trainer.train_step(random_batch(1, rewards=OVERFLOW))
+    assert trainer.status().halted and _versions(param_server) == [1]
+    with pytest.raises(TrainerHalted, match="halted"):
+        trainer.train_step(random_batch(2))
+    assert trainer.restore() == 1 and not trainer.status().halted
+    trainer.train_step(random_batch(2))
+    assert _versions(param_server) == [1, 2]
+    trainer.close()
+
+
+def test_batches_that_do_not_fit_are_refused(tmp_path):
+    cfg = run_config((8, 1, 1), micro_batch_size=4)
+    trainer = Trainer(cfg, checkpoint_dir=tmp_path)
+    with pytest.raises(BatchShapeError, match="do not split evenly over the mesh's 8 batch shards"):
+        trainer.train_step(random_batch(0))
+    trainer.close()
+    trainer = Trainer(run_config((8, 1, 1)), checkpoint_dir=tmp_path)
+    with pytest.raises(
+        BatchShapeError, match="12 rows, not a multiple of trainer.micro_batch_size 8"
+    ):
+        trainer.train_step(random_batch(0, rows=12))
+    with pytest.raises(ValueError, match="group_size 2 differs from algorithm.group_size 4"):
+        trainer.train_step(dataclasses.replace(random_batch(0), group_size=2))
+    trainer.close()
