@@ -1,0 +1,64 @@
+"""Length-bucketed micro-batches (host side) and the optimizer schedules, by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlax_tpu.config import TrainerConfig
+from rlax_tpu.trainer.batching import micro_arrays, plan_micro_batches
+from rlax_tpu.trainer.mesh import BatchShapeError
+from rlax_tpu.trainer.optimizer import make_schedule
+
+from .helpers import random_batch
+
+
+def test_sorting_bounds_padding_and_covers_every_row_once():
+    batch = random_batch(3, rows=32)
+    plan = plan_micro_batches(batch, micro_batch_size=8, whole_groups=False, bucket=4)
+    rows = np.sort(np.concatenate([m.rows for m in plan.micro_batches]))
+    np.testing.assert_array_equal(rows, np.arange(32))
+    total = batch.prompt_lengths + batch.completion_lengths
+    slots = sum(len(m.rows) * m.length for m in plan.micro_batches)
+    assert plan.padding_fraction == pytest.approx(1 - total.sum() / slots)
+    assert plan.padding_fraction < plan.padding_fraction_unsorted
+    for m in plan.micro_batches:  # each micro-batch is padded only to its own longest row
+        assert m.length % 4 == 0 and m.length - 4 < total[m.rows].max() <= m.length
+
+
+def test_whole_groups_stay_together():
+    batch = random_batch(4, rows=16)
+    plan = plan_micro_batches(batch, micro_batch_size=8, whole_groups=True, bucket=8)
+    for m in plan.micro_batches:
+        groups = m.rows // 4
+        assert all(np.sum(groups == g) == 4 for g in np.unique(groups))
+    with pytest.raises(BatchShapeError, match="not a multiple of group_size 4"):
+        plan_micro_batches(batch, micro_batch_size=2, whole_groups=True, bucket=8)
+
+
+def test_micro_arrays_layout():
+    batch = random_batch(5, rows=4)
+    plan = plan_micro_batches(batch, micro_batch_size=4, whole_groups=False, bucket=8)
+    mb = plan.micro_batches[0]
+    a = micro_arrays(batch, mb)
+    for i, row in enumerate(mb.rows):
+        p, c = batch.prompt_lengths[row], batch.completion_lengths[row]
+        np.testing.assert_array_equal(a["tokens"][i, : p + c], batch.tokens[row, : p + c])
+        assert (a["positions"][i, : p + c] == np.arange(p + c)).all()
+        assert (a["positions"][i, p + c :] == -1).all()
+        np.testing.assert_array_equal(a["targets"][i, :c], batch.tokens[row, p : p + c])
+
+
+def test_schedules():
+    cfg = TrainerConfig(learning_rate=1.0, schedule="warmup_cosine", warmup_steps=10)
+    s = make_schedule(cfg, total_steps=110)
+    assert s(0) == 0.0 and s(5) == pytest.approx(0.5) and s(10) == pytest.approx(1.0)
+    assert s(60) == pytest.approx(0.5) and s(110) == pytest.approx(0.0, abs=1e-7)
+    wsd = make_schedule(
+        TrainerConfig(learning_rate=1.0, schedule="warmup_stable_decay", warmup_steps=10,
+                      decay_steps=20), total_steps=100,
+    )  # fmt: skip
+    assert wsd(5) == pytest.approx(0.5) and wsd(50) == 1.0 and wsd(80) == 1.0
+    assert wsd(90) == pytest.approx(0.5) and wsd(100) == pytest.approx(0.0)
+    const = make_schedule(TrainerConfig(learning_rate=2.0, warmup_steps=4), total_steps=10)
+    assert const(2) == pytest.approx(1.0) and const(9) == 2.0
