@@ -1,0 +1,129 @@
+"""From problems to prompts, and from completions to verifier tasks and rewards.
+
+Two prompt styles:
+  * ``raw`` (tiny models trained here): the statement, then an opened code fence; the model writes
+    the program and closes the fence. The program is the text before the first closing fence.
+  * ``chat`` (instruct models): a ChatML conversation asking for one fenced program; the program
+    is the last fenced block of the answer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+from rlax_tpu.data.problems import CodeProblem, MathProblem, Problem, UnitTestProblem
+from rlax_tpu.types import Verdict, VerdictKind
+from rlax_tpu.verifiers.api import CodeTask, MathTask, ProblemSpec, Task, UnitTestTask
+from rlax_tpu.verifiers.problems import Uploader, upload_problem
+
+PromptStyle = Literal["raw", "chat"]
+FENCE = "```"
+_LANG_TAGS = {"python": "python", "cpp": "cpp", "rust": "rust", "java": "java"}
+_SYSTEM = (
+    "You are an expert competitive programmer. Answer with one complete program in a code block."
+)
+_FENCED = re.compile(r"```[A-Za-z0-9+]*\n(.*?)```", re.S)
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], **kwargs: object) -> str: ...
+
+
+def prompt_text(problem: Problem, *, style: PromptStyle, language: str = "python",
+                tokenizer: TextTokenizer | None = None) -> str:  # fmt: skip
+    """The text the model continues."""
+    tag = _LANG_TAGS[language]
+    if isinstance(problem, CodeProblem):
+        body = problem.statement
+        ask = f"Write a {language} program that reads standard input and writes standard output."
+    elif isinstance(problem, UnitTestProblem):
+        body, ask = problem.prompt, "Complete the function."
+    else:
+        body, ask = problem.question, "Give the final answer as: Answer: <answer>"
+    if style == "raw":
+        if isinstance(problem, MathProblem):
+            return f"{body}\nAnswer:"
+        if isinstance(problem, UnitTestProblem):
+            return body
+        return f"{body}\n{FENCE}{tag}\n"
+    if tokenizer is None:
+        raise ValueError("the chat prompt style needs a tokenizer with a chat template")
+    messages = [
+        {"role": "system", "content": _SYSTEM},
+        {"role": "user", "content": f"{body}\n\n{ask}"},
+    ]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def extract_program(completion: str, *, style: PromptStyle) -> str | None:
+    """The program in a completion, or None if there is none to run."""
+    if style == "raw":
+        code = completion.split(FENCE, 1)[0]
+        return code if code.strip() else None
+    blocks = _FENCED.findall(completion)
+    return blocks[-1] if blocks else None
+
+
+class SpecCache:
+    """Uploads each problem's tests and checker once and remembers the links (ProblemSpec)."""
+
+    def __init__(self, uploader: Uploader):
+        self._uploader = uploader
+        self._specs: dict[str, ProblemSpec] = {}
+
+    def spec(self, problem: CodeProblem) -> ProblemSpec:
+        if problem.id not in self._specs:
+            checker = problem.checker
+            self._specs[problem.id] = upload_problem(
+                self._uploader,
+                problem_id=problem.id,
+                tests=[(t.input, t.output) for t in problem.tests],
+                checker_source=checker.source if checker else "",
+                checker_language=checker.language if checker else "cpp",
+                time_limit_s=problem.time_limit_s,
+                memory_limit_mb=problem.memory_limit_mb,
+            )
+        return self._specs[problem.id]
+
+
+def make_task(
+    problem: Problem,
+    completion: str,
+    *,
+    style: PromptStyle,
+    specs: SpecCache,
+    language: str = "python",
+) -> Task | None:
+    """The verifier task for one completion; None when it holds no program (reward 0, no run)."""
+    if isinstance(problem, MathProblem):
+        # The raw prompt ends with "Answer:", which the extractor needs to see.
+        response = f"Answer:{completion}" if style == "raw" else completion
+        return MathTask(response=response, answer=problem.answer)
+    if isinstance(problem, UnitTestProblem):
+        code = (
+            problem.prompt + completion
+            if style == "raw"
+            else extract_program(completion, style=style)
+        )
+        if not code:
+            return None
+        return UnitTestTask(code=code, test=problem.test, entry_point=problem.entry_point)
+    program = extract_program(completion, style=style)
+    if program is None:
+        return None
+    return CodeTask(problem=specs.spec(problem), language=language, code=program)
+
+
+NO_PROGRAM = Verdict(kind=VerdictKind.COMPILE_ERROR, detail="no program in the completion")
+
+
+def reward(verdict: Verdict) -> float | None:
+    """1 if accepted, 0 for a model failure, None for an internal error (not the model's fault:
+    the rollout must not be trained on as if it failed)."""
+    if verdict.kind is VerdictKind.INTERNAL_ERROR:
+        return None
+    return 1.0 if verdict.accepted else 0.0

@@ -1,0 +1,93 @@
+"""Prompts, program extraction, verifier tasks and rewards, graded by the real verifier."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rlax_tpu.config import VerifierConfig
+from rlax_tpu.controller.tasks import (
+    FENCE,
+    SpecCache,
+    extract_program,
+    make_task,
+    prompt_text,
+    reward,
+)
+from rlax_tpu.data.bundled import load_bundled
+from rlax_tpu.data.loaders import load_human_eval
+from rlax_tpu.data.problems import MathProblem
+from rlax_tpu.data.procedural import TEMPLATES, make_problem
+from rlax_tpu.types import Verdict, VerdictKind
+from rlax_tpu.verifiers.service import VerifierService
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory):
+    # A uid block of its own: tests/verifiers and tests/data use 300_000 + pid-based blocks.
+    uid = 1_200_000 + (os.getpid() % 100_000) * 8
+    config = VerifierConfig(sandbox_uid=uid, workers=2, time_limit_s=1.0, compile_time_limit_s=20.0)
+    with VerifierService(config, scratch_dir=tmp_path_factory.mktemp("verifier")) as service:
+        yield service
+
+
+class ChatTokenizer:
+    def encode(self, text: str, *, add_bos=None):
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages, **kwargs):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def test_raw_prompt_and_extraction():
+    problem = make_problem(TEMPLATES[0], 7, 0)
+    assert prompt_text(problem, style="raw") == f"{problem.statement}\n{FENCE}python\n"
+    assert extract_program("print(1)\n```\ntrailing", style="raw") == "print(1)\n"
+    assert (
+        extract_program("print(1)\n", style="raw") == "print(1)\n"
+    )  # ran out of tokens: still a program
+    assert extract_program("  \n```", style="raw") is None
+
+
+def test_chat_prompt_and_extraction():
+    problem = make_problem(TEMPLATES[0], 7, 0)
+    text = prompt_text(problem, style="chat", tokenizer=ChatTokenizer())
+    assert (
+        text.startswith("<system>") and problem.statement in text and text.endswith("<assistant>")
+    )
+    answer = "Idea first.\n```python\nprint(0)\n```\nBetter:\n```python\nprint(1)\n```\n"
+    assert extract_program(answer, style="chat") == "print(1)\n"
+    assert extract_program("no code here", style="chat") is None
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        prompt_text(problem, style="chat")
+
+
+def test_rewards_from_the_real_verifier(verifier):
+    specs = SpecCache(verifier)
+    procedural = make_problem(TEMPLATES[0], 7, 0)
+    bundled = next(p for p in load_bundled() if p.checker is not None)
+    human_eval = load_human_eval()[0]
+    math = MathProblem(id="m1", question="What is 6*7?", answer="42")
+    cases = [
+        (procedural, procedural.reference_solutions[0].code + FENCE, 1.0),
+        (procedural, procedural.wrong_solutions[0].code + FENCE, 0.0),
+        (bundled, bundled.reference_solutions[0].code, 1.0),
+        (bundled, bundled.wrong_solutions[0].code, 0.0),
+        (human_eval, human_eval.canonical_solution, 1.0),
+        (human_eval, "    return None\n", 0.0),
+        (math, " 42", 1.0),
+        (math, " 41", 0.0),
+    ]
+    tasks = [make_task(p, c, style="raw", specs=specs) for p, c, _ in cases]
+    verdicts = verifier.verify(tasks)
+    assert [reward(v) for v in verdicts] == [r for _, _, r in cases], [v.detail for v in verdicts]
+    # The problem's data was uploaded once and reused.
+    assert specs.spec(procedural) is specs.spec(procedural)
+    assert make_task(procedural, "```", style="raw", specs=specs) is None
+
+
+def test_internal_errors_are_not_rewards():
+    assert reward(Verdict(kind=VerdictKind.INTERNAL_ERROR)) is None
+    assert reward(Verdict(kind=VerdictKind.TIME_LIMIT)) == 0.0
+    assert reward(Verdict(kind=VerdictKind.ACCEPTED)) == 1.0
