@@ -279,6 +279,9 @@ class InferenceConfig:
     page_size: int = 16  # tokens per KV page
     kv_cache_bytes: int = 256 * 2**20  # memory budget for KV pages, per worker
     prefill_chunk: int = 128
+    # Token rows per engine step (decode tokens + prefill chunks, one token per row); 0 means
+    # max_concurrent_seqs. Fixed, so steps never recompile and logits do not depend on batching.
+    step_tokens: int = 0
     max_prompt_len: int = 256
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -296,9 +299,15 @@ class InferenceConfig:
             self, "num_workers", "max_concurrent_seqs", "page_size", "kv_cache_bytes",
             "prefill_chunk", "max_prompt_len", "max_new_tokens", "temperature",
         )  # fmt: skip
-        _non_negative(self, "top_k")
+        _non_negative(self, "top_k", "step_tokens")
         if not 0.0 < self.top_p <= 1.0:
             raise _bad(self, "top_p", "must be in (0, 1]")
+        if self.step_tokens and self.step_tokens < self.max_concurrent_seqs:
+            raise _bad(
+                self, "step_tokens",
+                f"must be 0 or >= max_concurrent_seqs ({self.max_concurrent_seqs}): every running "
+                "sequence decodes one token per step",
+            )  # fmt: skip
         _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
 
 

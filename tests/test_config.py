@@ -582,3 +582,18 @@ def test_trainer_length_bucket_must_be_positive():
     expect_error({"trainer.length_bucket": 0}, "trainer.length_bucket = 0: must be > 0")
     ok = build({"trainer.length_bucket": 64, "trainer.checkpoint_dir": "/tmp/ckpt"})
     assert ok.trainer.length_bucket == 64 and ok.trainer.checkpoint_dir == "/tmp/ckpt"
+
+
+# --------------------------------------------------------------------------------------------
+# Inference (issue #4): the engine's fixed step width.
+
+
+def test_inference_step_tokens_must_cover_every_running_sequence():
+    expect_error(
+        {"inference.max_concurrent_seqs": 8, "inference.step_tokens": 4},
+        "inference.step_tokens = 4: must be 0 or >= max_concurrent_seqs (8): every running "
+        "sequence decodes one token per step",
+    )
+    expect_error({"inference.step_tokens": -1}, "inference.step_tokens = -1: must be >= 0")
+    ok = build({"inference.max_concurrent_seqs": 8, "inference.step_tokens": 24})
+    assert ok.inference.step_tokens == 24 and build({}).inference.step_tokens == 0

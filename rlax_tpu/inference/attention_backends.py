@@ -1,0 +1,126 @@
+"""Paged attention, one implementation per backend, all reading the same page layout.
+
+Layout (per layer): ``k_pages``, ``v_pages`` [Hkv, P, page_size, D], the layout of the Pallas
+paged-attention kernels that ship with JAX (TPU ``paged_attention`` and GPU ``paged_attention``),
+so no backend transposes the cache. ``block_tables`` [B, M] int32 maps a sequence's page index to
+a physical page (null page 0 past its end). Every backend computes, for query (b, t) at
+``positions[b, t]`` = p >= 0, attention over positions 0..p of sequence b (the caller has already
+written them); rows with p < 0 are padding and give finite, unspecified outputs.
+
+* ``cpu``: gathers the block table's pages into a [B, S, Hkv, D] view (S = M * page_size) and runs
+  :func:`rlax_tpu.models.dot_product_attention` with the causal mask by position. Because S and the
+  math are those of ``DenseKVCache`` with ``max_len = S``, its output is bitwise that of the dense
+  cache (masked keys contribute exact zeros). This is the reference and the CPU production path.
+* ``tpu``: ``jax.experimental.pallas.ops.tpu.paged_attention`` (one query per row; every query
+  token is treated as a row of length p + 1).
+* ``gpu``: ``jax.experimental.pallas.ops.gpu.paged_attention`` (same flattening).
+The ``*_interpret`` variants run the Pallas kernels in interpret mode, which is how the tests
+check them on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from rlax_tpu.models import causal_mask, dot_product_attention
+
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """[Hkv, P, page, D] pages, [B, M] tables -> [B, M * page, Hkv, D] in position order."""
+    hkv, _, page, d = pages.shape
+    b, m = block_tables.shape
+    gathered = pages[:, block_tables]  # [Hkv, B, M, page, D]
+    return gathered.transpose(1, 2, 3, 0, 4).reshape(b, m * page, hkv, d)
+
+
+def reference_attention(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+    positions: jax.Array,
+) -> jax.Array:  # fmt: skip
+    """q [B, T, H, D] -> [B, T, H, D] (see the module docstring)."""
+    k = gather_pages(k_pages, block_tables)
+    v = gather_pages(v_pages, block_tables)
+    stored = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=positions.dtype), k.shape[:2])
+    return dot_product_attention(q, k, v, causal_mask(positions, stored))
+
+
+def _flatten_queries(
+    q: jax.Array, block_tables: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One row per query token: (q [B*T, H, D] pre-scaled by 1/sqrt(D), tables [B*T, M],
+    lengths [B*T] = p + 1, at least 1 so padding rows read the zeroed null page)."""
+    b, t, h, d = q.shape
+    scaled = (q.astype(jnp.float32) * (1.0 / d**0.5)).astype(q.dtype).reshape(b * t, h, d)
+    tables = jnp.repeat(block_tables, t, axis=0)
+    lengths = jnp.maximum(positions.reshape(b * t) + 1, 1).astype(jnp.int32)
+    return scaled, tables, lengths
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(c for c in range(1, min(n, cap) + 1) if n % c == 0)
+
+
+def tpu_attention(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+    positions: jax.Array, *, interpret: bool = False,
+) -> jax.Array:  # fmt: skip
+    """The JAX-shipped TPU Pallas paged-attention kernel; q [B, T, H, D] -> [B, T, H, D]."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+    from jax.experimental.pallas.tpu import force_tpu_interpret_mode
+
+    b, t, h, d = q.shape
+    rows, tables, lengths = _flatten_queries(q, block_tables, positions)
+    per_block = _largest_divisor_at_most(tables.shape[1], 8)
+
+    def call() -> jax.Array:
+        return paged_attention(
+            rows, k_pages, v_pages, lengths, tables, pages_per_compute_block=per_block
+        )
+
+    if interpret:
+        with force_tpu_interpret_mode():
+            out = call()
+    else:
+        out = call()
+    return out.reshape(b, t, h, d).astype(v_pages.dtype)
+
+
+def gpu_attention(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+    positions: jax.Array, *, interpret: bool = False,
+) -> jax.Array:  # fmt: skip
+    """The JAX-shipped GPU Pallas paged-attention kernel; q [B, T, H, D] -> [B, T, H, D]."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    b, t, h, d = q.shape
+    rows, tables, lengths = _flatten_queries(q, block_tables, positions)
+    per_block = _largest_divisor_at_most(tables.shape[1], 8)
+    out = paged_attention(
+        rows, k_pages, v_pages, tables, lengths, pages_per_compute_block=per_block, k_splits=1,
+        interpret=interpret,
+    )  # fmt: skip
+    return out.reshape(b, t, h, d).astype(v_pages.dtype)
+
+
+BACKENDS: dict[str, AttentionFn] = {
+    "cpu": reference_attention,
+    "tpu": tpu_attention,
+    "gpu": gpu_attention,
+    "tpu_interpret": lambda *a: tpu_attention(*a, interpret=True),
+    "gpu_interpret": lambda *a: gpu_attention(*a, interpret=True),
+}
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` -> the platform JAX runs on (cpu, gpu or tpu); other names are checked."""
+    if name == "auto":
+        platform = {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(), jax.default_backend())
+        return platform if platform in ("tpu", "gpu") else "cpu"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+    return name

@@ -1,0 +1,334 @@
+"""The inference engine: paged KV cache + continuous batching + sampling + weight versions.
+
+Numerical contract (what a replay must do to reproduce the reported log-probs bitwise, on CPU):
+
+* Every engine step runs ``rlax_tpu.models.step`` on tokens/positions of shape [N, 1], N =
+  ``step_tokens`` (``inference.step_tokens``, 0 -> ``max_concurrent_seqs``): one token per row,
+  prefill chunks laid out over consecutive rows, unused rows padded with position -1. Attention
+  for a row at position p covers positions 0..p of its sequence over S = ``pages_per_seq *
+  page_size`` cache entries, S = ceil((max_prompt_len + max_new_tokens) / page_size) *
+  page_size (see :attr:`Engine.cache_len`).
+* The logits of a token therefore do not depend on paging, on preemption/recompute, on prefill
+  chunking or on which other sequences share the step: they are bitwise those of feeding the
+  sequence one token per call through ``models.step`` with ``DenseKVCache(batch=N, max_len=S)``
+  (the sequence in any one row, the other rows padding), in the model's compute dtype
+  (``model.compute_dtype``), logits accumulated and returned in f32. :func:`replay.replay_logits`
+  does exactly that; ``tests/inference/test_engine.py`` checks it.
+* From those f32 logits z of the position before each generated token, ``sampler.sample`` draws
+  the token and reports ``log_softmax(z / T)[token]`` in f32 (``logprob_policy
+  = "temperature_scaled"``, T = the request's temperature, T = 1 when greedy) or the top-k/top-p
+  renormalized one (``"sampler"``). See ``sampler.py``.
+XLA:CPU's matmuls round differently for different row counts, so a replay with another N (or a
+full-sequence ``forward``) agrees only to f32 round-off (~1e-6 on the logits), not bitwise.
+
+Versions: the engine serves the weights of ``version``; every token records the version that
+produced it. :meth:`Engine.load_weights` runs between steps: in-flight samples are aborted and
+returned (``FinishReason.ABORTED``, with the tokens they have) unless ``continue_on_reload``,
+in which case they continue with the new weights (their cached keys/values from the old weights
+are kept) and record per-token versions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Collection
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlax_tpu import models
+from rlax_tpu.config import InferenceConfig
+from rlax_tpu.inference.attention_backends import resolve_backend
+from rlax_tpu.inference.paged_cache import PagedKVCache, page_bytes
+from rlax_tpu.inference.pages import PageAllocator
+from rlax_tpu.inference.sampler import InvalidSampling, SamplingParams, sample
+from rlax_tpu.inference.scheduler import Request, Scheduler, Sequence, block_table_rows
+from rlax_tpu.types import FinishReason, Rollout
+
+# Incremented inside the traced functions, i.e. once per trace (= compilation); jax's cache is
+# process-wide, so engines with the same model shape share compiled programs.
+TRACES: collections.Counter[str] = collections.Counter()
+
+
+@partial(jax.jit, static_argnames=("graphdef", "filtered"), donate_argnames="cache")
+def _device_step(
+    state: nnx.State, cache: PagedKVCache, tokens: jax.Array, positions: jax.Array,
+    tables: jax.Array, sampling: dict[str, jax.Array], *, graphdef: nnx.GraphDef, filtered: bool,
+) -> tuple[dict[str, jax.Array], PagedKVCache]:  # fmt: skip
+    """tokens, positions [N]; tables [N, M]; sampling arrays [N] -> (sampled [N], cache)."""
+    TRACES["step"] += 1
+    model = nnx.merge(graphdef, state)
+    logits, cache = models.step(model, tokens[:, None], positions[:, None],
+                                cache.with_tables(tables))  # fmt: skip
+    out = sample(logits[:, 0], filtered=filtered, **sampling)
+    return dataclasses.asdict(out), cache
+
+
+@partial(jax.jit, donate_argnames="cache")
+def _device_copy(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+    TRACES["copy"] += 1
+    return cache.copy_pages(src, dst)
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot serve (empty or too long prompt, bad sampling parameters)."""
+
+
+class InvalidWeights(ValueError):
+    """Weights whose structure, shapes or dtypes differ from the served model's."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    version: int
+    running: int
+    waiting: int
+    pages_total: int
+    pages_free: int
+    compilations: int
+    steps: int
+    generated_tokens: int
+    preemptions: int
+    pages_shared: int  # page references saved by prefix sharing so far (pages not copied)
+
+
+class Engine:
+    """Single-threaded engine; the worker serializes calls. See the module docstring."""
+
+    def __init__(
+        self, model: models.Transformer, cfg: InferenceConfig, *, version: int = 0,
+        eos_ids: Collection[int] = (),
+    ):  # fmt: skip
+        self.cfg, self.model_cfg = cfg, model.cfg
+        self.version = version
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.backend = resolve_backend(cfg.backend)
+        self.graphdef, self.state = nnx.split(model)
+        self.pages_per_seq = -(-(cfg.max_prompt_len + cfg.max_new_tokens) // cfg.page_size)
+        self.cache_len = self.pages_per_seq * cfg.page_size
+        self.step_tokens = cfg.step_tokens or cfg.max_concurrent_seqs
+        num_pages = cfg.kv_cache_bytes // page_bytes(model.cfg, cfg.page_size)
+        if num_pages < 1 + self.pages_per_seq:
+            raise ValueError(
+                f"inference.kv_cache_bytes = {cfg.kv_cache_bytes} holds {num_pages} pages of "
+                f"{page_bytes(model.cfg, cfg.page_size)} bytes; one sequence of max_prompt_len + "
+                f"max_new_tokens tokens needs {self.pages_per_seq} plus the null page"
+            )
+        self.allocator = PageAllocator(num_pages)
+        self.scheduler = Scheduler(
+            self.allocator, page_size=cfg.page_size, max_seqs=cfg.max_concurrent_seqs,
+            step_tokens=self.step_tokens, prefill_chunk=cfg.prefill_chunk,
+        )  # fmt: skip
+        self.cache = PagedKVCache.create(
+            model.cfg, num_pages=num_pages, page_size=cfg.page_size, batch=self.step_tokens,
+            pages_per_seq=self.pages_per_seq, backend=self.backend,
+        )  # fmt: skip
+        self._traces_at_start = TRACES.total()
+        self.steps = 0
+        self.generated_tokens = 0
+        self.pages_shared = 0
+
+    @property
+    def compilations(self) -> int:
+        """Programs traced (so compiled) in this process since the engine was built: the step for
+        a new shape or sampling variant, a page-copy bucket. 0 per step in steady state."""
+        return TRACES.total() - self._traces_at_start
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def check_request(self, request: Request) -> None:
+        """Raises InvalidRequest with a message naming what is wrong."""
+        n, vocab = len(request.prompt_tokens), self.model_cfg.vocab_size
+        where = f"request {request.prompt_id!r}"
+        if n == 0:
+            raise InvalidRequest(f"{where}: empty prompt")
+        if n > self.cfg.max_prompt_len:
+            raise InvalidRequest(
+                f"{where}: prompt of {n} tokens is longer than inference.max_prompt_len = "
+                f"{self.cfg.max_prompt_len}"
+            )
+        bad = [t for t in request.prompt_tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(
+                f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
+            )
+        if not 1 <= request.num_samples <= self.cfg.max_concurrent_seqs:
+            raise InvalidRequest(
+                f"{where}: num_samples = {request.num_samples} must be in [1, "
+                f"inference.max_concurrent_seqs = {self.cfg.max_concurrent_seqs}]"
+            )
+        try:
+            request.sampling.check(vocab_size=vocab, max_new_tokens=self.cfg.max_new_tokens)
+        except InvalidSampling as e:
+            raise InvalidRequest(f"{where}: {e}") from e
+
+    def submit(self, request: Request) -> None:
+        self.check_request(request)
+        self.scheduler.add(request)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    def _sampling_arrays(self, rows: list) -> tuple[dict[str, np.ndarray], bool]:
+        n = self.step_tokens
+        arrays = dict(
+            temperature=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
+            top_p=np.ones(n, np.float32), seeds=np.zeros(n, np.uint32),
+            sample_index=np.zeros(n, np.int32), token_index=np.zeros(n, np.int32),
+        )  # fmt: skip
+        filtered = False
+        for r, row in enumerate(rows):
+            if not row.sample:
+                continue
+            s: SamplingParams = row.seq.request.sampling
+            arrays["temperature"][r] = s.temperature
+            arrays["top_k"][r] = s.top_k
+            arrays["top_p"][r] = s.top_p
+            arrays["seeds"][r] = s.seed & 0xFFFFFFFF
+            arrays["sample_index"][r] = row.seq.sample_index
+            arrays["token_index"][r] = len(row.seq.generated)
+            filtered |= s.filtered
+        return arrays, filtered
+
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        k = 1 << (len(copies) - 1).bit_length()  # power-of-two buckets: few compilations
+        pairs = np.zeros((k, 2), np.int32)  # (0, 0): the null page onto itself
+        pairs[: len(copies)] = copies
+        self.cache = _device_copy(self.cache, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))
+
+    def step(self) -> list[Rollout]:
+        """Runs one engine step; returns the samples that finished in it."""
+        plan = self.scheduler.plan()
+        if not plan.rows:
+            return []
+        self._apply_copies(plan.copies)
+        n = self.step_tokens
+        tokens = np.zeros(n, np.int32)
+        positions = np.full(n, -1, np.int32)
+        for r, row in enumerate(plan.rows):
+            tokens[r], positions[r] = row.token, row.position
+        tables = block_table_rows(plan.rows, self.pages_per_seq, n)
+        arrays, filtered = self._sampling_arrays(plan.rows)
+        out, self.cache = _device_step(
+            self.state, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+            jnp.asarray(tables), {k: jnp.asarray(v) for k, v in arrays.items()},
+            graphdef=self.graphdef, filtered=filtered,
+        )  # fmt: skip
+        out = jax.device_get(out)
+        self.steps += 1
+        return self._apply_results(plan.rows, out)
+
+    def _apply_results(self, rows: list, out: dict[str, np.ndarray]) -> list[Rollout]:
+        finished: list[Rollout] = []
+        computed: dict[int, tuple[Sequence, int]] = {}
+        for row in rows:
+            computed[id(row.seq)] = (row.seq, row.position + 1)
+        for seq, stop in computed.values():
+            seq.num_computed = stop
+            if seq.sample_index is None and stop == seq.target:
+                shared = len(seq.table.pages)
+                children = self.scheduler.fork(seq)
+                self.pages_shared += (len(children) - 1) * shared
+        for r, row in enumerate(rows):
+            if not row.sample:
+                continue
+            seq = row.seq
+            s = seq.request.sampling
+            token = int(out["tokens"][r])
+            key = (
+                "logprob_sampler" if s.logprob_policy == "sampler" else "logprob_temperature_scaled"
+            )
+            seq.tokens.append(token)
+            seq.logprobs.append(float(out[key][r]))
+            seq.versions.append(self.version)
+            self.generated_tokens += 1
+            reason = None
+            if token in s.stop_token_ids or (token in self.eos_ids and not s.ignore_eos):
+                reason = FinishReason.EOS
+            elif len(seq.generated) >= s.max_new_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self.scheduler.finish(seq)
+                finished.append(self._rollout(seq, reason))
+        return finished
+
+    def _rollout(self, seq: Sequence, reason: FinishReason) -> Rollout:
+        s = seq.request.sampling
+        return Rollout(
+            prompt_id=seq.request.prompt_id, sample_index=seq.sample_index,
+            prompt_tokens=np.asarray(seq.request.prompt_tokens, np.int32),
+            tokens=np.asarray(seq.generated, np.int32),
+            logprobs=np.asarray(seq.logprobs, np.float32),
+            versions=np.asarray(seq.versions, np.int64), finish_reason=reason,
+            logprob_policy=s.logprob_policy,
+        )  # fmt: skip
+
+    def run(self) -> list[Rollout]:
+        """Steps until every submitted request has finished."""
+        done: list[Rollout] = []
+        while self.has_work():
+            done += self.step()
+        return done
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def abort_all(self) -> list[Rollout]:
+        """Removes every request; returns one ABORTED rollout per sample (not-yet-forked groups
+        give G rollouts with no tokens), so nothing disappears."""
+        out = []
+        for seq in self.scheduler.remove_all():
+            if seq.sample_index is None:
+                out += [
+                    self._rollout(dataclasses.replace(seq, sample_index=i, tokens=list(seq.tokens)),
+                                  FinishReason.ABORTED)
+                    for i in range(seq.request.num_samples)
+                ]  # fmt: skip
+            else:
+                out.append(self._rollout(seq, FinishReason.ABORTED))
+        return out
+
+    def load_weights(self, version: int, params: Any) -> list[Rollout]:
+        """Serves ``params`` (an ``nnx.State`` of the model, or its pure-dict form) as ``version``
+        from the next step on. Returns the aborted rollouts (none with ``continue_on_reload``)."""
+        self.state = self._as_state(params)
+        aborted = [] if self.cfg.continue_on_reload else self.abort_all()
+        self.version = version
+        return aborted
+
+    def _as_state(self, params: Any) -> nnx.State:
+        if isinstance(params, dict) and not isinstance(params, nnx.State):
+            state = jax.tree.map(lambda x: x, self.state)
+            try:
+                nnx.replace_by_pure_dict(state, params)
+            except (KeyError, ValueError, TypeError) as e:
+                raise InvalidWeights(f"weights do not fit the model: {e}") from e
+            params = state
+        ours = jax.tree.structure(self.state)
+        if jax.tree.structure(params) != ours:
+            raise InvalidWeights("weights have a different parameter tree than the served model")
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(self.state),
+                                jax.tree.leaves(params), strict=True):  # fmt: skip
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise InvalidWeights(
+                    f"{jax.tree_util.keystr(path)}: expected {a.dtype}{list(a.shape)}, got "
+                    f"{b.dtype}{list(b.shape)}"
+                )
+        return jax.tree.map(jnp.asarray, params)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            version=self.version, running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting), pages_total=self.allocator.num_pages - 1,
+            pages_free=self.allocator.num_free, compilations=self.compilations, steps=self.steps,
+            generated_tokens=self.generated_tokens, preemptions=self.scheduler.num_preemptions,
+            pages_shared=self.pages_shared,
+        )  # fmt: skip

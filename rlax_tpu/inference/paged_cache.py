@@ -1,0 +1,88 @@
+"""The device half of the paged KV cache: a jax pytree implementing ``rlax_tpu.models.KVCache``.
+
+``k_pages``/``v_pages`` [L, Hkv, P, page_size, D] hold every layer's pages (zero-initialized, so
+masked reads stay finite); ``block_tables`` [B, M] say which pages hold each batch row's sequence
+(several rows may share one table: the chunk of a prefill laid out one token per row). ``attend``
+first writes the new keys/values of all rows, then lets the backend attend, so a query sees the
+tokens written by other rows of the same step at earlier positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from rlax_tpu.config import ModelConfig
+from rlax_tpu.inference.attention_backends import BACKENDS
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    k_pages: jax.Array  # [L, Hkv, P, page_size, D]
+    v_pages: jax.Array  # [L, Hkv, P, page_size, D]
+    block_tables: jax.Array  # [B, M] int32
+    backend: str = dataclasses.field(default="cpu", metadata=dict(static=True))
+
+    @classmethod
+    def create(
+        cls, cfg: ModelConfig, *, num_pages: int, page_size: int, batch: int,
+        pages_per_seq: int, backend: str = "cpu",
+    ) -> PagedKVCache:  # fmt: skip
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.resolved_head_dim)
+        dtype = jnp.dtype(cfg.compute_dtype)
+        return cls(
+            k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
+            block_tables=jnp.zeros((batch, pages_per_seq), jnp.int32), backend=backend,
+        )  # fmt: skip
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[2]
+
+    def with_tables(self, block_tables: jax.Array) -> PagedKVCache:
+        return dataclasses.replace(self, block_tables=block_tables)
+
+    def copy_pages(self, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+        """Copy-on-write: page src[i] -> dst[i] in every layer. src, dst [K] int32; pairs
+        (0, 0) are padding (the null page onto itself)."""
+        k = self.k_pages.at[:, :, dst].set(self.k_pages[:, :, src])
+        v = self.v_pages.at[:, :, dst].set(self.v_pages[:, :, src])
+        return dataclasses.replace(self, k_pages=k, v_pages=v)
+
+    def attend(
+        self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
+    ) -> tuple[jax.Array, PagedKVCache]:
+        """q [B, T, H, D], k/v [B, T, Hkv, D], positions [B, T] -> ([B, T, H, D], new cache)."""
+        page = self.page_size
+        valid = positions >= 0
+        safe = jnp.where(valid, positions, 0)
+        table_index = jnp.minimum(safe // page, self.block_tables.shape[1] - 1)
+        physical = jnp.take_along_axis(self.block_tables, table_index, axis=1)
+        physical = jnp.where(valid & (safe // page < self.block_tables.shape[1]), physical,
+                             self.num_pages)  # fmt: skip  # out of range: the write is dropped
+        slot = safe % page
+        # Advanced indices (layer, physical, slot) around a slice put their [B, T] dims first,
+        # so the update is laid out like k: [B, T, Hkv, D].
+        k_pages = self.k_pages.at[layer, :, physical, slot].set(
+            k.astype(self.k_pages.dtype), mode="drop"
+        )
+        v_pages = self.v_pages.at[layer, :, physical, slot].set(
+            v.astype(self.v_pages.dtype), mode="drop"
+        )
+        out = BACKENDS[self.backend](
+            q, k_pages[layer], v_pages[layer], self.block_tables, positions
+        )
+        return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+
+
+def page_bytes(cfg: ModelConfig, page_size: int) -> int:
+    """Bytes of one page across all layers, keys and values."""
+    itemsize = jnp.dtype(cfg.compute_dtype).itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.resolved_head_dim * itemsize

@@ -1,0 +1,227 @@
+"""Continuous batching on the host: which tokens of which sequences run in the next engine step.
+
+Every engine step has the same shape: ``step_tokens`` rows of one token each (flattened chunked
+prefill, as in ragged paged attention). A decoding sequence takes one row; a sequence still
+prefilling (or recomputing after preemption) takes up to ``prefill_chunk`` rows at consecutive
+positions. Because the shape never changes, steady state never recompiles, and a token's logits
+do not depend on whether it was computed during prefill or decode, or next to which other rows.
+
+Life of a request with G samples: its prompt is admitted as one *parent* sequence that prefills
+positions 0..P-2 (the prompt but its last token); then it forks into G *sample* sequences sharing
+those pages, each of which feeds the last prompt token at P-1 (copy-on-write of the shared partial
+page) and samples its own first token with its own RNG stream. Admission needs G free slots
+(``max_concurrent_seqs``) and pages for the prompt.
+
+Preemption by recompute: when a sequence needs a page and none is free, the most recently
+admitted sequence not yet planned this step is evicted (its pages released) and re-queued at the
+front with the tokens it already generated; on readmission it re-feeds them (no sampling until it
+is past them). Recomputed keys/values are bitwise the originals (same step shape), so preemption
+never changes outputs. One sequence of maximal length always fits (checked at construction), so
+the oldest sequence always progresses: no deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+import numpy as np
+
+from rlax_tpu.inference.pages import BlockTable, OutOfPages, PageAllocator
+from rlax_tpu.inference.sampler import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Request:
+    """One prompt to sample ``num_samples`` completions of (the GRPO group of size G)."""
+
+    prompt_id: str
+    prompt_tokens: tuple[int, ...]
+    num_samples: int = 1
+    sampling: SamplingParams = SamplingParams()
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sample (``sample_index`` >= 0) or a group's shared-prompt parent (``sample_index`` None)."""
+
+    request: Request
+    sample_index: int | None
+    tokens: list[int]  # prompt + generated
+    table: BlockTable
+    order: int  # admission order: lower = older = higher priority
+    num_computed: int = 0  # positions whose keys/values are in the cache
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_tokens)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def target(self) -> int:
+        """Positions to compute before the next event: the parent stops before the last prompt
+        token (its samples feed it); a sample computes through its last token and samples."""
+        return self.num_prompt - 1 if self.sample_index is None else len(self.tokens)
+
+    @property
+    def slots(self) -> int:
+        return self.request.num_samples if self.sample_index is None else 1
+
+
+@dataclasses.dataclass
+class Row:
+    seq: Sequence
+    position: int
+    token: int
+    sample: bool  # its logits choose the sequence's next token
+
+
+@dataclasses.dataclass
+class Plan:
+    rows: list[Row]
+    copies: list[tuple[int, int]]  # page copies (src, dst) to apply before the step
+    preempted: int  # sequences evicted while planning
+
+
+class Scheduler:
+    def __init__(
+        self, allocator: PageAllocator, *, page_size: int, max_seqs: int, step_tokens: int,
+        prefill_chunk: int,
+    ):  # fmt: skip
+        if step_tokens < max_seqs:
+            raise ValueError(f"step_tokens ({step_tokens}) must be >= max_seqs ({max_seqs})")
+        self.allocator, self.page_size = allocator, page_size
+        self.max_seqs, self.step_tokens, self.prefill_chunk = max_seqs, step_tokens, prefill_chunk
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self._order = itertools.count()
+        self.num_preemptions = 0
+
+    # -- queue --------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(self._parent(request))
+
+    def _parent(self, request: Request) -> Sequence:
+        return Sequence(request, None, list(request.prompt_tokens), BlockTable(self.page_size), -1)
+
+    @property
+    def used_slots(self) -> int:
+        return sum(s.slots for s in self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def all_sequences(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    def remove_all(self) -> list[Sequence]:
+        """Takes every sequence out (releasing pages); returns them, running first."""
+        out = self.all_sequences()
+        for s in self.running:
+            s.table.release(self.allocator)
+        self.running, self.waiting = [], collections.deque()
+        return out
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def _pages_to_admit(self, seq: Sequence) -> int:
+        first = min(seq.target, self.prefill_chunk)
+        extra = seq.request.num_samples if seq.sample_index is None else 0
+        return -(-first // self.page_size) + extra
+
+    def _admit(self) -> None:
+        while self.waiting:
+            seq = self.waiting[0]
+            if self.used_slots + seq.slots > self.max_seqs:
+                return
+            if self._pages_to_admit(seq) > self.allocator.num_free and self.running:
+                return
+            self.waiting.popleft()
+            seq.order = next(self._order)
+            seq.num_computed = 0
+            self.running.append(seq)
+            if seq.sample_index is None and seq.target == 0:
+                self.fork(seq)  # one-token prompt: nothing to share
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.table.release(self.allocator)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def plan(self) -> Plan:
+        """The rows of the next step (oldest sequences first), allocating their pages."""
+        self._admit()
+        rows: list[Row] = []
+        copies: list[tuple[int, int]] = []
+        preempted = 0
+        budget = self.step_tokens
+        queue = sorted(self.running, key=lambda s: s.order)
+        i = 0
+        while i < len(queue) and budget > 0:
+            seq = queue[i]
+            start = seq.num_computed
+            stop = min(seq.target, start + min(budget, self.prefill_chunk))
+            if stop <= start:
+                i += 1
+                continue
+            try:
+                seq.table.prepare_write(self.allocator, start, stop, copies)
+            except OutOfPages:
+                victim = queue.pop()  # the newest not yet planned (possibly seq itself)
+                self._preempt(victim)
+                preempted += 1
+                continue
+            for p in range(start, stop):
+                rows.append(Row(seq, p, seq.tokens[p], sample=p == len(seq.tokens) - 1))
+            budget -= stop - start
+            i += 1
+        return Plan(rows, copies, preempted)
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """Replaces a prefilled parent by its samples, which share its pages."""
+        self.running.remove(parent)
+        children = []
+        for i in range(parent.request.num_samples):
+            child = Sequence(
+                parent.request, i, list(parent.tokens), parent.table.fork(self.allocator),
+                parent.order, num_computed=parent.num_computed,
+            )  # fmt: skip
+            children.append(child)
+        parent.table.release(self.allocator)
+        self.running.extend(children)
+        return children
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.table.release(self.allocator)
+
+    def check_invariants(self) -> None:
+        """No page leaks: reference counts equal the pages the running sequences hold."""
+        self.allocator.check_no_leaks([s.table.pages for s in self.running])
+        if any(s.table.pages for s in self.waiting):
+            raise AssertionError("a waiting sequence holds pages")
+        if self.used_slots > self.max_seqs:
+            raise AssertionError(f"{self.used_slots} slots used, max {self.max_seqs}")
+
+
+def block_table_rows(rows: list[Row], width: int, pad_to: int) -> np.ndarray:
+    """[pad_to, width] int32 block tables of the rows (null page for padding rows)."""
+    out = np.zeros((pad_to, width), np.int32)
+    cache: dict[int, np.ndarray] = {}
+    for r, row in enumerate(rows):
+        key = id(row.seq)
+        if key not in cache:
+            cache[key] = row.seq.table.row(width)
+        out[r] = cache[key]
+    return out

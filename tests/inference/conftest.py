@@ -1,0 +1,50 @@
+"""Shared helpers: the tiny model and small engine configs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rlax_tpu import models
+from rlax_tpu.config import InferenceConfig
+from rlax_tpu.inference.engine import Engine
+from rlax_tpu.inference.sampler import SamplingParams
+from rlax_tpu.inference.scheduler import Request
+
+SMALL = InferenceConfig(
+    max_concurrent_seqs=8, page_size=4, kv_cache_bytes=2**20, prefill_chunk=8, max_prompt_len=24,
+    max_new_tokens=24,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> models.Transformer:
+    return models.init_model(models.preset("tiny"))
+
+
+def make_engine(model: models.Transformer, **overrides) -> Engine:
+    eos_ids = overrides.pop("eos_ids", ())
+    return Engine(model, dataclasses.replace(SMALL, **overrides), eos_ids=eos_ids)
+
+
+def random_requests(
+    n: int, *, seed: int = 0, num_samples: int = 1, max_prompt: int = 24, max_new: int = 24,
+    **sampling,
+) -> list[Request]:  # fmt: skip
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = tuple(
+            int(t) for t in rng.integers(0, 512, size=int(rng.integers(1, max_prompt + 1)))
+        )
+        params = SamplingParams(max_new_tokens=int(rng.integers(1, max_new + 1)), seed=1000 + i,
+                                **sampling)  # fmt: skip
+        out.append(Request(prompt_id=f"r{i}", prompt_tokens=prompt, num_samples=num_samples,
+                           sampling=params))  # fmt: skip
+    return out
+
+
+def by_key(rollouts) -> dict:
+    return {(r.prompt_id, r.sample_index): r for r in rollouts}

@@ -1,0 +1,92 @@
+"""Paged attention == dense causal attention, for every backend, page size and ragged lengths."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlax_tpu.config import ModelConfig
+from rlax_tpu.inference.attention_backends import resolve_backend
+from rlax_tpu.inference.paged_cache import PagedKVCache
+from rlax_tpu.inference.pages import BlockTable, PageAllocator
+from rlax_tpu.models import DenseKVCache
+
+H, HKV, D = 4, 2, 16
+CFG = ModelConfig(
+    arch="llama", vocab_size=32, hidden_size=H * D, intermediate_size=32, num_layers=2,
+    num_heads=H, num_kv_heads=HKV, max_position_embeddings=128,
+)  # fmt: skip
+
+
+def _chunks(lengths: list[int], chunk: int):
+    """Position chunks [B, chunk] walking each sequence to its length (-1 = padding)."""
+    done = [0] * len(lengths)
+    while any(d < n for d, n in zip(done, lengths, strict=True)):
+        pos = np.full((len(lengths), chunk), -1, np.int32)
+        for b, n in enumerate(lengths):
+            take = min(chunk, n - done[b])
+            pos[b, :take] = np.arange(done[b], done[b] + take)
+            done[b] += take
+        yield pos
+
+
+def _run(backend: str, page_size: int, lengths: list[int], chunk: int, seed: int = 0):
+    """Feeds random q/k/v through a paged and a dense cache; returns both outputs per chunk."""
+    rng = np.random.default_rng(seed)
+    b = len(lengths)
+    pages_per_seq = -(-max(lengths) // page_size) + 1  # one spare: tail of the null page
+    s = pages_per_seq * page_size
+    alloc = PageAllocator(1 + b * pages_per_seq + 3)
+    alloc.allocate(3)  # so that sequences do not start at page 1
+    tables = [BlockTable(page_size) for _ in lengths]
+    for t, n in zip(tables, lengths, strict=True):
+        t.prepare_write(alloc, 0, n, [])
+    rows = np.stack([t.row(pages_per_seq) for t in tables])
+    paged = PagedKVCache.create(
+        CFG, num_pages=alloc.num_pages, page_size=page_size, batch=b,
+        pages_per_seq=pages_per_seq, backend=backend,
+    ).with_tables(jnp.asarray(rows))  # fmt: skip
+    dense = DenseKVCache.create(
+        num_layers=2, batch=b, max_len=s, kv_heads=HKV, head_dim=D, dtype=jnp.float32
+    )
+    outs = []
+    for pos in _chunks(lengths, chunk):
+        q = jnp.asarray(rng.standard_normal((b, chunk, H, D)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((b, chunk, HKV, D)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((b, chunk, HKV, D)), jnp.float32)
+        got, paged = paged.attend(1, q, k, v, jnp.asarray(pos))
+        want, dense = dense.attend(1, q, k, v, jnp.asarray(pos))
+        outs.append((pos, np.asarray(got), np.asarray(want)))
+    return outs
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_cpu_paged_attention_is_bitwise_dense(page_size, chunk):
+    for pos, got, want in _run("cpu", page_size, [1, 7, 16, 23], chunk):
+        valid = pos >= 0
+        assert np.all(np.isfinite(got))
+        np.testing.assert_array_equal(got[valid], want[valid])
+
+
+# The GPU kernel pre-scales q and has its own reduction order: f32 round-off only. The TPU kernel's
+# dots run at the TPU default precision (one bf16 MXU pass, emulated by interpret mode): outputs
+# of O(1) agree to bf16 resolution (2^-8 relative), hence its looser bound.
+TOLERANCE = {"gpu_interpret": 1e-5, "tpu_interpret": 2e-2}
+
+
+@pytest.mark.parametrize("backend", ["tpu_interpret", "gpu_interpret"])
+@pytest.mark.parametrize("page_size", [4, 8])
+def test_pallas_paged_attention_matches_dense(backend, page_size):
+    tol = TOLERANCE[backend]
+    for pos, got, want in _run(backend, page_size, [1, 9, 20], chunk=3, seed=1):
+        valid = pos >= 0
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got[valid], want[valid], rtol=tol, atol=tol)
+
+
+def test_auto_backend_is_cpu_here():
+    assert resolve_backend("auto") == "cpu"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        resolve_backend("npu")

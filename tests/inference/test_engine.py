@@ -1,0 +1,198 @@
+"""The engine against independent references: the dense-cache replay (bitwise), the uncached
+full-sequence forward (greedy), itself alone vs in a full batch, and with a starved page budget."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlax_tpu import models
+from rlax_tpu.inference.engine import Engine
+from rlax_tpu.inference.paged_cache import page_bytes
+from rlax_tpu.inference.replay import replay_logits, temperature_scaled_logprobs
+from rlax_tpu.inference.sampler import SamplingParams
+from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.types import FinishReason
+
+from .conftest import by_key, make_engine, random_requests
+
+
+def _run_checked(engine: Engine) -> list:
+    """Steps to completion, checking the scheduler's invariants after every step."""
+    out = []
+    while engine.has_work():
+        out += engine.step()
+        engine.scheduler.check_invariants()
+    assert engine.allocator.num_used == 0
+    return out
+
+
+def test_logprobs_are_bitwise_the_dense_cache_replay(tiny_model):
+    engine = make_engine(tiny_model)
+    requests = random_requests(5, num_samples=2, temperature=0.8)
+    for r in requests:
+        engine.submit(r)
+    rollouts = _run_checked(engine)
+    assert len(rollouts) == 10
+    for ro in rollouts[:4]:
+        seq = [*ro.prompt_tokens.tolist(), *ro.tokens.tolist()]
+        logits = replay_logits(
+            tiny_model, seq[:-1], step_tokens=engine.step_tokens, cache_len=engine.cache_len,
+            row=3,
+        )[len(ro.prompt_tokens) - 1 :]  # fmt: skip
+        want = temperature_scaled_logprobs(logits, ro.tokens.tolist(), 0.8)
+        np.testing.assert_array_equal(ro.logprobs, want)
+        assert ro.logprobs.dtype == np.float32
+
+
+def test_greedy_equals_the_uncached_forward(tiny_model):
+    engine = make_engine(tiny_model)
+    for r in random_requests(4, seed=1, temperature=0.0):
+        engine.submit(r)
+    forward = jax.jit(models.forward)
+    for ro in _run_checked(engine):
+        p, n = len(ro.prompt_tokens), len(ro.tokens)
+        seq = np.zeros((1, 48), np.int32)  # right padding: causal, so earlier logits unchanged
+        seq[0, : p + n] = [*ro.prompt_tokens.tolist(), *ro.tokens.tolist()]
+        logits = forward(tiny_model, jnp.asarray(seq))[0, p - 1 : p + n - 1]
+        # Tokens identical; log-probs equal up to f32 round-off (the forward's matmuls have
+        # another shape, so XLA rounds differently; observed < 1e-6).
+        np.testing.assert_array_equal(ro.tokens, np.asarray(jnp.argmax(logits, axis=-1)))
+        want = np.asarray(models.token_logprobs(logits[None], jnp.asarray(ro.tokens)[None])[0])
+        np.testing.assert_allclose(ro.logprobs, want, rtol=0, atol=1e-5)
+        assert ro.finish_reason is FinishReason.LENGTH
+        assert len(ro.tokens) == ro_max(ro, engine)
+
+
+def ro_max(ro, engine: Engine) -> int:
+    return engine.cfg.max_new_tokens if ro.finish_reason is FinishReason.ABORTED else len(ro.tokens)
+
+
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)]
+)
+def test_a_request_samples_the_same_alone_and_in_a_full_batch(tiny_model, sampling):
+    probe = dataclasses.replace(
+        random_requests(1, seed=7, num_samples=3, **sampling)[0], prompt_id="probe"
+    )
+    alone = make_engine(tiny_model)
+    alone.submit(probe)
+    want = by_key(alone.run())
+    crowded = make_engine(tiny_model)
+    for r in random_requests(6, seed=8, **sampling)[:3]:
+        crowded.submit(r)
+    crowded.submit(probe)
+    for r in random_requests(6, seed=9, num_samples=2, **sampling):
+        crowded.submit(r)
+    got = by_key(_run_checked(crowded))
+    for key, ro in want.items():
+        np.testing.assert_array_equal(got[key].tokens, ro.tokens)
+        np.testing.assert_array_equal(got[key].logprobs, ro.logprobs)  # bitwise
+
+
+def test_preemption_under_a_tiny_page_budget_gives_identical_outputs(tiny_model):
+    requests = random_requests(10, seed=3, num_samples=2, temperature=1.0)
+    roomy = make_engine(tiny_model)
+    for r in requests:
+        roomy.submit(r)
+    want = by_key(roomy.run())
+    # One max-length sequence (48 tokens = 12 pages) plus the null page and 3 spare pages.
+    starved = make_engine(tiny_model, kv_cache_bytes=16 * page_bytes(tiny_model.cfg, 4))
+    for r in requests:
+        starved.submit(r)
+    got = by_key(_run_checked(starved))
+    assert starved.scheduler.num_preemptions > 0
+    assert got.keys() == want.keys()  # every request finished
+    for key, ro in want.items():
+        np.testing.assert_array_equal(got[key].tokens, ro.tokens)
+        np.testing.assert_array_equal(got[key].logprobs, ro.logprobs)
+
+
+def test_prefix_sharing_and_copy_on_write_do_not_change_samples(tiny_model):
+    prompt = tuple(range(1, 19))  # 18 tokens: 4 full pages + a partial one (page_size 4)
+    sampling = SamplingParams(max_new_tokens=6, seed=5)
+    group = make_engine(tiny_model)
+    group.submit(Request(prompt_id="g", prompt_tokens=prompt, num_samples=8, sampling=sampling))
+    group.step()  # prefill of the shared prompt (17 positions in chunks of 8 rows)
+    group.step()
+    group.step()
+    assert group.stats().pages_shared == 7 * 5  # 5 pages held once instead of 8 times
+    got = by_key(_run_checked(group))
+    assert len({tuple(r.tokens) for r in got.values()}) > 1  # samples do differ
+    for i in (0, 5):
+        single = make_engine(tiny_model)
+        single.submit(Request(prompt_id="g", prompt_tokens=prompt, num_samples=i + 1,
+                              sampling=sampling))  # fmt: skip
+        np.testing.assert_array_equal(by_key(single.run())["g", i].tokens, got["g", i].tokens)
+
+
+def test_stop_tokens_and_eos_end_a_sample(tiny_model):
+    base = make_engine(tiny_model)
+    probe = Request(prompt_id="s", prompt_tokens=(5, 6, 7),
+                    sampling=SamplingParams(temperature=0.0, max_new_tokens=10))  # fmt: skip
+    base.submit(probe)
+    tokens = base.run()[0].tokens.tolist()
+    stop = tokens[3]
+    first = tokens.index(stop)
+    stopped = make_engine(tiny_model)
+    stopped.submit(dataclasses.replace(
+        probe, sampling=dataclasses.replace(probe.sampling, stop_token_ids=(stop,))))  # fmt: skip
+    (ro,) = stopped.run()
+    assert ro.tokens.tolist() == tokens[: first + 1] and ro.finish_reason is FinishReason.EOS
+    eos = make_engine(tiny_model, eos_ids=(stop,))
+    eos.submit(probe)
+    assert eos.run()[0].finish_reason is FinishReason.EOS
+    eos.submit(dataclasses.replace(
+        probe, sampling=dataclasses.replace(probe.sampling, ignore_eos=True)))  # fmt: skip
+    assert eos.run()[0].tokens.tolist() == tokens
+
+
+def test_steady_state_never_recompiles(tiny_model):
+    engine = make_engine(tiny_model)
+    for r in random_requests(6, seed=11, num_samples=3):
+        engine.submit(r)
+    engine.run()
+    warm = engine.compilations
+    assert warm <= 1 + 4  # one step program + copy buckets
+    for r in random_requests(8, seed=12, num_samples=3):
+        engine.submit(r)
+    engine.run()
+    assert engine.compilations == warm
+
+
+def test_reload_aborts_in_flight_requests_and_returns_them(tiny_model):
+    engine = make_engine(tiny_model)
+    for r in random_requests(6, seed=13, num_samples=2, max_new=24):
+        engine.submit(
+            dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_new_tokens=20))
+        )
+    done = engine.step() + engine.step() + engine.step() + engine.step()
+    new = jax.tree.map(lambda x: x * 1.5, engine.state)
+    aborted = engine.load_weights(1, new)
+    assert engine.version == 1 and not engine.has_work()
+    assert engine.allocator.num_used == 0
+    keys = {(r.prompt_id, r.sample_index) for r in done + aborted}
+    assert keys == {(f"r{i}", j) for i in range(6) for j in range(2)}  # nothing disappears
+    assert all(r.finish_reason is FinishReason.ABORTED for r in aborted)
+    assert any(len(r.tokens) > 0 for r in aborted) and all((r.versions == 0).all() for r in aborted)
+    engine.submit(random_requests(1, seed=14)[0])
+    assert all((r.versions == 1).all() for r in engine.run())
+
+
+def test_continue_on_reload_records_per_token_versions(tiny_model):
+    engine = make_engine(tiny_model, continue_on_reload=True)
+    engine.submit(Request(prompt_id="c", prompt_tokens=(1, 2, 3), num_samples=2,
+                          sampling=SamplingParams(max_new_tokens=12)))  # fmt: skip
+    for _ in range(5):
+        engine.step()
+    assert engine.load_weights(7, engine.state) == []
+    out = engine.run()
+    assert len(out) == 2
+    for ro in out:
+        assert ro.finish_reason is FinishReason.LENGTH and len(ro.tokens) == 12
+        assert ro.versions[0] == 0 and ro.versions[-1] == 7 and ro.version == 0
+        assert np.all(np.diff(ro.versions) >= 0)
