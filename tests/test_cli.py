@@ -86,7 +86,7 @@ def test_no_config_flag_uses_the_machine_preset():
     assert json.loads(out.stdout)["preset"] == "local"
 
 
-@pytest.mark.parametrize("component", ["inference", "controller"])
+@pytest.mark.parametrize("component", ["controller"])
 def test_unbuilt_components_say_so(component):
     out = run(component, LOCAL)
     assert out.returncode == EXIT_NOT_BUILT

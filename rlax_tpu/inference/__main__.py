@@ -1,18 +1,46 @@
 """Inference worker service: paged-attention engine with continuous batching, served over gRPC.
 
-Serves generate (streaming), load_weights(version), status and shutdown. It listens on
-inference.address (127.0.0.1 unless credentials are configured).
+Serves generate (streaming), load_weights(version), status and shutdown on inference.address
+(127.0.0.1 unless credentials are configured), and prints the bound address. The model comes
+from the run config's model section (served as version 0); this process has no weight source
+(components never import each other: the parameter-server client is wired in by the
+controller), so load_weights of any other version answers NOT_FOUND. Stops on SIGTERM, SIGINT
+or a Shutdown call.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
+
 from rlax_tpu import cli
 from rlax_tpu.config import RunConfig
+from rlax_tpu.inference.service import serve
+from rlax_tpu.inference.worker import InferenceWorker
+from rlax_tpu.rpc.transport import Credentials
 
 
 def run(config: RunConfig, args: list[str]) -> int:
-    # Not built yet: say so instead of pretending (#4 [inference]).
-    return cli.not_built("inference", "#4 [inference]", config)
+    del args
+    cfg = config.inference
+    worker = InferenceWorker.from_config(config)
+    stop = threading.Event()
+    server, port = serve(
+        worker, cfg.address,
+        credentials=Credentials(auth_token_file=cfg.auth_token_file,
+                                tls_cert_file=cfg.tls_cert_file),
+        on_shutdown=stop.set,
+    )  # fmt: skip
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    host = cfg.address.rsplit(":", 1)[0]
+    status = worker.status()
+    print(f"rlax_tpu.inference: serving on {host}:{port} (backend {status.backend}, "
+          f"version {status.version}, {status.pages_total} KV pages)", flush=True)  # fmt: skip
+    stop.wait()
+    worker.shutdown()
+    server.stop(grace=2.0).wait()
+    return 0
 
 
 if __name__ == "__main__":

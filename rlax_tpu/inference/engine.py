@@ -141,8 +141,9 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def check_request(self, request: Request) -> None:
-        """Raises InvalidRequest with a message naming what is wrong."""
+    def check_request(self, request: Request) -> Request:
+        """The request with its sampling defaults resolved; raises InvalidRequest with a message
+        naming what is wrong."""
         n, vocab = len(request.prompt_tokens), self.model_cfg.vocab_size
         where = f"request {request.prompt_id!r}"
         if n == 0:
@@ -162,14 +163,15 @@ class Engine:
                 f"{where}: num_samples = {request.num_samples} must be in [1, "
                 f"inference.max_concurrent_seqs = {self.cfg.max_concurrent_seqs}]"
             )
+        sampling = request.sampling.resolved(self.cfg)
         try:
-            request.sampling.check(vocab_size=vocab, max_new_tokens=self.cfg.max_new_tokens)
+            sampling.check(vocab_size=vocab, max_new_tokens=self.cfg.max_new_tokens)
         except InvalidSampling as e:
             raise InvalidRequest(f"{where}: {e}") from e
+        return dataclasses.replace(request, sampling=sampling)
 
     def submit(self, request: Request) -> None:
-        self.check_request(request)
-        self.scheduler.add(request)
+        self.scheduler.add(self.check_request(request))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

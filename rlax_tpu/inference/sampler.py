@@ -22,6 +22,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from rlax_tpu.config import InferenceConfig
+
 # Name -> meaning; the name is recorded in Rollout.logprob_policy.
 LOGPROB_POLICIES = {
     "temperature_scaled": "log softmax(logits / T) over the full vocabulary (no top-k/top-p)",
@@ -36,19 +38,31 @@ class InvalidSampling(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How to sample one request. ``temperature == 0`` is greedy decoding."""
+    """How to sample one request. ``temperature == 0`` is greedy decoding. Fields left None take
+    the worker's config defaults (``inference.temperature`` ...) at submission."""
 
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    max_new_tokens: int = 256
+    temperature: float | None = None
+    top_k: int | None = None  # 0: off
+    top_p: float | None = None  # 1: off
+    max_new_tokens: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # end a sample besides the model's EOS ids
     ignore_eos: bool = False  # do not stop on the EOS ids (benchmarks force lengths this way)
     seed: int = 0  # low 32 bits are used
     logprob_policy: LogprobPolicy = "temperature_scaled"
 
+    def resolved(self, defaults: InferenceConfig) -> SamplingParams:
+        """None fields replaced by the config's defaults."""
+        return dataclasses.replace(
+            self,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_k=defaults.top_k if self.top_k is None else self.top_k,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            max_new_tokens=(defaults.max_new_tokens if self.max_new_tokens is None
+                            else self.max_new_tokens),
+        )  # fmt: skip
+
     def check(self, *, vocab_size: int, max_new_tokens: int) -> None:
-        """Raises InvalidSampling naming the bad field."""
+        """Raises InvalidSampling naming the bad field (call on :meth:`resolved` params)."""
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidSampling(f"temperature = {self.temperature}: must be >= 0 (0 = greedy)")
         if self.top_k < 0:

@@ -1,0 +1,209 @@
+"""``InferenceWorker``: the passive inference component (in-process API; ``service.py`` serves it
+over gRPC with the same calls).
+
+    worker = InferenceWorker(model, cfg.inference, weight_source=source)
+    for rollout in worker.generate([Request(prompt_id="p0", prompt_tokens=ids, num_samples=8)]):
+        ...                                   # streamed as samples finish; G per request
+    worker.load_weights(3)                    # between engine steps; in-flight samples come back
+    worker.status(); worker.shutdown()        # to their generate streams as ABORTED
+
+The worker only works for its callers: one engine thread steps while some ``generate`` call has
+unfinished samples and sleeps otherwise. Every sample of every accepted request comes back
+exactly once: finished, or ABORTED (weight reload without ``continue_on_reload``, shutdown).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any, Protocol
+
+from rlax_tpu import models
+from rlax_tpu.config import InferenceConfig, RunConfig
+from rlax_tpu.inference.engine import Engine, EngineStats, InvalidRequest
+from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.types import Rollout
+
+
+class UnknownVersion(LookupError):
+    """The weight source has no such version."""
+
+
+class VersionMismatch(RuntimeError):
+    """A generate call asked for a version the worker does not hold."""
+
+
+class WorkerShutdown(RuntimeError):
+    """The worker was shut down."""
+
+
+class WeightSource(Protocol):
+    """Where versioned weights come from (the parameter server in production; the controller
+    wires a client in). ``fetch`` returns the model's parameters as an ``nnx.State`` or its pure
+    dict, and raises ``UnknownVersion`` (or ``KeyError``) for a version it does not have."""
+
+    def fetch(self, version: int) -> Any: ...
+
+
+class DictWeightSource:
+    """Versions held in memory: {version: params}."""
+
+    def __init__(self, versions: dict[int, Any] | None = None):
+        self.versions = dict(versions or {})
+
+    def fetch(self, version: int) -> Any:
+        if version not in self.versions:
+            raise UnknownVersion(f"no weights for version {version}; have {sorted(self.versions)}")
+        return self.versions[version]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerStatus(EngineStats):
+    backend: str
+    serving: bool
+
+
+@dataclasses.dataclass
+class _Route:
+    stream: queue.Queue
+    prompt_id: str  # the caller's
+    remaining: int  # samples not yet handed back
+
+
+class InferenceWorker:
+    def __init__(
+        self, model: models.Transformer, cfg: InferenceConfig, *, version: int = 0,
+        eos_ids: Collection[int] = (), weight_source: WeightSource | None = None,
+    ):  # fmt: skip
+        self.cfg = cfg
+        self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids)
+        self.weight_source = weight_source
+        self._cond = threading.Condition()
+        self._routes: dict[str, _Route] = {}  # by the internal prompt id given to the engine
+        self._ids = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="inference-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(
+        cls, config: RunConfig, *, weight_source: WeightSource | None = None
+    ) -> InferenceWorker:
+        """The run's model (``load_model``), served as version 0; EOS ids from its tokenizer when
+        it has one."""
+        model = models.load_model(config.model)
+        try:
+            eos = models.load_tokenizer(config.model).stop_ids
+        except models.ModelLoadError:
+            eos = ()
+        return cls(model, config.inference, eos_ids=eos, weight_source=weight_source)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    # -- API ----------------------------------------------------------------------------------
+
+    def generate(
+        self, requests: Sequence[Request], *, version: int | None = None
+    ) -> Iterator[Rollout]:
+        """Queues the requests (all validated first: InvalidRequest, VersionMismatch,
+        WorkerShutdown are raised before anything is queued) and yields their rollouts as they
+        finish, ``num_samples`` per request."""
+        stream: queue.Queue = queue.Queue()
+        expected = sum(r.num_samples for r in requests)
+        with self._cond:
+            if self._stopped:
+                raise WorkerShutdown("the inference worker is shut down")
+            if version is not None and version != self.engine.version:
+                raise VersionMismatch(
+                    f"requested version {version}, the worker holds {self.engine.version}"
+                )
+            checked = [self.engine.check_request(r) for r in requests]
+            for r in checked:
+                key = f"#{next(self._ids)}"
+                self._routes[key] = _Route(stream, r.prompt_id, r.num_samples)
+                self.engine.submit(dataclasses.replace(r, prompt_id=key))
+            self._cond.notify_all()
+        return self._drain(stream, expected)
+
+    @staticmethod
+    def _drain(stream: queue.Queue, expected: int) -> Iterator[Rollout]:
+        for _ in range(expected):
+            item = stream.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def load_weights(self, version: int, params: Any = None) -> int:
+        """Serves ``params`` (default: ``weight_source.fetch(version)``) from the next engine step
+        on. Returns how many in-flight samples were aborted (handed back to their streams)."""
+        if params is None:
+            if self.weight_source is None:
+                raise UnknownVersion(f"version {version}: this worker has no weight source")
+            try:
+                params = self.weight_source.fetch(version)
+            except KeyError as e:
+                raise UnknownVersion(f"no weights for version {version}") from e
+        with self._cond:  # waits for the running step to end
+            if self._stopped:
+                raise WorkerShutdown("the inference worker is shut down")
+            aborted = self.engine.load_weights(version, params)
+            self._deliver(aborted)
+            return len(aborted)
+
+    def status(self) -> WorkerStatus:
+        with self._cond:
+            stats = self.engine.stats()
+        return WorkerStatus(**dataclasses.asdict(stats), backend=self.engine.backend,
+                            serving=not self._stopped)  # fmt: skip
+
+    def shutdown(self) -> None:
+        """Aborts everything in flight (returned as ABORTED) and stops the engine thread."""
+        with self._cond:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._deliver(self.engine.abort_all())
+            self._cond.notify_all()
+        self._thread.join()
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _deliver(self, rollouts: list[Rollout]) -> None:
+        for ro in rollouts:
+            route = self._routes[ro.prompt_id]
+            route.stream.put(dataclasses.replace(ro, prompt_id=route.prompt_id))
+            route.remaining -= 1
+            if route.remaining == 0:
+                del self._routes[ro.prompt_id]
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self.engine.has_work():
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                try:
+                    finished = self.engine.step()
+                except Exception as e:  # a broken step: fail every waiting caller loudly
+                    self._fail_all(e)
+                    continue
+                self._deliver(finished)
+
+    def _fail_all(self, error: Exception) -> None:
+        streams = {id(r.stream): r.stream for r in self._routes.values()}.values()
+        self.engine.abort_all()
+        self._routes.clear()
+        for s in streams:
+            s.put(RuntimeError(f"inference engine step failed: {error!r}"))
+
+
+__all__ = [
+    "DictWeightSource", "InferenceWorker", "InvalidRequest", "Request", "UnknownVersion",
+    "VersionMismatch", "WeightSource", "WorkerShutdown", "WorkerStatus",
+]  # fmt: skip
