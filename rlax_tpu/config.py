@@ -85,11 +85,14 @@ def _check_address(obj: Any, name: str, auth_token_file: str, tls_cert_file: str
         raise _bad(obj, name, "must be 'host:port' (port 0 picks a free port)")
     if int(port) > 65535:
         raise _bad(obj, name, "port must be <= 65535")
-    if not _is_loopback(host) and not (auth_token_file or tls_cert_file):
+    # TLS alone (server certificate) does not authenticate clients, so it is not enough.
+    del tls_cert_file
+    if not _is_loopback(host) and not auth_token_file:
         raise _bad(
             obj,
             name,
-            "a non-loopback address needs credentials: set auth_token_file or tls_cert_file",
+            "a non-loopback address needs credentials: set auth_token_file "
+            "(TLS alone does not authenticate clients)",
         )
 
 

@@ -367,10 +367,13 @@ def test_non_loopback_address_needs_credentials(section):
     expect_error(
         {f"{section}.address": "0.0.0.0:50051"},
         f"{section}.address = '0.0.0.0:50051': a non-loopback address needs credentials: "
-        "set auth_token_file or tls_cert_file",
+        "set auth_token_file (TLS alone does not authenticate clients)",
     )
     assert build({f"{section}.address": "0.0.0.0:50051", f"{section}.auth_token_file": "/t"})
-    assert build({f"{section}.address": "10.1.2.3:1", f"{section}.tls_cert_file": "/c"})
+    assert build({f"{section}.address": "10.1.2.3:1", f"{section}.auth_token_file": "/t",
+                  f"{section}.tls_cert_file": "/c"})  # fmt: skip
+    with pytest.raises(ConfigError, match="TLS alone does not authenticate clients"):
+        build({f"{section}.address": "10.1.2.3:1", f"{section}.tls_cert_file": "/c"})
     for loopback in ("127.0.0.1:0", "localhost:9000", "[::1]:9000", "127.0.0.2:80"):
         assert build({f"{section}.address": loopback})
 
