@@ -177,8 +177,8 @@ class ParamServerClient:
                 array=i, start=[lo for lo, _ in bounds], stop=[hi for _, hi in bounds]
             )
         whole = not slices
+        stream = self._pull[self.replica](request, timeout=self.timeout_s)
         try:
-            stream = self._pull[self.replica](request, timeout=self.timeout_s)
             manifest = wire.header_from_pb(next(stream).header)
             boxes = slices or [(i, None) for i in range(len(manifest.arrays))]
             out = [_empty(manifest.arrays[i], bounds) for i, bounds in boxes]
@@ -193,6 +193,8 @@ class ParamServerClient:
                 self.bytes_pulled += n
         except grpc.RpcError as e:
             _raise(e)
+        finally:
+            stream.cancel()  # a no-op once complete; else the server stops at once
         short = [i for i, (r, f) in enumerate(zip(received, flats, strict=True)) if r != len(f)]
         if short:
             raise errors.DataLoss(f"pull of version {manifest.version} ended early (boxes {short})")
@@ -236,14 +238,21 @@ class ParamServerClient:
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def _manifest(self, version: int) -> VersionManifest:
-        """The header of ``version`` (resolving LATEST), without its data: an empty slice pull."""
+        """The header of ``version`` (resolving LATEST), without its data.
+
+        A header-only pull is read to its end (the header is all it has), so the call completes
+        normally instead of being dropped half-read.
+        """
         request = pb.PullRequest(version=version, header_only=True)
         try:
-            return wire.header_from_pb(
-                next(self._stubs[self.replica].Pull(request, timeout=self.timeout_s)).header
-            )
+            replies = list(self._pull[self.replica](request, timeout=self.timeout_s))
         except grpc.RpcError as e:
             _raise(e)
+        if len(replies) != 1 or not isinstance(replies[0], pb.PullReply):
+            raise errors.DataLoss(
+                f"a header-only pull of version {version} sent {len(replies)} replies"
+            )
+        return wire.header_from_pb(replies[0].header)
 
     # ------------------------------------------------------------------------------ control
 

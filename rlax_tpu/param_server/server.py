@@ -10,11 +10,13 @@ the version for the duration of a pull, so GC cannot pull it from under them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import math
 import threading
 import uuid
+import weakref
 import zlib
 from collections.abc import Iterator, Sequence
 
@@ -204,13 +206,13 @@ class ParamServer:
         slices: Sequence[tuple[int, Bounds | None]] | None = None,
         *,
         piece_bytes: int = 4 * 2**20,
-    ) -> tuple[VersionManifest, Iterator[tuple[int, int, np.ndarray]]]:
+    ) -> tuple[VersionManifest, VersionReader]:
         """(manifest, pieces) of whole arrays in order, or of each requested (array, bounds) box.
 
         A piece ``(k, offset, rows)`` is a run of leading-dim rows of box k (about
         ``piece_bytes``), starting at byte ``offset`` of the box's C-order bytes. Reading in
         pieces keeps buffers small and lets sending start before a whole array is read. The
-        version stays pinned until the iterator is exhausted or closed.
+        version stays pinned until the reader is exhausted, closed or dropped.
         """
         with self._lock:
             if version == LATEST:
@@ -221,6 +223,7 @@ class ParamServer:
                 raise errors.NotFound(f"version {version} is not held (hot: {sorted(self._index)})")
             manifest, prefix = self._index[version]
             self._pins[version] += 1
+        reader = VersionReader(self, manifest)  # owns the pin from here on, whatever happens
         try:
             if slices is None:
                 slices = [(i, None) for i in range(len(manifest.arrays))]
@@ -234,30 +237,19 @@ class ParamServer:
                 check_bounds(spec, bounds)
                 boxes.append((i, tuple(bounds)))
         except errors.ParamServerError:
-            self._unpin(version)
+            reader.close()
             raise
-        return manifest, self._read(manifest, prefix, boxes, piece_bytes)
+        reader.start(_read(self._hot, manifest, prefix, boxes, piece_bytes))
+        return manifest, reader
 
     def _unpin(self, version: int) -> None:
         with self._lock:
             self._unpin_locked(version)
 
-    def _read(self, manifest: VersionManifest, prefix: str, boxes: list[tuple[int, Bounds]],
-              piece_bytes: int) -> Iterator[tuple[int, int, np.ndarray]]:  # fmt: skip
-        try:
-            pending = collections.deque()  # a few reads in flight while earlier pieces are sent
-            for k, (i, bounds) in enumerate(boxes):
-                spec = manifest.arrays[i]
-                for offset, piece in _pieces(spec, bounds, piece_bytes):
-                    pending.append((k, offset, self._hot.read_array(prefix, i, spec, piece)))
-                    if len(pending) > 2:
-                        k0, o0, f = pending.popleft()
-                        yield k0, o0, f.result()
-            while pending:
-                k0, o0, f = pending.popleft()
-                yield k0, o0, f.result()
-        finally:
-            self._unpin(manifest.version)
+    def pins(self) -> dict[int, int]:
+        """Pulls and persists in flight per version (what keeps GC off a version right now)."""
+        with self._lock:
+            return dict(self._pins)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -302,6 +294,57 @@ class ParamServer:
     def close(self) -> None:
         if self._persister is not None:
             self._persister.close()
+
+
+class VersionReader(Iterator[tuple[int, int, np.ndarray]]):
+    """The pieces of one pull, holding the version's pin until ``close``.
+
+    ``close`` is idempotent, safe from another thread (gRPC's termination callback), and also
+    runs when the reader is dropped unstarted or half-read: a pin can never outlive its reader.
+    """
+
+    def __init__(self, server: ParamServer, manifest: VersionManifest):
+        self.manifest = manifest
+        self._pieces: Iterator[tuple[int, int, np.ndarray]] | None = None
+        self._closed = False
+        # Not a method of self: the finalizer must not keep the reader alive.
+        self._release = weakref.finalize(self, server._unpin, manifest.version)
+
+    def start(self, pieces: Iterator[tuple[int, int, np.ndarray]]) -> None:
+        self._pieces = pieces
+
+    def __next__(self) -> tuple[int, int, np.ndarray]:
+        pieces = self._pieces
+        if self._closed or pieces is None:
+            raise StopIteration
+        try:
+            return next(pieces)
+        except StopIteration:
+            self.close()  # exhausted: release now rather than when dropped
+            raise
+
+    def close(self) -> None:
+        self._closed = True
+        self._release()
+        pieces, self._pieces = self._pieces, None
+        if pieces is not None:
+            with contextlib.suppress(ValueError):  # running on another thread: it stops next step
+                pieces.close()
+
+
+def _read(hot: ArrayStore, manifest: VersionManifest, prefix: str, boxes: list[tuple[int, Bounds]],
+          piece_bytes: int) -> Iterator[tuple[int, int, np.ndarray]]:  # fmt: skip
+    pending = collections.deque()  # a few reads in flight while earlier pieces are sent
+    for k, (i, bounds) in enumerate(boxes):
+        spec = manifest.arrays[i]
+        for offset, piece in _pieces(spec, bounds, piece_bytes):
+            pending.append((k, offset, hot.read_array(prefix, i, spec, piece)))
+            if len(pending) > 2:
+                k0, o0, f = pending.popleft()
+                yield k0, o0, f.result()
+    while pending:
+        k0, o0, f = pending.popleft()
+        yield k0, o0, f.result()
 
 
 def _pieces(spec: ArraySpec, bounds: Bounds, piece_bytes: int) -> Iterator[tuple[int, Bounds]]:

@@ -11,9 +11,9 @@ import grpc
 
 from rlax_tpu.config import ParamServerConfig
 from rlax_tpu.param_server import errors, framing, wire
-from rlax_tpu.param_server.codec import as_bytes
+from rlax_tpu.param_server.codec import VersionManifest, as_bytes
 from rlax_tpu.param_server.framing import SERVICE, ChunkView
-from rlax_tpu.param_server.server import ParamServer
+from rlax_tpu.param_server.server import ParamServer, VersionReader
 from rlax_tpu.rpc import common_pb2, param_server_pb2_grpc
 from rlax_tpu.rpc import param_server_pb2 as pb
 from rlax_tpu.rpc.transport import Credentials, make_server
@@ -75,18 +75,21 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
                     )
                 slices.append((s.array, tuple(zip(s.start, s.stop, strict=True))))
         manifest, pieces = self._server.pull(request.version, slices, piece_bytes=self._chunk_bytes)
+        # Runs when the call ends in any way, also when the client hangs up before gRPC ever
+        # iterates the stream (then no finally below would run): the pin is always released.
+        context.add_callback(pieces.close)
         return self._stream(manifest, pieces)
 
-    def _stream(self, manifest, pieces: Iterator) -> Iterator[pb.PullReply | ChunkView]:  # noqa: ANN001
-        yield pb.PullReply(header=wire.header_to_pb(manifest))
-        n = self._chunk_bytes
+    def _stream(self, manifest: VersionManifest, pieces: VersionReader) -> Iterator[pb.PullReply | ChunkView]:  # fmt: skip
         try:
+            yield pb.PullReply(header=wire.header_to_pb(manifest))
+            n = self._chunk_bytes
             for index, start, piece in pieces:
                 flat = as_bytes(piece)
                 for offset in range(0, max(len(flat), 1), n):
                     yield ChunkView(index, start + offset, memoryview(flat[offset : offset + n]))
         finally:
-            pieces.close()  # unpins the version even if the client went away
+            pieces.close()  # unpins the version as soon as the stream ends or is abandoned
 
     @_statuses
     def ListVersions(self, request: common_pb2.Empty, context) -> pb.VersionList:  # noqa: ANN001
