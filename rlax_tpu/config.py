@@ -322,6 +322,8 @@ class ParamServerConfig:
     in_memory_versions: int = 4  # K: versions kept hot
     persist_every: int = 1  # write every N-th version through to persistent storage; 0: never
     persist_path: str = ""  # local dir or gs:// path; "" means <run_dir>/param_server
+    # Newest complete persisted versions kept; older ones are deleted after each persist. 0: all.
+    persist_keep: int = 3
     chunk_bytes: int = 4 * 2**20
     max_message_bytes: int = 64 * 2**20
     replicas: int = 1
@@ -330,7 +332,7 @@ class ParamServerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "max_message_bytes", "replicas", "lease_ttl_s")
-        _non_negative(self, "persist_every")
+        _non_negative(self, "persist_every", "persist_keep")
         if not 0 <= self.replica_index < self.replicas:
             raise _bad(self, "replica_index", f"must be in [0, replicas={self.replicas})")
         if self.in_memory_versions < 2:

@@ -600,3 +600,13 @@ def test_inference_step_tokens_must_cover_every_running_sequence():
     expect_error({"inference.step_tokens": -1}, "inference.step_tokens = -1: must be >= 0")
     ok = build({"inference.max_concurrent_seqs": 8, "inference.step_tokens": 24})
     assert ok.inference.step_tokens == 24 and build({}).inference.step_tokens == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter server (issue #5): how many persisted versions stay on disk.
+
+
+def test_param_server_persist_keep_must_be_non_negative():
+    expect_error({"param_server.persist_keep": -1}, "param_server.persist_keep = -1: must be >= 0")
+    assert build({}).param_server.persist_keep == 3
+    assert build({"param_server.persist_keep": 0}).param_server.persist_keep == 0  # keep all

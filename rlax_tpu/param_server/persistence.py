@@ -3,6 +3,9 @@
 A persisted version is ``v<version>/a<i>/`` (zarr3 arrays) plus ``v<version>/manifest.json``,
 written last: a version without its manifest is partial. Recovery also re-reads every array and
 checks its crc32 against the manifest, so a torn or corrupted copy is never taken for complete.
+
+After each successful write, versions older than the newest ``keep`` complete ones are deleted
+(manifest first), so the disk holds a bounded number of versions.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ def persisted_prefix(version: int) -> str:
 class Persister:
     """Copies versions from the hot store to ``location`` on a background thread, in order."""
 
-    def __init__(self, hot: ArrayStore, location: str):
+    def __init__(self, hot: ArrayStore, location: str, *, keep: int = 0):
         self.location = location
+        self.keep = keep  # newest complete versions kept on disk; 0: all
         self._hot = hot
         self._store = ArrayStore(location)
         self._queue: queue.Queue = queue.Queue()
@@ -39,9 +43,10 @@ class Persister:
         self._thread.start()
 
     def submit(
-        self, manifest: VersionManifest, hot_prefix: str, done: Callable[[bool], None]
+        self, manifest: VersionManifest, hot_prefix: str, done: Callable[[bool, list[int]], None]
     ) -> None:
-        """Queues a copy; ``done(ok)`` is called on the background thread when it ends."""
+        """Queues a copy; ``done(ok, pruned)`` is called on the background thread when it ends
+        (``pruned``: versions deleted from ``location`` to stay within ``keep``)."""
         with self._idle:
             self._pending += 1
         self._queue.put((manifest, hot_prefix, done))
@@ -58,16 +63,17 @@ class Persister:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             manifest, hot_prefix, done = item
-            ok = False
+            ok, pruned = False, []
             try:
                 self._write(manifest, hot_prefix)
                 ok = True
+                pruned = self._prune()
             except Exception as e:  # a full disk must not take the server down; health says it
                 msg = f"persisting version {manifest.version} to {self.location} failed: {e}"
                 log.error(msg)
                 self.errors.append(msg)
             finally:
-                done(ok)
+                done(ok, pruned)
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
@@ -84,6 +90,31 @@ class Persister:
         if pending is not None:
             pending.result()
         self._store.write_manifest(prefix, manifest)  # the commit marker, last
+
+    def _prune(self) -> list[int]:
+        """Deletes versions older than the newest ``keep`` complete ones; returns them.
+
+        Runs on the writer thread right after a write, so no version of ours is half-written
+        now; anything older than the kept ones, complete or a torn leftover, is deleted.
+        """
+        if self.keep <= 0:
+            return []
+        complete = sorted(self.complete_versions(), reverse=True)
+        if len(complete) <= self.keep:
+            return []
+        oldest_kept = complete[self.keep - 1]
+        doomed = sorted(v for v in self.stored_versions() if v < oldest_kept)
+        for v in doomed:
+            self._store.delete(persisted_prefix(v))
+        return doomed
+
+    def complete_versions(self) -> list[int]:
+        """Versions whose commit marker (manifest) is written."""
+        return [v for p in self._store.manifest_prefixes() if (v := _version_of(p)) is not None]
+
+    def stored_versions(self) -> list[int]:
+        """Versions with any key on disk (complete, torn or being written)."""
+        return [v for p in self._store.prefixes() if (v := _version_of(p)) is not None]
 
     def recover(self) -> tuple[VersionManifest, list[np.ndarray]] | None:
         """The newest complete persisted version (manifest present, every crc32 right), or None."""
@@ -111,3 +142,10 @@ class Persister:
                 continue
             return manifest, arrays
         return None
+
+
+def _version_of(prefix: str) -> int | None:
+    """The version a persisted prefix holds, or None for a key that is not ours."""
+    if len(prefix) == 13 and prefix[0] == "v" and prefix[1:].isdigit():
+        return int(prefix[1:])
+    return None

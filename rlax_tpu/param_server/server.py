@@ -56,7 +56,11 @@ class ParamServer:
         self._pins: collections.Counter[int] = collections.Counter()  # pulls and persists in flight
         self._persisted: set[int] = set()
         self._retention = Retention(replicas=config.replicas)
-        self._persister = Persister(self._hot, persist_location) if persist_location else None
+        self._persister = (
+            Persister(self._hot, persist_location, keep=config.persist_keep)
+            if persist_location
+            else None
+        )
         if self._persister is not None:
             self._recover()
 
@@ -127,12 +131,15 @@ class ParamServer:
             if persist:
                 self._pins[manifest.version] += 1
         if persist:
-            self._persister.submit(manifest, prefix, lambda ok: self._persist_done(manifest, ok))
+            self._persister.submit(
+                manifest, prefix, lambda ok, pruned: self._persist_done(manifest, ok, pruned)
+            )
         return [p for p in doomed.values()]
 
-    def _persist_done(self, manifest: VersionManifest, ok: bool) -> None:
+    def _persist_done(self, manifest: VersionManifest, ok: bool, pruned: list[int]) -> None:
         with self._lock:
             self._unpin_locked(manifest.version)
+            self._persisted.difference_update(pruned)
             if ok and manifest.version in self._index:
                 self._persisted.add(manifest.version)
 

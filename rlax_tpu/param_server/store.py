@@ -6,6 +6,7 @@ Keys: ``<prefix>/a<i>/`` holds array i of a version, ``<prefix>/manifest.json`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Sequence
@@ -100,3 +101,11 @@ class ArrayStore:
             ts.KvStore.KeyRange(f"{prefix}/{MANIFEST}", f"{prefix}/{MANIFEST}\0")
         ).result()
         self._kv.delete_range(ts.KvStore.KeyRange(f"{prefix}/", f"{prefix}0")).result()
+        if self._base.get("driver") == "file":  # the file kvstore leaves empty directories
+            _remove_empty_dirs(os.path.join(self._base["path"], prefix))
+
+
+def _remove_empty_dirs(root: str) -> None:
+    for path, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):  # deepest first
+        with contextlib.suppress(OSError):  # not empty (a concurrent write): leave it
+            os.rmdir(path)

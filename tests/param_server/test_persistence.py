@@ -7,7 +7,8 @@ from pathlib import Path
 from rlax_tpu.config import ParamServerConfig
 from tests.param_server.conftest import assert_same_tree, make_tree, running
 
-CONFIG = ParamServerConfig(persist_every=2, in_memory_versions=4)
+# Keeps 3 persisted versions: publish_five's 0, 2 and 4 all stay, for the fallback tests.
+CONFIG = ParamServerConfig(persist_every=2, in_memory_versions=4, persist_keep=3)
 
 
 def publish_five(location: str) -> None:
@@ -29,7 +30,8 @@ def recovered(location: str) -> tuple[list[int], dict | None]:
 def test_restart_serves_the_newest_persisted_version(tmp_path: Path):
     location = str(tmp_path / "ps")
     publish_five(location)
-    # Every 2nd version was written through; the new server serves the newest of them.
+    # Every 2nd version was written through (3 of them, all within persist_keep); the new server
+    # serves the newest of them.
     assert sorted(p.name for p in Path(location).iterdir()) == ["v000000000000", "v000000000002",
                                                                 "v000000000004"]  # fmt: skip
     versions, tree = recovered(location)
@@ -67,3 +69,28 @@ def test_a_corrupted_or_torn_version_is_not_taken(tmp_path: Path):
 def test_nothing_persisted_means_an_empty_server(tmp_path: Path):
     versions, _ = recovered(str(tmp_path / "empty"))
     assert versions == []
+
+
+def test_only_the_newest_persist_keep_versions_stay_on_disk(tmp_path: Path):
+    location = tmp_path / "ps"
+    (location / "v000000000003" / "a0").mkdir(parents=True)  # torn leftovers of an older run:
+    (location / "v000000000003" / "a0" / "zarr.json").write_text("{")  # one older than the kept
+    (location / "v000000000009" / "a0").mkdir(parents=True)  # versions, one newer (it could be
+    (location / "v000000000009" / "a0" / "zarr.json").write_text("{")  # being written): kept
+    (location / "notes.txt").write_text("not ours")
+    config = ParamServerConfig(persist_every=2, in_memory_versions=4, persist_keep=2)
+    with running(config, str(location)) as ps:
+        for v in range(7):  # persists 0, 2, 4, 6
+            ps.client.push(make_tree(v), v)
+            assert ps.store.flush(timeout_s=60)  # a version being persisted cannot be collected
+        assert sorted(p.name for p in location.iterdir()) == [
+            "notes.txt", "v000000000004", "v000000000006", "v000000000009"
+        ]  # fmt: skip
+        listed = ps.client.list_versions()[0]
+        assert [(v.version, v.persisted) for v in listed] == [
+            (3, False), (4, True), (5, False), (6, True)
+        ]  # fmt: skip
+        assert ps.client.health()[0].serving
+    versions, tree = recovered(str(location))  # the newest complete one is never deleted
+    assert versions == [6]
+    assert_same_tree(tree, make_tree(6))
