@@ -33,8 +33,14 @@ class ResourceExhausted(ParamServerError):
     status = "RESOURCE_EXHAUSTED"
 
 
+class FailedPrecondition(ParamServerError):
+    """The call is well-formed but the store's state forbids it (e.g. reusing a version number)."""
+
+    status = "FAILED_PRECONDITION"
+
+
 BY_STATUS = {c.status: c for c in (InvalidArgument, NotFound, AlreadyExists, DataLoss,
-                                  ResourceExhausted)}  # fmt: skip
+                                  ResourceExhausted, FailedPrecondition)}  # fmt: skip
 
 
 class Aborted(ParamServerError):

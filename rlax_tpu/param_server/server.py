@@ -55,6 +55,9 @@ class ParamServer:
         self._publishing: set[int] = set()
         self._pins: collections.Counter[int] = collections.Counter()  # pulls and persists in flight
         self._persisted: set[int] = set()
+        # Newest version ever committed here (or found persisted): numbers at or below it that
+        # are not hot can never be published again, so a number always means the same bytes.
+        self._high_water = -1
         self._retention = Retention(replicas=config.replicas)
         self._persister = (
             Persister(self._hot, persist_location, keep=config.persist_keep)
@@ -89,6 +92,8 @@ class ParamServer:
                         f"version {version} does not match the tree, shapes and dtypes of version "
                         f"{latest}: {_first_difference(reference, arrays)}"
                     )
+            if existing is None:
+                self._check_new_number_locked(version)
             if version in self._publishing:
                 raise errors.Aborted(f"version {version} is being published by another stream")
             if existing is None:
@@ -115,11 +120,13 @@ class ParamServer:
     def _commit(self, manifest: VersionManifest, prefix: str) -> list[str]:
         """Makes a written version visible; returns hot prefixes collected to make room."""
         with self._lock:
+            self._check_new_number_locked(manifest.version)  # a newer one may have won the race
             doomed = self._collectible_locked(need_room=True)
             for v in doomed:
                 self._index.pop(v)
                 self._persisted.discard(v)
             self._index[manifest.version] = (manifest, prefix)
+            self._high_water = max(self._high_water, manifest.version)
             self._retention.report_progress(
                 self.config.replica_index, max(self._index)
             )  # our own progress
@@ -142,6 +149,16 @@ class ParamServer:
             self._persisted.difference_update(pruned)
             if ok and manifest.version in self._index:
                 self._persisted.add(manifest.version)
+
+    def _check_new_number_locked(self, version: int) -> None:
+        """Refuses a version number that is not hot but was already used (or skipped) here."""
+        if version <= self._high_water:
+            raise errors.FailedPrecondition(
+                f"version {version} is not held and is not newer than version {self._high_water}, "
+                f"the newest this server has committed: version numbers are never reused (an "
+                f"older version that was collected cannot be compared with or replaced), publish "
+                f"version {self._high_water + 1} or later"
+            )
 
     # ------------------------------------------------------------------------------ retention
 
@@ -261,6 +278,8 @@ class ParamServer:
     # ------------------------------------------------------------------------------ lifecycle
 
     def _recover(self) -> None:
+        used = self._persister.stored_versions()  # every one was committed before being persisted
+        self._high_water = max(used, default=-1)
         found = self._persister.recover()
         if found is None:
             log.info("no complete persisted version in %s", self._persister.location)

@@ -73,24 +73,23 @@ def test_nothing_persisted_means_an_empty_server(tmp_path: Path):
 
 def test_only_the_newest_persist_keep_versions_stay_on_disk(tmp_path: Path):
     location = tmp_path / "ps"
-    (location / "v000000000003" / "a0").mkdir(parents=True)  # torn leftovers of an older run:
-    (location / "v000000000003" / "a0" / "zarr.json").write_text("{")  # one older than the kept
-    (location / "v000000000009" / "a0").mkdir(parents=True)  # versions, one newer (it could be
-    (location / "v000000000009" / "a0" / "zarr.json").write_text("{")  # being written): kept
+    location.mkdir()
     (location / "notes.txt").write_text("not ours")
     config = ParamServerConfig(persist_every=2, in_memory_versions=4, persist_keep=2)
     with running(config, str(location)) as ps:
         for v in range(7):  # persists 0, 2, 4, 6
             ps.client.push(make_tree(v), v)
             assert ps.store.flush(timeout_s=60)  # a version being persisted cannot be collected
+            if v == 2:  # debris, as a crash would leave it: a torn copy without its manifest
+                (location / "v000000000003" / "a0").mkdir(parents=True)
+                (location / "v000000000003" / "a0" / "zarr.json").write_text("{")
         assert sorted(p.name for p in location.iterdir()) == [
-            "notes.txt", "v000000000004", "v000000000006", "v000000000009"
+            "notes.txt", "v000000000004", "v000000000006"
         ]  # fmt: skip
         listed = ps.client.list_versions()[0]
         assert [(v.version, v.persisted) for v in listed] == [
             (3, False), (4, True), (5, False), (6, True)
         ]  # fmt: skip
-        assert ps.client.health()[0].serving
     versions, tree = recovered(str(location))  # the newest complete one is never deleted
     assert versions == [6]
     assert_same_tree(tree, make_tree(6))

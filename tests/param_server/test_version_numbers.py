@@ -1,0 +1,56 @@
+"""A version number always means the same bytes: once used, it is never published again with
+other content, also after it was collected and after a restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlax_tpu.config import ParamServerConfig
+from rlax_tpu.param_server import errors
+from tests.param_server.conftest import assert_same_tree, make_tree, running
+
+REUSED = "version 0 is not held and is not newer than version 2, the newest"
+
+
+def hot(ps) -> list[int]:
+    return [v.version for v in ps.client.list_versions()[0]]
+
+
+def test_a_collected_version_number_cannot_be_published_again():
+    with running(ParamServerConfig(in_memory_versions=2, persist_every=0)) as ps:
+        for v in range(3):
+            ps.client.push(make_tree(v), v)
+        assert hot(ps) == [1, 2]  # version 0 was collected
+        with pytest.raises(errors.FailedPrecondition, match=REUSED):
+            ps.client.push(make_tree(9), 0)  # other content under a used number
+        with pytest.raises(errors.FailedPrecondition, match="publish version 3 or later"):
+            ps.client.push(make_tree(0), 0)  # same content, but its bytes are gone: unverifiable
+        ps.client.push(make_tree(1), 1)  # a hot version: an identical retry stays idempotent
+        with pytest.raises(errors.AlreadyExists, match="different content"):
+            ps.client.push(make_tree(7), 1)
+        assert hot(ps) == [1, 2]
+        committed, stored = ps.store.stored_prefixes()
+        assert committed == stored and len(committed) == 2
+        ps.client.push(make_tree(3), 3)
+        assert hot(ps) == [2, 3]
+        assert_same_tree(ps.client.pull(3), make_tree(3))
+
+
+def test_the_high_water_mark_survives_a_restart(tmp_path: Path):
+    location = str(tmp_path / "ps")
+    config = ParamServerConfig(persist_every=1, persist_keep=2)
+    with running(config, location) as ps:
+        for v in range(3):
+            ps.client.push(make_tree(v), v)
+            assert ps.store.flush(timeout_s=60)
+    with running(config, location) as ps:
+        assert hot(ps) == [2]
+        with pytest.raises(errors.FailedPrecondition, match=REUSED):
+            ps.client.push(make_tree(9), 0)  # collected, and deleted from disk by persist_keep
+        with pytest.raises(errors.FailedPrecondition, match="version 1 is not held"):
+            ps.client.push(make_tree(1), 1)
+        assert ps.client.push(make_tree(2), 2).version == 2  # the recovered one: idempotent
+        ps.client.push(make_tree(3), 3)
+        assert hot(ps) == [2, 3]
