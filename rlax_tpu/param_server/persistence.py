@@ -39,6 +39,7 @@ class Persister:
         self._idle = threading.Condition()
         self._pending = 0
         self.errors: list[str] = []
+        self.failing = ""  # the last write's error while writes fail; "" once one succeeds
         self._thread = threading.Thread(target=self._run, name="param-server-persist", daemon=True)
         self._thread.start()
 
@@ -67,11 +68,14 @@ class Persister:
             try:
                 self._write(manifest, hot_prefix)
                 ok = True
+                self.failing = ""
                 pruned = self._prune()
             except Exception as e:  # a full disk must not take the server down; health says it
                 msg = f"persisting version {manifest.version} to {self.location} failed: {e}"
                 log.error(msg)
                 self.errors.append(msg)
+                if not ok:
+                    self.failing = msg
             finally:
                 done(ok, pruned)
                 with self._idle:

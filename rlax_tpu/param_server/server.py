@@ -310,11 +310,15 @@ class ParamServer:
         return self._persister is None or self._persister.flush(timeout_s)
 
     def health(self) -> tuple[bool, str]:
+        """(serving, detail). Not serving while persistence fails: new versions are then hot
+        only, and a restart would lose them."""
         with self._lock:
             hot = sorted(self._index)
             persisted = sorted(self._persisted)
-        problems = self._persister.errors[-1:] if self._persister is not None else []
-        detail = f"hot versions {hot}; persisted {persisted}" + "".join(f"; {p}" for p in problems)
+        detail = f"hot versions {hot}; persisted {persisted}"
+        failing = self._persister.failing if self._persister is not None else ""
+        if failing:
+            return False, f"{detail}; persistence is failing: {failing}"
         return True, detail
 
     def close(self) -> None:

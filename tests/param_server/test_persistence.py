@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from rlax_tpu.config import ParamServerConfig
@@ -93,3 +94,24 @@ def test_only_the_newest_persist_keep_versions_stay_on_disk(tmp_path: Path):
     versions, tree = recovered(str(location))  # the newest complete one is never deleted
     assert versions == [6]
     assert_same_tree(tree, make_tree(6))
+
+
+def test_health_reports_failing_persistence_until_a_write_succeeds(tmp_path: Path):
+    location = tmp_path / "ps"
+    config = ParamServerConfig(persist_every=1, persist_keep=2)
+    with running(config, str(location)) as ps:
+        ps.client.push(make_tree(0), 0)
+        assert ps.store.flush(timeout_s=60)
+        assert ps.client.health()[0].serving
+        shutil.rmtree(location)
+        location.write_text("a file where the directory was: every write fails")
+        ps.client.push(make_tree(1), 1)  # the push itself succeeds; its write-through does not
+        assert ps.store.flush(timeout_s=60)
+        health = ps.client.health()[0]
+        assert not health.serving
+        assert "persistence is failing: persisting version 1 to" in health.detail
+        location.unlink()
+        ps.client.push(make_tree(2), 2)
+        assert ps.store.flush(timeout_s=60)
+        health = ps.client.health()[0]
+        assert health.serving and "failing" not in health.detail
