@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import jax
@@ -38,16 +38,22 @@ def abstract_model(cfg: ModelConfig) -> Transformer:
 
 
 def build_model(
-    cfg: ModelConfig, get: TensorGetter, source: str, mesh: Mesh | None = None
-) -> Transformer:
+    cfg: ModelConfig, get: TensorGetter, source: str, mesh: Mesh | None = None, *,
+    names: Collection[str] | None = None,
+) -> Transformer:  # fmt: skip
     """A model whose every parameter comes from ``get`` (HF names and layouts).
 
-    Raises ModelLoadError naming ``source`` and the tensor if one is missing or mis-shaped.
+    ``names``: every tensor name in the checkpoint; one the config does not map is an error (a
+    silently dropped tensor means wrong logits, e.g. an ``lm_head`` when the config says tied).
+    Raises ModelLoadError naming ``source`` and the tensor if one is missing, mis-shaped or unused.
     """
     graphdef, state = nnx.split(abstract_model(cfg))
     flat = dict(nnx.to_flat_state(state))
     dtype = _NP_DTYPES[cfg.param_dtype]
-    for m in tensor_mappings(cfg):
+    mappings = tensor_mappings(cfg)
+    if names is not None:
+        _check_all_used(cfg, get, source, names, {m.hf_name for m in mappings})
+    for m in mappings:
         host = get(m.hf_name)
         if host is None:
             raise ModelLoadError(source, f"tensor {m.hf_name!r} is missing from the checkpoint")
@@ -60,6 +66,33 @@ def build_model(
         value = np.asarray(m.to_model(host)).astype(dtype)
         flat[m.path] = var.replace(_to_device(value, var, mesh))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _check_all_used(
+    cfg: ModelConfig, get: TensorGetter, source: str, names: Collection[str], mapped: set[str]
+) -> None:
+    # Old HF files carry RoPE's derived inv_freq buffers; the model recomputes them.
+    unused = sorted(n for n in set(names) - mapped if not n.endswith("rotary_emb.inv_freq"))
+    if cfg.tie_embeddings and "lm_head.weight" in unused:
+        # Some tied checkpoints store the shared matrix twice; that copy is harmless.
+        head, embed = get("lm_head.weight"), get("model.embed_tokens.weight")
+        if head is not None and embed is not None and np.array_equal(head, embed):
+            unused.remove("lm_head.weight")
+        else:
+            raise ModelLoadError(
+                source,
+                "tensor 'lm_head.weight' is in the checkpoint but the config ties the output "
+                "layer to the embeddings (tie_embeddings=True); it would be ignored",
+            )
+    if unused:
+        shown = ", ".join(repr(n) for n in unused[:8])
+        more = f" and {len(unused) - 8} more" if len(unused) > 8 else ""
+        raise ModelLoadError(
+            source,
+            f"checkpoint tensor(s) {shown}{more} are not used by the model config "
+            f"(arch={cfg.arch!r}, qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}); "
+            "the config does not describe this checkpoint",
+        )
 
 
 def _to_device(value: np.ndarray, var: nnx.Variable, mesh: Mesh | None) -> jax.Array:
@@ -157,7 +190,7 @@ def load_safetensors(
     cfg = cfg or read_hf_config(directory, **overrides)
     reader = SafetensorsDir(directory)
     try:
-        model = build_model(cfg, reader.get, str(directory), mesh)
+        model = build_model(cfg, reader.get, str(directory), mesh, names=reader.file_of.keys())
     finally:
         reader.close()
     return cfg, model

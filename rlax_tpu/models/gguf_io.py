@@ -33,6 +33,7 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -133,4 +134,6 @@ def load_gguf(
                 w = unpermute_rope_rows(w, heads)
         return w
 
-    return cfg, build_model(cfg, get, f.path, mesh)
+    # Unknown GGUF tensors keep their GGUF name so build_model reports them instead of dropping them.
+    names = [hf_name(n) or n for n in f.tensors]
+    return cfg, build_model(cfg, get, f.path, mesh, names=names)

@@ -15,6 +15,7 @@ import numpy as np
 
 from rlax_tpu.config import ConfigError, ModelConfig
 from rlax_tpu.models.errors import ModelLoadError
+from rlax_tpu.models.layers import has_o_bias
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -92,6 +93,10 @@ def tensor_mappings(cfg: ModelConfig) -> list[TensorMapping]:
                         lambda b, heads=heads: b.reshape(heads, d), lambda b: b.reshape(-1),
                     )
                 )  # fmt: skip
+        if has_o_bias(cfg):
+            out.append(
+                TensorMapping(p + "self_attn.o_proj.bias", attn + ("o_bias",), (e,), _same, _same)
+            )
         if cfg.qk_norm:
             for name in ("q", "k"):
                 out.append(
@@ -198,7 +203,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta, "dtype": cfg.param_dtype,
     }  # fmt: skip
     if cfg.arch != "qwen2":
-        out["attention_bias"] = cfg.qkv_bias
+        out["attention_bias"] = cfg.qkv_bias  # q, k, v and o_proj biases (see has_o_bias)
     if cfg.arch == "qwen2" and not cfg.qkv_bias:
         raise ModelLoadError(
             "config.json", "qwen2 always has QKV bias; qkv_bias=False cannot be exported"

@@ -43,6 +43,12 @@ def zeros_init(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Ar
     return jnp.zeros(shape, dtype)
 
 
+def has_o_bias(cfg: ModelConfig) -> bool:
+    """Whether attention has an output-projection bias. HF Llama / Qwen3 ``attention_bias`` adds a
+    bias to q, k, v *and* o_proj; Qwen2's built-in bias is on q, k, v only."""
+    return cfg.qkv_bias and cfg.arch != "qwen2"
+
+
 def dtypes(cfg: ModelConfig) -> tuple[jnp.dtype, jnp.dtype]:
     """(param dtype, compute dtype)."""
     return jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
@@ -83,6 +89,7 @@ class Attention(nnx.Module):
             self.v_bias = param(rngs, zeros_init, (hkv, d), ("kv_heads", "head_dim"), pdtype)
         else:
             self.q_bias = self.k_bias = self.v_bias = None
+        self.o_bias = param(rngs, zeros_init, (e,), ("embed",), pdtype) if has_o_bias(cfg) else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg, "head_dim", rngs=rngs)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg, "head_dim", rngs=rngs)
@@ -105,6 +112,8 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, cache = cache.attend(self.layer, q, k, v, positions)
         y = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(self.compute_dtype))
+        if self.o_bias is not None:
+            y = y + self.o_bias[...].astype(self.compute_dtype)
         return y, cache
 
 

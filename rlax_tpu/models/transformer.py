@@ -29,7 +29,8 @@ class Transformer(nnx.Module):
 
     embed [vocab, embed]; layers[i].{input_norm, post_attn_norm}.weight [norm];
     layers[i].attn.{q,k,v}_proj [embed, heads|kv_heads, head_dim], o_proj [heads, head_dim, embed],
-    optional {q,k,v}_bias [heads|kv_heads, head_dim], optional {q,k}_norm.weight [head_dim];
+    optional {q,k,v}_bias [heads|kv_heads, head_dim], optional o_bias [embed] (Llama / Qwen3
+    attention_bias), optional {q,k}_norm.weight [head_dim];
     layers[i].mlp.{gate,up}_proj [embed, mlp], down_proj [mlp, embed]; final_norm.weight [norm];
     lm_head [embed, vocab] unless embeddings are tied.
     """

@@ -26,6 +26,9 @@ CASES = {
     "qwen2": ("qwen2", {}),  # QKV bias
     "qwen3": ("qwen3", {"head_dim": 24}),  # QK-norm, head_dim != hidden / heads
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    # HF attention_bias on Llama / Qwen3 biases q, k, v *and* o_proj (Qwen2: q, k, v only).
+    "llama_attention_bias": ("llama", {"attention_bias": True}),
+    "qwen3_attention_bias": ("qwen3", {"attention_bias": True}),
     "rope_linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}),
     # dynamic NTK only acts past max_position_embeddings: 24 tokens > 16.
     "rope_dynamic": (
@@ -113,6 +116,37 @@ def test_missing_tensor(checkpoint):
         ModelLoadError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' is missing"
     ):
         load_safetensors(checkpoint)
+
+
+def test_unused_tensor(checkpoint):
+    file = checkpoint / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.layers.0.self_attn.o_proj.bias"] = np.ones(64, np.float32)  # config: no bias
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as info:
+        load_safetensors(checkpoint)
+    assert str(info.value).startswith(
+        f"{checkpoint}: checkpoint tensor(s) 'model.layers.0.self_attn.o_proj.bias' are not used "
+        "by the model config"
+    )
+
+
+def test_lm_head_in_a_tied_checkpoint(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["tie_word_embeddings"] = True  # the file still holds its own (different) lm_head
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ModelLoadError, match=r"'lm_head\.weight' is in the checkpoint but the config ties"
+    ):
+        load_safetensors(checkpoint)
+
+    # A stored copy equal to the embeddings is what tying means: accepted.
+    file = checkpoint / "model.safetensors"
+    tensors = load_file(file)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, file, metadata={"format": "pt"})
+    cfg, _ = load_safetensors(checkpoint)
+    assert cfg.tie_embeddings
 
 
 def test_shape_mismatch(checkpoint):
