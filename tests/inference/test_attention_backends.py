@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -56,6 +57,9 @@ def _run(backend: str, page_size: int, lengths: list[int], chunk: int, seed: int
         k = jnp.asarray(rng.standard_normal((b, chunk, HKV, D)), jnp.float32)
         v = jnp.asarray(rng.standard_normal((b, chunk, HKV, D)), jnp.float32)
         got, paged = paged.attend(1, q, k, v, jnp.asarray(pos))
+        # TPU interpret mode runs the kernel through host callbacks that dispatch jax ops; let it
+        # finish before dispatching more (concurrent dispatch can deadlock the CPU client).
+        got, paged = jax.block_until_ready((got, paged))
         want, dense = dense.attend(1, q, k, v, jnp.asarray(pos))
         outs.append((pos, np.asarray(got), np.asarray(want)))
     return outs
