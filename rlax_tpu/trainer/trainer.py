@@ -78,11 +78,13 @@ class TrainerStatus:
 
 
 def engine_replay_shape(cfg: InferenceConfig) -> ReplayShape:
-    """The inference engine's step shapes (``models.scoring``): rows per decode step
-    (max_concurrent_seqs) and KV positions per sequence (whole pages for the longest rollout)."""
+    """The inference engine's step shapes (``models.scoring``): rows per model step
+    (``step_tokens``, 0 meaning max_concurrent_seqs, as the engine resolves it) and KV positions
+    per sequence (whole pages for the longest rollout)."""
     longest = cfg.max_prompt_len + cfg.max_new_tokens
     return ReplayShape(
-        slots=cfg.max_concurrent_seqs, cache_len=-(-longest // cfg.page_size) * cfg.page_size
+        slots=cfg.step_tokens or cfg.max_concurrent_seqs,
+        cache_len=-(-longest // cfg.page_size) * cfg.page_size,
     )
 
 
