@@ -9,7 +9,6 @@ shardings need.
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from typing import Any
@@ -24,6 +23,7 @@ from rlax_tpu.param_server.codec import (
     ArraySpec,
     VersionManifest,
     as_bytes,
+    checksum,
     describe_sharding,
     flatten,
     normalize_index,
@@ -148,9 +148,9 @@ class ParamServerClient:
         for index, host in enumerate(hosts):
             flat, crc = as_bytes(host), 0
             for offset in range(0, len(flat), self.chunk_bytes):
-                data = memoryview(flat[offset : offset + self.chunk_bytes])
-                crc = zlib.crc32(data, crc)
-                yield ChunkView(index, offset, data)
+                piece = flat[offset : offset + self.chunk_bytes]
+                crc = checksum(piece, crc)
+                yield ChunkView(index, offset, memoryview(piece))
             crcs.append(crc)
         yield pb.PublishRequest(trailer=pb.PublishTrailer(crc32=crcs))
 
@@ -169,7 +169,7 @@ class ParamServerClient:
     ) -> tuple[VersionManifest, list[np.ndarray]]:
         """(manifest, host arrays): whole arrays in manifest order, or one per requested box.
 
-        Whole arrays are checked against the manifest's crc32 (DataLoss on mismatch).
+        Whole arrays are checked against the manifest's CRC32C (DataLoss on mismatch).
         """
         request = pb.PullRequest(version=version)
         for i, bounds in slices or ():
@@ -185,10 +185,10 @@ class ParamServerClient:
             flats = [as_bytes(o) for o in out]
             received, crcs = [0] * len(out), [0] * len(out)
             for c in stream:
-                n = len(c.data)
-                flats[c.index][c.offset : c.offset + n] = np.frombuffer(c.data, np.uint8)
+                n, data = len(c.data), np.frombuffer(c.data, np.uint8)
+                flats[c.index][c.offset : c.offset + n] = data
                 if whole:  # chunks of an array arrive in order
-                    crcs[c.index] = zlib.crc32(c.data, crcs[c.index])
+                    crcs[c.index] = checksum(data, crcs[c.index])
                 received[c.index] += n
                 self.bytes_pulled += n
         except grpc.RpcError as e:
@@ -199,7 +199,7 @@ class ParamServerClient:
         if short:
             raise errors.DataLoss(f"pull of version {manifest.version} ended early (boxes {short})")
         if whole:
-            bad = [s.path for s, c in zip(manifest.arrays, crcs, strict=True) if c != s.crc32]
+            bad = [s.path for s, c in zip(manifest.arrays, crcs, strict=True) if c != s.crc32c]
             if bad:
                 raise errors.DataLoss(f"version {manifest.version}: checksum mismatch in {bad}")
         return manifest, out

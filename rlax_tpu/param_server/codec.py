@@ -2,7 +2,10 @@
 
 A version is a list of arrays in a fixed order. Each array has a key path in the publisher's pytree
 (JSON: ``["layers", 0, "w"]`` for ``tree["layers"][0]["w"]``), a shape, a
-dtype, the crc32 of its C-order bytes and a description of the sharding it was written with.
+dtype, the CRC32C of its C-order bytes and a description of the sharding it was written with.
+
+Checksums are CRC32C (``google-crc32c``: hardware-accelerated, ~3x zlib's crc32 here, and it
+releases the GIL on large buffers), on both sides of every transfer and on disk.
 """
 
 from __future__ import annotations
@@ -10,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
+import google_crc32c
 import jax
 import ml_dtypes
 import numpy as np
@@ -42,7 +45,7 @@ class ArraySpec:
     path: str
     shape: tuple[int, ...]
     dtype: str
-    crc32: int = 0
+    crc32c: int = 0
     sharding: str = '{"kind": "host"}'
     shard_shape: tuple[int, ...] = ()
 
@@ -65,11 +68,16 @@ class ArraySpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VersionManifest:
-    """Everything needed to read a version back; written last, so it doubles as commit marker."""
+    """Everything needed to read a version back; written last, so it doubles as commit marker.
+
+    ``checksum`` names the algorithm of the arrays' ``crc32c`` values: "crc32c", or "crc32"
+    (zlib) for a manifest persisted before the switch to CRC32C, read back for recovery only.
+    """
 
     version: int
     step: int
     arrays: tuple[ArraySpec, ...]
+    checksum: str = "crc32c"
 
     @property
     def nbytes(self) -> int:
@@ -81,16 +89,24 @@ class VersionManifest:
     @classmethod
     def from_json(cls, data: bytes) -> VersionManifest:
         raw = json.loads(data)
+        legacy = any("crc32" in a for a in raw["arrays"])  # zlib crc32, before CRC32C
         arrays = tuple(
-            ArraySpec(**{**a, "shape": tuple(a["shape"]), "shard_shape": tuple(a["shard_shape"])})
+            ArraySpec(
+                path=a["path"], shape=tuple(a["shape"]), dtype=a["dtype"],
+                crc32c=a["crc32" if legacy else "crc32c"], sharding=a["sharding"],
+                shard_shape=tuple(a["shard_shape"]),
+            )
             for a in raw["arrays"]
-        )
-        return cls(version=raw["version"], step=raw["step"], arrays=arrays)
+        )  # fmt: skip
+        checksum = "crc32" if legacy else raw.get("checksum", "crc32c")
+        return cls(version=raw["version"], step=raw["step"], arrays=arrays, checksum=checksum)
 
 
-def crc32(data: np.ndarray) -> int:
-    """crc32 of an array's C-order bytes (zlib releases the GIL on large buffers)."""
-    return zlib.crc32(as_bytes(data))
+def checksum(data: np.ndarray | bytes | memoryview, crc: int = 0) -> int:
+    """CRC32C of C-order bytes, continuing from ``crc`` (the checksum of the bytes before)."""
+    if not isinstance(data, np.ndarray):
+        data = np.frombuffer(data, np.uint8)  # google_crc32c takes arrays, not memoryviews
+    return google_crc32c.extend(crc, as_bytes(data))
 
 
 def as_bytes(data: np.ndarray) -> np.ndarray:

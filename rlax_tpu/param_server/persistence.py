@@ -2,7 +2,7 @@
 
 A persisted version is ``v<version>/a<i>/`` (zarr3 arrays) plus ``v<version>/manifest.json``,
 written last: a version without its manifest is partial. Recovery also re-reads every array and
-checks its crc32 against the manifest, so a torn or corrupted copy is never taken for complete.
+checks its checksum against the manifest, so a torn or corrupted copy is never taken for complete.
 
 After each successful write, versions older than the newest ``keep`` complete ones are deleted
 (manifest first), so the disk holds a bounded number of versions.
@@ -10,14 +10,16 @@ After each successful write, versions older than the newest ``keep`` complete on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
+import zlib
 from collections.abc import Callable
 
 import numpy as np
 
-from rlax_tpu.param_server.codec import VersionManifest, crc32
+from rlax_tpu.param_server.codec import VersionManifest, as_bytes, checksum
 from rlax_tpu.param_server.store import ArrayStore
 
 log = logging.getLogger(__name__)
@@ -121,7 +123,7 @@ class Persister:
         return [v for p in self._store.prefixes() if (v := _version_of(p)) is not None]
 
     def recover(self) -> tuple[VersionManifest, list[np.ndarray]] | None:
-        """The newest complete persisted version (manifest present, every crc32 right), or None."""
+        """The newest complete persisted version (manifest present, every checksum right), or None."""
         candidates = []
         for prefix in self._store.manifest_prefixes():
             try:
@@ -138,12 +140,17 @@ class Persister:
             except (OSError, ValueError) as e:
                 log.warning("skipping persisted version %d: %s", version, e)
                 continue
-            bad = [
-                s.path for s, a in zip(manifest.arrays, arrays, strict=True) if crc32(a) != s.crc32
-            ]
+            legacy = manifest.checksum == "crc32"  # persisted before CRC32C: zlib's crc32
+            check = (lambda a: zlib.crc32(as_bytes(a))) if legacy else checksum
+            bad = [s.path for s, a in zip(manifest.arrays, arrays, strict=True)
+                   if check(a) != s.crc32c]  # fmt: skip
             if bad:
                 log.warning("skipping persisted version %d: checksum mismatch in %s", version, bad)
                 continue
+            if legacy:  # verified; from here on it is served with CRC32C like every version
+                manifest = dataclasses.replace(manifest, checksum="crc32c", arrays=tuple(
+                    dataclasses.replace(s, crc32c=checksum(a))
+                    for s, a in zip(manifest.arrays, arrays, strict=True)))  # fmt: skip
             return manifest, arrays
         return None
 

@@ -3,7 +3,7 @@ write-through persistence. ``service.py`` exposes the same calls over gRPC.
 
 Atomic publish: a version's arrays are written under a fresh staging prefix of the hot store; the
 version becomes visible only when its manifest enters the index, under the lock, after every
-array is written and its crc32 checked. Readers resolve versions through the index only, and pin
+array is written and its CRC32C checked. Readers resolve versions through the index only, and pin
 the version for the duration of a pull, so GC cannot pull it from under them.
 """
 
@@ -17,14 +17,19 @@ import math
 import threading
 import uuid
 import weakref
-import zlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from rlax_tpu.config import ParamServerConfig
 from rlax_tpu.param_server import errors
-from rlax_tpu.param_server.codec import ArraySpec, VersionManifest, check_bounds, np_dtype
+from rlax_tpu.param_server.codec import (
+    ArraySpec,
+    VersionManifest,
+    check_bounds,
+    checksum,
+    np_dtype,
+)
 from rlax_tpu.param_server.persistence import Persister
 from rlax_tpu.param_server.retention import Retention
 from rlax_tpu.param_server.store import ArrayStore
@@ -112,7 +117,7 @@ class ParamServer:
             for i, a in enumerate(arrays):
                 data = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
                 session.add(i, 0, data)
-                crcs.append(zlib.crc32(data))
+                crcs.append(checksum(data))
             return session.finish(crcs)
         finally:
             session.abort()
@@ -469,8 +474,9 @@ class PublishSession:
                 f"array {index} ({spec.path}) is declared {spec.dtype}{list(spec.shape)} = "
                 f"{spec.nbytes} bytes, got at least {offset + n}"
             )
-        self._buffer[offset : offset + n] = np.frombuffer(data, np.uint8)
-        self._crc = zlib.crc32(data, self._crc)  # while the chunk is still in cache
+        data = np.frombuffer(data, np.uint8)
+        self._buffer[offset : offset + n] = data
+        self._crc = checksum(data, self._crc)  # while the chunk is still in cache
         self._received += n
 
     def finish(self, crcs: Sequence[int]) -> tuple[VersionInfo, bool]:
@@ -492,11 +498,11 @@ class PublishSession:
             w.result()
         manifest = VersionManifest(
             version=self.version, step=self.step,
-            arrays=tuple(dataclasses.replace(s, crc32=c) for s, c in zip(self.arrays, got, strict=True)),
+            arrays=tuple(dataclasses.replace(s, crc32c=c) for s, c in zip(self.arrays, got, strict=True)),
         )  # fmt: skip
         info = VersionInfo(version=self.version, step=self.step, nbytes=manifest.nbytes)
         if self._existing is not None:
-            if [a.crc32 for a in self._existing[0].arrays] != got or self._existing[
+            if [a.crc32c for a in self._existing[0].arrays] != got or self._existing[
                 0
             ].step != self.step:
                 raise errors.AlreadyExists(

@@ -1,4 +1,7 @@
-"""Conversions between the parameter server's Python types and its protobuf messages."""
+"""Conversions between the parameter server's Python types and its protobuf messages.
+
+The proto's ``crc32`` fields (ArrayMeta, PublishTrailer) carry CRC32C values (codec.checksum).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +12,11 @@ from rlax_tpu.rpc import param_server_pb2 as pb
 
 def spec_to_pb(spec: ArraySpec) -> pb.ArrayMeta:
     return pb.ArrayMeta(path=spec.path, shape=spec.shape, dtype=spec.dtype, sharding=spec.sharding,
-                        shard_shape=spec.shard_shape, crc32=spec.crc32)  # fmt: skip
+                        shard_shape=spec.shard_shape, crc32=spec.crc32c)  # fmt: skip
 
 
 def spec_from_pb(meta: pb.ArrayMeta) -> ArraySpec:
-    return ArraySpec(path=meta.path, shape=tuple(meta.shape), dtype=meta.dtype, crc32=meta.crc32,
+    return ArraySpec(path=meta.path, shape=tuple(meta.shape), dtype=meta.dtype, crc32c=meta.crc32,
                      sharding=meta.sharding, shard_shape=tuple(meta.shard_shape))  # fmt: skip
 
 

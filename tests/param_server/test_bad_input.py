@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import zlib
-
 import grpc
 import numpy as np
 import pytest
 
 from rlax_tpu.param_server import errors
-from rlax_tpu.param_server.codec import flatten
+from rlax_tpu.param_server.codec import checksum, flatten
 from rlax_tpu.rpc import param_server_pb2 as pb
 from rlax_tpu.rpc import param_server_pb2_grpc
 from rlax_tpu.rpc.transport import make_channel
@@ -128,11 +126,11 @@ def test_truncated_stream(ps, stream_end):
 
 def test_checksum_mismatch(ps):
     stub = param_server_pb2_grpc.ParamServerStub(make_channel(ps.endpoint))
-    stream = [header(0, ONE), chunk(0, 0, DATA), trailer(zlib.crc32(DATA) ^ 1)]
+    stream = [header(0, ONE), chunk(0, 0, DATA), trailer(checksum(DATA) ^ 1)]
     code, details = status_of(lambda: stub.Publish(iter(stream)))
     assert code == grpc.StatusCode.DATA_LOSS and "checksum mismatch in ['x']" in details
     assert ps.client.list_versions() == ([], None)
-    good = [header(0, ONE), chunk(0, 0, DATA), trailer(zlib.crc32(DATA))]
+    good = [header(0, ONE), chunk(0, 0, DATA), trailer(checksum(DATA))]
     assert stub.Publish(iter(good)).info.version == 0  # the same stream with the right crc
 
 

@@ -12,6 +12,7 @@ from rlax_tpu.param_server import errors
 from rlax_tpu.param_server.codec import (
     ArraySpec,
     VersionManifest,
+    checksum,
     chunk_shape,
     describe_sharding,
     flatten,
@@ -30,7 +31,7 @@ def test_paths_name_leaves_and_rebuild_nested_trees():
 
 def test_manifest_json_round_trip():
     m = VersionManifest(version=3, step=4, arrays=(
-        ArraySpec(path='["w"]', shape=(2, 3), dtype="bfloat16", crc32=7, shard_shape=(1, 3)),
+        ArraySpec(path='["w"]', shape=(2, 3), dtype="bfloat16", crc32c=7, shard_shape=(1, 3)),
     ))  # fmt: skip
     assert VersionManifest.from_json(m.to_json()) == m
     assert m.nbytes == 12
@@ -58,3 +59,12 @@ def test_chunks_follow_the_writers_sharding_and_stay_bounded():
 def test_jax_indices_become_bounds():
     assert normalize_index((slice(None), slice(2, 4)), (5, 6)) == ((0, 5), (2, 4))
     assert normalize_index((), (3,)) == ((0, 3),)
+
+
+def test_checksums_are_crc32c_and_extend_chunk_by_chunk():
+    assert checksum(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720)
+    data = np.arange(1000, dtype=np.float32)
+    whole = checksum(data)
+    raw = data.view(np.uint8)
+    assert checksum(memoryview(raw[700:]), checksum(raw[:700])) == whole
+    assert checksum(bytes(raw)) == whole and checksum(np.zeros(0, np.uint8)) == 0

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import zlib
 from pathlib import Path
 
 from rlax_tpu.config import ParamServerConfig
+from rlax_tpu.param_server.codec import ArraySpec
+from rlax_tpu.param_server.store import ArrayStore
 from tests.param_server.conftest import assert_same_tree, make_tree, running
 
 # Keeps 3 persisted versions: publish_five's 0, 2 and 4 all stay, for the fallback tests.
@@ -115,3 +119,26 @@ def test_health_reports_failing_persistence_until_a_write_succeeds(tmp_path: Pat
         assert ps.store.flush(timeout_s=60)
         health = ps.client.health()[0]
         assert health.serving and "failing" not in health.detail
+
+
+def to_legacy(manifest_path: Path, *, corrupt: bool = False) -> None:
+    """Rewrites a persisted manifest as written before CRC32C: zlib crc32 under "crc32"."""
+    raw = json.loads(manifest_path.read_text())
+    store = ArrayStore(str(manifest_path.parent.parent))
+    del raw["checksum"]
+    for i, a in enumerate(raw["arrays"]):
+        spec = ArraySpec(path=a["path"], shape=tuple(a["shape"]), dtype=a["dtype"])
+        data = store.read_array(manifest_path.parent.name, i, spec).result()
+        del a["crc32c"]
+        a["crc32"] = zlib.crc32(data.tobytes()) ^ (1 if corrupt and i == 0 else 0)
+    manifest_path.write_text(json.dumps(raw))
+
+
+def test_versions_persisted_with_zlib_crc32_still_recover(tmp_path: Path):
+    location = tmp_path / "ps"
+    publish_five(str(location))
+    to_legacy(location / "v000000000004" / "manifest.json", corrupt=True)
+    to_legacy(location / "v000000000002" / "manifest.json")
+    versions, tree = recovered(str(location))  # 4 fails its (legacy) check; 2 passes it
+    assert versions == [2]
+    assert_same_tree(tree, make_tree(2))  # pull_arrays checked the re-computed CRC32C
