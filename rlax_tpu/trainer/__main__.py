@@ -1,9 +1,10 @@
 """Trainer service: sharded JAX train steps, aligned log-prob recompute, Orbax checkpoints.
 
 Serves train_step(batch), publish, save, restore and status over gRPC on trainer.address and
-prints the bound address; stops cleanly on SIGTERM / SIGINT. Weights are published to the
-parameter server only when a sink is wired in-process (see rlax_tpu.trainer.Trainer); this
-entry point runs without one, and Publish answers FAILED_PRECONDITION.
+prints the bound address; stops cleanly on SIGTERM / SIGINT. Each update publishes version
+v+1 to the parameter server at ``controller.param_server_endpoint`` (with the credentials of the
+``param_server`` section); without an endpoint nothing is published and Publish answers
+FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ def run(config: RunConfig, args: list[str]) -> int:
     if args:
         print(f"rlax_tpu.trainer: unexpected arguments {args}", file=sys.stderr)
         return cli.EXIT_USAGE
-    trainer = Trainer(config)
+    sink = None
+    if config.controller.param_server_endpoint:
+        # The composition root may use another component's published client (the only such
+        # import, allowed by name in pyproject's import-linter contracts).
+        from rlax_tpu.param_server.client import ParamServerClient
+
+        sink = ParamServerClient.from_config(
+            config.param_server, config.controller.param_server_endpoint
+        )
+    trainer = Trainer(config, sink=sink)
     server, port = serve(trainer, config.trainer)
     host = config.trainer.address.rsplit(":", 1)[0]
     print(f"rlax_tpu.trainer: serving on {host}:{port}", flush=True)
@@ -33,6 +43,8 @@ def run(config: RunConfig, args: list[str]) -> int:
     stop.wait()
     server.stop(grace=5).wait()
     trainer.close()
+    if sink is not None:
+        sink.close()
     print("rlax_tpu.trainer: stopped", flush=True)
     return 0
 

@@ -14,6 +14,9 @@ import jax
 import numpy as np
 import pytest
 
+from rlax_tpu.config import ParamServerConfig
+from rlax_tpu.param_server.client import ParamServerClient
+from rlax_tpu.param_server.service import serve as serve_param_server
 from rlax_tpu.rpc.transport import Credentials
 from rlax_tpu.trainer import Trainer, TrainerClient
 from rlax_tpu.trainer.service import serve
@@ -23,13 +26,17 @@ from .helpers import random_batch, run_config
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_module_entry_point_serves_and_stops(tmp_path):
+def test_module_entry_point_serves_publishes_and_stops(tmp_path):
+    """The command serves, publishes to a real parameter server at the configured endpoint, and
+    stops on SIGTERM."""
     env = dict(
         os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
     )
+    ps_server, ps_port, ps_store = serve_param_server(ParamServerConfig())
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlax_tpu.trainer", "--config=configs/codeforces.py:local",
-         f"--config.controller.run_dir={tmp_path}", "--config.model.num_layers=1"],
+         f"--config.controller.run_dir={tmp_path}", "--config.model.num_layers=1",
+         f"--config.controller.param_server_endpoint=127.0.0.1:{ps_port}"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -44,14 +51,16 @@ def test_module_entry_point_serves_and_stops(tmp_path):
             status = client.status()
             assert status.step == 0 and status.mesh == {"data": 1, "fsdp": 2, "tensor": 1}
             assert client.health().serving
-            with pytest.raises(grpc.RpcError) as e:  # no weight sink wired in this entry point
-                client.publish()
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            client.publish()  # version 0 goes to the parameter server
+        versions, latest = ParamServerClient(f"127.0.0.1:{ps_port}").list_versions()
+        assert latest == 0 and [v.version for v in versions] == [0]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert "stopped" in proc.stdout.read()
     finally:
         proc.kill()
+        ps_server.stop(None)
+        ps_store.close()
 
 
 @pytest.fixture(scope="module")
