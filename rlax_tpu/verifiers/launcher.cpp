@@ -118,6 +118,18 @@ long elapsed_ms(const struct timespec& start) {
   setrlimit(RLIMIT_CORE, &zero);
   setrlimit(RLIMIT_MEMLOCK, &zero);
   setrlimit(RLIMIT_MSGQUEUE, &zero);
+  if (o.stdin_path) {
+    // Opened while still root (without CAP_DAC_OVERRIDE: only what root owns or anyone may read),
+    // so a root-only 0400 file can be the program's stdin without the program being able to
+    // open it by name: the unit-test harness gets its trusted test code this way.
+    int fd = open(o.stdin_path, O_RDONLY | O_NOFOLLOW);
+    if (fd < 0 || dup2(fd, 0) < 0) {
+      int e = errno;
+      (void)!write(err_fd, &e, sizeof e);
+      _exit(120);
+    }
+    if (fd != 0) close(fd);
+  }
   if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) die("no_new_privs");
   if (setgroups(0, nullptr)) die("setgroups");
   if (setresgid(o.gid, o.gid, o.gid)) die("setresgid");
@@ -128,15 +140,6 @@ long elapsed_ms(const struct timespec& start) {
   }
   prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
   prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);  // cleared by setresuid, so set after it
-  if (o.stdin_path) {
-    int fd = open(o.stdin_path, O_RDONLY);  // opened as the sandbox uid
-    if (fd < 0 || dup2(fd, 0) < 0) {
-      int e = errno;
-      (void)!write(err_fd, &e, sizeof e);
-      _exit(120);
-    }
-    close(fd);
-  }
   execvp(o.argv[0], o.argv);
   int e = errno;
   (void)!write(err_fd, &e, sizeof e);

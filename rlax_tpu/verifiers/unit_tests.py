@@ -1,13 +1,15 @@
 """HumanEval-style problems: the completed function, then its test code, run in the sandbox.
 
-A program that exits 0 before its asserts ran (``sys.exit(0)`` in the completion) must not pass,
-so the harness prints a per-run nonce after ``check`` returns and only that proves success. The
-nonce comes on stdin, not in the source, so identical sources still share one syntax check.
+The test code is trusted, the completion is not: ``unit_harness.py`` runs ``check(candidate)`` in
+one process and the completion in another that returns plain data only (see there for why no
+completion can forge a pass). The test code reaches the harness on stdin from a root-only file,
+so the completion cannot read the expected answers either. Only the completion is "compiled" (a
+syntax check), so identical completions share one check whatever their tests.
 """
 
 from __future__ import annotations
 
-import secrets
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,23 +18,15 @@ from rlax_tpu.config import VerifierConfig
 from rlax_tpu.types import Verdict, VerdictKind
 from rlax_tpu.verifiers.api import UnitTestTask
 from rlax_tpu.verifiers.compiler import Compiler
+from rlax_tpu.verifiers.languages import PROG
 from rlax_tpu.verifiers.outcomes import classify, program_limits
 from rlax_tpu.verifiers.sandbox import Mount, Sandbox
 
 _TIME_FACTOR = 5  # a whole test suite gets this many per-test time limits
-
-
-def program_text(task: UnitTestTask) -> str:
-    lines = task.code.splitlines()
-    future = [ln for ln in lines if ln.startswith("from __future__")]  # must stay first
-    body = "\n".join(ln for ln in lines if not ln.startswith("from __future__"))
-    call = f"check({task.entry_point})\n" if task.entry_point else ""
-    return (
-        "\n".join(future) + "\nimport sys as _rlax_sys\n"
-        "_rlax_nonce = _rlax_sys.stdin.readline().strip()\n\n"
-        f"{body}\n\n{task.test}\n\n{call}"
-        '_rlax_sys.stdout.write("\\n" + _rlax_nonce + "\\n")\n'
-    )
+HARNESS = Path(__file__).with_name("unit_harness.py")
+_HARNESS_IN_SANDBOX = "/.rlax/unit_harness.py"
+# What the harness may report; anything else (or nothing) is not a pass.
+_REPORTED = {k.value: k for k in VerdictKind if k is not VerdictKind.COMPILE_ERROR}
 
 
 class UnitTestRunner:
@@ -44,7 +38,7 @@ class UnitTestRunner:
         self._scratch.mkdir(parents=True, exist_ok=True)
 
     def run(self, task: UnitTestTask) -> Verdict:
-        built = self._compiler.compile("python", program_text(task))
+        built = self._compiler.compile("python", task.code)
         if isinstance(built, Verdict):
             return built
         memory_mb = self._config.memory_limit_mb
@@ -55,30 +49,36 @@ class UnitTestRunner:
             output_bytes=self._config.max_output_bytes,
             disk_bytes=self._config.disk_limit_mb << 20,
         )
-        nonce = secrets.token_hex(16)
         tmp = Path(tempfile.mkdtemp(prefix="unit-", dir=self._scratch))
         try:
-            stdin = tmp / "nonce"
-            stdin.write_text(nonce + "\n")
-            stdin.chmod(0o444)
+            spec = tmp / "spec"  # root-only: the launcher opens it before dropping to the uid
+            spec.write_text(json.dumps({"test": task.test, "entry_point": task.entry_point}))
+            spec.chmod(0o400)
             result = self._sandbox.run(
-                built.argv(memory_mb),
+                [built.argv(memory_mb)[0], "-I", "-S", _HARNESS_IN_SANDBOX,
+                 f"{PROG}/{built.language.source_file}"],
                 limits=limits,
-                mounts=[*built.mounts, Mount(stdin, "/input")],
+                mounts=[*built.mounts, Mount(HARNESS, _HARNESS_IN_SANDBOX), Mount(spec, "/input")],
                 stdin="/input",
-            )
+            )  # fmt: skip
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         timing = dict(time_s=result.cpu_time_s, memory_bytes=result.max_rss_bytes, tests_total=1)
         failure = classify(result, limits, memory_mb)
-        if failure is None:
-            lines = result.stdout.decode(errors="replace").split()
-            if lines and lines[-1] == nonce:
-                return Verdict(kind=VerdictKind.ACCEPTED, tests_passed=1, score=1.0, **timing)
-            return Verdict(
-                kind=VerdictKind.WRONG_ANSWER, detail="exited before the tests finished", **timing
-            )
-        kind, detail = failure
-        if kind is VerdictKind.RUNTIME_ERROR and b"AssertionError" in result.stderr:
-            kind, detail = VerdictKind.WRONG_ANSWER, "a test assertion failed"
+        if failure is not None:
+            return Verdict(kind=failure[0], detail=failure[1], **timing)
+        kind, detail = _report(result.stdout)
+        if kind is VerdictKind.ACCEPTED:
+            return Verdict(kind=kind, tests_passed=1, score=1.0, **timing)
         return Verdict(kind=kind, detail=detail, **timing)
+
+
+def _report(stdout: bytes) -> tuple[VerdictKind, str]:
+    """The harness's one-line report; anything else fails closed (a model failure)."""
+    try:
+        report = json.loads(stdout)
+        kind = _REPORTED[report["kind"]]
+        detail = str(report["detail"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return VerdictKind.WRONG_ANSWER, "the tests reported no result"
+    return kind, detail
