@@ -134,6 +134,8 @@ class ModelConfig:
     num_kv_heads: int = 2
     head_dim: int = 0  # 0: hidden_size // num_heads
     rope_theta: float = 10_000.0
+    # "dynamic" (NTK) picks its base from the longest position of each call, so past
+    # max_position_embeddings cached decoding and the full forward disagree (models/rope.py).
     rope_scaling: Literal["none", "linear", "dynamic", "llama3", "yarn"] = "none"
     rope_scaling_factor: float = 1.0
     # Context length the model was pretrained with, for llama3 / yarn scaling; 0: max_position_embeddings.
@@ -145,7 +147,7 @@ class ModelConfig:
     rope_attention_factor: float = 0.0  # yarn cos/sin scale; 0: 0.1 * ln(factor) + 1
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
-    qkv_bias: bool = False
+    qkv_bias: bool = False  # qwen2: q, k, v biases; llama / qwen3 (HF attention_bias): q, k, v, o
     qk_norm: bool = False
     tie_embeddings: bool = True
     param_dtype: Literal["float32", "bfloat16"] = "float32"

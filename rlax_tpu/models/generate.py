@@ -19,6 +19,17 @@ from rlax_tpu.models.attention import DenseKVCache
 from rlax_tpu.models.transformer import Transformer, make_dense_cache, step
 
 
+def check_token_ids(tokens: np.ndarray, vocab_size: int, what: str) -> None:
+    """Raise ValueError if any id in ``tokens`` is outside [0, vocab_size)."""
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{what}: token id {int(tokens[where])} at index {where} is outside the vocabulary "
+            f"[0, {vocab_size})"
+        )
+
+
 @partial(jax.jit, static_argnums=0, donate_argnums=4)
 def _step(
     graphdef: nnx.GraphDef,
@@ -38,8 +49,15 @@ def greedy_generate(
     """Greedy continuation of one prompt.
 
     Returns the generated ids (ending with a stop id if one was produced) and the f32 logits
-    [n, V] each of them was chosen from.
+    [n, V] each of them was chosen from. Raises ValueError on an empty prompt, token ids outside
+    the vocabulary or ``max_new_tokens`` < 1.
     """
+    # Checked on the host: inside jit an out-of-range id gathers garbage (NaN logits).
+    if not prompt:
+        raise ValueError("greedy_generate: the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"greedy_generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_token_ids(np.asarray(prompt), model.cfg.vocab_size, "greedy_generate: prompt")
     graphdef, state = nnx.split(model)
     cache = make_dense_cache(model.cfg, 1, len(prompt) + max_new_tokens)
     tokens = jnp.asarray([list(prompt)], jnp.int32)

@@ -3,7 +3,12 @@
 Scalings, with the formulas of their papers / reference implementations:
   linear   positions divided by ``factor`` (inverse frequencies / factor).
   dynamic  NTK-aware: the base grows with the longest position seen in the batch beyond
-           ``max_position_embeddings``; shorter batches use the plain base.
+           ``max_position_embeddings``; shorter batches use the plain base. As in HF, the base
+           depends on the positions of the *current call*: past max_position_embeddings a cached
+           ``step`` (keys rotated with the base of the step that wrote them) and the full
+           ``forward`` (every key with the base of the longest position) give different logits,
+           and so do two batches of different lengths. Use it only within max_position_embeddings
+           when decoding must match scoring (RL old-policy recompute), or prefer yarn / llama3.
   llama3   low frequencies / factor, high frequencies kept, a smooth ramp in between.
   yarn     per-frequency blend of interpolation and extrapolation, cos/sin scaled by an
            attention factor.
@@ -69,6 +74,7 @@ def inverse_frequencies(cfg: ModelConfig, positions: jax.Array) -> jax.Array:
     dim = cfg.resolved_head_dim
     kind = cfg.rope_scaling
     if kind == "dynamic":
+        # Call-dependent base (see the module docstring): step and forward differ past max_pos.
         longest = jnp.maximum(jnp.max(positions) + 1, cfg.max_position_embeddings)
         factor = cfg.rope_scaling_factor
         grow = (factor * longest / cfg.max_position_embeddings - (factor - 1)) ** (dim / (dim - 2))

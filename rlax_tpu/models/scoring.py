@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlax_tpu.models.generate import check_token_ids
 from rlax_tpu.models.transformer import Transformer, make_dense_cache, step
 
 
@@ -73,6 +74,22 @@ def replay_logprobs(
     out = np.zeros((b, width), np.float32)
     if b == 0 or width == 0:
         return out
+    # Host-side checks: inside jit a too-long row's tail is dropped by the cache and an
+    # out-of-range id gathers garbage, both silently.
+    if prompt.shape != (b,) or completion.shape != (b,):
+        raise ValueError(
+            f"prompt_lengths {prompt.shape} and completion_lengths {completion.shape} must be "
+            f"[B] = ({b},) for tokens of shape {tokens.shape}"
+        )
+    if (prompt < 1).any() or (completion < 0).any():
+        raise ValueError("prompt lengths must be >= 1 and completion lengths >= 0")
+    if (prompt + completion).max() > tokens.shape[1]:
+        raise ValueError(
+            f"a rollout of {(prompt + completion).max()} tokens is longer than the tokens array "
+            f"({tokens.shape[1]} columns)"
+        )
+    live = np.arange(tokens.shape[1])[None, :] < (prompt + completion)[:, None]
+    check_token_ids(np.where(live, tokens, 0), model.cfg.vocab_size, "replay_logprobs: tokens")
     if (prompt + completion).max() > shape.cache_len:
         raise ValueError(
             f"a rollout of {(prompt + completion).max()} tokens does not fit the replay's "
