@@ -115,7 +115,7 @@ class ParamServer:
         try:
             crcs = []
             for i, a in enumerate(arrays):
-                data = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                data = np.array(a, order="C").reshape(-1).view(np.uint8)  # ours: the store keeps it
                 session.add(i, 0, data)
                 crcs.append(checksum(data))
             return session.finish(crcs)
@@ -442,11 +442,12 @@ class PublishSession:
                 self._seal(spec)
             self._current += 1
             if self._current < len(self.arrays):
-                self._buffer = np.empty(self.arrays[self._current].nbytes, np.uint8)
+                self._buffer = None  # allocated by the first chunk that needs it
                 self._received, self._crc = 0, 0
 
     def _seal(self, spec: ArraySpec) -> None:
-        data = self._buffer.view(np_dtype(spec.dtype)).reshape(spec.shape)
+        buffer = self._buffer if self._buffer is not None else np.empty(0, np.uint8)  # 0 bytes
+        data = buffer.view(np_dtype(spec.dtype)).reshape(spec.shape)
         self._crcs.append(self._crc)
         if self._existing is None:
             self._writes.append(
@@ -455,7 +456,8 @@ class PublishSession:
         self._buffer = None
 
     def add(self, index: int, offset: int, data: bytes | memoryview | np.ndarray) -> None:
-        """Bytes [offset, offset + len(data)) of array ``index``."""
+        """Bytes [offset, offset + len(data)) of array ``index``; never modify ``data`` after:
+        a chunk that is a whole array is handed to the store as it is."""
         if not self._open:
             raise errors.InvalidArgument("the publish session is closed")
         if not 0 <= index < len(self.arrays) or index < self._current:
@@ -475,7 +477,12 @@ class PublishSession:
                 f"{spec.nbytes} bytes, got at least {offset + n}"
             )
         data = np.frombuffer(data, np.uint8)
-        self._buffer[offset : offset + n] = data
+        if n == spec.nbytes:  # the whole array in one chunk: keep its bytes (immutable), no copy
+            self._buffer = data
+        else:
+            if self._buffer is None:
+                self._buffer = np.empty(spec.nbytes, np.uint8)
+            self._buffer[offset : offset + n] = data
         self._crc = checksum(data, self._crc)  # while the chunk is still in cache
         self._received += n
 

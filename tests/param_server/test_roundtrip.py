@@ -7,7 +7,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from rlax_tpu.config import ParamServerConfig
 from rlax_tpu.param_server.codec import flatten
+from rlax_tpu.param_server.server import ParamServer
 from tests.param_server.conftest import assert_same_tree, make_tree, same_bits
 
 
@@ -82,3 +84,20 @@ def test_slice_requests_return_exactly_the_boxes(ps):
     for (i, bounds), got in zip(boxes, arrays, strict=True):
         want = leaves[i][tuple(slice(lo, hi) for lo, hi in bounds)]
         assert same_bits(got, want)
+
+
+def test_the_store_keeps_its_own_bytes_not_the_callers():
+    # The hot store references the arrays it is handed instead of copying them: an in-process
+    # publish must hand it a copy, so the caller may reuse its buffers.
+    store = ParamServer(ParamServerConfig(persist_every=0))
+    try:
+        small, big = np.arange(6, dtype=np.float32), np.arange(3 << 20, dtype=np.float32)
+        store.publish(0, 0, ["s", "b"], [small, big])
+        small[:], big[:] = -1, -1
+        _, reader = store.pull(0)
+        pieces = list(reader)
+        got = [np.concatenate([p.reshape(-1) for k, _, p in pieces if k == i]) for i in (0, 1)]
+        assert same_bits(got[0], np.arange(6, dtype=np.float32))
+        assert same_bits(got[1], np.arange(3 << 20, dtype=np.float32))
+    finally:
+        store.close()
