@@ -75,7 +75,7 @@ def validate_batch(batch: RolloutBatch, spec: ObjectiveSpec) -> None:
     """Raises ValueError naming the bad input. Host-side (numpy), call it before jit.
 
     Checks shapes, group layout (B a multiple of G, G >= 2 where groups are compared, no group
-    without a completion token), 0/1 masks, finite rewards and finite log-probs on real tokens,
+    without a completion token), 0/1 masks that are contiguous prefixes per row, finite rewards and finite log-probs on real tokens,
     completion lengths <= spec.max_length, and the inputs the algorithm needs.
     """
     logp_old = np.asarray(batch.logp_old)
@@ -100,6 +100,14 @@ def validate_batch(batch: RolloutBatch, spec: ObjectiveSpec) -> None:
     if not np.isin(mask, (0, 1)).all():
         raise ValueError("RolloutBatch.mask must hold only 0 and 1")
     real = mask > 0
+    # GAE / returns-to-go walk a row's tokens in order: a gap would leak across it.
+    gap = np.argwhere(real[:, 1:] & ~real[:, :-1])
+    if gap.size:
+        row, col = (int(i) for i in gap[0])
+        raise ValueError(
+            f"RolloutBatch.mask row {row} is not a contiguous prefix: position {col + 1} is a "
+            f"completion token after padding at position {col}"
+        )
     bad = np.flatnonzero(~np.isfinite(rewards))
     if bad.size:
         raise ValueError(

@@ -8,12 +8,21 @@ import numpy as np
 def dynamic_sampling_filter(rewards: np.ndarray) -> tuple[np.ndarray, int]:
     """DAPO dynamic sampling: keep groups whose rewards are not all equal.
 
-    rewards: [N, G]. Returns (keep: [N] bool, number of groups dropped). A dropped group has zero
-    group-relative advantage everywhere, so it would only dilute the batch.
+    rewards: [N, G], finite (ValueError otherwise). Returns (keep: [N] bool, number of groups
+    dropped). A dropped group has zero group-relative advantage everywhere, so it would only
+    dilute the batch.
     """
     rewards = np.asarray(rewards)
     if rewards.ndim != 2:
         raise ValueError(f"rewards must be [num_groups, G], got shape {rewards.shape}")
+    # NaN compares false, so max > min would silently drop a group with a NaN reward as "all equal".
+    bad = np.argwhere(~np.isfinite(rewards))
+    if bad.size:
+        group, sample = (int(i) for i in bad[0])
+        raise ValueError(
+            f"rewards of group {group} (sample {sample}) is {rewards[group, sample]}: "
+            "rewards must be finite"
+        )
     keep = rewards.max(axis=1) > rewards.min(axis=1)
     return keep, int((~keep).sum())
 

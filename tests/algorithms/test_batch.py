@@ -49,6 +49,22 @@ def test_mismatched_shapes(field, value, message):
         _check(dataclasses.replace(_batch(), **{field: value}))
 
 
+def test_mask_must_be_a_contiguous_prefix():
+    mask = _batch().mask.copy()
+    mask[6] = [1, 0, 1, 0, 0]
+    with pytest.raises(
+        ValueError,
+        match=r"RolloutBatch.mask row 6 is not a contiguous prefix: position 2 is a completion "
+        r"token after padding at position 1",
+    ):
+        _check(dataclasses.replace(_batch(), mask=mask))
+    mask[6] = [0, 1, 1, 0, 0]  # a leading gap too
+    with pytest.raises(ValueError, match=r"row 6 is not a contiguous prefix: position 1"):
+        _check(dataclasses.replace(_batch(), mask=mask))
+    mask[6] = 0  # an empty row is a prefix (of length 0)
+    _check(dataclasses.replace(_batch(), mask=mask))
+
+
 def test_nan_reward():
     rewards = _batch().rewards.copy()
     rewards[5] = np.nan

@@ -18,6 +18,15 @@ def test_dynamic_sampling_needs_groups():
         dynamic_sampling_filter(np.zeros(4))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_dynamic_sampling_refuses_non_finite_rewards(bad):
+    rewards = np.array([[0.0, 1.0], [1.0, bad], [0.0, 0.0]])
+    with pytest.raises(
+        ValueError, match=rf"rewards of group 1 \(sample 1\) is {bad}: rewards must be finite"
+    ):
+        dynamic_sampling_filter(rewards)
+
+
 def test_overlong_penalty_by_hand():
     # L_max = 20, buffer 5: free up to 15, then (15 − L)/5 down to −1 at 20.
     lengths = np.array([10, 15, 16, 18, 20, 25])
