@@ -19,6 +19,7 @@ from rlax_tpu.verifiers.sandbox import SYSTEM_DIRS, Mount
 
 PROG = "/prog"
 JAVA_EXTRA_ADDRESS_SPACE_MB = 2304  # JVM reservations beyond the heap: thread stacks, code cache
+JAVA_PROCESSES = 32  # the JVM's own threads (GC, JIT compilers, signal, finalizer...): ~14 here
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,9 @@ class Language:
     compile: tuple[str, ...]  # argv; {src} is the source file name, {mem_mb} the memory limit
     run: tuple[str, ...]  # argv; {mem_mb} is the program's memory limit
     extra_address_space_mb: int = 0
+    # RLIMIT_NPROC of a run (threads count too). Small: a run's memory is at most this many
+    # times its address-space limit. The unit-test harness needs 2.
+    processes: int = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,6 +128,7 @@ def _java() -> tuple[Language, list[Mount]]:
             str(home / "bin" / "java"), "-Xmx{mem_mb}m", "-Xss64m", *jvm, "-cp", PROG, "Main",
         ),
         extra_address_space_mb=JAVA_EXTRA_ADDRESS_SPACE_MB,
+        processes=JAVA_PROCESSES,
     ), mounts  # fmt: skip
 
 

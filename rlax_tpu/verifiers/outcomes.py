@@ -32,6 +32,7 @@ def program_limits(
         output_bytes=output_bytes,
         disk_bytes=disk_bytes,
         stack_bytes=memory_mb << 20,
+        processes=executable.language.processes,
     )
 
 

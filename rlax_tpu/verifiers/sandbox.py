@@ -45,14 +45,21 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Limits:
-    """Per-run limits. Memory is address space (RLIMIT_AS); processes count threads too."""
+    """Per-run limits. Memory is address space (RLIMIT_AS); processes count threads too.
+
+    RLIMIT_AS binds each process, so a run can hold at most ``processes * memory_bytes`` (plus
+    its two tmpfs): each slot has its own uid, and RLIMIT_NPROC counts processes per uid. This
+    host has no writable cgroup v2 memory/pids controllers to bound a run as a whole, so
+    ``processes`` stays small: a fork bomb that allocates in every child cannot multiply the
+    memory limit by much.
+    """
 
     cpu_time_s: float
     wall_time_s: float
     memory_bytes: int
     output_bytes: int  # RLIMIT_FSIZE: stdout, stderr and every file the program writes
     disk_bytes: int = 64 << 20  # size of each of the private tmpfs /work and /tmp
-    processes: int = 64
+    processes: int = 8  # programs; languages.Language.processes (the JVM needs more threads)
     open_files: int = 128
     stack_bytes: int = 0  # 0: same as memory_bytes (Codeforces gives the stack the whole limit)
 

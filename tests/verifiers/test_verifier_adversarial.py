@@ -87,6 +87,36 @@ CASES = {
         "fn main() {\n    let mut v: Vec<Vec<u8>> = Vec::new();\n    loop { v.push(vec![1u8; 1 << 24]); }\n}\n",
         {K.MEMORY_LIMIT},
     ),
+    # Every child allocates up to the address-space limit: RLIMIT_AS binds each process, so the
+    # run's total is bounded only by how few processes it may have.
+    "py_fork_and_memory_bomb": (
+        "python",
+        textwrap.dedent("""\
+            import os
+            for _ in range(1000):
+                try:
+                    if os.fork() == 0:
+                        break
+                except OSError:
+                    break
+            blocks = []
+            while True:
+                blocks.append(bytearray(1 << 24))
+        """),
+        {K.MEMORY_LIMIT, K.RUNTIME_ERROR, K.TIME_LIMIT},
+    ),
+    "cpp_fork_and_memory_bomb": (
+        "cpp",
+        textwrap.dedent("""\
+            #include <cstring>
+            #include <unistd.h>
+            int main() {
+              for (int i = 0; i < 1000 && fork() > 0; ++i) {}
+              while (true) { char* p = new char[1 << 24]; std::memset(p, 1, 1 << 24); }
+            }
+        """),
+        {K.MEMORY_LIMIT, K.RUNTIME_ERROR, K.TIME_LIMIT},
+    ),
     "py_disk_fill_many_files": (
         "python",
         textwrap.dedent("""\
@@ -264,10 +294,11 @@ CASES = {
         "python",
         textwrap.dedent("""\
             import os, time
-            for _ in range(5):
+            # A run may hold 8 processes (zombies count): 1 + 3 zombies + 2 x (zombie + orphan).
+            for _ in range(3):
                 if os.fork() == 0:
                     os._exit(0)  # never reaped: zombies
-            for _ in range(3):
+            for _ in range(2):
                 if os.fork() == 0:
                     if os.fork() == 0:
                         os.setsid()
@@ -402,3 +433,46 @@ def test_tampering_with_checker_and_answer_files(service, host_guard):
     assert service.repository.read(problem.tests[0].answer) == b"42\n"
     assert service.repository.read(problem.tests[0].input) == b"41\n"
     assert service.repository.read(problem.checker) == checker.encode()
+
+
+@pytest.mark.parametrize("language", ["python", "cpp"])
+def test_a_run_holds_few_processes(language, service, host_guard):
+    """How many processes a run can have at once bounds its memory (each has RLIMIT_AS)."""
+    code = {
+        "python": textwrap.dedent("""\
+            import os, time
+            n = 1
+            while n < 1000:
+                try:
+                    if os.fork() == 0:
+                        time.sleep(30)
+                        os._exit(0)
+                except OSError:
+                    break
+                n += 1
+            print("bounded" if n <= 8 else n, flush=True)
+            os.kill(-1, 9)
+        """),
+        "cpp": textwrap.dedent("""\
+            #include <csignal>
+            #include <cstdio>
+            #include <unistd.h>
+            int main() {
+              int n = 1;
+              for (; n < 1000; ++n) {
+                pid_t p = fork();
+                if (p == 0) { sleep(30); _exit(0); }
+                if (p < 0) break;
+              }
+              if (n <= 8) printf("bounded\\n"); else printf("%d\\n", n);
+              fflush(stdout);
+              kill(-1, SIGKILL);
+            }
+        """),
+    }[language]
+    problem = upload_problem(
+        service, problem_id=f"few_processes_{language}", tests=[(host_guard, "bounded\n")],
+        time_limit_s=2.0, memory_limit_mb=64,
+    )  # fmt: skip
+    [verdict] = service.verify([CodeTask(problem=problem, language=language, code=code)])
+    assert verdict.kind is K.ACCEPTED, verdict
