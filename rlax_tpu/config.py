@@ -363,20 +363,29 @@ class VerifierConfig:
     compile_time_limit_s: float = 30.0
     max_output_bytes: int = 1 << 20
     # Worker slot i runs untrusted code as uid sandbox_uid + i (RLIMIT_NPROC counts per uid and
-    # does not bind root, so each slot gets its own non-root uid).
-    sandbox_uid: int = 65534
+    # does not bind root, so each slot gets its own non-root uid). A dedicated range far from
+    # system users and `nobody` (65534), whose processes would share the RLIMIT_NPROC budget.
+    sandbox_uid: int = 200_000
     testlib_path: str = ""  # testlib.h for problems' own checkers; "" = none available
     request_deadline_s: float = 120.0
     compile_memory_limit_mb: int = 2048  # compilers (rustc, javac) need far more than programs
     disk_limit_mb: int = 64  # size of each sandbox's private /work and /tmp (tmpfs, in RAM)
     seccomp: bool = True  # deny kernel attack surface (ptrace, mount, namespaces...) on x86_64
     repository_dir: str = ""  # content-addressed test data; "" = a private temporary directory
+    # Limits a request may ask for (per test / per unit-test program); larger ones are clamped.
+    max_time_limit_s: float = 20.0
+    max_memory_limit_mb: int = 1024
 
     def __post_init__(self) -> None:
         _positive(
             self, "workers", "max_pending", "time_limit_s", "memory_limit_mb", "compile_time_limit_s",
             "max_output_bytes", "request_deadline_s", "compile_memory_limit_mb", "disk_limit_mb",
+            "max_time_limit_s", "max_memory_limit_mb",
         )  # fmt: skip
+        if not math.isfinite(self.max_time_limit_s) or self.max_time_limit_s < self.time_limit_s:
+            raise _bad(self, "max_time_limit_s", f"must be finite and >= time_limit_s ({self.time_limit_s})")
+        if self.max_memory_limit_mb < self.memory_limit_mb:
+            raise _bad(self, "max_memory_limit_mb", f"must be >= memory_limit_mb ({self.memory_limit_mb})")
         if not self.languages:
             raise _bad(self, "languages", "must name at least one language")
         for lang in self.languages:
@@ -392,6 +401,14 @@ class VerifierConfig:
             raise _bad(
                 self, "sandbox_uid",
                 "must be > 0 and leave room for one uid per worker (sandbox_uid + workers < 2^31)",
+            )  # fmt: skip
+        if self.sandbox_uid < 1000:
+            raise _bad(self, "sandbox_uid", "must be >= 1000 (below are system users and daemons)")
+        if self.sandbox_uid <= 65535 and self.sandbox_uid + self.workers > 65534:
+            raise _bad(
+                self, "sandbox_uid",
+                f"uids {self.sandbox_uid}..{self.sandbox_uid + self.workers - 1} (one per worker) "
+                "must not include 65534 (nobody) or 65535 (-1 as a 16-bit uid)",
             )  # fmt: skip
         _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
 

@@ -610,3 +610,42 @@ def test_param_server_persist_keep_must_be_non_negative():
     expect_error({"param_server.persist_keep": -1}, "param_server.persist_keep = -1: must be >= 0")
     assert build({}).param_server.persist_keep == 3
     assert build({"param_server.persist_keep": 0}).param_server.persist_keep == 0  # keep all
+
+
+# --------------------------------------------------------------------------------------------
+# Verifiers (issue #6 review): limits a request may ask for, and the sandbox uid range.
+
+
+def test_verifier_request_limit_maxima():
+    cfg = build({}).verifiers
+    assert cfg.max_time_limit_s >= cfg.time_limit_s and cfg.max_memory_limit_mb >= cfg.memory_limit_mb
+    expect_error({"verifiers.max_time_limit_s": 0.0}, "verifiers.max_time_limit_s = 0.0: must be > 0")
+    expect_error(
+        {"verifiers.max_time_limit_s": float("inf")},
+        "verifiers.max_time_limit_s = inf: must be finite and >= time_limit_s (2.0)",
+    )
+    expect_error(
+        {"verifiers.max_time_limit_s": 1.0},
+        "verifiers.max_time_limit_s = 1.0: must be finite and >= time_limit_s (2.0)",
+    )
+    expect_error(
+        {"verifiers.max_memory_limit_mb": 128},
+        "verifiers.max_memory_limit_mb = 128: must be >= memory_limit_mb (256)",
+    )
+
+
+def test_verifier_sandbox_uids_stay_clear_of_system_users_and_nobody():
+    assert build({}).verifiers.sandbox_uid == 200_000
+    expect_error(
+        {"verifiers.sandbox_uid": 999},
+        "verifiers.sandbox_uid = 999: must be >= 1000 (below are system users and daemons)",
+    )
+    for uid, workers, last in ((65534, 1, 65534), (65530, 8, 65537), (65535, 2, 65536)):
+        expect_error(
+            {"verifiers.sandbox_uid": uid, "verifiers.workers": workers},
+            f"verifiers.sandbox_uid = {uid}: uids {uid}..{last} (one per worker) must not include "
+            "65534 (nobody) or 65535 (-1 as a 16-bit uid)",
+        )
+    assert build({"verifiers.sandbox_uid": 65526, "verifiers.workers": 8}).verifiers.workers == 8
+    assert build({"verifiers.sandbox_uid": 65536}).verifiers.sandbox_uid == 65536
+    assert build({"verifiers.sandbox_uid": 1000}).verifiers.sandbox_uid == 1000

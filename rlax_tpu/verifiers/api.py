@@ -8,6 +8,7 @@ checker were uploaded once to the content-addressed repository (``upload(bytes) 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
@@ -65,8 +66,39 @@ class MathTask:
 Task = CodeTask | UnitTestTask | MathTask
 
 
+def check_limits(task: Task) -> None:
+    """Raises ValueError for a limit that is not a finite number >= 0 (0: the default).
+
+    Limits above ``verifiers.max_time_limit_s`` / ``max_memory_limit_mb`` are clamped where used.
+    """
+    if isinstance(task, CodeTask):
+        p = task.problem
+        where, time_s, memory_mb = p.problem_id, p.time_limit_s, p.memory_limit_mb
+    elif isinstance(task, UnitTestTask):
+        where, time_s, memory_mb = "unit test", task.time_limit_s, 0
+    else:
+        return
+    if not (isinstance(time_s, (int, float)) and math.isfinite(time_s) and time_s >= 0):
+        raise ValueError(f"{where}: time_limit_s must be a finite number >= 0, got {time_s!r}")
+    if not (isinstance(memory_mb, int) and memory_mb >= 0):
+        raise ValueError(f"{where}: memory_limit_mb must be an integer >= 0, got {memory_mb!r}")
+
+
+def limit(requested: float, default: float, maximum: float) -> float:
+    """A request's limit: ``default`` when it gives none (0), never above ``maximum``."""
+    return min(requested or default, maximum)
+
+
 class Overloaded(RuntimeError):
     """More tasks than ``verifiers.max_pending`` would be in flight; retry later (backpressure)."""
+
+
+class RequestTooLarge(ValueError):
+    """A request (or its reply) is over the gRPC message size limit. Not transient: retrying
+    the same batch fails again; send fewer tasks per call."""
+
+
+BACKPRESSURE_KEY = "rlax-backpressure"  # trailing metadata that marks RESOURCE_EXHAUSTED as such
 
 
 class UnknownLink(KeyError):

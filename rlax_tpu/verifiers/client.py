@@ -11,7 +11,7 @@ from rlax_tpu.rpc import verifiers_pb2 as pb
 from rlax_tpu.rpc import verifiers_pb2_grpc as pb_grpc
 from rlax_tpu.types import Verdict
 from rlax_tpu.verifiers import wire
-from rlax_tpu.verifiers.api import Overloaded, Task
+from rlax_tpu.verifiers.api import BACKPRESSURE_KEY, Overloaded, RequestTooLarge, Task
 
 _CHUNK_BYTES = 1 << 20
 
@@ -54,9 +54,14 @@ class VerifierClient:
         try:
             reply = self._stub.Verify(request, timeout=timeout)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            if _is_backpressure(e):
                 raise Overloaded(e.details()) from e
-            raise
+            raise RequestTooLarge(
+                f"verify request of {len(tasks)} tasks ({request.ByteSize()} bytes) refused: "
+                f"{e.details()}; send fewer tasks per call"
+            ) from e
         return [wire.verdict_from_proto(v) for v in reply.verdicts]
 
     def close(self) -> None:
@@ -67,3 +72,9 @@ class VerifierClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_backpressure(error: grpc.RpcError) -> bool:
+    """The server's own RESOURCE_EXHAUSTED (retry later), not gRPC's message size limit."""
+    metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    return any(key == BACKPRESSURE_KEY for key, _ in metadata or ())

@@ -3,7 +3,8 @@
 Round one runs the compiled program on each test input and keeps its output transiently; round two
 checks that output against the jury's answer with the problem's checker (or token comparison).
 Tests run in parallel on the worker pool, in order; as on Codeforces the verdict is the first
-failing test, and tests after a known failure are skipped.
+failing test, and tests after a known failure are skipped. A test that earns partial points (a
+checker's exit code 7) does not stop grading: the score is the mean of the tests' points.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from rlax_tpu.config import VerifierConfig
 from rlax_tpu.types import Verdict, VerdictKind
-from rlax_tpu.verifiers.api import CodeTask, TestLinks
+from rlax_tpu.verifiers.api import CodeTask, TestLinks, limit
 from rlax_tpu.verifiers.checkers import Checkers, TestResult, compare_tokens
 from rlax_tpu.verifiers.compiler import Compiler, Executable
 from rlax_tpu.verifiers.outcomes import classify, program_limits
@@ -64,10 +65,13 @@ class Grader:
         built = self._compiler.compile(task.language, task.code)
         if isinstance(built, Verdict):
             return dataclasses.replace(built, tests_total=total)
-        memory_mb = problem.memory_limit_mb or self._config.memory_limit_mb
+        cfg = self._config
+        memory_mb = int(
+            limit(problem.memory_limit_mb, cfg.memory_limit_mb, cfg.max_memory_limit_mb)
+        )
         limits = program_limits(
             built,
-            time_limit_s=problem.time_limit_s or self._config.time_limit_s,
+            time_limit_s=limit(problem.time_limit_s, cfg.time_limit_s, cfg.max_time_limit_s),
             memory_mb=memory_mb,
             output_bytes=self._config.max_output_bytes,
             disk_bytes=self._config.disk_limit_mb << 20,
@@ -120,8 +124,8 @@ class Grader:
                 result = self._checkers.check(checker, input_path, output_path, answer_path)
             if result.kind is not VerdictKind.ACCEPTED:
                 result = TestResult(result.kind, f"test {index + 1}: {result.detail}", result.score)
-        if result.kind is not VerdictKind.ACCEPTED:
-            stop.failed(index)
+        if result.kind is not VerdictKind.ACCEPTED and result.score == 0.0:
+            stop.failed(index)  # partial points go on: a points problem sums over its tests
         return result, run.cpu_time_s, run.max_rss_bytes
 
 
@@ -152,23 +156,27 @@ def _summarize(
 ) -> Verdict:
     time_s = max((r[1] for r in results if r), default=0.0)
     memory = max((r[2] for r in results if r), default=0)
-    passed = 0
-    score = 0.0
+    passed = 0  # accepted tests before the first that was not
+    score = 0.0  # the mean over all tests: skipped ones count 0
+    first: TestResult | None = None
     for r in results:
-        if r is None:
-            break
+        if r is None:  # tests are skipped only after a failure without points, or on a deadline
+            return Verdict(
+                kind=VerdictKind.INTERNAL_ERROR, detail="cancelled (deadline exceeded)",
+                time_s=time_s, memory_bytes=memory, tests_passed=passed, tests_total=total,
+            )  # fmt: skip
         test, _, _ = r
         score += test.score
-        if test.kind is not VerdictKind.ACCEPTED:
-            return Verdict(
-                kind=test.kind, detail=test.detail, time_s=time_s, memory_bytes=memory,
-                tests_passed=passed, tests_total=total, score=score / total,
-            )  # fmt: skip
-        passed += 1
-    if passed < total:  # only cancellation skips tests without a failure before them
+        if test.kind is VerdictKind.ACCEPTED:
+            passed += first is None
+            continue
+        first = first or test
+        if test.score == 0.0:  # later tests were skipped
+            break
+    if first is not None:
         return Verdict(
-            kind=VerdictKind.INTERNAL_ERROR, detail="cancelled (deadline exceeded)",
-            time_s=time_s, memory_bytes=memory, tests_passed=passed, tests_total=total,
+            kind=first.kind, detail=first.detail, time_s=time_s, memory_bytes=memory,
+            tests_passed=passed, tests_total=total, score=score / total,
         )  # fmt: skip
     return Verdict(
         kind=VerdictKind.ACCEPTED, time_s=time_s, memory_bytes=memory,

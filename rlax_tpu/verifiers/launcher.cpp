@@ -94,6 +94,22 @@ void limit(int resource, long value, long hard_extra = 0) {
   if (setrlimit(resource, &r)) die("setrlimit");
 }
 
+// Closes every fd >= first except keep: close_range(2) where the kernel has it (5.9+), else a
+// loop up to the highest fd the process may have.
+void close_from(int first, int keep) {
+  auto close_span = [](unsigned lo, unsigned hi) {
+    if (lo > hi) return;
+#ifdef SYS_close_range
+    if (syscall(SYS_close_range, lo, hi, 0) == 0) return;
+#endif
+    struct rlimit r;
+    long top = getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_max != RLIM_INFINITY ? (long)r.rlim_max : 1 << 20;
+    for (long fd = lo; fd <= (long)hi && fd < top; ++fd) close((int)fd);
+  };
+  close_span((unsigned)first, (unsigned)keep - 1);
+  close_span((unsigned)keep + 1, ~0U);
+}
+
 long elapsed_ms(const struct timespec& start) {
   struct timespec now;
   clock_gettime(CLOCK_MONOTONIC, &now);
@@ -149,6 +165,14 @@ long elapsed_ms(const struct timespec& start) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // kill(-1, SIGKILL) below must only ever reach a fresh pid namespace: run anywhere else (as
+  // root on the host) it would kill every process on the machine. Inside bwrap --unshare-pid the
+  // launcher is one of the first pids; on the host no process started after boot is (the kernel
+  // hands out pids below 300 only at boot).
+  if (getpid() > 64) {
+    fprintf(stderr, "launcher: refusing to run outside its own pid namespace (pid %d)\n", (int)getpid());
+    return 120;
+  }
   Options o = parse(argc, argv);
   int status_fd = (int)o.status_fd;
   if (fcntl(status_fd, F_GETFD) < 0) {
@@ -171,9 +195,8 @@ int main(int argc, char** argv) {
   if (child < 0) die("fork");
   if (child == 0) {
     close(err_pipe[0]);
-    // Every inherited descriptor but stdio and the exec-error pipe stays behind.
-    for (int fd = 3; fd < 1024; ++fd)
-      if (fd != err_pipe[1]) close(fd);
+    // Every inherited descriptor but stdio and the exec-error pipe stays behind, however high.
+    close_from(3, err_pipe[1]);
     become_program(o, err_pipe[1]);
   }
   close(err_pipe[1]);

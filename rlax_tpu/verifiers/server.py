@@ -11,7 +11,7 @@ from rlax_tpu.rpc import common_pb2, transport
 from rlax_tpu.rpc import verifiers_pb2 as pb
 from rlax_tpu.rpc import verifiers_pb2_grpc as pb_grpc
 from rlax_tpu.verifiers import wire
-from rlax_tpu.verifiers.api import Overloaded, UnknownLink
+from rlax_tpu.verifiers.api import BACKPRESSURE_KEY, Overloaded, UnknownLink
 from rlax_tpu.verifiers.service import VerifierService
 
 MAX_UPLOAD_BYTES = 1 << 30
@@ -56,7 +56,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         try:
             verdicts = self._service.verify(tasks, deadline_s=deadline)
         except Overloaded as e:
+            # gRPC also says RESOURCE_EXHAUSTED for oversize messages: mark ours as backpressure.
+            context.set_trailing_metadata(((BACKPRESSURE_KEY, "overloaded"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.VerifyReply(verdicts=[wire.verdict_to_proto(v) for v in verdicts])
 
 

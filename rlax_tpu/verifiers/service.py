@@ -22,7 +22,15 @@ from pathlib import Path
 from rlax_tpu.config import VerifierConfig
 from rlax_tpu.types import Verdict, VerdictKind
 from rlax_tpu.verifiers import languages
-from rlax_tpu.verifiers.api import CodeTask, MathTask, Overloaded, Task, UnitTestTask, UnknownLink
+from rlax_tpu.verifiers.api import (
+    CodeTask,
+    MathTask,
+    Overloaded,
+    Task,
+    UnitTestTask,
+    UnknownLink,
+    check_limits,
+)  # fmt: skip
 from rlax_tpu.verifiers.checkers import Checkers
 from rlax_tpu.verifiers.compiler import Compiler, compile_limits
 from rlax_tpu.verifiers.grading import Grader
@@ -95,8 +103,11 @@ class VerifierService:
             return self._pending
 
     def verify(self, tasks: Sequence[Task], *, deadline_s: float | None = None) -> list[Verdict]:
-        """One verdict per task, in order. Raises Overloaded beyond ``max_pending``."""
+        """One verdict per task, in order. Raises Overloaded beyond ``max_pending``, ValueError
+        for a task whose limits are not finite numbers >= 0."""
         tasks = list(tasks)
+        for task in tasks:
+            check_limits(task)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the verifier service is closed")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rlax_tpu.config import VerifierConfig
 from rlax_tpu.types import Verdict, VerdictKind
-from rlax_tpu.verifiers.api import UnitTestTask
+from rlax_tpu.verifiers.api import UnitTestTask, limit
 from rlax_tpu.verifiers.compiler import Compiler
 from rlax_tpu.verifiers.languages import PROG
 from rlax_tpu.verifiers.outcomes import classify, program_limits
@@ -44,7 +44,11 @@ class UnitTestRunner:
         memory_mb = self._config.memory_limit_mb
         limits = program_limits(
             built,
-            time_limit_s=task.time_limit_s or self._config.time_limit_s * _TIME_FACTOR,
+            time_limit_s=limit(
+                task.time_limit_s,
+                self._config.time_limit_s * _TIME_FACTOR,
+                self._config.max_time_limit_s * _TIME_FACTOR,
+            ),
             memory_mb=memory_mb,
             output_bytes=self._config.max_output_bytes,
             disk_bytes=self._config.disk_limit_mb << 20,

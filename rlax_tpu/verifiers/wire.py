@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from rlax_tpu.rpc import verifiers_pb2 as pb
 from rlax_tpu.types import Verdict, VerdictKind
-from rlax_tpu.verifiers.api import CodeTask, MathTask, ProblemSpec, Task, TestLinks, UnitTestTask
+from rlax_tpu.verifiers.api import (
+    CodeTask,
+    MathTask,
+    ProblemSpec,
+    Task,
+    TestLinks,
+    UnitTestTask,
+    check_limits,
+)  # fmt: skip
 
 
 def task_to_proto(task: Task) -> pb.Task:
@@ -33,6 +41,13 @@ def task_to_proto(task: Task) -> pb.Task:
 
 
 def task_from_proto(msg: pb.Task) -> Task:
+    """The task a message describes; ValueError (gRPC: INVALID_ARGUMENT) if it is malformed."""
+    task = _task_from_proto(msg)
+    check_limits(task)
+    return task
+
+
+def _task_from_proto(msg: pb.Task) -> Task:
     kind = msg.WhichOneof("kind")
     if kind == "code":
         c = msg.code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,26 @@ def test_testlib_checker_with_configured_testlib_path(tmp_path, verifier_config)
         )
         [verdict] = svc.verify([CodeTask(problem=spec, language="python", code="print(1)")])
     assert verdict.kind is VerdictKind.ACCEPTED
+
+
+def test_partial_points_add_up_to_the_mean_over_tests(service):
+    """A points checker's scores are summed over all tests, not cut at the first partial one."""
+    checker = textwrap.dedent("""\
+        import sys
+        out = open(sys.argv[2]).read().split()
+        points = {"full": 1.0, "half": 0.5, "none": 0.0}[out[0]]
+        if points == 1.0:
+            sys.exit(0)
+        print(f"points {points}", file=sys.stderr)
+        sys.exit(7)
+    """)
+    spec = upload_problem(
+        service, problem_id="points", checker_source=checker, checker_language="python",
+        tests=[("half\n", "-\n"), ("full\n", "-\n"), ("half\n", "-\n"), ("none\n", "-\n"),
+               ("full\n", "-\n")],
+    )  # fmt: skip
+    [verdict] = service.verify([CodeTask(problem=spec, language="python", code="print(input())")])
+    assert verdict.kind is VerdictKind.WRONG_ANSWER and verdict.detail.startswith("test 1:")
+    # 0.5 + 1 + 0.5 + 0 (a failure without points: test 5 is skipped) over 5 tests.
+    assert verdict.score == pytest.approx(2.0 / 5)
+    assert verdict.tests_passed == 0 and verdict.tests_total == 5

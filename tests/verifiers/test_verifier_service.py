@@ -13,7 +13,15 @@ import pytest
 
 from rlax_tpu.rpc import transport
 from rlax_tpu.types import VerdictKind
-from rlax_tpu.verifiers.api import CodeTask, MathTask, Overloaded, UnitTestTask
+from rlax_tpu.verifiers import api
+from rlax_tpu.verifiers.api import (
+    CodeTask,
+    MathTask,
+    Overloaded,
+    ProblemSpec,
+    RequestTooLarge,
+    UnitTestTask,
+)
 from rlax_tpu.verifiers.client import VerifierClient
 from rlax_tpu.verifiers.math_answers import extract_answer
 from rlax_tpu.verifiers.problems import upload_problem
@@ -159,3 +167,61 @@ def test_python_m_verifiers_starts_and_answers(verifier_config):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- limits a request asks for ---------------------------------------------------------------
+
+BAD_LIMITS = [
+    UnitTestTask(code="x = 1\n", test="", time_limit_s=float("nan")),
+    UnitTestTask(code="x = 1\n", test="", time_limit_s=float("inf")),
+    UnitTestTask(code="x = 1\n", test="", time_limit_s=-1.0),
+]
+
+
+def _code_task(time_limit_s: float = 0.0, memory_limit_mb: int = 0) -> CodeTask:
+    problem = ProblemSpec(
+        problem_id="limits", tests=(api.TestLinks(input="sha256:00", answer="sha256:00"),),
+        time_limit_s=time_limit_s, memory_limit_mb=memory_limit_mb,
+    )  # fmt: skip
+    return CodeTask(problem=problem, language="python", code="print(1)")
+
+
+BAD_LIMITS += [_code_task(time_limit_s=float("-inf")), _code_task(memory_limit_mb=-5)]
+
+
+@pytest.mark.parametrize("task", BAD_LIMITS, ids=range(len(BAD_LIMITS)))
+def test_non_finite_or_negative_limits_are_invalid(task, service, endpoint):
+    with pytest.raises(ValueError, match="must be a"):
+        service.verify([task])
+    with VerifierClient(endpoint) as client, pytest.raises(grpc.RpcError) as info:
+        client.verify([task])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "must be a" in info.value.details()
+
+
+def test_requested_limits_are_clamped_to_the_config(tmp_path, verifier_config):
+    config = verifier_config(
+        6, languages=("python",), max_time_limit_s=1.0, memory_limit_mb=64,
+        max_memory_limit_mb=128,
+    )  # fmt: skip
+    hog = "blocks = [bytearray(1 << 20) for _ in range(400)]\nprint(len(blocks))\n"
+    with VerifierService(config, scratch_dir=tmp_path) as svc:
+        problem = upload_problem(
+            svc, problem_id="greedy", tests=[("", "400\n")], time_limit_s=1e9,
+            memory_limit_mb=1 << 20,
+        )  # fmt: skip
+        spin = CodeTask(problem=problem, language="python", code="while True:\n    pass\n")
+        [slow, big] = svc.verify([spin, CodeTask(problem=problem, language="python", code=hog)])
+    assert slow.kind is VerdictKind.TIME_LIMIT and slow.detail.endswith((" 1 s", " 3 s")), slow
+    assert big.kind is VerdictKind.MEMORY_LIMIT and "128 MB" in big.detail, big
+
+
+def test_an_oversize_request_is_not_backpressure(endpoint, service):
+    """gRPC refuses messages over its size limit with RESOURCE_EXHAUSTED too; that is permanent."""
+    huge = MathTask(response="x" * (transport.DEFAULT_MAX_MESSAGE_BYTES + 1), answer="1")
+    with VerifierClient(endpoint) as client:
+        with pytest.raises(RequestTooLarge, match="send fewer tasks per call") as info:
+            client.verify([huge])
+        assert not isinstance(info.value, Overloaded)
+        [ok] = client.verify([MathTask(response="\\boxed{1}", answer="1")])
+    assert ok.accepted

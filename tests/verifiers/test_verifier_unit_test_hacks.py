@@ -24,8 +24,10 @@ WRONG = "def add(a, b):\n    return a - b\n"
 
 
 def hack(prelude: str, body: str = "return a - b", test: str = TEST, **kw: object) -> UnitTestTask:
-    code = textwrap.dedent(prelude) + "\ndef add(a, b):\n" + textwrap.indent(
-        textwrap.dedent(body), "    "
+    code = (
+        textwrap.dedent(prelude)
+        + "\ndef add(a, b):\n"
+        + textwrap.indent(textwrap.dedent(body), "    ")
     )
     return UnitTestTask(code=code, test=test, entry_point="add", **kw)
 
