@@ -6,8 +6,9 @@ Baseline (the physical limit here): the same gRPC transport (rpc.transport, same
 message limits) streaming opaque bytes up and down, with nothing done to them. Ours: push and
 pull of a SmolLM2-135M-shaped pytree (30 layers, hidden 576, intermediate 1536, 9 heads / 3 kv
 heads, vocab 49152, tied embeddings: 134.5M parameters) in bf16 and f32 through a real server on
-127.0.0.1: checksums, TensorStore writes and reads, manifest commit, jax.Array assembly. Pulls run
-with 1 and 4 concurrent pullers. Prints a markdown table and writes JSON.
+127.0.0.1: CRC32C checksums, TensorStore writes and reads, manifest commit, jax.Array assembly.
+Pulls run with 1 and 4 concurrent pullers. Baseline and ours alternate round by round, so both
+see the same load on a shared machine. Prints a markdown table and writes JSON.
 """
 
 from __future__ import annotations
@@ -60,90 +61,117 @@ def smollm2_135m(dtype: np.dtype, seed: int = 0) -> dict:
 # ------------------------------------------------------------------------------------ raw gRPC
 
 
-def raw_stream_seconds(nbytes: int, chunk_bytes: int, max_message_bytes: int, reps: int) -> dict:
-    """Median seconds to stream ``nbytes`` of opaque bytes up (client->server) and down."""
-    payload = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
-    view = memoryview(payload)
+class RawStream:
+    """The baseline: opaque bytes streamed up (client->server) and down over rpc.transport."""
 
-    def up(it, ctx):  # noqa: ANN001, ANN202
-        return str(sum(len(m) for m in it)).encode()
+    def __init__(self, nbytes: int, chunk_bytes: int, max_message_bytes: int):
+        self.nbytes, self.chunk_bytes = nbytes, chunk_bytes
+        payload = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+        self._view = view = memoryview(payload)
 
-    def down(req, ctx):  # noqa: ANN001, ANN202
-        for i in range(0, nbytes, chunk_bytes):
-            yield view[i : i + chunk_bytes].tobytes()
+        def up(it, ctx):  # noqa: ANN001, ANN202
+            return str(sum(len(m) for m in it)).encode()
 
-    def add(server: grpc.Server) -> None:
-        handlers = {"Up": grpc.stream_unary_rpc_method_handler(up),
-                    "Down": grpc.unary_stream_rpc_method_handler(down)}  # fmt: skip
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("bench.Raw", handlers),)
-        )
+        def down(req, ctx):  # noqa: ANN001, ANN202
+            for i in range(0, nbytes, chunk_bytes):
+                yield view[i : i + chunk_bytes].tobytes()
 
-    server, port = make_server("127.0.0.1:0", add, max_message_bytes=max_message_bytes)
-    channel = make_channel(f"127.0.0.1:{port}", max_message_bytes=max_message_bytes)
-    upload, download = (
-        channel.stream_unary("/bench.Raw/Up"),
-        channel.unary_stream("/bench.Raw/Down"),
-    )
-    ups, downs = [], []
-    try:
-        for _ in range(reps + 1):  # the first round warms up
-            t = time.perf_counter()
-            got = upload(view[i : i + chunk_bytes].tobytes() for i in range(0, nbytes, chunk_bytes))
-            ups.append(time.perf_counter() - t)
-            assert int(got) == nbytes
-            t = time.perf_counter()
-            assert sum(len(m) for m in download(b"")) == nbytes
-            downs.append(time.perf_counter() - t)
-    finally:
-        channel.close()
-        server.stop(None)
-    return {"up_s": statistics.median(ups[1:]), "down_s": statistics.median(downs[1:])}
+        def add(server: grpc.Server) -> None:
+            handlers = {"Up": grpc.stream_unary_rpc_method_handler(up),
+                        "Down": grpc.unary_stream_rpc_method_handler(down)}  # fmt: skip
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler("bench.Raw", handlers),)
+            )
+
+        self._server, port = make_server("127.0.0.1:0", add, max_message_bytes=max_message_bytes)
+        self._channel = make_channel(f"127.0.0.1:{port}", max_message_bytes=max_message_bytes)
+        self._up = self._channel.stream_unary("/bench.Raw/Up")
+        self._down = self._channel.unary_stream("/bench.Raw/Down")
+
+    def round(self) -> dict:
+        """Seconds to stream the bytes up, and down."""
+        n, view = self.chunk_bytes, self._view
+        t = time.perf_counter()
+        got = self._up(view[i : i + n].tobytes() for i in range(0, self.nbytes, n))
+        up = time.perf_counter() - t
+        assert int(got) == self.nbytes
+        t = time.perf_counter()
+        assert sum(len(m) for m in self._down(b"")) == self.nbytes
+        return {"up_s": up, "down_s": time.perf_counter() - t}
+
+    def close(self) -> None:
+        self._channel.close()
+        self._server.stop(None)
 
 
 # ------------------------------------------------------------------------------------ ours
 
 
-def ours_seconds(
-    tree: dict, config: ParamServerConfig, reps: int, pullers: tuple[int, ...]
-) -> dict:
-    """Median seconds of push, and of pull with n concurrent pullers (slowest of them)."""
-    server, port, store = serve(config)
-    endpoint = f"127.0.0.1:{port}"
-    clients = [ParamServerClient(endpoint, chunk_bytes=config.chunk_bytes,
-                                 max_message_bytes=config.max_message_bytes)
-               for _ in range(max(pullers))]  # fmt: skip
-    pushes, pulls = [], {n: [] for n in pullers}
-    try:
-        for version in range(reps + 1):
+class Ours:
+    """A real parameter server on 127.0.0.1: push of a new version, then n concurrent pulls."""
+
+    def __init__(self, tree: dict, config: ParamServerConfig, pullers: tuple[int, ...]):
+        self.tree, self.pullers, self.version = tree, pullers, 0
+        self._server, port, self._store = serve(config)
+        self._clients = [ParamServerClient(f"127.0.0.1:{port}", chunk_bytes=config.chunk_bytes,
+                                           max_message_bytes=config.max_message_bytes)
+                         for _ in range(max(pullers))]  # fmt: skip
+
+    def round(self) -> dict:
+        """Seconds of one push, and of pulls by n concurrent pullers (until the slowest ends)."""
+        out = {}
+        t = time.perf_counter()
+        self._clients[0].push(self.tree, self.version)
+        out["push_s"] = time.perf_counter() - t
+        for n in self.pullers:
+            barrier = threading.Barrier(n)
+
+            def pull(client: ParamServerClient, version: int = self.version,
+                     barrier: threading.Barrier = barrier) -> None:  # fmt: skip
+                barrier.wait()
+                jax.block_until_ready(client.pull(version))
+
+            threads = [threading.Thread(target=pull, args=(c,)) for c in self._clients[:n]]
             t = time.perf_counter()
-            clients[0].push(tree, version)
-            pushes.append(time.perf_counter() - t)
-            for n in pullers:
-                barrier = threading.Barrier(n)
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            out[f"pull_{n}_s"] = time.perf_counter() - t
+        self.version += 1
+        return out
 
-                def pull(client: ParamServerClient, version: int = version,
-                         barrier: threading.Barrier = barrier) -> None:  # fmt: skip
-                    barrier.wait()
-                    out = client.pull(version)
-                    jax.block_until_ready(out)
+    def check(self) -> None:
+        got = self._clients[0].pull_arrays(self.version - 1)[1][0]  # checksum-verified arrays
+        assert got.tobytes() == self.tree["embed"].tobytes()
 
-                threads = [threading.Thread(target=pull, args=(c,)) for c in clients[:n]]
-                t = time.perf_counter()
-                for th in threads:
-                    th.start()
-                for th in threads:
-                    th.join()
-                pulls[n].append(time.perf_counter() - t)
-        check = clients[0].pull_arrays(reps)[1][0]  # crc-verified whole arrays
-        assert check.tobytes() == tree["embed"].tobytes()
-    finally:
-        for c in clients:
+    def close(self) -> None:
+        for c in self._clients:
             c.close()
-        server.stop(None)
-        store.close()
-    return {"push_s": statistics.median(pushes[1:]),
-            **{f"pull_{n}_s": statistics.median(v[1:]) for n, v in pulls.items()}}  # fmt: skip
+        self._server.stop(None)
+        self._store.close()
+
+
+def measure(tree: dict, config: ParamServerConfig, reps: int) -> dict:
+    """Medians over ``reps`` rounds (after a warm-up round) that alternate the baseline and ours,
+    so that both see the same load on a shared machine; ``fraction_of_raw`` is the median of
+    each round's (raw up + raw down) / (push + pull)."""
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+    raw = RawStream(nbytes, config.chunk_bytes, config.max_message_bytes)
+    ours = Ours(tree, config, pullers=(1, 4))
+    rounds = []
+    try:
+        for _ in range(reps + 1):
+            rounds.append({**raw.round(), **ours.round()})
+        ours.check()
+    finally:
+        raw.close()
+        ours.close()
+    rounds = rounds[1:]
+    fractions = [(r["up_s"] + r["down_s"]) / (r["push_s"] + r["pull_1_s"]) for r in rounds]
+    return {**{k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
+            "fraction_of_raw": statistics.median(fractions),
+            "fraction_of_raw_rounds": fractions}  # fmt: skip
 
 
 def main() -> None:
@@ -151,34 +179,35 @@ def main() -> None:
     parser.add_argument(
         "--out", default=str(Path(__file__).with_name("param_server_throughput.json"))
     )
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     config = ParamServerConfig(persist_every=0)
     rows, results = [], {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-                         "chunk_bytes": config.chunk_bytes, "cases": []}  # fmt: skip
+                         "chunk_bytes": config.chunk_bytes, "reps": args.reps,
+                         "load_average_start": os.getloadavg(), "cases": []}  # fmt: skip
     for dtype in (ml_dtypes.bfloat16, np.float32):
         tree = smollm2_135m(np.dtype(dtype))
         leaves = jax.tree_util.tree_leaves(tree)
         nbytes, params = sum(x.nbytes for x in leaves), sum(x.size for x in leaves)
-        raw = raw_stream_seconds(nbytes, config.chunk_bytes, config.max_message_bytes, args.reps)
-        ours = ours_seconds(tree, config, args.reps, pullers=(1, 4))
-        raw_rt = raw["up_s"] + raw["down_s"]
-        ours_rt = ours["push_s"] + ours["pull_1_s"]
-        case = {"dtype": np.dtype(dtype).name, "params": params, "bytes": nbytes, **raw, **ours,
-                "fraction_of_raw": raw_rt / ours_rt}  # fmt: skip
+        m = measure(tree, config, args.reps)
+        raw_rt = m["up_s"] + m["down_s"]
+        ours_rt = m["push_s"] + m["pull_1_s"]
+        case = {"dtype": np.dtype(dtype).name, "params": params, "bytes": nbytes, **m}
         results["cases"].append(case)
         gbps = lambda s, n=1, nbytes=nbytes: n * nbytes / s / 1e9
         rows += [
             f"| {case['dtype']} | raw gRPC up + down (baseline) | {raw_rt:.2f} | "
-            f"{gbps(raw['up_s']):.2f} up, {gbps(raw['down_s']):.2f} down | 100% |",
-            f"| {case['dtype']} | push (publish) | {ours['push_s']:.2f} | {gbps(ours['push_s']):.2f} | "
-            f"{raw['up_s'] / ours['push_s']:.0%} of raw up |",
-            f"| {case['dtype']} | pull, 1 puller | {ours['pull_1_s']:.2f} | {gbps(ours['pull_1_s']):.2f} | "
-            f"{raw['down_s'] / ours['pull_1_s']:.0%} of raw down |",
-            f"| {case['dtype']} | pull, 4 concurrent pullers | {ours['pull_4_s']:.2f} | "
-            f"{gbps(ours['pull_4_s'], 4):.2f} aggregate | |",
+            f"{gbps(m['up_s']):.2f} up, {gbps(m['down_s']):.2f} down | 100% |",
+            f"| {case['dtype']} | push (publish) | {m['push_s']:.2f} | {gbps(m['push_s']):.2f} | "
+            f"{m['up_s'] / m['push_s']:.0%} of raw up |",
+            f"| {case['dtype']} | pull, 1 puller | {m['pull_1_s']:.2f} | {gbps(m['pull_1_s']):.2f} | "
+            f"{m['down_s'] / m['pull_1_s']:.0%} of raw down |",
+            f"| {case['dtype']} | pull, 4 concurrent pullers | {m['pull_4_s']:.2f} | "
+            f"{gbps(m['pull_4_s'], 4):.2f} aggregate | |",
             f"| {case['dtype']} | **push + pull of one version** | **{ours_rt:.2f}** | "
-            f"{gbps(ours_rt):.2f} | **{case['fraction_of_raw']:.0%}** of raw |",
+            f"{gbps(ours_rt):.2f} | **{case['fraction_of_raw']:.0%}** of raw (rounds: "
+            + ", ".join(f"{f:.0%}" for f in case["fraction_of_raw_rounds"])
+            + ") |",
         ]
         del tree, leaves
     print(f"\nSmolLM2-135M-shaped pytree ({results['cases'][0]['params'] / 1e6:.1f}M params), "
@@ -188,6 +217,9 @@ def main() -> None:
     print("\nAnchors (seconds per weight sync, published): "
           + ", ".join(f"{k} ~{v} s" for k, v in ANCHORS.items()))  # fmt: skip
     results["anchors_s"] = ANCHORS
+    results["load_average_end"] = os.getloadavg()
+    print(f"load average (1, 5, 15 min): {results['load_average_start']} at the start, "
+          f"{results['load_average_end']} at the end")  # fmt: skip
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 

@@ -115,7 +115,7 @@ class ParamServer:
         try:
             crcs = []
             for i, a in enumerate(arrays):
-                data = np.array(a, order="C").reshape(-1).view(np.uint8)  # ours: the store keeps it
+                data = np.ascontiguousarray(a).reshape(-1).view(np.uint8)  # add() copies it
                 session.add(i, 0, data)
                 crcs.append(checksum(data))
             return session.finish(crcs)
@@ -456,8 +456,7 @@ class PublishSession:
         self._buffer = None
 
     def add(self, index: int, offset: int, data: bytes | memoryview | np.ndarray) -> None:
-        """Bytes [offset, offset + len(data)) of array ``index``; never modify ``data`` after:
-        a chunk that is a whole array is handed to the store as it is."""
+        """Bytes [offset, offset + len(data)) of array ``index``; ``data`` is copied."""
         if not self._open:
             raise errors.InvalidArgument("the publish session is closed")
         if not 0 <= index < len(self.arrays) or index < self._current:
@@ -477,12 +476,11 @@ class PublishSession:
                 f"{spec.nbytes} bytes, got at least {offset + n}"
             )
         data = np.frombuffer(data, np.uint8)
-        if n == spec.nbytes:  # the whole array in one chunk: keep its bytes (immutable), no copy
-            self._buffer = data
-        else:
-            if self._buffer is None:
-                self._buffer = np.empty(spec.nbytes, np.uint8)
-            self._buffer[offset : offset + n] = data
+        if self._buffer is None:
+            # Our own writable buffer, handed to the store by reference once the array is whole
+            # (TensorStore copies read-only sources, such as the received messages, slowly).
+            self._buffer = np.empty(spec.nbytes, np.uint8)
+        self._buffer[offset : offset + n] = data
         self._crc = checksum(data, self._crc)  # while the chunk is still in cache
         self._received += n
 

@@ -77,10 +77,13 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
         manifest, pieces = self._server.pull(request.version, slices, piece_bytes=self._chunk_bytes)
         # Runs when the call ends in any way, also when the client hangs up before gRPC ever
         # iterates the stream (then no finally below would run): the pin is always released.
-        context.add_callback(pieces.close)
+        if not context.add_callback(pieces.close):  # the call has ended already
+            pieces.close()
         return self._stream(manifest, pieces)
 
-    def _stream(self, manifest: VersionManifest, pieces: VersionReader) -> Iterator[pb.PullReply | ChunkView]:  # fmt: skip
+    def _stream(
+        self, manifest: VersionManifest, pieces: VersionReader
+    ) -> Iterator[pb.PullReply | ChunkView]:
         try:
             yield pb.PullReply(header=wire.header_to_pb(manifest))
             n = self._chunk_bytes
