@@ -47,7 +47,8 @@ def _local(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         run_dir="runs/local", num_steps=30, prompts_per_step=8, mode="deterministic",
         reload_staleness=1, acceptance_staleness=1, pipeline_depth=1, transport="local",
     )  # fmt: skip
-    cfg.algorithm.update(name="grpo", group_size=8)
+    # KL off: the tiny demo has no reference-model budget (grpo's default is k3, β 0.04).
+    cfg.algorithm.update(name="grpo", group_size=8, kl_estimator="none")
     return cfg
 
 

@@ -456,9 +456,10 @@ class AlgorithmConfig:
     group_size: int = 8  # G samples per prompt
     eps_low: float = 0.0  # PPO-style clip 1 - ε_low; 0 = algorithm default
     eps_high: float = 0.0  # clip 1 + ε_high; 0 = algorithm default
-    # Regularizer β·R: 'none' turns it off; with an estimator, kl_coef 0 = algorithm default β.
+    # Regularizer β·R: 'default' = the algorithm's paper default (grpo: k3 with β 0.04; dapo and
+    # most others: off), 'none' turns it off; with an estimator, kl_coef 0 = algorithm default β.
     kl_coef: float = 0.0
-    kl_estimator: Literal["none", "k1", "k2", "k3"] = "none"
+    kl_estimator: Literal["default", "none", "k1", "k2", "k3"] = "default"
     reward_kl_coef: float = 0.0  # KL folded into the reward (ppo, reinforce_pp); 0 = default
     aggregation: Literal["default", "seq_mean_token_mean", "token_mean", "max_length"] = "default"
     is_cap: float = 0.0  # AIPO truncation c; 0 = algorithm default

@@ -533,6 +533,9 @@ def test_algorithm_defaults_mean_paper_defaults():
     alg = build({}).algorithm
     assert (alg.eps_low, alg.eps_high, alg.kl_coef, alg.is_cap, alg.value_coef) == (0.0,) * 5
     assert alg.dynamic_sampling == alg.overlong_shaping == alg.aggregation == "default"
+    assert alg.kl_estimator == "none"  # the local preset turns GRPO's default KL off explicitly
+    assert C.AlgorithmConfig().kl_estimator == "default"  # the algorithm's paper choice
+    assert build({"algorithm.kl_estimator": "default", "algorithm.kl_coef": 0.05}).algorithm
     ok = build({"algorithm.name": "reinforce_pp", "algorithm.reward_kl_coef": 0.02})
     assert ok.algorithm.reward_kl_coef == 0.02
 

@@ -19,7 +19,8 @@ from rlax_tpu.config import AlgorithmConfig, ConfigError
 
 # Components and hyperparameters per algorithm, from its paper.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    # DeepSeekMath Eq. 3: PPO clip 0.2, group-normalized A, per-sequence token mean.
+    # DeepSeekMath Eq. 3: PPO clip 0.2, group-normalized A, per-sequence token mean, k3 KL
+    # with β = 0.04 (DEFAULT_KL_ESTIMATOR / DEFAULT_KL_COEF).
     "grpo": dict(advantage="group_norm", aggregation="seq_mean_token_mean"),
     # DAPO: clip-higher, token mean, dynamic sampling, soft overlong punishment, no KL.
     "dapo": dict(
@@ -76,7 +77,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "tb": dict(kind="tb", advantage="none"),
     "online_dpo": dict(kind="online_dpo", advantage="none"),
 }
-# β of the KL regularizer when kl_estimator is set and kl_coef is 0 (DeepSeekMath: 0.04).
+# The KL regularizer kl_estimator 'default' picks (DeepSeekMath GRPO: k3); every other
+# algorithm's paper has none in the loss (DAPO drops it; PPO / REINFORCE++ put KL in the reward).
+DEFAULT_KL_ESTIMATOR = {"grpo": "k3"}
+# β of the KL regularizer when one is on and kl_coef is 0 (DeepSeekMath: 0.04).
 DEFAULT_KL_COEF = {"grpo": 0.04}
 OVERLONG_BUFFER_FRACTION = 5  # DAPO: a 4096-token buffer in a 20480-token budget
 
@@ -161,7 +165,15 @@ def make_objective(cfg: AlgorithmConfig, *, max_length: int) -> Objective:
             fields[name] = getattr(cfg, name)
     if cfg.aggregation != "default":
         fields["aggregation"] = cfg.aggregation
-    if cfg.kl_estimator != "none":
+    estimator = cfg.kl_estimator
+    if estimator == "default":
+        estimator = DEFAULT_KL_ESTIMATOR.get(cfg.name, "none")
+        if estimator == "none" and cfg.kl_coef:
+            raise ConfigError(
+                "kl_coef", f"{cfg.name}'s default has no KL regularizer; set kl_estimator to "
+                "k1, k2 or k3 to use kl_coef", cfg.kl_coef,
+            )  # fmt: skip
+    if estimator != "none":
         if d.get("kind", "eq3") != "eq3":
             raise ConfigError(
                 "kl_estimator", f"must be 'none': {cfg.name} already measures itself against π_ref",
@@ -172,7 +184,7 @@ def make_objective(cfg: AlgorithmConfig, *, max_length: int) -> Objective:
             raise ConfigError(
                 "kl_coef", f"{cfg.name} has no default KL coefficient; set kl_coef", 0.0
             )
-        fields |= dict(kl_estimator=cfg.kl_estimator, kl_coef=coef)
+        fields |= dict(kl_estimator=estimator, kl_coef=coef)
     if {"on": True, "off": False, "default": overlong}[cfg.overlong_shaping]:
         buffer = cfg.overlong_buffer or max(1, max_length // OVERLONG_BUFFER_FRACTION)
         if buffer > max_length:

@@ -283,7 +283,9 @@ CASES = [
     ("grpo_k3", dict(name="grpo", kl_estimator="k3"), lambda b, n: grpo_textbook(b, n, beta=0.04), 0.3, True),
     ("grpo_k2", dict(name="grpo", kl_estimator="k2", kl_coef=0.1), lambda b, n: grpo_textbook(b, n, beta=0.1, kl="k2"), 0.3, True),
     ("grpo_k1_seq_mask", dict(name="grpo", kl_estimator="k1", behaviour_correction="seq_mask", behaviour_cap=1.5), lambda b, n: grpo_textbook(b, n, beta=0.04, kl="k1", correction=seq_mask(1.5)), 0.3, True),
-    ("grpo_default", dict(name="grpo"), lambda b, n: grpo_textbook(b, n, beta=0.0), 0.3, True),
+    # kl_estimator 'default' is DeepSeekMath's: k3 with β = 0.04; 'none' turns it off.
+    ("grpo_default", dict(name="grpo"), lambda b, n: grpo_textbook(b, n, beta=0.04), 0.3, True),
+    ("grpo_no_kl", dict(name="grpo", kl_estimator="none"), lambda b, n: grpo_textbook(b, n, beta=0.0), 0.3, True),
     ("dapo", dict(name="dapo"), dapo_textbook, 0.3, True),
     ("dapo_token_truncate", dict(name="dapo", behaviour_correction="token_truncate", behaviour_cap=1.1), lambda b, n: dapo_textbook(b, n, token_truncate(1.1)), 0.3, True),
     ("dr_grpo", dict(name="dr_grpo"), dr_grpo_textbook, 0.3, True),

@@ -35,7 +35,8 @@ def _grad(name, batch, logp, **overrides):
 
 
 def test_grpo_clipped_tokens_have_zero_gradient(x64):
-    grad = _grad("grpo", _batch(), LOGP_OLD + LOG_RATIO)
+    # The policy-gradient part alone: GRPO's default KL term has a gradient of its own.
+    grad = _grad("grpo", _batch(), LOGP_OLD + LOG_RATIO, kl_estimator="none")
     # Clipped: (0,0) has A > 0 and ρ = 1.5 > 1.2; (1,0) has A < 0 and ρ = 0.5 < 0.8.
     assert grad[0, 0] == 0.0 and grad[1, 0] == 0.0
     # Every other token keeps the PPO gradient −w·ρ·A with w = 1/(G·|o_i|) = 1/6.
@@ -98,7 +99,10 @@ def test_on_policy_every_ratio_is_one_and_the_objective_is_reinforce(
         logp = jnp.asarray(np.where(batch.mask > 0, batch.logp_old, -np.inf))  # π_θ = π_old
         if name == "aipo" and correction != "none":
             correction = "none"  # aipo corrects for μ itself
-        cfg = AlgorithmConfig(name=name, group_size=group_size, behaviour_correction=correction)
+        # Without a KL regularizer (GRPO's default has one): the property is about the PG term.
+        cfg = AlgorithmConfig(
+            name=name, group_size=group_size, behaviour_correction=correction, kl_estimator="none"
+        )
         obj = make_objective(cfg, max_length=length)
         inputs = obj.prepare(batch)
         values = jnp.asarray(np.nan_to_num(batch.values))

@@ -21,7 +21,7 @@ def test_every_configurable_name_is_registered():
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("grpo", dict(aggregation="seq_mean_token_mean", advantage="group_norm", importance="ratio", clip_mask=True, eps_low=0.2, eps_high=0.2, kl_estimator="none")),
+        ("grpo", dict(aggregation="seq_mean_token_mean", advantage="group_norm", importance="ratio", clip_mask=True, eps_low=0.2, eps_high=0.2, kl_estimator="k3", kl_coef=0.04)),
         ("dapo", dict(aggregation="token_mean", advantage="group_norm", eps_low=0.2, eps_high=0.28, dynamic_sampling=True, overlong_buffer=20, kl_estimator="none")),
         ("dr_grpo", dict(aggregation="max_length", advantage="group_center", eps_low=0.2, eps_high=0.2)),
         ("gspo", dict(importance="sequence_ratio", clip_mask=True, eps_low=3e-4, eps_high=4e-4, advantage="group_norm")),
@@ -64,9 +64,30 @@ def test_kl_regularizer_defaults():
         spec(name="tb", kl_estimator="k3", kl_coef=0.1)
 
 
+def test_kl_estimator_default_means_the_papers_choice():
+    assert AlgorithmConfig().kl_estimator == "default"
+    for name in ALGORITHMS:  # only GRPO's paper regularizes with KL in the loss
+        s = spec(name=name)
+        expected = ("k3", 0.04) if name == "grpo" else ("none", 0.0)
+        assert (s.kl_estimator, s.kl_coef) == expected, name
+    assert spec(name="grpo", kl_coef=0.1).kl_coef == 0.1  # β overrides, estimator stays k3
+    assert spec(name="grpo", kl_estimator="k1").kl_estimator == "k1"
+    s = spec(name="grpo", kl_estimator="none")
+    assert (s.kl_estimator, s.kl_coef) == ("none", 0.0)
+    with pytest.raises(
+        ConfigError,
+        match="kl_coef = 0.1: dapo's default has no KL regularizer; set kl_estimator to k1, k2 "
+        "or k3 to use kl_coef",
+    ):
+        spec(name="dapo", kl_coef=0.1)
+    with pytest.raises(ConfigError, match="kl_estimator = 'none': is 'none' but kl_coef is 0.1"):
+        AlgorithmConfig(name="grpo", kl_estimator="none", kl_coef=0.1)
+
+
 def test_what_the_trainer_must_compute():
-    assert not spec(name="grpo").needs_reference
-    assert spec(name="grpo", kl_estimator="k3").needs_reference
+    assert spec(name="grpo").needs_reference  # its default k3 KL term
+    assert not spec(name="grpo", kl_estimator="none").needs_reference
+    assert not spec(name="dapo").needs_reference
     assert spec(name="ppo").required_inputs == ("logp_ref", "values")
     assert spec(name="tb").needs_groups and spec(name="rloo").needs_groups
     assert not spec(name="ppo").needs_groups and not spec(name="reinforce").needs_groups
