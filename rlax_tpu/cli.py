@@ -22,7 +22,6 @@ from ml_collections import config_flags
 from rlax_tpu.config import ConfigError, RunConfig, base_config_dict, from_dict, to_dict
 
 EXIT_USAGE = 2  # bad flags or config
-EXIT_NOT_BUILT = 3  # the component exists as a command but its service is not built yet
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "codeforces.py"
@@ -160,14 +159,4 @@ flags:
   --print_config           print the validated config as JSON and exit
   --helpfull               every absl flag (logging and more)
 
-exit codes: 0 success, {EXIT_USAGE} bad flags or config, {EXIT_NOT_BUILT} component not built yet"""
-
-
-def not_built(component: str, issue: str, config: RunConfig) -> int:
-    """Says plainly that a component's service is not built yet; returns EXIT_NOT_BUILT."""
-    print(
-        f"rlax_tpu.{component}: the config is valid (preset {config.preset!r}), but the "
-        f"{component} service is not built yet (issue {issue}). Nothing was run.",
-        file=sys.stderr,
-    )
-    return EXIT_NOT_BUILT
+exit codes: 0 success, 1 run failed (a clear error), {EXIT_USAGE} bad flags or config"""

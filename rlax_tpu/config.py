@@ -383,9 +383,15 @@ class VerifierConfig:
             "max_time_limit_s", "max_memory_limit_mb",
         )  # fmt: skip
         if not math.isfinite(self.max_time_limit_s) or self.max_time_limit_s < self.time_limit_s:
-            raise _bad(self, "max_time_limit_s", f"must be finite and >= time_limit_s ({self.time_limit_s})")
+            raise _bad(
+                self,
+                "max_time_limit_s",
+                f"must be finite and >= time_limit_s ({self.time_limit_s})",
+            )
         if self.max_memory_limit_mb < self.memory_limit_mb:
-            raise _bad(self, "max_memory_limit_mb", f"must be >= memory_limit_mb ({self.memory_limit_mb})")
+            raise _bad(
+                self, "max_memory_limit_mb", f"must be >= memory_limit_mb ({self.memory_limit_mb})"
+            )
         if not self.languages:
             raise _bad(self, "languages", "must name at least one language")
         for lang in self.languages:
@@ -418,6 +424,13 @@ class DataConfig:
     datasets: tuple[str, ...] = ("procedural",)
     weights: tuple[float, ...] = (1.0,)
     data_dir: str = ""  # local files for file-backed datasets
+    train_until_year: int = (
+        2024  # codeforces/code_contests: train up to this year, test on the next
+    )
+    prompt_style: Literal["auto", "raw", "chat"] = (
+        "auto"  # auto: chat if the tokenizer has a template
+    )
+    language: str = "python"  # the language the model is asked to write
     eval_every: int = 0  # steps between held-out evaluations; 0: only at start and end
     eval_samples: int = 8  # k of pass@k
     eval_problems: int = 32
@@ -441,6 +454,8 @@ class DataConfig:
         if any(not w > 0 for w in self.weights):
             raise _bad(self, "weights", "every mixture weight must be > 0")
         _non_negative(self, "eval_every")
+        if self.language not in LANGUAGES:
+            raise _bad(self, "language", f"must be one of {', '.join(LANGUAGES)}")
         _positive(
             self, "eval_samples", "eval_problems", "replay_recent_versions", "replay_temperature",
             "replay_per_prompt", "replay_max_items",
@@ -538,6 +553,11 @@ class ControllerConfig:
     rpc_timeout_s: float = 60.0
     snapshot_keep: int = 3
     log_every: int = 1
+    # Supervised warm-up on reference solutions before RL (fresh runs only; 0: none), so a tiny
+    # randomly initialized model has some reward signal. The report says when it ran.
+    warmup_steps: int = 0
+    warmup_batch_size: int = 16
+    warmup_learning_rate: float = 1e-3
     seed: int = 0  # root of every run-level RNG stream (mixture, sampling, replay)
 
     def __post_init__(self) -> None:
@@ -545,7 +565,8 @@ class ControllerConfig:
             raise _bad(self, "run_dir", "must be set")
         _positive(self, "num_steps", "prompts_per_step", "reload_staleness", "rpc_timeout_s",
                   "snapshot_keep", "log_every")  # fmt: skip
-        _non_negative(self, "pipeline_depth")
+        _non_negative(self, "pipeline_depth", "warmup_steps")
+        _positive(self, "warmup_batch_size", "warmup_learning_rate")
         if self.acceptance_staleness < UNBOUNDED:
             raise _bad(self, "acceptance_staleness", "must be >= 0, or -1 for unbounded")
         eta_a, eta_r = self.acceptance_bound, self.reload_staleness

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlax_tpu.cli import EXIT_NOT_BUILT, EXIT_USAGE, unknown_override
+from rlax_tpu.cli import EXIT_USAGE, unknown_override
 
 REPO = Path(__file__).resolve().parents[1]
 COMPONENTS = ["controller", "param_server", "inference", "verifiers", "trainer"]
@@ -86,11 +86,10 @@ def test_no_config_flag_uses_the_machine_preset():
     assert json.loads(out.stdout)["preset"] == "local"
 
 
-@pytest.mark.parametrize("component", ["controller"])
-def test_unbuilt_components_say_so(component):
-    out = run(component, LOCAL)
-    assert out.returncode == EXIT_NOT_BUILT
-    assert "not built yet" in out.stderr
+def test_controller_rejects_stray_arguments():
+    out = run("controller", LOCAL, "extra")
+    assert out.returncode == EXIT_USAGE
+    assert "unexpected arguments ['extra']" in out.stderr
 
 
 def test_unknown_override_helper():

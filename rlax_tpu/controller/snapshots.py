@@ -56,6 +56,14 @@ class SnapshotStore:
             return []
         return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _NAME.match(p.name)))
 
+    def steps(self) -> list[int]:
+        """Steps with a snapshot file, oldest first (readable or not)."""
+        return self._steps()
+
+    def latest_step(self) -> int | None:
+        steps = self._steps()
+        return steps[-1] if steps else None
+
     def path(self, step: int) -> epath.Path:
         return self.dir / f"snapshot_{step:09d}.msgpack"
 
@@ -65,7 +73,7 @@ class SnapshotStore:
         final = self.path(step)
         tmp = self.dir / f".{final.name}.{uuid.uuid4().hex}.tmp"
         tmp.write_bytes(_encode(payload))
-        tmp.rename(final)
+        tmp.replace(final)  # a resumed run may rewrite the snapshot of its first step
         for old in self._steps()[: -self.keep]:
             self.path(old).unlink(missing_ok=True)
         return final

@@ -8,21 +8,12 @@ Prints "param_server listening on HOST:PORT" once ready; SIGTERM or SIGINT stops
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 
 from rlax_tpu import cli
 from rlax_tpu.config import RunConfig
-from rlax_tpu.param_server.service import serve
-
-
-def persist_location(config: RunConfig) -> str:
-    """Where versions are persisted; "" when persistence is off."""
-    ps = config.param_server
-    if ps.persist_every == 0:
-        return ""
-    return ps.persist_path or os.path.join(config.controller.run_dir, "param_server")
+from rlax_tpu.param_server.service import persist_location, serve
 
 
 def run(config: RunConfig, args: list[str]) -> int:

@@ -124,6 +124,13 @@ class Persister:
 
     def recover(self) -> tuple[VersionManifest, list[np.ndarray]] | None:
         """The newest complete persisted version (manifest present, every checksum right), or None."""
+        found = self.recover_newest(1)
+        return found[0] if found else None
+
+    def recover_newest(self, limit: int) -> list[tuple[VersionManifest, list[np.ndarray]]]:
+        """Up to ``limit`` newest complete persisted versions, newest first (torn or corrupt
+        ones are skipped with a warning)."""
+        out: list[tuple[VersionManifest, list[np.ndarray]]] = []
         candidates = []
         for prefix in self._store.manifest_prefixes():
             try:
@@ -151,8 +158,10 @@ class Persister:
                 manifest = dataclasses.replace(manifest, checksum="crc32c", arrays=tuple(
                     dataclasses.replace(s, crc32c=checksum(a))
                     for s, a in zip(manifest.arrays, arrays, strict=True)))  # fmt: skip
-            return manifest, arrays
-        return None
+            out.append((manifest, arrays))
+            if len(out) == limit:
+                break
+        return out
 
 
 def _version_of(prefix: str) -> int | None:

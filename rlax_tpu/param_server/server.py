@@ -285,21 +285,26 @@ class ParamServer:
     def _recover(self) -> None:
         used = self._persister.stored_versions()  # every one was committed before being persisted
         self._high_water = max(used, default=-1)
-        found = self._persister.recover()
-        if found is None:
+        # The newest complete versions that fit in memory: a resumed controller may still need
+        # the older ones (rollouts generated with them are re-issued).
+        keep = self.config.in_memory_versions
+        if self.config.persist_keep:
+            keep = min(keep, self.config.persist_keep)
+        found = self._persister.recover_newest(keep)
+        if not found:
             log.info("no complete persisted version in %s", self._persister.location)
             return
-        manifest, arrays = found
-        prefix = f"v{manifest.version}-{uuid.uuid4().hex[:8]}"
-        pending = [self._hot.write_array(prefix, i, s, a)
-                   for i, (s, a) in enumerate(zip(manifest.arrays, arrays, strict=True))]  # fmt: skip
-        for f in pending:
-            f.result()
-        with self._lock:
-            self._index[manifest.version] = (manifest, prefix)
-            self._persisted.add(manifest.version)
-            self._retention.report_progress(self.config.replica_index, manifest.version)
-        log.info("recovered version %d from %s", manifest.version, self._persister.location)
+        for manifest, arrays in reversed(found):
+            prefix = f"v{manifest.version}-{uuid.uuid4().hex[:8]}"
+            pending = [self._hot.write_array(prefix, i, s, a)
+                       for i, (s, a) in enumerate(zip(manifest.arrays, arrays, strict=True))]  # fmt: skip
+            for f in pending:
+                f.result()
+            with self._lock:
+                self._index[manifest.version] = (manifest, prefix)
+                self._persisted.add(manifest.version)
+                self._retention.report_progress(self.config.replica_index, manifest.version)
+            log.info("recovered version %d from %s", manifest.version, self._persister.location)
 
     def stored_prefixes(self) -> tuple[set[str], set[str]]:
         """(prefixes of committed versions, every prefix with data in the hot store).

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
-from rlax_tpu.config import ParamServerConfig
+from rlax_tpu.config import ParamServerConfig, RunConfig
 from rlax_tpu.param_server import errors, framing, wire
 from rlax_tpu.param_server.codec import VersionManifest, as_bytes
 from rlax_tpu.param_server.framing import SERVICE, ChunkView
@@ -140,6 +141,14 @@ def add_to_server(service: ParamServerService, server: grpc.Server) -> None:
 
 def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
+
+
+def persist_location(config: RunConfig) -> str:
+    """Where versions are persisted; "" when persistence is off."""
+    ps = config.param_server
+    if ps.persist_every == 0:
+        return ""
+    return ps.persist_path or os.path.join(config.controller.run_dir, "param_server")
 
 
 def serve(

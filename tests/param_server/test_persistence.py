@@ -36,16 +36,17 @@ def test_restart_serves_the_newest_persisted_version(tmp_path: Path):
     location = str(tmp_path / "ps")
     publish_five(location)
     # Every 2nd version was written through (3 of them, all within persist_keep); the new server
-    # serves the newest of them.
+    # serves them all (a resumed controller may need older ones), the newest as the latest.
     assert sorted(p.name for p in Path(location).iterdir()) == ["v000000000000", "v000000000002",
                                                                 "v000000000004"]  # fmt: skip
     versions, tree = recovered(location)
-    assert versions == [4]
+    assert versions == [0, 2, 4]
     assert_same_tree(tree, make_tree(4))
-    # It keeps serving: the trainer publishes the next version on top.
     with running(CONFIG, location) as ps:
+        assert_same_tree(ps.client.pull(2), make_tree(2))
+        # It keeps serving: the trainer publishes the next version on top.
         ps.client.push(make_tree(5), 5)
-        assert [v.version for v in ps.client.list_versions()[0]] == [4, 5]
+        assert [v.version for v in ps.client.list_versions()[0]][-2:] == [4, 5]
 
 
 def test_a_version_without_its_commit_marker_is_not_taken(tmp_path: Path):
@@ -53,7 +54,7 @@ def test_a_version_without_its_commit_marker_is_not_taken(tmp_path: Path):
     publish_five(location)
     (Path(location) / "v000000000004" / "manifest.json").unlink()  # died before the marker
     versions, tree = recovered(location)
-    assert versions == [2]
+    assert versions == [0, 2]
     assert_same_tree(tree, make_tree(2))
 
 
@@ -96,7 +97,7 @@ def test_only_the_newest_persist_keep_versions_stay_on_disk(tmp_path: Path):
             (3, False), (4, True), (5, False), (6, True)
         ]  # fmt: skip
     versions, tree = recovered(str(location))  # the newest complete one is never deleted
-    assert versions == [6]
+    assert versions == [4, 6]
     assert_same_tree(tree, make_tree(6))
 
 
@@ -140,5 +141,5 @@ def test_versions_persisted_with_zlib_crc32_still_recover(tmp_path: Path):
     to_legacy(location / "v000000000004" / "manifest.json", corrupt=True)
     to_legacy(location / "v000000000002" / "manifest.json")
     versions, tree = recovered(str(location))  # 4 fails its (legacy) check; 2 passes it
-    assert versions == [2]
+    assert versions == [0, 2]
     assert_same_tree(tree, make_tree(2))  # pull_arrays checked the re-computed CRC32C

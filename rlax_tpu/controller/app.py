@@ -1,0 +1,197 @@
+"""The main job, end to end: data, tokenizer, (warm-up), components, the step loop, the report.
+
+``python -m rlax_tpu.controller`` calls :func:`run_job`; tests call it in process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from rlax_tpu import models
+from rlax_tpu.config import RunConfig, to_dict
+from rlax_tpu.controller import components as components_lib
+from rlax_tpu.controller.groups import Prompter
+from rlax_tpu.controller.loop import Controller, RunSummary
+from rlax_tpu.controller.snapshots import SnapshotStore
+from rlax_tpu.controller.tasks import FENCE, prompt_text
+from rlax_tpu.data.problems import CodeProblem, MathProblem, Problem, UnitTestProblem
+from rlax_tpu.data.sources import Datasets, load_datasets
+from rlax_tpu.observability.progress import format_duration
+from rlax_tpu.observability.report import RunInfo, write_report
+
+TOKENIZER_DIR = "tokenizer"
+
+
+def reference_text(problem: Problem, *, language: str) -> str | None:
+    """The completion a perfect raw-style model writes (warm-up data), or None."""
+    if isinstance(problem, CodeProblem):
+        sols = [s.code for s in problem.reference_solutions if s.language == language]
+        return sols[0] + FENCE if sols else None
+    if isinstance(problem, UnitTestProblem):
+        return problem.canonical_solution or None
+    if isinstance(problem, MathProblem):
+        return f" {problem.answer}"
+    return None
+
+
+def _style(config: RunConfig) -> str:
+    if config.data.prompt_style != "auto":
+        return config.data.prompt_style
+    return "raw" if config.model.weights_format == "init" else "chat"
+
+
+def prepare_tokenizer(config: RunConfig, datasets: Datasets, run_dir: Path) -> models.Tokenizer:
+    """The model's tokenizer; a randomly initialized model without one gets a BPE trained on the
+    task's text (saved in the run directory, so a resumed run uses the same one)."""
+    if config.model.tokenizer_path or config.model.weights_format != "init":
+        return models.load_tokenizer(config.model)
+    saved = run_dir / TOKENIZER_DIR
+    if (saved / "tokenizer.json").exists():
+        return models.Tokenizer.from_file(saved)
+    from rlax_tpu.controller.warmup import build_tokenizer
+
+    texts = []
+    for problems in datasets.train.values():
+        for p in problems:
+            texts.append(prompt_text(p, style="raw", language=config.data.language))
+            ref = reference_text(p, language=config.data.language)
+            if ref:
+                texts.append(ref)
+    tokenizer = build_tokenizer(texts, config.model.vocab_size)
+    tokenizer.save(saved)
+    return tokenizer
+
+
+def warm_up(config: RunConfig, model: models.Transformer, prompter: Prompter,
+            log: TextIO) -> tuple[models.Transformer, str]:  # fmt: skip
+    """Supervised warm-up on the training problems' reference solutions; (model, report note)."""
+    from rlax_tpu.controller.warmup import supervised_warmup
+
+    cc = config.controller
+    examples = []
+    eos = prompter.tokenizer.eos_id
+    for problems in prompter.datasets.train.values():
+        for p in problems:
+            ref = reference_text(p, language=config.data.language)
+            if ref is None or not prompter.fits(p):
+                continue
+            completion = prompter.tokenizer.encode(ref, add_bos=False)
+            if eos is not None:
+                completion = [*completion, eos]
+            if len(completion) <= config.inference.max_new_tokens:
+                examples.append((list(prompter.prompt_tokens(p)), completion))
+    if not examples:
+        raise ValueError("controller.warmup_steps > 0 but no training problem has a reference "
+                         f"solution in {config.data.language}")  # fmt: skip
+    t0 = time.perf_counter()
+    every = max(1, cc.warmup_steps // 5)
+
+    def on_step(step: int, loss: float) -> None:
+        if step % every == 0 or step == cc.warmup_steps:
+            print(f"warm-up step {step}/{cc.warmup_steps}: loss {loss:.3f}", file=log, flush=True)
+
+    model = supervised_warmup(
+        model, examples, steps=cc.warmup_steps, batch_size=cc.warmup_batch_size,
+        learning_rate=cc.warmup_learning_rate, seed=cc.seed, on_step=on_step,
+    )  # fmt: skip
+    note = (f"a supervised warm-up of {cc.warmup_steps} steps (batch {cc.warmup_batch_size}, lr "
+            f"{cc.warmup_learning_rate:g}) on {len(examples)} reference solutions ran before RL "
+            f"({time.perf_counter() - t0:.0f} s); pass@1 at version 0 is after warm-up, "
+            "before RL")  # fmt: skip
+    return model, note
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, cwd=Path(__file__).parent)  # fmt: skip
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_job(config: RunConfig, *, stream: TextIO | None = None,
+            command: str = "") -> RunSummary:  # fmt: skip
+    """Runs (or resumes) the job of ``config``; writes ``<run_dir>/report.md``."""
+    out = stream or sys.stdout
+    cc = config.controller
+    run_dir = Path(cc.run_dir).absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"rlax_tpu.controller: run directory {run_dir} ({cc.mode} mode, {cc.transport} "
+          f"transport)", file=out, flush=True)  # fmt: skip
+    datasets = load_datasets(config.data, seed=cc.seed)
+    tokenizer = prepare_tokenizer(config, datasets, run_dir)
+    prompter = Prompter(
+        datasets, tokenizer, style=_style(config), language=config.data.language,
+        group_size=config.algorithm.group_size, seed=cc.seed,
+        max_prompt_len=config.inference.max_prompt_len,
+    )  # fmt: skip
+    fresh = SnapshotStore(run_dir / "snapshots", keep=cc.snapshot_keep).latest_step() is None
+    notes: list[str] = []
+    if cc.transport == "local":
+        model = models.load_model(config.model)
+        if fresh and cc.warmup_steps:
+            model, note = warm_up(config, model, prompter, out)
+            notes.append(note)
+            (run_dir / "warmup.json").write_text(json.dumps({"note": note}))
+        elif (run_dir / "warmup.json").exists():
+            notes.append(json.loads((run_dir / "warmup.json").read_text())["note"])
+        comps = components_lib.build_local(config, model=model, eos_ids=tokenizer.stop_ids,
+                                           run_dir=run_dir)  # fmt: skip
+    else:
+        if cc.warmup_steps:
+            raise ValueError("controller.warmup_steps needs the local transport (the remote "
+                             "trainer starts from model.weights_path)")  # fmt: skip
+        comps = components_lib.build_distributed(config)
+    print("components: " + ", ".join(f"{k} {v}" for k, v in comps.endpoints.items()),
+          file=out, flush=True)  # fmt: skip
+    try:
+        controller = Controller(config, comps, prompter, run_dir=run_dir, progress_stream=out,
+                                on_event=lambda t: print(t, file=out, flush=True))  # fmt: skip
+        summary = controller.run()
+    finally:
+        comps.close()
+    if summary.already_finished:
+        print(f"rlax_tpu.controller: {run_dir} already finished {summary.steps_done} steps; "
+              "nothing to do (raise controller.num_steps to train further)", file=out)  # fmt: skip
+        return summary
+    info = RunInfo(command=command or "python -m rlax_tpu.controller", config=to_dict(config),
+                   model=_describe(config), commit=_commit(), notes=notes)  # fmt: skip
+    report = write_report(run_dir, info, summary=_summary_dict(summary))
+    print_summary(summary, report, out)
+    return summary
+
+
+def _describe(config: RunConfig) -> str:
+    m = config.model
+    src = "random init" if m.weights_format == "init" else f"{m.weights_format} {m.weights_path}"
+    return (f"{m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size} "
+            f"({src})")  # fmt: skip
+
+
+def _summary_dict(s: RunSummary) -> dict[str, Any]:
+    return dataclasses.asdict(s) | {"evals": {str(k): v for k, v in s.evals.items()}}
+
+
+def print_summary(s: RunSummary, report: Path, out: TextIO) -> None:
+    c = s.counters
+    lines = ["", "=" * 72, f"run finished: {s.steps_done} updates (version {s.version}) in "
+             f"{format_duration(s.wall_s)}",
+             f"prompt groups: {c['groups_trained']} trained, {c['groups_filtered']} filtered, "
+             f"{c['groups_discarded_stale']} discarded as stale, "
+             f"{c['groups_verifier_failed']} dropped on verifier errors",
+             f"tokens generated: {c['tokens_generated']}"]  # fmt: skip
+    if s.evals:
+        first, last = min(s.evals), max(s.evals)
+        p0, p1 = s.evals[first].get("eval/pass@1"), s.evals[last].get("eval/pass@1")
+        if p0 is not None and p1 is not None:
+            lines.append(f"held-out pass@1: {p0:.3f} at version {first} -> {p1:.3f} at version "
+                         f"{last} ({100 * (p1 - p0):+.1f} points)")  # fmt: skip
+    lines += [f"report: {report}", f"run directory: {s.run_dir}", "=" * 72]
+    print("\n".join(lines), file=out, flush=True)

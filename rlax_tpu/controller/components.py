@@ -1,0 +1,149 @@
+"""The two transports: the same set of components, in this process or behind gRPC endpoints.
+
+``local``: a parameter server (a real gRPC server on 127.0.0.1, so weights travel the same path as
+in production), the trainer, the inference workers and the verifier service, all in this process.
+``distributed``: gRPC clients to the endpoints of ``controller.*_endpoint``; a component that does
+not answer raises ``ComponentUnreachable`` naming it and its endpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import tempfile
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from rlax_tpu import models
+from rlax_tpu.config import RunConfig
+from rlax_tpu.controller.ports import InferencePort, ParamServerPort, TrainerPort, VerifierPort
+from rlax_tpu.param_server.client import ParamServerClient
+from rlax_tpu.rpc.transport import Credentials
+
+log = logging.getLogger(__name__)
+
+
+class ParamServerWeights:
+    """An inference WeightSource that pulls versions from the parameter server, shaped like
+    ``like`` (the worker model's parameter dict) and placed on ``device``."""
+
+    def __init__(self, client: ParamServerClient, like: Any, device: jax.Device | None = None):
+        self.client = client
+        sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+        self.shardings = jax.tree.map(lambda _: sharding, like)
+
+    def fetch(self, version: int) -> Any:
+        from rlax_tpu.param_server.errors import NotFound
+
+        try:
+            return self.client.pull(version, self.shardings)
+        except NotFound as e:
+            raise KeyError(f"the parameter server has no version {version}: {e}") from e
+
+
+@dataclasses.dataclass
+class Components:
+    workers: list[InferencePort]
+    verifier: VerifierPort
+    trainer: TrainerPort
+    param_server: ParamServerPort
+    endpoints: dict[str, str]  # component name -> where it runs ("in-process" or host:port)
+    _closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+
+    def close(self) -> None:
+        for close in reversed(self._closers):
+            try:
+                close()
+            except Exception as e:  # closing must not hide the run's own error
+                log.warning("closing a component failed: %s", e)
+        self._closers.clear()
+
+
+def build_local(
+    config: RunConfig, *, model: models.Transformer, eos_ids: Collection[int], run_dir: Path
+) -> Components:
+    """Every component in this process; the parameter server on a loopback port."""
+    from rlax_tpu.inference.worker import InferenceWorker
+    from rlax_tpu.param_server.service import persist_location, serve
+    from rlax_tpu.trainer.trainer import Trainer
+    from rlax_tpu.verifiers.service import VerifierService
+
+    closers: list[Callable[[], None]] = []
+    try:
+        ps_config = dataclasses.replace(config.param_server, address="127.0.0.1:0")
+        server, port, store = serve(ps_config, persist_location=persist_location(config))
+        closers += [store.close, lambda: server.stop(grace=1).wait()]
+        endpoint = f"127.0.0.1:{port}"
+        ps_client = ParamServerClient.from_config(ps_config, endpoint)
+        closers.append(ps_client.close)
+        scratch = tempfile.TemporaryDirectory(prefix="rlax-verifier-")
+        closers.append(scratch.cleanup)
+        verifier = VerifierService(config.verifiers, scratch_dir=Path(scratch.name))
+        closers.append(verifier.close)
+        trainer = Trainer(config, sink=ps_client, model=model,
+                          checkpoint_dir=run_dir / "trainer")  # fmt: skip
+        closers.append(trainer.close)
+        workers = []
+        like = nnx.to_pure_dict(nnx.split(model)[1])  # the tree the trainer publishes
+        for _ in range(config.inference.num_workers):
+            source = ParamServerWeights(ps_client, like)
+            worker = InferenceWorker(model, config.inference, eos_ids=eos_ids, weight_source=source)
+            closers.append(worker.shutdown)
+            workers.append(worker)
+    except BaseException:
+        for close in reversed(closers):
+            with contextlib.suppress(Exception):
+                close()
+        raise
+    return Components(
+        workers=workers, verifier=verifier, trainer=trainer, param_server=ps_client,
+        endpoints={"param_server": endpoint, "trainer": "in-process",
+                   "verifiers": "in-process", "inference": f"in-process x{len(workers)}"},
+        _closers=closers,
+    )  # fmt: skip
+
+
+def build_distributed(config: RunConfig) -> Components:
+    """gRPC clients to the configured endpoints, each checked within controller.rpc_timeout_s."""
+    from rlax_tpu.inference.service import InferenceClient
+    from rlax_tpu.trainer.client import TrainerClient
+    from rlax_tpu.verifiers.client import VerifierClient
+
+    c = config.controller
+    creds = Credentials(auth_token_file=c.auth_token_file)
+    timeout = c.rpc_timeout_s
+    closers: list[Callable[[], None]] = []
+    try:
+        ps = ParamServerClient(c.param_server_endpoint, credentials=creds,
+                               chunk_bytes=config.param_server.chunk_bytes,
+                               max_message_bytes=config.param_server.max_message_bytes)  # fmt: skip
+        closers.append(ps.close)
+        ps.wait_ready(timeout)
+        trainer = TrainerClient(c.trainer_endpoint, credentials=creds)
+        closers.append(trainer.close)
+        trainer.wait_ready(timeout)
+        verifier = VerifierClient(c.verifier_endpoint, credentials=creds, connect_timeout_s=timeout)
+        closers.append(verifier.close)
+        workers = []
+        for endpoint in c.inference_endpoints:
+            worker = InferenceClient(endpoint, credentials=creds)
+            closers.append(worker.close)
+            worker.wait_ready(timeout)
+            workers.append(worker)
+    except BaseException:
+        for close in reversed(closers):
+            with contextlib.suppress(Exception):
+                close()
+        raise
+    return Components(
+        workers=workers, verifier=verifier, trainer=trainer, param_server=ps,
+        endpoints={"param_server": c.param_server_endpoint, "trainer": c.trainer_endpoint,
+                   "verifiers": c.verifier_endpoint,
+                   "inference": ", ".join(c.inference_endpoints)},
+        _closers=closers,
+    )  # fmt: skip

