@@ -131,6 +131,7 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
         datasets, tokenizer, style=_style(config), language=config.data.language,
         group_size=config.algorithm.group_size, seed=cc.seed,
         max_prompt_len=config.inference.max_prompt_len,
+        stop_token_ids=sorted(tokenizer.stop_ids),  # remote workers may not have the tokenizer
     )  # fmt: skip
     fresh = SnapshotStore(run_dir / "snapshots", keep=cc.snapshot_keep).latest_step() is None
     notes: list[str] = []

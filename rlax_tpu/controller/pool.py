@@ -1,11 +1,13 @@
 """The inference workers as one pool: versioned generation jobs, failover, and rejoin.
 
-A job (version v, requests) is split round-robin over the live workers; each worker runs its
-share in job order on its own thread, loading version v first if it holds another. A worker that
-fails (unreachable, shut down, an RPC error) is marked down and its share goes to another live
-worker; a down worker is probed before each job and takes work again once it answers. Aborted
-samples (a reload elsewhere, a restart) are generated again: with per-group seeds that gives the
-same tokens, so failover does not change results.
+A job (version v, requests) is split round-robin over the live workers. Each worker serves its
+jobs in *epochs*: consecutive jobs of one version run concurrently (the engine batches them
+continuously); a job of another version waits until the earlier epoch drains, then loads its
+weights (a reload between engine steps, never under a running request). A worker that fails
+(unreachable, shut down, an RPC error) is marked down and its share goes to another live worker;
+a down worker is probed before each job and takes work again once it answers. Aborted samples are
+generated again: with per-group seeds that gives the same tokens, so failover does not change
+results.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ class WorkerPool:
         self._held: list[int | None] = [None] * len(workers)  # version each worker holds
         self._down: set[int] = set()
         self._lock = threading.Lock()
-        self._threads = [cf.ThreadPoolExecutor(1, f"gen-{i}") for i in range(len(workers))]
-        self._coordinator = cf.ThreadPoolExecutor(8, "gen-jobs")
+        self._epochs = [_Epochs() for _ in workers]
+        self._threads = cf.ThreadPoolExecutor(64, "gen")
+        self._coordinator = cf.ThreadPoolExecutor(64, "gen-jobs")
         self.generated_tokens = 0
 
     @property
@@ -55,9 +58,29 @@ class WorkerPool:
         self._probe_down()
         live = self.live or list(range(len(self.workers)))
         shares = {i: list(requests[k :: len(live)]) for k, i in enumerate(live)}
-        futures = {i: self._threads[i].submit(self._run, i, version, reqs)
-                   for i, reqs in shares.items() if reqs}  # fmt: skip
+        futures = {i: self._start(i, version, reqs) for i, reqs in shares.items() if reqs}
         return self._coordinator.submit(self._gather, version, futures)
+
+    def _start(self, i: int, version: int, requests: list[Request]) -> cf.Future:
+        ticket = self._epochs[i].join(version)
+        return self._threads.submit(self._run_in_epoch, i, ticket, version, requests)
+
+    def _run_in_epoch(self, i: int, ticket: int, version: int, requests: list[Request]
+                      ) -> tuple[list[Request], list[Rollout], Exception | None]:  # fmt: skip
+        epochs = self._epochs[i]
+        epochs.wait_turn(ticket)
+        try:
+            with epochs.load_lock:  # the epoch's first job loads its weights, the others wait
+                if self._held[i] != version:
+                    try:
+                        self.workers[i].load_weights(version)
+                    except Exception as e:
+                        self._held[i] = None
+                        return self._fail(i, requests, [], e)
+                    self._held[i] = version
+            return self._run(i, version, requests)
+        finally:
+            epochs.leave(ticket)
 
     def _gather(self, version: int, futures: dict[int, cf.Future]) -> list[Rollout]:
         out: list[Rollout] = []
@@ -78,12 +101,12 @@ class WorkerPool:
                 self._probe_down()
                 live = self.live
                 if not live:
-                    pending[i] = self._threads[i].submit(self._run, i, version, reqs)
+                    pending[i] = self._start(i, version, reqs)
                     continue
             j = live[hash(reqs[0].prompt_id) % len(live)]
             self._on_event(f"reassigning {len(reqs)} prompt groups from {self.names[i]} to "
                            f"{self.names[j]}")  # fmt: skip
-            pending[j] = self._threads[j].submit(self._run, j, version, reqs)
+            pending[j] = self._start(j, version, reqs)
         return out
 
     def _run(self, i: int, version: int, requests: list[Request]
@@ -94,9 +117,6 @@ class WorkerPool:
         todo = list(requests)
         try:
             for _attempt in range(3):
-                if self._held[i] != version:
-                    worker.load_weights(version)
-                    self._held[i] = version
                 by_key: dict[str, list[Rollout]] = {r.prompt_id: [] for r in todo}
                 for ro in worker.generate(todo, version=version):
                     by_key[ro.prompt_id].append(ro)
@@ -107,18 +127,22 @@ class WorkerPool:
                         again.append(r)  # regenerate the whole group: same seeds, same tokens
                     else:
                         done += got
-                        self.generated_tokens += sum(len(ro.tokens) for ro in got)
+                        with self._lock:
+                            self.generated_tokens += sum(len(ro.tokens) for ro in got)
                 todo = again
                 if not todo:
                     return [], done, None
-                self._held[i] = None  # someone reloaded it: ask again
             raise RuntimeError(f"{len(todo)} groups aborted three times in a row")
         except Exception as e:  # any failure takes the worker out until it answers again
-            with self._lock:
-                self._down.add(i)
-            self._held[i] = None
-            self._on_event(f"inference {self.names[i]} failed and is out of the pool: {e}")
-            return todo, done, e
+            return self._fail(i, todo, done, e)
+
+    def _fail(self, i: int, todo: list[Request], done: list[Rollout], e: Exception
+              ) -> tuple[list[Request], list[Rollout], Exception]:  # fmt: skip
+        with self._lock:
+            self._down.add(i)
+        self._held[i] = None
+        self._on_event(f"inference {self.names[i]} failed and is out of the pool: {e}")
+        return todo, done, e
 
     def _probe_down(self) -> None:
         with self._lock:
@@ -135,5 +159,35 @@ class WorkerPool:
 
     def close(self) -> None:
         self._coordinator.shutdown(wait=False, cancel_futures=True)
-        for t in self._threads:
-            t.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+class _Epochs:
+    """Per-worker FIFO of version epochs: jobs of the head epoch run, later epochs wait."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[list[int]] = []  # [version, jobs not finished]
+        self._first = 0  # ticket (epoch number) of the head
+        self.load_lock = threading.Lock()
+
+    def join(self, version: int) -> int:
+        with self._cond:
+            if self._queue and self._queue[-1][0] == version:
+                self._queue[-1][1] += 1
+            else:
+                self._queue.append([version, 1])
+            return self._first + len(self._queue) - 1
+
+    def wait_turn(self, ticket: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: ticket == self._first)
+
+    def leave(self, ticket: int) -> None:
+        with self._cond:
+            head = self._queue[ticket - self._first]
+            head[1] -= 1
+            if ticket == self._first and head[1] == 0:
+                self._queue.pop(0)
+                self._first += 1
+                self._cond.notify_all()

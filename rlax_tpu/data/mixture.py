@@ -26,11 +26,13 @@ class PromptRef:
     problem_id: str
     epoch: int
     ordinal: int
+    retry: int = 0  # re-issues of this prompt issue after a discard (0: the original)
 
     @property
     def key(self) -> str:
         """Unique and stable name of this issue of the prompt (ledger key, RNG stream name)."""
-        return f"{self.dataset}/{self.problem_id}#{self.ordinal}"
+        base = f"{self.dataset}/{self.problem_id}#{self.ordinal}"
+        return f"{base}~{self.retry}" if self.retry else base
 
 
 def stream_seed(root_seed: int, *names: str | int) -> int:

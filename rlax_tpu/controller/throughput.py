@@ -1,0 +1,112 @@
+"""Throughput mode: continuous generation under the admission budget (DESIGN.md §3).
+
+Workers hold the newest reload point w = η_r·⌊v/η_r⌋ of the trainer's version v. A prompt group is
+admitted only while the groups queued ahead of the trainer (in flight + buffered, q) satisfy
+q < B·(η_a − (v − w) + 1) (``StalenessPolicy.admits``; AReaL's B·(1 + η_a) when w = v), so a
+rollout is rarely too stale by the time the trainer reaches it. The trainer takes B groups within
+η_a, oldest first (or freshest first, RLAX's choice). A group that aged out anyway is discarded,
+counted, and its prompt re-issued ahead of new prompts, never lost; the length distribution of
+trained vs generated rollouts is logged so the bias that discarding could cause is visible.
+Not bitwise reproducible (timing decides which groups share a step), but the ledger guarantees no
+group is lost or trained twice, across restarts too.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from rlax_tpu.controller.ledger import GroupState
+from rlax_tpu.data.mixture import PromptRef
+from rlax_tpu.observability.metrics import MetricsWriter
+from rlax_tpu.observability.progress import Progress
+
+if TYPE_CHECKING:
+    from rlax_tpu.controller.loop import Controller
+
+
+def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) -> None:
+    cc, policy = ctl.cc, ctl.policy
+    batch, n = cc.prompts_per_step, cc.num_steps
+    chunk = max(1, batch // 2)
+    reissue: collections.deque[PromptRef] = collections.deque()
+    for key in ctl.ledger.unfinished():  # from a snapshot: generated again, newest weights
+        if ctl.ledger[key].state is GroupState.IN_FLIGHT:
+            ctl.ledger.requeue(key)
+        reissue.append(ctl.refs[key])
+    jobs: dict[cf.Future, int] = {}  # future -> number of groups
+    finish_seq = {}  # group key -> order it was buffered in, for the consumption order
+    ctl.ensure_versions([ctl.version, policy.reload_point(ctl.version)])
+    last_log, tokens_at_log = time.perf_counter(), ctl.pool.generated_tokens
+    generated_lengths: list[float] = []
+    while ctl.step < n:
+        if ctl._eval_due():
+            ctl._log_eval(metrics, progress)
+        v = ctl.version
+        w = policy.reload_point(v)
+        in_flight = sum(jobs.values())
+        queued = in_flight + len(ctl.buffered)
+        while policy.admits(queued, batch, v, w):
+            k = min(chunk, max(1, int(min(policy.admission_budget(batch, v, w), 1e9)) - queued))
+            refs = [reissue.popleft() if reissue else ctl.issue(1)[0] for _ in range(k)]
+            jobs[ctl._launch(refs, w, issued_version=v)] = len(refs)
+            queued += len(refs)
+        ctl.lease({w, *(r.version for r in ctl.buffered.values())})
+        t_wait = time.perf_counter()
+        ready = _take_ready(ctl, v)
+        while len(ready) < batch:
+            done, _ = cf.wait(list(jobs), return_when=cf.FIRST_COMPLETED)
+            for fut in done:
+                del jobs[fut]
+                for r in fut.result():
+                    ctl.ledger.finish(r.key, version=r.version)
+                    ctl.buffered[r.key] = r
+                    finish_seq[r.key] = len(finish_seq)
+                    generated_lengths += [float(len(ro.tokens)) for ro in r.rollouts]
+            _discard_stale(ctl, v, reissue)
+            ready = _take_ready(ctl, v)
+            if len(ready) < batch and not jobs:
+                break  # everything admitted is buffered: admit more
+        if len(ready) < batch:
+            continue
+        wait_s = time.perf_counter() - t_wait
+        ready.sort(key=lambda r: (r.version if cc.consume_order == "oldest_first" else -r.version,
+                                  finish_seq.get(r.key, 0)))  # fmt: skip
+        chosen = ready[:batch]
+        ctl.counters.tokens_generated = ctl.pool.generated_tokens
+        ctl.snapshot()
+        scalars, hist = ctl.step_metrics(chosen)
+        now = time.perf_counter()
+        scalars["throughput/tokens_per_s"] = (ctl.pool.generated_tokens - tokens_at_log) / max(
+            now - last_log, 1e-9
+        )
+        last_log, tokens_at_log = now, ctl.pool.generated_tokens
+        hist["lengths/trained"] = [float(len(ro.tokens)) for r in chosen for ro in r.rollouts]
+        hist["lengths/generated"], generated_lengths = generated_lengths, []
+        scalars |= ctl.train(chosen) | {"time/wait": wait_s, "groups/queued": float(queued)}
+        ctl._log(metrics, progress, scalars, hist)
+    if ctl._eval_due():
+        ctl._log_eval(metrics, progress)
+    ctl.snapshot()
+
+
+def _take_ready(ctl: Controller, version: int) -> list:
+    return [r for r in ctl.buffered.values() if ctl.policy.accepts(version, r.version)]
+
+
+def _discard_stale(ctl: Controller, version: int, reissue: collections.deque) -> None:
+    """Last resort: a buffered group past η_a is discarded and its prompt re-issued first."""
+    for key, r in list(ctl.buffered.items()):
+        if ctl.policy.accepts(version, r.version):
+            continue
+        again = dataclasses.replace(r.ref, retry=r.ref.retry + 1)
+        ctl.ledger.issue(again.key)
+        ctl.refs[again.key] = again
+        ctl.ledger.discard(key, reason="stale", replaced_by=again.key)
+        del ctl.buffered[key]
+        ctl.refs.pop(key, None)
+        ctl.counters.groups_discarded_stale += 1
+        reissue.appendleft(again)
