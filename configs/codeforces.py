@@ -85,7 +85,7 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     cfg.controller.update(
         run_dir="gs://YOUR_BUCKET/runs/codeforces", num_steps=1000, prompts_per_step=64,
         mode="throughput", reload_staleness=16, acceptance_staleness=32, pipeline_depth=1,
-        consume_order="freshest_first", transport="distributed",
+        consume_order="freshest_first", transport="distributed", snapshot_keep=12,
         inference_endpoints=tuple(f"rlax-inference-{i}.rlax:50051" for i in range(32)),
         param_server_endpoint="rlax-param-server.rlax:50052", trainer_endpoint="rlax-trainer.rlax:50053",
         verifier_endpoint="rlax-verifiers.rlax:50054", auth_token_file="/var/run/secrets/rlax/token",

@@ -650,6 +650,28 @@ class RunConfig:
                     f"multiple of model.num_kv_heads ({kv})",
                     tp,
                 )
+        if ctl.snapshot_keep < self.trainer.checkpoint_every + 1:
+            raise ConfigError(
+                "controller.snapshot_keep",
+                "a resume needs a snapshot whose version has a trainer checkpoint: keep at least "
+                f"trainer.checkpoint_every + 1 = {self.trainer.checkpoint_every + 1}",
+                ctl.snapshot_keep,
+            )
+        needed_versions = ctl.pipeline_depth * (ctl.mode == "deterministic") + ctl.reload_staleness
+        if ctl.transport == "local" and self.trainer.keep_checkpoints < needed_versions:
+            raise ConfigError(
+                "trainer.keep_checkpoints",
+                "with the local transport a resumed run republishes the versions its unfinished "
+                "work was generated with from the trainer's checkpoints: keep at least "
+                f"pipeline_depth + reload_staleness = {needed_versions}",
+                self.trainer.keep_checkpoints,
+            )
+        if self.data.language not in self.verifiers.languages:
+            raise ConfigError(
+                "data.language",
+                f"the verifiers do not run it (verifiers.languages = {self.verifiers.languages})",
+                self.data.language,
+            )
         if (
             self.data.replay
             and ctl.acceptance_staleness == UNBOUNDED

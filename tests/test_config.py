@@ -345,14 +345,27 @@ def test_component_combinations(overrides, message):
     expect_error(overrides, message)
 
 
+def test_resume_needs_snapshots_and_checkpoints_that_meet():
+    with pytest.raises(ConfigError, match=r"controller.snapshot_keep = 2: .* at least "
+                       r"trainer.checkpoint_every \+ 1 = 3"):  # fmt: skip
+        build({"trainer.checkpoint_every": 2, "controller.snapshot_keep": 2})
+    with pytest.raises(ConfigError, match=r"trainer.keep_checkpoints = 2: .* republishes .* "
+                       r"pipeline_depth \+ reload_staleness = 3"):  # fmt: skip
+        build({"controller.reload_staleness": 2, "controller.acceptance_staleness": 4})
+    with pytest.raises(ConfigError, match=r"data.language = 'java': the verifiers do not run it"):
+        build({"data.language": "java", "verifiers.languages": ("python",)})
+
+
 def test_staleness_settings_that_can_progress():
     on_policy = build({"controller.acceptance_staleness": 0, "controller.pipeline_depth": 0})
     assert on_policy.controller.acceptance_bound == 0
-    paper = build({"controller.reload_staleness": 16, "controller.acceptance_staleness": 32})
+    paper = build({"controller.reload_staleness": 16, "controller.acceptance_staleness": 32,
+                   "trainer.keep_checkpoints": 17})  # fmt: skip
     assert paper.controller.acceptance_bound == 32
     unbounded = build(
-        {"controller.acceptance_staleness": C.UNBOUNDED, "controller.pipeline_depth": 5}
-    )
+        {"controller.acceptance_staleness": C.UNBOUNDED, "controller.pipeline_depth": 5,
+         "trainer.keep_checkpoints": 6}
+    )  # fmt: skip
     assert unbounded.controller.acceptance_bound == float("inf")
     # Throughput mode has no pipeline formula to satisfy.
     build({"controller.acceptance_staleness": 0, "controller.mode": "throughput"})

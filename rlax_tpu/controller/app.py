@@ -6,12 +6,16 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+import jax
+import numpy as np
 
 from rlax_tpu import models
 from rlax_tpu.config import RunConfig, to_dict
@@ -156,6 +160,8 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
         controller = Controller(config, comps, prompter, run_dir=run_dir, progress_stream=out,
                                 on_event=lambda t: print(t, file=out, flush=True))  # fmt: skip
         summary = controller.run()
+        if cc.transport == "local":
+            summary.weights_sha256 = params_sha256(comps.trainer.params())
     finally:
         comps.close()
     if summary.already_finished:
@@ -167,6 +173,17 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
     report = write_report(run_dir, info, summary=_summary_dict(summary))
     print_summary(summary, report, out)
     return summary
+
+
+def params_sha256(params: Any) -> str:
+    """SHA-256 over a parameter tree's paths, dtypes, shapes and bytes (bitwise identity)."""
+    digest = hashlib.sha256()
+    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params),
+                             key=lambda kv: jax.tree_util.keystr(kv[0])):  # fmt: skip
+        a = np.asarray(jax.device_get(leaf))
+        digest.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
 
 
 def _describe(config: RunConfig) -> str:
@@ -194,5 +211,7 @@ def print_summary(s: RunSummary, report: Path, out: TextIO) -> None:
         if p0 is not None and p1 is not None:
             lines.append(f"held-out pass@1: {p0:.3f} at version {first} -> {p1:.3f} at version "
                          f"{last} ({100 * (p1 - p0):+.1f} points)")  # fmt: skip
+    if s.weights_sha256:
+        lines.append(f"final weights sha256: {s.weights_sha256}")
     lines += [f"report: {report}", f"run directory: {s.run_dir}", "=" * 72]
     print("\n".join(lines), file=out, flush=True)

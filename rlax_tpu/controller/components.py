@@ -1,7 +1,8 @@
 """The two transports: the same set of components, in this process or behind gRPC endpoints.
 
 ``local``: a parameter server (a real gRPC server on 127.0.0.1, so weights travel the same path as
-in production), the trainer, the inference workers and the verifier service, all in this process.
+in production; in memory only, the trainer's checkpoints being the persistent copy), the trainer,
+the inference workers and the verifier service, all in this process.
 ``distributed``: gRPC clients to the endpoints of ``controller.*_endpoint``; a component that does
 not answer raises ``ComponentUnreachable`` naming it and its endpoint.
 """
@@ -69,14 +70,16 @@ def build_local(
 ) -> Components:
     """Every component in this process; the parameter server on a loopback port."""
     from rlax_tpu.inference.worker import InferenceWorker
-    from rlax_tpu.param_server.service import persist_location, serve
+    from rlax_tpu.param_server.service import serve
     from rlax_tpu.trainer.trainer import Trainer
     from rlax_tpu.verifiers.service import VerifierService
 
     closers: list[Callable[[], None]] = []
     try:
         ps_config = dataclasses.replace(config.param_server, address="127.0.0.1:0")
-        server, port, store = serve(ps_config, persist_location=persist_location(config))
+        # No write-through here: in one process the trainer's checkpoints are the persistent
+        # copy, and a resumed run republishes the versions it needs from them.
+        server, port, store = serve(ps_config, persist_location="")
         closers += [store.close, lambda: server.stop(grace=1).wait()]
         endpoint = f"127.0.0.1:{port}"
         ps_client = ParamServerClient.from_config(ps_config, endpoint)

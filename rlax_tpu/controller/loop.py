@@ -23,7 +23,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ class Counters:
     groups_filtered: int = 0
     groups_verifier_failed: int = 0
     tokens_generated: int = 0
+    prompts_too_long: int = 0  # drawn from the mixture but longer than inference.max_prompt_len
     last_eval_version: int = -1
     warmup_ran: bool = False
 
@@ -80,6 +81,7 @@ class RunSummary:
     counters: dict[str, Any]
     evals: dict[int, dict[str, float]]  # version -> eval metrics
     wall_s: float
+    weights_sha256: str = ""  # of the final parameters (local transport), for reproducibility
 
 
 class Controller:
@@ -194,16 +196,17 @@ class Controller:
         missing = sorted(set(versions) - have)
         if not missing:
             return
-        current = self.c.trainer.status().step
-        for v in missing:
+        current = at = self.c.trainer.status().step
+        for v in missing:  # ascending: the server takes only versions newer than its newest
             self._event(f"publishing version {v} (the parameter server does not have it)")
-            if v != current:
-                self.c.trainer.restore(v)
+            if v != at:
+                at = self.c.trainer.restore(v)
             self.c.trainer.publish()
-        if missing != [current]:
+        if at != current:
             self.c.trainer.restore(current)
 
-    def lease(self, versions: Sequence[int]) -> None:
+    def lease(self, versions: Iterable[int]) -> None:
+        versions = list(versions)
         try:
             self.c.param_server.lease("controller", sorted(set(versions)))
         except Exception as e:  # a lease is an optimization of GC, not needed for correctness
@@ -245,6 +248,7 @@ class Controller:
         for _ in range(1000):
             if self.prompter.fits(self.prompter.problem(ref)):
                 return ref
+            self.counters.prompts_too_long += 1
             ref = self.mixture.next()
         raise RuntimeError("1000 prompts in a row exceed inference.max_prompt_len")
 
@@ -352,7 +356,8 @@ class Controller:
             buffered_by_step[self.ledger[key].step].append(g)
         n = self.cc.num_steps
         ahead = range(self.step, min(n, self.step + self.policy.pipeline_depth + 1))
-        needed = [self.policy.generation_version(t) for t in [*pending, *ahead]]
+        todo = [*pending, *(t for t in ahead if t not in buffered_by_step)]
+        needed = [self.policy.generation_version(t) for t in todo]
         self.ensure_versions([self.version, *needed])
         for t in sorted(pending):
             self._jobs[t] = self._launch(pending[t], self.policy.generation_version(t))
