@@ -2,16 +2,18 @@
 
 Serves generate (streaming), load_weights(version), status and shutdown on inference.address
 (127.0.0.1 unless credentials are configured), and prints the bound address. The model comes
-from the run config's model section (served as version 0); this process has no weight source
-(components never import each other: the parameter-server client is wired in by the
-controller), so load_weights of any other version answers NOT_FOUND. Stops on SIGTERM, SIGINT
-or a Shutdown call.
+from the run config's model section (served as version 0). With
+``controller.param_server_endpoint`` set, load_weights(v) pulls version v from that parameter
+server (with the credentials of the ``param_server`` section), shaped like the model's own
+parameters; without one, load_weights of any other version answers NOT_FOUND. Stops on SIGTERM,
+SIGINT or a Shutdown call.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from typing import Any
 
 from rlax_tpu import cli
 from rlax_tpu.config import RunConfig
@@ -20,10 +22,44 @@ from rlax_tpu.inference.worker import InferenceWorker
 from rlax_tpu.rpc.transport import Credentials
 
 
+class ParamServerWeights:
+    """A WeightSource that pulls versions from the parameter server as pytrees shaped like
+    ``like`` (the model's pure parameter dict: the tree the trainer publishes), each array
+    placed on one device (the engine's)."""
+
+    def __init__(self, client: Any, like: Any, *, not_found: type[Exception],
+                 device: Any = None):  # fmt: skip
+        import jax
+
+        self.client, self.not_found = client, not_found
+        sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+        self.shardings = jax.tree.map(lambda _: sharding, like)
+
+    def fetch(self, version: int) -> Any:
+        try:
+            return self.client.pull(version, self.shardings)
+        except self.not_found as e:  # the worker answers NOT_FOUND for a KeyError
+            raise KeyError(f"the parameter server has no version {version}: {e}") from e
+
+
 def run(config: RunConfig, args: list[str]) -> int:
     del args
     cfg = config.inference
     worker = InferenceWorker.from_config(config)
+    client = None
+    if config.controller.param_server_endpoint:
+        # The composition root may use another component's published client (allowed by name
+        # in pyproject's import-linter contracts, like the trainer's sink).
+        from flax import nnx
+
+        from rlax_tpu.param_server import client as ps_client
+
+        client = ps_client.ParamServerClient.from_config(
+            config.param_server, config.controller.param_server_endpoint
+        )
+        like = nnx.to_pure_dict(worker.engine.state)  # version 0's tree, before serving
+        worker.weight_source = ParamServerWeights(client, like,
+                                                  not_found=ps_client.errors.NotFound)  # fmt: skip
     stop = threading.Event()
     server, port = serve(
         worker, cfg.address,
@@ -35,11 +71,14 @@ def run(config: RunConfig, args: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     host = cfg.address.rsplit(":", 1)[0]
     status = worker.status()
+    source = f", weights from {config.controller.param_server_endpoint}" if client else ""
     print(f"rlax_tpu.inference: serving on {host}:{port} (backend {status.backend}, "
-          f"version {status.version}, {status.pages_total} KV pages)", flush=True)  # fmt: skip
+          f"version {status.version}, {status.pages_total} KV pages{source})", flush=True)  # fmt: skip
     stop.wait()
     worker.shutdown()
     server.stop(grace=2.0).wait()
+    if client is not None:
+        client.close()
     return 0
 
 

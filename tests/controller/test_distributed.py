@@ -1,0 +1,207 @@
+"""The controller's distributed transport against every component as its own process on 127.0.0.1.
+
+Each service is started with `python -m rlax_tpu.<component>` (ephemeral port, parsed from the
+line it prints once it serves), all with the same run directory and model section, so the trainer
+and the inference worker initialize the same version-0 weights; then `python -m
+rlax_tpu.controller --config.controller.transport=distributed` runs a tiny job against them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from rlax_tpu.inference.service import InferenceClient
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = "--config=configs/codeforces.py:local"
+READY_TIMEOUT_S = 120
+ADDRESS = re.compile(r"(127\.0\.0\.1:\d+)")
+
+
+def _env() -> dict[str, str]:
+    # One CPU device per process (conftest forces 8 for in-process tests): the services share
+    # two cores, and nothing here needs a mesh.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+class Service:
+    """A `python -m rlax_tpu.<module>` child whose merged stdout/stderr is drained by a thread
+    (kept for failure messages)."""
+
+    def __init__(self, module: str, args: list[str]):
+        self.module = module
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", f"rlax_tpu.{module}", CONFIG, *args],
+            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self._terminated = False
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def output(self) -> str:
+        return "".join(self.lines)[-4000:]
+
+    def wait_for(self, marker: str, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """The host:port of the first line containing ``marker``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{self.module}: no {marker!r} line within {timeout_s} s:\n"
+                                     f"{self.output()}") from None  # fmt: skip
+            if line is None:
+                raise AssertionError(f"{self.module} exited ({self.proc.wait()}) before "
+                                     f"printing {marker!r}:\n{self.output()}")  # fmt: skip
+            if marker in line and (m := ADDRESS.search(line)):
+                return m.group(1)
+
+    def terminate(self) -> None:
+        """One SIGTERM (a second one could land after the service's handler is gone, while
+        the interpreter shuts down, and kill it)."""
+        if not self._terminated and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``."""
+        self.terminate()
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(timeout=5)
+
+
+def _workload(run_dir: Path) -> list[str]:
+    """Overrides every process gets: one run directory, one model (seeded init), a tiny job."""
+    return [
+        f"--config.controller.run_dir={run_dir}",
+        "--config.controller.num_steps=2",
+        "--config.controller.prompts_per_step=2",
+        "--config.algorithm.group_size=2",
+        "--config.trainer.micro_batch_size=4",
+        "--config.model.num_layers=1",  # compile time grows with the (unrolled) layers
+        "--config.inference.max_new_tokens=16",
+        "--config.inference.max_concurrent_seqs=8",
+        "--config.data.eval_problems=4",
+        "--config.data.eval_samples=2",
+    ]
+
+
+def _controller(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rlax_tpu.controller", CONFIG,
+         "--config.controller.transport=distributed", *args],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+
+
+def test_distributed_run_against_separate_processes(tmp_path):
+    run_dir = tmp_path / "run"
+    common = _workload(run_dir)
+    services: list[Service] = []
+    try:
+        ps = Service("param_server", [*common, "--config.param_server.address=127.0.0.1:0"])
+        services.append(ps)
+        ps_endpoint = ps.wait_for("param_server listening on")
+        wired = [*common, f"--config.controller.param_server_endpoint={ps_endpoint}"]
+        uid = 1_800_000 + (os.getpid() % 100_000) * 8
+        trainer = Service("trainer", [*wired, "--config.trainer.address=127.0.0.1:0"])
+        services.append(trainer)
+        verifiers = Service("verifiers", [
+            *wired, "--config.verifiers.address=127.0.0.1:0", f"--config.verifiers.sandbox_uid={uid}",
+            "--config.verifiers.workers=2",
+        ])  # fmt: skip
+        services.append(verifiers)
+        inference = Service("inference", [*wired, "--config.inference.address=127.0.0.1:0"])
+        services.append(inference)
+        endpoints = {
+            "trainer": trainer.wait_for("rlax_tpu.trainer: serving on"),
+            "verifier": verifiers.wait_for("verifiers serving on"),
+            "inference": inference.wait_for("rlax_tpu.inference: serving on"),
+        }
+        done = _controller([
+            *wired,
+            f"--config.controller.trainer_endpoint={endpoints['trainer']}",
+            f"--config.controller.verifier_endpoint={endpoints['verifier']}",
+            f"--config.controller.inference_endpoints=('{endpoints['inference']}',)",
+        ], timeout_s=300)  # fmt: skip
+        logs = "\n".join(f"--- {s.module}:\n{s.output()}" for s in services)
+        assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}\n{logs}"
+        assert "run finished: 2 updates" in done.stdout, done.stdout[-4000:]
+        assert (run_dir / "report.md").is_file()
+        # Same seeded init in trainer and worker: the trainer's recomputed log-probs of
+        # version-0 rollouts match the worker's.
+        records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        step1 = next(
+            r["scalars"] for r in records if r["step"] == 1 and "reward/mean" in r["scalars"]
+        )
+        assert step1["trainer/logp_old_behaviour_diff_max"] < 1e-3, step1
+        # The worker pulled the final version from the parameter server (for the last eval).
+        worker = InferenceClient(endpoints["inference"])
+        try:
+            assert worker.status().version == 2
+        finally:
+            worker.close()
+    finally:
+        for s in services:
+            s.terminate()
+        for s in services:
+            s.stop()
+    for s in services:  # every service stops cleanly on SIGTERM
+        assert s.proc.returncode == 0, f"{s.module} exited {s.proc.returncode}:\n{s.output()}"
+
+
+def test_unreachable_trainer_is_named(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once s is closed
+    # The parameter server (checked first) only has to accept a connection: any gRPC server.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    answering = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        t0 = time.monotonic()
+        done = _controller([
+            f"--config.controller.run_dir={tmp_path / 'run'}",
+            "--config.controller.rpc_timeout_s=3",
+            f"--config.controller.param_server_endpoint={answering}",
+            f"--config.controller.trainer_endpoint={closed}",
+            f"--config.controller.verifier_endpoint={closed}",
+            f"--config.controller.inference_endpoints=('{closed}',)",
+        ], timeout_s=120)  # fmt: skip
+        elapsed = time.monotonic() - t0
+    finally:
+        server.stop(None)
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert "rlax_tpu.controller: error:" in done.stderr, done.stderr[-2000:]
+    error = done.stderr.split("rlax_tpu.controller: error:", 1)[1]
+    assert "trainer" in error and closed in error, error
+    assert elapsed < 60, elapsed
