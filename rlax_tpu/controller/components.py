@@ -66,9 +66,11 @@ class Components:
 
 
 def build_local(
-    config: RunConfig, *, model: models.Transformer, eos_ids: Collection[int], run_dir: Path
-) -> Components:
-    """Every component in this process; the parameter server on a loopback port."""
+    config: RunConfig, *, model: models.Transformer, eos_ids: Collection[int], run_dir: Path,
+    trainer_devices: list[jax.Device] | None = None,
+) -> Components:  # fmt: skip
+    """Every component in this process; the parameter server on a loopback port. The trainer's
+    mesh spans ``trainer_devices`` (default: every device)."""
     from rlax_tpu.inference.worker import InferenceWorker
     from rlax_tpu.param_server.service import serve
     from rlax_tpu.trainer.trainer import Trainer
@@ -88,7 +90,7 @@ def build_local(
         closers.append(scratch.cleanup)
         verifier = VerifierService(config.verifiers, scratch_dir=Path(scratch.name))
         closers.append(verifier.close)
-        trainer = Trainer(config, sink=ps_client, model=model,
+        trainer = Trainer(config, sink=ps_client, model=model, devices=trainer_devices,
                           checkpoint_dir=run_dir / "trainer")  # fmt: skip
         closers.append(trainer.close)
         workers = []

@@ -404,9 +404,10 @@ class Controller:
         if m:
             metrics.write(self.version, m)
             k = self.config.data.eval_samples
+            more = f", pass@{k} {m[f'eval/pass@{k}']:.3f}" if k > 1 else ""
             progress.message(
-                f"eval at version {self.version}: held-out pass@1 {m['eval/pass@1']:.3f}, "
-                f"pass@{k} {m[f'eval/pass@{k}']:.3f} on {int(m['eval/problems'])} problems"
+                f"eval at version {self.version}: held-out pass@1 {m['eval/pass@1']:.3f}{more} "
+                f"on {int(m['eval/problems'])} problems"
             )
 
     # ------------------------------------------------------------------ entry
