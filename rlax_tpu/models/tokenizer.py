@@ -167,14 +167,17 @@ class Tokenizer:
 
     @classmethod
     def train_bpe(
-        cls, texts: Iterable[str], vocab_size: int = 512, specials: Sequence[str] = TRAINED_SPECIALS
-    ) -> Tokenizer:
+        cls, texts: Iterable[str], vocab_size: int = 512, specials: Sequence[str] = TRAINED_SPECIALS,
+        *, split_digits: bool = False,
+    ) -> Tokenizer:  # fmt: skip
         """A byte-level BPE trained on ``texts`` (deterministic; any text encodes, no unknowns).
 
         Specials take the first ids; eos = bos = <|endoftext|>, pad = <|pad|> when present.
+        ``split_digits``: numbers become one token per digit (Qwen2's pre-tokenizer split, as in
+        Llama / Qwen vocabularies), so numbers unseen in training are made of seen tokens.
         """
         backend = HFTokenizer(models.BPE())
-        backend.pre_tokenizer = _byte_level(_GPT2_PATTERN)
+        backend.pre_tokenizer = _byte_level(_QWEN2_PATTERN if split_digits else _GPT2_PATTERN)
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,

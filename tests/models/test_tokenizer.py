@@ -91,3 +91,18 @@ def test_bad_tokenizer_files(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(ModelLoadError, match=r"tokenizer\.json: not a valid tokenizer\.json"):
         Tokenizer.from_file(tmp_path)
+
+
+def test_trained_bpe_can_split_digits():
+    corpus = [f"print(x + {i})\nprint(x * {i * 7})\n" for i in range(300)]
+    default = Tokenizer.train_bpe(corpus, vocab_size=400)
+    split = Tokenizer.train_bpe(corpus, vocab_size=400, split_digits=True)
+    # By default numbers merge into multi-digit tokens; split, every digit is its own token.
+    assert any(len(default.decode([i]).strip()) > 1 for i in default.encode(" 2024"))
+    text = "print(x + 2024)\nprint(x - 93817)\n"
+    ids = split.encode(text)
+    assert split.decode(ids) == text
+    digits = [split.decode([i]) for i in ids if any(c.isdigit() for c in split.decode([i]))]
+    assert digits == list("202493817")
+    again = Tokenizer.train_bpe(corpus, vocab_size=400, split_digits=True)
+    assert split.backend.to_str() == again.backend.to_str()

@@ -1,0 +1,87 @@
+"""The demo's warm-up: a digit-splitting tokenizer and a supervised warm-up that learns,
+is deterministic, and leaves the caller's model untouched."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlax_tpu import models
+from rlax_tpu.controller.tasks import prompt_text
+from rlax_tpu.controller.warmup import build_tokenizer, supervised_warmup
+from rlax_tpu.data.procedural import procedural_problems
+
+CFG = models.preset("tiny", num_layers=2)  # vocab 512
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return procedural_problems("train", k_max=12, templates=("add", "mul"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(problems):
+    texts = [prompt_text(p, style="raw") + p.reference_solutions[0].code + "```" for p in problems]
+    return build_tokenizer(texts, vocab_size=CFG.vocab_size)
+
+
+def _examples(problems, tok):
+    return [
+        (
+            tok.encode(prompt_text(p, style="raw")),
+            tok.encode(p.reference_solutions[0].code + "```") + [tok.eos_id],
+        )
+        for p in problems
+    ]
+
+
+def _params(model):
+    return jax.tree.leaves(jax.device_get(nnx.state(model)))
+
+
+def test_tokenizer_splits_digits_and_round_trips(tokenizer):
+    assert tokenizer.vocab_size <= CFG.vocab_size
+    for text in ["Read an integer x. Print x + 1234.\n```python\n", "print(x * 58)\n```", "é 0"]:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    pieces = [tokenizer.decode([i]) for i in tokenizer.encode("print(x + 1234)")]
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == ["1", "2", "3", "4"]
+    assert tokenizer.eos_id is not None and tokenizer.eos_id in tokenizer.stop_ids
+
+
+def test_warmup_learns_is_deterministic_and_leaves_the_input_alone(problems, tokenizer):
+    examples = _examples(problems[:8], tokenizer)
+    model = models.init_model(CFG, seed=0)
+    before = _params(model)
+    runs = []
+    for _ in range(2):
+        losses: list[float] = []
+        trained = supervised_warmup(
+            model, examples, steps=60, batch_size=8, learning_rate=3e-3, seed=1,
+            on_step=lambda _, loss, losses=losses: losses.append(loss),
+        )  # fmt: skip
+        runs.append((trained, losses))
+    (a, losses), (b, losses_b) = runs
+    assert len(losses) == 60 and losses == losses_b
+    assert losses[-1] < 0.1 * losses[0]
+    for x, y in zip(_params(a), _params(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(before, _params(model), strict=True):  # the caller's model is unchanged
+        np.testing.assert_array_equal(x, y)
+    # Greedy decoding reproduces a training completion.
+    prompt, completion = examples[3]
+    generated, _ = models.greedy_generate(
+        a, prompt, max_new_tokens=len(completion) + 4, stop_ids=tokenizer.stop_ids
+    )
+    assert generated == completion
+
+
+def test_warmup_rejects_bad_input(tokenizer):
+    model = models.init_model(CFG, seed=0)
+    with pytest.raises(ValueError, match="no examples"):
+        supervised_warmup(model, [], steps=1, batch_size=1, learning_rate=1e-3, seed=0)
+    with pytest.raises(ValueError, match="prompt and a completion"):
+        supervised_warmup(model, [([1], [])], steps=1, batch_size=1, learning_rate=1e-3, seed=0)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        supervised_warmup(model, [([1], [2])], steps=0, batch_size=1, learning_rate=1e-3, seed=0)
