@@ -51,6 +51,18 @@ def expect_error(overrides: dict[str, object], message: str) -> ConfigError:
 # Presets
 
 
+def test_smollm2_math_presets_validate_and_find_the_packaged_weights():
+    spec = importlib.util.spec_from_file_location(
+        "smollm2_cfg", REPO / "configs" / "smollm2_math.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for preset in mod.PRESETS:
+        cfg = from_dict(RunConfig, mod.get_config(preset))
+        assert cfg.model.weights_format == "gguf" and Path(cfg.model.weights_path).is_file()
+        assert cfg.data.datasets == ("reasoning_gym:basic_arithmetic",)
+
+
 def test_presets_validate():
     mod = _codeforces()
     local = from_dict(RunConfig, mod.get_config("local"))
@@ -634,8 +646,12 @@ def test_param_server_persist_keep_must_be_non_negative():
 
 def test_verifier_request_limit_maxima():
     cfg = build({}).verifiers
-    assert cfg.max_time_limit_s >= cfg.time_limit_s and cfg.max_memory_limit_mb >= cfg.memory_limit_mb
-    expect_error({"verifiers.max_time_limit_s": 0.0}, "verifiers.max_time_limit_s = 0.0: must be > 0")
+    assert (
+        cfg.max_time_limit_s >= cfg.time_limit_s and cfg.max_memory_limit_mb >= cfg.memory_limit_mb
+    )
+    expect_error(
+        {"verifiers.max_time_limit_s": 0.0}, "verifiers.max_time_limit_s = 0.0: must be > 0"
+    )
     expect_error(
         {"verifiers.max_time_limit_s": float("inf")},
         "verifiers.max_time_limit_s = inf: must be finite and >= time_limit_s (2.0)",
