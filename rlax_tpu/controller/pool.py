@@ -12,10 +12,12 @@ results.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 
 from rlax_tpu.controller.ports import InferencePort
@@ -84,29 +86,26 @@ class WorkerPool:
 
     def _gather(self, version: int, futures: dict[int, cf.Future]) -> list[Rollout]:
         out: list[Rollout] = []
-        pending = dict(futures)
+        pending = collections.deque(futures.items())  # (worker, future); a worker may recur
         deadline = time.monotonic() + self.retry_s
         while pending:
-            i, fut = next(iter(pending.items()))
-            del pending[i]
+            i, fut = pending.popleft()
             reqs, rollouts, error = fut.result()
             out += rollouts
             if error is None:
                 continue
             live = [j for j in self.live if j != i] or self.live
-            if not live:
+            while not live:
                 if time.monotonic() > deadline:
                     raise NoWorkers(f"every inference worker is down (last error: {error})")
-                time.sleep(1.0)
+                time.sleep(min(1.0, self.retry_s))
                 self._probe_down()
                 live = self.live
-                if not live:
-                    pending[i] = self._start(i, version, reqs)
-                    continue
-            j = live[hash(reqs[0].prompt_id) % len(live)]
-            self._on_event(f"reassigning {len(reqs)} prompt groups from {self.names[i]} to "
-                           f"{self.names[j]}")  # fmt: skip
-            pending[j] = self._start(j, version, reqs)
+            j = live[zlib.crc32(reqs[0].prompt_id.encode()) % len(live)]
+            if j != i:
+                self._on_event(f"reassigning {len(reqs)} prompt groups from {self.names[i]} "
+                               f"to {self.names[j]}")  # fmt: skip
+            pending.append((j, self._start(j, version, reqs)))
         return out
 
     def _run(self, i: int, version: int, requests: list[Request]

@@ -1,0 +1,114 @@
+"""The worker pool: versioned jobs over real inference workers, failover and rejoin."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlax_tpu import models
+from rlax_tpu.config import InferenceConfig
+from rlax_tpu.controller.pool import NoWorkers, WorkerPool
+from rlax_tpu.inference.sampler import SamplingParams
+from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.inference.worker import DictWeightSource, InferenceWorker
+
+CFG = InferenceConfig(max_concurrent_seqs=8, page_size=4, kv_cache_bytes=2**20, prefill_chunk=8,
+                      max_prompt_len=16, max_new_tokens=8)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def weights():
+    model = models.init_model(models.preset("tiny"))
+    v0 = nnx.to_pure_dict(nnx.split(model)[1])
+    v1 = jax.tree.map(lambda x: x * 1.01, v0)
+    return model, DictWeightSource({0: v0, 1: v1})
+
+
+@pytest.fixture
+def workers(weights):
+    model, source = weights
+    ws = [InferenceWorker(model, CFG, weight_source=source) for _ in range(2)]
+    yield ws
+    for w in ws:
+        w.shutdown()
+
+
+class Flaky:
+    """A worker that is unreachable while ``down`` is set (as a dead gRPC endpoint would be)."""
+
+    def __init__(self, inner):
+        self.inner, self.down, self.calls = inner, False, 0
+
+    def _check(self):
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("worker unreachable")
+
+    def generate(self, requests, *, version=None):
+        self._check()
+        return self.inner.generate(requests, version=version)
+
+    def load_weights(self, version):
+        self._check()
+        return self.inner.load_weights(version)
+
+    def status(self):
+        self._check()
+        return self.inner.status()
+
+
+def requests(n: int) -> list[Request]:
+    rng = np.random.default_rng(0)
+    return [Request(prompt_id=f"g{i}", prompt_tokens=rng.integers(0, 512, 6).astype(np.int32),
+                    num_samples=2, sampling=SamplingParams(seed=100 + i))
+            for i in range(n)]  # fmt: skip
+
+
+def tokens(rollouts) -> dict:
+    return {(r.prompt_id, r.sample_index): (r.tokens.tolist(), int(r.version)) for r in rollouts}
+
+
+def test_jobs_carry_their_version_and_results_do_not_depend_on_the_split(workers):
+    one = WorkerPool(workers[:1])
+    two = WorkerPool(workers)
+    try:
+        a = one.submit(1, requests(6)).result()
+        b = two.submit(1, requests(6)).result()
+        c = two.submit(0, requests(6)).result()
+    finally:
+        one.close(), two.close()
+    assert len(a) == 12 and tokens(a) == tokens(b)
+    assert {v for _, v in tokens(b).values()} == {1} and {v for _, v in tokens(c).values()} == {0}
+
+
+def test_a_failing_worker_has_its_work_reassigned_and_rejoins(workers):
+    reference = WorkerPool(workers[:1])
+    expected = tokens(reference.submit(0, requests(6)).result())
+    reference.close()
+    flaky = Flaky(workers[0])
+    events: list[str] = []
+    pool = WorkerPool([flaky, workers[1]], on_event=events.append)
+    try:
+        flaky.down = True
+        got = pool.submit(0, requests(6)).result()
+        assert tokens(got) == expected  # nothing lost, same tokens from the other worker
+        assert pool.live == [1] and any("reassigning" in e for e in events)
+        flaky.down = False
+        got = pool.submit(0, requests(6)).result()  # probed before the job: it is back
+        assert pool.live == [0, 1] and any("rejoins" in e for e in events)
+        assert tokens(got) == expected
+    finally:
+        pool.close()
+
+
+def test_no_live_worker_is_a_clear_error(workers):
+    flaky = Flaky(workers[0])
+    flaky.down = True
+    pool = WorkerPool([flaky], retry_s=0.5, on_event=lambda e: None)
+    try:
+        with pytest.raises(NoWorkers, match="every inference worker is down"):
+            pool.submit(0, requests(2)).result()
+    finally:
+        pool.close()
