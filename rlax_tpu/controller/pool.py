@@ -35,7 +35,11 @@ class WorkerPool:
     def __init__(
         self, workers: Sequence[InferencePort], *, names: Sequence[str] | None = None,
         retry_s: float = 60.0, on_event: Callable[[str], None] | None = None,
+        exclusive_jobs: bool = False,
     ):  # fmt: skip
+        """``exclusive_jobs``: a worker runs one job at a time, so the engine's batches (and with
+        them its scheduling, preemptions and sampled tokens) depend on the job alone, never on
+        timing: deterministic mode needs this; throughput mode shares the engine."""
         if not workers:
             raise ValueError("the pool needs at least one inference worker")
         self.workers = list(workers)
@@ -45,7 +49,7 @@ class WorkerPool:
         self._held: list[int | None] = [None] * len(workers)  # version each worker holds
         self._down: set[int] = set()
         self._lock = threading.Lock()
-        self._epochs = [_Epochs() for _ in workers]
+        self._epochs = [_Epochs(exclusive_jobs) for _ in workers]
         self._threads = cf.ThreadPoolExecutor(64, "gen")
         self._coordinator = cf.ThreadPoolExecutor(64, "gen-jobs")
         self.generated_tokens = 0
@@ -164,7 +168,8 @@ class WorkerPool:
 class _Epochs:
     """Per-worker FIFO of version epochs: jobs of the head epoch run, later epochs wait."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclusive: bool = False) -> None:
+        self.exclusive = exclusive  # every job is an epoch of its own
         self._cond = threading.Condition()
         self._queue: list[list[int]] = []  # [version, jobs not finished]
         self._first = 0  # ticket (epoch number) of the head
@@ -172,7 +177,7 @@ class _Epochs:
 
     def join(self, version: int) -> int:
         with self._cond:
-            if self._queue and self._queue[-1][0] == version:
+            if self._queue and self._queue[-1][0] == version and not self.exclusive:
                 self._queue[-1][1] += 1
             else:
                 self._queue.append([version, 1])

@@ -1,8 +1,10 @@
 """A procedural family of simple stdin/stdout problems that a tiny model can learn from.
 
 Each problem is a template (an operation on the input) with an integer constant K, worded by one of a
-few paraphrases. The held-out split uses constants never seen in training (K ≡ 3 mod 5), so a gain on
-it is generalization (copying and applying the constant), not memorization of problem ids.
+few paraphrases. The held-out split uses constants never seen in training (K ≡ 3 mod 7), so a gain on
+it is generalization (copying and applying the constant), not memorization of problem ids. The rule
+is mod 7, not mod 5 or 10: held-out constants then end in every digit, as training ones do (K ≡ 3 mod
+5 would hold out every constant ending in 3 or 8, a digit position training never shows).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from rlax_tpu.data.mixture import stream_seed
 from rlax_tpu.data.problems import CodeProblem, Solution, TestCase
 
 SOURCE = "procedural"
-HELD_OUT_RESIDUE = 3  # K % 5 == 3 is held out
+HELD_OUT_MODULUS, HELD_OUT_RESIDUE = 7, 3  # K % 7 == 3 is held out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +95,7 @@ TEMPLATE_NAMES = tuple(t.name for t in TEMPLATES)
 
 
 def is_held_out(k: int) -> bool:
-    return k % 5 == HELD_OUT_RESIDUE
+    return k % HELD_OUT_MODULUS == HELD_OUT_RESIDUE
 
 
 def solution_code(template: Template, k: int) -> str:
@@ -125,7 +127,7 @@ def make_problem(
 
 
 def procedural_problems(
-    split: str, *, k_max: int = 60, templates: tuple[str, ...] = TEMPLATE_NAMES, seed: int = 0
+    split: str, *, k_max: int = 200, templates: tuple[str, ...] = TEMPLATE_NAMES, seed: int = 0
 ) -> list[CodeProblem]:
     """All problems of a split: "train" (K not held out) or "test" (held-out K), every paraphrase."""
     if split not in ("train", "test"):

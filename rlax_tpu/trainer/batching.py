@@ -56,7 +56,10 @@ def plan_micro_batches(
     if b == 0:
         raise BatchShapeError("TrainBatch is empty")
     mbs = min(micro_batch_size, b)
-    if b % mbs:
+    # A last, smaller micro-batch is fine for Eq.-3 objectives (their micro-batch losses sum to
+    # the batch's): the controller may drop groups (verifier failures, dynamic sampling). It
+    # costs one more compiled shape. Group objectives average equal micro-batches: no remainder.
+    if b % mbs and (whole_groups or (b % mbs) % row_multiple):
         raise BatchShapeError(
             f"TrainBatch has {b} rows, not a multiple of trainer.micro_batch_size {mbs}"
         )
@@ -91,7 +94,8 @@ def plan_micro_batches(
     real = float(total.sum())
     slots = float(sum(len(m.rows) * m.length for m in mbatches))
     unsorted = float(
-        sum(mbs * _round_up(int(total[lo : lo + mbs].max()), bucket) for lo in range(0, b, mbs))
+        sum(len(total[lo : lo + mbs]) * _round_up(int(total[lo : lo + mbs].max()), bucket)
+            for lo in range(0, b, mbs))  # fmt: skip
     )
     return Plan(mbatches, 1.0 - real / slots, 1.0 - real / unsorted)
 

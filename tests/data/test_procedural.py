@@ -25,6 +25,8 @@ def test_splits_are_disjoint_in_the_constant():
     assert all(is_held_out(k_of(p)) for p in test) and not any(is_held_out(k_of(p)) for p in train)
     assert len({p.id for p in train + test}) == len(train) + len(test)
     assert {p.id.split("/")[0] for p in test} == {t.name for t in TEMPLATES}
+    # Held-out constants end in every digit, so none sits in a digit position training never shows.
+    assert {k_of(p) % 10 for p in test} == set(range(10))
 
 
 def test_reference_solutions_pass_and_wrong_ones_fail_every_test():

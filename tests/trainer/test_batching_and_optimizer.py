@@ -36,6 +36,17 @@ def test_whole_groups_stay_together():
         plan_micro_batches(batch, micro_batch_size=2, whole_groups=True, bucket=8)
 
 
+def test_a_remainder_micro_batch_only_where_the_loss_allows_it():
+    batch = random_batch(5, rows=12)  # e.g. 16 rows of which a verifier-failed group was dropped
+    plan = plan_micro_batches(batch, micro_batch_size=8, whole_groups=False, bucket=4)
+    assert [len(m.rows) for m in plan.micro_batches] == [8, 4]
+    assert sorted(np.concatenate([m.rows for m in plan.micro_batches])) == list(range(12))
+    with pytest.raises(BatchShapeError, match="12 rows, not a multiple"):
+        plan_micro_batches(batch, micro_batch_size=8, whole_groups=True, bucket=4)
+    with pytest.raises(BatchShapeError, match="12 rows, not a multiple"):  # 4 rows on 8 shards
+        plan_micro_batches(batch, micro_batch_size=8, whole_groups=False, bucket=4, row_multiple=8)
+
+
 def test_micro_arrays_layout():
     batch = random_batch(5, rows=4)
     plan = plan_micro_batches(batch, micro_batch_size=4, whole_groups=False, bucket=8)
