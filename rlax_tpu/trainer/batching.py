@@ -94,8 +94,10 @@ def plan_micro_batches(
     real = float(total.sum())
     slots = float(sum(len(m.rows) * m.length for m in mbatches))
     unsorted = float(
-        sum(len(total[lo : lo + mbs]) * _round_up(int(total[lo : lo + mbs].max()), bucket)
-            for lo in range(0, b, mbs))  # fmt: skip
+        sum(
+            len(total[lo : lo + mbs]) * _round_up(int(total[lo : lo + mbs].max()), bucket)
+            for lo in range(0, b, mbs)
+        )  # fmt: skip
     )
     return Plan(mbatches, 1.0 - real / slots, 1.0 - real / unsorted)
 
