@@ -601,6 +601,9 @@ class ControllerConfig:
                     f"required to reach non-loopback endpoints (e.g. {remote[0]!r})",
                     self.auth_token_file,
                 )
+        if self.transport == "distributed" and self.warmup_steps:
+            raise _bad(self, "warmup_steps", "needs the local transport (a remote trainer "
+                       "starts from model.weights_path); set it to 0")  # fmt: skip
 
     @property
     def acceptance_bound(self) -> float:

@@ -364,6 +364,11 @@ def test_resume_needs_snapshots_and_checkpoints_that_meet():
     with pytest.raises(ConfigError, match=r"trainer.keep_checkpoints = 2: .* republishes .* "
                        r"pipeline_depth \+ reload_staleness = 3"):  # fmt: skip
         build({"controller.reload_staleness": 2, "controller.acceptance_staleness": 4})
+    with pytest.raises(ConfigError, match=r"controller.warmup_steps = 300: needs the local"):
+        build({"controller.transport": "distributed", "controller.trainer_endpoint": "h:1",
+               "controller.verifier_endpoint": "h:1", "controller.param_server_endpoint": "h:1",
+               "controller.inference_endpoints": ("h:1",),
+               "controller.auth_token_file": "/t"})  # fmt: skip
     with pytest.raises(ConfigError, match=r"data.language = 'java': the verifiers do not run it"):
         build({"data.language": "java", "verifiers.languages": ("python",)})
 
@@ -427,7 +432,7 @@ def test_malformed_address(address, message):
     [
         (
             {"inference.max_new_tokens": 400},
-            "inference.max_new_tokens = 400: max_prompt_len + max_new_tokens = 528 exceeds "
+            "inference.max_new_tokens = 400: max_prompt_len + max_new_tokens = 656 exceeds "
             "model.max_position_embeddings (512)",
         ),
         (

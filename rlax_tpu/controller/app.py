@@ -150,9 +150,6 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
         comps = components_lib.build_local(config, model=model, eos_ids=tokenizer.stop_ids,
                                            run_dir=run_dir)  # fmt: skip
     else:
-        if cc.warmup_steps:
-            raise ValueError("controller.warmup_steps needs the local transport (the remote "
-                             "trainer starts from model.weights_path)")  # fmt: skip
         comps = components_lib.build_distributed(config)
     print("components: " + ", ".join(f"{k} {v}" for k, v in comps.endpoints.items()),
           file=out, flush=True)  # fmt: skip

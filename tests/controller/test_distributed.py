@@ -112,13 +112,15 @@ def _workload(run_dir: Path) -> list[str]:
         "--config.inference.max_concurrent_seqs=8",
         "--config.data.eval_problems=4",
         "--config.data.eval_samples=2",
+        "--config.controller.warmup_steps=0",  # a warm-up needs the trainer in process
     ]
 
 
 def _controller(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "rlax_tpu.controller", CONFIG,
-         "--config.controller.transport=distributed", *args],
+         "--config.controller.transport=distributed", "--config.controller.warmup_steps=0",
+         *args],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
 

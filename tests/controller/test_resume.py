@@ -31,7 +31,8 @@ SMALL = [
     "--config.inference.max_new_tokens=16", "--config.inference.max_concurrent_seqs=8",
     "--config.trainer.micro_batch_size=4", "--config.data.eval_problems=2",
     "--config.data.eval_samples=2", "--config.verifiers.workers=1",
-    f"--config.verifiers.sandbox_uid={UID}", "--config.controller.warmup_steps=0",
+    f"--config.verifiers.sandbox_uid={UID}", "--config.controller.warmup_steps=3",
+    "--config.controller.warmup_batch_size=4",
 ]  # fmt: skip
 SHA = re.compile(r"final weights sha256: ([0-9a-f]{64})")
 
@@ -91,7 +92,10 @@ def reference(env, tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("det") / "a"
     out = run(env, run_dir, "--config.controller.num_steps=4")
     assert "run finished: 4 updates" in out
-    assert (run_dir / "report.md").exists() and (run_dir / "plots" / "learning.png").exists()
+    report = (run_dir / "report.md").read_text()
+    assert "a supervised warm-up of 3 steps" in report and "eval/pass@1" in report
+    for plot in ("learning", "staleness", "tokens_per_s", "verdicts", "step_time"):
+        assert (run_dir / "plots" / f"{plot}.png").exists(), plot
     return run_dir, sha(out)
 
 
