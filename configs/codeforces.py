@@ -35,7 +35,7 @@ def _local(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )  # fmt: skip
     cfg.mesh.update(data=1, fsdp=-1, tensor=1)
     cfg.trainer.update(
-        learning_rate=2e-4, schedule="constant", micro_batch_size=16, grad_clip_norm=1.0
+        learning_rate=5e-5, schedule="constant", micro_batch_size=16, grad_clip_norm=1.0
     )
     cfg.inference.update(
         num_workers=1, max_concurrent_seqs=64, page_size=16, kv_cache_bytes=32 * 2**20,

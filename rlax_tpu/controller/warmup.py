@@ -83,8 +83,8 @@ def supervised_warmup(
     """``steps`` AdamW updates of next-token NLL on the completion tokens (prompts are context
     only), on batches of ``batch_size`` examples drawn without replacement per epoch (seeded).
 
-    Every batch has the same padded shape, so the step compiles once; the same inputs and seed
-    give bit-identical parameters. The learning rate warms up linearly over the first tenth of
+    Batches are padded to their longest row rounded up to 64 columns (a few compiled shapes);
+    the same inputs and seed give bit-identical parameters. The learning rate warms up linearly over the first tenth of
     the steps and decays by cosine to a tenth. ``on_step(step, loss)`` is called after each
     update (1-based step). ``model`` is left unchanged; the trained model is returned.
     """
@@ -99,6 +99,7 @@ def supervised_warmup(
     width = -(-(longest - 1) // 16) * 16  # inputs are the sequence but its last token
     pad_id = 0
     inputs, targets, mask = _pack(examples, pad_id, width)
+    lengths = np.array([len(p) + len(c) - 1 for p, c in examples])
 
     graphdef, params = nnx.split(model)
     params = jax.tree.map(jnp.copy, params)  # the step donates its buffers; keep the caller's
@@ -117,9 +118,13 @@ def supervised_warmup(
             if not order:
                 order = rng.permutation(len(examples)).tolist()
             picked.append(order.pop())
+        # Each batch is cut to its own longest row, rounded up to 64 columns: a few compiled
+        # shapes instead of padding every batch to the longest example of all.
+        w = min(width, -(-int(lengths[picked].max()) // 64) * 64)
         params, opt_state, loss = _train_step(
-            graphdef, tx, params, opt_state, inputs[picked], targets[picked], mask[picked]
-        )
+            graphdef, tx, params, opt_state, inputs[picked, :w], targets[picked, :w],
+            mask[picked, :w],
+        )  # fmt: skip
         if on_step is not None:
             on_step(step, float(loss))
     return nnx.merge(graphdef, params)

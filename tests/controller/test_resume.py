@@ -129,7 +129,7 @@ def test_an_incompatible_config_is_refused_naming_the_field(env, reference):
                                  "--config.trainer.learning_rate=0.5"),
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 1
-    assert "trainer.learning_rate (run: 0.0002, now: 0.5)" in out.stderr
+    assert "trainer.learning_rate (run: 5e-05, now: 0.5)" in out.stderr
 
 
 def test_a_truncated_newest_snapshot_is_skipped_with_a_warning(env, reference, tmp_path):
