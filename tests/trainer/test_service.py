@@ -3,6 +3,7 @@ the in-process call; bad input and missing credentials get clear statuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -96,11 +97,11 @@ def test_grpc_errors_are_clear(served):
         anonymous.status()
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with TrainerClient(endpoint, credentials=creds) as client:
-        bad = random_batch(1, rows=12)  # 12 rows: not a multiple of micro_batch_size 8
+        bad = dataclasses.replace(random_batch(1), group_size=2)  # the config's G is 4
         with pytest.raises(grpc.RpcError) as e:
             client.train_step(bad)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "not a multiple of trainer.micro_batch_size 8" in e.value.details()
+        assert "group_size 2 differs from algorithm.group_size" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             client.restore(99)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
