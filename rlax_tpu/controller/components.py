@@ -9,13 +9,11 @@ not answer raises ``ComponentUnreachable`` naming it and its endpoint.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import tempfile
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
 
 import jax
 from flax import nnx
@@ -23,28 +21,10 @@ from flax import nnx
 from rlax_tpu import models
 from rlax_tpu.config import RunConfig
 from rlax_tpu.controller.ports import InferencePort, ParamServerPort, TrainerPort, VerifierPort
-from rlax_tpu.param_server.client import ParamServerClient
+from rlax_tpu.param_server.client import ParamServerClient, PulledWeights
 from rlax_tpu.rpc.transport import Credentials
 
 log = logging.getLogger(__name__)
-
-
-class ParamServerWeights:
-    """An inference WeightSource that pulls versions from the parameter server, shaped like
-    ``like`` (the worker model's parameter dict) and placed on ``device``."""
-
-    def __init__(self, client: ParamServerClient, like: Any, device: jax.Device | None = None):
-        self.client = client
-        sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-        self.shardings = jax.tree.map(lambda _: sharding, like)
-
-    def fetch(self, version: int) -> Any:
-        from rlax_tpu.param_server.errors import NotFound
-
-        try:
-            return self.client.pull(version, self.shardings)
-        except NotFound as e:
-            raise KeyError(f"the parameter server has no version {version}: {e}") from e
 
 
 @dataclasses.dataclass
@@ -57,12 +37,18 @@ class Components:
     _closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     def close(self) -> None:
-        for close in reversed(self._closers):
-            try:
-                close()
-            except Exception as e:  # closing must not hide the run's own error
-                log.warning("closing a component failed: %s", e)
-        self._closers.clear()
+        _close_all(self._closers)
+
+
+def _close_all(closers: list[Callable[[], None]]) -> None:
+    """Calls every closer, newest first; a failure is logged, never raised (closing must not
+    hide the run's own error), and the list is emptied."""
+    for close in reversed(closers):
+        try:
+            close()
+        except Exception as e:
+            log.warning("closing a component failed: %s", e)
+    closers.clear()
 
 
 def build_local(
@@ -96,14 +82,12 @@ def build_local(
         workers = []
         like = nnx.to_pure_dict(nnx.split(model)[1])  # the tree the trainer publishes
         for _ in range(config.inference.num_workers):
-            source = ParamServerWeights(ps_client, like)
+            source = PulledWeights(ps_client, like)
             worker = InferenceWorker(model, config.inference, eos_ids=eos_ids, weight_source=source)
             closers.append(worker.shutdown)
             workers.append(worker)
     except BaseException:
-        for close in reversed(closers):
-            with contextlib.suppress(Exception):
-                close()
+        _close_all(closers)
         raise
     return Components(
         workers=workers, verifier=verifier, trainer=trainer, param_server=ps_client,
@@ -141,9 +125,7 @@ def build_distributed(config: RunConfig) -> Components:
             worker.wait_ready(timeout)
             workers.append(worker)
     except BaseException:
-        for close in reversed(closers):
-            with contextlib.suppress(Exception):
-                close()
+        _close_all(closers)
         raise
     return Components(
         workers=workers, verifier=verifier, trainer=trainer, param_server=ps,

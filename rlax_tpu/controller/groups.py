@@ -37,6 +37,8 @@ class GroupResult:
     rewards: np.ndarray
     verdicts: list[str]  # VerdictKind values, one per sample
     issued_version: int = 0  # trainer version when the group was issued (throughput mode)
+    # perf_counter stamps "launched", "generated", "verified" of its job (not snapshotted)
+    timing: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> str:

@@ -232,7 +232,7 @@ class Controller:
             results = groups_lib.results_from(refs, rollouts, verdicts,
                                               issued_version=issued_version)  # fmt: skip
             for r in results:
-                r.timing = dict(timing)  # type: ignore[attr-defined]
+                r.timing = dict(timing)
             return results
 
         return self._verify_pool.submit(verify)
@@ -323,7 +323,7 @@ class Controller:
 
     def step_metrics(self, results: Sequence[groups_lib.GroupResult]) -> tuple[dict, dict]:
         rewards = np.concatenate([np.nan_to_num(r.rewards, nan=0.0) for r in results])
-        gen = [r.timing for r in results if hasattr(r, "timing")]
+        gen = [r.timing for r in results if r.timing]
         tokens = sum(r.tokens() for r in results)
         gen_s = max((t["generated"] - t["launched"] for t in gen), default=0.0)
         ver_s = max((t["verified"] - t["generated"] for t in gen), default=0.0)

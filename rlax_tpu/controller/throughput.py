@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -50,7 +51,8 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
         in_flight = sum(jobs.values())
         queued = in_flight + len(ctl.buffered)
         while policy.admits(queued, batch, v, w):
-            k = min(chunk, max(1, int(min(policy.admission_budget(batch, v, w), 1e9)) - queued))
+            room = policy.admission_budget(batch, v, w) - queued  # > 0 here; inf if unbounded
+            k = int(min(chunk, math.ceil(room)))
             refs = [reissue.popleft() if reissue else ctl.issue(1)[0] for _ in range(k)]
             jobs[ctl._launch(refs, w, issued_version=v)] = len(refs)
             queued += len(refs)

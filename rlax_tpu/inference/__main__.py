@@ -13,33 +13,12 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
 
 from rlax_tpu import cli
 from rlax_tpu.config import RunConfig
 from rlax_tpu.inference.service import serve
 from rlax_tpu.inference.worker import InferenceWorker
 from rlax_tpu.rpc.transport import Credentials
-
-
-class ParamServerWeights:
-    """A WeightSource that pulls versions from the parameter server as pytrees shaped like
-    ``like`` (the model's pure parameter dict: the tree the trainer publishes), each array
-    placed on one device (the engine's)."""
-
-    def __init__(self, client: Any, like: Any, *, not_found: type[Exception],
-                 device: Any = None):  # fmt: skip
-        import jax
-
-        self.client, self.not_found = client, not_found
-        sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-        self.shardings = jax.tree.map(lambda _: sharding, like)
-
-    def fetch(self, version: int) -> Any:
-        try:
-            return self.client.pull(version, self.shardings)
-        except self.not_found as e:  # the worker answers NOT_FOUND for a KeyError
-            raise KeyError(f"the parameter server has no version {version}: {e}") from e
 
 
 def run(config: RunConfig, args: list[str]) -> int:
@@ -58,8 +37,7 @@ def run(config: RunConfig, args: list[str]) -> int:
             config.param_server, config.controller.param_server_endpoint
         )
         like = nnx.to_pure_dict(worker.engine.state)  # version 0's tree, before serving
-        worker.weight_source = ParamServerWeights(client, like,
-                                                  not_found=ps_client.errors.NotFound)  # fmt: skip
+        worker.weight_source = ps_client.PulledWeights(client, like)
     stop = threading.Event()
     server, port = serve(
         worker, cfg.address,

@@ -305,3 +305,21 @@ def _empty(spec: ArraySpec, bounds: Bounds | None) -> np.ndarray:
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     start = -raw.ctypes.data % _ALIGN
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+class PulledWeights:
+    """An inference worker's weight source (``fetch(version)``): pulls a version shaped like
+    ``like`` (the model's pure parameter dict, the tree the trainer publishes), every array on
+    ``device`` (default: the first). A version the server does not have raises KeyError, which the
+    worker reports as an unknown version."""
+
+    def __init__(self, client: ParamServerClient, like: Any, device: jax.Device | None = None):
+        self.client = client
+        sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+        self.shardings = jax.tree.map(lambda _: sharding, like)
+
+    def fetch(self, version: int) -> Any:
+        try:
+            return self.client.pull(version, self.shardings)
+        except errors.NotFound as e:
+            raise KeyError(f"the parameter server has no version {version}: {e}") from e
