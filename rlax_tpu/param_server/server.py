@@ -417,8 +417,10 @@ def _first_difference(reference: Sequence[ArraySpec], arrays: Sequence[ArraySpec
 class PublishSession:
     """Receives one version's bytes: arrays in declared order, each as contiguous chunks.
 
-    Each array is handed to TensorStore as soon as its last byte arrives, so writing overlaps
-    receiving; checksums are computed chunk by chunk. Nothing is visible until ``finish`` commits.
+    Every array of the version is created in the hot store when the session opens (concurrently,
+    while the bytes are still on their way), and each array's write starts as soon as its last
+    byte has arrived and its array exists, so storing overlaps receiving and no chunk waits on
+    the store; checksums are computed chunk by chunk. Nothing is visible until ``finish`` commits.
     """
 
     def __init__(self, server: ParamServer, version: int, step: int, arrays: tuple[ArraySpec, ...],
@@ -431,6 +433,14 @@ class PublishSession:
         self._crcs: list[int] = []
         self._crc = 0
         self._writes: list = []
+        hot = server._hot
+        # Array i's creation; nothing to create for a retry (it is compared, not stored).
+        self._creates = (
+            [hot.create_array(self._prefix, i, s) for i, s in enumerate(arrays)]
+            if existing is None
+            else []
+        )
+        self._sealed: collections.deque[tuple[int, ArraySpec, np.ndarray]] = collections.deque()
         self._open = True
         self._advance_to(0)
 
@@ -455,10 +465,16 @@ class PublishSession:
         data = buffer.view(np_dtype(spec.dtype)).reshape(spec.shape)
         self._crcs.append(self._crc)
         if self._existing is None:
-            self._writes.append(
-                self._server._hot.write_array(self._prefix, self._current, spec, data)
-            )
+            self._sealed.append((self._current, spec, data))
+            self._start_writes(wait=False)
         self._buffer = None
+
+    def _start_writes(self, *, wait: bool) -> None:
+        """Starts the writes of sealed arrays whose creation is done (all of them if ``wait``)."""
+        while self._sealed and (wait or self._creates[self._sealed[0][0]].done()):
+            i, spec, data = self._sealed.popleft()
+            store = self._creates[i].result()
+            self._writes.append(self._server._hot.write_created(self._prefix, i, store, spec, data))
 
     def add(self, index: int, offset: int, data: bytes | memoryview | np.ndarray) -> None:
         """Bytes [offset, offset + len(data)) of array ``index``; ``data`` is copied."""
@@ -504,6 +520,7 @@ class PublishSession:
         bad = [s.path for s, g, c in zip(self.arrays, got, crcs, strict=True) if g != c]
         if bad:
             raise errors.DataLoss(f"version {self.version}: checksum mismatch in {bad}")
+        self._start_writes(wait=True)
         for w in self._writes:
             w.result()
         manifest = VersionManifest(
@@ -535,7 +552,8 @@ class PublishSession:
         self._open = False
         with self._server._lock:
             self._server._publishing.discard(self.version)
+        self._sealed.clear()
         if not keep:
-            for w in self._writes:
-                w.exception()  # wait: a late write must not recreate deleted keys
+            for f in (*self._creates, *self._writes):
+                f.exception()  # wait: a late create or write must not recreate deleted keys
             self._server._hot.delete(self._prefix)

@@ -44,14 +44,14 @@ class ArrayStore:
         path = self._base.get("path", "") + f"{prefix}/a{i}/"
         return {"driver": "zarr3", "kvstore": {**self._base, "path": path}}
 
-    def write_array(self, prefix: str, i: int, spec: ArraySpec, data: np.ndarray) -> ts.Future:
-        """Starts writing array i (a new zarr array) under ``prefix``; returns the write future.
+    def create_array(self, prefix: str, i: int, spec: ArraySpec) -> ts.Future:
+        """Starts creating array i (a new zarr array) under ``prefix``; the future gives its handle.
 
-        ``data`` is handed over: the store may keep referencing it instead of copying it (10x
-        faster into a memory kvstore), so the caller must never modify it afterwards.
+        Creating is separate from writing so that a version's arrays can all be created at once,
+        while their bytes are still arriving, instead of one blocking open per array.
         """
         chunks = chunk_shape(spec)
-        store = ts.open(
+        return ts.open(
             self._array_spec(prefix, i),
             create=True,
             delete_existing=True,
@@ -59,10 +59,25 @@ class ArrayStore:
             shape=list(spec.shape),
             chunk_layout=ts.ChunkLayout(chunk_shape=chunks) if chunks else None,
             context=self._context,
-        ).result()
+        )
+
+    def write_created(
+        self, prefix: str, i: int, store: ts.TensorStore, spec: ArraySpec, data: np.ndarray
+    ) -> ts.Future:
+        """Starts writing ``data`` into array i, created by ``create_array``; returns the future.
+
+        ``data`` is handed over: the store may keep referencing it instead of copying it (10x
+        faster into a memory kvstore), so the caller must never modify it afterwards.
+        """
         with self._lock:
             self._open[(prefix, i)] = store
         return store.write(data.reshape(spec.shape), can_reference_source_data_indefinitely=True)
+
+    def write_array(self, prefix: str, i: int, spec: ArraySpec, data: np.ndarray) -> ts.Future:
+        """Creates array i under ``prefix`` and starts writing ``data`` (handed over, as in
+        ``write_created``); returns the write future."""
+        store = self.create_array(prefix, i, spec).result()
+        return self.write_created(prefix, i, store, spec, data)
 
     def read_array(
         self, prefix: str, i: int, spec: ArraySpec, bounds: Sequence[tuple[int, int]] | None = None
