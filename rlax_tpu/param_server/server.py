@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from rlax_tpu.config import ParamServerConfig
-from rlax_tpu.param_server import errors
+from rlax_tpu.param_server import buffers, errors
 from rlax_tpu.param_server.codec import (
     ArraySpec,
     VersionManifest,
@@ -55,6 +55,7 @@ class ParamServer:
     def __init__(self, config: ParamServerConfig, *, persist_location: str = ""):
         self.config = config
         self._hot = ArrayStore("memory")
+        self._slabs = buffers.SlabPool()  # received versions' memory, reused once collected
         self._lock = threading.Lock()
         self._index: dict[int, tuple[VersionManifest, str]] = {}  # committed: version -> prefix
         self._publishing: set[int] = set()
@@ -429,7 +430,10 @@ class PublishSession:
         self._existing = existing  # a retry of a committed version: only checksums are compared
         self._prefix = f"v{version}-{uuid.uuid4().hex[:8]}"
         self._current, self._received = -1, 0
-        self._buffer: np.ndarray | None = None
+        # Where the arrays are received: one slab for the whole version, allocated by the first
+        # chunk and handed to the store array by array. A retry only has its checksums compared.
+        self._offsets, self._slab_bytes = buffers.layout([a.nbytes for a in arrays])
+        self._slab: np.ndarray | None = None
         self._crcs: list[int] = []
         self._crc = 0
         self._writes: list = []
@@ -457,17 +461,21 @@ class PublishSession:
                 self._seal(spec)
             self._current += 1
             if self._current < len(self.arrays):
-                self._buffer = None  # allocated by the first chunk that needs it
                 self._received, self._crc = 0, 0
 
+    def _array_bytes(self, i: int) -> np.ndarray:
+        """Array i's bytes in the slab (allocated, or reused from a collected version, here)."""
+        if self._slab is None:
+            self._slab = self._server._slabs.take(self._slab_bytes)
+        start = self._offsets[i]
+        return self._slab[start : start + self.arrays[i].nbytes]
+
     def _seal(self, spec: ArraySpec) -> None:
-        buffer = self._buffer if self._buffer is not None else np.empty(0, np.uint8)  # 0 bytes
-        data = buffer.view(np_dtype(spec.dtype)).reshape(spec.shape)
         self._crcs.append(self._crc)
         if self._existing is None:
+            data = self._array_bytes(self._current).view(np_dtype(spec.dtype)).reshape(spec.shape)
             self._sealed.append((self._current, spec, data))
             self._start_writes(wait=False)
-        self._buffer = None
 
     def _start_writes(self, *, wait: bool) -> None:
         """Starts the writes of sealed arrays whose creation is done (all of them if ``wait``)."""
@@ -497,11 +505,10 @@ class PublishSession:
                 f"{spec.nbytes} bytes, got at least {offset + n}"
             )
         data = np.frombuffer(data, np.uint8)
-        if self._buffer is None:
+        if self._existing is None:
             # Our own writable buffer, handed to the store by reference once the array is whole
             # (TensorStore copies read-only sources, such as the received messages, slowly).
-            self._buffer = np.empty(spec.nbytes, np.uint8)
-        self._buffer[offset : offset + n] = data
+            self._array_bytes(index)[offset : offset + n] = data
         self._crc = checksum(data, self._crc)  # while the chunk is still in cache
         self._received += n
 
@@ -541,6 +548,7 @@ class PublishSession:
         self._close(keep=True)
         for prefix in doomed:
             self._server._hot.delete(prefix)
+        self._server._slabs.trim()  # the collected versions' slabs are idle now
         return info, False
 
     def abort(self) -> None:
@@ -550,6 +558,7 @@ class PublishSession:
 
     def _close(self, *, keep: bool) -> None:
         self._open = False
+        self._slab = None  # the store holds what it keeps of it
         with self._server._lock:
             self._server._publishing.discard(self.version)
         self._sealed.clear()

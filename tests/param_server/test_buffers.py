@@ -1,0 +1,53 @@
+"""Version slabs: aligned layout, and memory reused only once nothing references it."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from rlax_tpu.config import ParamServerConfig
+from rlax_tpu.param_server.buffers import ALIGN, SlabPool, layout
+from tests.param_server.conftest import assert_same_tree, make_tree, running
+
+
+def test_layout_aligns_every_array():
+    offsets, total = layout([3, 0, 64, 65, 1])
+    assert offsets == [0, 64, 64, 128, 256] and total == 320
+    assert all(o % ALIGN == 0 for o in offsets)
+
+
+def test_a_slab_is_reused_only_when_nothing_references_it():
+    pool = SlabPool(max_idle=1)
+    a = pool.take(10_000)
+    assert a.ctypes.data % ALIGN == 0 and a.nbytes == 10_000 and a.flags.writeable
+    view = a[128:256].view(np.float32)  # what a store or a jax array would keep
+    del a
+    b = pool.take(10_000)  # the first slab is still referenced through ``view``
+    assert pool.reused == 0 and not np.shares_memory(b, view)
+    view[:] = 1.0
+    b[:] = 0
+    assert (view == 1.0).all()
+    first = view.ctypes.data - 128
+    del view
+    gc.collect()
+    c = pool.take(10_000)  # now idle: handed out again, same memory
+    assert pool.reused == 1 and c.ctypes.data == first
+    d = pool.take(20_000)  # another size: a new slab
+    assert pool.reused == 1 and d.nbytes == 20_000
+    del b, c
+    pool.trim()
+    assert pool.held() == (2, 1)  # ``d``'s slab, and one idle slab kept for the next version
+
+
+def test_publishing_past_retention_reuses_collected_memory_and_keeps_versions_intact():
+    config = ParamServerConfig(in_memory_versions=2, chunk_bytes=1000, persist_every=0)
+    with running(config) as ps:
+        for v in range(6):
+            ps.client.push(make_tree(v), v)
+            assert_same_tree(ps.client.pull(v), make_tree(v))
+            if v:
+                assert_same_tree(ps.client.pull(v - 1), make_tree(v - 1))  # still hot, intact
+        assert ps.store._slabs.reused >= 3  # versions 3.. land in the memory of collected ones
+        slabs, idle = ps.store._slabs.held()
+        assert slabs - idle == 2  # the two hot versions; no other memory is held back
