@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from rlax_tpu.config import ParamServerConfig
-from rlax_tpu.param_server import errors, framing, wire
+from rlax_tpu.param_server import buffers, errors, framing, wire
 from rlax_tpu.param_server.codec import (
     ArraySpec,
     VersionManifest,
@@ -42,7 +42,6 @@ from rlax_tpu.rpc.transport import (
 )
 
 _NO_CREDENTIALS = Credentials()
-_ALIGN = 64
 
 
 def _raise(e: grpc.RpcError) -> None:
@@ -72,6 +71,10 @@ class ParamServerClient:
             raise ValueError(f"replica {replica} is not one of {len(self.endpoints)} endpoints")
         self.replica, self.chunk_bytes, self.timeout_s = replica, chunk_bytes, timeout_s
         self.bytes_pulled = 0  # payload bytes received by pulls, for metrics
+        # Pulled versions land in slabs, reused once the caller has dropped a version's arrays
+        # (jax lets go of an aliased host array at its next call: a caller that drops each
+        # version at once alternates between two slabs).
+        self._slabs = buffers.SlabPool(max_idle=1)
         self._channels = [make_channel(e, credentials=credentials, max_message_bytes=max_message_bytes)
                           for e in self.endpoints]  # fmt: skip
         self._stubs = [param_server_pb2_grpc.ParamServerStub(c) for c in self._channels]
@@ -101,6 +104,7 @@ class ParamServerClient:
     def close(self) -> None:
         for c in self._channels:
             c.close()
+        self._slabs = buffers.SlabPool(max_idle=1)  # arrays still in use keep their own slabs
 
     def __enter__(self) -> ParamServerClient:
         return self
@@ -181,7 +185,7 @@ class ParamServerClient:
         try:
             manifest = wire.header_from_pb(next(stream).header)
             boxes = slices or [(i, None) for i in range(len(manifest.arrays))]
-            out = [_empty(manifest.arrays[i], bounds) for i, bounds in boxes]
+            out = self._empty([(manifest.arrays[i], bounds) for i, bounds in boxes])
             flats = [as_bytes(o) for o in out]
             received, crcs = [0] * len(out), [0] * len(out)
             for c in stream:
@@ -203,6 +207,17 @@ class ParamServerClient:
             if bad:
                 raise errors.DataLoss(f"version {manifest.version}: checksum mismatch in {bad}")
         return manifest, out
+
+    def _empty(self, boxes: list[tuple[ArraySpec, Bounds | None]]) -> list[np.ndarray]:
+        """Uninitialized arrays for whole arrays or boxes, carved from one slab, each 64-byte
+        aligned so that jax on CPU can use it without a copy."""
+        shapes = [s.shape if b is None else tuple(hi - lo for lo, hi in b) for s, b in boxes]
+        dtypes = [np_dtype(s.dtype) for s, _ in boxes]
+        sizes = [math.prod(shape) * d.itemsize for shape, d in zip(shapes, dtypes, strict=True)]
+        offsets, total = buffers.layout(sizes)
+        slab = self._slabs.take(total)
+        return [slab[o : o + n].view(d).reshape(shape)
+                for o, n, d, shape in zip(offsets, sizes, dtypes, shapes, strict=True)]  # fmt: skip
 
     def pull(self, version: int = LATEST, shardings: Any = None) -> Any:
         """A version as a pytree of jax.Arrays.
@@ -295,16 +310,6 @@ class ParamServerClient:
             )
         except grpc.RpcError as e:
             _raise(e)
-
-
-def _empty(spec: ArraySpec, bounds: Bounds | None) -> np.ndarray:
-    """An uninitialized array, 64-byte aligned so that jax on CPU can use it without a copy."""
-    shape = spec.shape if bounds is None else tuple(hi - lo for lo, hi in bounds)
-    dtype = np_dtype(spec.dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 class PulledWeights:

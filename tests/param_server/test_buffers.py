@@ -51,3 +51,17 @@ def test_publishing_past_retention_reuses_collected_memory_and_keeps_versions_in
         assert ps.store._slabs.reused >= 3  # versions 3.. land in the memory of collected ones
         slabs, idle = ps.store._slabs.held()
         assert slabs - idle == 2  # the two hot versions; no other memory is held back
+
+
+def test_a_pull_reuses_memory_only_once_the_caller_dropped_the_previous_arrays(ps):
+    ps.client.push(make_tree(0), 0)
+    ps.client.push(make_tree(1), 1)
+    held = ps.client.pull(0)  # jax arrays that alias the slab on CPU
+    for _ in range(4):
+        assert_same_tree(ps.client.pull(1), make_tree(1))  # dropped at once: memory reused
+    # jax lets go of a host array it aliased at its next call, so a client that drops each
+    # version right away alternates between two slabs.
+    assert ps.client._slabs.reused >= 2
+    assert_same_tree(held, make_tree(0))  # never overwritten while held
+    _, arrays = ps.client.pull_arrays(0)
+    assert all(a.ctypes.data % ALIGN == 0 for a in arrays)
