@@ -18,6 +18,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -236,6 +237,7 @@ class ParamServer:
         slices: Sequence[tuple[int, Bounds | None]] | None = None,
         *,
         piece_bytes: int = 4 * 2**20,
+        reuse_buffers: bool = False,
     ) -> tuple[VersionManifest, VersionReader]:
         """(manifest, pieces) of whole arrays in order, or of each requested (array, bounds) box.
 
@@ -243,6 +245,10 @@ class ParamServer:
         ``piece_bytes``), starting at byte ``offset`` of the box's C-order bytes. Reading in
         pieces keeps buffers small and lets sending start before a whole array is read. The
         version stays pinned until the reader is exhausted, closed or dropped.
+
+        ``reuse_buffers``: pieces are read straight into a few buffers that are used over and
+        over (no new memory per piece), so a piece is valid only until the next one is asked
+        for; for a caller that is done with each piece by then (the gRPC service sends it).
         """
         with self._lock:
             if version == LATEST:
@@ -269,7 +275,7 @@ class ParamServer:
         except errors.ParamServerError:
             reader.close()
             raise
-        reader.start(_read(self._hot, manifest, prefix, boxes, piece_bytes))
+        reader.start(_read(self._hot, manifest, prefix, boxes, piece_bytes, reuse_buffers))
         return manifest, reader
 
     def _unpin(self, version: int) -> None:
@@ -373,19 +379,42 @@ class VersionReader(Iterator[tuple[int, int, np.ndarray]]):
                 pieces.close()
 
 
+_READ_AHEAD = 2  # pieces being read while the one before them is consumed
+
+
 def _read(hot: ArrayStore, manifest: VersionManifest, prefix: str, boxes: list[tuple[int, Bounds]],
-          piece_bytes: int) -> Iterator[tuple[int, int, np.ndarray]]:  # fmt: skip
+          piece_bytes: int, reuse: bool) -> Iterator[tuple[int, int, np.ndarray]]:  # fmt: skip
     pending = collections.deque()  # a few reads in flight while earlier pieces are sent
+    # With ``reuse``, piece p is read into ring[p % len(ring)]: when it is started, the piece
+    # that used that buffer before (p - len(ring)) has been handed out and its consumer has
+    # asked for the next piece since, so it is done with it.
+    ring: list[np.ndarray | None] = [None] * (_READ_AHEAD + 1)
+    p = 0
     for k, (i, bounds) in enumerate(boxes):
         spec = manifest.arrays[i]
+        dtype = np_dtype(spec.dtype)
         for offset, piece in _pieces(spec, bounds, piece_bytes):
-            pending.append((k, offset, hot.read_array(prefix, i, spec, piece)))
-            if len(pending) > 2:
-                k0, o0, f = pending.popleft()
-                yield k0, o0, f.result()
+            if reuse:
+                shape = tuple(hi - lo for lo, hi in piece)
+                nbytes = math.prod(shape) * dtype.itemsize
+                slot = p % len(ring)
+                if ring[slot] is None or ring[slot].nbytes < nbytes:
+                    ring[slot] = np.empty(max(nbytes, piece_bytes), np.uint8)
+                out = ring[slot][:nbytes].view(dtype).reshape(shape)
+                pending.append((k, offset, hot.read_into(prefix, i, spec, piece, out), out))
+            else:
+                pending.append((k, offset, hot.read_array(prefix, i, spec, piece), None))
+            p += 1
+            if len(pending) > _READ_AHEAD:
+                yield _done(pending.popleft())
     while pending:
-        k0, o0, f = pending.popleft()
-        yield k0, o0, f.result()
+        yield _done(pending.popleft())
+
+
+def _done(read: tuple[int, int, Any, np.ndarray | None]) -> tuple[int, int, np.ndarray]:
+    k, offset, future, out = read
+    got = future.result()
+    return k, offset, got if out is None else out
 
 
 def _pieces(spec: ArraySpec, bounds: Bounds, piece_bytes: int) -> Iterator[tuple[int, Bounds]]:

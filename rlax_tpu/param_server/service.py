@@ -75,7 +75,10 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
                         f"slice of array {s.array}: start/stop lengths differ"
                     )
                 slices.append((s.array, tuple(zip(s.start, s.stop, strict=True))))
-        manifest, pieces = self._server.pull(request.version, slices, piece_bytes=self._chunk_bytes)
+        # Each piece is sent (serialized) before the next is asked for: buffers can be reused.
+        manifest, pieces = self._server.pull(
+            request.version, slices, piece_bytes=self._chunk_bytes, reuse_buffers=True
+        )
         # Runs when the call ends in any way, also when the client hangs up before gRPC ever
         # iterates the stream (then no finally below would run): the pin is always released.
         if not context.add_callback(pieces.close):  # the call has ended already

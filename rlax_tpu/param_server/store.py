@@ -79,10 +79,10 @@ class ArrayStore:
         store = self.create_array(prefix, i, spec).result()
         return self.write_created(prefix, i, store, spec, data)
 
-    def read_array(
-        self, prefix: str, i: int, spec: ArraySpec, bounds: Sequence[tuple[int, int]] | None = None
-    ) -> ts.Future:
-        """Starts reading array i, or the index box ``bounds`` of it; the future gives numpy."""
+    def _view(
+        self, prefix: str, i: int, spec: ArraySpec, bounds: Sequence[tuple[int, int]] | None
+    ) -> ts.TensorStore:
+        """Array i of ``prefix`` (checked against ``spec``), or its index box ``bounds``."""
         with self._lock:
             store = self._open.get((prefix, i))
         if store is None:
@@ -92,7 +92,26 @@ class ArrayStore:
             raise OSError(f"{self.location}/{prefix}/a{i} does not hold {spec.dtype}{spec.shape}")
         if bounds is not None:
             store = store[tuple(slice(lo, hi) for lo, hi in bounds)]
-        return store.read()
+        return store
+
+    def read_array(
+        self, prefix: str, i: int, spec: ArraySpec, bounds: Sequence[tuple[int, int]] | None = None
+    ) -> ts.Future:
+        """Starts reading array i, or the index box ``bounds`` of it; the future gives numpy."""
+        return self._view(prefix, i, spec, bounds).read()
+
+    def read_into(
+        self,
+        prefix: str,
+        i: int,
+        spec: ArraySpec,
+        bounds: Sequence[tuple[int, int]] | None,
+        out: np.ndarray,
+    ) -> ts.Future:
+        """Starts reading array i (or the box ``bounds`` of it) straight into ``out``, a writable
+        C-order array of that shape and dtype: one copy out of the store, no new memory."""
+        source = self._view(prefix, i, spec, bounds)
+        return ts.array(out, copy=False, write=True).write(source)
 
     def write_manifest(self, prefix: str, manifest: VersionManifest) -> None:
         self._kv.write(f"{prefix}/{MANIFEST}", manifest.to_json()).result()

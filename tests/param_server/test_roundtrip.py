@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -101,3 +102,28 @@ def test_the_store_keeps_its_own_bytes_not_the_callers():
         assert same_bits(got[1], np.arange(3 << 20, dtype=np.float32))
     finally:
         store.close()
+
+
+def test_edge_shapes_round_trip_whole_and_sliced(ps):
+    # A scalar, empty arrays, rows wider than a chunk (a piece bigger than the read buffers),
+    # and a long vector spanning many chunks, through the reused read buffers and the slabs.
+    rng = np.random.default_rng(7)
+    tree = {
+        "scalar": np.float32(3.5),
+        "empty": np.zeros((0, 16), np.float32),
+        "empty_bf16": np.zeros((4, 0), ml_dtypes.bfloat16),
+        "wide": rng.standard_normal((3, 600), dtype=np.float32),
+        "long": rng.standard_normal(5000, dtype=np.float32).astype(ml_dtypes.bfloat16),
+    }
+    ps.client.push(tree, 0)
+    assert_same_tree(ps.client.pull(0), {k: np.asarray(v) for k, v in tree.items()})
+    paths = [a.path for a in ps.client._manifest(0).arrays]
+    boxes = [
+        (paths.index('["wide"]'), ((1, 3), (7, 599))),
+        (paths.index('["long"]'), ((17, 4999),)),
+        (paths.index('["empty"]'), ((0, 0), (3, 9))),
+    ]
+    _, got = ps.client.pull_arrays(0, boxes)
+    assert same_bits(got[0], tree["wide"][1:3, 7:599])
+    assert same_bits(got[1], tree["long"][17:4999])
+    assert got[2].shape == (0, 6)
