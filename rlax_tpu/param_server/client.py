@@ -30,7 +30,7 @@ from rlax_tpu.param_server.codec import (
     np_dtype,
     unflatten_nested,
 )
-from rlax_tpu.param_server.framing import SERVICE, ChunkView
+from rlax_tpu.param_server.framing import SERVICE
 from rlax_tpu.param_server.server import LATEST, Bounds, VersionInfo
 from rlax_tpu.rpc import common_pb2, param_server_pb2_grpc
 from rlax_tpu.rpc import param_server_pb2 as pb
@@ -146,15 +146,17 @@ class ParamServerClient:
         return wire.info_from_pb(replies[self.replica].info)
 
     def _publish_stream(self, header: pb.VersionHeader,
-                        hosts: list[np.ndarray]) -> Iterator[pb.PublishRequest | ChunkView]:  # fmt: skip
+                        hosts: list[np.ndarray]) -> Iterator[pb.PublishRequest | bytes]:  # fmt: skip
         yield pb.PublishRequest(header=header)
         crcs = []
         for index, host in enumerate(hosts):
             flat, crc = as_bytes(host), 0
             for offset in range(0, len(flat), self.chunk_bytes):
                 piece = flat[offset : offset + self.chunk_bytes]
-                crc = checksum(piece, crc)
-                yield ChunkView(index, offset, memoryview(piece))
+                message = framing.encode_chunk(index, offset, memoryview(piece))
+                # The checksum of the copy just made (still in cache, and exactly what is sent).
+                crc = checksum(memoryview(message)[len(message) - len(piece) :], crc)
+                yield message
             crcs.append(crc)
         yield pb.PublishRequest(trailer=pb.PublishTrailer(crc32=crcs))
 

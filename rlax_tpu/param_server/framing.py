@@ -102,7 +102,10 @@ def _decoder(message: Any) -> Any:
 
 
 def encode(message: Any) -> bytes:
-    """Serializer for PublishRequest / PullReply streams: ChunkView or a protobuf message."""
+    """Serializer for PublishRequest / PullReply streams: ChunkView, a protobuf message, or a
+    message already encoded (bytes, as ``encode_chunk`` gives)."""
+    if isinstance(message, bytes):
+        return message
     if isinstance(message, ChunkView):
         return encode_chunk(*message)
     return message.SerializeToString()
