@@ -230,9 +230,8 @@ class ParamServerClient:
         """
         if shardings is None:
             manifest, arrays = self.pull_arrays(version)
-            return unflatten_nested(
-                [a.path for a in manifest.arrays], [jax.device_put(a) for a in arrays]
-            )
+            # One call for every array (a single dispatch; on CPU each aliases its host array).
+            return unflatten_nested([a.path for a in manifest.arrays], jax.device_put(arrays))
         paths, leaf_shardings, treedef = flatten(shardings)
         manifest = self._manifest(version)
         position = {a.path: i for i, a in enumerate(manifest.arrays)}
