@@ -8,7 +8,11 @@ pull of a SmolLM2-135M-shaped pytree (30 layers, hidden 576, intermediate 1536, 
 heads, vocab 49152, tied embeddings: 134.5M parameters) in bf16 and f32 through a real server on
 127.0.0.1: CRC32C checksums, TensorStore writes and reads, manifest commit, jax.Array assembly.
 Pulls run with 1 and 4 concurrent pullers. Baseline and ours alternate round by round, so both
-see the same load on a shared machine. Prints a markdown table and writes JSON.
+see the same load on a shared machine. The headline is the median of rounds 1-5 (versions 1-5,
+after a warm-up round); while it holds fewer than in_memory_versions (4) versions, the server
+needs new memory for each one. Four more rounds follow, and "steady state" is the median of every
+round from version 5 on, whose publish lands in the memory of a version the server collected (as
+every publish of a training run does after its first five). Prints a markdown table, writes JSON.
 """
 
 from __future__ import annotations
@@ -152,26 +156,37 @@ class Ours:
         self._store.close()
 
 
-def measure(tree: dict, config: ParamServerConfig, reps: int) -> dict:
+def _summary(rounds: list[dict]) -> dict:
+    fractions = [(r["up_s"] + r["down_s"]) / (r["push_s"] + r["pull_1_s"]) for r in rounds]
+    return {**{k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
+            "fraction_of_raw": statistics.median(fractions),
+            "fraction_of_raw_rounds": fractions}  # fmt: skip
+
+
+def measure(tree: dict, config: ParamServerConfig, reps: int, steady_reps: int) -> dict:
     """Medians over ``reps`` rounds (after a warm-up round) that alternate the baseline and ours,
     so that both see the same load on a shared machine; ``fraction_of_raw`` is the median of
-    each round's (raw up + raw down) / (push + pull)."""
+    each round's (raw up + raw down) / (push + pull).
+
+    Round i publishes version i. Up to version K = in_memory_versions the server holds every
+    version it received and needs new memory for each; from version K + 1 on, a publish lands in
+    the memory of a version it collected (as every publish of a run does after its first K + 1).
+    ``steady_reps`` more rounds follow; ``steady_state`` summarizes all rounds past version K."""
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
     raw = RawStream(nbytes, config.chunk_bytes, config.max_message_bytes)
     ours = Ours(tree, config, pullers=(1, 4))
     rounds = []
     try:
-        for _ in range(reps + 1):
+        for _ in range(1 + reps + steady_reps):
             rounds.append({**raw.round(), **ours.round()})
         ours.check()
     finally:
         raw.close()
         ours.close()
-    rounds = rounds[1:]
-    fractions = [(r["up_s"] + r["down_s"]) / (r["push_s"] + r["pull_1_s"]) for r in rounds]
-    return {**{k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
-            "fraction_of_raw": statistics.median(fractions),
-            "fraction_of_raw_rounds": fractions}  # fmt: skip
+    steady = rounds[config.in_memory_versions + 1 :]
+    return {**_summary(rounds[1 : 1 + reps]),
+            "steady_state": {"from_version": config.in_memory_versions + 1, **_summary(steady)}
+                            if steady else None}  # fmt: skip
 
 
 def main() -> None:
@@ -180,16 +195,19 @@ def main() -> None:
         "--out", default=str(Path(__file__).with_name("param_server_throughput.json"))
     )
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steady_reps", type=int, default=4)
     args = parser.parse_args()
     config = ParamServerConfig(persist_every=0)
     rows, results = [], {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                          "chunk_bytes": config.chunk_bytes, "reps": args.reps,
+                         "steady_reps": args.steady_reps,
+                         "in_memory_versions": config.in_memory_versions,
                          "load_average_start": os.getloadavg(), "cases": []}  # fmt: skip
     for dtype in (ml_dtypes.bfloat16, np.float32):
         tree = smollm2_135m(np.dtype(dtype))
         leaves = jax.tree_util.tree_leaves(tree)
         nbytes, params = sum(x.nbytes for x in leaves), sum(x.size for x in leaves)
-        m = measure(tree, config, args.reps)
+        m = measure(tree, config, args.reps, args.steady_reps)
         raw_rt = m["up_s"] + m["down_s"]
         ours_rt = m["push_s"] + m["pull_1_s"]
         case = {"dtype": np.dtype(dtype).name, "params": params, "bytes": nbytes, **m}
@@ -209,6 +227,13 @@ def main() -> None:
             + ", ".join(f"{f:.0%}" for f in case["fraction_of_raw_rounds"])
             + ") |",
         ]
+        if (st := m["steady_state"]) is not None:
+            rows.append(
+                f"| {case['dtype']} | push + pull, steady state (versions >= "
+                f"{st['from_version']}) | {st['push_s'] + st['pull_1_s']:.2f} | "
+                f"{gbps(st['push_s'] + st['pull_1_s']):.2f} | {st['fraction_of_raw']:.0%} of raw "
+                "(rounds: " + ", ".join(f"{f:.0%}" for f in st["fraction_of_raw_rounds"]) + ") |"
+            )
         del tree, leaves
     print(f"\nSmolLM2-135M-shaped pytree ({results['cases'][0]['params'] / 1e6:.1f}M params), "
           f"{results['machine']}, loopback gRPC, chunks of {config.chunk_bytes >> 20} MiB\n")  # fmt: skip
