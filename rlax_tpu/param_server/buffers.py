@@ -1,12 +1,15 @@
 """Host memory for whole versions: one slab per version, carved into aligned arrays, recycled.
 
-A version's arrays are received into one slab: an anonymous memory map, its pages populated by
-the kernel in one go when it is mapped (cheaper than a page fault per 4 KiB page on first touch,
-and without the transparent-huge-page compaction stalls that numpy's huge-page advice can cause
-on large allocations), carved into 64-byte aligned arrays (jax on CPU then uses them without a
-copy). A slab whose arrays nobody references any more (the server collected the version and
-TensorStore dropped the data it held by reference; a client's caller dropped the arrays) is
-reused as it is, its pages already in place: in steady state a version costs no new memory.
+A version's arrays are received into one slab: an anonymous memory map carved into 64-byte
+aligned arrays (jax on CPU then uses them without a copy). Its pages are faulted in by the copies
+that fill it, which release the GIL, and only as far as data arrives: neither ``MAP_POPULATE`` nor
+``madvise(MADV_POPULATE_WRITE)``, which hold the GIL for the whole range (80 ms for 270 MB here:
+every other thread of the server, pulls included, would stall) and would let a header alone
+commit the memory it declares; nor numpy's transparent-huge-page advice, whose compaction stalls
+took 0.2-0.7 s per 270 MB allocation here. A slab whose arrays nobody references any more (the
+server collected the version and TensorStore dropped the data it held by reference; a client's
+caller dropped the arrays) is reused as it is, its pages already in place: in steady state a
+version costs no new memory and no page faults.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 ALIGN = 64
-_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 
 
 def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
