@@ -59,8 +59,9 @@ def test_a_pull_reuses_memory_only_once_the_caller_dropped_the_previous_arrays(p
     held = ps.client.pull(0)  # jax arrays that alias the slab on CPU
     for _ in range(4):
         assert_same_tree(ps.client.pull(1), make_tree(1))  # dropped at once: memory reused
-    # jax lets go of a host array it aliased at its next call, so a client that drops each
-    # version right away alternates between two slabs.
+        # jax lets go of a host array it aliased at its next call (or a collection); without
+        # this a client that drops each version right away alternates between two slabs.
+        gc.collect()
     assert ps.client._slabs.reused >= 2
     assert_same_tree(held, make_tree(0))  # never overwritten while held
     _, arrays = ps.client.pull_arrays(0)
