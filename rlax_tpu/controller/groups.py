@@ -155,21 +155,36 @@ def verify(
     verifier: VerifierPort, specs: tasks_lib.SpecCache, prompter: Prompter,
     items: Sequence[tuple[Problem, Rollout]],
 ) -> list[Verdict]:  # fmt: skip
-    """One verdict per (problem, rollout); completions without a program are not run."""
-    verdicts: list[Verdict | None] = [None] * len(items)
-    batch, where = [], []
-    for i, (problem, rollout) in enumerate(items):
+    """One verdict per (problem, rollout); completions without a program are not run.
+
+    Identical programs for the same problem are run once and share the verdict: a sharpened
+    policy writes the same program in most samples of a group, and the sandbox is the slowest
+    stage of a step on CPU. (A program whose result depends on chance gets one draw for all its
+    copies in the call.)
+    """
+    batch: list[Any] = []
+    slot: dict[tuple[str, ...], int] = {}  # task identity -> index in batch
+    where: list[int] = []  # item -> index in batch, or -1 (no program)
+    for problem, rollout in items:
         task = tasks_lib.make_task(problem, prompter.completion(rollout), style=prompter.style,
                                    specs=specs, language=prompter.language)  # fmt: skip
         if task is None:
-            verdicts[i] = tasks_lib.NO_PROGRAM
-        else:
+            where.append(-1)
+            continue
+        key = _task_key(problem, task)
+        if key not in slot:
+            slot[key] = len(batch)
             batch.append(task)
-            where.append(i)
-    if batch:
-        for i, v in zip(where, verifier.verify(batch), strict=True):
-            verdicts[i] = v
-    return [v for v in verdicts if v is not None]
+        where.append(slot[key])
+    ran = verifier.verify(batch) if batch else []
+    if len(ran) != len(batch):
+        raise RuntimeError(f"the verifier answered {len(ran)} verdicts for {len(batch)} tasks")
+    return [tasks_lib.NO_PROGRAM if j < 0 else ran[j] for j in where]
+
+
+def _task_key(problem: Problem, task: Any) -> tuple[str, ...]:
+    text = getattr(task, "code", None) or getattr(task, "response", "")
+    return (problem.id, type(task).__name__, getattr(task, "language", ""), text)
 
 
 def results_from(

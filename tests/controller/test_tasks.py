@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from rlax_tpu.config import VerifierConfig
@@ -91,3 +92,44 @@ def test_internal_errors_are_not_rewards():
     assert reward(Verdict(kind=VerdictKind.INTERNAL_ERROR)) is None
     assert reward(Verdict(kind=VerdictKind.TIME_LIMIT)) == 0.0
     assert reward(Verdict(kind=VerdictKind.ACCEPTED)) == 1.0
+
+
+class _Counting:
+    """The real verifier, counting the tasks it is sent."""
+
+    def __init__(self, inner):
+        self.inner, self.sent = inner, 0
+
+    def verify(self, tasks):
+        self.sent += len(tasks)
+        return self.inner.verify(tasks)
+
+
+class _CharPrompter:
+    style, language = "raw", "python"
+
+    def completion(self, rollout):
+        return "".join(chr(int(t)) for t in rollout.tokens)
+
+
+def test_identical_programs_run_once(verifier):
+    from rlax_tpu.controller.groups import verify
+    from rlax_tpu.types import FinishReason, Rollout
+
+    problem = make_problem(TEMPLATES[0], 7, 0)
+    right = problem.reference_solutions[0].code + FENCE
+    wrong = problem.wrong_solutions[0].code + FENCE
+    texts = [right, wrong, right, FENCE, right, wrong]
+
+    def rollout(i, text):
+        ids = np.array([ord(c) for c in text], np.int32)
+        return Rollout(prompt_id="p", sample_index=i, prompt_tokens=np.array([1], np.int32),
+                       tokens=ids, logprobs=np.zeros(len(ids), np.float32),
+                       versions=np.zeros(len(ids), np.int64), finish_reason=FinishReason.EOS)  # fmt: skip
+
+    counting = _Counting(verifier)
+    verdicts = verify(counting, SpecCache(verifier), _CharPrompter(),
+                      [(problem, rollout(i, t)) for i, t in enumerate(texts)])  # fmt: skip
+    assert [reward(v) for v in verdicts] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert verdicts[3].detail == "no program in the completion"
+    assert counting.sent == 2  # one run per distinct program
