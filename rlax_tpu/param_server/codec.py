@@ -30,6 +30,8 @@ DTYPES = frozenset(
 # Chunks of the zarr arrays stay near this size: big enough for throughput, small enough that a
 # sliced pull does not decode much more than it needs.
 TARGET_CHUNK_BYTES = 16 * 2**20
+# The most dimensions an array may have (TensorStore's limit).
+MAX_RANK = 32
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -51,6 +53,11 @@ class ArraySpec:
 
     def __post_init__(self) -> None:
         np_dtype(self.dtype)
+        if len(self.shape) > MAX_RANK:
+            raise InvalidArgument(
+                f"array {self.path}: rank {len(self.shape)} is more than the {MAX_RANK} dimensions "
+                f"supported (shape {self.shape})"
+            )
         if any(d < 0 for d in self.shape):
             raise InvalidArgument(f"array {self.path}: negative dimension in shape {self.shape}")
         if self.shard_shape and len(self.shard_shape) != len(self.shape):

@@ -466,16 +466,19 @@ class PublishSession:
         self._crcs: list[int] = []
         self._crc = 0
         self._writes: list = []
-        hot = server._hot
-        # Array i's creation; nothing to create for a retry (it is compared, not stored).
-        self._creates = (
-            [hot.create_array(self._prefix, i, s) for i, s in enumerate(arrays)]
-            if existing is None
-            else []
-        )
+        self._creates: list = []  # array i's creation; none for a retry (compared, not stored)
         self._sealed: collections.deque[tuple[int, ArraySpec, np.ndarray]] = collections.deque()
         self._open = True
-        self._advance_to(0)
+        try:
+            if existing is None:
+                for i, s in enumerate(arrays):  # may raise at once (a spec the store refuses)
+                    self._creates.append(server._hot.create_array(self._prefix, i, s))
+            self._advance_to(0)
+        except BaseException:
+            # The version number is held (begin_publish) and some arrays may already exist under
+            # the staging prefix: give both back, or the number stays blocked for good.
+            self._close(keep=False)
+            raise
 
     def _advance_to(self, index: int) -> None:
         """Closes arrays before ``index`` (each must be complete) and starts ``index``."""

@@ -140,3 +140,48 @@ def test_bad_slices(seeded):
         ps.client.pull_arrays(0, [(0, ((0, 65), (0, 16)))])
     with pytest.raises(errors.InvalidArgument, match="array index 99"):
         ps.client.pull_arrays(0, [(99, ((0, 1),))])
+
+
+def assert_nothing_staged(ps) -> None:
+    assert ps.store._publishing == set()
+    committed, stored = ps.store.stored_prefixes()
+    assert committed == stored
+
+
+def test_a_rank_beyond_32_is_refused_and_does_not_block_its_version_number(ps):
+    too_deep = {"a": np.ones(8, np.float32), "b": np.zeros((1,) * 33, np.float32)}
+    with pytest.raises(errors.InvalidArgument, match="rank 33"):
+        ps.client.push(too_deep, 0)
+    stub = param_server_pb2_grpc.ParamServerStub(make_channel(ps.endpoint))
+    deep = [("a", [8], "float32"), ("b", [1] * 33, "float32")]
+    code, details = status_of(lambda: stub.Publish(iter([header(0, deep)])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "rank 33" in details
+    assert ps.client.list_versions() == ([], None)
+    assert_nothing_staged(ps)
+    assert ps.client.push(make_tree(0), 0).version == 0  # the number is free to use
+    assert_same_tree(ps.client.pull(0), make_tree(0))
+    assert_nothing_staged(ps)
+
+
+@pytest.mark.parametrize("over_grpc", [True, False], ids=["grpc", "in-process"])
+def test_a_publish_that_fails_to_start_leaves_nothing_behind(ps, monkeypatch, over_grpc):
+    create = ps.store._hot.create_array
+
+    def failing(prefix, i, spec):
+        if i == 1:  # array 0's creation is already under way under the staging prefix
+            raise ValueError("the store refuses this array")
+        return create(prefix, i, spec)
+
+    monkeypatch.setattr(ps.store._hot, "create_array", failing)
+    tree = {"a": np.ones(8, np.float32), "b": np.zeros(4, np.float32)}
+    if over_grpc:
+        with pytest.raises(grpc.RpcError):
+            ps.client.push(tree, 0)
+    else:
+        with pytest.raises(ValueError, match="refuses"):
+            ps.store.publish(0, 0, ["a", "b"], [tree["a"], tree["b"]])
+    assert_nothing_staged(ps)
+    monkeypatch.setattr(ps.store._hot, "create_array", create)
+    assert ps.client.push(tree, 0).version == 0  # a retry of the same number goes through
+    assert_same_tree(ps.client.pull(0), tree)
+    assert_nothing_staged(ps)
