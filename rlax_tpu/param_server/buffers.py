@@ -40,7 +40,8 @@ class SlabPool:
     A slab is idle when the pool holds the only reference to its memory map: every array carved
     from it references it (through numpy's ``base`` chain), and so does whoever keeps such an
     array (TensorStore for data it holds by reference, jax for a host array it aliases), so a
-    slab in use can never be handed out again. At most ``max_idle`` idle slabs are kept.
+    slab in use can never be handed out again, nor unmapped. Every ``take`` (and ``trim``) unmaps
+    idle slabs beyond ``max_idle``.
     """
 
     def __init__(self, *, max_idle: int = 1):
@@ -53,16 +54,24 @@ class SlabPool:
         return sys.getrefcount(self._maps[k]) == 2  # the list's reference and the argument
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A page-aligned uint8 buffer of ``nbytes``: an idle slab of that size, or a new one."""
+        """A page-aligned uint8 buffer of ``nbytes``: an idle slab of that size, or a new one.
+
+        Idle slabs beyond ``max_idle`` are unmapped on every call, so memory left idle after a
+        burst (several versions held at once, then dropped) goes back at the next take.
+        """
         size = max(nbytes, 1)
         with self._lock:
+            out = None
             for k in range(len(self._maps)):
                 if len(self._maps[k]) == size and self._idle(k):
                     self.reused += 1
-                    return np.frombuffer(self._maps[k], np.uint8)[:nbytes]
-            self._trim_locked()
-            self._maps.append(mmap.mmap(-1, size, flags=_FLAGS))
-            return np.frombuffer(self._maps[-1], np.uint8)[:nbytes]
+                    out = np.frombuffer(self._maps[k], np.uint8)[:nbytes]  # no longer idle
+                    break
+            self._trim_locked()  # before allocating: the new slab's pages may reuse freed ones
+            if out is None:
+                self._maps.append(mmap.mmap(-1, size, flags=_FLAGS))
+                out = np.frombuffer(self._maps[-1], np.uint8)[:nbytes]
+            return out
 
     def trim(self) -> None:
         """Unmaps idle slabs beyond ``max_idle``."""

@@ -70,3 +70,30 @@ def test_a_pull_reuses_memory_only_once_the_caller_dropped_the_previous_arrays(p
     assert_same_tree(held, make_tree(0))  # never overwritten while held
     _, arrays = ps.client.pull_arrays(0)
     assert all(a.ctypes.data % ALIGN == 0 for a in arrays)
+
+
+def test_a_pool_gives_idle_slabs_back_after_a_burst():
+    pool = SlabPool(max_idle=1)
+    burst = [pool.take(10_000) for _ in range(6)]
+    assert pool.held() == (6, 0)
+    del burst
+    gc.collect()
+    kept = pool.take(10_000)  # reuses one; the idle ones beyond max_idle are unmapped
+    assert pool.reused == 1 and pool.held() == (2, 1)
+    kept[:] = 7  # never released while referenced
+    assert pool.held() == (2, 1) and (kept == 7).all()
+
+
+def test_a_client_gives_memory_back_after_a_burst_of_held_pulls(ps):
+    ps.client.push(make_tree(0), 0)
+    held = [ps.client.pull(0) for _ in range(6)]  # six versions' slabs in use at once
+    assert ps.client._slabs.held()[0] == 6
+    del held
+    gc.collect()
+    for _ in range(20):
+        assert_same_tree(ps.client.pull(0), make_tree(0))
+        gc.collect()  # jax lets go of an aliased host array at its next call or a collection
+    # The last pull's slab (idle now that it was dropped) and at most max_idle=1 other.
+    assert ps.client._slabs.held()[0] <= 2
+    ps.client._slabs.trim()
+    assert ps.client._slabs.held() == (1, 1)
