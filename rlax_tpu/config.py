@@ -558,6 +558,10 @@ class ControllerConfig:
     warmup_steps: int = 0
     warmup_batch_size: int = 16
     warmup_learning_rate: float = 1e-3
+    # Share of warm-up demonstrations that are a problem's known-wrong program instead of its
+    # reference (unverified demonstrations): the warmed-up policy then writes the right program
+    # only part of the time, and RL from the verifier's reward has to tell them apart.
+    warmup_wrong_fraction: float = 0.0
     seed: int = 0  # root of every run-level RNG stream (mixture, sampling, replay)
 
     def __post_init__(self) -> None:
@@ -567,6 +571,7 @@ class ControllerConfig:
                   "snapshot_keep", "log_every")  # fmt: skip
         _non_negative(self, "pipeline_depth", "warmup_steps")
         _positive(self, "warmup_batch_size", "warmup_learning_rate")
+        _in_range(self, "warmup_wrong_fraction", 0.0, 1.0, hi_open=True)
         if self.acceptance_staleness < UNBOUNDED:
             raise _bad(self, "acceptance_staleness", "must be >= 0, or -1 for unbounded")
         eta_a, eta_r = self.acceptance_bound, self.reload_staleness

@@ -234,6 +234,8 @@ def test_must_be_non_negative(section, name):
         ("algorithm.eps_low", 1.0, "algorithm.eps_low = 1.0: must be in [0.0, 1.0)"),
         ("algorithm.gamma", 1.1, "algorithm.gamma = 1.1: must be in [0.0, 1.0]"),
         ("algorithm.gae_lambda", -0.5, "algorithm.gae_lambda = -0.5: must be in [0.0, 1.0]"),
+        ("controller.warmup_wrong_fraction", 1.0,
+         "controller.warmup_wrong_fraction = 1.0: must be in [0.0, 1.0)"),
         ("model.rope_scaling_factor", 0.5, "model.rope_scaling_factor = 0.5: must be >= 1"),
         ("mesh.data", 0, "mesh.data = 0: must be >= 1, or -1 for 'the remaining devices'"),
         ("mesh.tensor", -2, "mesh.tensor = -2: must be >= 1, or -1 for 'the remaining devices'"),
@@ -364,7 +366,7 @@ def test_resume_needs_snapshots_and_checkpoints_that_meet():
     with pytest.raises(ConfigError, match=r"trainer.keep_checkpoints = 2: .* republishes .* "
                        r"pipeline_depth \+ reload_staleness = 3"):  # fmt: skip
         build({"controller.reload_staleness": 2, "controller.acceptance_staleness": 4})
-    with pytest.raises(ConfigError, match=r"controller.warmup_steps = 300: needs the local"):
+    with pytest.raises(ConfigError, match=r"controller.warmup_steps = 800: needs the local"):
         build({"controller.transport": "distributed", "controller.trainer_endpoint": "h:1",
                "controller.verifier_endpoint": "h:1", "controller.param_server_endpoint": "h:1",
                "controller.inference_endpoints": ("h:1",),

@@ -24,6 +24,7 @@ from rlax_tpu.controller.groups import Prompter
 from rlax_tpu.controller.loop import Controller, RunSummary
 from rlax_tpu.controller.snapshots import SnapshotStore
 from rlax_tpu.controller.tasks import FENCE, prompt_text
+from rlax_tpu.data.mixture import stream_seed
 from rlax_tpu.data.problems import CodeProblem, MathProblem, Problem, UnitTestProblem
 from rlax_tpu.data.sources import Datasets, load_datasets
 from rlax_tpu.observability.progress import format_duration
@@ -42,6 +43,27 @@ def reference_text(problem: Problem, *, language: str) -> str | None:
     if isinstance(problem, MathProblem):
         return f" {problem.answer}"
     return None
+
+
+def wrong_text(problem: Problem, *, language: str) -> str | None:
+    """A known-wrong raw-style completion (a problem's first wrong program), or None."""
+    if isinstance(problem, CodeProblem):
+        sols = [s.code for s in problem.wrong_solutions if s.language == language]
+        return sols[0] + FENCE if sols else None
+    return None
+
+
+def warmup_demonstration(problem: Problem, config: RunConfig) -> tuple[str | None, bool]:
+    """The warm-up completion for ``problem`` and whether it is a wrong one: a wrong program with
+    probability ``controller.warmup_wrong_fraction`` (seeded per problem id), else the reference."""
+    language = config.data.language
+    fraction = config.controller.warmup_wrong_fraction
+    if fraction > 0:
+        u = stream_seed(config.controller.seed, "warmup-wrong", problem.id) / 2.0**64
+        wrong = wrong_text(problem, language=language) if u < fraction else None
+        if wrong is not None:
+            return wrong, True
+    return reference_text(problem, language=language), False
 
 
 def _style(config: RunConfig) -> str:
@@ -79,17 +101,19 @@ def warm_up(config: RunConfig, model: models.Transformer, prompter: Prompter,
 
     cc = config.controller
     examples = []
+    num_wrong = 0
     eos = prompter.tokenizer.eos_id
     for problems in prompter.datasets.train.values():
         for p in problems:
-            ref = reference_text(p, language=config.data.language)
-            if ref is None or not prompter.fits(p):
+            text, wrong = warmup_demonstration(p, config)
+            if text is None or not prompter.fits(p):
                 continue
-            completion = prompter.tokenizer.encode(ref, add_bos=False)
+            completion = prompter.tokenizer.encode(text, add_bos=False)
             if eos is not None:
                 completion = [*completion, eos]
             if len(completion) <= config.inference.max_new_tokens:
                 examples.append((list(prompter.prompt_tokens(p)), completion))
+                num_wrong += wrong
     if not examples:
         raise ValueError("controller.warmup_steps > 0 but no training problem has a reference "
                          f"solution in {config.data.language}")  # fmt: skip
@@ -105,7 +129,8 @@ def warm_up(config: RunConfig, model: models.Transformer, prompter: Prompter,
         learning_rate=cc.warmup_learning_rate, seed=cc.seed, on_step=on_step,
     )  # fmt: skip
     note = (f"a supervised warm-up of {cc.warmup_steps} steps (batch {cc.warmup_batch_size}, lr "
-            f"{cc.warmup_learning_rate:g}) on {len(examples)} reference solutions ran before RL "
+            f"{cc.warmup_learning_rate:g}) on {len(examples)} demonstrations "
+            f"({num_wrong} of them known-wrong programs) ran before RL "
             f"({time.perf_counter() - t0:.0f} s); pass@1 at version 0 is after warm-up, "
             "before RL")  # fmt: skip
     return model, note

@@ -85,3 +85,35 @@ def test_warmup_rejects_bad_input(tokenizer):
         supervised_warmup(model, [([1], [])], steps=1, batch_size=1, learning_rate=1e-3, seed=0)
     with pytest.raises(ValueError, match="must be >= 1"):
         supervised_warmup(model, [([1], [2])], steps=0, batch_size=1, learning_rate=1e-3, seed=0)
+
+
+def _config(**controller):
+    from rlax_tpu.config import RunConfig, base_config_dict, from_dict
+
+    data = base_config_dict().to_dict()
+    data["controller"].update(run_dir="unused", **controller)
+    return from_dict(RunConfig, data)
+
+
+def test_warmup_demonstrations_mix_in_wrong_programs_at_the_configured_rate():
+    from rlax_tpu.controller.app import reference_text, warmup_demonstration, wrong_text
+
+    problems = procedural_problems("train", k_max=60)
+    clean = _config()
+    assert all(
+        warmup_demonstration(p, clean) == (reference_text(p, language="python"), False)
+        for p in problems
+    )
+    noisy = _config(warmup_wrong_fraction=0.5, seed=3)
+    picks = [warmup_demonstration(p, noisy) for p in problems]
+    assert picks == [warmup_demonstration(p, noisy) for p in problems]  # seeded per problem id
+    for p, (text, wrong) in zip(problems, picks, strict=True):
+        expected = wrong_text(p, language="python") if wrong else reference_text(p, language="python")
+        assert text == expected
+        assert wrong == (text != reference_text(p, language="python"))
+    n, k = len(problems), sum(w for _, w in picks)
+    # Binomial(n, 0.5): 4 standard deviations either side (a false failure ~6e-5).
+    assert abs(k - n / 2) <= 4 * (n * 0.25) ** 0.5, (k, n)
+    other_seed = [warmup_demonstration(p, _config(warmup_wrong_fraction=0.5, seed=4))[1]
+                  for p in problems]  # fmt: skip
+    assert other_seed != [w for _, w in picks]
