@@ -108,7 +108,9 @@ def test_warmup_demonstrations_mix_in_wrong_programs_at_the_configured_rate():
     picks = [warmup_demonstration(p, noisy) for p in problems]
     assert picks == [warmup_demonstration(p, noisy) for p in problems]  # seeded per problem id
     for p, (text, wrong) in zip(problems, picks, strict=True):
-        expected = wrong_text(p, language="python") if wrong else reference_text(p, language="python")
+        expected = (
+            wrong_text(p, language="python") if wrong else reference_text(p, language="python")
+        )
         assert text == expected
         assert wrong == (text != reference_text(p, language="python"))
     n, k = len(problems), sum(w for _, w in picks)
