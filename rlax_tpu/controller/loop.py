@@ -69,7 +69,6 @@ class Counters:
     tokens_generated: int = 0
     prompts_too_long: int = 0  # drawn from the mixture but longer than inference.max_prompt_len
     last_eval_version: int = -1
-    warmup_ran: bool = False
 
 
 @dataclasses.dataclass
@@ -185,7 +184,9 @@ class Controller:
         self.ledger = Ledger.from_state(p["ledger"])
         self.refs = {k: PromptRef(**v) for k, v in p["refs"].items()}
         self.buffered = {k: groups_lib.GroupResult.from_state(v) for k, v in p["buffered"].items()}
-        self.counters = Counters(**p["counters"])
+        # Snapshots from before a counter was dropped (e.g. warmup_ran) still load.
+        known = {f.name for f in dataclasses.fields(Counters)}
+        self.counters = Counters(**{k: v for k, v in p["counters"].items() if k in known})
         self.evals = {int(v): dict(m) for v, m in p["evals"].items()}
 
     # ------------------------------------------------------------------ weights
