@@ -133,6 +133,9 @@ def _java() -> tuple[Language, list[Mount]]:
 
 
 _FINDERS = {"python": _python, "cpp": _cpp, "rust": _rust, "java": _java}
+# Problems' special checkers (testlib) are C++ whatever language submissions are in, so the
+# verifier always looks for this toolchain; ``verifiers.languages`` limits submissions only.
+CHECKER_LANGUAGES = ("cpp",)
 
 
 def detect(names: tuple[str, ...]) -> Toolchains:

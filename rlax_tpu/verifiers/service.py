@@ -48,9 +48,11 @@ class VerifierService:
         self._own_scratch = scratch_dir is None
         self._scratch = Path(scratch_dir or tempfile.mkdtemp(prefix="rlax-verifier-"))
         self._scratch.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.toolchains = languages.detect(config.languages)
+        wanted = tuple(dict.fromkeys((*config.languages, *languages.CHECKER_LANGUAGES)))
+        self.toolchains = languages.detect(wanted)
         for name, why in self.toolchains.missing.items():
-            log.warning("verifier: %s is unavailable: %s", name, why)
+            role = "" if name in config.languages else " (problems' special checkers need it)"
+            log.warning("verifier: %s is unavailable%s: %s", name, role, why)
         self.sandbox = Sandbox(
             uid_base=config.sandbox_uid,
             slots=config.workers,
@@ -176,7 +178,8 @@ class VerifierService:
         raise TypeError(f"not a verifier task: {type(task).__name__}")
 
     def health(self) -> str:
-        langs = ", ".join(sorted(self.toolchains.languages)) or "none"
+        langs = ", ".join(sorted(set(self.toolchains.languages) & set(self.config.languages)))
+        langs = langs or "none"
         return f"{self.config.workers} workers, {self.pending} tasks pending, languages: {langs}"
 
     def close(self) -> None:

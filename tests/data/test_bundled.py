@@ -224,3 +224,31 @@ def test_every_solution_gets_its_expected_verdict(verifier, problems):
     assert not mismatches, mismatches
     for (_, _, _, verdict), r in zip(expected, results, strict=True):
         assert (r.tests_passed == r.tests_total) == (verdict == "accepted")
+
+
+def test_checkers_run_when_submissions_are_python_only(tmp_path, problems):
+    """The local preset accepts Python submissions only; problems' C++ checkers must still run
+    (they once came back as internal errors, and their groups were dropped from training)."""
+    uid = 1_900_000 + (os.getpid() % 100_000) * 8  # a uid block of its own
+    config = VerifierConfig(sandbox_uid=uid, workers=2, time_limit_s=1.0,
+                            compile_time_limit_s=20.0, languages=("python",))  # fmt: skip
+    with_checker = [p for p in problems if p.checker is not None]
+    assert len(with_checker) >= 5
+    tasks = []
+    with VerifierService(config, scratch_dir=tmp_path) as service:
+        assert "languages: python" in service.health()
+        for p in with_checker:
+            spec = upload_problem(
+                service, problem_id=p.id, tests=[(t.input, t.output) for t in p.tests],
+                checker_source=p.checker.source, checker_language=p.checker.language,
+                time_limit_s=p.time_limit_s, memory_limit_mb=p.memory_limit_mb,
+            )  # fmt: skip
+            [ref] = [s for s in p.reference_solutions if s.language == "python"][:1]
+            tasks.append(CodeTask(problem=spec, language="python", code=ref.code))
+        cpp = CodeTask(problem=tasks[0].problem, language="cpp", code="int main() {}\n")
+        *verdicts, refused = service.verify([*tasks, cpp])
+    assert [v.kind.value for v in verdicts] == ["accepted"] * len(tasks), [
+        v.detail for v in verdicts
+    ]
+    assert refused.kind.value == "internal_error"
+    assert "cpp: not enabled for submissions" in refused.detail
