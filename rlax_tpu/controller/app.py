@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -25,7 +26,13 @@ from rlax_tpu.controller.loop import Controller, RunSummary
 from rlax_tpu.controller.snapshots import SnapshotStore
 from rlax_tpu.controller.tasks import FENCE, prompt_text
 from rlax_tpu.data.mixture import stream_seed
-from rlax_tpu.data.problems import CodeProblem, MathProblem, Problem, UnitTestProblem
+from rlax_tpu.data.problems import (
+    CodeProblem,
+    MathProblem,
+    Problem,
+    Solution,
+    UnitTestProblem,
+)
 from rlax_tpu.data.sources import Datasets, load_datasets
 from rlax_tpu.observability.progress import format_duration
 from rlax_tpu.observability.report import RunInfo, write_report
@@ -36,8 +43,7 @@ TOKENIZER_DIR = "tokenizer"
 def reference_text(problem: Problem, *, language: str) -> str | None:
     """The completion a perfect raw-style model writes (warm-up data), or None."""
     if isinstance(problem, CodeProblem):
-        sols = [s.code for s in problem.reference_solutions if s.language == language]
-        return sols[0] + FENCE if sols else None
+        return _first_program(problem.reference_solutions, language)
     if isinstance(problem, UnitTestProblem):
         return problem.canonical_solution or None
     if isinstance(problem, MathProblem):
@@ -48,9 +54,14 @@ def reference_text(problem: Problem, *, language: str) -> str | None:
 def wrong_text(problem: Problem, *, language: str) -> str | None:
     """A known-wrong raw-style completion (a problem's first wrong program), or None."""
     if isinstance(problem, CodeProblem):
-        sols = [s.code for s in problem.wrong_solutions if s.language == language]
-        return sols[0] + FENCE if sols else None
+        return _first_program(problem.wrong_solutions, language)
     return None
+
+
+def _first_program(solutions: Sequence[Solution], language: str) -> str | None:
+    """The first program in ``language``, closed by the fence as a raw-style completion is."""
+    code = next((s.code for s in solutions if s.language == language), None)
+    return None if code is None else code + FENCE
 
 
 def warmup_demonstration(problem: Problem, config: RunConfig) -> tuple[str | None, bool]:

@@ -50,6 +50,12 @@ class Grader:
             return Verdict(
                 kind=VerdictKind.INTERNAL_ERROR, detail=f"{problem.problem_id} has no tests"
             )
+        if task.language not in self._config.languages:  # its toolchain may serve checkers only
+            return Verdict(
+                kind=VerdictKind.INTERNAL_ERROR, tests_total=total,
+                detail=f"{task.language}: not enabled for submissions (verifiers.languages = "
+                f"{self._config.languages})",
+            )  # fmt: skip
         missing = self._repository.missing(
             [problem.checker] * bool(problem.checker)
             + [x for t in problem.tests for x in (t.input, t.answer)]
@@ -62,16 +68,10 @@ class Grader:
         checker = self._checkers.prepare(problem)
         if isinstance(checker, Verdict):
             return dataclasses.replace(checker, tests_total=total)
-        cfg = self._config
-        if task.language not in cfg.languages:  # the toolchain may be here for checkers only
-            return Verdict(
-                kind=VerdictKind.INTERNAL_ERROR, tests_total=total,
-                detail=f"{task.language}: not enabled for submissions (verifiers.languages = "
-                f"{cfg.languages})",
-            )  # fmt: skip
         built = self._compiler.compile(task.language, task.code)
         if isinstance(built, Verdict):
             return dataclasses.replace(built, tests_total=total)
+        cfg = self._config
         memory_mb = int(
             limit(problem.memory_limit_mb, cfg.memory_limit_mb, cfg.max_memory_limit_mb)
         )
