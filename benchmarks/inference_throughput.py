@@ -4,14 +4,18 @@
     .venv/bin/python benchmarks/inference_throughput.py --models tiny --sequences 128
 
 Workload (seeded): a queue of independent requests (G = 1), prompts of U[16, 64] random tokens,
-output lengths U[16, 256] forced by ``ignore_eos`` + a per-request ``max_new_tokens``, sampling at
-T = 1, 64 concurrent sequences. Measured in one run, on the same weights (f32):
+output lengths between 16 and 256 forced by ``ignore_eos`` + a per-request ``max_new_tokens``,
+drawn uniformly (``--lengths uniform``, the default) or log-uniformly (``--lengths log-uniform``:
+many short, few long, the shape of RL rollouts that mostly stop early), sampling at T = 1, 64
+concurrent sequences. Measured in one run, on the same weights (f32):
   (a) our engine: continuous batching over the whole queue;
   (b) static batches of 64 with a dense KV cache (``models.step`` + ``DenseKVCache``, jitted,
       donated), each decoding until its longest sequence ends;
   (c) HF transformers ``generate`` (torch, CPU), the same static batches (left padding,
       ``min_new_tokens = max_new_tokens`` = the batch's longest).
-Useful tokens only count (a sequence's own length); the static baselines' rates are measured on
+Useful tokens only count (a sequence's own length); the workload's ceiling for (a)/(b) is printed
+too: E[longest of 64] / E[length], what an engine whose token rows cost the baseline's decode
+rows reaches with free prefill; the static baselines' rates are measured on
 the first ``--baseline-waves`` batches of 64 (their rate is the same for every wave: the waves are
 i.i.d.), which keeps the run short. Also reported: compilations after warm-up (target 0) and the
 KV memory prefix sharing saves at G = 8. Prints a markdown table, writes JSON next to this file.
@@ -58,12 +62,31 @@ def load(name: str) -> models.Transformer:
     return models.load_gguf(smollm2_path())[1]
 
 
-def workload(n: int, vocab: int, seed: int = 0) -> list[Request]:
+def draw_lengths(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
+    """[n] output lengths in [OUTPUT[0], OUTPUT[1]]: uniform or log-uniform integers."""
+    lo, hi = OUTPUT
+    if kind == "uniform":
+        return rng.integers(lo, hi + 1, size=n)
+    return np.minimum(np.floor(np.exp(rng.uniform(np.log(lo), np.log(hi + 1), size=n))), hi
+                      ).astype(np.int64)  # fmt: skip
+
+
+def ceiling(kind: str, draws: int = 20_000) -> dict:
+    """E[longest of a wave of 64] / E[length]: the static baseline's waste, so the most a packed
+    engine with the baseline's cost per token row can gain (free prefill)."""
+    rng = np.random.default_rng(123)
+    waves = draw_lengths(rng, draws * SLOTS, kind).reshape(draws, SLOTS)
+    longest, mean = float(waves.max(axis=1).mean()), float(waves.mean())
+    return dict(expected_longest=longest, expected_length=mean, ceiling=longest / mean)
+
+
+def workload(n: int, vocab: int, seed: int = 0, lengths: str = "uniform") -> list[Request]:
     rng = np.random.default_rng(seed)
+    outputs = draw_lengths(np.random.default_rng(seed + 1), n, lengths)
     out = []
     for i in range(n):
         prompt = rng.integers(0, vocab, size=int(rng.integers(PROMPT[0], PROMPT[1] + 1)))
-        length = int(rng.integers(OUTPUT[0], OUTPUT[1] + 1))
+        length = int(outputs[i])
         params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=length,
                                 ignore_eos=True, seed=i)  # fmt: skip
         out.append(Request(prompt_id=f"q{i}", prompt_tokens=tuple(int(t) for t in prompt),
@@ -82,12 +105,14 @@ def engine_config(**overrides) -> InferenceConfig:
 # -- (a) our engine ------------------------------------------------------------------------------
 
 
-def run_engine(model: models.Transformer, requests: list[Request]) -> dict:
-    cfg = engine_config(kv_cache_bytes=SLOTS * 21 * page_bytes(model.cfg, 16))
+def run_engine(model: models.Transformer, requests: list[Request], **overrides) -> dict:
+    cfg = engine_config(kv_cache_bytes=SLOTS * 21 * page_bytes(model.cfg, 16), **overrides)
     engine = Engine(model, cfg)
-    warm = Engine(model, cfg)  # compiles the step program outside the timed run
-    warm.submit(requests[0])
-    warm.step()
+    warm = Engine(model, cfg)  # compiles the prefill and decode programs outside the timed run
+    first = requests[0]
+    warm.submit(dataclasses.replace(first, sampling=dataclasses.replace(first.sampling,
+                                                                        max_new_tokens=2)))
+    warm.run()
     del warm
     for r in requests:
         engine.submit(r)
@@ -102,6 +127,8 @@ def run_engine(model: models.Transformer, requests: list[Request]) -> dict:
             sorted(rollouts, key=lambda r: int(r.prompt_id[1:])), requests, strict=True)
     )  # fmt: skip
     return dict(tokens=tokens, seconds=wall, tokens_per_s=tokens / wall, steps=engine.steps,
+                prefill_calls=engine.prefill_calls,
+                decode_row_use=tokens / max(1, engine.steps * engine.step_tokens),
                 compilations_in_timed_run=engine.compilations,
                 compilations_after_first_step=engine.compilations - after_first,
                 preemptions=engine.scheduler.num_preemptions)  # fmt: skip
@@ -220,16 +247,22 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=256, help="requests for the tiny model")
     parser.add_argument("--smollm-sequences", type=int, default=128)
     parser.add_argument("--baseline-waves", type=int, default=1)
+    parser.add_argument("--lengths", choices=("uniform", "log-uniform"), default="uniform")
+    parser.add_argument("--prefill-rows", type=int, default=InferenceConfig.prefill_rows,
+                        help="the engine's prefill program rows (0: prompts as decode rows)")
+    parser.add_argument("--prefill-len", type=int, default=InferenceConfig.prefill_len)
     parser.add_argument("--out", default=str(HERE / "inference_throughput.json"))
     args = parser.parse_args()
     results = {}
     for name in args.models.split(","):
         model = load(name)
         n = args.sequences if name == "tiny" else args.smollm_sequences
-        requests = workload(n, model.cfg.vocab_size)
-        r = dict(requests=n)
+        requests = workload(n, model.cfg.vocab_size, lengths=args.lengths)
+        r = dict(requests=n, lengths=args.lengths, ceiling=ceiling(args.lengths),
+                 prefill=(args.prefill_rows, args.prefill_len))  # fmt: skip
         print(f"[{name}] engine ...", flush=True)
-        r["engine"] = run_engine(model, requests)
+        r["engine"] = run_engine(model, requests, prefill_rows=args.prefill_rows,
+                                 prefill_len=args.prefill_len)
         print(f"[{name}] engine: {r['engine']}", flush=True)
         print(f"[{name}] static dense baseline ...", flush=True)
         r["static"] = run_static(model, requests, args.baseline_waves)
@@ -251,17 +284,19 @@ def main() -> None:
 
 def table(results: dict) -> str:
     lines = [
-        "| model | (a) engine tok/s | (b) static dense tok/s | (c) HF generate tok/s | a/b | a/c "
-        "| compilations after warm-up | KV saved by sharing (G=8) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | lengths | (a) engine tok/s | (b) static dense tok/s | (c) HF generate tok/s "
+        "| a/b | workload ceiling of a/b | a/c | compilations after warm-up "
+        "| KV saved by sharing (G=8) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if name == "meta":
             continue
         s = r["prefix_sharing_g8"]
         lines.append(
-            f"| {name} | {r['engine']['tokens_per_s']:.0f} | {r['static']['tokens_per_s']:.0f} | "
-            f"{r['hf']['tokens_per_s']:.0f} | {r['speedup_vs_static']:.2f}x | "
+            f"| {name} | {r['lengths']} | {r['engine']['tokens_per_s']:.0f} | "
+            f"{r['static']['tokens_per_s']:.0f} | {r['hf']['tokens_per_s']:.0f} | "
+            f"{r['speedup_vs_static']:.2f}x | {r['ceiling']['ceiling']:.2f}x | "
             f"{r['speedup_vs_hf']:.2f}x | {r['engine']['compilations_after_first_step']} | "
             f"{s['saved_fraction']:.0%} ({(s['bytes_private'] - s['bytes_shared']) / 2**20:.1f} MiB "
             f"of {s['bytes_private'] / 2**20:.1f}) |"

@@ -283,9 +283,13 @@ class InferenceConfig:
     max_concurrent_seqs: int = 64
     page_size: int = 16  # tokens per KV page
     kv_cache_bytes: int = 256 * 2**20  # memory budget for KV pages, per worker
-    prefill_chunk: int = 128
-    # Token rows per engine step (decode tokens + prefill chunks, one token per row); 0 means
-    # max_concurrent_seqs. Fixed, so steps never recompile and logits do not depend on batching.
+    # The prefill program's fixed shape: prefill_rows prompt chunks of prefill_len tokens per call
+    # (keys/values only; the replay cuts prompts the same way). 0 rows: prompts run as decode rows.
+    prefill_rows: int = 4
+    prefill_len: int = 16
+    prefill_chunk: int = 128  # decode rows one sequence may take per step (recompute)
+    # Token rows per decode step (one token per row); 0 means max_concurrent_seqs. Fixed, so
+    # steps never recompile and logits do not depend on batching.
     step_tokens: int = 0
     max_prompt_len: int = 256
     max_new_tokens: int = 256
@@ -302,9 +306,9 @@ class InferenceConfig:
     def __post_init__(self) -> None:
         _positive(
             self, "num_workers", "max_concurrent_seqs", "page_size", "kv_cache_bytes",
-            "prefill_chunk", "max_prompt_len", "max_new_tokens", "temperature",
+            "prefill_chunk", "prefill_len", "max_prompt_len", "max_new_tokens", "temperature",
         )  # fmt: skip
-        _non_negative(self, "top_k", "step_tokens")
+        _non_negative(self, "top_k", "step_tokens", "prefill_rows")
         if not 0.0 < self.top_p <= 1.0:
             raise _bad(self, "top_p", "must be in (0, 1]")
         if self.step_tokens and self.step_tokens < self.max_concurrent_seqs:

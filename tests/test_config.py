@@ -183,7 +183,8 @@ POSITIVE = {
               "num_kv_heads", "rope_theta", "max_position_embeddings", "rms_norm_eps"],
     "trainer": ["learning_rate", "micro_batch_size", "checkpoint_every", "keep_checkpoints", "adam_eps"],
     "inference": ["num_workers", "max_concurrent_seqs", "page_size", "kv_cache_bytes",
-                  "prefill_chunk", "max_prompt_len", "max_new_tokens", "temperature"],
+                  "prefill_chunk", "prefill_len", "max_prompt_len", "max_new_tokens",
+                  "temperature"],
     "param_server": ["chunk_bytes", "max_message_bytes", "replicas"],
     "verifiers": ["workers", "max_pending", "time_limit_s", "memory_limit_mb",
                   "compile_time_limit_s", "max_output_bytes", "request_deadline_s"],
@@ -196,7 +197,7 @@ POSITIVE = {
 NON_NEGATIVE = {
     "model": ["head_dim"],
     "trainer": ["warmup_steps", "decay_steps", "weight_decay", "grad_clip_norm"],
-    "inference": ["top_k"],
+    "inference": ["top_k", "prefill_rows"],
     "param_server": ["persist_every"],
     "data": ["eval_every"],
     "algorithm": ["eps_high", "kl_coef", "is_cap", "overlong_buffer", "value_clip"],

@@ -2,18 +2,22 @@
 
 Numerical contract (what a replay must do to reproduce the reported log-probs bitwise, on CPU):
 
-* Every engine step runs ``rlax_tpu.models.step`` on tokens/positions of shape [N, 1], N =
-  ``step_tokens`` (``inference.step_tokens``, 0 -> ``max_concurrent_seqs``): one token per row,
-  prefill chunks laid out over consecutive rows, unused rows padded with position -1. Attention
-  for a row at position p covers positions 0..p of its sequence over S = ``pages_per_seq *
-  page_size`` cache entries, S = ceil((max_prompt_len + max_new_tokens) / page_size) *
-  page_size (see :attr:`Engine.cache_len`).
-* The logits of a token therefore do not depend on paging, on preemption/recompute, on prefill
-  chunking or on which other sequences share the step: they are bitwise those of feeding the
-  sequence one token per call through ``models.step`` with ``DenseKVCache(batch=N, max_len=S)``
-  (the sequence in any one row, the other rows padding), in the model's compute dtype
-  (``model.compute_dtype``), logits accumulated and returned in f32. :func:`replay.replay_logits`
-  does exactly that; ``tests/inference/test_engine.py`` checks it.
+* A sequence's prompt prefix (positions 0..P-2 of a P-token prompt) is written by the prefill
+  program: the model on tokens/positions [R, C] (R = ``inference.prefill_rows``, C =
+  ``inference.prefill_len``), one chunk [kC, (k+1)C) per row, unused rows/tails padded with
+  position -1; keys and values only, no logits. ``prefill_rows = 0``: no prefill program.
+* Every other token (from position P-1 on, or all of them without the prefill program) runs
+  through ``rlax_tpu.models.step`` on tokens/positions [N, 1], N = ``step_tokens``
+  (``inference.step_tokens``, 0 -> ``max_concurrent_seqs``): one token per row, unused rows
+  padded with position -1. Attention for a query at position p covers positions 0..p of its
+  sequence over S = ``pages_per_seq * page_size`` cache entries, S = ceil((max_prompt_len +
+  max_new_tokens) / page_size) * page_size (see :attr:`Engine.cache_len`).
+* The logits of a token therefore do not depend on paging, on preemption/recompute or on which
+  other sequences share the step: they are bitwise those of the same two programs on a
+  ``DenseKVCache`` of S positions (the sequence in any one row, the other rows padding), in the
+  model's compute dtype (``model.compute_dtype``), logits accumulated and returned in f32.
+  ``models.scoring`` (``ReplayShape``, ``replay_logprobs``) and :func:`replay.replay_logits` do
+  exactly that; ``tests/inference/test_engine.py`` checks it.
 * From those f32 logits z of the position before each generated token, ``sampler.sample`` draws
   the token and reports ``log_softmax(z / T)[token]`` in f32 (``logprob_policy
   = "temperature_scaled"``, T = the request's temperature, T = 1 when greedy) or the top-k/top-p
@@ -47,7 +51,14 @@ from rlax_tpu.inference.attention_backends import resolve_backend
 from rlax_tpu.inference.paged_cache import PagedKVCache, page_bytes
 from rlax_tpu.inference.pages import PageAllocator
 from rlax_tpu.inference.sampler import InvalidSampling, SamplingParams, sample
-from rlax_tpu.inference.scheduler import Request, Scheduler, Sequence, block_table_rows
+from rlax_tpu.inference.scheduler import (
+    Chunk,
+    Plan,
+    Request,
+    Scheduler,
+    Sequence,
+    block_table_rows,
+)
 from rlax_tpu.types import FinishReason, Rollout
 
 # Incremented inside the traced functions, i.e. once per trace (= compilation); jax's cache is
@@ -67,6 +78,18 @@ def _device_step(
                                 cache.with_tables(tables))  # fmt: skip
     out = sample(logits[:, 0], filtered=filtered, **sampling)
     return dataclasses.asdict(out), cache
+
+
+@partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
+def _device_prefill(
+    state: nnx.State, cache: PagedKVCache, tokens: jax.Array, positions: jax.Array,
+    tables: jax.Array, *, graphdef: nnx.GraphDef,
+) -> PagedKVCache:  # fmt: skip
+    """tokens, positions [R, C]; tables [R, M] -> the cache with the chunks' keys/values."""
+    TRACES["prefill"] += 1
+    model = nnx.merge(graphdef, state)
+    _, written = model(tokens, positions, cache.with_tables(tables))  # the hidden states are dead
+    return written.with_tables(cache.block_tables)  # the decode step's table shape: no retrace
 
 
 @partial(jax.jit, donate_argnames="cache")
@@ -123,6 +146,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator, page_size=cfg.page_size, max_seqs=cfg.max_concurrent_seqs,
             step_tokens=self.step_tokens, prefill_chunk=cfg.prefill_chunk,
+            prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len,
         )  # fmt: skip
         self.cache = PagedKVCache.create(
             model.cfg, num_pages=num_pages, page_size=cfg.page_size, batch=self.step_tokens,
@@ -130,8 +154,17 @@ class Engine:
         )  # fmt: skip
         self._traces_at_start = TRACES.total()
         self.steps = 0
+        self.prefill_calls = 0
         self.generated_tokens = 0
         self.pages_shared = 0
+
+    @property
+    def replay_shape(self) -> models.ReplayShape:
+        """The shapes a replay must use to reproduce this engine's log-probs bitwise."""
+        return models.ReplayShape(
+            slots=self.step_tokens, cache_len=self.cache_len,
+            prefill_rows=self.cfg.prefill_rows, prefill_len=self.cfg.prefill_len,
+        )  # fmt: skip
 
     @property
     def compilations(self) -> int:
@@ -210,29 +243,49 @@ class Engine:
     def step(self) -> list[Rollout]:
         """Runs one engine step; returns the samples that finished in it."""
         plan = self.scheduler.plan()
-        if not plan.rows:
+        if not plan.rows and not plan.chunks:
             return []
         self._apply_copies(plan.copies)
-        n = self.step_tokens
-        tokens = np.zeros(n, np.int32)
-        positions = np.full(n, -1, np.int32)
-        for r, row in enumerate(plan.rows):
-            tokens[r], positions[r] = row.token, row.position
-        tables = block_table_rows(plan.rows, self.pages_per_seq, n)
-        arrays, filtered = self._sampling_arrays(plan.rows)
-        out, self.cache = _device_step(
-            self.state, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-            jnp.asarray(tables), {k: jnp.asarray(v) for k, v in arrays.items()},
-            graphdef=self.graphdef, filtered=filtered,
-        )  # fmt: skip
-        out = jax.device_get(out)
+        if plan.chunks:
+            self._prefill(plan.chunks)
+        out = None
+        if plan.rows:
+            n = self.step_tokens
+            tokens = np.zeros(n, np.int32)
+            positions = np.full(n, -1, np.int32)
+            for r, row in enumerate(plan.rows):
+                tokens[r], positions[r] = row.token, row.position
+            tables = block_table_rows(plan.rows, self.pages_per_seq, n)
+            arrays, filtered = self._sampling_arrays(plan.rows)
+            out, self.cache = _device_step(
+                self.state, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+                jnp.asarray(tables), {k: jnp.asarray(v) for k, v in arrays.items()},
+                graphdef=self.graphdef, filtered=filtered,
+            )  # fmt: skip
+            out = jax.device_get(out)
         self.steps += 1
-        return self._apply_results(plan.rows, out)
+        return self._apply_results(plan, out)
 
-    def _apply_results(self, rows: list, out: dict[str, np.ndarray]) -> list[Rollout]:
+    def _prefill(self, chunks: list[Chunk]) -> None:
+        r, c = self.cfg.prefill_rows, self.cfg.prefill_len
+        tokens = np.zeros((r, c), np.int32)
+        positions = np.full((r, c), -1, np.int32)
+        for i, ch in enumerate(chunks):
+            tokens[i, : ch.stop - ch.start] = ch.seq.tokens[ch.start : ch.stop]
+            positions[i, : ch.stop - ch.start] = np.arange(ch.start, ch.stop)
+        tables = block_table_rows(chunks, self.pages_per_seq, r)
+        self.cache = _device_prefill(
+            self.state, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+            jnp.asarray(tables), graphdef=self.graphdef,
+        )  # fmt: skip
+        self.prefill_calls += 1
+
+    def _apply_results(self, plan: Plan, out: dict[str, np.ndarray] | None) -> list[Rollout]:
         finished: list[Rollout] = []
         computed: dict[int, tuple[Sequence, int]] = {}
-        for row in rows:
+        for ch in plan.chunks:
+            computed[id(ch.seq)] = (ch.seq, ch.stop)
+        for row in plan.rows:
             computed[id(row.seq)] = (row.seq, row.position + 1)
         for seq, stop in computed.values():
             seq.num_computed = stop
@@ -240,9 +293,10 @@ class Engine:
                 shared = len(seq.table.pages)
                 children = self.scheduler.fork(seq)
                 self.pages_shared += (len(children) - 1) * shared
-        for r, row in enumerate(rows):
+        for r, row in enumerate(plan.rows):
             if not row.sample:
                 continue
+            assert out is not None
             seq = row.seq
             s = seq.request.sampling
             token = int(out["tokens"][r])

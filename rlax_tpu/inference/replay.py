@@ -24,21 +24,29 @@ def _dense_step(
 
 
 def replay_logits(
-    model: models.Transformer, tokens: Sequence[int], *, step_tokens: int, cache_len: int,
-    row: int = 0,
+    model: models.Transformer, tokens: Sequence[int], *, prompt_len: int,
+    shape: models.ReplayShape, row: int = 0,
 ) -> np.ndarray:  # fmt: skip
-    """f32 logits [len(tokens), V]: entry t predicts tokens[t + 1]. Feeds the sequence one token
-    per ``models.step`` call, in row ``row`` of a [step_tokens, 1] batch whose other rows are
-    padding, against ``DenseKVCache(batch=step_tokens, max_len=cache_len)``."""
+    """f32 logits [len(tokens) - prompt_len + 1, V] of the positions prompt_len - 1 on (entry t
+    predicts tokens[prompt_len + t], the completion's token t): the prompt prefix (all but its
+    last token, when ``shape`` has a prefill program) through the prefill program
+    (``models.scoring.prefill_prefixes``), then one token per ``models.step`` call in row ``row``
+    of a [slots, 1] batch whose other rows are padding, against ``DenseKVCache(batch=slots,
+    max_len=cache_len)``."""
     graphdef, state = nnx.split(model)
-    cache = models.make_dense_cache(model.cfg, step_tokens, cache_len)
+    cache = models.make_dense_cache(model.cfg, shape.slots, shape.cache_len)
+    first = shape.prefix(prompt_len)
+    if first:
+        prefixes = [np.zeros(0, np.int32)] * row + [np.asarray(tokens[:first], np.int32)]
+        cache = models.prefill_prefixes(model, prefixes, cache, shape=shape)
     out = []
-    for p, tok in enumerate(tokens):
-        t = np.zeros((step_tokens, 1), np.int32)
-        pos = np.full((step_tokens, 1), -1, np.int32)
-        t[row, 0], pos[row, 0] = tok, p
+    for p in range(first, len(tokens)):
+        t = np.zeros((shape.slots, 1), np.int32)
+        pos = np.full((shape.slots, 1), -1, np.int32)
+        t[row, 0], pos[row, 0] = tokens[p], p
         logits, cache = _dense_step(graphdef, state, jnp.asarray(t), jnp.asarray(pos), cache)
-        out.append(np.asarray(logits[row]))
+        if p >= prompt_len - 1:
+            out.append(np.asarray(logits[row]))
     return np.stack(out)
 
 

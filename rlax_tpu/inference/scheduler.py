@@ -1,10 +1,18 @@
 """Continuous batching on the host: which tokens of which sequences run in the next engine step.
 
-Every engine step has the same shape: ``step_tokens`` rows of one token each (flattened chunked
-prefill, as in ragged paged attention). A decoding sequence takes one row; a sequence still
-prefilling (or recomputing after preemption) takes up to ``prefill_chunk`` rows at consecutive
-positions. Because the shape never changes, steady state never recompiles, and a token's logits
-do not depend on whether it was computed during prefill or decode, or next to which other rows.
+An engine step runs up to two programs of fixed shapes:
+
+* the *prefill* program, [``prefill_rows``, ``prefill_len``]: prompt chunks that only write keys
+  and values (no logits). A sequence's prompt prefix, positions 0..P-2 (P = prompt length), is
+  cut into chunks at fixed boundaries, [kC, (k+1)C) with C = ``prefill_len``, whatever else runs,
+  so a replay can cut it the same way. Several chunks of one sequence may share a call (each
+  attends to the keys the earlier ones wrote in the same layer). ``prefill_rows = 0`` turns the
+  program off: prompts then go through decode rows like any other token.
+* the *decode* program, ``step_tokens`` rows of one token each: a decoding sequence takes one row;
+  a sequence recomputing generated tokens after preemption takes up to ``prefill_chunk`` rows at
+  consecutive positions.
+Because the shapes never change, steady state never recompiles, and a token's logits do not
+depend on which other rows share the step.
 
 Life of a request with G samples: its prompt is admitted as one *parent* sequence that prefills
 positions 0..P-2 (the prompt but its last token); then it forks into G *sample* sequences sharing
@@ -14,8 +22,9 @@ page) and samples its own first token with its own RNG stream. Admission needs G
 
 Preemption by recompute: when a sequence needs a page and none is free, the most recently
 admitted sequence not yet planned this step is evicted (its pages released) and re-queued at the
-front with the tokens it already generated; on readmission it re-feeds them (no sampling until it
-is past them). Recomputed keys/values are bitwise the originals (same step shape), so preemption
+front with the tokens it already generated; on readmission it re-feeds them (the prompt prefix as
+prefill chunks at the same boundaries, the rest as rows, no sampling until it is past them).
+Recomputed keys/values are bitwise the originals (same programs, same chunks), so preemption
 never changes outputs. One sequence of maximal length always fits (checked at construction), so
 the oldest sequence always progresses: no deadlock.
 """
@@ -83,21 +92,35 @@ class Row:
 
 
 @dataclasses.dataclass
+class Chunk:
+    """Prompt positions [start, stop) of a sequence for the prefill program (stop - start <= C)."""
+
+    seq: Sequence
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass
 class Plan:
     rows: list[Row]
     copies: list[tuple[int, int]]  # page copies (src, dst) to apply before the step
     preempted: int  # sequences evicted while planning
+    chunks: list[Chunk] = dataclasses.field(default_factory=list)  # run before the rows
 
 
 class Scheduler:
     def __init__(
         self, allocator: PageAllocator, *, page_size: int, max_seqs: int, step_tokens: int,
-        prefill_chunk: int,
+        prefill_chunk: int, prefill_rows: int = 0, prefill_len: int = 1,
     ):  # fmt: skip
         if step_tokens < max_seqs:
             raise ValueError(f"step_tokens ({step_tokens}) must be >= max_seqs ({max_seqs})")
+        if prefill_rows < 0 or prefill_len < 1:
+            raise ValueError(f"prefill_rows ({prefill_rows}) must be >= 0 and prefill_len "
+                             f"({prefill_len}) >= 1")  # fmt: skip
         self.allocator, self.page_size = allocator, page_size
         self.max_seqs, self.step_tokens, self.prefill_chunk = max_seqs, step_tokens, prefill_chunk
+        self.prefill_rows, self.prefill_len = prefill_rows, prefill_len
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._order = itertools.count()
@@ -131,8 +154,12 @@ class Scheduler:
 
     # -- planning -------------------------------------------------------------------------------
 
+    def prefix(self, seq: Sequence) -> int:
+        """Positions the prefill program computes: the prompt but its last token (0 when off)."""
+        return seq.num_prompt - 1 if self.prefill_rows else 0
+
     def _pages_to_admit(self, seq: Sequence) -> int:
-        first = min(seq.target, self.prefill_chunk)
+        first = min(seq.target, self.prefill_len if self.prefill_rows else self.prefill_chunk)
         extra = seq.request.num_samples if seq.sample_index is None else 0
         return -(-first // self.page_size) + extra
 
@@ -158,18 +185,24 @@ class Scheduler:
         self.num_preemptions += 1
 
     def plan(self) -> Plan:
-        """The rows of the next step (oldest sequences first), allocating their pages."""
+        """The chunks and rows of the next step (oldest sequences first), allocating their
+        pages. A sequence with prompt chunks in this step gets no rows in it."""
         self._admit()
         rows: list[Row] = []
+        chunks: list[Chunk] = []
         copies: list[tuple[int, int]] = []
         preempted = 0
-        budget = self.step_tokens
+        budget, chunk_budget = self.step_tokens, self.prefill_rows
         queue = sorted(self.running, key=lambda s: s.order)
         i = 0
-        while i < len(queue) and budget > 0:
+        while i < len(queue) and (budget > 0 or chunk_budget > 0):
             seq = queue[i]
-            start = seq.num_computed
-            stop = min(seq.target, start + min(budget, self.prefill_chunk))
+            start, prefix = seq.num_computed, self.prefix(seq)
+            if start < prefix:  # start is a chunk boundary: chunks are computed whole
+                n = min(chunk_budget, -(-(prefix - start) // self.prefill_len))
+                stop = min(prefix, start + n * self.prefill_len)
+            else:
+                n, stop = 0, min(seq.target, start + min(budget, self.prefill_chunk))
             if stop <= start:
                 i += 1
                 continue
@@ -180,11 +213,16 @@ class Scheduler:
                 self._preempt(victim)
                 preempted += 1
                 continue
-            for p in range(start, stop):
-                rows.append(Row(seq, p, seq.tokens[p], sample=p == len(seq.tokens) - 1))
-            budget -= stop - start
+            if n:
+                for a in range(start, stop, self.prefill_len):
+                    chunks.append(Chunk(seq, a, min(stop, a + self.prefill_len)))
+                chunk_budget -= n
+            else:
+                for p in range(start, stop):
+                    rows.append(Row(seq, p, seq.tokens[p], sample=p == len(seq.tokens) - 1))
+                budget -= stop - start
             i += 1
-        return Plan(rows, copies, preempted)
+        return Plan(rows, copies, preempted, chunks)
 
     # -- results ----------------------------------------------------------------------------------
 
@@ -215,8 +253,8 @@ class Scheduler:
             raise AssertionError(f"{self.used_slots} slots used, max {self.max_seqs}")
 
 
-def block_table_rows(rows: list[Row], width: int, pad_to: int) -> np.ndarray:
-    """[pad_to, width] int32 block tables of the rows (null page for padding rows)."""
+def block_table_rows(rows: list[Row] | list[Chunk], width: int, pad_to: int) -> np.ndarray:
+    """[pad_to, width] int32 block tables of the rows or chunks (null page for padding)."""
     out = np.zeros((pad_to, width), np.int32)
     cache: dict[int, np.ndarray] = {}
     for r, row in enumerate(rows):

@@ -3,17 +3,20 @@
 ``sampled_logprobs``  the per-token log-prob the engine reports: log-softmax of the f32
                       decode-time logits divided by the temperature, at the sampled token.
 ``replay_logprobs``   re-runs the engine's computation for whole rollouts (RLAX §5: the old-policy
-                      recompute runs the inference graph): every token goes through ``step`` as
-                      one row of a [slots, 1] batch against a ``DenseKVCache`` of ``cache_len``
-                      positions, each step under its own ``jax.jit``, as the engine's decode runs.
+                      recompute runs the inference graph) against a ``DenseKVCache`` of
+                      ``cache_len`` positions: the prompt prefix (all but the last prompt token)
+                      through the prefill program, [prefill_rows, prefill_len] chunks at fixed
+                      boundaries (keys/values only), then every later token through ``step`` as
+                      one row of a [slots, 1] batch, each under its own ``jax.jit``, as the
+                      engine runs them. ``prefill_rows = 0``: every token as a row.
+``prefill_prefixes``  that prefill program alone (the engine's replay reference uses it too).
 
-Why this reproduces the engine bit for bit on CPU: the engine lays every token of a step out as
-one row (a prefill chunk of C tokens is C rows sharing the sequence's pages; attention over the
-gathered pages is bitwise the dense cache's, see ``rlax_tpu/inference/attention_backends.py``), and
-XLA's CPU kernels give a row the same bits whatever the other rows hold. They do *not* give the
-same bits for every batch size (the matmul kernel changes with the row count: measured classes
-1, 2-15, 16-24, 32+ on x86), so the replay runs batches of exactly the engine's row count, padding
-with idle rows, and never the cheapest shape.
+Why this reproduces the engine bit for bit on CPU: the engine runs the same two programs with the
+same shapes (attention over gathered pages is bitwise the dense cache's, see
+``rlax_tpu/inference/attention_backends.py``), and XLA's CPU kernels give a row the same bits
+whatever the other rows hold. They do *not* give the same bits for every batch size (the matmul
+kernel changes with the row count: measured classes 1, 2-15, 16-24, 32+ on x86), so the replay
+runs batches of exactly the engine's shapes, padding with idle rows, and never the cheapest one.
 
 Rollout layout (as ``types.TrainBatch``): tokens [B, L] hold prompt (P_b tokens), completion
 (C_b tokens), padding; log-probs are completion-aligned [B, T] (entry t scores completion token t).
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlax_tpu.models.attention import DenseKVCache
 from rlax_tpu.models.generate import check_token_ids
 from rlax_tpu.models.transformer import Transformer, make_dense_cache, step
 
@@ -46,12 +50,51 @@ class ReplayShape:
 
     slots: int
     cache_len: int
+    prefill_rows: int = 0  # chunks per prefill call; 0: no prefill program
+    prefill_len: int = 1  # tokens per chunk
+
+    def prefix(self, prompt_length: int) -> int:
+        """Positions of a prompt the prefill program computes (all but the last token)."""
+        return prompt_length - 1 if self.prefill_rows else 0
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
 def _scored_step(graphdef, state, tokens, positions, cache, targets, temperature):
     logits, cache = step(nnx.merge(graphdef, state), tokens, positions, cache)
     return sampled_logprobs(logits, targets, temperature), cache
+
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
+def _prefill_call(graphdef, state, tokens, positions, cache):
+    _, cache = nnx.merge(graphdef, state)(tokens, positions, cache)
+    return cache
+
+
+def prefill_prefixes(
+    model: Transformer, prefixes: list[np.ndarray], cache: DenseKVCache, *, shape: ReplayShape,
+) -> DenseKVCache:  # fmt: skip
+    """Writes the keys/values of ``prefixes[b]`` (positions 0..len-1) into row b of ``cache``
+    ([L, B >= len(prefixes), S, ...]) the way the engine's prefill program computes them: chunks
+    [kC, (k+1)C), C = ``shape.prefill_len``, in [prefill_rows, C] calls (one sequence per row of
+    a dense [prefill_rows, S] cache; chunk k of a group in call k)."""
+    graphdef, state = nnx.split(model)
+    rows, c = shape.prefill_rows, shape.prefill_len
+    for start in range(0, len(prefixes), rows):
+        group = prefixes[start : start + rows]
+        small = make_dense_cache(model.cfg, rows, cache.max_len)
+        for a in range(0, max((len(x) for x in group), default=0), c):
+            tokens = np.zeros((rows, c), np.int32)
+            positions = np.full((rows, c), -1, np.int32)
+            for i, x in enumerate(group):
+                part = np.asarray(x[a : a + c], np.int32)
+                tokens[i, : len(part)] = part
+                positions[i, : len(part)] = np.arange(a, a + len(part))
+            small = _prefill_call(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions),
+                                  small)  # fmt: skip
+        n = len(group)
+        cache = DenseKVCache(k=cache.k.at[:, start : start + n].set(small.k[:, :n]),
+                             v=cache.v.at[:, start : start + n].set(small.v[:, :n]))  # fmt: skip
+    return cache
 
 
 def replay_logprobs(
@@ -95,28 +138,34 @@ def replay_logprobs(
             f"a rollout of {(prompt + completion).max()} tokens does not fit the replay's "
             f"cache of {shape.cache_len} positions"
         )
-    graphdef, state = nnx.split(model)
     for start in range(0, b, shape.slots):
         rows = slice(start, min(b, start + shape.slots))
         out[rows] = _replay_rows(
-            graphdef, state, model.cfg, tokens[rows], prompt[rows], completion[rows],
-            shape=shape, temperature=temperature, width=width,
+            model, tokens[rows], prompt[rows], completion[rows], shape=shape,
+            temperature=temperature, width=width,
         )  # fmt: skip
     return out
 
 
-def _replay_rows(graphdef, state, cfg, tokens, prompt, completion, *, shape, temperature, width):  # noqa: ANN001, ANN202
+def _replay_rows(model, tokens, prompt, completion, *, shape, temperature, width):  # noqa: ANN001, ANN202
     n, slots = len(tokens), shape.slots
+    graphdef, state = nnx.split(model)
+    prefix = np.array([shape.prefix(int(x)) for x in prompt] + [0] * (slots - n))
     tokens = np.pad(tokens, ((0, slots - n), (0, 1)))  # idle rows; one spare column
     total = np.concatenate([prompt + completion, np.zeros(slots - n, np.int64)])
     prompt = np.concatenate([prompt, np.ones(slots - n, np.int64)])
     length = tokens.shape[1]
-    cache = make_dense_cache(cfg, slots, shape.cache_len)
+    cache = make_dense_cache(model.cfg, slots, shape.cache_len)
+    if shape.prefill_rows:
+        cache = prefill_prefixes(model, [tokens[i, : prefix[i]] for i in range(n)], cache,
+                                 shape=shape)  # fmt: skip
     out = np.zeros((slots, width), np.float32)
     temperature = jnp.float32(temperature)
-    # Step p feeds token p of every row and scores token p + 1: completion token p + 1 - P_b.
-    for p in range(int(total.max()) - 1):
-        live = p + 1 < total
+    # Step p feeds token p of every row past its prefix and scores token p + 1: completion
+    # token p + 1 - P_b.
+    first = int(prefix[:n].min())
+    for p in range(first, int(total.max()) - 1):
+        live = (p + 1 < total) & (p >= prefix)
         fed = tokens[:, min(p, length - 1)]
         targets = tokens[:, min(p + 1, length - 1)]
         positions = np.where(live, p, -1)

@@ -78,13 +78,14 @@ class TrainerStatus:
 
 
 def engine_replay_shape(cfg: InferenceConfig) -> ReplayShape:
-    """The inference engine's step shapes (``models.scoring``): rows per model step
-    (``step_tokens``, 0 meaning max_concurrent_seqs, as the engine resolves it) and KV positions
-    per sequence (whole pages for the longest rollout)."""
+    """The inference engine's step shapes (``models.scoring``): rows per decode step
+    (``step_tokens``, 0 meaning max_concurrent_seqs, as the engine resolves it), KV positions
+    per sequence (whole pages for the longest rollout) and the prefill program's shape."""
     longest = cfg.max_prompt_len + cfg.max_new_tokens
     return ReplayShape(
         slots=cfg.step_tokens or cfg.max_concurrent_seqs,
         cache_len=-(-longest // cfg.page_size) * cfg.page_size,
+        prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len,
     )
 
 

@@ -31,8 +31,13 @@ def _run_checked(engine: Engine) -> list:
     return out
 
 
-def test_logprobs_are_bitwise_the_dense_cache_replay(tiny_model):
-    engine = make_engine(tiny_model)
+@pytest.mark.parametrize(
+    "prefill", [dict(prefill_rows=0), dict(prefill_rows=4, prefill_len=16),
+                dict(prefill_rows=2, prefill_len=3)],
+    ids=["rows-only", "prefill-4x16", "prefill-2x3"],
+)  # fmt: skip
+def test_logprobs_are_bitwise_the_dense_cache_replay(tiny_model, prefill):
+    engine = make_engine(tiny_model, **prefill)
     requests = random_requests(5, num_samples=2, temperature=0.8)
     for r in requests:
         engine.submit(r)
@@ -41,9 +46,9 @@ def test_logprobs_are_bitwise_the_dense_cache_replay(tiny_model):
     for ro in rollouts[:4]:
         seq = [*ro.prompt_tokens.tolist(), *ro.tokens.tolist()]
         logits = replay_logits(
-            tiny_model, seq[:-1], step_tokens=engine.step_tokens, cache_len=engine.cache_len,
+            tiny_model, seq[:-1], prompt_len=len(ro.prompt_tokens), shape=engine.replay_shape,
             row=3,
-        )[len(ro.prompt_tokens) - 1 :]  # fmt: skip
+        )  # fmt: skip
         want = temperature_scaled_logprobs(logits, ro.tokens.tolist(), 0.8)
         np.testing.assert_array_equal(ro.logprobs, want)
         assert ro.logprobs.dtype == np.float32
@@ -191,3 +196,26 @@ def test_continue_on_reload_records_per_token_versions(tiny_model):
         assert ro.finish_reason is FinishReason.LENGTH and len(ro.tokens) == 12
         assert ro.versions[0] == 0 and ro.versions[-1] == 7 and ro.version == 0
         assert np.all(np.diff(ro.versions) >= 0)
+
+
+def test_prompt_prefixes_are_cut_at_fixed_boundaries(tiny_model):
+    """Chunks [kC, (k+1)C) of the prompt but its last token, at most prefill_rows per step, none
+    of a sequence's rows in a step where it has chunks; the parent forks once its prefix is in."""
+    engine = make_engine(tiny_model, prefill_rows=3, prefill_len=4)
+    engine.submit(Request(prompt_id="a", prompt_tokens=tuple(range(1, 12)), num_samples=2))
+    engine.submit(Request(prompt_id="b", prompt_tokens=tuple(range(1, 7)), num_samples=2))
+    plan = engine.scheduler.plan()
+    assert [(c.seq.request.prompt_id, c.start, c.stop) for c in plan.chunks] == [
+        ("a", 0, 4), ("a", 4, 8), ("a", 8, 10)]  # a's prefix is 10 tokens: 3 chunks, the budget
+    assert plan.rows == []
+    engine.scheduler.remove_all()
+    engine = make_engine(tiny_model, prefill_rows=3, prefill_len=4)
+    for r in (Request(prompt_id="a", prompt_tokens=tuple(range(1, 12)), num_samples=2),
+              Request(prompt_id="b", prompt_tokens=tuple(range(1, 7)), num_samples=2)):
+        engine.submit(r)
+    engine.step()  # a's three chunks
+    plan = engine.scheduler.plan()  # a forked: its samples feed token 10; b's 5-token prefix
+    assert [(c.seq.request.prompt_id, c.start, c.stop) for c in plan.chunks] == [
+        ("b", 0, 4), ("b", 4, 5)]
+    assert [(r.seq.request.prompt_id, r.seq.sample_index, r.position) for r in plan.rows] == [
+        ("a", 0, 10), ("a", 1, 10)]

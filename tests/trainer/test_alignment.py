@@ -130,7 +130,9 @@ def test_replay_is_bitwise_the_sampler(sampled):
 def _trainer_on(model, batch, tmp_path, align):
     cfg = run_config(align_logprobs=align, micro_batch_size=4, model=model.cfg)
     cfg = dataclasses.replace(
-        cfg, inference=dataclasses.replace(cfg.inference, max_concurrent_seqs=SLOTS, page_size=16),
+        # prefill_rows 0: the fixture sampled every token as a [SLOTS, 1] row.
+        cfg, inference=dataclasses.replace(cfg.inference, max_concurrent_seqs=SLOTS, page_size=16,
+                                           prefill_rows=0),
         controller=dataclasses.replace(cfg.controller, prompts_per_step=len(batch.tokens) // GROUP),
     )  # fmt: skip
     return Trainer(cfg, model=model, devices=jax.devices()[:1], checkpoint_dir=tmp_path)
@@ -139,7 +141,8 @@ def _trainer_on(model, batch, tmp_path, align):
 def test_trainer_metric_pins_alignment(sampled, tmp_path):
     model, batch = sampled
     aligned = _trainer_on(model, batch, tmp_path / "a", align=True)
-    assert aligned.replay_shape == ReplayShape(slots=SLOTS, cache_len=CACHE)
+    shape = aligned.replay_shape
+    assert (shape.slots, shape.cache_len, shape.prefill_rows) == (SLOTS, CACHE, 0)
     m_on = aligned.train_step(batch)
     aligned.close()
     # Aligned: π_old is the sampler's μ bit for bit, so the reported mismatch is exactly 0.

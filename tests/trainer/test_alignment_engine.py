@@ -23,9 +23,12 @@ GROUP = 2
 
 def test_aligned_recompute_is_bitwise_the_engine(tmp_path):
     model = models.init_model(models.preset("tiny"), seed=3)
-    # step_tokens != max_concurrent_seqs: the replay must follow the engine's rows per step.
+    # step_tokens != max_concurrent_seqs: the replay must follow the engine's rows per step;
+    # prefill chunks of 3 tokens, 2 per call: prompt prefixes of 4, 7 and 10 tokens take 2, 3
+    # and 4 chunks, several in one call, and the replay must cut them the same way.
     icfg = InferenceConfig(max_concurrent_seqs=4, step_tokens=6, max_prompt_len=16, max_new_tokens=12,
-                           page_size=4, prefill_chunk=4, kv_cache_bytes=2**22)  # fmt: skip
+                           page_size=4, prefill_chunk=4, kv_cache_bytes=2**22, prefill_rows=2,
+                           prefill_len=3)  # fmt: skip
     engine = Engine(model, icfg)
     rng = np.random.default_rng(0)
     for i in range(3):
@@ -35,8 +38,9 @@ def test_aligned_recompute_is_bitwise_the_engine(tmp_path):
     rollouts = sorted(engine.run(), key=lambda r: (r.prompt_id, r.sample_index))
     batch = TrainBatch.from_rollouts(rollouts, rng.random(len(rollouts)).astype(np.float32),
                                      group_size=GROUP, temperature=0.9)  # fmt: skip
-    assert engine_replay_shape(icfg).slots == engine.step_tokens
-    assert engine_replay_shape(icfg).cache_len == engine.cache_len
+    assert engine_replay_shape(icfg) == engine.replay_shape
+    assert engine.replay_shape.slots == engine.step_tokens
+    assert engine.prefill_calls >= 5  # 9 chunks, at most 2 per call
 
     def trainer(align: bool) -> Trainer:
         cfg = run_config(align_logprobs=align, micro_batch_size=2, model=model.cfg)
