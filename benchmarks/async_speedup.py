@@ -22,6 +22,11 @@ The lock-step run also gives the overlap bound of this workload on this machine:
 would reach (at most 2x, when the two phases are balanced). Reward curves of both runs are
 printed, so a speedup is not bought with learning.
 
+Topology (both modes alike): with ``--trainer-process 1`` (the default) the trainer runs in a child
+process (``controller.trainer_process``), so generation and training do not share one Python
+interpreter (GIL) and XLA client: the CPU stand-in for the separate devices the two phases have
+in RLAX and Asynchronous RLHF. ``--trainer-process 0`` keeps everything in one process.
+
 Workload (defaults): 8 prompts x G = 8 rollouts per step, up to 96 new tokens, micro-batches of 8
 rows, 2 verifier slots, after a 150-step supervised warm-up on reference solutions (the same in
 both runs, before the controller's clock starts) so that the tiny model writes programs that run
@@ -75,6 +80,9 @@ def build_config(args: argparse.Namespace, mode: str, run_dir: str):
     cfg.trainer.length_bucket = args.length_bucket
     cfg.verifiers.sandbox_uid = args.sandbox_uid
     cfg.verifiers.workers = args.verifier_workers
+    cfg.controller.trainer_process = bool(args.trainer_process)
+    if args.pin:
+        cfg.controller.trainer_cpus = (1,)
     # Held-out eval runs at version 0 and N in both modes; keep it tiny (it is not timed below).
     cfg.data.eval_problems = 1
     cfg.data.eval_samples = 1
@@ -145,8 +153,13 @@ def main() -> None:
     parser.add_argument("--verifier-workers", type=int, default=2)
     parser.add_argument("--warmup-steps", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trainer-process", type=int, choices=(0, 1), default=1,
+                        help="1: controller.trainer_process (the trainer in a child process)")
     parser.add_argument("--sandbox-uid", type=int, default=2_800_000)
     parser.add_argument("--modes", default="lock-step,off-policy")
+    parser.add_argument("--pin", type=int, choices=(0, 1), default=0,
+                        help="1: the controller process (engine, verifier, sandboxes) on CPU 0 and "
+                        "the trainer child on CPU 1 (needs --trainer-process 1 and 2+ CPUs)")
     parser.add_argument(
         "--xla-threads", choices=("default", "1"), default="1",
         help="1: single-threaded XLA:CPU ops in both runs (appended to XLA_FLAGS of both children)",
@@ -163,12 +176,14 @@ def main() -> None:
         args.micro_batch, args.skip, args.warmup_steps = 8, 2, 0
         if args.out == str(HERE / "async_speedup.json"):
             args.out = os.devnull
+    if args.pin and (not args.trainer_process or (os.cpu_count() or 1) < 2):
+        parser.error("--pin 1 needs --trainer-process 1 and at least 2 CPUs")
     if args.steps <= args.skip:
         parser.error(f"--steps must be > --skip ({args.skip})")
 
     workload = {k: getattr(args, k) for k in ("steps", "prompts", "group_size", "max_new_tokens",
                                               "micro_batch", "length_bucket", "verifier_workers",
-                                              "warmup_steps",
+                                              "warmup_steps", "trainer_process", "pin",
                                               "seed", "skip")}  # fmt: skip
     env = dict(os.environ)
     if args.xla_threads == "1":
@@ -185,7 +200,8 @@ def main() -> None:
             argv += [f"--{k.replace('_', '-')}={v}" for k, v in workload.items()
                      if k not in ("skip",)]  # fmt: skip
             t0 = time.perf_counter()
-            proc = subprocess.run(argv, cwd=REPO, env=env)
+            pin = (lambda: os.sched_setaffinity(0, {0})) if args.pin else None
+            proc = subprocess.run(argv, cwd=REPO, env=env, preexec_fn=pin)
             wall = time.perf_counter() - t0
             if proc.returncode:
                 log = Path(tmp) / f"{mode}.log"

@@ -548,6 +548,12 @@ class ControllerConfig:
     pipeline_depth: int = 1  # deterministic mode: steps generation runs ahead of training
     consume_order: Literal["oldest_first", "freshest_first"] = "oldest_first"
     transport: Literal["local", "distributed"] = "local"
+    # local transport: the trainer in a spawned child process (its own interpreter and XLA
+    # client) instead of this one, so training does not share the GIL with generation.
+    trainer_process: bool = False
+    # With trainer_process: the CPU cores the child may run on (all its threads; () = any), e.g.
+    # to keep it off the cores generation and the sandboxes use, as separate devices would.
+    trainer_cpus: tuple[int, ...] = ()
     # distributed transport: endpoints of the components ("host:port").
     inference_endpoints: tuple[str, ...] = ()
     verifier_endpoint: str = ""
@@ -610,6 +616,13 @@ class ControllerConfig:
                     f"required to reach non-loopback endpoints (e.g. {remote[0]!r})",
                     self.auth_token_file,
                 )
+        if self.transport == "distributed" and self.trainer_process:
+            raise _bad(self, "trainer_process", "applies to the local transport only (the "
+                       "distributed one reaches the trainer at trainer_endpoint)")  # fmt: skip
+        if self.trainer_cpus and not self.trainer_process:
+            raise _bad(self, "trainer_cpus", "needs trainer_process = True")
+        if any(c < 0 for c in self.trainer_cpus):
+            raise _bad(self, "trainer_cpus", "CPU numbers must be >= 0")
         if self.transport == "distributed" and self.warmup_steps:
             raise _bad(self, "warmup_steps", "needs the local transport (a remote trainer "
                        "starts from model.weights_path); set it to 0")  # fmt: skip

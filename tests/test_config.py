@@ -354,10 +354,31 @@ def test_empty_datasets():
             },
             "controller.auth_token_file = '': required to reach non-loopback endpoints (e.g. '10.0.0.5:50051')",
         ),
+        (
+            {
+                "controller.transport": "distributed",
+                "controller.trainer_process": True,
+                "controller.inference_endpoints": ("127.0.0.1:4",),
+                "controller.verifier_endpoint": "127.0.0.1:1",
+                "controller.trainer_endpoint": "127.0.0.1:2",
+                "controller.param_server_endpoint": "127.0.0.1:3",
+            },
+            "controller.trainer_process = True: applies to the local transport only (the "
+            "distributed one reaches the trainer at trainer_endpoint)",
+        ),
     ],
 )  # fmt: skip
 def test_component_combinations(overrides, message):
     expect_error(overrides, message)
+
+
+def test_trainer_cpus_need_the_trainer_process():
+    expect_error({"controller.trainer_cpus": (1,)},
+                 "controller.trainer_cpus = (1,): needs trainer_process = True")  # fmt: skip
+    expect_error({"controller.trainer_process": True, "controller.trainer_cpus": (-1,)},
+                 "controller.trainer_cpus = (-1,): CPU numbers must be >= 0")  # fmt: skip
+    ok = build({"controller.trainer_process": True, "controller.trainer_cpus": (1,)})
+    assert ok.controller.trainer_cpus == (1,)
 
 
 def test_resume_needs_snapshots_and_checkpoints_that_meet():

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import subprocess
 import sys
@@ -14,9 +13,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
-
-import jax
-import numpy as np
 
 from rlax_tpu import models
 from rlax_tpu.config import RunConfig, to_dict
@@ -193,8 +189,8 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
         controller = Controller(config, comps, prompter, run_dir=run_dir, progress_stream=out,
                                 on_event=lambda t: print(t, file=out, flush=True))  # fmt: skip
         summary = controller.run()
-        if cc.transport == "local":
-            summary.weights_sha256 = params_sha256(comps.trainer.params())
+        if comps.params_digest is not None:
+            summary.weights_sha256 = comps.params_digest()
     finally:
         comps.close()
     if summary.already_finished:
@@ -206,17 +202,6 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
     report = write_report(run_dir, info, summary=_summary_dict(summary))
     print_summary(summary, report, out)
     return summary
-
-
-def params_sha256(params: Any) -> str:
-    """SHA-256 over a parameter tree's paths, dtypes, shapes and bytes (bitwise identity)."""
-    digest = hashlib.sha256()
-    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params),
-                             key=lambda kv: jax.tree_util.keystr(kv[0])):  # fmt: skip
-        a = np.asarray(jax.device_get(leaf))
-        digest.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}".encode())
-        digest.update(np.ascontiguousarray(a).tobytes())
-    return digest.hexdigest()
 
 
 def _describe(config: RunConfig) -> str:

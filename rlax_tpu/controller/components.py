@@ -10,12 +10,16 @@ not answer raises ``ComponentUnreachable`` naming it and its endpoint.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import tempfile
 from collections.abc import Callable, Collection
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from rlax_tpu import models
@@ -34,10 +38,24 @@ class Components:
     trainer: TrainerPort
     param_server: ParamServerPort
     endpoints: dict[str, str]  # component name -> where it runs ("in-process" or host:port)
+    # SHA-256 of the trainer's current parameters (local transport; None where they are remote)
+    params_digest: Callable[[], str] | None = None
     _closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     def close(self) -> None:
         _close_all(self._closers)
+
+
+def params_sha256(params: Any) -> str:
+    """SHA-256 over a parameter tree's paths, dtypes, shapes and bytes (bitwise identity)."""
+    digest = hashlib.sha256()
+    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params),
+                             key=lambda kv: jax.tree_util.keystr(kv[0])):  # fmt: skip
+        a = np.asarray(jax.device_get(leaf))
+        digest.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
+
 
 
 def _close_all(closers: list[Callable[[], None]]) -> None:
@@ -55,8 +73,9 @@ def build_local(
     config: RunConfig, *, model: models.Transformer, eos_ids: Collection[int], run_dir: Path,
     trainer_devices: list[jax.Device] | None = None,
 ) -> Components:  # fmt: skip
-    """Every component in this process; the parameter server on a loopback port. The trainer's
-    mesh spans ``trainer_devices`` (default: every device)."""
+    """Every component in this process (the trainer in a child process with
+    ``controller.trainer_process``); the parameter server on a loopback port. The trainer's mesh
+    spans ``trainer_devices`` (default: every device; the child's own with trainer_process)."""
     from rlax_tpu.inference.worker import InferenceWorker
     from rlax_tpu.param_server.service import serve
     from rlax_tpu.trainer.trainer import Trainer
@@ -76,9 +95,21 @@ def build_local(
         closers.append(scratch.cleanup)
         verifier = VerifierService(config.verifiers, scratch_dir=Path(scratch.name))
         closers.append(verifier.close)
-        trainer = Trainer(config, sink=ps_client, model=model, devices=trainer_devices,
-                          checkpoint_dir=run_dir / "trainer")  # fmt: skip
-        closers.append(trainer.close)
+        trainer_where = "in-process"
+        if config.controller.trainer_process:
+            from rlax_tpu.controller.trainer_process import TrainerProcess
+
+            child = TrainerProcess(config, model=model, checkpoint_dir=run_dir / "trainer",
+                                   param_server_endpoint=endpoint)  # fmt: skip
+            closers.append(child.close)
+            trainer: TrainerPort = child.client
+            digest = child.params_sha256
+            trainer_where = f"{child.endpoint} (child process {child.process.pid})"
+        else:
+            trainer = Trainer(config, sink=ps_client, model=model, devices=trainer_devices,
+                              checkpoint_dir=run_dir / "trainer")  # fmt: skip
+            closers.append(trainer.close)
+            digest = partial(_trainer_digest, trainer)
         workers = []
         like = nnx.to_pure_dict(nnx.split(model)[1])  # the tree the trainer publishes
         for _ in range(config.inference.num_workers):
@@ -91,10 +122,15 @@ def build_local(
         raise
     return Components(
         workers=workers, verifier=verifier, trainer=trainer, param_server=ps_client,
-        endpoints={"param_server": endpoint, "trainer": "in-process",
+        params_digest=digest,
+        endpoints={"param_server": endpoint, "trainer": trainer_where,
                    "verifiers": "in-process", "inference": f"in-process x{len(workers)}"},
         _closers=closers,
     )  # fmt: skip
+
+
+def _trainer_digest(trainer: Any) -> str:
+    return params_sha256(trainer.params())
 
 
 def build_distributed(config: RunConfig) -> Components:

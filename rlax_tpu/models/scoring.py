@@ -70,30 +70,56 @@ def _prefill_call(graphdef, state, tokens, positions, cache):
     return cache
 
 
+@partial(jax.jit, donate_argnums=(0,))
+def _place(cache: DenseKVCache, group: DenseKVCache, rows: jax.Array, src: jax.Array):
+    """cache row rows[i] <- group row src[i]; rows out of range are dropped (padding)."""
+    return DenseKVCache(k=cache.k.at[:, rows].set(group.k[:, src], mode="drop"),
+                        v=cache.v.at[:, rows].set(group.v[:, src], mode="drop"))  # fmt: skip
+
+
 def prefill_prefixes(
     model: Transformer, prefixes: list[np.ndarray], cache: DenseKVCache, *, shape: ReplayShape,
 ) -> DenseKVCache:  # fmt: skip
     """Writes the keys/values of ``prefixes[b]`` (positions 0..len-1) into row b of ``cache``
     ([L, B >= len(prefixes), S, ...]) the way the engine's prefill program computes them: chunks
-    [kC, (k+1)C), C = ``shape.prefill_len``, in [prefill_rows, C] calls (one sequence per row of
-    a dense [prefill_rows, S] cache; chunk k of a group in call k)."""
+    [kC, (k+1)C), C = ``shape.prefill_len``, in [prefill_rows, C] calls, one sequence per row of
+    a dense [prefill_rows, S] cache, chunk k of a group in call k. A prefix's keys/values do not
+    depend on its row, so each distinct prefix (a group's G samples share one) is computed once
+    and copied to every row that has it."""
     graphdef, state = nnx.split(model)
-    rows, c = shape.prefill_rows, shape.prefill_len
-    for start in range(0, len(prefixes), rows):
-        group = prefixes[start : start + rows]
+    rows, c, batch = shape.prefill_rows, shape.prefill_len, cache.k.shape[1]
+    index: dict[bytes, int] = {}
+    owners: list[list[int]] = []
+    distinct: list[np.ndarray] = []
+    for b, x in enumerate(prefixes):
+        x = np.asarray(x, np.int32)
+        if len(x) == 0:
+            continue
+        u = index.setdefault(x.tobytes(), len(distinct))
+        if u == len(distinct):
+            distinct.append(x)
+            owners.append([])
+        owners[u].append(b)
+    for start in range(0, len(distinct), rows):
+        group = distinct[start : start + rows]
         small = make_dense_cache(model.cfg, rows, cache.max_len)
-        for a in range(0, max((len(x) for x in group), default=0), c):
+        for a in range(0, max(len(x) for x in group), c):
             tokens = np.zeros((rows, c), np.int32)
             positions = np.full((rows, c), -1, np.int32)
             for i, x in enumerate(group):
-                part = np.asarray(x[a : a + c], np.int32)
+                part = x[a : a + c]
                 tokens[i, : len(part)] = part
                 positions[i, : len(part)] = np.arange(a, a + len(part))
             small = _prefill_call(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions),
                                   small)  # fmt: skip
-        n = len(group)
-        cache = DenseKVCache(k=cache.k.at[:, start : start + n].set(small.k[:, :n]),
-                             v=cache.v.at[:, start : start + n].set(small.v[:, :n]))  # fmt: skip
+        dst = np.full(batch, batch, np.int32)  # out of range: dropped
+        src = np.zeros(batch, np.int32)
+        k = 0
+        for i in range(len(group)):
+            for b in owners[start + i]:
+                dst[k], src[k] = b, i
+                k += 1
+        cache = _place(cache, small, jnp.asarray(dst), jnp.asarray(src))
     return cache
 
 
@@ -161,19 +187,22 @@ def _replay_rows(model, tokens, prompt, completion, *, shape, temperature, width
                                  shape=shape)  # fmt: skip
     out = np.zeros((slots, width), np.float32)
     temperature = jnp.float32(temperature)
-    # Step p feeds token p of every row past its prefix and scores token p + 1: completion
-    # token p + 1 - P_b.
-    first = int(prefix[:n].min())
-    for p in range(first, int(total.max()) - 1):
-        live = (p + 1 < total) & (p >= prefix)
-        fed = tokens[:, min(p, length - 1)]
-        targets = tokens[:, min(p + 1, length - 1)]
-        positions = np.where(live, p, -1)
+    # Step i feeds, in every row b, the token at position q = prefix_b + i (rows at their own
+    # positions, as the engine's decode rows are) and scores the next one: completion token
+    # q + 1 - P_b.
+    span = total - 1 - prefix
+    rows = np.arange(slots)
+    for i in range(int(span.max())):
+        q = prefix + i
+        live = i < span
+        fed = tokens[rows, np.minimum(q, length - 1)]
+        targets = tokens[rows, np.minimum(q + 1, length - 1)]
+        positions = np.where(live, q, -1)
         logp, cache = _scored_step(
             graphdef, state, jnp.asarray(fed[:, None]), jnp.asarray(positions[:, None], jnp.int32),
             cache, jnp.asarray(targets[:, None]), temperature,
         )  # fmt: skip
-        t = p + 1 - prompt
+        t = q + 1 - prompt
         hit = live & (t >= 0) & (t < width)
         out[hit, t[hit]] = np.asarray(logp)[hit, 0]
     return out[:n]

@@ -105,6 +105,15 @@ def test_deterministic_mode_is_bitwise_reproducible(env, reference, tmp_path):
     assert sha(run(env, tmp_path / "b", "--config.controller.num_steps=4")) == digest
 
 
+def test_a_trainer_in_a_child_process_gives_the_same_weights(env, reference, tmp_path):
+    """controller.trainer_process: the trainer runs in a spawned child behind gRPC; the run's
+    bits do not depend on where it runs, and the child is gone when the command returns."""
+    out = run(env, tmp_path / "c", "--config.controller.num_steps=4",
+              "--config.controller.trainer_process=true")  # fmt: skip
+    assert re.search(r"trainer 127\.0\.0\.1:\d+ \(child process \d+\)", out), out[-2000:]
+    assert sha(out) == reference[1]
+
+
 def test_sigkill_and_resume_gives_the_same_weights(env, reference, tmp_path):
     _, digest = reference
     run_dir = tmp_path / "killed"
