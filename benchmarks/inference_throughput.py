@@ -221,14 +221,15 @@ def run_hf(model: models.Transformer, requests: list[Request], waves: int) -> di
 
 def prefix_sharing(model: models.Transformer, group: int = 8, prompt_len: int = 200) -> dict:
     """KV pages of 8 prompts x G samples right after every group forked and wrote its first
-    token, vs. what G private copies of each prompt would take."""
+    token (outputs long enough that no group finishes before the last one starts), vs. what G
+    private copies of each prompt would take."""
     cfg = engine_config(max_prompt_len=256, prefill_chunk=256, step_tokens=SLOTS * 4)
     engine = Engine(model, cfg)
     rng = np.random.default_rng(1)
     for i in range(SLOTS // group):
         prompt = tuple(int(t) for t in rng.integers(0, model.cfg.vocab_size, size=prompt_len))
         engine.submit(Request(prompt_id=f"g{i}", prompt_tokens=prompt, num_samples=group,
-                              sampling=SamplingParams(max_new_tokens=8, ignore_eos=True)))  # fmt: skip
+                              sampling=SamplingParams(max_new_tokens=128, ignore_eos=True)))  # fmt: skip
     while any(s.sample_index is None or not s.generated for s in engine.scheduler.running) or (
         engine.scheduler.waiting
     ):

@@ -57,7 +57,6 @@ def params_sha256(params: Any) -> str:
     return digest.hexdigest()
 
 
-
 def _close_all(closers: list[Callable[[], None]]) -> None:
     """Calls every closer, newest first; a failure is logged, never raised (closing must not
     hide the run's own error), and the list is emptied."""

@@ -2,7 +2,7 @@
 
 ``k_pages``/``v_pages`` [L, Hkv, P, page_size, D] hold every layer's pages (zero-initialized, so
 masked reads stay finite); ``block_tables`` [B, M] say which pages hold each batch row's sequence
-(several rows may share one table: the chunk of a prefill laid out one token per row). ``attend``
+(several rows may share one table: prompt chunks of one sequence in the prefill program). ``attend``
 first writes the new keys/values of all rows, then lets the backend attend, so a query sees the
 tokens written by other rows of the same step at earlier positions.
 """
