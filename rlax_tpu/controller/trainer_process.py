@@ -31,6 +31,7 @@ from flax import nnx
 
 from rlax_tpu import models
 from rlax_tpu.config import RunConfig
+from rlax_tpu.rpc.transport import Credentials
 
 _STOP, _DIGEST = "stop", "digest"
 
@@ -112,7 +113,10 @@ class TrainerProcess:
             self._kill()
             raise RuntimeError(f"trainer child process failed to start: {value}")
         self.endpoint = f"127.0.0.1:{value}"
-        self.client = TrainerClient(self.endpoint)
+        # The child's server demands what trainer.* names (as `python -m rlax_tpu.trainer` does).
+        creds = Credentials(auth_token_file=config.trainer.auth_token_file,
+                            tls_cert_file=config.trainer.tls_cert_file)  # fmt: skip
+        self.client = TrainerClient(self.endpoint, credentials=creds)
         self.client.wait_ready(start_timeout_s)
 
     def params_sha256(self) -> str:
