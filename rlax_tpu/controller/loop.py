@@ -49,8 +49,7 @@ log = logging.getLogger(__name__)
 RESUMABLE_FIELDS = (
     "controller.num_steps", "controller.log_every", "controller.rpc_timeout_s",
     "controller.transport", "controller.trainer_process", "controller.trainer_cpus",
-    "controller.inference_endpoints",
-    "controller.verifier_endpoint",
+    "controller.inference_endpoints", "controller.verifier_endpoint",
     "controller.trainer_endpoint", "controller.param_server_endpoint",
     "controller.auth_token_file", "controller.run_dir", "data.eval_every", "data.data_dir",
     "inference.num_workers", "inference.address", "trainer.address", "verifiers.address",

@@ -57,8 +57,7 @@ def _serve(
         if config.controller.trainer_cpus:
             pin(set(config.controller.trainer_cpus))
         graphdef, state = nnx.split(models.abstract_model(config.model))
-        state = jax.tree.map(lambda x: x, state)
-        nnx.replace_by_pure_dict(state, params)
+        nnx.replace_by_pure_dict(state, params)  # shapes only until now: nothing to copy
         model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, state))
         sink = ParamServerClient.from_config(config.param_server, endpoint)
         trainer = Trainer(config, sink=sink, model=model, checkpoint_dir=checkpoint_dir)
