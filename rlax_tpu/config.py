@@ -373,6 +373,9 @@ class VerifierConfig:
     testlib_path: str = ""  # testlib.h for problems' own checkers; "" = none available
     request_deadline_s: float = 120.0
     compile_memory_limit_mb: int = 2048  # compilers (rustc, javac) need far more than programs
+    # Python's syntax check: in a long-lived unprivileged helper process ("helper": compile() runs
+    # no code) or one sandbox run per program ("sandbox", ~17 ms each).
+    python_check: Literal["helper", "sandbox"] = "helper"
     disk_limit_mb: int = 64  # size of each sandbox's private /work and /tmp (tmpfs, in RAM)
     seccomp: bool = True  # deny kernel attack surface (ptrace, mount, namespaces...) on x86_64
     repository_dir: str = ""  # content-addressed test data; "" = a private temporary directory

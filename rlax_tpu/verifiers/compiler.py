@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import shutil
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -21,6 +22,7 @@ from rlax_tpu.types import Verdict, VerdictKind
 from rlax_tpu.verifiers import languages
 from rlax_tpu.verifiers.languages import PROG, Language, Toolchains
 from rlax_tpu.verifiers.sandbox import Limits, Mount, Sandbox
+from rlax_tpu.verifiers.syntax_check import PythonSyntaxChecker
 
 MAX_SOURCE_BYTES = 512 << 10
 _DETAIL_CHARS = 600
@@ -62,8 +64,11 @@ class Compiler:
         limits: Limits,
         *,
         cache_size: int = 2048,
+        python_checker: PythonSyntaxChecker | None = None,
     ):
+        """``python_checker``: checks Python syntax without a sandbox run (None: a sandbox run)."""
         self._sandbox, self._toolchains, self._limits = sandbox, toolchains, limits
+        self._python_checker = python_checker
         self._dir = Path(build_dir)
         self._dir.mkdir(parents=True, exist_ok=True)
         self._cache_size = cache_size
@@ -122,6 +127,20 @@ class Compiler:
             if old.done() and not old.exception() and isinstance(old.result(), Executable):
                 shutil.rmtree(old.result().directory, ignore_errors=True)
 
+    def _check_python(
+        self, out: Path, lang: Language, src_name: str, run_argv: tuple[str, ...]
+    ) -> Executable | Verdict:
+        t0 = time.perf_counter()
+        source = (out / src_name).read_bytes()  # the bytes the program will run from
+        error = self._python_checker.check(source, f"{PROG}/{src_name}")
+        if error is None:
+            return Executable(language=lang, directory=out, run_argv=run_argv)
+        shutil.rmtree(out, ignore_errors=True)
+        return Verdict(
+            kind=VerdictKind.COMPILE_ERROR, detail=error.strip()[:_DETAIL_CHARS],
+            time_s=time.perf_counter() - t0,
+        )  # fmt: skip
+
     def _build(
         self,
         key: str,
@@ -135,6 +154,8 @@ class Compiler:
         out.mkdir(mode=0o755)
         src_name, run_argv = languages.source_and_run(lang, code)
         (out / src_name).write_text(code, encoding="utf-8", errors="replace")
+        if lang.name == "python" and self._python_checker is not None and not extra_flags:
+            return self._check_python(out, lang, src_name, run_argv)
         argv = languages.fill(lang.compile, src=src_name, mem_mb=self._limits.memory_bytes >> 21)
         argv[1:1] = list(extra_flags)
         result = self._sandbox.run(

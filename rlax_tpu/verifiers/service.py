@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import logging
+import pwd
 import shutil
 import tempfile
 import threading
@@ -37,6 +38,7 @@ from rlax_tpu.verifiers.grading import Grader
 from rlax_tpu.verifiers.math_answers import MathChecker
 from rlax_tpu.verifiers.repository import Repository
 from rlax_tpu.verifiers.sandbox import Sandbox
+from rlax_tpu.verifiers.syntax_check import PythonSyntaxChecker
 from rlax_tpu.verifiers.unit_tests import UnitTestRunner
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,12 @@ class VerifierService:
             toolchain_mounts=self.toolchains.mounts,
             use_seccomp=config.seccomp,
         )
+        self._python_checker = None
+        if config.python_check == "helper" and "python" in self.toolchains.languages:
+            self._python_checker = PythonSyntaxChecker(
+                uid=_nobody_uid(), memory_bytes=config.compile_memory_limit_mb << 20,
+                timeout_s=config.compile_time_limit_s,
+            )  # fmt: skip
         repo_dir = Path(config.repository_dir) if config.repository_dir else self._scratch / "repo"
         self.repository = Repository(repo_dir)
         self.compiler = Compiler(
@@ -71,6 +79,7 @@ class VerifierService:
                 memory_mb=config.compile_memory_limit_mb,
                 disk_bytes=max(config.disk_limit_mb, 256) << 20,
             ),
+            python_checker=self._python_checker,
         )
         self._tests_pool = cf.ThreadPoolExecutor(config.workers * 2, "verifier-test")
         self._tasks_pool = cf.ThreadPoolExecutor(config.workers * 4, "verifier-task")
@@ -190,6 +199,8 @@ class VerifierService:
         self._tasks_pool.shutdown(wait=True, cancel_futures=True)
         self._tests_pool.shutdown(wait=True, cancel_futures=True)
         self._math.close()
+        if self._python_checker is not None:
+            self._python_checker.close()
         if self._own_scratch:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
@@ -198,3 +209,11 @@ class VerifierService:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _nobody_uid() -> int:
+    # The syntax-check helper runs no code and sets no RLIMIT_NPROC, so `nobody` suits it.
+    try:
+        return pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        return 65534
