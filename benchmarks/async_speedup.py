@@ -86,6 +86,7 @@ def build_config(args: argparse.Namespace, mode: str, run_dir: str):
     cfg.verifiers.sandbox_uid = args.sandbox_uid
     cfg.verifiers.workers = args.verifier_workers
     cfg.controller.trainer_process = bool(args.trainer_process)
+    cfg.trainer.precompile = bool(args.precompile)
     if args.pin:
         cfg.controller.trainer_cpus = (1,)
     # Held-out eval runs at version 0 and N in both modes; keep it tiny (it is not timed below).
@@ -137,6 +138,9 @@ def analyse(run_dir: Path, skip: int, child_wall_s: float) -> dict:
         "wait_s": mean("time/wait"),
         "train_logp_old_s": mean("trainer/time_logp_old_s"),
         "train_update_s": mean("trainer/time_update_s"),
+        # Update compilations during the steady steps (the trainer's per-process count).
+        "steady_compilations": steps[n]["scalars"].get("trainer/update_compilations", 0.0)
+        - steps[skip]["scalars"].get("trainer/update_compilations", 0.0),
         "completion_len": mean("rollout/length_mean"),
         "tokens_per_s": mean("throughput/tokens_per_s"),
         "reward_curve": [steps[k]["scalars"]["reward/mean"] for k in range(1, n + 1)],
@@ -161,6 +165,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trainer-process", type=int, choices=(0, 1), default=1,
                         help="1: controller.trainer_process (the trainer in a child process)")
+    parser.add_argument("--precompile", type=int, choices=(0, 1), default=1,
+                        help="1: trainer.precompile (every micro-batch shape compiled in step 1)")
     parser.add_argument("--sandbox-uid", type=int, default=2_800_000)
     parser.add_argument("--modes", default="lock-step,off-policy")
     parser.add_argument("--pin", type=int, choices=(0, 1), default=int((os.cpu_count() or 1) >= 2),
@@ -190,6 +196,7 @@ def main() -> None:
     workload = {k: getattr(args, k) for k in ("steps", "prompts", "group_size", "max_new_tokens",
                                               "micro_batch", "length_bucket", "verifier_workers",
                                               "warmup_steps", "trainer_process", "pin",
+                                              "precompile",
                                               "seed", "skip")}  # fmt: skip
     env = dict(os.environ)
     if args.xla_threads == "1":
@@ -228,13 +235,15 @@ def report(results: dict, workload: dict, load: dict, env_note: dict, out: str) 
     lock, off = results.get("lock-step"), results.get("off-policy")
     rows = []
     header = ("| mode | steps | total wall s | mean s/step (steady) | median s/step | generate s/step "
-              "| verify s/step | train s/step | wait s/step | final reward | reward curve |")  # fmt: skip
-    rows += [header, "|" + "---|" * 11]
+              "| verify s/step | train s/step | wait s/step | compiles (steady) | final reward "
+              "| reward curve |")  # fmt: skip
+    rows += [header, "|" + "---|" * 12]
     for mode, r in results.items():
         curve = ", ".join(f"{x:.3f}" for x in r["reward_curve"])
         rows.append(f"| {mode} | {r['steps']} | {r['total_wall_s']:.1f} | {r['s_per_step']:.2f} "
                     f"| {r['s_per_step_median']:.2f} | {r['generate_s']:.2f} | {r['verify_s']:.2f} | {r['train_s']:.2f} "
-                    f"| {r['wait_s']:.2f} | {r['reward_curve'][-1]:.3f} | [{curve}] |")  # fmt: skip
+                    f"| {r['wait_s']:.2f} | {r['steady_compilations']:.0f} "
+                    f"| {r['reward_curve'][-1]:.3f} | [{curve}] |")  # fmt: skip
     summary: dict = {}
     if lock:
         rollout = lock["generate_s"] + lock["verify_s"]

@@ -253,6 +253,9 @@ class TrainerConfig:
     grad_clip_norm: float = 1.0  # 0 disables clipping
     micro_batch_size: int = 8  # rollouts per micro-batch (gradient accumulation)
     length_bucket: int = 16  # micro-batch lengths are padded to a multiple (bounds recompiles)
+    # Compile the update for every micro-batch shape the inference limits allow during the first
+    # step, so later steps never stall on a compile (costs one compile per shape up front).
+    precompile: bool = False
     remat: bool = True  # nothing-saveable remat on the training forward
     align_logprobs: bool = True  # recompute π_old with the inference graph (DESIGN §6)
     publish_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -52,7 +52,8 @@ RESUMABLE_FIELDS = (
     "controller.inference_endpoints", "controller.verifier_endpoint",
     "controller.trainer_endpoint", "controller.param_server_endpoint",
     "controller.auth_token_file", "controller.run_dir", "data.eval_every", "data.data_dir",
-    "inference.num_workers", "inference.address", "trainer.address", "verifiers.address",
+    "inference.num_workers", "inference.address", "trainer.address", "trainer.precompile",
+    "verifiers.address", "verifiers.python_check",
     "param_server.address", "verifiers.workers", "verifiers.sandbox_uid",
 )  # fmt: skip
 

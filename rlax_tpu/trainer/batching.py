@@ -21,6 +21,14 @@ def _round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
+def possible_shapes(*, bucket: int, max_prompt_len: int, max_new_tokens: int) -> list[tuple[int, int]]:
+    """Every (length L, width T) a micro-batch can take under these limits (T <= L)."""
+    longest = _round_up(max_prompt_len + max_new_tokens, bucket)
+    widest = _round_up(max_new_tokens, bucket)
+    return [(length, width) for length in range(bucket, longest + 1, bucket)
+            for width in range(bucket, min(length, widest) + 1, bucket)]  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class MicroBatch:
     """rows: [b] indices into the TrainBatch; length: padded token columns L; width: padded

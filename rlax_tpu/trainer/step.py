@@ -15,6 +15,7 @@ Trainable parameters are a dict: ``{"model": <model params, nested dict>}`` plus
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from functools import partial
 from typing import Any
@@ -30,6 +31,9 @@ from rlax_tpu.trainer.logprobs import completion_logprobs
 from rlax_tpu.trainer.mesh import batch_sharding, replicated
 
 Params = dict[str, Any]
+
+# Traces (so compilations) of the update, one per micro-batch shape, in this process.
+TRACES: collections.Counter[str] = collections.Counter()
 
 # Micro-batch arrays: tokens, positions [b, L]; prompt_lengths [b]; targets [b, T].
 _BATCH_NDIM = {"tokens": 2, "positions": 2, "prompt_lengths": 1, "targets": 2}
@@ -168,6 +172,7 @@ def _score(graphdef, mesh, model_params, value_head, arrays, temperature):  # no
 
 def _accumulate(graphdef, objective, mesh, remat, trainable, acc, arrays, inputs, temperature,
                 scale):  # noqa: ANN001, ANN202  # fmt: skip
+    TRACES["accumulate"] += 1  # runs once per trace
     def loss_fn(trainable):  # noqa: ANN001, ANN202
         model = nnx.merge(graphdef, trainable["model"])
         logp, values = completion_logprobs(

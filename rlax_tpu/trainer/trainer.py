@@ -28,6 +28,7 @@ global arrays and every value read back to the host is replicated.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,11 +44,19 @@ from rlax_tpu.algorithms import LossInputs, RolloutBatch, make_objective
 from rlax_tpu.config import InferenceConfig, RunConfig
 from rlax_tpu.models.scoring import ReplayShape, replay_logprobs
 from rlax_tpu.trainer import mesh as mesh_lib
-from rlax_tpu.trainer.batching import MicroBatch, micro_arrays, plan_micro_batches
+from rlax_tpu.trainer import step as step_lib
+from rlax_tpu.trainer.batching import (
+    MicroBatch,
+    micro_arrays,
+    plan_micro_batches,
+    possible_shapes,
+)
 from rlax_tpu.trainer.checkpoint import Checkpointer, abstract_like, signature_with
 from rlax_tpu.trainer.optimizer import make_optimizer, make_schedule
 from rlax_tpu.trainer.step import StepFunctions
 from rlax_tpu.types import TrainBatch
+
+log = logging.getLogger(__name__)
 
 
 class WeightSink(Protocol):
@@ -144,6 +153,7 @@ class Trainer:
         self._rng = jax.random.key_data(jax.random.PRNGKey(config.controller.seed))
         self._published = -1
         self._halted = ""
+        self._precompiled = False
         self._last_metrics: dict[str, float] = {}
         self.replay_shape = engine_replay_shape(config.inference)
         directory = (
@@ -236,6 +246,9 @@ class Trainer:
         t_update = time.perf_counter()
         scale = 1.0 if spec.kind == "eq3" else 1.0 / plan.num_micro_batches
         scale_arr = mesh_lib.put(np.float32(scale), rep)
+        if tcfg.precompile and not self._precompiled:
+            self._precompile(micro[0], _slice_inputs(inputs_host, micro[0][0]), temperature,
+                             scale_arr)  # fmt: skip
         acc = self._fns.zeros_like_trainable(self._trainable)
         loss_total, parts = 0.0, []
         for mb, arrays in micro:
@@ -256,6 +269,7 @@ class Trainer:
         versions = np.asarray(batch.versions)[np.asarray(batch.versions) >= 0]
         metrics = _combine(parts) | {
             "loss": loss_total,
+            "update_compilations": float(step_lib.TRACES["accumulate"]),
             "grad_norm": float(stats["grad_norm"]),
             "update_norm": float(stats["update_norm"]),
             "param_norm": float(stats["param_norm"]),
@@ -296,6 +310,30 @@ class Trainer:
         metrics |= {"step": float(self._step), "time_step_s": time.perf_counter() - t_start}
         self._last_metrics = metrics
         return metrics
+
+    def _precompile(
+        self, template: tuple[MicroBatch, dict[str, jax.Array]], inputs: LossInputs,
+        temperature: jax.Array, scale: jax.Array,
+    ) -> None:  # fmt: skip
+        """Runs the update once on zeros of every micro-batch shape (trainer.precompile), which
+        compiles each; ``template`` and ``inputs`` (one micro-batch's) give rows and dtypes."""
+        icfg = self.config.inference
+        shapes = possible_shapes(bucket=self.config.trainer.length_bucket,
+                                 max_prompt_len=icfg.max_prompt_len,
+                                 max_new_tokens=icfg.max_new_tokens)  # fmt: skip
+        t0 = time.perf_counter()
+        log.info("trainer: compiling the update for %d micro-batch shapes", len(shapes))
+        _, arrays = template
+        for length, width in shapes:
+            zeros = {k: _zeros_like(x, length if k in ("tokens", "positions") else width)
+                     for k, x in arrays.items()}  # fmt: skip
+            zero_inputs = jax.tree.map(lambda x, w=width: _zeros_like(x, w), inputs)
+            acc = self._fns.zeros_like_trainable(self._trainable)
+            out = self._fns.accumulate(self._trainable, acc, self._put_arrays(zeros),
+                                       self._put_inputs(zero_inputs), temperature, scale)  # fmt: skip
+            jax.block_until_ready(out)
+        self._precompiled = True
+        log.info("trainer: compiled %d shapes in %.1f s", len(shapes), time.perf_counter() - t0)
 
     def _put_arrays(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return {
@@ -401,6 +439,11 @@ class Trainer:
 
     def close(self) -> None:
         self._checkpointer.close()
+
+
+def _zeros_like(x: Any, columns: int) -> np.ndarray:
+    """Zeros of x's dtype and rows, with ``columns`` columns if x is 2-D."""
+    return np.zeros((*x.shape[:1], columns)[: x.ndim], x.dtype)
 
 
 def _slice_inputs(inputs: LossInputs, mb: MicroBatch) -> LossInputs:

@@ -1,16 +1,19 @@
-"""Length-bucketed micro-batches (host side) and the optimizer schedules, by hand."""
+"""Length-bucketed micro-batches (host side), precompiling their shapes, and the optimizer
+schedules, by hand."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from rlax_tpu.config import TrainerConfig
-from rlax_tpu.trainer.batching import micro_arrays, plan_micro_batches
+from rlax_tpu.trainer import Trainer
+from rlax_tpu.trainer.batching import micro_arrays, plan_micro_batches, possible_shapes
 from rlax_tpu.trainer.mesh import BatchShapeError
 from rlax_tpu.trainer.optimizer import make_schedule
 
-from .helpers import random_batch
+from .helpers import MAX_NEW, MAX_PROMPT, ROWS, random_batch, run_config
 
 
 def test_sorting_bounds_padding_and_covers_every_row_once():
@@ -73,3 +76,27 @@ def test_schedules():
     assert wsd(90) == pytest.approx(0.5) and wsd(100) == pytest.approx(0.0)
     const = make_schedule(TrainerConfig(learning_rate=2.0, warmup_steps=4), total_steps=10)
     assert const(2) == pytest.approx(1.0) and const(9) == 2.0
+
+
+def test_possible_shapes_cover_every_plan():
+    shapes = possible_shapes(bucket=16, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW)
+    assert shapes == [(16, 16), (32, 16), (32, 32), (48, 16), (48, 32)]
+    for seed in range(20):
+        batch = random_batch(seed)
+        plan = plan_micro_batches(batch, micro_batch_size=4, whole_groups=True, bucket=16)
+        assert {(m.length, m.width) for m in plan.micro_batches} <= set(shapes)
+
+
+@pytest.mark.parametrize("precompile", [True, False])
+def test_precompile_leaves_no_compile_for_later_steps(tmp_path, precompile):
+    # The first batch is short; the second has the longest rows the limits allow (a new shape).
+    trainer = Trainer(run_config(length_bucket=16, precompile=precompile), checkpoint_dir=tmp_path,
+                      devices=jax.devices()[:1])  # fmt: skip
+    short = random_batch(0, prompt_lengths=np.full(ROWS, 2, np.int32),
+                         completion_lengths=np.full(ROWS, 3, np.int32))  # fmt: skip
+    first = trainer.train_step(short)["update_compilations"]
+    long = random_batch(1, prompt_lengths=np.full(ROWS, MAX_PROMPT, np.int32),
+                        completion_lengths=np.full(ROWS, MAX_NEW, np.int32),
+                        tokens=np.ones((ROWS, MAX_PROMPT + MAX_NEW), np.int32))  # fmt: skip
+    second = trainer.train_step(long)["update_compilations"]
+    assert (second == first) is precompile
