@@ -38,7 +38,9 @@ both runs, before the controller's clock starts) so that the tiny model writes p
 and sometimes pass (a random model's output is rejected at once: verification is nearly free
 and every reward is 0). The knobs were chosen so that generate + verify ~ train per lock-step step.
 The held-out eval (version 0 and N, one problem, one sample) is in the total wall time but not in
-the per-step times.
+the per-step times. With ``--precompile 1`` (the default) both runs set ``trainer.precompile``:
+the update is compiled for every micro-batch shape during step 1, so the steady steps time the
+overlap, not XLA compiles (the table's "compiles" column counts those that still happened).
 
 Prints a markdown table and writes JSON next to this script (``async_speedup.json``).
 """
