@@ -7,7 +7,9 @@ Workload (seeded): a queue of independent requests (G = 1), prompts of U[16, 64]
 output lengths between 16 and 256 forced by ``ignore_eos`` + a per-request ``max_new_tokens``,
 drawn uniformly (``--lengths uniform``, the default) or log-uniformly (``--lengths log-uniform``:
 many short, few long, the shape of RL rollouts that mostly stop early), sampling at T = 1, 64
-concurrent sequences. Measured in one run, on the same weights (f32):
+concurrent sequences; a queue of 1024 requests (tiny) or 512 (SmolLM2), several waves of 64, as
+in an RL step, so the engine's drain at the end of the queue is amortized as it is in training.
+Measured in one run, on the same weights (f32):
   (a) our engine: continuous batching over the whole queue;
   (b) static batches of 64 with a dense KV cache (``models.step`` + ``DenseKVCache``, jitted,
       donated), each decoding until its longest sequence ends;
@@ -245,8 +247,8 @@ def prefix_sharing(model: models.Transformer, group: int = 8, prompt_len: int = 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,smollm2-135m")
-    parser.add_argument("--sequences", type=int, default=256, help="requests for the tiny model")
-    parser.add_argument("--smollm-sequences", type=int, default=128)
+    parser.add_argument("--sequences", type=int, default=1024, help="requests for the tiny model")
+    parser.add_argument("--smollm-sequences", type=int, default=512)
     parser.add_argument("--baseline-waves", type=int, default=1)
     parser.add_argument("--lengths", choices=("uniform", "log-uniform"), default="uniform")
     parser.add_argument("--prefill-rows", type=int, default=InferenceConfig.prefill_rows,
