@@ -22,7 +22,7 @@ from rlax_tpu.types import Verdict, VerdictKind
 from rlax_tpu.verifiers import languages
 from rlax_tpu.verifiers.languages import PROG, Language, Toolchains
 from rlax_tpu.verifiers.sandbox import Limits, Mount, Sandbox
-from rlax_tpu.verifiers.syntax_check import PythonSyntaxChecker
+from rlax_tpu.verifiers.syntax_check import CheckerUnavailable, PythonSyntaxChecker
 
 MAX_SOURCE_BYTES = 512 << 10
 _DETAIL_CHARS = 600
@@ -132,7 +132,11 @@ class Compiler:
     ) -> Executable | Verdict:
         t0 = time.perf_counter()
         source = (out / src_name).read_bytes()  # the bytes the program will run from
-        error = self._python_checker.check(source, f"{PROG}/{src_name}")
+        try:
+            error = self._python_checker.check(source, f"{PROG}/{src_name}")
+        except CheckerUnavailable as e:
+            shutil.rmtree(out, ignore_errors=True)
+            return Verdict(kind=VerdictKind.INTERNAL_ERROR, detail=f"compiler: {e}")
         if error is None:
             return Executable(language=lang, directory=out, run_argv=run_argv)
         shutil.rmtree(out, ignore_errors=True)

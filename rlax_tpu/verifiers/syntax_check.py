@@ -2,12 +2,13 @@
 
 ``compile()`` parses and compiles a program without running any of it, so it needs no sandbox;
 starting one (bwrap, then an interpreter) costs ~17 ms per program, as much as running a short
-program's first test, so checking in a helper halves the verification of short Python programs.
-Hostile input can still crash or exhaust a parser, so the check runs in a separate process: as an
-unprivileged uid (when started as root) with no new privileges, no environment, an address-space
-limit and a per-check deadline. A check that dies or overruns kills the helper (the next check
-starts a new one) and is reported as a compile error. ``verifiers.python_check`` picks this
-("helper", the default) or a sandbox run per program ("sandbox").
+program's first test; a check in a helper costs ~0.1 ms. Hostile input can still crash or exhaust
+a parser, so the check runs in a separate process: as an unprivileged uid (when started as root)
+with no new privileges, no environment, an address-space limit and a per-check deadline. A helper
+that dies on a check is replaced and the check retried once; dying again, or overrunning the
+deadline, is a compile error. A helper that cannot start is an infrastructure error
+(:class:`CheckerUnavailable`), never a verdict on the program. ``verifiers.python_check`` picks
+this ("helper", the default) or a sandbox run per program ("sandbox").
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
 if os.geteuid() == 0:
     os.setgroups([]); os.setgid(uid); os.setuid(uid)
 src_in, out = sys.stdin.buffer, sys.stdout
+out.write('{"ready": true}\n')
+out.flush()
 def read(n):
     data = src_in.read(n)
     if len(data) != n:
@@ -51,6 +54,10 @@ while True:
     out.write(json.dumps(reply) + "\n")
     out.flush()
 """
+
+
+class CheckerUnavailable(RuntimeError):
+    """The helper process could not be started (an infrastructure problem, not the source's)."""
 
 
 class PythonSyntaxChecker:
@@ -115,6 +122,14 @@ class PythonSyntaxChecker:
             )  # fmt: skip
             self._buffer = b""
             self.started += 1
+            ready = self._read_line(self._proc, time.monotonic() + self._timeout)
+            if ready != b'{"ready": true}':
+                self._kill(self._proc)
+                code, self._proc = self._proc.returncode, None
+                raise CheckerUnavailable(
+                    f"the Python syntax-check helper did not start (exit status {code}); "
+                    "set verifiers.python_check='sandbox' to check in the sandbox instead"
+                )
         return self._proc
 
     def _read_line(self, proc: subprocess.Popen, deadline: float) -> bytes | None:

@@ -10,9 +10,10 @@ import pytest
 
 from rlax_tpu.types import VerdictKind
 from rlax_tpu.verifiers.api import CodeTask
+from rlax_tpu.verifiers.compiler import Compiler, compile_limits
 from rlax_tpu.verifiers.problems import upload_problem
 from rlax_tpu.verifiers.service import VerifierService
-from rlax_tpu.verifiers.syntax_check import PythonSyntaxChecker
+from rlax_tpu.verifiers.syntax_check import CheckerUnavailable, PythonSyntaxChecker
 
 NOBODY = 65534
 MAIN = "/prog/main.py"
@@ -125,3 +126,17 @@ def test_verdicts_match_a_sandbox_run_per_program(service, verifier_config, tmp_
         h, r = helper[list(programs).index(name)], reference[list(programs).index(name)]
         # Both end with Python's own message (the sandbox run adds the checking command's frames).
         assert h.detail.splitlines()[-1] == r.detail.splitlines()[-1]
+
+
+def test_a_helper_that_cannot_start_is_an_internal_error_not_a_verdict(service, tmp_path):
+    # A deadline no interpreter can start within: the helper is never ready.
+    broken = PythonSyntaxChecker(uid=NOBODY, memory_bytes=1 << 30, timeout_s=1e-6)
+    with pytest.raises(CheckerUnavailable, match="did not start"):
+        broken.check(b"pass\n", MAIN)
+    limits = compile_limits(time_limit_s=20.0, memory_mb=512, disk_bytes=64 << 20)
+    compiler = Compiler(
+        service.sandbox, service.toolchains, tmp_path, limits, python_checker=broken
+    )
+    verdict = compiler.compile("python", "print(1)\n")
+    assert verdict.kind is VerdictKind.INTERNAL_ERROR and "did not start" in verdict.detail
+    broken.close()
