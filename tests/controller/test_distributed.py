@@ -116,10 +116,11 @@ def _workload(run_dir: Path) -> list[str]:
     ]
 
 
-def _controller(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+def _controller(args: list[str], timeout_s: float, transport: str = "distributed"
+                ) -> subprocess.CompletedProcess[str]:  # fmt: skip
     return subprocess.run(
         [sys.executable, "-m", "rlax_tpu.controller", CONFIG,
-         "--config.controller.transport=distributed", "--config.controller.warmup_steps=0",
+         f"--config.controller.transport={transport}", "--config.controller.warmup_steps=0",
          *args],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
@@ -172,6 +173,13 @@ def test_distributed_run_against_separate_processes(tmp_path):
             assert worker.status().version == 2
         finally:
             worker.close()
+        # The local transport, same workload (deterministic mode): the same run, step by step.
+        local_dir = tmp_path / "local"
+        done = _controller([*_workload(local_dir), f"--config.verifiers.sandbox_uid={uid + 4}",
+                            "--config.verifiers.workers=2"], timeout_s=300, transport="local")  # fmt: skip
+        assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        steps = _step_record(run_dir)
+        assert [s[0] for s in steps] == [1, 2] and _step_record(local_dir) == steps
     finally:
         for s in services:
             s.terminate()
@@ -179,6 +187,17 @@ def test_distributed_run_against_separate_processes(tmp_path):
             s.stop()
     for s in services:  # every service stops cleanly on SIGTERM
         assert s.proc.returncode == 0, f"{s.module} exited {s.proc.returncode}:\n{s.output()}"
+
+
+def _step_record(run_dir: Path) -> list[tuple]:
+    """Per update: what the prompts, the sampled programs, their verdicts and the trainer's
+    numerics determine (without a warm-up every program fails, so rewards and losses are 0)."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = ("reward/mean", "trainer/sequence_tokens", "trainer/completion_tokens",
+            "trainer/ratio_max", "trainer/param_norm", "trainer/logp_old_behaviour_diff_max")
+    verdicts = lambda sc: sorted((k, v) for k, v in sc.items() if k.startswith("verdict/"))  # noqa: E731
+    return [(r["step"], *(r["scalars"][k] for k in keys), verdicts(r["scalars"]))
+            for r in records if "reward/mean" in r["scalars"]]  # fmt: skip
 
 
 def test_unreachable_trainer_is_named(tmp_path):
