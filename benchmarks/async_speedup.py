@@ -17,8 +17,9 @@ single-threaded XLA:CPU ops appended to ``XLA_FLAGS`` (on 2 shared cores that ma
 baseline faster too, see RESULTS.md). Per-step times come from
 ``<run_dir>/metrics.jsonl``: the steady-state seconds per step is the mean interval between
 consecutive update records over steps ``--skip + 1 .. N`` (the first ``--skip`` updates compile);
-the median interval is reported beside it (later compiles for new length buckets and checkpoint
-saves make a few intervals long, and off-policy hides some of them behind generation).
+the median interval is reported beside it (steps with long rollouts, checkpoint saves and, with
+``--precompile 0``, compiles for new length buckets make a few intervals long, and off-policy hides
+some of them behind generation).
 The lock-step run also gives the overlap bound of this workload on this machine:
 (gen + verify + train) / max(gen + verify, train) per step, which a perfect one-step overlap
 would reach (at most 2x, when the two phases are balanced). Reward curves of both runs are

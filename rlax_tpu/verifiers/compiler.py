@@ -128,10 +128,9 @@ class Compiler:
                 shutil.rmtree(old.result().directory, ignore_errors=True)
 
     def _check_python(
-        self, out: Path, lang: Language, src_name: str, run_argv: tuple[str, ...]
+        self, out: Path, lang: Language, src_name: str, source: bytes, run_argv: tuple[str, ...]
     ) -> Executable | Verdict:
         t0 = time.perf_counter()
-        source = (out / src_name).read_bytes()  # the bytes the program will run from
         try:
             error = self._python_checker.check(source, f"{PROG}/{src_name}")
         except CheckerUnavailable as e:
@@ -157,9 +156,10 @@ class Compiler:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(mode=0o755)
         src_name, run_argv = languages.source_and_run(lang, code)
-        (out / src_name).write_text(code, encoding="utf-8", errors="replace")
+        source = code.encode("utf-8", errors="replace")  # the bytes the program will run from
+        (out / src_name).write_bytes(source)
         if lang.name == "python" and self._python_checker is not None and not extra_flags:
-            return self._check_python(out, lang, src_name, run_argv)
+            return self._check_python(out, lang, src_name, source, run_argv)
         argv = languages.fill(lang.compile, src=src_name, mem_mb=self._limits.memory_bytes >> 21)
         argv[1:1] = list(extra_flags)
         result = self._sandbox.run(

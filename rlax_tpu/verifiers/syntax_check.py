@@ -86,7 +86,7 @@ class PythonSyntaxChecker:
         """
         name = filename.encode()
         with self._lock:
-            for attempt in range(2):
+            for _ in range(2):
                 proc = self._ensure()
                 try:
                     proc.stdin.write(struct.pack("<II", len(name), len(source)) + name + source)
@@ -98,9 +98,9 @@ class PythonSyntaxChecker:
                     reply = json.loads(line)
                     return None if reply["ok"] else reply["error"]
                 failure = self._fail(proc, overran=line is None)
-                if line is None or attempt:
-                    return failure
-            raise AssertionError("unreachable")
+                if line is None:
+                    break
+            return failure
 
     @property
     def pid(self) -> int | None:
