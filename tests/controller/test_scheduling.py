@@ -150,6 +150,16 @@ def test_staleness_bound_and_ledger_hold_under_random_timings(
     check_ledger(ctl, eta_a=1, steps=3, batch=2)
 
 
+def test_freshest_first_consumption_keeps_the_bound_and_the_ledger(tmp_path):
+    """controller.consume_order = freshest_first (RLAX's order), with training slowed so that
+    several versions' groups wait at once."""
+    config = make_config(tmp_path, mode="throughput", acceptance_staleness=1, num_steps=3,
+                         prompts_per_step=2, consume_order="freshest_first")  # fmt: skip
+    ctl = run_controller(config, lambda c: setattr(c, "trainer",
+                                                   Slow(c.trainer, {"train_step": [0.5]})))  # fmt: skip
+    check_ledger(ctl, eta_a=1, steps=3, batch=2)
+
+
 def test_throughput_mode_trains_long_and_short_rollouts_alike(tmp_path):
     """Lengths vary 10x and long rollouts finish late; admission control keeps the trained length
     distribution that of the generated one (discard-and-requeue alone would favour short ones)."""
