@@ -294,6 +294,15 @@ class InferenceConfig:
     # Token rows per decode step (one token per row); 0 means max_concurrent_seqs. Fixed, so
     # steps never recompile and logits do not depend on batching.
     step_tokens: int = 0
+    # CPU backend only (the TPU/GPU kernels already stop at each row's length). >= 2: a decode
+    # step sorts its rows by position into span_groups equal groups, and each group attends over
+    # its longest row's pages, rounded up to a multiple of span_bucket_pages, instead of the whole
+    # cache (each distinct grouping is one more compiled program, see Engine.precompile). Faster
+    # when lengths vary, but XLA:CPU then rounds a token's f32 log-prob differently with the
+    # group it falls in (~1e-7): log-probs are no longer bitwise the dense-cache replay, so it
+    # needs trainer.align_logprobs = False. 0: off, every row attends over the whole cache.
+    span_groups: int = 0
+    span_bucket_pages: int = 4
     max_prompt_len: int = 256
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -311,7 +320,11 @@ class InferenceConfig:
             self, "num_workers", "max_concurrent_seqs", "page_size", "kv_cache_bytes",
             "prefill_chunk", "prefill_len", "max_prompt_len", "max_new_tokens", "temperature",
         )  # fmt: skip
-        _non_negative(self, "top_k", "step_tokens", "prefill_rows")
+        _non_negative(self, "top_k", "step_tokens", "prefill_rows", "span_groups")
+        _positive(self, "span_bucket_pages")
+        if self.span_groups > self.max_concurrent_seqs:
+            raise _bad(self, "span_groups",
+                       f"must be <= max_concurrent_seqs ({self.max_concurrent_seqs})")  # fmt: skip
         if not 0.0 < self.top_p <= 1.0:
             raise _bad(self, "top_p", "must be in (0, 1]")
         if self.step_tokens and self.step_tokens < self.max_concurrent_seqs:
@@ -696,6 +709,14 @@ class RunConfig:
                 "work was generated with from the trainer's checkpoints: keep at least "
                 f"pipeline_depth + reload_staleness = {needed_versions}",
                 self.trainer.keep_checkpoints,
+            )
+        if self.inference.span_groups >= 2 and self.trainer.align_logprobs:
+            raise ConfigError(
+                "inference.span_groups",
+                "span groups change the engine's f32 rounding with the batch, so the trainer's "
+                "replay cannot reproduce its log-probs bitwise; set trainer.align_logprobs = False "
+                "or span_groups = 0",
+                self.inference.span_groups,
             )
         if self.data.language not in self.verifiers.languages:
             raise ConfigError(

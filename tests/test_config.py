@@ -197,7 +197,7 @@ POSITIVE = {
 NON_NEGATIVE = {
     "model": ["head_dim"],
     "trainer": ["warmup_steps", "decay_steps", "weight_decay", "grad_clip_norm"],
-    "inference": ["top_k", "prefill_rows"],
+    "inference": ["top_k", "prefill_rows", "span_groups"],
     "param_server": ["persist_every"],
     "data": ["eval_every"],
     "algorithm": ["eps_high", "kl_coef", "is_cap", "overlong_buffer", "value_clip"],
@@ -657,6 +657,22 @@ def test_inference_step_tokens_must_cover_every_running_sequence():
     expect_error({"inference.step_tokens": -1}, "inference.step_tokens = -1: must be >= 0")
     ok = build({"inference.max_concurrent_seqs": 8, "inference.step_tokens": 24})
     assert ok.inference.step_tokens == 24 and build({}).inference.step_tokens == 0
+
+
+def test_inference_span_groups_fit_the_batch_and_need_unaligned_logprobs():
+    expect_error(
+        {"inference.max_concurrent_seqs": 8, "inference.span_groups": 9},
+        "inference.span_groups = 9: must be <= max_concurrent_seqs (8)",
+    )
+    expect_error({"inference.span_bucket_pages": 0}, "inference.span_bucket_pages = 0: must be > 0")
+    expect_error(
+        {"inference.span_groups": 2},
+        "inference.span_groups = 2: span groups change the engine's f32 rounding with the batch, "
+        "so the trainer's replay cannot reproduce its log-probs bitwise; set "
+        "trainer.align_logprobs = False or span_groups = 0",
+    )
+    ok = build({"inference.span_groups": 2, "trainer.align_logprobs": False})
+    assert ok.inference.span_groups == 2 and build({}).inference.span_groups == 0
 
 
 # --------------------------------------------------------------------------------------------

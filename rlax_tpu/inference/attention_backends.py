@@ -49,6 +49,26 @@ def reference_attention(
     return dot_product_attention(q, k, v, causal_mask(positions, stored))
 
 
+def span_attention(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+    positions: jax.Array, spans: tuple[tuple[int, int], ...],
+) -> jax.Array:  # fmt: skip
+    """:func:`reference_attention` by consecutive row groups: ``spans`` = ((rows, pages), ...),
+    rows summing to B; group j attends over its tables' first pages_j pages (its rows' positions
+    must be < pages_j * page_size). Bitwise :func:`reference_attention`'s output on CPU: the
+    dropped positions are masked there, and masked keys add exact zeros to XLA:CPU's sums, which
+    accumulate in index order (``tests/inference/test_attention_backends.py`` checks it)."""
+    outs, start = [], 0
+    for rows, pages in spans:
+        stop = start + rows
+        outs.append(reference_attention(
+            q[start:stop], k_pages, v_pages, block_tables[start:stop, :pages],
+            positions[start:stop],
+        ))  # fmt: skip
+        start = stop
+    return jnp.concatenate(outs, axis=0)
+
+
 def _flatten_queries(
     q: jax.Array, block_tables: jax.Array, positions: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:

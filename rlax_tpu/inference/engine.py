@@ -24,6 +24,10 @@ Numerical contract (what a replay must do to reproduce the reported log-probs bi
   renormalized one (``"sampler"``). See ``sampler.py``.
 XLA:CPU's matmuls round differently for different row counts, so a replay with another N (or a
 full-sequence ``forward``) agrees only to f32 round-off (~1e-6 on the logits), not bitwise.
+With ``inference.span_groups`` >= 2 (CPU backend) a step's rows, sorted by position, attend in
+groups over fewer cache entries than S; the rounding then depends on the group, so the contract
+above holds only to that round-off too (and, for the same reason, the log-probs of a request
+alone and in a crowd agree to ~1e-6; its tokens are drawn from the same per-request streams).
 
 Versions: the engine serves the weights of ``version``; every token records the version that
 produced it. :meth:`Engine.load_weights` runs between steps: in-flight samples are aborted and
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Collection
 from functools import partial
 from typing import Any
@@ -66,18 +71,19 @@ from rlax_tpu.types import FinishReason, Rollout
 TRACES: collections.Counter[str] = collections.Counter()
 
 
-@partial(jax.jit, static_argnames=("graphdef", "filtered"), donate_argnames="cache")
+@partial(jax.jit, static_argnames=("graphdef", "filtered", "spans"), donate_argnames="cache")
 def _device_step(
     state: nnx.State, cache: PagedKVCache, tokens: jax.Array, positions: jax.Array,
     tables: jax.Array, sampling: dict[str, jax.Array], *, graphdef: nnx.GraphDef, filtered: bool,
+    spans: tuple[tuple[int, int], ...] = (),
 ) -> tuple[dict[str, jax.Array], PagedKVCache]:  # fmt: skip
     """tokens, positions [N]; tables [N, M]; sampling arrays [N] -> (sampled [N], cache)."""
     TRACES["step"] += 1
     model = nnx.merge(graphdef, state)
     logits, cache = models.step(model, tokens[:, None], positions[:, None],
-                                cache.with_tables(tables))  # fmt: skip
+                                cache.with_tables(tables, spans))  # fmt: skip
     out = sample(logits[:, 0], filtered=filtered, **sampling)
-    return dataclasses.asdict(out), cache
+    return dataclasses.asdict(out), cache.with_tables(cache.block_tables)  # spans: no retrace
 
 
 @partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
@@ -211,7 +217,7 @@ class Engine:
 
     # -- stepping -----------------------------------------------------------------------------
 
-    def _sampling_arrays(self, rows: list) -> tuple[dict[str, np.ndarray], bool]:
+    def _sampling_arrays(self, rows: list, first: int) -> tuple[dict[str, np.ndarray], bool]:
         n = self.step_tokens
         arrays = dict(
             temperature=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
@@ -219,7 +225,7 @@ class Engine:
             sample_index=np.zeros(n, np.int32), token_index=np.zeros(n, np.int32),
         )  # fmt: skip
         filtered = False
-        for r, row in enumerate(rows):
+        for r, row in enumerate(rows, first):
             if not row.sample:
                 continue
             s: SamplingParams = row.seq.request.sampling
@@ -248,23 +254,83 @@ class Engine:
         self._apply_copies(plan.copies)
         if plan.chunks:
             self._prefill(plan.chunks)
-        out = None
+        out, first = None, 0
         if plan.rows:
             n = self.step_tokens
+            page = self.cfg.page_size
+            # Padding rows first, then rows by position: row groups then attend over their own
+            # longest row's pages (spans), not the whole cache's.
+            rows = sorted(plan.rows, key=lambda row: row.position)
+            plan = dataclasses.replace(plan, rows=rows)
+            first = n - len(rows)
             tokens = np.zeros(n, np.int32)
             positions = np.full(n, -1, np.int32)
-            for r, row in enumerate(plan.rows):
+            for r, row in enumerate(rows, first):
                 tokens[r], positions[r] = row.token, row.position
-            tables = block_table_rows(plan.rows, self.pages_per_seq, n)
-            arrays, filtered = self._sampling_arrays(plan.rows)
+            tables = np.zeros((n, self.pages_per_seq), np.int32)
+            tables[first:] = block_table_rows(rows, self.pages_per_seq, len(rows))
+            arrays, filtered = self._sampling_arrays(rows, first)
             out, self.cache = _device_step(
                 self.state, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
                 jnp.asarray(tables), {k: jnp.asarray(v) for k, v in arrays.items()},
                 graphdef=self.graphdef, filtered=filtered,
+                spans=self._spans(positions // page + 1),
             )  # fmt: skip
             out = jax.device_get(out)
         self.steps += 1
-        return self._apply_results(plan, out)
+        return self._apply_results(plan, out, first)
+
+    def _spans(self, pages: np.ndarray) -> tuple[tuple[int, int], ...]:
+        """pages [N] ascending (a row's pages to attend over; padding rows first, 0) -> the
+        (rows, pages) of each span group, or () when span groups are off."""
+        groups = self.cfg.span_groups
+        if groups < 2 or self.backend != "cpu":
+            return ()
+        bucket, bounds = self.cfg.span_bucket_pages, np.linspace(0, len(pages), groups + 1)
+        spans = []
+        for start, stop in zip(bounds[:-1].astype(int), bounds[1:].astype(int), strict=True):
+            need = max(1, int(pages[start:stop].max(initial=0)))
+            spans.append((int(stop - start), min(self.pages_per_seq, -(-need // bucket) * bucket)))
+        return tuple(spans)
+
+    def span_choices(self) -> list[tuple[tuple[int, int], ...]]:
+        """Every span grouping a decode step can use (one compiled program each); [()] when
+        span groups are off."""
+        probe = self._spans(np.zeros(self.step_tokens, np.int64))
+        if not probe:
+            return [()]
+        rows = [r for r, _ in probe]
+        bucket, m = self.cfg.span_bucket_pages, self.pages_per_seq
+        sizes = sorted({min(m, k * bucket) for k in range(1, -(-m // bucket) + 1)})
+        return [
+            tuple(zip(rows, combo, strict=True))
+            for combo in itertools.combinations_with_replacement(sizes, len(rows))
+        ]
+
+    def precompile(self, *, filtered: bool = False) -> int:
+        """Compiles the decode program for every span grouping (and the prefill program) by
+        running all-padding steps, which write nothing; returns the programs compiled. Run it
+        once before timed or latency-sensitive work when span groups are on."""
+        before = TRACES.total()
+        n, m = self.step_tokens, self.pages_per_seq
+        arrays, _ = self._sampling_arrays([], 0)
+        idle = (
+            jnp.zeros(n, jnp.int32), jnp.full(n, -1, jnp.int32), jnp.zeros((n, m), jnp.int32),
+            {k: jnp.asarray(v) for k, v in arrays.items()},
+        )  # positional, as step() passes them: jit keys its cache on the call's structure
+        for spans in self.span_choices():
+            _, self.cache = _device_step(
+                self.state, self.cache, *idle, graphdef=self.graphdef, filtered=filtered,
+                spans=spans,
+            )  # fmt: skip
+        if self.cfg.prefill_rows:
+            r, c = self.cfg.prefill_rows, self.cfg.prefill_len
+            self.cache = _device_prefill(
+                self.state, self.cache, jnp.zeros((r, c), jnp.int32),
+                jnp.full((r, c), -1, jnp.int32), jnp.zeros((r, m), jnp.int32),
+                graphdef=self.graphdef,
+            )  # fmt: skip
+        return TRACES.total() - before
 
     def _prefill(self, chunks: list[Chunk]) -> None:
         r, c = self.cfg.prefill_rows, self.cfg.prefill_len
@@ -280,7 +346,9 @@ class Engine:
         )  # fmt: skip
         self.prefill_calls += 1
 
-    def _apply_results(self, plan: Plan, out: dict[str, np.ndarray] | None) -> list[Rollout]:
+    def _apply_results(
+        self, plan: Plan, out: dict[str, np.ndarray] | None, first: int
+    ) -> list[Rollout]:
         finished: list[Rollout] = []
         computed: dict[int, tuple[Sequence, int]] = {}
         for ch in plan.chunks:
@@ -293,7 +361,7 @@ class Engine:
                 shared = len(seq.table.pages)
                 children = self.scheduler.fork(seq)
                 self.pages_shared += (len(children) - 1) * shared
-        for r, row in enumerate(plan.rows):
+        for r, row in enumerate(plan.rows, first):
             if not row.sample:
                 continue
             assert out is not None

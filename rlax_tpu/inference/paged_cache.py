@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from rlax_tpu.config import ModelConfig
-from rlax_tpu.inference.attention_backends import BACKENDS
+from rlax_tpu.inference.attention_backends import BACKENDS, span_attention
 
 
 @jax.tree_util.register_dataclass
@@ -25,6 +25,12 @@ class PagedKVCache:
     v_pages: jax.Array  # [L, Hkv, P, page_size, D]
     block_tables: jax.Array  # [B, M] int32
     backend: str = dataclasses.field(default="cpu", metadata=dict(static=True))
+    # (rows, pages) per consecutive row group: the CPU backend attends group j's rows over their
+    # tables' first pages_j pages only (see attention_backends.span_attention); () = all rows,
+    # all pages. Static: each distinct tuple is its own program.
+    spans: tuple[tuple[int, int], ...] = dataclasses.field(
+        default=(), metadata=dict(static=True)
+    )
 
     @classmethod
     def create(
@@ -46,8 +52,10 @@ class PagedKVCache:
     def num_pages(self) -> int:
         return self.k_pages.shape[2]
 
-    def with_tables(self, block_tables: jax.Array) -> PagedKVCache:
-        return dataclasses.replace(self, block_tables=block_tables)
+    def with_tables(
+        self, block_tables: jax.Array, spans: tuple[tuple[int, int], ...] = ()
+    ) -> PagedKVCache:
+        return dataclasses.replace(self, block_tables=block_tables, spans=spans)
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> PagedKVCache:
         """Copy-on-write: page src[i] -> dst[i] in every layer. src, dst [K] int32; pairs
@@ -76,9 +84,14 @@ class PagedKVCache:
         v_pages = self.v_pages.at[layer, :, physical, slot].set(
             v.astype(self.v_pages.dtype), mode="drop"
         )
-        out = BACKENDS[self.backend](
-            q, k_pages[layer], v_pages[layer], self.block_tables, positions
-        )
+        if self.spans and self.backend == "cpu":
+            out = span_attention(
+                q, k_pages[layer], v_pages[layer], self.block_tables, positions, self.spans
+            )
+        else:
+            out = BACKENDS[self.backend](
+                q, k_pages[layer], v_pages[layer], self.block_tables, positions
+            )
         return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
 

@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 
 from rlax_tpu.config import ModelConfig
-from rlax_tpu.inference.attention_backends import resolve_backend
+from rlax_tpu.inference.attention_backends import (
+    reference_attention,
+    resolve_backend,
+    span_attention,
+)
 from rlax_tpu.inference.paged_cache import PagedKVCache
 from rlax_tpu.inference.pages import BlockTable, PageAllocator
 from rlax_tpu.models import DenseKVCache
@@ -72,6 +76,41 @@ def test_cpu_paged_attention_is_bitwise_dense(page_size, chunk):
         valid = pos >= 0
         assert np.all(np.isfinite(got))
         np.testing.assert_array_equal(got[valid], want[valid])
+
+
+@pytest.mark.parametrize("page_size, rows, pages", [(4, 8, 12), (16, 64, 20)])
+def test_span_attention_is_the_whole_cache_attention_up_to_round_off(page_size, rows, pages):
+    """Row groups attending over their own pages (inference.span_groups) give the whole-cache
+    output: exactly when every group spans all pages (same program math), and to f32 round-off
+    otherwise (the dropped keys are masked there; XLA:CPU sums a shorter axis in another order:
+    observed <= 5e-7 on O(1) outputs, asserted 2e-6)."""
+    rng = np.random.default_rng(page_size)
+    num_pages = rows * pages + 1
+    k_pages, v_pages = (
+        jnp.asarray(rng.standard_normal((HKV, num_pages, page_size, D)), jnp.float32)
+        for _ in range(2)
+    )
+    q = jnp.asarray(rng.standard_normal((rows, 1, H, D)), jnp.float32)
+    positions = np.sort(rng.integers(0, pages * page_size, rows)).astype(np.int32)
+    positions[:2] = -1  # padding rows come first
+    tables = np.zeros((rows, pages), np.int32)
+    free = iter(rng.permutation(np.arange(1, num_pages)))
+    for b, p in enumerate(positions):
+        for m in range(p // page_size + 1 if p >= 0 else 0):
+            tables[b, m] = next(free)
+    args = (q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(positions)[:, None])
+    want = np.asarray(jax.jit(reference_attention)(*args))
+    half = rows // 2
+    need = [max(1, int(positions[s].max()) // page_size + 1) for s in (slice(0, half),
+                                                                       slice(half, rows))]
+    spans = ((half, need[0]), (rows - half, need[1]))
+    assert need[0] < pages  # the short group really drops pages
+    got = np.asarray(jax.jit(lambda *a: span_attention(*a, spans))(*args))
+    valid = positions >= 0
+    np.testing.assert_allclose(got[valid], want[valid], rtol=0, atol=2e-6)
+    full = ((half, pages), (rows - half, pages))
+    same = np.asarray(jax.jit(lambda *a: span_attention(*a, full))(*args))
+    np.testing.assert_array_equal(same[valid], want[valid])
 
 
 # The GPU kernel pre-scales q and has its own reduction order: f32 round-off only. The TPU kernel's

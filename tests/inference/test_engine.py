@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rlax_tpu import models
-from rlax_tpu.inference.engine import Engine
+from rlax_tpu.inference.engine import TRACES, Engine
 from rlax_tpu.inference.paged_cache import page_bytes
 from rlax_tpu.inference.replay import replay_logits, temperature_scaled_logprobs
 from rlax_tpu.inference.sampler import SamplingParams
@@ -54,8 +54,9 @@ def test_logprobs_are_bitwise_the_dense_cache_replay(tiny_model, prefill):
         assert ro.logprobs.dtype == np.float32
 
 
-def test_greedy_equals_the_uncached_forward(tiny_model):
-    engine = make_engine(tiny_model)
+@pytest.mark.parametrize("span_groups", [0, 2], ids=["whole-cache", "span-groups"])
+def test_greedy_equals_the_uncached_forward(tiny_model, span_groups):
+    engine = make_engine(tiny_model, span_groups=span_groups)
     for r in random_requests(4, seed=1, temperature=0.0):
         engine.submit(r)
     forward = jax.jit(models.forward)
@@ -149,6 +150,42 @@ def test_stop_tokens_and_eos_end_a_sample(tiny_model):
     eos.submit(dataclasses.replace(
         probe, sampling=dataclasses.replace(probe.sampling, ignore_eos=True)))  # fmt: skip
     assert eos.run()[0].tokens.tolist() == tokens
+
+
+def test_span_groups_sample_the_same_tokens_alone_and_in_a_full_batch(tiny_model):
+    """With span groups a token's rounding depends on its group (the other rows' lengths), so
+    log-probs agree to f32 round-off (observed <= 3e-7 on log-probs of O(1..10); asserted 2e-6)
+    rather than bitwise; the tokens come from the same per-request streams."""
+    probe = dataclasses.replace(
+        random_requests(1, seed=7, num_samples=3, temperature=1.0)[0], prompt_id="probe"
+    )
+    alone = make_engine(tiny_model, span_groups=2)
+    alone.submit(probe)
+    want = by_key(alone.run())
+    crowded = make_engine(tiny_model, span_groups=2)
+    for r in random_requests(6, seed=8, temperature=1.0)[:3]:
+        crowded.submit(r)
+    crowded.submit(probe)
+    for r in random_requests(6, seed=9, num_samples=2, temperature=1.0):
+        crowded.submit(r)
+    got = by_key(_run_checked(crowded))
+    for key, ro in want.items():
+        np.testing.assert_array_equal(got[key].tokens, ro.tokens)
+        np.testing.assert_allclose(got[key].logprobs, ro.logprobs, rtol=0, atol=2e-6)
+
+
+def test_precompile_covers_every_span_grouping(tiny_model):
+    engine = make_engine(tiny_model, span_groups=2)
+    choices = engine.span_choices()
+    # 8 rows in two groups of 4; 12 pages in buckets of 4: spans {4, 8, 12}, non-decreasing.
+    assert len(choices) == 6 and ((4, 4), (4, 12)) in choices and ((4, 12), (4, 4)) not in choices
+    engine.precompile()
+    steps = TRACES["step"]
+    for r in random_requests(8, seed=21):
+        engine.submit(r)
+    _run_checked(engine)
+    assert TRACES["step"] == steps
+    assert make_engine(tiny_model).span_choices() == [()]
 
 
 def test_steady_state_never_recompiles(tiny_model):
