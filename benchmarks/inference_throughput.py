@@ -44,9 +44,9 @@ from flax import nnx
 from rlax_tpu import models
 from rlax_tpu.config import InferenceConfig
 from rlax_tpu.inference.engine import Engine
-from rlax_tpu.inference.paged_cache import page_bytes
 from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.models.paged_cache import page_bytes
 
 SLOTS = 64
 PROMPT = (16, 64)

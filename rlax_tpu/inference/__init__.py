@@ -11,8 +11,8 @@ Public API (what the controller and the trainer use):
   Errors: InvalidRequest, UnknownVersion, VersionMismatch, WorkerShutdown
 How reported log-probs are computed (and replayed bitwise): see ``engine.py`` and ``replay.py``.
 
-Modules: pages (host allocator), paged_cache (device cache pytree), attention_backends,
-scheduler, sampler, engine, worker, service, replay.
+Modules: pages (host allocator; the device cache, paged attention and the programs are in
+``models``, shared with the trainer), scheduler, sampler, engine, worker, service, replay.
 """
 
 from rlax_tpu.inference.engine import Engine, InvalidRequest, InvalidWeights

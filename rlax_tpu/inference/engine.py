@@ -1,33 +1,33 @@
 """The inference engine: paged KV cache + continuous batching + sampling + weight versions.
 
-Numerical contract (what a replay must do to reproduce the reported log-probs bitwise, on CPU):
+Numerical contract (what a replay does to reproduce the reported log-probs bitwise):
 
 * A sequence's prompt prefix (positions 0..P-2 of a P-token prompt) is written by the prefill
-  program: the model on tokens/positions [R, C] (R = ``inference.prefill_rows``, C =
-  ``inference.prefill_len``), one chunk [kC, (k+1)C) per row, unused rows/tails padded with
-  position -1; keys and values only, no logits. ``prefill_rows = 0``: no prefill program.
+  program (``models.programs.prefill_program``): the model on tokens/positions [R, C]
+  (R = ``inference.prefill_rows``, C = ``inference.prefill_len``), one chunk [kC, (k+1)C) per
+  row, unused rows/tails padded with position -1; keys and values only, no logits.
+  ``prefill_rows = 0``: no prefill program.
 * Every other token (from position P-1 on, or all of them without the prefill program) runs
-  through ``rlax_tpu.models.step`` on tokens/positions [N, 1], N = ``step_tokens``
-  (``inference.step_tokens``, 0 -> ``max_concurrent_seqs``): one token per row, unused rows
-  padded with position -1. Attention for a query at position p covers positions 0..p of its
-  sequence over S = ``pages_per_seq * page_size`` cache entries, S = ceil((max_prompt_len +
-  max_new_tokens) / page_size) * page_size (see :attr:`Engine.cache_len`).
-* The logits of a token therefore do not depend on paging, on preemption/recompute or on which
-  other sequences share the step: they are bitwise those of the same two programs on a
-  ``DenseKVCache`` of S positions (the sequence in any one row, the other rows padding), in the
-  model's compute dtype (``model.compute_dtype``), logits accumulated and returned in f32.
-  ``models.scoring`` (``ReplayShape``, ``replay_logprobs``) and :func:`replay.replay_logits` do
-  exactly that; ``tests/inference/test_engine.py`` checks it.
-* From those f32 logits z of the position before each generated token, ``sampler.sample`` draws
-  the token and reports ``log_softmax(z / T)[token]`` in f32 (``logprob_policy
-  = "temperature_scaled"``, T = the request's temperature, T = 1 when greedy) or the top-k/top-p
-  renormalized one (``"sampler"``). See ``sampler.py``.
-XLA:CPU's matmuls round differently for different row counts, so a replay with another N (or a
-full-sequence ``forward``) agrees only to f32 round-off (~1e-6 on the logits), not bitwise.
-With ``inference.span_groups`` >= 2 (CPU backend) a step's rows, sorted by position, attend in
-groups over fewer cache entries than S; the rounding then depends on the group, so the contract
-above holds only to that round-off too (and, for the same reason, the log-probs of a request
-alone and in a crowd agree to ~1e-6; its tokens are drawn from the same per-request streams).
+  through the decode program (``models.programs.decode_program``) on tokens/positions [N],
+  N = ``step_tokens`` (``inference.step_tokens``, 0 -> ``max_concurrent_seqs``): one token per
+  row, unused rows padded with position -1; attention over the sequence's pages, S =
+  ``pages_per_seq * page_size`` positions (:attr:`Engine.cache_len`); then the sampler
+  (``models.sampling``) draws the token and reports ``log_softmax(z / T)[token]`` in f32
+  (``logprob_policy = "temperature_scaled"``, T = the request's temperature, T = 1 when greedy)
+  or the top-k/top-p renormalized one (``"sampler"``), from the f32 logits z.
+* ``models.replay_logprobs`` runs those same jitted functions at the engine's shapes
+  (:attr:`Engine.replay_shape`) with the tokens forced, so on the same host it runs the same
+  compiled programs and reproduces the temperature-scaled log-probs bit for bit; a token's bits
+  do not depend on its row, on paging, on preemption/recompute or on which other sequences share
+  the step (``models/programs.py`` says what that rests on; ``tests/inference/test_engine.py``
+  checks it). Another program computing the same math (a dense cache, a full-sequence
+  ``forward``, the log-softmax in a program of its own: :func:`replay.replay_logits`) agrees only
+  to f32 round-off (~1e-6), and how far depends on the host.
+* With ``inference.span_groups`` >= 2 (CPU backend) a step's rows, sorted by position, attend in
+  groups over fewer cache entries than S, each grouping its own program; the rounding then
+  depends on the group, so a replay agrees only to that round-off (and the log-probs of a
+  request alone and in a crowd agree to ~1e-6; its tokens come from the same per-request
+  streams).
 
 Versions: the engine serves the weights of ``version``; every token records the version that
 produced it. :meth:`Engine.load_weights` runs between steps: in-flight samples are aborted and
@@ -38,11 +38,9 @@ are kept) and record per-token versions.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 from collections.abc import Collection
-from functools import partial
 from typing import Any
 
 import jax
@@ -52,10 +50,8 @@ from flax import nnx
 
 from rlax_tpu import models
 from rlax_tpu.config import InferenceConfig
-from rlax_tpu.inference.attention_backends import resolve_backend
-from rlax_tpu.inference.paged_cache import PagedKVCache, page_bytes
 from rlax_tpu.inference.pages import PageAllocator
-from rlax_tpu.inference.sampler import InvalidSampling, SamplingParams, sample
+from rlax_tpu.inference.sampler import InvalidSampling, SamplingParams
 from rlax_tpu.inference.scheduler import (
     Chunk,
     Plan,
@@ -64,44 +60,15 @@ from rlax_tpu.inference.scheduler import (
     Sequence,
     block_table_rows,
 )
+from rlax_tpu.models.paged_cache import page_bytes
+from rlax_tpu.models.programs import (
+    TRACES,
+    copy_pages,
+    decode_program,
+    idle_sampling,
+    prefill_program,
+)
 from rlax_tpu.types import FinishReason, Rollout
-
-# Incremented inside the traced functions, i.e. once per trace (= compilation); jax's cache is
-# process-wide, so engines with the same model shape share compiled programs.
-TRACES: collections.Counter[str] = collections.Counter()
-
-
-@partial(jax.jit, static_argnames=("graphdef", "filtered", "spans"), donate_argnames="cache")
-def _device_step(
-    state: nnx.State, cache: PagedKVCache, tokens: jax.Array, positions: jax.Array,
-    tables: jax.Array, sampling: dict[str, jax.Array], *, graphdef: nnx.GraphDef, filtered: bool,
-    spans: tuple[tuple[int, int], ...] = (),
-) -> tuple[dict[str, jax.Array], PagedKVCache]:  # fmt: skip
-    """tokens, positions [N]; tables [N, M]; sampling arrays [N] -> (sampled [N], cache)."""
-    TRACES["step"] += 1
-    model = nnx.merge(graphdef, state)
-    logits, cache = models.step(model, tokens[:, None], positions[:, None],
-                                cache.with_tables(tables, spans))  # fmt: skip
-    out = sample(logits[:, 0], filtered=filtered, **sampling)
-    return dataclasses.asdict(out), cache.with_tables(cache.block_tables)  # spans: no retrace
-
-
-@partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
-def _device_prefill(
-    state: nnx.State, cache: PagedKVCache, tokens: jax.Array, positions: jax.Array,
-    tables: jax.Array, *, graphdef: nnx.GraphDef,
-) -> PagedKVCache:  # fmt: skip
-    """tokens, positions [R, C]; tables [R, M] -> the cache with the chunks' keys/values."""
-    TRACES["prefill"] += 1
-    model = nnx.merge(graphdef, state)
-    _, written = model(tokens, positions, cache.with_tables(tables))  # the hidden states are dead
-    return written.with_tables(cache.block_tables)  # the decode step's table shape: no retrace
-
-
-@partial(jax.jit, donate_argnames="cache")
-def _device_copy(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
-    TRACES["copy"] += 1
-    return cache.copy_pages(src, dst)
 
 
 class InvalidRequest(ValueError):
@@ -136,12 +103,13 @@ class Engine:
         self.cfg, self.model_cfg = cfg, model.cfg
         self.version = version
         self.eos_ids = frozenset(int(e) for e in eos_ids)
-        self.backend = resolve_backend(cfg.backend)
+        self.shape = models.ReplayShape.of_engine(cfg, model.cfg)
+        self.backend = self.shape.backend
         self.graphdef, self.state = nnx.split(model)
-        self.pages_per_seq = -(-(cfg.max_prompt_len + cfg.max_new_tokens) // cfg.page_size)
-        self.cache_len = self.pages_per_seq * cfg.page_size
-        self.step_tokens = cfg.step_tokens or cfg.max_concurrent_seqs
-        num_pages = cfg.kv_cache_bytes // page_bytes(model.cfg, cfg.page_size)
+        self.pages_per_seq = self.shape.pages_per_seq
+        self.cache_len = self.shape.cache_len
+        self.step_tokens = self.shape.slots
+        num_pages = self.shape.num_pages
         if num_pages < 1 + self.pages_per_seq:
             raise ValueError(
                 f"inference.kv_cache_bytes = {cfg.kv_cache_bytes} holds {num_pages} pages of "
@@ -154,10 +122,7 @@ class Engine:
             step_tokens=self.step_tokens, prefill_chunk=cfg.prefill_chunk,
             prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len,
         )  # fmt: skip
-        self.cache = PagedKVCache.create(
-            model.cfg, num_pages=num_pages, page_size=cfg.page_size, batch=self.step_tokens,
-            pages_per_seq=self.pages_per_seq, backend=self.backend,
-        )  # fmt: skip
+        self.cache = self.shape.make_cache(model.cfg)
         self._traces_at_start = TRACES.total()
         self.steps = 0
         self.prefill_calls = 0
@@ -167,10 +132,7 @@ class Engine:
     @property
     def replay_shape(self) -> models.ReplayShape:
         """The shapes a replay must use to reproduce this engine's log-probs bitwise."""
-        return models.ReplayShape(
-            slots=self.step_tokens, cache_len=self.cache_len,
-            prefill_rows=self.cfg.prefill_rows, prefill_len=self.cfg.prefill_len,
-        )  # fmt: skip
+        return self.shape
 
     @property
     def compilations(self) -> int:
@@ -217,14 +179,8 @@ class Engine:
 
     # -- stepping -----------------------------------------------------------------------------
 
-    def _sampling_arrays(self, rows: list, first: int) -> tuple[dict[str, np.ndarray], bool]:
-        n = self.step_tokens
-        arrays = dict(
-            temperature=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
-            top_p=np.ones(n, np.float32), seeds=np.zeros(n, np.uint32),
-            sample_index=np.zeros(n, np.int32), token_index=np.zeros(n, np.int32),
-        )  # fmt: skip
-        filtered = False
+    def _sampling_arrays(self, rows: list, first: int) -> dict[str, jax.Array]:
+        arrays = idle_sampling(self.step_tokens)
         for r, row in enumerate(rows, first):
             if not row.sample:
                 continue
@@ -235,23 +191,14 @@ class Engine:
             arrays["seeds"][r] = s.seed & 0xFFFFFFFF
             arrays["sample_index"][r] = row.seq.sample_index
             arrays["token_index"][r] = len(row.seq.generated)
-            filtered |= s.filtered
-        return arrays, filtered
-
-    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        k = 1 << (len(copies) - 1).bit_length()  # power-of-two buckets: few compilations
-        pairs = np.zeros((k, 2), np.int32)  # (0, 0): the null page onto itself
-        pairs[: len(copies)] = copies
-        self.cache = _device_copy(self.cache, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))
+        return {k: jnp.asarray(v) for k, v in arrays.items()}
 
     def step(self) -> list[Rollout]:
         """Runs one engine step; returns the samples that finished in it."""
         plan = self.scheduler.plan()
         if not plan.rows and not plan.chunks:
             return []
-        self._apply_copies(plan.copies)
+        self.cache = copy_pages(self.cache, plan.copies)
         if plan.chunks:
             self._prefill(plan.chunks)
         out, first = None, 0
@@ -269,11 +216,9 @@ class Engine:
                 tokens[r], positions[r] = row.token, row.position
             tables = np.zeros((n, self.pages_per_seq), np.int32)
             tables[first:] = block_table_rows(rows, self.pages_per_seq, len(rows))
-            arrays, filtered = self._sampling_arrays(rows, first)
-            out, self.cache = _device_step(
+            out, self.cache = decode_program(
                 self.state, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-                jnp.asarray(tables), {k: jnp.asarray(v) for k, v in arrays.items()},
-                graphdef=self.graphdef, filtered=filtered,
+                jnp.asarray(tables), self._sampling_arrays(rows, first), graphdef=self.graphdef,
                 spans=self._spans(positions // page + 1),
             )  # fmt: skip
             out = jax.device_get(out)
@@ -307,25 +252,23 @@ class Engine:
             for combo in itertools.combinations_with_replacement(sizes, len(rows))
         ]
 
-    def precompile(self, *, filtered: bool = False) -> int:
+    def precompile(self) -> int:
         """Compiles the decode program for every span grouping (and the prefill program) by
         running all-padding steps, which write nothing; returns the programs compiled. Run it
         once before timed or latency-sensitive work when span groups are on."""
         before = TRACES.total()
         n, m = self.step_tokens, self.pages_per_seq
-        arrays, _ = self._sampling_arrays([], 0)
         idle = (
             jnp.zeros(n, jnp.int32), jnp.full(n, -1, jnp.int32), jnp.zeros((n, m), jnp.int32),
-            {k: jnp.asarray(v) for k, v in arrays.items()},
+            self._sampling_arrays([], 0),
         )  # positional, as step() passes them: jit keys its cache on the call's structure
         for spans in self.span_choices():
-            _, self.cache = _device_step(
-                self.state, self.cache, *idle, graphdef=self.graphdef, filtered=filtered,
-                spans=spans,
-            )  # fmt: skip
+            _, self.cache = decode_program(
+                self.state, self.cache, *idle, graphdef=self.graphdef, spans=spans
+            )
         if self.cfg.prefill_rows:
             r, c = self.cfg.prefill_rows, self.cfg.prefill_len
-            self.cache = _device_prefill(
+            self.cache = prefill_program(
                 self.state, self.cache, jnp.zeros((r, c), jnp.int32),
                 jnp.full((r, c), -1, jnp.int32), jnp.zeros((r, m), jnp.int32),
                 graphdef=self.graphdef,
@@ -340,7 +283,7 @@ class Engine:
             tokens[i, : ch.stop - ch.start] = ch.seq.tokens[ch.start : ch.stop]
             positions[i, : ch.stop - ch.start] = np.arange(ch.start, ch.stop)
         tables = block_table_rows(chunks, self.pages_per_seq, r)
-        self.cache = _device_prefill(
+        self.cache = prefill_program(
             self.state, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
             jnp.asarray(tables), graphdef=self.graphdef,
         )  # fmt: skip

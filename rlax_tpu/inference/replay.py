@@ -1,5 +1,7 @@
-"""The engine's numerics replayed with the dense cache: the recipe a trainer follows to reproduce
-reported log-probs bitwise on CPU (see ``engine.py``'s docstring), and the tests' reference."""
+"""An independent reference for the engine's log-probs: the same model math through another
+program (a dense cache, the prompt in one prefill call, the log-softmax in a program of its own).
+It agrees with the engine to f32 round-off, not bitwise: the bitwise replay is
+``models.replay_logprobs``, which runs the engine's own programs (see ``engine.py``)."""
 
 from __future__ import annotations
 
@@ -20,33 +22,27 @@ def _dense_step(
     cache: models.DenseKVCache,
 ) -> tuple[jax.Array, models.DenseKVCache]:  # fmt: skip
     logits, cache = models.step(nnx.merge(graphdef, state), tokens, positions, cache)
-    return logits[:, 0], cache
+    return logits[0], cache
 
 
 def replay_logits(
-    model: models.Transformer, tokens: Sequence[int], *, prompt_len: int,
-    shape: models.ReplayShape, row: int = 0,
-) -> np.ndarray:  # fmt: skip
+    model: models.Transformer, tokens: Sequence[int], *, prompt_len: int
+) -> np.ndarray:
     """f32 logits [len(tokens) - prompt_len + 1, V] of the positions prompt_len - 1 on (entry t
-    predicts tokens[prompt_len + t], the completion's token t): the prompt prefix (all but its
-    last token, when ``shape`` has a prefill program) through the prefill program
-    (``models.scoring.prefill_prefixes``), then one token per ``models.step`` call in row ``row``
-    of a [slots, 1] batch whose other rows are padding, against ``DenseKVCache(batch=slots,
-    max_len=cache_len)``."""
+    predicts tokens[prompt_len + t], the completion's token t): the prompt prefix in one
+    ``models.step`` call on a one-row ``DenseKVCache``, then one token per call."""
     graphdef, state = nnx.split(model)
-    cache = models.make_dense_cache(model.cfg, shape.slots, shape.cache_len)
-    first = shape.prefix(prompt_len)
-    if first:
-        prefixes = [np.zeros(0, np.int32)] * row + [np.asarray(tokens[:first], np.int32)]
-        cache = models.prefill_prefixes(model, prefixes, cache, shape=shape)
+    cache = models.make_dense_cache(model.cfg, 1, len(tokens))
+    first = prompt_len - 1
     out = []
+    if first:
+        prefix = jnp.asarray(tokens[:first], jnp.int32)[None]
+        _, cache = _dense_step(graphdef, state, prefix, jnp.arange(first, dtype=jnp.int32)[None],
+                               cache)  # fmt: skip
     for p in range(first, len(tokens)):
-        t = np.zeros((shape.slots, 1), np.int32)
-        pos = np.full((shape.slots, 1), -1, np.int32)
-        t[row, 0], pos[row, 0] = tokens[p], p
-        logits, cache = _dense_step(graphdef, state, jnp.asarray(t), jnp.asarray(pos), cache)
-        if p >= prompt_len - 1:
-            out.append(np.asarray(logits[row]))
+        t = jnp.asarray([[tokens[p]]], jnp.int32)
+        logits, cache = _dense_step(graphdef, state, t, jnp.asarray([[p]], jnp.int32), cache)
+        out.append(np.asarray(logits[0]))
     return np.stack(out)
 
 

@@ -1,16 +1,6 @@
-"""RL-grade sampling: temperature, top-k, top-p, a seeded RNG stream per token, and log-probs.
-
-For every row the sampler sees f32 logits ``z`` [V] and returns, from those same logits:
-  * the token: ``argmax(z_f + g)`` with ``g`` Gumbel noise from
-    ``key = fold_in(fold_in(key(seed), sample_index), token_index)`` and ``z_f = z / T`` with the
-    top-k / top-p filter applied (filtered entries = -inf). This is an exact draw from
-    softmax(z_f), and the key depends only on (request seed, sample index, token index), never on
-    the batch. ``T == 0`` means greedy: ``argmax(z)``, no noise.
-  * ``logprob_temperature_scaled = log_softmax(z / T)[token]`` (``T == 0`` -> T = 1): the
-    unmodified policy at temperature T, over the full vocabulary.
-  * ``logprob_sampler = log_softmax(z_f)[token]``: the distribution actually sampled from (top-k /
-    top-p renormalized). Equal to the former when no filter is active.
-Which of the two a rollout reports is its request's ``logprob_policy`` (:data:`LOGPROB_POLICIES`).
+"""What a request asks of the sampler. The device math (Gumbel draws from per-request streams,
+top-k / top-p, the two log-probs) is ``rlax_tpu.models.sampling``, which the trainer's replay
+runs too. Which of the two a rollout reports is its request's ``logprob_policy`` (:data:`LOGPROB_POLICIES`).
 """
 
 from __future__ import annotations
@@ -18,9 +8,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Literal
-
-import jax
-import jax.numpy as jnp
 
 from rlax_tpu.config import InferenceConfig
 
@@ -85,49 +72,3 @@ class SamplingParams:
     @property
     def filtered(self) -> bool:
         return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class SampleOut:
-    tokens: jax.Array  # [N] int32
-    logprob_temperature_scaled: jax.Array  # [N] f32
-    logprob_sampler: jax.Array  # [N] f32
-
-
-def _filter(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Top-k then top-p on [N, V] logits; dropped entries become -inf. Ties with the last kept
-    value are kept (a deterministic rule that never depends on the sort's tie order)."""
-    v = scaled.shape[-1]
-    ordered = -jnp.sort(-scaled, axis=-1)  # descending
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each rank
-    rank = jnp.arange(v)[None, :]
-    k = jnp.where(top_k > 0, top_k, v)[:, None]
-    keep = (rank < k) & (before < top_p[:, None])
-    last = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)
-    cutoff = jnp.take_along_axis(ordered, last[:, None], axis=-1)
-    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-
-
-def sample(
-    logits: jax.Array, *, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-    seeds: jax.Array, sample_index: jax.Array, token_index: jax.Array, filtered: bool,
-) -> SampleOut:  # fmt: skip
-    """logits [N, V] f32; temperature, top_p [N] f32; top_k, seeds, sample_index, token_index [N]
-    int32. ``filtered`` (static) compiles the top-k/top-p sort in; without it the filter is off."""
-    greedy = temperature <= 0
-    t = jnp.where(greedy, 1.0, temperature)[:, None]
-    scaled = logits / t
-    narrowed = _filter(scaled, top_k, top_p) if filtered else scaled
-
-    def noise(seed: jax.Array, i: jax.Array, j: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), j)
-        return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
-
-    gumbel = jax.vmap(noise)(seeds.astype(jnp.uint32), sample_index, token_index)
-    drawn = jnp.argmax(narrowed + gumbel, axis=-1)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    pick = tokens[:, None]
-    lp_scaled = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), pick, axis=-1)[:, 0]
-    lp_sampler = jnp.take_along_axis(jax.nn.log_softmax(narrowed, axis=-1), pick, axis=-1)[:, 0]
-    return SampleOut(tokens, lp_scaled, lp_sampler)

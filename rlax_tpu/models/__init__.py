@@ -29,7 +29,7 @@ from rlax_tpu.models.gguf_io import config_from_gguf, load_gguf
 from rlax_tpu.models.hf_format import config_from_hf, config_to_hf
 from rlax_tpu.models.loader import checkpoint_config, load_model, load_tokenizer
 from rlax_tpu.models.presets import PRESETS, preset
-from rlax_tpu.models.scoring import ReplayShape, prefill_prefixes, replay_logprobs
+from rlax_tpu.models.scoring import ReplayShape, replay_logprobs
 from rlax_tpu.models.sharding import (
     LOGICAL_AXIS_RULES,
     constrain,
@@ -51,7 +51,7 @@ from rlax_tpu.models.transformer import (
 
 __all__ = [
     "LOGICAL_AXIS_RULES", "PRESETS", "DenseKVCache", "KVCache", "ModelLoadError", "NoCache",
-    "ReplayShape", "prefill_prefixes", "replay_logprobs",
+    "ReplayShape", "replay_logprobs",
     "Tokenizer", "Transformer", "abstract_model", "build_model", "causal_mask", "checkpoint_config",
     "config_from_gguf",
     "config_from_hf", "config_to_hf", "constrain", "default_positions", "dot_product_attention",

@@ -2,21 +2,21 @@
 
 ``sampled_logprobs``  the per-token log-prob the engine reports: log-softmax of the f32
                       decode-time logits divided by the temperature, at the sampled token.
-``replay_logprobs``   re-runs the engine's computation for whole rollouts (RLAX §5: the old-policy
-                      recompute runs the inference graph) against a ``DenseKVCache`` of
-                      ``cache_len`` positions: the prompt prefix (all but the last prompt token)
-                      through the prefill program, [prefill_rows, prefill_len] chunks at fixed
-                      boundaries (keys/values only), then every later token through ``step`` as
-                      one row of a [slots, 1] batch, each under its own ``jax.jit``, as the
-                      engine runs them. ``prefill_rows = 0``: every token as a row.
-``prefill_prefixes``  that prefill program alone (the engine's replay reference uses it too).
+``ReplayShape``       the engine's shapes that its programs are compiled for.
+``replay_logprobs``   the aligned π_old recompute (RLAX §5: it runs the inference graph): whole
+                      rollouts through the engine's own programs (``models.programs``) at the
+                      engine's shapes, on a paged cache of the engine's size. The prompt prefix
+                      (all but the last prompt token) goes through the prefill program in
+                      [prefill_rows, prefill_len] chunks at fixed boundaries, then every later
+                      token through the decode program as one row of a [slots] batch, its
+                      target forced. ``prefill_rows = 0``: every token as a decode row.
 
-Why this reproduces the engine bit for bit on CPU: the engine runs the same two programs with the
-same shapes (attention over gathered pages is bitwise the dense cache's, see
-``rlax_tpu/inference/attention_backends.py``), and XLA's CPU kernels give a row the same bits
-whatever the other rows hold. They do *not* give the same bits for every batch size (the matmul
-kernel changes with the row count: measured classes 1, 2-15, 16-24, 32+ on x86), so the replay
-runs batches of exactly the engine's shapes, padding with idle rows, and never the cheapest one.
+Bitwise on CPU by construction, on any host: the replay and the engine call the same jitted
+functions with the same shapes, so they run the same compiled program; a row's bits depend only
+on its own inputs (see ``models/programs.py`` for what that rests on). XLA:CPU's matmuls and
+reductions round differently for other shapes and other programs (another row count, a dense
+cache, the log-softmax in a program of its own), so the replay pads to the engine's shapes and
+never takes the cheapest one.
 
 Rollout layout (as ``types.TrainBatch``): tokens [B, L] hold prompt (P_b tokens), completion
 (C_b tokens), padding; log-probs are completion-aligned [B, T] (entry t scores completion token t).
@@ -25,16 +25,18 @@ Rollout layout (as ``types.TrainBatch``): tokens [B, L] hold prompt (P_b tokens)
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rlax_tpu.models.attention import DenseKVCache
+from rlax_tpu.config import InferenceConfig, ModelConfig
 from rlax_tpu.models.generate import check_token_ids
-from rlax_tpu.models.transformer import Transformer, make_dense_cache, step
+from rlax_tpu.models.paged_attention import resolve_backend
+from rlax_tpu.models.paged_cache import PagedKVCache, page_bytes
+from rlax_tpu.models.programs import copy_pages, decode_program, idle_sampling, prefill_program
+from rlax_tpu.models.transformer import Transformer
 
 
 def sampled_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:
@@ -45,82 +47,44 @@ def sampled_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float) -
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplayShape:
-    """The engine's shapes that decide the bits: the rows of one model step (``slots``; a smaller
-    batch is padded with idle rows, larger ones are split) and the KV length per sequence."""
+    """The engine's shapes that decide the bits: the rows of one decode step (``slots``; a
+    smaller batch is padded with idle rows, larger ones are split), the paged cache (pages of
+    ``page_size`` tokens, ``num_pages`` of them including the null page, ``pages_per_seq`` per
+    sequence), the prefill program's [prefill_rows, prefill_len], and the attention backend."""
 
     slots: int
-    cache_len: int
+    page_size: int
+    pages_per_seq: int
+    num_pages: int
     prefill_rows: int = 0  # chunks per prefill call; 0: no prefill program
     prefill_len: int = 1  # tokens per chunk
+    backend: str = "cpu"
+
+    @classmethod
+    def of_engine(cls, cfg: InferenceConfig, model: ModelConfig) -> ReplayShape:
+        """The shapes of an engine built from ``cfg`` for a model of config ``model``."""
+        return cls(
+            slots=cfg.step_tokens or cfg.max_concurrent_seqs, page_size=cfg.page_size,
+            pages_per_seq=-(-(cfg.max_prompt_len + cfg.max_new_tokens) // cfg.page_size),
+            num_pages=cfg.kv_cache_bytes // page_bytes(model, cfg.page_size),
+            prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len,
+            backend=resolve_backend(cfg.backend),
+        )  # fmt: skip
+
+    @property
+    def cache_len(self) -> int:
+        """KV positions per sequence."""
+        return self.pages_per_seq * self.page_size
 
     def prefix(self, prompt_length: int) -> int:
         """Positions of a prompt the prefill program computes (all but the last token)."""
         return prompt_length - 1 if self.prefill_rows else 0
 
-
-@partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-def _scored_step(graphdef, state, tokens, positions, cache, targets, temperature):
-    logits, cache = step(nnx.merge(graphdef, state), tokens, positions, cache)
-    return sampled_logprobs(logits, targets, temperature), cache
-
-
-@partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-def _prefill_call(graphdef, state, tokens, positions, cache):
-    _, cache = nnx.merge(graphdef, state)(tokens, positions, cache)
-    return cache
-
-
-@partial(jax.jit, donate_argnums=(0,))
-def _place(cache: DenseKVCache, group: DenseKVCache, rows: jax.Array, src: jax.Array):
-    """cache row rows[i] <- group row src[i]; rows out of range are dropped (padding)."""
-    return DenseKVCache(k=cache.k.at[:, rows].set(group.k[:, src], mode="drop"),
-                        v=cache.v.at[:, rows].set(group.v[:, src], mode="drop"))  # fmt: skip
-
-
-def prefill_prefixes(
-    model: Transformer, prefixes: list[np.ndarray], cache: DenseKVCache, *, shape: ReplayShape,
-) -> DenseKVCache:  # fmt: skip
-    """Writes the keys/values of ``prefixes[b]`` (positions 0..len-1) into row b of ``cache``
-    ([L, B >= len(prefixes), S, ...]) the way the engine's prefill program computes them: chunks
-    [kC, (k+1)C), C = ``shape.prefill_len``, in [prefill_rows, C] calls, one sequence per row of
-    a dense [prefill_rows, S] cache, chunk k of a group in call k. A prefix's keys/values do not
-    depend on its row, so each distinct prefix (a group's G samples share one) is computed once
-    and copied to every row that has it."""
-    graphdef, state = nnx.split(model)
-    rows, c, batch = shape.prefill_rows, shape.prefill_len, cache.k.shape[1]
-    index: dict[bytes, int] = {}
-    owners: list[list[int]] = []
-    distinct: list[np.ndarray] = []
-    for b, x in enumerate(prefixes):
-        x = np.asarray(x, np.int32)
-        if len(x) == 0:
-            continue
-        u = index.setdefault(x.tobytes(), len(distinct))
-        if u == len(distinct):
-            distinct.append(x)
-            owners.append([])
-        owners[u].append(b)
-    for start in range(0, len(distinct), rows):
-        group = distinct[start : start + rows]
-        small = make_dense_cache(model.cfg, rows, cache.max_len)
-        for a in range(0, max(len(x) for x in group), c):
-            tokens = np.zeros((rows, c), np.int32)
-            positions = np.full((rows, c), -1, np.int32)
-            for i, x in enumerate(group):
-                part = x[a : a + c]
-                tokens[i, : len(part)] = part
-                positions[i, : len(part)] = np.arange(a, a + len(part))
-            small = _prefill_call(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions),
-                                  small)  # fmt: skip
-        dst = np.full(batch, batch, np.int32)  # out of range: dropped
-        src = np.zeros(batch, np.int32)
-        k = 0
-        for i in range(len(group)):
-            for b in owners[start + i]:
-                dst[k], src[k] = b, i
-                k += 1
-        cache = _place(cache, small, jnp.asarray(dst), jnp.asarray(src))
-    return cache
+    def make_cache(self, model: ModelConfig) -> PagedKVCache:
+        return PagedKVCache.create(
+            model, num_pages=self.num_pages, page_size=self.page_size, batch=self.slots,
+            pages_per_seq=self.pages_per_seq, backend=self.backend,
+        )  # fmt: skip
 
 
 def replay_logprobs(
@@ -152,44 +116,112 @@ def replay_logprobs(
         )
     if (prompt < 1).any() or (completion < 0).any():
         raise ValueError("prompt lengths must be >= 1 and completion lengths >= 0")
-    if (prompt + completion).max() > tokens.shape[1]:
+    total = prompt + completion
+    if total.max() > tokens.shape[1]:
         raise ValueError(
-            f"a rollout of {(prompt + completion).max()} tokens is longer than the tokens array "
+            f"a rollout of {total.max()} tokens is longer than the tokens array "
             f"({tokens.shape[1]} columns)"
         )
-    live = np.arange(tokens.shape[1])[None, :] < (prompt + completion)[:, None]
+    live = np.arange(tokens.shape[1])[None, :] < total[:, None]
     check_token_ids(np.where(live, tokens, 0), model.cfg.vocab_size, "replay_logprobs: tokens")
-    if (prompt + completion).max() > shape.cache_len:
+    if total.max() > shape.cache_len:
         raise ValueError(
-            f"a rollout of {(prompt + completion).max()} tokens does not fit the replay's "
+            f"a rollout of {total.max()} tokens does not fit the replay's "
             f"cache of {shape.cache_len} positions"
         )
-    for start in range(0, b, shape.slots):
-        rows = slice(start, min(b, start + shape.slots))
-        out[rows] = _replay_rows(
-            model, tokens[rows], prompt[rows], completion[rows], shape=shape,
-            temperature=temperature, width=width,
-        )  # fmt: skip
+    graphdef, state = nnx.split(model)
+    cache = shape.make_cache(model.cfg)
+    for rows in _groups(total, shape):
+        tables = _tables(total[rows], shape)
+        cache = _prefill(graphdef, state, cache, tokens[rows], prompt[rows], tables, shape)
+        logp, cache = _decode(graphdef, state, cache, tokens[rows], prompt[rows], total[rows],
+                              tables, shape, temperature, width)  # fmt: skip
+        out[rows] = logp
     return out
 
 
-def _replay_rows(model, tokens, prompt, completion, *, shape, temperature, width):  # noqa: ANN001, ANN202
+def _pages(length: int, page: int) -> int:
+    return max(1, -(-length // page))
+
+
+def _groups(total: np.ndarray, shape: ReplayShape) -> list[np.ndarray]:
+    """Consecutive rollouts, at most ``slots`` at a time and no more pages than the cache holds
+    (the null page excluded); any one rollout fits, as it did in the engine."""
+    groups, start, used = [], 0, 0
+    for i, n in enumerate(total):
+        need = _pages(int(n), shape.page_size)
+        if i > start and (i - start == shape.slots or used + need > shape.num_pages - 1):
+            groups.append(np.arange(start, i))
+            start, used = i, 0
+        used += need
+    groups.append(np.arange(start, len(total)))
+    return groups
+
+
+def _tables(total: np.ndarray, shape: ReplayShape) -> np.ndarray:
+    """[slots, pages_per_seq] block tables: rollout i gets its own pages from 1 on, in order,
+    the null page past its end and in idle rows (as the engine lays out a sequence's table)."""
+    tables = np.zeros((shape.slots, shape.pages_per_seq), np.int32)
+    first = 1
+    for i, n in enumerate(total):
+        need = _pages(int(n), shape.page_size)
+        tables[i, :need] = np.arange(first, first + need)
+        first += need
+    return tables
+
+
+def _prefill(graphdef, state, cache, tokens, prompt, tables, shape):  # noqa: ANN001, ANN202
+    """Writes every rollout's prompt prefix. Each distinct prefix (a group's G samples share
+    one) is computed once into its first owner's pages, chunk k of up to ``prefill_rows``
+    prefixes in call k, then copied to the other owners' pages (a prefix's keys/values do not
+    depend on its row)."""
+    if not shape.prefill_rows:
+        return cache
+    owners: dict[bytes, list[int]] = {}
+    for i in range(len(tokens)):
+        x = tokens[i, : shape.prefix(int(prompt[i]))]
+        if len(x):
+            owners.setdefault(x.tobytes(), []).append(i)
+    distinct = list(owners.values())
+    r, c, m = shape.prefill_rows, shape.prefill_len, shape.pages_per_seq
+    for start in range(0, len(distinct), r):
+        batch = [rows[0] for rows in distinct[start : start + r]]
+        lengths = [shape.prefix(int(prompt[i])) for i in batch]
+        call_tables = np.zeros((r, m), np.int32)
+        call_tables[: len(batch)] = tables[batch]
+        for a in range(0, max(lengths), c):
+            chunk = np.zeros((r, c), np.int32)
+            positions = np.full((r, c), -1, np.int32)
+            for j, (i, n) in enumerate(zip(batch, lengths, strict=True)):
+                stop = min(n, a + c)
+                if stop > a:
+                    chunk[j, : stop - a] = tokens[i, a:stop]
+                    positions[j, : stop - a] = np.arange(a, stop)
+            cache = prefill_program(state, cache, jnp.asarray(chunk), jnp.asarray(positions),
+                                    jnp.asarray(call_tables), graphdef=graphdef)  # fmt: skip
+    copies = []
+    for rows in distinct:
+        used = _pages(shape.prefix(int(prompt[rows[0]])), shape.page_size)
+        copies += [(int(tables[rows[0], p]), int(tables[i, p])) for i in rows[1:]
+                   for p in range(used)]  # fmt: skip
+    return copy_pages(cache, copies)
+
+
+def _decode(graphdef, state, cache, tokens, prompt, total, tables, shape, temperature, width):  # noqa: ANN001, ANN202, PLR0913
+    """Step i feeds, in row b, the token at position q = prefix_b + i (rows at their own
+    positions, as the engine's decode rows are) and scores the next one, forced: completion
+    token q + 1 - P_b."""
     n, slots = len(tokens), shape.slots
-    graphdef, state = nnx.split(model)
     prefix = np.array([shape.prefix(int(x)) for x in prompt] + [0] * (slots - n))
     tokens = np.pad(tokens, ((0, slots - n), (0, 1)))  # idle rows; one spare column
-    total = np.concatenate([prompt + completion, np.zeros(slots - n, np.int64)])
+    total = np.concatenate([total, np.zeros(slots - n, np.int64)])
     prompt = np.concatenate([prompt, np.ones(slots - n, np.int64)])
     length = tokens.shape[1]
-    cache = make_dense_cache(model.cfg, slots, shape.cache_len)
-    if shape.prefill_rows:
-        cache = prefill_prefixes(model, [tokens[i, : prefix[i]] for i in range(n)], cache,
-                                 shape=shape)  # fmt: skip
+    sampling = idle_sampling(slots)
+    sampling["temperature"][:n] = temperature
+    sampling = {k: jnp.asarray(v) for k, v in sampling.items()}
+    tables = jnp.asarray(tables)
     out = np.zeros((slots, width), np.float32)
-    temperature = jnp.float32(temperature)
-    # Step i feeds, in every row b, the token at position q = prefix_b + i (rows at their own
-    # positions, as the engine's decode rows are) and scores the next one: completion token
-    # q + 1 - P_b.
     span = total - 1 - prefix
     rows = np.arange(slots)
     for i in range(int(span.max())):
@@ -198,11 +230,12 @@ def _replay_rows(model, tokens, prompt, completion, *, shape, temperature, width
         fed = tokens[rows, np.minimum(q, length - 1)]
         targets = tokens[rows, np.minimum(q + 1, length - 1)]
         positions = np.where(live, q, -1)
-        logp, cache = _scored_step(
-            graphdef, state, jnp.asarray(fed[:, None]), jnp.asarray(positions[:, None], jnp.int32),
-            cache, jnp.asarray(targets[:, None]), temperature,
+        sampling["forced"] = jnp.asarray(targets.astype(np.int32))
+        result, cache = decode_program(
+            state, cache, jnp.asarray(fed.astype(np.int32)), jnp.asarray(positions, jnp.int32),
+            tables, sampling, graphdef=graphdef,
         )  # fmt: skip
         t = q + 1 - prompt
         hit = live & (t >= 0) & (t < width)
-        out[hit, t[hit]] = np.asarray(logp)[hit, 0]
-    return out[:n]
+        out[hit, t[hit]] = np.asarray(result["logprob_temperature_scaled"])[hit]
+    return out[:n], cache

@@ -41,7 +41,7 @@ from flax import nnx
 
 from rlax_tpu import models
 from rlax_tpu.algorithms import LossInputs, RolloutBatch, make_objective
-from rlax_tpu.config import InferenceConfig, RunConfig
+from rlax_tpu.config import InferenceConfig, ModelConfig, RunConfig
 from rlax_tpu.models.scoring import ReplayShape, replay_logprobs
 from rlax_tpu.trainer import mesh as mesh_lib
 from rlax_tpu.trainer import step as step_lib
@@ -86,16 +86,10 @@ class TrainerStatus:
     last_metrics: dict[str, float]
 
 
-def engine_replay_shape(cfg: InferenceConfig) -> ReplayShape:
-    """The inference engine's step shapes (``models.scoring``): rows per decode step
-    (``step_tokens``, 0 meaning max_concurrent_seqs, as the engine resolves it), KV positions
-    per sequence (whole pages for the longest rollout) and the prefill program's shape."""
-    longest = cfg.max_prompt_len + cfg.max_new_tokens
-    return ReplayShape(
-        slots=cfg.step_tokens or cfg.max_concurrent_seqs,
-        cache_len=-(-longest // cfg.page_size) * cfg.page_size,
-        prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len,
-    )
+def engine_replay_shape(cfg: InferenceConfig, model: ModelConfig) -> ReplayShape:
+    """The shapes of the inference engine's programs (``models.scoring``), which the aligned
+    replay runs: the same definition the engine builds itself from."""
+    return ReplayShape.of_engine(cfg, model)
 
 
 class Trainer:
@@ -155,7 +149,7 @@ class Trainer:
         self._halted = ""
         self._precompiled = False
         self._last_metrics: dict[str, float] = {}
-        self.replay_shape = engine_replay_shape(config.inference)
+        self.replay_shape = engine_replay_shape(config.inference, config.model)
         directory = (
             checkpoint_dir or tcfg.checkpoint_dir or Path(config.controller.run_dir) / "trainer"
         )

@@ -35,7 +35,7 @@ def test_greedy_generate_checks_its_input(model):
 
 
 def test_replay_logprobs_checks_its_input(model):
-    shape = ReplayShape(slots=2, cache_len=16)
+    shape = ReplayShape(slots=2, page_size=4, pages_per_seq=4, num_pages=9)
     tokens = np.array([[1, 2, 3, 4, 0, 0], [5, 6, 7, 0, 0, 0]])
     prompt, completion = np.array([2, 1]), np.array([2, 2])
     out = replay_logprobs(model, tokens, prompt, completion, shape=shape)

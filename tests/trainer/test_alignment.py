@@ -1,12 +1,12 @@
-"""Aligned π_old recompute is bitwise equal to the log-probs the sampler reported.
+"""The aligned π_old recompute against an independent sampler, and against itself.
 
-The inference engine (rlax_tpu/inference) has not landed its sampler yet, so the sampler here is
-an engine-like decode loop written independently of ``models.scoring``: it runs ``models.step``
-with a ``DenseKVCache`` (the engine's CPU paged attention is bitwise the dense cache's), one token
-per row per step with sequences at *different* positions and admitted at different times
-(continuous batching), samples from the temperature-scaled f32 logits and reports
-log-softmax(logits / T) of the sampled token, as the engine documents. The replay runs rows in
-lockstep in another order; equality shows the recompute depends on neither.
+The sampler here is an engine-like decode loop written independently of ``models.scoring``: it
+runs ``models.step`` with a ``DenseKVCache``, one token per row per step with sequences at
+*different* positions and admitted at different times (continuous batching), samples from the
+temperature-scaled f32 logits and reports log-softmax(logits / T) of the sampled token, as the
+engine documents. It is another program than the engine's, so the replay matches it to f32
+round-off (the bitwise match with the real engine is ``test_alignment_engine.py``); the replay
+of the same rows in another order is bitwise itself (same programs, rows independent).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from rlax_tpu.types import TrainBatch
 from .helpers import GROUP, run_config
 
 SLOTS, CACHE = 8, 48  # the sampler's rows per step and KV positions per sequence
+SHAPE = ReplayShape(slots=SLOTS, page_size=16, pages_per_seq=CACHE // 16, num_pages=1 + SLOTS * 3)
+ROUND_OFF = 1e-5  # another program's f32 rounding (observed < 1e-6)
 TEMPERATURE = 0.8
 
 
@@ -110,21 +112,23 @@ def sampled():
     return model, batch
 
 
-def test_replay_is_bitwise_the_sampler(sampled):
+def test_replay_matches_an_independent_sampler_and_itself_in_any_order(sampled):
     model, batch = sampled
     replay = replay_logprobs(
         model, batch.tokens, batch.prompt_lengths, batch.completion_lengths,
-        shape=ReplayShape(slots=SLOTS, cache_len=CACHE), temperature=TEMPERATURE, width=20,
+        shape=SHAPE, temperature=TEMPERATURE, width=20,
     )  # fmt: skip
     mask = batch.completion_mask() > 0
     assert mask.sum() > 100
-    np.testing.assert_array_equal(replay[mask], batch.behaviour_logprobs[mask])
-    # Rows in reverse order (other rows beside each one): still the same bits.
+    np.testing.assert_allclose(replay[mask], batch.behaviour_logprobs[mask], rtol=0,
+                               atol=ROUND_OFF)  # fmt: skip
+    assert (replay[~mask] == 0).all()
+    # Rows in reverse order (other rows beside each one): the same bits.
     rev = replay_logprobs(
         model, batch.tokens[::-1], batch.prompt_lengths[::-1], batch.completion_lengths[::-1],
-        shape=ReplayShape(slots=SLOTS, cache_len=CACHE), temperature=TEMPERATURE, width=20,
+        shape=SHAPE, temperature=TEMPERATURE, width=20,
     )  # fmt: skip
-    np.testing.assert_array_equal(rev[::-1][mask], batch.behaviour_logprobs[mask])
+    np.testing.assert_array_equal(rev[::-1], replay)
 
 
 def _trainer_on(model, batch, tmp_path, align):
@@ -145,15 +149,17 @@ def test_trainer_metric_pins_alignment(sampled, tmp_path):
     assert (shape.slots, shape.cache_len, shape.prefill_rows) == (SLOTS, CACHE, 0)
     m_on = aligned.train_step(batch)
     aligned.close()
-    # Aligned: π_old is the sampler's μ bit for bit, so the reported mismatch is exactly 0.
-    assert m_on["logp_old_behaviour_diff_max"] == 0.0
+    # Aligned against this independent sampler: the mismatch is f32 round-off (against the real
+    # engine it is exactly 0: test_alignment_engine.py).
+    assert m_on["logp_old_behaviour_diff_max"] <= ROUND_OFF
     assert m_on["aligned_logprobs"] == 1.0
     plain = _trainer_on(model, batch, tmp_path / "b", align=False)
     m_off = plain.train_step(batch)
     plain.close()
-    # Alignment off: one full-sequence forward; the mismatch is reported, small but not zero.
+    # Alignment off: one full-sequence forward; the mismatch is reported (round-off: how much,
+    # even whether any, depends on the host).
     assert m_off["aligned_logprobs"] == 0.0
-    assert 0.0 < m_off["logp_old_behaviour_diff_max"] < 1e-5
-    assert 0.0 < m_off["logp_old_behaviour_diff_mean"] <= m_off["logp_old_behaviour_diff_p95"]
+    assert 0.0 <= m_off["logp_old_behaviour_diff_max"] < ROUND_OFF
+    assert 0.0 <= m_off["logp_old_behaviour_diff_mean"] <= m_off["logp_old_behaviour_diff_p95"]
     print(f"alignment off: |log pi_old - log mu| mean {m_off['logp_old_behaviour_diff_mean']:.3g}"
           f" p95 {m_off['logp_old_behaviour_diff_p95']:.3g} max {m_off['logp_old_behaviour_diff_max']:.3g}")  # fmt: skip

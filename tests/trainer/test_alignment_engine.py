@@ -38,7 +38,7 @@ def test_aligned_recompute_is_bitwise_the_engine(tmp_path):
     rollouts = sorted(engine.run(), key=lambda r: (r.prompt_id, r.sample_index))
     batch = TrainBatch.from_rollouts(rollouts, rng.random(len(rollouts)).astype(np.float32),
                                      group_size=GROUP, temperature=0.9)  # fmt: skip
-    assert engine_replay_shape(icfg) == engine.replay_shape
+    assert engine_replay_shape(icfg, model.cfg) == engine.replay_shape
     assert engine.replay_shape.slots == engine.step_tokens
     assert engine.prefill_calls >= 5  # 9 chunks, at most 2 per call
 
@@ -61,6 +61,7 @@ def test_aligned_recompute_is_bitwise_the_engine(tmp_path):
     plain = trainer(False)
     off = plain.train_step(batch)
     plain.close()
-    # Without alignment the difference is reported, not hidden (f32 round-off here on CPU).
+    # Without alignment the difference is reported, not hidden (f32 round-off on CPU: how much,
+    # even whether any, depends on the host).
     assert off["aligned_logprobs"] == 0.0
-    assert 0.0 < off["logp_old_behaviour_diff_max"] < 1e-4
+    assert 0.0 <= off["logp_old_behaviour_diff_max"] < 1e-4

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from rlax_tpu.models import causal_mask, dot_product_attention
+from rlax_tpu.models.attention import causal_mask, dot_product_attention
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -57,7 +57,7 @@ def span_attention(
     rows summing to B; group j attends over its tables' first pages_j pages (its rows' positions
     must be < pages_j * page_size). Bitwise :func:`reference_attention`'s output on CPU: the
     dropped positions are masked there, and masked keys add exact zeros to XLA:CPU's sums, which
-    accumulate in index order (``tests/inference/test_attention_backends.py`` checks it)."""
+    accumulate in index order (``tests/models/test_paged_attention.py`` checks it)."""
     outs, start = [], 0
     for rows, pages in spans:
         stop = start + rows

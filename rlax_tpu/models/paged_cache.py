@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from rlax_tpu.config import ModelConfig
-from rlax_tpu.inference.attention_backends import BACKENDS, span_attention
+from rlax_tpu.models.paged_attention import BACKENDS, span_attention
 
 
 @jax.tree_util.register_dataclass
@@ -26,7 +26,7 @@ class PagedKVCache:
     block_tables: jax.Array  # [B, M] int32
     backend: str = dataclasses.field(default="cpu", metadata=dict(static=True))
     # (rows, pages) per consecutive row group: the CPU backend attends group j's rows over their
-    # tables' first pages_j pages only (see attention_backends.span_attention); () = all rows,
+    # tables' first pages_j pages only (see paged_attention.span_attention); () = all rows,
     # all pages. Static: each distinct tuple is its own program.
     spans: tuple[tuple[int, int], ...] = dataclasses.field(
         default=(), metadata=dict(static=True)

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from rlax_tpu.config import ModelConfig
-from rlax_tpu.inference.attention_backends import (
+from rlax_tpu.inference.pages import BlockTable, PageAllocator
+from rlax_tpu.models import DenseKVCache
+from rlax_tpu.models.paged_attention import (
     reference_attention,
     resolve_backend,
     span_attention,
 )
-from rlax_tpu.inference.paged_cache import PagedKVCache
-from rlax_tpu.inference.pages import BlockTable, PageAllocator
-from rlax_tpu.models import DenseKVCache
+from rlax_tpu.models.paged_cache import PagedKVCache
 
 H, HKV, D = 4, 2, 16
 CFG = ModelConfig(
