@@ -19,8 +19,9 @@ Numerical contract (what a replay does to reproduce the reported log-probs bitwi
   (:attr:`Engine.replay_shape`) with the tokens forced, so on the same host it runs the same
   compiled programs and reproduces the temperature-scaled log-probs bit for bit; a token's bits
   do not depend on its row, on paging, on preemption/recompute or on which other sequences share
-  the step (``models/programs.py`` says what that rests on; ``tests/inference/test_engine.py``
-  checks it). Another program computing the same math (a dense cache, a full-sequence
+  the step. That rests on this host's XLA:CPU rounding every row alike, which the engine checks
+  at start-up (``models.programs.rows_are_independent``); where it does not, one warning says
+  so, :attr:`EngineStats.rows_bitwise` is False and all of the above holds to ~1e-6 only. Another program computing the same math (a dense cache, a full-sequence
   ``forward``, the log-softmax in a program of its own: :func:`replay.replay_logits`) agrees only
   to f32 round-off (~1e-6), and how far depends on the host.
 * With ``inference.span_groups`` >= 2 (CPU backend) a step's rows, sorted by position, attend in
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Collection
 from typing import Any
 
@@ -67,8 +69,22 @@ from rlax_tpu.models.programs import (
     decode_program,
     idle_sampling,
     prefill_program,
+    rows_are_independent,
 )
 from rlax_tpu.types import FinishReason, Rollout
+
+_warned: list[bool] = []
+
+
+def _warn_rows_not_bitwise() -> None:
+    if not _warned:  # once per process: every engine on this host would say the same
+        _warned.append(True)
+        logging.getLogger(__name__).warning(
+            "this host's XLA:CPU does not give every batch row the same rounding (start-up "
+            "check of the engine's compiled programs): log-probs match the trainer's replay and "
+            "a request's samples match across batches only to f32 round-off (~1e-6), not bit for "
+            "bit; the run continues in that tolerance mode (EngineStats.rows_bitwise = False)"
+        )
 
 
 class InvalidRequest(ValueError):
@@ -91,6 +107,9 @@ class EngineStats:
     generated_tokens: int
     preemptions: int
     pages_shared: int  # page references saved by prefix sharing so far (pages not copied)
+    # False: this host's XLA:CPU rounds a row by its index or neighbours (the start-up check of
+    # models.programs.rows_are_independent failed), so log-probs match a replay only to ~1e-6.
+    rows_bitwise: bool
 
 
 class Engine:
@@ -124,6 +143,12 @@ class Engine:
         )  # fmt: skip
         self.cache = self.shape.make_cache(model.cfg)
         self._traces_at_start = TRACES.total()
+        self.rows_bitwise, self.cache = rows_are_independent(
+            self.state, self.cache, graphdef=self.graphdef, prefill_rows=cfg.prefill_rows,
+            prefill_len=cfg.prefill_len,
+        )  # fmt: skip
+        if not self.rows_bitwise:
+            _warn_rows_not_bitwise()
         self.steps = 0
         self.prefill_calls = 0
         self.generated_tokens = 0
@@ -397,5 +422,5 @@ class Engine:
             waiting=len(self.scheduler.waiting), pages_total=self.allocator.num_pages - 1,
             pages_free=self.allocator.num_free, compilations=self.compilations, steps=self.steps,
             generated_tokens=self.generated_tokens, preemptions=self.scheduler.num_preemptions,
-            pages_shared=self.pages_shared,
+            pages_shared=self.pages_shared, rows_bitwise=self.rows_bitwise,
         )  # fmt: skip

@@ -24,8 +24,8 @@ Preemption by recompute: when a sequence needs a page and none is free, the most
 admitted sequence not yet planned this step is evicted (its pages released) and re-queued at the
 front with the tokens it already generated; on readmission it re-feeds them (the prompt prefix as
 prefill chunks at the same boundaries, the rest as rows, no sampling until it is past them).
-Recomputed keys/values are bitwise the originals (same programs, same chunks), so preemption
-never changes outputs. One sequence of maximal length always fits (checked at construction), so
+Recomputed keys/values are bitwise the originals (same programs, same chunks; rows rounded
+alike, ``Engine.rows_bitwise``), so preemption never changes outputs. One sequence of maximal length always fits (checked at construction), so
 the oldest sequence always progresses: no deadlock.
 """
 

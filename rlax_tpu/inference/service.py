@@ -140,6 +140,7 @@ def status_to_pb(s: WorkerStatus) -> pb.StatusReply:
         pages_free=s.pages_free, compilations=s.compilations, steps=s.steps,
         generated_tokens=s.generated_tokens, preemptions=s.preemptions,
         pages_shared=s.pages_shared, backend=s.backend, serving=s.serving,
+        rows_bitwise=s.rows_bitwise,
     )  # fmt: skip
 
 

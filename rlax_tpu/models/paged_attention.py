@@ -8,9 +8,10 @@ a physical page (null page 0 past its end). Every backend computes, for query (b
 written them); rows with p < 0 are padding and give finite, unspecified outputs.
 
 * ``cpu``: gathers the block table's pages into a [B, S, Hkv, D] view (S = M * page_size) and runs
-  :func:`rlax_tpu.models.dot_product_attention` with the causal mask by position. Because S and the
-  math are those of ``DenseKVCache`` with ``max_len = S``, its output is bitwise that of the dense
-  cache (masked keys contribute exact zeros). This is the reference and the CPU production path.
+  :func:`rlax_tpu.models.dot_product_attention` with the causal mask by position. S and the math
+  are those of ``DenseKVCache`` with ``max_len = S``: run op by op, its output is bitwise the
+  dense cache's; inside a larger jitted program XLA may fuse the gather, so only to round-off.
+  This is the reference and the CPU production path.
 * ``tpu``: ``jax.experimental.pallas.ops.tpu.paged_attention`` (one query per row; every query
   token is treated as a row of length p + 1).
 * ``gpu``: ``jax.experimental.pallas.ops.gpu.paged_attention`` (same flattening).
@@ -55,9 +56,9 @@ def span_attention(
 ) -> jax.Array:  # fmt: skip
     """:func:`reference_attention` by consecutive row groups: ``spans`` = ((rows, pages), ...),
     rows summing to B; group j attends over its tables' first pages_j pages (its rows' positions
-    must be < pages_j * page_size). Bitwise :func:`reference_attention`'s output on CPU: the
-    dropped positions are masked there, and masked keys add exact zeros to XLA:CPU's sums, which
-    accumulate in index order (``tests/models/test_paged_attention.py`` checks it)."""
+    must be < pages_j * page_size). :func:`reference_attention`'s output to f32 round-off: the
+    dropped positions are masked there, but a shorter sum may be blocked in another order
+    (``tests/models/test_paged_attention.py`` checks it)."""
     outs, start = [], 0
     for rows, pages in spans:
         stop = start + rows

@@ -8,16 +8,20 @@ programs that compute the same math (a dense cache instead of pages, or the log-
 separate program) do *not* agree bitwise on every host: the vocabulary log-softmax is a
 reduction whose rounding follows those choices.
 
-What the guarantee still rests on: a row's result depends only on that row's inputs, not on its
-index in the batch or the other rows (every op is row-wise; XLA:CPU's matmul and reduction
-kernels accumulate each output in the same order for every row). The engine's tests check it
-(a request alone against the same request in a full batch, bitwise).
+What the guarantee still rests on, and no construction gives: a row's result depends only on
+that row's inputs, not on its index in the batch or on the other rows. Every op is row-wise, but
+whether a matmul kernel accumulates every row in the same order (a remainder row may take a
+narrower vector or scalar path) is the host's XLA:CPU's choice. :func:`rows_are_independent`
+checks it with the compiled programs themselves; the engine runs it at start-up and, where it
+fails, reports log-probs that are bitwise only up to that round-off (one warning, and
+``EngineStats.rows_bitwise`` = False).
 
 ``decode_program``   tokens/positions [N] (one token per row, -1 = padding row) -> sampled or
                      forced tokens and their two log-probs ([N] each), the cache with their keys/values.
 ``prefill_program``  tokens/positions [R, C] prompt chunks -> the cache with their keys/values
                      (no logits).
 ``copy_program``     page copies (copy-on-write).
+``rows_are_independent``  the start-up check above.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import dataclasses
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -94,3 +99,54 @@ def copy_pages(cache: PagedKVCache, copies: list[tuple[int, int]]) -> PagedKVCac
     pairs = np.zeros((k, 2), np.int32)  # (0, 0): the null page onto itself
     pairs[: len(copies)] = copies
     return copy_program(cache, jax.numpy.asarray(pairs[:, 0]), jax.numpy.asarray(pairs[:, 1]))
+
+
+def rows_are_independent(
+    state: nnx.State, cache: PagedKVCache, *, graphdef: nnx.GraphDef, prefill_rows: int = 0,
+    prefill_len: int = 1,
+) -> tuple[bool, PagedKVCache]:  # fmt: skip
+    """Whether the compiled decode (and prefill) programs give a row bits that depend only on
+    the row's inputs: the same token in every row, and in the last row alone, must give the same
+    log-probs; a prompt chunk in the first and in the last prefill row the same keys/values.
+
+    Uses (and returns) the engine's own ``cache`` of N rows x M pages per sequence, before any
+    sequence holds a page: it writes pages 1..M (finite values; pages are always written before
+    they are read). Compiles the programs the engine compiles on its first steps anyway.
+    """
+    n, m = cache.block_tables.shape
+    tables = jnp.tile(jnp.arange(1, m + 1, dtype=jnp.int32), (n, 1))
+    sampling = idle_sampling(n)
+    sampling["forced"][:] = 1
+    sampling = {k: jnp.asarray(v) for k, v in sampling.items()}
+    ok = True
+
+    def decode(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        nonlocal cache
+        out, cache = decode_program(
+            state, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
+            tables, sampling, graphdef=graphdef,
+        )  # fmt: skip
+        return np.stack([np.asarray(out[k]).view(np.int32) for k in sorted(out)], axis=1)
+
+    every = decode(np.full(n, 2), np.zeros(n))  # position 0, then 1: attention over 2 keys
+    ok &= bool((every == every[:1]).all())
+    every = decode(np.full(n, 3), np.ones(n))
+    ok &= bool((every == every[:1]).all())
+    alone = decode(np.full(n, 3), np.where(np.arange(n) == n - 1, 1, -1))
+    ok &= bool((alone[-1] == every[0]).all())
+    if prefill_rows >= 2:
+        c = min(prefill_len, m * cache.page_size)
+        pages = slice(1, 1 + -(-c // cache.page_size))
+        written = []
+        for row in (0, prefill_rows - 1):
+            tokens = np.zeros((prefill_rows, prefill_len), np.int32)
+            positions = np.full((prefill_rows, prefill_len), -1, np.int32)
+            tokens[row, :c] = np.arange(c) % 7 + 2
+            positions[row, :c] = np.arange(c)
+            cache = prefill_program(
+                state, cache, jnp.asarray(tokens), jnp.asarray(positions), tables[:prefill_rows],
+                graphdef=graphdef,
+            )  # fmt: skip
+            written.append(jax.device_get((cache.k_pages[:, :, pages], cache.v_pages[:, :, pages])))
+        ok &= all(np.array_equal(a, b) for a, b in zip(written[0], written[1], strict=True))
+    return ok, cache

@@ -3,6 +3,7 @@
 ``sampled_logprobs``  the per-token log-prob the engine reports: log-softmax of the f32
                       decode-time logits divided by the temperature, at the sampled token.
 ``ReplayShape``       the engine's shapes that its programs are compiled for.
+``rows_bitwise``      whether this host's programs round every row alike (what bitwise rests on).
 ``replay_logprobs``   the aligned π_old recompute (RLAX §5: it runs the inference graph): whole
                       rollouts through the engine's own programs (``models.programs``) at the
                       engine's shapes, on a paged cache of the engine's size. The prompt prefix
@@ -11,9 +12,9 @@
                       token through the decode program as one row of a [slots] batch, its
                       target forced. ``prefill_rows = 0``: every token as a decode row.
 
-Bitwise on CPU by construction, on any host: the replay and the engine call the same jitted
-functions with the same shapes, so they run the same compiled program; a row's bits depend only
-on its own inputs (see ``models/programs.py`` for what that rests on). XLA:CPU's matmuls and
+Bitwise on CPU by construction of the programs: the replay and the engine call the same jitted
+functions with the same shapes, so they run the same compiled program; that a row's bits depend
+only on its own inputs is checked per host (:func:`rows_bitwise`; ``models/programs.py``). XLA:CPU's matmuls and
 reductions round differently for other shapes and other programs (another row count, a dense
 cache, the log-softmax in a program of its own), so the replay pads to the engine's shapes and
 never takes the cheapest one.
@@ -35,7 +36,13 @@ from rlax_tpu.config import InferenceConfig, ModelConfig
 from rlax_tpu.models.generate import check_token_ids
 from rlax_tpu.models.paged_attention import resolve_backend
 from rlax_tpu.models.paged_cache import PagedKVCache, page_bytes
-from rlax_tpu.models.programs import copy_pages, decode_program, idle_sampling, prefill_program
+from rlax_tpu.models.programs import (
+    copy_pages,
+    decode_program,
+    idle_sampling,
+    prefill_program,
+    rows_are_independent,
+)
 from rlax_tpu.models.transformer import Transformer
 
 
@@ -85,6 +92,18 @@ class ReplayShape:
             model, num_pages=self.num_pages, page_size=self.page_size, batch=self.slots,
             pages_per_seq=self.pages_per_seq, backend=self.backend,
         )  # fmt: skip
+
+
+def rows_bitwise(model: Transformer, shape: ReplayShape) -> bool:
+    """Whether, on this host, the programs at ``shape`` give each row bits that depend on its
+    own inputs alone (``programs.rows_are_independent`` on a fresh cache): where False the
+    replay matches the engine, and itself in another row order, only to f32 round-off."""
+    graphdef, state = nnx.split(model)
+    ok, _ = rows_are_independent(
+        state, shape.make_cache(model.cfg), graphdef=graphdef, prefill_rows=shape.prefill_rows,
+        prefill_len=shape.prefill_len,
+    )  # fmt: skip
+    return ok
 
 
 def replay_logprobs(

@@ -82,7 +82,7 @@ class LoadWeightsReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "running", "waiting", "pages_total", "pages_free", "compilations", "steps", "generated_tokens", "preemptions", "pages_shared", "backend", "serving")
+    __slots__ = ("version", "running", "waiting", "pages_total", "pages_free", "compilations", "steps", "generated_tokens", "preemptions", "pages_shared", "backend", "serving", "rows_bitwise")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class StatusReply(_message.Message):
     PAGES_SHARED_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    ROWS_BITWISE_FIELD_NUMBER: _ClassVar[int]
     version: int
     running: int
     waiting: int
@@ -107,4 +108,5 @@ class StatusReply(_message.Message):
     pages_shared: int
     backend: str
     serving: bool
-    def __init__(self, version: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., compilations: _Optional[int] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., pages_shared: _Optional[int] = ..., backend: _Optional[str] = ..., serving: _Optional[bool] = ...) -> None: ...
+    rows_bitwise: bool
+    def __init__(self, version: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., compilations: _Optional[int] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., pages_shared: _Optional[int] = ..., backend: _Optional[str] = ..., serving: _Optional[bool] = ..., rows_bitwise: _Optional[bool] = ...) -> None: ...

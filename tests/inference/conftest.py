@@ -48,3 +48,15 @@ def random_requests(
 
 def by_key(rollouts) -> dict:
     return {(r.prompt_id, r.sample_index): r for r in rollouts}
+
+
+def assert_same_samples(got, want, *, bitwise: bool, atol: float = 1e-5) -> None:
+    """A request's rollouts from two runs agree: bit for bit where the engine promises it
+    (``Engine.rows_bitwise``: this host's start-up row check passed), else its log-probs to f32
+    round-off up to the first token where a near-tie was drawn the other way."""
+    if bitwise:
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.logprobs, want.logprobs)
+        return
+    same = np.cumprod(got.tokens[: len(want.tokens)] == want.tokens[: len(got.tokens)]).sum()
+    np.testing.assert_allclose(got.logprobs[: same + 1], want.logprobs[: same + 1], atol=atol)

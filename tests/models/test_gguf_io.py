@@ -78,7 +78,12 @@ def test_greedy_answer_and_cached_decoding_match_full_forward(smollm2, smollm2_t
     n = len(generated)
     # Logits that chose token t+1 by cached decoding == full forward at position t.
     assert np.abs(full[len(prompt) - 1 : len(prompt) - 1 + n] - step_logits).max() <= 5e-4
-    np.testing.assert_array_equal(full[len(prompt) - 1 : len(prompt) - 1 + n].argmax(-1), generated)
+    # Tokens are the forward's argmax wherever its top two are not tied within that round-off.
+    chosen = full[len(prompt) - 1 : len(prompt) - 1 + n]
+    top2 = np.sort(chosen, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 1e-3
+    assert clear.sum() >= n - 1
+    np.testing.assert_array_equal(chosen.argmax(-1)[clear], np.asarray(generated)[clear])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# Keep the parent's other XLA flags (e.g. --xla_cpu_max_isa): the bits compared are the parent's.
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_count=8"])
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rlax_tpu.trainer import Trainer  # noqa: E402

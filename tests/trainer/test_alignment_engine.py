@@ -1,4 +1,5 @@
-"""The trainer's aligned π_old recompute reproduces the real inference engine's log-probs bitwise."""
+"""The trainer's aligned π_old recompute reproduces the real inference engine's log-probs bitwise
+(wherever the engine's start-up check finds this host rounds every row alike)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,10 @@ def test_aligned_recompute_is_bitwise_the_engine(tmp_path):
     on = aligned.train_step(batch)
     aligned.close()
     assert on["aligned_logprobs"] == 1.0
-    assert on["logp_old_behaviour_diff_max"] == 0.0  # bit for bit
+    if engine.rows_bitwise:
+        assert on["logp_old_behaviour_diff_max"] == 0.0  # bit for bit
+    else:  # this host rounds rows by their index: the engine's tolerance mode
+        assert on["logp_old_behaviour_diff_max"] < 1e-5
     plain = trainer(False)
     off = plain.train_step(batch)
     plain.close()
