@@ -53,7 +53,7 @@ def _local(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         # time and only the verifier's reward can tell RL which. A warm-up on references alone
         # leaves the constant's first digit as the only uncertainty, which this tiny model cannot
         # tie to its context under RL (benchmarks/RESULTS.md, "Why RL did not lift ...").
-        warmup_steps=800, warmup_batch_size=32, warmup_learning_rate=3e-3,
+        warmup_steps=1200, warmup_batch_size=32, warmup_learning_rate=3e-3,
         warmup_wrong_fraction=0.5,
     )  # fmt: skip
     # KL off: the tiny demo has no reference-model budget (grpo's default is k3, β 0.04).

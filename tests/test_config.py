@@ -388,7 +388,7 @@ def test_resume_needs_snapshots_and_checkpoints_that_meet():
     with pytest.raises(ConfigError, match=r"trainer.keep_checkpoints = 2: .* republishes .* "
                        r"pipeline_depth \+ reload_staleness = 3"):  # fmt: skip
         build({"controller.reload_staleness": 2, "controller.acceptance_staleness": 4})
-    with pytest.raises(ConfigError, match=r"controller.warmup_steps = 800: needs the local"):
+    with pytest.raises(ConfigError, match=r"controller.warmup_steps = \d+: needs the local"):
         build({"controller.transport": "distributed", "controller.trainer_endpoint": "h:1",
                "controller.verifier_endpoint": "h:1", "controller.param_server_endpoint": "h:1",
                "controller.inference_endpoints": ("h:1",),
