@@ -40,6 +40,7 @@ are kept) and record per-token versions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import Collection
@@ -73,18 +74,15 @@ from rlax_tpu.models.programs import (
 )
 from rlax_tpu.types import FinishReason, Rollout
 
-_warned: list[bool] = []
 
-
+@functools.cache  # once per process: every engine on this host would say the same
 def _warn_rows_not_bitwise() -> None:
-    if not _warned:  # once per process: every engine on this host would say the same
-        _warned.append(True)
-        logging.getLogger(__name__).warning(
-            "this host's XLA:CPU does not give every batch row the same rounding (start-up "
-            "check of the engine's compiled programs): log-probs match the trainer's replay and "
-            "a request's samples match across batches only to f32 round-off (~1e-6), not bit for "
-            "bit; the run continues in that tolerance mode (EngineStats.rows_bitwise = False)"
-        )
+    logging.getLogger(__name__).warning(
+        "this host's XLA:CPU does not give every batch row the same rounding (start-up "
+        "check of the engine's compiled programs): log-probs match the trainer's replay and "
+        "a request's samples match across batches only to f32 round-off (~1e-6), not bit for "
+        "bit; the run continues in that tolerance mode (EngineStats.rows_bitwise = False)"
+    )
 
 
 class InvalidRequest(ValueError):

@@ -79,7 +79,7 @@ def test_check_reports_a_prefill_row_rounded_by_its_index(model, monkeypatch):
 
 def test_engine_warns_once_and_reports_tolerance_mode(model, monkeypatch, caplog):
     _last_row_rounds_differently(monkeypatch)
-    monkeypatch.setattr(engine_lib, "_warned", [])
+    engine_lib._warn_rows_not_bitwise.cache_clear()
     with caplog.at_level(logging.WARNING, logger=engine_lib.__name__):
         engines = [engine_lib.Engine(model, ICFG) for _ in range(2)]
     assert [e.stats().rows_bitwise for e in engines] == [False, False]
