@@ -7,6 +7,9 @@ rollout is rarely too stale by the time the trainer reaches it. The trainer take
 η_a, oldest first (or freshest first, RLAX's choice). A group that aged out anyway is discarded,
 counted, and its prompt re-issued ahead of new prompts, never lost; the length distribution of
 trained vs generated rollouts is logged so the bias that discarding could cause is visible.
+With η_a = ∞ (``acceptance_staleness = -1``) the budget is infinite, so the queue is capped at
+what keeps the workers busy: the groups they hold at once plus one buffered batch
+(:func:`throughput_queue_cap`).
 Not bitwise reproducible (timing decides which groups share a step), but the ledger guarantees no
 group is lost or trained twice, across restarts too.
 """
@@ -26,13 +29,22 @@ from rlax_tpu.observability.metrics import MetricsWriter
 from rlax_tpu.observability.progress import Progress
 
 if TYPE_CHECKING:
+    from rlax_tpu.config import RunConfig
     from rlax_tpu.controller.loop import Controller
+
+
+def throughput_queue_cap(config: RunConfig) -> int:
+    """Groups queued (in flight + buffered) under unbounded staleness: every worker's sequence
+    slots filled with groups, plus one batch waiting for the trainer."""
+    inf, g = config.inference, config.algorithm.group_size
+    return inf.num_workers * max(1, inf.max_concurrent_seqs // g) + config.controller.prompts_per_step
 
 
 def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) -> None:
     cc, policy = ctl.cc, ctl.policy
     batch, n = cc.prompts_per_step, cc.num_steps
     chunk = max(1, batch // 2)
+    cap = throughput_queue_cap(ctl.config) if math.isinf(policy.acceptance_staleness) else math.inf
     reissue: collections.deque[PromptRef] = collections.deque()
     for key in ctl.ledger.unfinished():  # from a snapshot: generated again, newest weights
         if ctl.ledger[key].state is GroupState.IN_FLIGHT:
@@ -50,8 +62,8 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
         w = policy.reload_point(v)
         in_flight = sum(jobs.values())
         queued = in_flight + len(ctl.buffered)
-        while policy.admits(queued, batch, v, w):
-            room = policy.admission_budget(batch, v, w) - queued  # > 0 here; inf if unbounded
+        while policy.admits(queued, batch, v, w) and queued < cap:
+            room = min(policy.admission_budget(batch, v, w), cap) - queued  # > 0 here
             k = int(min(chunk, math.ceil(room)))
             refs = [reissue.popleft() if reissue else ctl.issue(1)[0] for _ in range(k)]
             jobs[ctl._launch(refs, w, issued_version=v)] = len(refs)

@@ -30,6 +30,7 @@ from rlax_tpu.controller.components import build_local
 from rlax_tpu.controller.groups import Prompter
 from rlax_tpu.controller.ledger import GroupState
 from rlax_tpu.controller.loop import Controller
+from rlax_tpu.controller.throughput import throughput_queue_cap
 from rlax_tpu.data.sources import load_datasets
 
 UID = 1_500_000 + (os.getpid() % 100_000) * 8
@@ -180,3 +181,15 @@ def test_throughput_mode_trains_long_and_short_rollouts_alike(tmp_path):
     logged = [r["scalars"]["groups/discarded_stale"] for r in records
               if "groups/discarded_stale" in r["scalars"]]  # fmt: skip
     assert len(logged) == steps and logged[-1] == ctl.counters.groups_discarded_stale
+
+
+def test_throughput_mode_with_unbounded_staleness_runs_with_a_bounded_queue(tmp_path):
+    """acceptance_staleness = -1 (η_a = ∞): no rollout is ever too stale, and admission is capped
+    by what the workers can hold plus one buffered batch instead of the (infinite) budget."""
+    steps, batch = 3, 2
+    config = make_config(tmp_path, mode="throughput", acceptance_staleness=-1, num_steps=steps,
+                         prompts_per_step=batch)  # fmt: skip
+    ctl = run_controller(config, lambda c: None)
+    check_ledger(ctl, eta_a=steps, steps=steps, batch=batch)
+    assert ctl.counters.groups_discarded_stale == 0
+    assert ctl.mixture.issued <= steps * batch + throughput_queue_cap(config)
