@@ -448,7 +448,7 @@ class DataConfig:
     weights: tuple[float, ...] = (1.0,)
     data_dir: str = ""  # local files for file-backed datasets
     train_until_year: int = (
-        2024  # codeforces/code_contests: train up to this year, test on the next
+        2024  # codeforces: train up to this year, test on the next (code_contests: its own split)
     )
     prompt_style: Literal["auto", "raw", "chat"] = (
         "auto"  # auto: chat if the tokenizer has a template

