@@ -505,6 +505,9 @@ class AlgorithmConfig:
         "none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"
     ] = "none"
     behaviour_cap: float = 2.0
+    # *_mask only: keep c = π_old/μ inside [behaviour_floor, behaviour_cap] (IcePop's two-sided
+    # band, e.g. 0.5 and 2); 0 = one-sided. seq_* modes use the length-normalized (geometric) c.
+    behaviour_floor: float = 0.0
     dynamic_sampling: Literal["default", "on", "off"] = "default"
     overlong_shaping: Literal["default", "on", "off"] = "default"  # DAPO soft overlong punishment
     overlong_buffer: int = 0  # its length L_cache; 0 = max_new_tokens // 5 (DAPO's 4096 of 20480)
@@ -554,6 +557,12 @@ class AlgorithmConfig:
                 "online_dpo": "online_dpo uses no importance weight",
             }[self.name]
             raise _bad(self, "behaviour_correction", f"must be 'none': {why}")
+        if self.behaviour_floor and not self.behaviour_correction.endswith("_mask"):
+            raise _bad(self, "behaviour_floor", "is the lower edge of a mask band: needs "
+                       f"behaviour_correction token_mask or seq_mask, not "
+                       f"{self.behaviour_correction!r}")  # fmt: skip
+        if not 0.0 <= self.behaviour_floor < self.behaviour_cap:
+            raise _bad(self, "behaviour_floor", f"must be in [0, behaviour_cap = {self.behaviour_cap})")
 
 
 @_frozen

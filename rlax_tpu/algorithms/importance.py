@@ -47,20 +47,25 @@ def behaviour_weights(
     mask: jax.Array,
     mode: BehaviourCorrection,
     cap: float,
+    floor: float = 0.0,
 ) -> jax.Array:
     """Correction for sampling from μ instead of π_old: [B, T], c = π_old/μ.
 
-    token_*: c per token; seq_*: c = Π_t π_old/μ over the sequence, broadcast to its tokens.
-    *_truncate: min(c, cap); *_mask: c where c <= cap, else 0 (the token/sequence is dropped).
+    token_*: c per token; seq_*: the sequence's length-normalized c = (Π_t π_old/μ)^{1/|o|}
+    (the geometric mean, as GSPO's ratio: a raw product degenerates on long sequences),
+    broadcast to its tokens. *_truncate: min(c, cap); *_mask: c inside the band
+    floor <= c <= cap, else 0 (the token/sequence is dropped; IcePop's two-sided band, floor 0 =
+    one-sided).
     """
     if mode == "none":
         return jnp.ones_like(logp_old)
     log_c = masked_log_ratio(logp_old, logp_behaviour, mask)
     if mode.startswith("seq_"):
-        log_c = jnp.broadcast_to(log_c.sum(axis=1, keepdims=True), log_c.shape)
+        lengths = jnp.maximum(mask.sum(axis=1, keepdims=True), 1)
+        log_c = jnp.broadcast_to(log_c.sum(axis=1, keepdims=True) / lengths, log_c.shape)
     c = jnp.exp(log_c)
     if mode.endswith("_truncate"):
         return jnp.minimum(c, cap)
     if mode.endswith("_mask"):
-        return jnp.where(c <= cap, c, 0.0)
+        return jnp.where((c >= floor) & (c <= cap), c, 0.0)
     raise ValueError(f"unknown behaviour correction {mode!r}")

@@ -67,6 +67,7 @@ def prepare(spec: ObjectiveSpec, batch: RolloutBatch, step: int | jax.Array = 0)
             mask,
             spec.behaviour_correction,
             spec.behaviour_cap,
+            spec.behaviour_floor,
         ),  # fmt: skip
         values_old=batch.values,
         returns=returns,

@@ -153,6 +153,7 @@ def make_objective(cfg: AlgorithmConfig, *, max_length: int) -> Objective:
         max_length=max_length,
         behaviour_correction=cfg.behaviour_correction,
         behaviour_cap=cfg.behaviour_cap,
+        behaviour_floor=cfg.behaviour_floor,
         gamma=cfg.gamma,
         gae_lambda=cfg.gae_lambda,
         value_clip=cfg.value_clip,

@@ -42,6 +42,7 @@ class ObjectiveSpec:
     reward_kl_coef: float = 0.0  # β of the per-token KL folded into the reward (ppo, reinforce_pp)
     behaviour_correction: BehaviourCorrection = "none"
     behaviour_cap: float = 2.0
+    behaviour_floor: float = 0.0  # *_mask: lower edge of the kept band (IcePop)
     gamma: float = 1.0
     gae_lambda: float = 0.95
     value_clip: float = 0.2

@@ -32,8 +32,9 @@ def test_sequence_ratio_is_geometric_mean():
         ("none", [[1.0, 1.0]]),
         ("token_truncate", [[2.0, 0.5]]),
         ("token_mask", [[0.0, 0.5]]),  # 5 > cap: dropped
-        ("seq_truncate", [[2.0, 2.0]]),  # Π = 2.5, capped at 2
-        ("seq_mask", [[0.0, 0.0]]),  # 2.5 > cap: the whole sequence is dropped
+        # seq_*: the geometric mean (5 · 0.5)^(1/2) = √2.5 over the 2 real tokens, not Π = 2.5.
+        ("seq_truncate", [[np.sqrt(2.5), np.sqrt(2.5)]]),
+        ("seq_mask", [[np.sqrt(2.5), np.sqrt(2.5)]]),
     ],
 )
 def test_behaviour_weights(mode, expected):
@@ -41,6 +42,26 @@ def test_behaviour_weights(mode, expected):
     np.testing.assert_allclose(np.asarray(out)[:, :2], expected, atol=1e-6)  # real tokens
 
 
-def test_behaviour_seq_mask_keeps_sequences_under_cap():
-    out = I.behaviour_weights(LOGP_OLD, LOGP_MU, MASK, "seq_mask", cap=3.0)
-    np.testing.assert_allclose(np.asarray(out)[:, :2], [[2.5, 2.5]], atol=1e-6)
+def test_behaviour_seq_mask_drops_whole_sequences_outside_the_band():
+    w = lambda **kw: np.asarray(I.behaviour_weights(LOGP_OLD, LOGP_MU, MASK, "seq_mask", **kw))
+    np.testing.assert_allclose(w(cap=1.5)[:, :2], [[0.0, 0.0]])  # √2.5 > cap
+    np.testing.assert_allclose(w(cap=2.0, floor=1.6)[:, :2], [[0.0, 0.0]])  # √2.5 < floor
+    np.testing.assert_allclose(w(cap=2.0, floor=1.5)[:, :2], [[np.sqrt(2.5)] * 2], atol=1e-6)
+
+
+def test_behaviour_token_mask_two_sided_band():
+    w = lambda floor: np.asarray(
+        I.behaviour_weights(LOGP_OLD, LOGP_MU, MASK, "token_mask", cap=2.0, floor=floor)
+    )[:, :2]
+    np.testing.assert_allclose(w(0.4), [[0.0, 0.5]], atol=1e-6)  # 5 > cap dropped, 0.5 kept
+    np.testing.assert_allclose(w(0.6), [[0.0, 0.0]])  # 0.5 < floor: dropped too
+
+
+def test_seq_correction_is_length_invariant():
+    """The same per-token mismatch gives the same c for 2 tokens and for 200 (a raw product
+    would be 1.1^200 ≈ 2e8)."""
+    for n in (2, 200):
+        mask = np.ones((1, n))
+        c = I.behaviour_weights(np.full((1, n), np.log(1.1)), np.zeros((1, n)), mask,
+                                "seq_truncate", cap=10.0)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(c), 1.1, rtol=1e-5)

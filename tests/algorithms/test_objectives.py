@@ -270,10 +270,18 @@ def token_truncate(cap):
     return lambda old, mu: jnp.minimum(jnp.exp(old - mu), cap)
 
 
-def seq_mask(cap):
+def token_mask(cap, floor=0.0):
     def c(old, mu):
-        w = jnp.exp(jnp.sum(old - mu))
-        return jnp.where(w <= cap, w, 0.0)
+        w = jnp.exp(old - mu)
+        return jnp.where((w >= floor) & (w <= cap), w, 0.0)
+
+    return c
+
+
+def seq_mask(cap, floor=0.0):
+    def c(old, mu):
+        w = jnp.exp(jnp.mean(old - mu))  # length-normalized: the geometric mean of π_old/μ
+        return jnp.where((w >= floor) & (w <= cap), w, 0.0)
 
     return c
 
@@ -283,6 +291,8 @@ CASES = [
     ("grpo_k3", dict(name="grpo", kl_estimator="k3"), lambda b, n: grpo_textbook(b, n, beta=0.04), 0.3, True),
     ("grpo_k2", dict(name="grpo", kl_estimator="k2", kl_coef=0.1), lambda b, n: grpo_textbook(b, n, beta=0.1, kl="k2"), 0.3, True),
     ("grpo_k1_seq_mask", dict(name="grpo", kl_estimator="k1", behaviour_correction="seq_mask", behaviour_cap=1.5), lambda b, n: grpo_textbook(b, n, beta=0.04, kl="k1", correction=seq_mask(1.5)), 0.3, True),
+    ("grpo_k1_seq_band", dict(name="grpo", kl_estimator="k1", behaviour_correction="seq_mask", behaviour_cap=1.1, behaviour_floor=0.95), lambda b, n: grpo_textbook(b, n, beta=0.04, kl="k1", correction=seq_mask(1.1, 0.95)), 0.3, True),
+    ("dapo_token_band", dict(name="dapo", behaviour_correction="token_mask", behaviour_cap=1.25, behaviour_floor=0.8), lambda b, n: dapo_textbook(b, n, correction=token_mask(1.25, 0.8)), 0.3, True),
     # kl_estimator 'default' is DeepSeekMath's: k3 with β = 0.04; 'none' turns it off.
     ("grpo_default", dict(name="grpo"), lambda b, n: grpo_textbook(b, n, beta=0.04), 0.3, True),
     ("grpo_no_kl", dict(name="grpo", kl_estimator="none"), lambda b, n: grpo_textbook(b, n, beta=0.0), 0.3, True),
@@ -328,6 +338,11 @@ def test_gradient_matches_textbook(case, seed, x64, make_batch):
     assert np.abs(theirs).max() > 1e-3  # not vacuous
     if expect_clip:
         assert 0 < metrics["clip_fraction"] < 1
+    if overrides.get("behaviour_floor"):  # the band's lower edge drops some tokens, not all
+        one_sided = _objective({**overrides, "behaviour_floor": 0.0}).prepare(batch)
+        real = np.asarray(batch.mask) > 0
+        w, w1 = np.asarray(inputs.behaviour_weight)[real], np.asarray(one_sided.behaviour_weight)[real]
+        assert (w == 0).sum() > (w1 == 0).sum() and (w > 0).any()
 
 
 def test_ppo_policy_and_value_gradients_match_textbook(x64, make_batch):
