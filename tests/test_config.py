@@ -574,6 +574,15 @@ def test_model_rope_original_context_defaults_to_max_positions():
             "importance weight",
         ),
         (
+            {"algorithm.behaviour_correction": "seq_truncate", "algorithm.behaviour_floor": 0.5},
+            "algorithm.behaviour_floor = 0.5: is the lower edge of a mask band: needs "
+            "behaviour_correction token_mask or seq_mask, not 'seq_truncate'",
+        ),
+        (
+            {"algorithm.behaviour_correction": "token_mask", "algorithm.behaviour_floor": 2.0},
+            "algorithm.behaviour_floor = 2.0: must be in [0, behaviour_cap = 2.0)",
+        ),
+        (
             {"algorithm.dynamic_sampling": True},
             "algorithm.dynamic_sampling = True: must be one of 'default', 'on', 'off'",
         ),
