@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: run test setup sysdeps lint lock clean
 
-# RUN_ARGS: extra controller flags, e.g. RUN_ARGS="--config.seed=1 --config.controller.run_dir=runs/s1"
+# RUN_ARGS: extra controller flags, e.g. RUN_ARGS="--config.controller.seed=1 --config.controller.run_dir=runs/s1"
 run: setup
 	$(PY) -m rlax_tpu.controller --config=configs/codeforces.py:local $(RUN_ARGS)
 

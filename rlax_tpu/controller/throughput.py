@@ -62,9 +62,9 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
         w = policy.reload_point(v)
         in_flight = sum(jobs.values())
         queued = in_flight + len(ctl.buffered)
-        while policy.admits(queued, batch, v, w) and queued < cap:
-            room = min(policy.admission_budget(batch, v, w), cap) - queued  # > 0 here
-            k = int(min(chunk, math.ceil(room)))
+        limit = min(policy.admission_budget(batch, v, w), cap)  # policy.admits, capped
+        while queued < limit:
+            k = int(min(chunk, math.ceil(limit - queued)))
             refs = [reissue.popleft() if reissue else ctl.issue(1)[0] for _ in range(k)]
             jobs[ctl._launch(refs, w, issued_version=v)] = len(refs)
             queued += len(refs)

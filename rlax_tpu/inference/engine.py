@@ -120,13 +120,10 @@ class Engine:
         self.cfg, self.model_cfg = cfg, model.cfg
         self.version = version
         self.eos_ids = frozenset(int(e) for e in eos_ids)
-        self.shape = models.ReplayShape.of_engine(cfg, model.cfg)
-        self.backend = self.shape.backend
+        # The shapes every program is compiled for: a replay at them reproduces the log-probs.
+        self.replay_shape = models.ReplayShape.of_engine(cfg, model.cfg)
         self.graphdef, self.state = nnx.split(model)
-        self.pages_per_seq = self.shape.pages_per_seq
-        self.cache_len = self.shape.cache_len
-        self.step_tokens = self.shape.slots
-        num_pages = self.shape.num_pages
+        num_pages = self.replay_shape.num_pages
         if num_pages < 1 + self.pages_per_seq:
             raise ValueError(
                 f"inference.kv_cache_bytes = {cfg.kv_cache_bytes} holds {num_pages} pages of "
@@ -139,7 +136,7 @@ class Engine:
             step_tokens=self.step_tokens, prefill_chunk=cfg.prefill_chunk,
             prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len,
         )  # fmt: skip
-        self.cache = self.shape.make_cache(model.cfg)
+        self.cache = self.replay_shape.make_cache(model.cfg)
         self._traces_at_start = TRACES.total()
         self.rows_bitwise, self.cache = rows_are_independent(
             self.state, self.cache, graphdef=self.graphdef, prefill_rows=cfg.prefill_rows,
@@ -153,9 +150,22 @@ class Engine:
         self.pages_shared = 0
 
     @property
-    def replay_shape(self) -> models.ReplayShape:
-        """The shapes a replay must use to reproduce this engine's log-probs bitwise."""
-        return self.shape
+    def step_tokens(self) -> int:
+        """Rows of every decode step."""
+        return self.replay_shape.slots
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.replay_shape.pages_per_seq
+
+    @property
+    def cache_len(self) -> int:
+        """KV positions per sequence."""
+        return self.replay_shape.cache_len
+
+    @property
+    def backend(self) -> str:
+        return self.replay_shape.backend
 
     @property
     def compilations(self) -> int:

@@ -68,7 +68,3 @@ class SamplingParams:
             raise InvalidSampling(
                 f"logprob_policy = {self.logprob_policy!r}: choose one of {sorted(LOGPROB_POLICIES)}"
             )
-
-    @property
-    def filtered(self) -> bool:
-        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)

@@ -98,7 +98,7 @@ def copy_pages(cache: PagedKVCache, copies: list[tuple[int, int]]) -> PagedKVCac
     k = 1 << (len(copies) - 1).bit_length()
     pairs = np.zeros((k, 2), np.int32)  # (0, 0): the null page onto itself
     pairs[: len(copies)] = copies
-    return copy_program(cache, jax.numpy.asarray(pairs[:, 0]), jax.numpy.asarray(pairs[:, 1]))
+    return copy_program(cache, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))
 
 
 def rows_are_independent(

@@ -1,7 +1,5 @@
 """Scoring given tokens the way the inference engine scored them when it sampled them.
 
-``sampled_logprobs``  the per-token log-prob the engine reports: log-softmax of the f32
-                      decode-time logits divided by the temperature, at the sampled token.
 ``ReplayShape``       the engine's shapes that its programs are compiled for.
 ``rows_bitwise``      whether this host's programs round every row alike (what bitwise rests on).
 ``replay_logprobs``   the aligned π_old recompute (RLAX §5: it runs the inference graph): whole
@@ -27,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -44,12 +41,6 @@ from rlax_tpu.models.programs import (
     rows_are_independent,
 )
 from rlax_tpu.models.transformer import Transformer
-
-
-def sampled_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:
-    """logits [B, T, V] f32, tokens [B, T] int -> [B, T] f32 log-softmax(logits / temperature)[token]."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
