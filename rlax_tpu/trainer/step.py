@@ -26,9 +26,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from rlax_tpu.algorithms import LossInputs, Objective, RolloutBatch
+from rlax_tpu.algorithms import LossInputs, Objective, RolloutBatch, make_objective
+from rlax_tpu.config import RunConfig
+from rlax_tpu.models import param_shardings
 from rlax_tpu.trainer.logprobs import completion_logprobs
 from rlax_tpu.trainer.mesh import batch_sharding, replicated
+from rlax_tpu.trainer.optimizer import make_optimizer
 
 Params = dict[str, Any]
 
@@ -45,7 +48,12 @@ def _finite(tree: Any) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
-    """The compiled step pieces for one (model, objective, mesh, optimizer)."""
+    """The jitted step pieces for one (model, objective, mesh, optimizer).
+
+    Each ``*_jit`` method returns the jitted function itself (one object per StepFunctions, so
+    jax's compilation cache holds), which the call methods run under ``jax.set_mesh`` and
+    ``rlax_tpu.aot`` lowers on abstract inputs for a TPU topology.
+    """
 
     graphdef: nnx.GraphDef
     objective: Objective
@@ -55,62 +63,55 @@ class StepFunctions:
     tx: optax.GradientTransformation
     remat: bool
 
-    def batch_shardings(self, arrays: dict[str, Any]) -> dict[str, NamedSharding]:
-        return {k: batch_sharding(self.mesh, _BATCH_NDIM[k]) for k in arrays}
+    def batch_shardings(self) -> dict[str, NamedSharding]:
+        return {k: batch_sharding(self.mesh, n) for k, n in _BATCH_NDIM.items()}
 
     def inputs_shardings(self, inputs: LossInputs) -> LossInputs:
         rep = replicated(self.mesh)
         return jax.tree.map(lambda x: batch_sharding(self.mesh, x.ndim) if x.ndim else rep, inputs)
 
-    # ------------------------------------------------------------------ score
-    def score(
-        self, model_params: Params, value_head: Params | None, arrays: dict[str, jax.Array],
-        temperature: jax.Array,
-    ) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+    # ------------------------------------------------------------------ jitted functions
+    def score_jit(self, with_value_head: bool) -> Any:
+        """(model params, value head | None, micro-batch arrays, temperature) -> (log-probs
+        [b, T], values [b, T] | None), replicated."""
         rep = replicated(self.mesh)
-        fn = _jit_cached(
+        return _jit_cached(
             self,
-            f"score:{value_head is None}",
+            f"score:{with_value_head}",
             lambda: jax.jit(
                 partial(_score, self.graphdef, self.mesh),
                 in_shardings=(
                     self.trainable_shardings["model"],
-                    None if value_head is None else self.trainable_shardings["value_head"],
-                    self.batch_shardings(arrays),
+                    self.trainable_shardings["value_head"] if with_value_head else None,
+                    self.batch_shardings(),
                     rep,
                 ),
                 out_shardings=rep,
             ),
         )
-        with jax.set_mesh(self.mesh):
-            return fn(model_params, value_head, arrays, temperature)
 
-    # ------------------------------------------------------------------ prepare
-    def prepare(self, batch: RolloutBatch, step: jax.Array) -> LossInputs:
-        rep = replicated(self.mesh)
-        fn = _jit_cached(
-            self, "prepare", lambda: jax.jit(self.objective.prepare, out_shardings=rep)
-        )
-        with jax.set_mesh(self.mesh):
-            return fn(batch, step=step)
+    def prepare_jit(self) -> Any:
+        """(RolloutBatch, step) -> LossInputs of the full batch, replicated."""
+        return _jit_cached(
+            self, "prepare",
+            lambda: jax.jit(self.objective.prepare, out_shardings=replicated(self.mesh)),
+        )  # fmt: skip
 
-    # ------------------------------------------------------------------ accumulate
-    def zeros_like_trainable(self, trainable: Params) -> Params:
-        fn = _jit_cached(
+    def zeros_jit(self) -> Any:
+        return _jit_cached(
             self,
             "zeros",
             lambda: jax.jit(
                 lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=self.trainable_shardings
             ),
         )
-        return fn(trainable)
 
-    def accumulate(
-        self, trainable: Params, acc: Params, arrays: dict[str, jax.Array], inputs: LossInputs,
-        temperature: jax.Array, scale: jax.Array,
-    ) -> tuple[Params, jax.Array, dict[str, jax.Array]]:  # fmt: skip
+    def accumulate_jit(self, inputs: LossInputs) -> Any:
+        """(trainable, accumulator (donated), arrays, micro-batch LossInputs, temperature, scale)
+        -> (accumulator + gradient, loss, metrics). ``inputs`` (concrete or abstract) gives the
+        LossInputs structure."""
         rep = replicated(self.mesh)
-        fn = _jit_cached(
+        return _jit_cached(
             self,
             "accumulate",
             lambda: jax.jit(
@@ -118,7 +119,7 @@ class StepFunctions:
                 in_shardings=(
                     self.trainable_shardings,
                     self.trainable_shardings,
-                    self.batch_shardings(arrays),
+                    self.batch_shardings(),
                     self.inputs_shardings(inputs),
                     rep,
                     rep,
@@ -127,15 +128,12 @@ class StepFunctions:
                 donate_argnums=(1,),
             ),
         )
-        with jax.set_mesh(self.mesh):
-            return fn(trainable, acc, arrays, inputs, temperature, scale)
 
-    # ------------------------------------------------------------------ apply
-    def apply(
-        self, trainable: Params, opt_state: Any, grads: Params, loss: jax.Array
-    ) -> tuple[Params, Any, dict[str, jax.Array]]:
+    def apply_jit(self) -> Any:
+        """(trainable, opt state, gradient, loss) -> (trainable, opt state, stats); the first
+        two donated."""
         rep = replicated(self.mesh)
-        fn = _jit_cached(
+        return _jit_cached(
             self,
             "apply",
             lambda: jax.jit(
@@ -150,8 +148,84 @@ class StepFunctions:
                 donate_argnums=(0, 1),
             ),
         )
+
+    def publish_jit(self, dtype: str) -> Any:
+        """model params -> a copy in ``dtype`` (what the trainer pushes), same shardings."""
+        shardings = self.trainable_shardings["model"]
+        return _jit_cached(
+            self,
+            f"publish:{dtype}",
+            lambda: jax.jit(
+                lambda t: jax.tree.map(lambda x: x.astype(dtype), t), out_shardings=shardings
+            ),
+        )
+
+    # ------------------------------------------------------------------ calls
+    def score(
+        self, model_params: Params, value_head: Params | None, arrays: dict[str, jax.Array],
+        temperature: jax.Array,
+    ) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
         with jax.set_mesh(self.mesh):
-            return fn(trainable, opt_state, grads, loss)
+            return self.score_jit(value_head is not None)(
+                model_params, value_head, arrays, temperature
+            )
+
+    def prepare(self, batch: RolloutBatch, step: jax.Array) -> LossInputs:
+        with jax.set_mesh(self.mesh):
+            return self.prepare_jit()(batch, step=step)
+
+    def zeros_like_trainable(self, trainable: Params) -> Params:
+        return self.zeros_jit()(trainable)
+
+    def accumulate(
+        self, trainable: Params, acc: Params, arrays: dict[str, jax.Array], inputs: LossInputs,
+        temperature: jax.Array, scale: jax.Array,
+    ) -> tuple[Params, jax.Array, dict[str, jax.Array]]:  # fmt: skip
+        with jax.set_mesh(self.mesh):
+            return self.accumulate_jit(inputs)(trainable, acc, arrays, inputs, temperature, scale)
+
+    def apply(
+        self, trainable: Params, opt_state: Any, grads: Params, loss: jax.Array
+    ) -> tuple[Params, Any, dict[str, jax.Array]]:
+        with jax.set_mesh(self.mesh):
+            return self.apply_jit()(trainable, opt_state, grads, loss)
+
+    def publish_cast(self, params: Params, dtype: str) -> Params:
+        return self.publish_jit(dtype)(params)
+
+
+def make_step_functions(
+    config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, model_state: nnx.State
+) -> tuple[StepFunctions, Params]:
+    """The step functions for ``config`` on ``mesh``, and the abstract trainable tree
+    (ShapeDtypeStructs with their shardings). ``model_state`` may be abstract: only shapes and
+    logical-axis metadata are read."""
+    objective = make_objective(config.algorithm, max_length=config.inference.max_new_tokens)
+    model_shardings = nnx.to_pure_dict(param_shardings(model_state, mesh))
+    shapes = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+    trainable: Params = {"model": shapes(nnx.to_pure_dict(model_state))}
+    shardings: Params = {"model": model_shardings}
+    if objective.spec.advantage == "gae":
+        rep = replicated(mesh)
+        e = config.model.hidden_size
+        trainable["value_head"] = {
+            "w": jax.ShapeDtypeStruct((e,), jnp.float32),
+            "b": jax.ShapeDtypeStruct((), jnp.float32),
+        }
+        shardings["value_head"] = {"w": rep, "b": rep}
+    trainable = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), trainable, shardings
+    )
+    tx = make_optimizer(config.trainer, config.controller.num_steps)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, trainable), shardings,
+        transform_non_params=lambda _: replicated(mesh),
+    )  # fmt: skip
+    fns = StepFunctions(
+        graphdef=graphdef, objective=objective, mesh=mesh, trainable_shardings=shardings,
+        opt_shardings=opt_shardings, tx=tx, remat=config.trainer.remat,
+    )  # fmt: skip
+    return fns, trainable
 
 
 def _jit_cached(owner: StepFunctions, name: str, build: Any) -> Any:

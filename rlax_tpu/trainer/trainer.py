@@ -36,11 +36,10 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from rlax_tpu import models
-from rlax_tpu.algorithms import LossInputs, RolloutBatch, make_objective
+from rlax_tpu.algorithms import LossInputs, RolloutBatch
 from rlax_tpu.config import InferenceConfig, ModelConfig, RunConfig
 from rlax_tpu.models.scoring import ReplayShape, replay_logprobs
 from rlax_tpu.trainer import mesh as mesh_lib
@@ -52,8 +51,7 @@ from rlax_tpu.trainer.batching import (
     possible_shapes,
 )
 from rlax_tpu.trainer.checkpoint import Checkpointer, abstract_like, signature_with
-from rlax_tpu.trainer.optimizer import make_optimizer, make_schedule
-from rlax_tpu.trainer.step import StepFunctions
+from rlax_tpu.trainer.optimizer import make_schedule
 from rlax_tpu.types import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -107,42 +105,29 @@ class Trainer:
         self.config = config
         tcfg = config.trainer
         self.mesh = mesh_lib.build_mesh(config.mesh, devices)
-        self.objective = make_objective(
-            config.algorithm, max_length=config.inference.max_new_tokens
-        )
-        spec = self.objective.spec
-        self.sink = sink
         if model is None:
             model = models.load_model(config.model, mesh=self.mesh)
         self._graphdef, state = nnx.split(model)
-        model_shardings = nnx.to_pure_dict(models.param_shardings(state, self.mesh))
-        params = jax.device_put(nnx.to_pure_dict(state), model_shardings)
-        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=model_shardings)
+        self._fns, abstract = step_lib.make_step_functions(config, self.mesh, self._graphdef, state)
+        self.objective = self._fns.objective
+        spec = self.objective.spec
+        self.sink = sink
+        shardings = self._fns.trainable_shardings
+        params = jax.device_put(nnx.to_pure_dict(state), shardings["model"])
+        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings["model"])
         # The reference stays frozen while the policy's buffers are donated step after step.
         self._ref_params = copy(params) if spec.needs_reference else None
         trainable: dict[str, Any] = {"model": copy(params)}
-        shardings: dict[str, Any] = {"model": model_shardings}
-        if spec.advantage == "gae":
-            rep = mesh_lib.replicated(self.mesh)
-            e = config.model.hidden_size
-            trainable["value_head"] = {
-                "w": mesh_lib.put(np.zeros(e, np.float32), rep),
-                "b": mesh_lib.put(np.zeros((), np.float32), rep),
-            }
-            shardings["value_head"] = {"w": rep, "b": rep}
-        total_steps = config.controller.num_steps
-        self.schedule = make_schedule(tcfg, total_steps)
-        tx = make_optimizer(tcfg, total_steps)
-        opt_shardings = optax.tree_map_params(
-            tx, lambda _, s: s, jax.eval_shape(tx.init, trainable), shardings,
-            transform_non_params=lambda _: mesh_lib.replicated(self.mesh),
-        )  # fmt: skip
-        self._opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(trainable)
+        if "value_head" in abstract:
+            trainable["value_head"] = jax.tree.map(
+                lambda x: mesh_lib.put(np.zeros(x.shape, x.dtype), x.sharding),
+                abstract["value_head"],
+            )
+        self.schedule = make_schedule(tcfg, config.controller.num_steps)
+        self._opt_state = jax.jit(self._fns.tx.init, out_shardings=self._fns.opt_shardings)(
+            trainable
+        )
         self._trainable = trainable
-        self._fns = StepFunctions(
-            graphdef=self._graphdef, objective=self.objective, mesh=self.mesh,
-            trainable_shardings=shardings, opt_shardings=opt_shardings, tx=tx, remat=tcfg.remat,
-        )  # fmt: skip
         self._step = 0
         self._rng = jax.random.key_data(jax.random.PRNGKey(config.controller.seed))
         self._published = -1
@@ -364,18 +349,10 @@ class Trainer:
         """Pushes the current params as version ``step`` (in ``trainer.publish_dtype``)."""
         if self.sink is None:
             raise RuntimeError("this trainer has no weight sink to publish to")
-        dtype = jnp.dtype(self.config.trainer.publish_dtype)
-        params = self._cast(self._trainable["model"], dtype)
+        params = self._fns.publish_cast(self._trainable["model"], self.config.trainer.publish_dtype)
         self.sink.push(params, self._step)
         self._published = self._step
         return self._step
-
-    def _cast(self, params: Any, dtype: jnp.dtype) -> Any:
-        shardings = self._fns.trainable_shardings["model"]
-        cast = jax.jit(
-            lambda t: jax.tree.map(lambda x: x.astype(dtype), t), out_shardings=shardings
-        )
-        return cast(params)
 
     def _state(self) -> dict[str, Any]:
         rep = mesh_lib.replicated(self.mesh)
