@@ -3,7 +3,10 @@
 Presets:
   cpu  slow but runs anywhere: small batches, short answers, no reference model (KL off).
   gpu  one GPU: larger batches and answers, GRPO's k3 KL to the initial policy.
-No preset: gpu when JAX sees a GPU, cpu otherwise.
+  tpu  the gpu preset's run on a small TPU slice (v5e:2x2, v5p:2x2x1): the trainer's mesh takes
+       every chip (fsdp); check it without a TPU with
+       python -m rlax_tpu.aot --config=configs/smollm2_math.py:tpu --topology=v5e:2x2
+No preset: the host's accelerator (tpu, gpu), cpu otherwise.
 
     python -m rlax_tpu.controller --config=configs/smollm2_math.py:cpu
 """
@@ -17,7 +20,7 @@ import ml_collections
 
 from rlax_tpu.config import base_config_dict, detect_accelerator
 
-PRESETS = ("cpu", "gpu")
+PRESETS = ("cpu", "gpu", "tpu")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -30,41 +33,42 @@ def smollm2_gguf() -> str:
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
-    preset = preset or ("gpu" if detect_accelerator() == "gpu" else "cpu")
+    accelerator = detect_accelerator()
+    preset = preset or (accelerator if accelerator in ("gpu", "tpu") else "cpu")
     if preset not in PRESETS:
         raise ValueError(
             f"unknown preset {preset!r} for configs/smollm2_math.py; choose one of {PRESETS}"
         )
-    gpu = preset == "gpu"
+    accel = preset in ("gpu", "tpu")
     cfg = base_config_dict()
     cfg.preset = preset
     cfg.model.update(
         arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, rope_theta=100_000.0, max_position_embeddings=8192,
         rms_norm_eps=1e-5, tie_embeddings=True, weights_format="gguf", weights_path=smollm2_gguf(),
-        compute_dtype="bfloat16" if gpu else "float32",
+        compute_dtype="bfloat16" if accel else "float32",
     )  # fmt: skip
     cfg.mesh.update(data=1, fsdp=-1, tensor=1)
     cfg.trainer.update(
         learning_rate=2e-6, schedule="constant", grad_clip_norm=1.0,
-        micro_batch_size=16 if gpu else 8, checkpoint_every=1,
+        micro_batch_size=16 if accel else 8, checkpoint_every=1,
     )  # fmt: skip
     cfg.inference.update(
-        backend="auto", max_concurrent_seqs=128 if gpu else 32, page_size=16,
-        kv_cache_bytes=(4 if gpu else 1) * 2**30, max_prompt_len=192,
-        max_new_tokens=256 if gpu else 64, temperature=1.0,
+        backend="auto", max_concurrent_seqs=128 if accel else 32, page_size=16,
+        kv_cache_bytes=(4 if accel else 1) * 2**30, max_prompt_len=192,
+        max_new_tokens=256 if accel else 64, temperature=1.0,
     )  # fmt: skip
     # Math answers need no sandbox runs, but the verifier service is the same one.
     cfg.verifiers.update(languages=("python",), workers=2)
     cfg.data.update(
         datasets=("reasoning_gym:basic_arithmetic",), weights=(1.0,), prompt_style="chat",
-        eval_problems=64 if gpu else 16, eval_samples=4, eval_every=20 if gpu else 5,
+        eval_problems=64 if accel else 16, eval_samples=4, eval_every=20 if accel else 5,
     )  # fmt: skip
     cfg.controller.update(
-        run_dir="runs/smollm2_math", num_steps=200 if gpu else 10,
-        prompts_per_step=16 if gpu else 4, mode="deterministic", reload_staleness=1,
+        run_dir="runs/smollm2_math", num_steps=200 if accel else 10,
+        prompts_per_step=16 if accel else 4, mode="deterministic", reload_staleness=1,
         acceptance_staleness=1, pipeline_depth=1, transport="local",
     )  # fmt: skip
-    cfg.algorithm.update(name="grpo", group_size=8 if gpu else 4,
-                         kl_estimator="default" if gpu else "none")  # fmt: skip
+    cfg.algorithm.update(name="grpo", group_size=8 if accel else 4,
+                         kl_estimator="default" if accel else "none")  # fmt: skip
     return cfg

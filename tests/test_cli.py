@@ -12,7 +12,7 @@ import pytest
 from rlax_tpu.cli import EXIT_USAGE, unknown_override
 
 REPO = Path(__file__).resolve().parents[1]
-COMPONENTS = ["controller", "param_server", "inference", "verifiers", "trainer"]
+COMPONENTS = ["controller", "param_server", "inference", "verifiers", "trainer", "aot"]
 LOCAL = "--config=configs/codeforces.py:local"
 
 

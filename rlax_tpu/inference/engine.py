@@ -127,7 +127,7 @@ class Engine:
         if num_pages < 1 + self.pages_per_seq:
             raise ValueError(
                 f"inference.kv_cache_bytes = {cfg.kv_cache_bytes} holds {num_pages} pages of "
-                f"{page_bytes(model.cfg, cfg.page_size)} bytes; one sequence of max_prompt_len + "
+                f"{page_bytes(model.cfg, cfg.page_size, self.replay_shape.backend)} bytes; one sequence of max_prompt_len + "
                 f"max_new_tokens tokens needs {self.pages_per_seq} plus the null page"
             )
         self.allocator = PageAllocator(num_pages)

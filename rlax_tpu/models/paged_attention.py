@@ -13,7 +13,9 @@ written them); rows with p < 0 are padding and give finite, unspecified outputs.
   dense cache's; inside a larger jitted program XLA may fuse the gather, so only to round-off.
   This is the reference and the CPU production path.
 * ``tpu``: ``jax.experimental.pallas.ops.tpu.paged_attention`` (one query per row; every query
-  token is treated as a row of length p + 1).
+  token is treated as a row of length p + 1). Its blocks need a head dim that is a multiple of
+  128, so the cache stores pages zero-padded to it (``paged_cache.stored_head_dim``) and the
+  queries are padded per call; the padding adds 0 to every score and output lane.
 * ``gpu``: ``jax.experimental.pallas.ops.gpu.paged_attention`` (same flattening).
 The ``*_interpret`` variants run the Pallas kernels in interpret mode, which is how the tests
 check them on CPU.
@@ -97,18 +99,53 @@ def tpu_attention(
     b, t, h, d = q.shape
     rows, tables, lengths = _flatten_queries(q, block_tables, positions)
     per_block = _largest_divisor_at_most(tables.shape[1], 8)
+    pad = k_pages.shape[-1] - d  # pages stored with a lane-padded head dim (stored_head_dim)
+    if pad:
+        rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad)))
 
-    def call() -> jax.Array:
+    def call(rows, k_pages, v_pages, lengths, tables):  # noqa: ANN001, ANN202
         return paged_attention(
             rows, k_pages, v_pages, lengths, tables, pages_per_compute_block=per_block
         )
 
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        # Mosaic kernels are not partitioned automatically: each device runs the kernel on its
+        # rows (batch axes) and its heads (tensor axis), or on everything where they don't split.
+        call = _sharded_kernel(call, mesh, rows.shape[0], h, k_pages.shape[0])
+    args = (rows, k_pages, v_pages, lengths, tables)
     if interpret:
         with force_tpu_interpret_mode():
-            out = call()
+            out = call(*args)
     else:
-        out = call()
-    return out.reshape(b, t, h, d).astype(v_pages.dtype)
+        out = call(*args)
+    return out[..., :d].reshape(b, t, h, d).astype(v_pages.dtype)
+
+
+def _sharded_kernel(call: Callable, mesh: jax.sharding.AbstractMesh, rows: int, heads: int,
+                    kv_heads: int) -> Callable:  # fmt: skip
+    """``call(rows [N, H, D], k/v pages [Hkv, ...], lengths [N], tables [N, M])`` under
+    ``jax.shard_map``: rows split over the batch axes and heads over the tensor axis when they
+    divide evenly (q heads and KV heads together, so each device keeps whole GQA groups)."""
+    from jax.sharding import PartitionSpec as P
+
+    from rlax_tpu.models.sharding import LOGICAL_AXIS_RULES
+
+    names = mesh.axis_names
+    batch = tuple(a for a in LOGICAL_AXIS_RULES["batch"] if a in names and mesh.shape[a] > 1)
+    shards = 1
+    for a in batch:
+        shards *= mesh.shape[a]
+    rows_axis = (batch if len(batch) > 1 else batch[0]) if batch and rows % shards == 0 else None
+    tensor = LOGICAL_AXIS_RULES["heads"]
+    tp = mesh.shape[tensor] if tensor in names else 1
+    head_axis = tensor if tp > 1 and heads % tp == 0 and kv_heads % tp == 0 else None
+    return jax.shard_map(
+        call, mesh=mesh,
+        in_specs=(P(rows_axis, head_axis, None), P(head_axis), P(head_axis), P(rows_axis),
+                  P(rows_axis, None)),
+        out_specs=P(rows_axis, head_axis, None), check_vma=False,
+    )  # fmt: skip
 
 
 def gpu_attention(
@@ -137,10 +174,12 @@ BACKENDS: dict[str, AttentionFn] = {
 }
 
 
-def resolve_backend(name: str) -> str:
-    """``auto`` -> the platform JAX runs on (cpu, gpu or tpu); other names are checked."""
+def resolve_backend(name: str, platform: str | None = None) -> str:
+    """``auto`` -> ``platform`` (default: the one JAX runs on) as cpu, gpu or tpu; other names
+    are checked."""
     if name == "auto":
-        platform = {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(), jax.default_backend())
+        platform = platform or jax.default_backend()
+        platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
         return platform if platform in ("tpu", "gpu") else "cpu"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")

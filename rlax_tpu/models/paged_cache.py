@@ -1,6 +1,6 @@
 """The device half of the paged KV cache: a jax pytree implementing ``rlax_tpu.models.KVCache``.
 
-``k_pages``/``v_pages`` [L, Hkv, P, page_size, D] hold every layer's pages (zero-initialized, so
+``k_pages``/``v_pages`` [L, Hkv, P, page_size, D'] (D' = :func:`stored_head_dim`) hold every layer's pages (zero-initialized, so
 masked reads stay finite); ``block_tables`` [B, M] say which pages hold each batch row's sequence
 (several rows may share one table: prompt chunks of one sequence in the prefill program). ``attend``
 first writes the new keys/values of all rows, then lets the backend attend, so a query sees the
@@ -37,7 +37,8 @@ class PagedKVCache:
         cls, cfg: ModelConfig, *, num_pages: int, page_size: int, batch: int,
         pages_per_seq: int, backend: str = "cpu",
     ) -> PagedKVCache:  # fmt: skip
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.resolved_head_dim)
+        d = stored_head_dim(cfg, backend)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, d)
         dtype = jnp.dtype(cfg.compute_dtype)
         return cls(
             k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
@@ -76,6 +77,9 @@ class PagedKVCache:
         physical = jnp.where(valid & (safe // page < self.block_tables.shape[1]), physical,
                              self.num_pages)  # fmt: skip  # out of range: the write is dropped
         slot = safe % page
+        pad = self.k_pages.shape[-1] - k.shape[-1]  # stored_head_dim
+        if pad:
+            k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (k, v))
         # Advanced indices (layer, physical, slot) around a slice put their [B, T] dims first,
         # so the update is laid out like k: [B, T, Hkv, D].
         k_pages = self.k_pages.at[layer, :, physical, slot].set(
@@ -95,7 +99,16 @@ class PagedKVCache:
         return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
 
-def page_bytes(cfg: ModelConfig, page_size: int) -> int:
+def stored_head_dim(cfg: ModelConfig, backend: str) -> int:
+    """Head dim of the cache's pages: the model's, rounded up to the 128 lanes the TPU Pallas
+    kernel's blocks need (its per-row max/sum outputs take the head dim's block), zero-padded,
+    which changes no dot product."""
+    d = cfg.resolved_head_dim
+    return -(-d // 128) * 128 if backend in ("tpu", "tpu_interpret") else d
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, backend: str = "cpu") -> int:
     """Bytes of one page across all layers, keys and values."""
     itemsize = jnp.dtype(cfg.compute_dtype).itemsize
-    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.resolved_head_dim * itemsize
+    d = stored_head_dim(cfg, backend)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * d * itemsize

@@ -59,14 +59,17 @@ class ReplayShape:
     backend: str = "cpu"
 
     @classmethod
-    def of_engine(cls, cfg: InferenceConfig, model: ModelConfig) -> ReplayShape:
-        """The shapes of an engine built from ``cfg`` for a model of config ``model``."""
+    def of_engine(
+        cls, cfg: InferenceConfig, model: ModelConfig, platform: str | None = None
+    ) -> ReplayShape:
+        """The shapes of an engine built from ``cfg`` for a model of config ``model``, on
+        ``platform`` (default: the one JAX runs on; it resolves ``backend = "auto"``)."""
+        backend = resolve_backend(cfg.backend, platform)
         return cls(
             slots=cfg.step_tokens or cfg.max_concurrent_seqs, page_size=cfg.page_size,
             pages_per_seq=-(-(cfg.max_prompt_len + cfg.max_new_tokens) // cfg.page_size),
-            num_pages=cfg.kv_cache_bytes // page_bytes(model, cfg.page_size),
-            prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len,
-            backend=resolve_backend(cfg.backend),
+            num_pages=cfg.kv_cache_bytes // page_bytes(model, cfg.page_size, backend),
+            prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len, backend=backend,
         )  # fmt: skip
 
     @property

@@ -1,0 +1,92 @@
+"""Per-chip memory, FLOPs and roofline time of every TPU preset's programs, compiled through libtpu
+for the preset's topology on this (CPU) machine by ``python -m rlax_tpu.aot``.
+
+    python benchmarks/aot_presets.py                 # every case below, then the tables
+    python benchmarks/aot_presets.py --only smollm2  # cases whose name contains "smollm2"
+    python benchmarks/aot_presets.py --tables        # tables from the saved JSON only
+
+Each case's report is saved as benchmarks/aot/<case>.json; the markdown tables go to stdout (they
+are pasted into benchmarks/RESULTS.md and the README's presets table). The roofline time is the
+compiled program's FLOPs at the chip's bf16 peak or its bytes accessed at the HBM bandwidth,
+whichever is slower: the physical limit for that program on that chip, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "benchmarks" / "aot"
+
+# name -> arguments of python -m rlax_tpu.aot
+CASES: dict[str, list[str]] = {
+    "local-v5e_2x2": ["--config=configs/codeforces.py:local", "--topology=v5e:2x2"],
+    "smollm2-v5e_2x2": ["--config=configs/smollm2_math.py:tpu", "--topology=v5e:2x2"],
+    "smollm2-v5p_2x2x1": ["--config=configs/smollm2_math.py:tpu", "--topology=v5p:2x2x1"],
+    # RLAX's layout: the trainer on a v5p-512 slice, each inference worker on its own slice.
+    "v5p-inference-v5p_2x2x1": ["--config=configs/codeforces.py:v5p", "--topology=v5p:2x2x1",
+                                "--component=inference"],  # fmt: skip
+    "v5p-trainer-v5p_8x8x4": ["--config=configs/codeforces.py:v5p", "--topology=v5p:8x8x4",
+                              "--component=trainer"],  # fmt: skip
+}
+
+
+def run_case(name: str, args: list[str]) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.json"
+    cmd = [sys.executable, "-m", "rlax_tpu.aot", *args, f"--json={path}"]
+    print(f"== {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    verdicts = [ln for ln in proc.stderr.splitlines() if ln.startswith("rlax_tpu.aot")]
+    print(f"   exit {proc.returncode} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    for line in verdicts:
+        print(f"   {line}", file=sys.stderr)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def table(name: str) -> str:
+    report = json.loads((OUT / f"{name}.json").read_text())
+    rows = [
+        f"`{report['command']}`",
+        "",
+        "| program | topology | status | args GiB | temp GiB | resident GiB | peak GiB | % HBM | TFLOP | GB accessed | roofline ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for p in report["programs"]:
+        if p["argument_bytes"]:
+            rows.append(
+                f"| {p['name']} | {p['topology']} | {p['status']} | {_gib(p['argument_bytes'])} | "
+                f"{_gib(p['temp_bytes'])} | {_gib(p['resident_bytes'])} | {_gib(p['peak_bytes'])} | "
+                f"{100 * p['hbm_fraction']:.1f} | {p['flops'] / 1e12:.3f} | "
+                f"{p['bytes_accessed'] / 1e9:.2f} | {1e3 * p['roofline_s']:.2f} |"
+            )
+        else:
+            rows.append(f"| {p['name']} | {p['topology']} | {p['status']} | {p['error']} |||||||")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    parser.add_argument("--tables", action="store_true", help="print tables from saved JSON only")
+    args = parser.parse_args()
+    names = [n for n in CASES if args.only in n]
+    if not args.tables:
+        for name in names:
+            run_case(name, CASES[name])
+    for name in names:
+        if (OUT / f"{name}.json").exists():
+            print(f"\n### {name}\n\n{table(name)}")
+
+
+if __name__ == "__main__":
+    main()

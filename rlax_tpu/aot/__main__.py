@@ -1,0 +1,60 @@
+"""Compile a config's trainer and inference programs for a TPU topology, without a TPU, and
+report per device: memory against HBM, FLOPs, bytes accessed and a roofline time.
+
+    python -m rlax_tpu.aot --config=configs/codeforces.py:v5p --topology=v5p:8x8x4 \\
+        --inference_topology=v5p:2x2x1
+    python -m rlax_tpu.aot --config=configs/codeforces.py:local --topology=v5e:2x2 --component=trainer
+
+--topology          the trainer's slice (and the inference workers', unless --inference_topology)
+--component         trainer, inference or all (default)
+--json=PATH         also write every program's numbers as JSON
+
+The model and optimizer state are built abstractly (no weights are read or allocated) and the
+project's own jitted functions are lowered on them: the trainer's gradient step at the largest
+micro-batch the config allows, its optimizer update, the π_old / π_ref / value scoring the
+config turns on, the publish cast, and the inference engine's decode, prefill and page-copy
+programs with the TPU Pallas attention kernel. libtpu (``pip install -e '.[tpu]'``) compiles
+them; its warnings about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES on a machine without TPUs
+are harmless.
+
+Exit codes: 0 every program compiles and fits; 1 one does not (one line per program says which
+and by how much); 2 bad flags or config, or a mesh that does not fit the topology.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from absl import flags
+
+from rlax_tpu import cli
+from rlax_tpu.config import RunConfig
+
+COMPONENTS = ("trainer", "inference", "all")
+flags.DEFINE_string("topology", None, "TPU topology to compile for, e.g. v5e:2x2, v5p:8x8x4.")
+flags.DEFINE_string("inference_topology", None, "The inference workers' slice (default: --topology).")
+flags.DEFINE_enum("component", "all", COMPONENTS, "Which component's programs to compile.")
+flags.DEFINE_string("json", None, "Write the reports to this JSON file.")
+FLAGS = flags.FLAGS
+
+
+def run(config: RunConfig, args: list[str]) -> int:
+    from rlax_tpu.aot.report import run_check
+
+    if args:
+        print(f"rlax_tpu.aot: unexpected arguments {args}", file=sys.stderr)
+        return cli.EXIT_USAGE
+    if not FLAGS.topology:
+        print("rlax_tpu.aot: error: --topology is required (e.g. --topology=v5e:2x2)",
+              file=sys.stderr)  # fmt: skip
+        return cli.EXIT_USAGE
+    return run_check(
+        config, topology=FLAGS.topology, inference_topology=FLAGS.inference_topology or FLAGS.topology,
+        component=FLAGS.component, json_path=Path(FLAGS.json) if FLAGS.json else None,
+        command="python -m rlax_tpu.aot " + " ".join(sys.argv[1:]),
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    cli.main("aot", run)

@@ -1,0 +1,139 @@
+"""The check itself: topology -> device specs, components -> abstract programs -> compiled
+reports -> a table, a JSON file and an exit code (see ``__main__``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+
+from rlax_tpu import cli
+from rlax_tpu.aot.check import FITS, TOO_BIG, UNAVAILABLE, ProgramReport, compile_all
+from rlax_tpu.aot.chips import DeviceSpec, chip_of, device_spec
+from rlax_tpu.config import ConfigError, RunConfig
+from rlax_tpu.models.aot import AbstractProgram, Unavailable
+
+Builder = Callable[[RunConfig, Sequence[jax.Device]], list[AbstractProgram | Unavailable]]
+
+
+class TopologyError(ValueError):
+    """A topology name libtpu does not know, or libtpu is missing."""
+
+
+def topology_devices(name: str) -> list[jax.Device]:
+    """The devices of a TPU topology such as ``v5p:8x8x4`` (compile-only; needs libtpu)."""
+    from jax.experimental import topologies
+
+    try:
+        chip_of(name)
+    except KeyError as e:
+        raise TopologyError(str(e.args[0])) from None
+    try:
+        return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+    except Exception as e:  # noqa: BLE001 - libtpu's errors vary; say what to do
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "tpu" in text.lower() and ("plugin" in text.lower() or "backend" in text.lower()):
+            text += " (is libtpu installed? pip install -e '.[tpu]')"
+        raise TopologyError(f"topology {name!r}: {text}") from None
+
+
+def _builders(component: str) -> dict[str, Builder]:
+    from rlax_tpu.inference.aot import abstract_programs as inference_programs
+    from rlax_tpu.trainer.aot import abstract_programs as trainer_programs
+
+    every = {"trainer": trainer_programs, "inference": inference_programs}
+    return every if component == "all" else {component: every[component]}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def format_table(reports: list[ProgramReport], specs: dict[str, DeviceSpec]) -> str:
+    head = (f"{'program':<24} {'topology':<11} {'status':<16} {'args GiB':>9} {'temp GiB':>9} "
+            f"{'peak GiB':>9} {'% HBM':>6} {'TFLOP':>9} {'GB moved':>9} {'roofline ms':>11} "
+            f"{'compile s':>9}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in reports:
+        if r.status in (FITS, TOO_BIG) and r.argument_bytes:
+            lines.append(
+                f"{r.name:<24} {r.topology:<11} {r.status:<16} {_gib(r.argument_bytes):>9} "
+                f"{_gib(r.temp_bytes):>9} {_gib(r.peak_bytes):>9} {100 * r.hbm_fraction:>6.1f} "
+                f"{r.flops / 1e12:>9.3f} {r.bytes_accessed / 1e9:>9.2f} "
+                f"{1e3 * r.roofline_s:>11.3f} {r.compile_s:>9.1f}"
+            )
+        else:
+            lines.append(f"{r.name:<24} {r.topology:<11} {r.status:<16} {r.error}")
+    lines.append("")
+    for topo, spec in specs.items():
+        c = spec.chip
+        lines.append(
+            f"{topo}: {c.name}, per device {_gib(spec.hbm_bytes)} GiB HBM "
+            f"({_gib(spec.usable_hbm_bytes)} GiB usable, from the {spec.usable_hbm_source}), "
+            f"{spec.bf16_flops / 1e12:.0f} TFLOP/s bf16, {spec.hbm_bandwidth / 1e9:.0f} GB/s "
+            f"({spec.devices_per_chip} device(s) per chip; {c.source})"
+        )
+    notes = {r.name: r.note for r in reports if r.note}
+    lines += [f"  {name}: {note}" for name, note in notes.items()]
+    lines.append("peak = arguments + outputs - donated + temporaries + state held outside the "
+                 "program; FLOPs of Pallas kernels count only if the kernel declares them")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run_check(
+    config: RunConfig, *, topology: str, inference_topology: str, component: str,
+    json_path: Path | None, command: str,
+) -> int:  # fmt: skip
+    """Runs the check; returns the exit code (messages go to stdout/stderr)."""
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    def fail(msg: str) -> int:
+        print(f"rlax_tpu.aot: error: {msg}", file=sys.stderr)
+        return cli.EXIT_USAGE
+
+    reports: list[ProgramReport] = []
+    specs: dict[str, DeviceSpec] = {}
+    for name, build in _builders(component).items():
+        topo = inference_topology if name == "inference" else topology
+        try:
+            devices = topology_devices(topo)
+        except TopologyError as e:
+            return fail(str(e))
+        if topo not in specs:
+            specs[topo] = device_spec(topo, devices[0])
+        try:
+            programs = build(config, devices)
+        except ConfigError as e:
+            return fail(f"the config's {name} does not fit topology {topo} ({len(devices)} "
+                        f"devices): {e}")  # fmt: skip
+        except ValueError as e:  # BatchShapeError and other shape refusals
+            return fail(f"the config's {name} does not fit topology {topo} ({len(devices)} "
+                        f"devices): {e}")  # fmt: skip
+        reports += compile_all(programs, component=name, topology=topo, device=specs[topo],
+                               progress=progress)  # fmt: skip
+    print(format_table(reports, specs))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({
+            "command": command, "preset": config.preset,
+            "devices": {t: {"chip": s.chip.name, "devices_per_chip": s.devices_per_chip,
+                            "hbm_bytes": s.hbm_bytes, "usable_hbm_bytes": s.usable_hbm_bytes,
+                            "bf16_flops": s.bf16_flops, "hbm_bandwidth": s.hbm_bandwidth,
+                            "source": s.chip.source} for t, s in specs.items()},
+            "programs": [r.to_dict() for r in reports],
+        }, indent=2))  # fmt: skip
+    bad = [r for r in reports if r.status not in (FITS, UNAVAILABLE)]
+    for r in bad:
+        if r.status == TOO_BIG and r.argument_bytes:
+            why = (f"needs {_gib(r.peak_bytes)} GiB per device ({_gib(r.footprint_bytes)} GiB "
+                   f"program + {_gib(r.resident_bytes)} GiB resident) of "
+                   f"{_gib(r.hbm_bytes)} GiB HBM")  # fmt: skip
+        else:
+            why = r.error
+        print(f"rlax_tpu.aot: {r.name} {r.status} on {r.topology}: {why}", file=sys.stderr)
+    return 1 if bad else 0

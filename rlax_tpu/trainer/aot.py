@@ -1,0 +1,137 @@
+"""The trainer's programs, described abstractly for ahead-of-time compilation
+(``python -m rlax_tpu.aot``): the same jitted functions a :class:`Trainer` runs
+(``step.StepFunctions``; the engine's programs for the aligned π_old replay), on the mesh the
+config builds over a topology's devices, at the largest micro-batch the config allows.
+
+Resident state (per device, held through every program): the trainable parameters, the
+optimizer state, the frozen reference parameters when the objective has a KL or reference term.
+Each program's ``resident_bytes`` is the part of it that is not among its arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlax_tpu import models
+from rlax_tpu.algorithms import RolloutBatch
+from rlax_tpu.config import RunConfig
+from rlax_tpu.models.aot import (
+    AbstractProgram,
+    Unavailable,
+    abstract,
+    device_bytes,
+    engine_programs,
+    spec,
+)
+from rlax_tpu.trainer import mesh as mesh_lib
+from rlax_tpu.trainer.batching import possible_shapes
+from rlax_tpu.trainer.step import make_step_functions
+
+
+def micro_batch_shape(config: RunConfig) -> tuple[int, int, int]:
+    """(rows b, token columns L, completion columns T) of the largest micro-batch."""
+    tcfg, icfg = config.trainer, config.inference
+    rows = min(tcfg.micro_batch_size, config.rollouts_per_step)
+    shapes = possible_shapes(bucket=tcfg.length_bucket, max_prompt_len=icfg.max_prompt_len,
+                             max_new_tokens=icfg.max_new_tokens)  # fmt: skip
+    length = max(length for length, _ in shapes)
+    width = max(width for _, width in shapes)
+    return rows, length, width
+
+
+def abstract_programs(
+    config: RunConfig, devices: Sequence[jax.Device]
+) -> list[AbstractProgram | Unavailable]:
+    """The trainer's programs for ``config`` on ``devices``. Raises ConfigError when the mesh
+    does not fit the devices and BatchShapeError when a micro-batch does not split over it."""
+    mesh = mesh_lib.build_mesh(config.mesh, devices)
+    b, length, width = micro_batch_shape(config)
+    mesh_lib.check_rows_fit(b, mesh, f"a micro-batch (trainer.micro_batch_size = {b})")
+    graphdef, state = nnx.split(models.abstract_model(config.model))
+    fns, trainable = make_step_functions(config, mesh, graphdef, state)
+    spec_ = fns.objective.spec
+    rep = mesh_lib.replicated(mesh)
+    opt = abstract(jax.eval_shape(fns.tx.init, trainable), fns.opt_shardings)
+    ref = trainable["model"] if spec_.needs_reference else None
+    sizes = {
+        "trainable": device_bytes(trainable), "opt": device_bytes(opt),
+        "ref": device_bytes(ref) if ref is not None else 0,
+    }  # fmt: skip
+
+    def held_outside(*args: str) -> int:
+        return sum(v for k, v in sizes.items() if k not in args)
+
+    i32, f32 = jnp.int32, jnp.float32
+    arrays = {
+        "tokens": spec((b, length), i32, mesh_lib.batch_sharding(mesh, 2)),
+        "positions": spec((b, length), i32, mesh_lib.batch_sharding(mesh, 2)),
+        "prompt_lengths": spec((b,), i32, mesh_lib.batch_sharding(mesh, 1)),
+        "targets": spec((b, width), i32, mesh_lib.batch_sharding(mesh, 2)),
+    }
+    scalar = spec((), f32, rep)
+    big = config.rollouts_per_step
+    per_token = spec((big, width), f32, rep)
+    rollout = RolloutBatch(
+        logp_old=per_token, logp_behaviour=per_token, mask=per_token, rewards=spec((big,), f32, rep),
+        logp_ref=per_token if spec_.needs_reference else None,
+        values=per_token if spec_.advantage == "gae" else None,
+    )  # fmt: skip
+    step = spec((), i32, rep)
+    full = jax.eval_shape(lambda r, s: fns.objective.prepare(r, step=s), rollout, step)
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b, *x.shape[1:]) if x.ndim else (), x.dtype),
+                         full)  # fmt: skip
+    micro = abstract(micro, fns.inputs_shardings(micro))
+    where = f"micro-batch [{b} rows, {length} tokens, {width} completion]"
+
+    programs: list[AbstractProgram | Unavailable] = [
+        AbstractProgram(
+            "trainer.accumulate", fns.accumulate_jit(micro),
+            (trainable, trainable, arrays, micro, scalar, scalar), mesh=mesh,
+            resident_bytes=held_outside("trainable"), note=f"loss + gradient of one {where}",
+        ),
+        AbstractProgram(
+            "trainer.apply", fns.apply_jit(), (trainable, opt, trainable, scalar), mesh=mesh,
+            resident_bytes=held_outside("trainable", "opt"), note="clip + AdamW update",
+        ),
+        AbstractProgram(
+            "trainer.prepare", fns.prepare_jit(), (rollout,), dict(step=step), mesh=mesh,
+            resident_bytes=held_outside(), note=f"objective inputs of {big} rollouts",
+        ),
+    ]  # fmt: skip
+    scored = f"log-probs of one {where}"
+    if config.trainer.align_logprobs:
+        shape = models.ReplayShape.of_engine(
+            config.inference, config.model, platform=devices[0].platform
+        )
+        programs += engine_programs(
+            "trainer.replay", config.model, shape, graphdef=graphdef,
+            state=abstract(state, models.param_shardings(state, mesh)), cache_sharding=rep,
+            io_sharding=rep, mesh=mesh, resident_bytes=held_outside("trainable"),
+            note="π_old replay through the engine's programs; cache replicated on the mesh",
+        )  # fmt: skip
+    else:
+        programs.append(AbstractProgram(
+            "trainer.score_old", fns.score_jit(False), (trainable["model"], None, arrays, scalar),
+            mesh=mesh, resident_bytes=held_outside("trainable"), note=f"π_old {scored}",
+        ))  # fmt: skip
+    if ref is not None:
+        programs.append(AbstractProgram(
+            "trainer.score_ref", fns.score_jit(False), (ref, None, arrays, scalar), mesh=mesh,
+            resident_bytes=held_outside("ref"), note=f"π_ref {scored}",
+        ))  # fmt: skip
+    if "value_head" in trainable:
+        programs.append(AbstractProgram(
+            "trainer.values", fns.score_jit(True),
+            (trainable["model"], trainable["value_head"], arrays, scalar), mesh=mesh,
+            resident_bytes=held_outside("trainable"), note=f"values of one {where}",
+        ))  # fmt: skip
+    programs.append(AbstractProgram(
+        "trainer.publish", fns.publish_jit(config.trainer.publish_dtype), (trainable["model"],),
+        mesh=mesh, resident_bytes=held_outside("trainable"),
+        note=f"params cast to {config.trainer.publish_dtype} for the parameter server",
+    ))  # fmt: skip
+    return programs

@@ -1,0 +1,49 @@
+"""Chip specs, the compiler's HBM limit and the sizes XLA prints."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlax_tpu.aot.chips import CHIPS, GiB, chip_of, device_spec, hbm_limit_from_error, parse_size
+from rlax_tpu.aot.report import topology_devices
+
+
+def test_parse_size_reads_xla_binary_units():
+    assert parse_size("15.75G") == int(15.75 * GiB)
+    assert parse_size("512M") == 512 * 2**20
+    assert parse_size("3") == 3
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+
+
+def test_hbm_limit_is_read_from_both_oom_messages():
+    a = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+         "temporaries (400.00G) exceeds available HBM (15.75G).")  # fmt: skip
+    b = "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Used 20.5G of 95.74G hbm."
+    assert hbm_limit_from_error(a) == int(15.75 * GiB)
+    assert hbm_limit_from_error(b) == int(95.74 * GiB)
+    assert hbm_limit_from_error("INVALID_ARGUMENT: shapes differ") is None
+
+
+def test_unknown_chip_is_named():
+    assert chip_of("v5p:8x8x4") is CHIPS["v5p"]
+    with pytest.raises(KeyError, match="known: v4, v5e, v5p, v6e"):
+        chip_of("v9x:2x2")
+
+
+@pytest.mark.parametrize(
+    "topology, per_chip, table_gib",
+    [("v5e:2x2", 1, 16), ("v5p:2x2x1", 1, 95), ("v4:2x2x1", 2, 16), ("v6e:2x2", 1, 32)],
+)
+def test_device_spec_probes_the_compilers_hbm_limit(topology, per_chip, table_gib):
+    """libtpu's v4 topology runs each TensorCore as a device (half a chip each); the usable HBM
+    the compiler names is within 5% of the published HBM per device (some is reserved; v5p names
+    95.74 GiB against the published 95)."""
+    devices = topology_devices(topology)
+    spec = device_spec(topology, devices[0])
+    assert spec.devices_per_chip == per_chip
+    assert spec.usable_hbm_source == "compiler"
+    assert spec.hbm_bytes == table_gib * GiB
+    assert 0.95 * spec.hbm_bytes <= spec.usable_hbm_bytes <= spec.hbm_bytes * 1.01
+    assert spec.roofline_s(spec.bf16_flops, 0.0) == pytest.approx(1.0)
+    assert spec.roofline_s(0.0, spec.hbm_bandwidth * 2) == pytest.approx(2.0)
