@@ -20,9 +20,9 @@ from typing import Any
 import jax
 
 from rlax_tpu.aot.chips import DeviceSpec, hbm_limit_from_error
-from rlax_tpu.models.aot import AbstractProgram, Unavailable
+from rlax_tpu.models.aot import AbstractProgram
 
-FITS, TOO_BIG, FAILED, UNAVAILABLE = "fits", "does not fit", "does not compile", "not built"
+FITS, TOO_BIG, FAILED = "fits", "does not fit", "does not compile"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ProgramReport:
     name: str
     component: str
     topology: str
-    status: str  # FITS, TOO_BIG, FAILED or UNAVAILABLE
+    status: str  # FITS, TOO_BIG or FAILED
     argument_bytes: int = 0
     output_bytes: int = 0
     alias_bytes: int = 0
@@ -73,14 +73,12 @@ def _first_line(message: str) -> str:
 
 
 def compile_program(
-    program: AbstractProgram | Unavailable, *, component: str, topology: str, device: DeviceSpec,
+    program: AbstractProgram, *, component: str, topology: str, device: DeviceSpec,
 ) -> ProgramReport:  # fmt: skip
     """Lowers and compiles one program for the topology and measures it (never raises for a
     program that does not compile or fit: the report says so)."""
     base = dict(name=program.name, component=component, topology=topology,
                 hbm_bytes=device.usable_hbm_bytes)  # fmt: skip
-    if isinstance(program, Unavailable):
-        return ProgramReport(status=UNAVAILABLE, error=program.reason, **base)
     base.update(note=program.note, resident_bytes=program.resident_bytes)
     start = time.perf_counter()
     mesh = jax.set_mesh(program.mesh) if program.mesh is not None else contextlib.nullcontext()
@@ -115,7 +113,7 @@ def compile_program(
 
 
 def compile_all(
-    programs: list[AbstractProgram | Unavailable], *, component: str, topology: str,
+    programs: list[AbstractProgram], *, component: str, topology: str,
     device: DeviceSpec, progress: Callable[[str], None] = lambda _: None,
 ) -> list[ProgramReport]:  # fmt: skip
     reports = []

@@ -11,12 +11,12 @@ from pathlib import Path
 import jax
 
 from rlax_tpu import cli
-from rlax_tpu.aot.check import FITS, TOO_BIG, UNAVAILABLE, ProgramReport, compile_all
+from rlax_tpu.aot.check import FITS, TOO_BIG, ProgramReport, compile_all
 from rlax_tpu.aot.chips import DeviceSpec, chip_of, device_spec
 from rlax_tpu.config import ConfigError, RunConfig
-from rlax_tpu.models.aot import AbstractProgram, Unavailable
+from rlax_tpu.models.aot import AbstractProgram
 
-Builder = Callable[[RunConfig, Sequence[jax.Device]], list[AbstractProgram | Unavailable]]
+Builder = Callable[[RunConfig, Sequence[jax.Device]], list[AbstractProgram]]
 
 
 class TopologyError(ValueError):
@@ -127,7 +127,7 @@ def run_check(
                             "source": s.chip.source} for t, s in specs.items()},
             "programs": [r.to_dict() for r in reports],
         }, indent=2))  # fmt: skip
-    bad = [r for r in reports if r.status not in (FITS, UNAVAILABLE)]
+    bad = [r for r in reports if r.status != FITS]
     for r in bad:
         if r.status == TOO_BIG and r.argument_bytes:
             why = (f"needs {_gib(r.peak_bytes)} GiB per device ({_gib(r.footprint_bytes)} GiB "

@@ -16,12 +16,12 @@ from jax.sharding import SingleDeviceSharding
 
 from rlax_tpu import models
 from rlax_tpu.config import RunConfig
-from rlax_tpu.models.aot import AbstractProgram, Unavailable, abstract, engine_programs
+from rlax_tpu.models.aot import AbstractProgram, abstract, engine_programs
 
 
 def abstract_programs(
     config: RunConfig, devices: Sequence[jax.Device]
-) -> list[AbstractProgram | Unavailable]:
+) -> list[AbstractProgram]:
     """The engine's programs for ``config`` on ``devices`` (a topology's devices)."""
     device = devices[0]
     one = SingleDeviceSharding(device)

@@ -3,8 +3,8 @@
 Each component lists the jitted functions it runs, with ShapeDtypeStructs (shapes, dtypes and
 shardings over the target's devices) in place of arrays: :class:`AbstractProgram`.
 ``python -m rlax_tpu.aot`` lowers and compiles them for a TPU topology and reports their memory
-and cost. A program a component cannot build for the target yet is an :class:`Unavailable`
-that says why. Nothing here allocates device memory or reads weights.
+and cost (one that does not compile for the target is reported by name). Nothing here allocates
+device memory or reads weights.
 """
 
 from __future__ import annotations
@@ -42,14 +42,6 @@ class AbstractProgram:
     mesh: Mesh | None = None
     resident_bytes: int = 0
     note: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Unavailable:
-    """A program the component cannot build for this target yet, and why."""
-
-    name: str
-    reason: str
 
 
 def abstract(tree: Any, sharding: Sharding | Callable[[Any], Sharding] | Any) -> Any:

@@ -21,7 +21,6 @@ from rlax_tpu.algorithms import RolloutBatch
 from rlax_tpu.config import RunConfig
 from rlax_tpu.models.aot import (
     AbstractProgram,
-    Unavailable,
     abstract,
     device_bytes,
     engine_programs,
@@ -45,7 +44,7 @@ def micro_batch_shape(config: RunConfig) -> tuple[int, int, int]:
 
 def abstract_programs(
     config: RunConfig, devices: Sequence[jax.Device]
-) -> list[AbstractProgram | Unavailable]:
+) -> list[AbstractProgram]:
     """The trainer's programs for ``config`` on ``devices``. Raises ConfigError when the mesh
     does not fit the devices and BatchShapeError when a micro-batch does not split over it."""
     mesh = mesh_lib.build_mesh(config.mesh, devices)
@@ -87,7 +86,7 @@ def abstract_programs(
     micro = abstract(micro, fns.inputs_shardings(micro))
     where = f"micro-batch [{b} rows, {length} tokens, {width} completion]"
 
-    programs: list[AbstractProgram | Unavailable] = [
+    programs: list[AbstractProgram] = [
         AbstractProgram(
             "trainer.accumulate", fns.accumulate_jit(micro),
             (trainable, trainable, arrays, micro, scalar, scalar), mesh=mesh,
