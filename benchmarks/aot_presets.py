@@ -47,7 +47,7 @@ LINEAR = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "reside
 def run_case(name: str, args: list[str]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.json"
-    cmd = [sys.executable, "-m", "rlax_tpu.aot", *args, f"--json={path}"]
+    cmd = [sys.executable, "-m", "rlax_tpu.aot", *args, f"--json={path.relative_to(REPO)}"]
     print(f"== {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
