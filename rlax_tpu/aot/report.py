@@ -13,7 +13,7 @@ import jax
 from rlax_tpu import cli
 from rlax_tpu.aot.check import FITS, TOO_BIG, ProgramReport, compile_all
 from rlax_tpu.aot.chips import DeviceSpec, chip_of, device_spec
-from rlax_tpu.config import ConfigError, RunConfig
+from rlax_tpu.config import RunConfig
 from rlax_tpu.models.aot import AbstractProgram
 
 Builder = Callable[[RunConfig, Sequence[jax.Device]], list[AbstractProgram]]
@@ -108,10 +108,7 @@ def run_check(
             specs[topo] = device_spec(topo, devices[0])
         try:
             programs = build(config, devices)
-        except ConfigError as e:
-            return fail(f"the config's {name} does not fit topology {topo} ({len(devices)} "
-                        f"devices): {e}")  # fmt: skip
-        except ValueError as e:  # BatchShapeError and other shape refusals
+        except ValueError as e:  # ConfigError (mesh), BatchShapeError (micro-batch rows)
             return fail(f"the config's {name} does not fit topology {topo} ({len(devices)} "
                         f"devices): {e}")  # fmt: skip
         reports += compile_all(programs, component=name, topology=topo, device=specs[topo],
