@@ -76,6 +76,8 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         grad_clip_norm=1.0, micro_batch_size=32, publish_dtype="bfloat16", checkpoint_every=10,
         address="0.0.0.0:50053", auth_token_file="/var/run/secrets/rlax/token",
     )  # fmt: skip
+    # Each worker a v5p:2x2x1 slice: weights and KV pages split 4 ways over heads (40 q, 8 KV).
+    cfg.inference.mesh.update(data=1, fsdp=1, tensor=4)
     cfg.inference.update(
         num_workers=32, backend="tpu", max_concurrent_seqs=256, page_size=64,
         kv_cache_bytes=48 * 2**30, prefill_chunk=2048, max_prompt_len=2048, max_new_tokens=14_336,

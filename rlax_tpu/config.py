@@ -279,10 +279,17 @@ class TrainerConfig:
         _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
 
 
+def _one_device() -> MeshConfig:
+    return MeshConfig(data=1, fsdp=1, tensor=1)
+
+
 @_frozen
 class InferenceConfig:
     num_workers: int = 1
     backend: Literal["auto", "cpu", "gpu", "tpu"] = "auto"
+    # Each worker's device mesh (the first data*fsdp*tensor devices it sees; -1: all of them):
+    # weights and KV pages split over heads on tensor, decode rows over data. Default one device.
+    mesh: MeshConfig = dataclasses.field(default_factory=_one_device)
     max_concurrent_seqs: int = 64
     page_size: int = 16  # tokens per KV page
     kv_cache_bytes: int = 256 * 2**20  # memory budget for KV pages, per worker
@@ -693,12 +700,11 @@ class RunConfig:
                 f"(controller.prompts_per_step * algorithm.group_size = {batch})",
                 self.trainer.micro_batch_size,
             )
-        if self.mesh.tensor != -1:
-            tp = self.mesh.tensor
-            kv = model.num_kv_heads
-            if model.num_heads % tp or (kv % tp and tp % kv):
+        for name, mesh in (("mesh", self.mesh), ("inference.mesh", inf.mesh)):
+            tp, kv = mesh.tensor, model.num_kv_heads
+            if tp != -1 and (model.num_heads % tp or (kv % tp and tp % kv)):
                 raise ConfigError(
-                    "mesh.tensor",
+                    f"{name}.tensor",
                     f"must divide model.num_heads ({model.num_heads}) and divide or be a "
                     f"multiple of model.num_kv_heads ({kv})",
                     tp,

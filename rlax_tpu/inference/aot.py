@@ -1,9 +1,10 @@
 """The inference engine's programs, described abstractly for ahead-of-time compilation
 (``python -m rlax_tpu.aot``): decode (sampler fused), prefill and page copy at the shapes an
-engine built from the config compiles, with the target platform's attention kernel.
+engine built from the config compiles, with the target platform's attention kernel, on the
+engine's mesh (``inference.mesh``) over the first devices of the topology.
 
-The engine has no mesh yet: it runs on one device, so on a slice of several chips its programs
-are compiled for the slice's first chip, and the report says so.
+With the default one-device mesh a worker runs on one chip: on a slice of several chips the
+programs are compiled for its first chip, and the report says so.
 """
 
 from __future__ import annotations
@@ -12,30 +13,34 @@ from collections.abc import Sequence
 
 import jax
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from rlax_tpu import models
 from rlax_tpu.config import RunConfig
+from rlax_tpu.inference.engine import engine_mesh
 from rlax_tpu.models.aot import AbstractProgram, abstract, engine_programs
+from rlax_tpu.models.paged_cache import cache_shardings
 
 
-def abstract_programs(
-    config: RunConfig, devices: Sequence[jax.Device]
-) -> list[AbstractProgram]:
+def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[AbstractProgram]:
     """The engine's programs for ``config`` on ``devices`` (a topology's devices)."""
-    device = devices[0]
-    one = SingleDeviceSharding(device)
-    shape = models.ReplayShape.of_engine(config.inference, config.model, platform=device.platform)
-    graphdef, state = nnx.split(models.abstract_model(config.model))
-    note = ""
-    if len(devices) > 1:
-        note = (
-            f"one chip of {len(devices)}: the engine has no mesh yet ([sharded-inference]), "
-            "so each worker is one device"
-        )
-    return list(
-        engine_programs(
-            "inference", config.model, shape, graphdef=graphdef, state=abstract(state, one),
-            cache_sharding=one, io_sharding=one, note=note,
-        )  # fmt: skip
+    mesh = engine_mesh(config.inference, list(devices))
+    shape = models.ReplayShape.of_engine(
+        config.inference, config.model, platform=devices[0].platform
     )
+    graphdef, state = nnx.split(models.abstract_model(config.model))
+    cache = jax.eval_shape(lambda: shape.make_cache(config.model))
+    if mesh is None:
+        one = SingleDeviceSharding(devices[0])
+        state, cache_sharding, io = abstract(state, one), one, one
+        note = (f"one chip of {len(devices)}: inference.mesh is one device" if len(devices) > 1
+                else "")  # fmt: skip
+    else:
+        state = abstract(state, models.param_shardings(state, mesh))
+        cache_sharding = cache_shardings(cache, mesh)
+        io = NamedSharding(mesh, PartitionSpec())
+        note = f"inference.mesh {dict(mesh.shape)} over {mesh.size} of {len(devices)} chips"
+    return engine_programs(
+        "inference", config.model, shape, graphdef=graphdef, state=state,
+        cache_sharding=cache_sharding, io_sharding=io, mesh=mesh, note=note,
+    )  # fmt: skip

@@ -39,10 +39,12 @@ are kept) and record per-token versions.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -50,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from rlax_tpu import models
 from rlax_tpu.config import InferenceConfig
@@ -63,7 +66,7 @@ from rlax_tpu.inference.scheduler import (
     Sequence,
     block_table_rows,
 )
-from rlax_tpu.models.paged_cache import page_bytes
+from rlax_tpu.models.paged_cache import PagedKVCache, cache_shardings, page_bytes
 from rlax_tpu.models.programs import (
     TRACES,
     copy_pages,
@@ -83,6 +86,24 @@ def _warn_rows_not_bitwise() -> None:
         "a request's samples match across batches only to f32 round-off (~1e-6), not bit for "
         "bit; the run continues in that tolerance mode (EngineStats.rows_bitwise = False)"
     )
+
+
+def engine_mesh(cfg: InferenceConfig, devices: list[jax.Device] | None = None) -> Mesh | None:
+    """The mesh ``inference.mesh`` lays out over the first of ``devices`` (default: all of this
+    process's view), or None for one device (the programs then carry no shardings at all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    if -1 not in sizes:
+        need = math.prod(sizes)
+        if need > len(devices):
+            raise ValueError(
+                f"inference.mesh needs {need} devices (data {sizes[0]} x fsdp {sizes[1]} x "
+                f"tensor {sizes[2]}); this worker has {len(devices)}"
+            )
+        devices = devices[:need]
+    if len(devices) == 1:
+        return None
+    return models.make_mesh(cfg.mesh, devices)
 
 
 class InvalidRequest(ValueError):
@@ -115,14 +136,17 @@ class Engine:
 
     def __init__(
         self, model: models.Transformer, cfg: InferenceConfig, *, version: int = 0,
-        eos_ids: Collection[int] = (),
+        eos_ids: Collection[int] = (), devices: list[jax.Device] | None = None,
     ):  # fmt: skip
+        """``devices``: where ``inference.mesh`` is laid out (default: ``jax.devices()``)."""
         self.cfg, self.model_cfg = cfg, model.cfg
         self.version = version
         self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.mesh = engine_mesh(cfg, devices)
         # The shapes every program is compiled for: a replay at them reproduces the log-probs.
         self.replay_shape = models.ReplayShape.of_engine(cfg, model.cfg)
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
+        self.state = self._place(state)
         num_pages = self.replay_shape.num_pages
         if num_pages < 1 + self.pages_per_seq:
             raise ValueError(
@@ -136,18 +160,32 @@ class Engine:
             step_tokens=self.step_tokens, prefill_chunk=cfg.prefill_chunk,
             prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len,
         )  # fmt: skip
-        self.cache = self.replay_shape.make_cache(model.cfg)
+        self.cache = self._place(self.replay_shape.make_cache(model.cfg))
         self._traces_at_start = TRACES.total()
-        self.rows_bitwise, self.cache = rows_are_independent(
-            self.state, self.cache, graphdef=self.graphdef, prefill_rows=cfg.prefill_rows,
-            prefill_len=cfg.prefill_len,
-        )  # fmt: skip
+        with self._on_mesh():
+            self.rows_bitwise, self.cache = rows_are_independent(
+                self.state, self.cache, graphdef=self.graphdef, prefill_rows=cfg.prefill_rows,
+                prefill_len=cfg.prefill_len,
+            )  # fmt: skip
         if not self.rows_bitwise:
             _warn_rows_not_bitwise()
         self.steps = 0
         self.prefill_calls = 0
         self.generated_tokens = 0
         self.pages_shared = 0
+
+    def _on_mesh(self) -> contextlib.AbstractContextManager:
+        """The engine's mesh as the context of its programs (activation and cache constraints
+        read it); nothing on one device."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _place(self, tree: Any) -> Any:
+        """Parameters (an nnx.State) or the paged cache onto the mesh by the logical rules."""
+        if self.mesh is None:
+            return tree
+        if isinstance(tree, PagedKVCache):
+            return jax.device_put(tree, cache_shardings(tree, self.mesh))
+        return jax.device_put(tree, models.param_shardings(tree, self.mesh))
 
     @property
     def step_tokens(self) -> int:
@@ -231,6 +269,15 @@ class Engine:
         plan = self.scheduler.plan()
         if not plan.rows and not plan.chunks:
             return []
+        with self._on_mesh():
+            out, first = self._run_programs(plan)
+        self.steps += 1
+        if plan.rows:
+            plan = dataclasses.replace(plan, rows=sorted(plan.rows, key=lambda row: row.position))
+        return self._apply_results(plan, out, first)
+
+    def _run_programs(self, plan: Plan) -> tuple[dict[str, np.ndarray] | None, int]:
+        """The step's page copies, prefill and decode programs; (decode outputs, first row)."""
         self.cache = copy_pages(self.cache, plan.copies)
         if plan.chunks:
             self._prefill(plan.chunks)
@@ -241,7 +288,6 @@ class Engine:
             # Padding rows first, then rows by position: row groups then attend over their own
             # longest row's pages (spans), not the whole cache's.
             rows = sorted(plan.rows, key=lambda row: row.position)
-            plan = dataclasses.replace(plan, rows=rows)
             first = n - len(rows)
             tokens = np.zeros(n, np.int32)
             positions = np.full(n, -1, np.int32)
@@ -255,8 +301,7 @@ class Engine:
                 spans=self._spans(positions // page + 1),
             )  # fmt: skip
             out = jax.device_get(out)
-        self.steps += 1
-        return self._apply_results(plan, out, first)
+        return out, first
 
     def _spans(self, pages: np.ndarray) -> tuple[tuple[int, int], ...]:
         """pages [N] ascending (a row's pages to attend over; padding rows first, 0) -> the
@@ -289,6 +334,10 @@ class Engine:
         """Compiles the decode program for every span grouping (and the prefill program) by
         running all-padding steps, which write nothing; returns the programs compiled. Run it
         once before timed or latency-sensitive work when span groups are on."""
+        with self._on_mesh():
+            return self._precompile()
+
+    def _precompile(self) -> int:
         before = TRACES.total()
         n, m = self.step_tokens, self.pages_per_seq
         idle = (
@@ -399,7 +448,7 @@ class Engine:
     def load_weights(self, version: int, params: Any) -> list[Rollout]:
         """Serves ``params`` (an ``nnx.State`` of the model, or its pure-dict form) as ``version``
         from the next step on. Returns the aborted rollouts (none with ``continue_on_reload``)."""
-        self.state = self._as_state(params)
+        self.state = self._place(self._as_state(params))
         aborted = [] if self.cfg.continue_on_reload else self.abort_all()
         self.version = version
         return aborted

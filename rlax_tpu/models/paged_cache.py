@@ -1,7 +1,8 @@
 """The device half of the paged KV cache: a jax pytree implementing ``rlax_tpu.models.KVCache``.
 
-``k_pages``/``v_pages`` [L, Hkv, P, page_size, D'] (D' = :func:`stored_head_dim`) hold every layer's pages (zero-initialized, so
-masked reads stay finite); ``block_tables`` [B, M] say which pages hold each batch row's sequence
+``k_pages``/``v_pages`` [L, Hkv, P, page_size, D'] (D' = :func:`stored_head_dim`) hold every
+layer's pages (zero-initialized, so masked reads stay finite); ``block_tables`` [B, M] say which
+pages hold each batch row's sequence
 (several rows may share one table: prompt chunks of one sequence in the prefill program). ``attend``
 first writes the new keys/values of all rows, then lets the backend attend, so a query sees the
 tokens written by other rows of the same step at earlier positions.
@@ -13,9 +14,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.models.paged_attention import BACKENDS, span_attention
+from rlax_tpu.models.sharding import constrain, logical_sharding
+
+# Logical axes of k_pages / v_pages [L, Hkv, P, page_size, D'].
+PAGE_AXES = (None, "kv_heads", None, None, None)
 
 
 @jax.tree_util.register_dataclass
@@ -88,6 +94,8 @@ class PagedKVCache:
         v_pages = self.v_pages.at[layer, :, physical, slot].set(
             v.astype(self.v_pages.dtype), mode="drop"
         )
+        # Under a mesh the pages stay split over KV heads (a no-op on one device).
+        k_pages, v_pages = constrain(k_pages, PAGE_AXES), constrain(v_pages, PAGE_AXES)
         if self.spans and self.backend == "cpu":
             out = span_attention(
                 q, k_pages[layer], v_pages[layer], self.block_tables, positions, self.spans
@@ -112,3 +120,12 @@ def page_bytes(cfg: ModelConfig, page_size: int, backend: str = "cpu") -> int:
     itemsize = jnp.dtype(cfg.compute_dtype).itemsize
     d = stored_head_dim(cfg, backend)
     return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * d * itemsize
+
+
+def cache_shardings(cache: PagedKVCache, mesh: Mesh) -> PagedKVCache:
+    """NamedShardings for ``cache`` on ``mesh``: pages split over KV heads on the tensor axis
+    (replicated when the heads do not divide evenly, e.g. 2 KV heads on tensor 4: every device
+    then holds every head's pages), block tables replicated."""
+    pages = logical_sharding(PAGE_AXES, cache.k_pages.shape, mesh)
+    tables = logical_sharding((None, None), cache.block_tables.shape, mesh)
+    return dataclasses.replace(cache, k_pages=pages, v_pages=pages, block_tables=tables)

@@ -121,3 +121,21 @@ def test_a_mesh_that_does_not_fit_the_topology_is_refused():
     assert out.returncode == EXIT_USAGE and "no chip specs for 'v9x'" in out.stderr
     out = run("--config=configs/codeforces.py:local")
     assert out.returncode == EXIT_USAGE and "--topology is required" in out.stderr
+
+
+def test_the_engine_compiles_on_its_mesh(tmp_path):
+    """inference.mesh lays the engine over the slice's chips: weights and pages split over the
+    tensor axis, so each chip's arguments shrink (the tiny model's 2 KV heads, 4 query heads)."""
+    reports = {}
+    for tensor in (1, 2):
+        path = tmp_path / f"t{tensor}.json"
+        out = run("--config=configs/codeforces.py:local", "--topology=v5e:2x2",
+                  "--component=inference", f"--config.inference.mesh.tensor={tensor}",
+                  f"--json={path}")  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        reports[tensor] = {p["name"]: p for p in json.loads(path.read_text())["programs"]}
+    one, two = reports[1]["inference.decode"], reports[2]["inference.decode"]
+    assert one["note"].startswith("one chip of 4")
+    assert two["note"] == "inference.mesh {'data': 1, 'fsdp': 1, 'tensor': 2} over 2 of 4 chips"
+    # The cache dominates the arguments and splits over the 2 KV heads.
+    assert two["argument_bytes"] < 0.6 * one["argument_bytes"]

@@ -1,0 +1,89 @@
+"""The engine on a device mesh (``inference.mesh``) against the single-device engine, on the 8
+forced CPU devices: same greedy tokens on ragged requests, log-probs to f32 round-off (a sharded
+matmul sums its halves in another order), weights and KV pages laid out by the logical rules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from rlax_tpu.config import MeshConfig
+from rlax_tpu.inference.engine import Engine, engine_mesh
+
+from .conftest import SMALL, by_key, random_requests
+
+MESHES = {
+    "tensor2": MeshConfig(data=1, fsdp=1, tensor=2),
+    "data2xtensor2": MeshConfig(data=2, fsdp=1, tensor=2),
+    "tensor4": MeshConfig(data=1, fsdp=1, tensor=4),  # 2 KV heads: pages replicated
+}
+CFG = dataclasses.replace(SMALL, max_concurrent_seqs=8)
+
+
+def _greedy(engine: Engine) -> dict:
+    for r in random_requests(32, seed=5, temperature=0.0):
+        engine.submit(r)
+    return by_key(engine.run())
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model):
+    engine = Engine(tiny_model, CFG)
+    assert engine.mesh is None
+    return _greedy(engine)
+
+
+@pytest.mark.parametrize("name", MESHES)
+def test_sharded_engine_gives_the_single_device_greedy_tokens(tiny_model, single, name):
+    engine = Engine(tiny_model, dataclasses.replace(CFG, mesh=MESHES[name]))
+    assert engine.mesh is not None and engine.mesh.size == MESHES[name].data * MESHES[name].tensor
+    got = _greedy(engine)
+    assert got.keys() == single.keys() and len(got) == 32
+    for key, want in single.items():
+        np.testing.assert_array_equal(got[key].tokens, want.tokens, err_msg=str(key))
+        # Greedy log-probs are log-softmax at the picked token: f32 round-off of a sharded sum.
+        np.testing.assert_allclose(got[key].logprobs, want.logprobs, rtol=0, atol=2e-5)
+
+
+def test_weights_and_pages_follow_the_logical_rules(tiny_model):
+    engine = Engine(tiny_model, dataclasses.replace(CFG, mesh=MESHES["data2xtensor2"]))
+    mlp = engine.state["layers"][0]["mlp"]["up_proj"][...]
+    assert mlp.sharding.spec == P(None, "tensor")  # [embed, mlp]: columns over tensor
+    assert engine.cache.k_pages.sharding.spec == P(None, "tensor")  # [L, Hkv, ...]: KV heads
+    shard = engine.cache.k_pages.addressable_shards[0].data.shape
+    assert shard[1] == engine.cache.k_pages.shape[1] // 2
+    wide = Engine(tiny_model, dataclasses.replace(CFG, mesh=MESHES["tensor4"]))
+    assert wide.cache.k_pages.sharding.is_fully_replicated  # 2 KV heads do not split 4 ways
+
+
+def test_reloaded_weights_land_on_the_mesh(tiny_model):
+    engine = Engine(tiny_model, dataclasses.replace(CFG, mesh=MESHES["tensor2"]))
+    params = jax.tree.map(np.asarray, engine.state)  # host copies, as a pull delivers them
+    engine.load_weights(1, params)
+    assert engine.state["layers"][0]["mlp"]["up_proj"][...].sharding.spec == P(None, "tensor")
+    engine.submit(random_requests(1, seed=9, temperature=0.0)[0])
+    assert len(engine.run()) == 1 and engine.version == 1
+
+
+def test_a_mesh_larger_than_the_worker_is_refused():
+    cfg = dataclasses.replace(CFG, mesh=MeshConfig(data=1, fsdp=1, tensor=16))
+    with pytest.raises(ValueError, match="inference.mesh needs 16 devices"):
+        engine_mesh(cfg, jax.devices())
+    assert engine_mesh(CFG) is None
+
+
+def test_a_sharded_engine_keeps_its_layout_and_never_recompiles_in_steady_state(tiny_model):
+    engine = Engine(tiny_model, dataclasses.replace(CFG, mesh=MESHES["data2xtensor2"]))
+    for r in random_requests(6, seed=11, num_samples=3):
+        engine.submit(r)
+    engine.run()
+    warm = engine.compilations
+    for r in random_requests(8, seed=12, num_samples=3):
+        engine.submit(r)
+    engine.run()
+    assert engine.compilations == warm
+    assert engine.cache.k_pages.sharding.spec == P(None, "tensor")  # donated and kept
