@@ -130,7 +130,7 @@ def main() -> None:
         if (OUT / f"{name}.json").exists():
             print(f"\n### {name}\n\n{table(name)}")
     for name, ((small, _), (large, _), _) in EXTRAPOLATE.items():
-        if (OUT / f"{small}.json").exists() and (OUT / f"{large}.json").exists():
+        if args.only in name and (OUT / f"{small}.json").exists() and (OUT / f"{large}.json").exists():
             print(f"\n### {name} (extrapolated)\n\n{extrapolated_table(name)}")
 
 
