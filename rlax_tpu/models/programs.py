@@ -34,9 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from rlax_tpu.models.paged_cache import PagedKVCache
 from rlax_tpu.models.sampling import sample
+from rlax_tpu.models.sharding import constrain
 from rlax_tpu.models.transformer import step
 
 # Incremented inside the traced functions, i.e. once per trace (= compilation); jax's cache is
@@ -68,7 +70,10 @@ def decode_program(
     logits, cache = step(model, tokens[:, None], positions[:, None],
                          cache.with_tables(tables, spans))  # fmt: skip
     out = sample(logits[:, 0], **sampling)
-    return dataclasses.asdict(out), cache.with_tables(cache.block_tables)  # spans: no retrace
+    # Replicated under a mesh, so every process of a multi-host engine reads every row's token
+    # (a no-op on one device).
+    out = {k: constrain(v, (None,)) for k, v in dataclasses.asdict(out).items()}
+    return out, cache.with_tables(cache.block_tables)  # spans: no retrace
 
 
 @partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
@@ -99,6 +104,13 @@ def copy_pages(cache: PagedKVCache, copies: list[tuple[int, int]]) -> PagedKVCac
     pairs = np.zeros((k, 2), np.int32)  # (0, 0): the null page onto itself
     pairs[: len(copies)] = copies
     return copy_program(cache, jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1]))
+
+
+def host_copy(x: jax.Array) -> np.ndarray:
+    """``x`` in full on this host, also when its shards live on other processes' devices."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def rows_are_independent(
@@ -147,6 +159,6 @@ def rows_are_independent(
                 state, cache, jnp.asarray(tokens), jnp.asarray(positions), tables[:prefill_rows],
                 graphdef=graphdef,
             )  # fmt: skip
-            written.append(jax.device_get((cache.k_pages[:, :, pages], cache.v_pages[:, :, pages])))
+            written.append([host_copy(x[:, :, pages]) for x in (cache.k_pages, cache.v_pages)])
         ok &= all(np.array_equal(a, b) for a, b in zip(written[0], written[1], strict=True))
     return ok, cache
