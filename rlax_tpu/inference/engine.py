@@ -151,8 +151,9 @@ class Engine:
         if num_pages < 1 + self.pages_per_seq:
             raise ValueError(
                 f"inference.kv_cache_bytes = {cfg.kv_cache_bytes} holds {num_pages} pages of "
-                f"{page_bytes(model.cfg, cfg.page_size, self.replay_shape.backend)} bytes; one sequence of max_prompt_len + "
-                f"max_new_tokens tokens needs {self.pages_per_seq} plus the null page"
+                f"{page_bytes(model.cfg, cfg.page_size, self.replay_shape.backend)} bytes; one "
+                f"sequence of max_prompt_len + max_new_tokens tokens needs {self.pages_per_seq} "
+                "plus the null page"
             )
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
@@ -269,11 +270,12 @@ class Engine:
         plan = self.scheduler.plan()
         if not plan.rows and not plan.chunks:
             return []
+        # Padding rows first, then rows by position: row groups then attend over their own
+        # longest row's pages (spans), not the whole cache's.
+        plan = dataclasses.replace(plan, rows=sorted(plan.rows, key=lambda row: row.position))
         with self._on_mesh():
             out, first = self._run_programs(plan)
         self.steps += 1
-        if plan.rows:
-            plan = dataclasses.replace(plan, rows=sorted(plan.rows, key=lambda row: row.position))
         return self._apply_results(plan, out, first)
 
     def _run_programs(self, plan: Plan) -> tuple[dict[str, np.ndarray] | None, int]:
@@ -285,9 +287,7 @@ class Engine:
         if plan.rows:
             n = self.step_tokens
             page = self.cfg.page_size
-            # Padding rows first, then rows by position: row groups then attend over their own
-            # longest row's pages (spans), not the whole cache's.
-            rows = sorted(plan.rows, key=lambda row: row.position)
+            rows = plan.rows  # sorted by position (step)
             first = n - len(rows)
             tokens = np.zeros(n, np.int32)
             positions = np.full(n, -1, np.int32)
