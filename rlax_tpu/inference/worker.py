@@ -10,6 +10,10 @@ over gRPC with the same calls).
 The worker only works for its callers: one engine thread steps while some ``generate`` call has
 unfinished samples and sleeps otherwise. Every sample of every accepted request comes back
 exactly once: finished, or ABORTED (weight reload without ``continue_on_reload``, shutdown).
+
+Several hosts (a ``jax.distributed`` job whose engine mesh spans its processes): process 0 runs
+the worker and serves callers; every other process runs :func:`run_follower`, which repeats the
+lead's engine calls (``lockstep``) and pulls each weight version from its own weight source.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, Protocol
 
 from rlax_tpu import models
 from rlax_tpu.config import InferenceConfig, RunConfig
+from rlax_tpu.inference import lockstep
 from rlax_tpu.inference.engine import Engine, EngineStats, InvalidRequest
 from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.types import Rollout
@@ -73,6 +78,15 @@ class _Route:
     remaining: int  # samples not yet handed back
 
 
+@dataclasses.dataclass
+class _Load:
+    """A weight version waiting for the next lockstep point (multi-process workers)."""
+
+    version: int
+    params: Any
+    aborted: int | None = None  # samples handed back, once loaded
+
+
 class InferenceWorker:
     def __init__(
         self, model: models.Transformer, cfg: InferenceConfig, *, version: int = 0,
@@ -81,6 +95,11 @@ class InferenceWorker:
         self.cfg = cfg
         self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids)
         self.weight_source = weight_source
+        # Several processes: this one leads; the engine calls since the last step go to the
+        # followers before each step (see lockstep.py).
+        self._lockstep = lockstep.is_multi_process()
+        self._pending: list[lockstep.Command] = []
+        self._loads: list[_Load] = []
         self._cond = threading.Condition()
         self._routes: dict[str, _Route] = {}  # by the internal prompt id given to the engine
         self._ids = itertools.count()
@@ -126,7 +145,7 @@ class InferenceWorker:
             for r in checked:
                 key = f"#{next(self._ids)}"
                 self._routes[key] = _Route(stream, r.prompt_id, r.num_samples)
-                self.engine.submit(dataclasses.replace(r, prompt_id=key))
+                self._call("submit", dataclasses.replace(r, prompt_id=key))
             self._cond.notify_all()
         return self._drain(stream, expected)
 
@@ -141,6 +160,11 @@ class InferenceWorker:
     def load_weights(self, version: int, params: Any = None) -> int:
         """Serves ``params`` (default: ``weight_source.fetch(version)``) from the next engine step
         on. Returns how many in-flight samples were aborted (handed back to their streams)."""
+        if params is not None and self._lockstep:
+            raise ValueError(
+                "a worker over several processes loads versions from its weight source only "
+                "(every process pulls its own copy)"
+            )
         if params is None:
             if self.weight_source is None:
                 raise UnknownVersion(f"version {version}: this worker has no weight source")
@@ -151,9 +175,18 @@ class InferenceWorker:
         with self._cond:  # waits for the running step to end
             if self._stopped:
                 raise WorkerShutdown("the inference worker is shut down")
-            aborted = self.engine.load_weights(version, params)
-            self._deliver(aborted)
-            return len(aborted)
+            if not self._lockstep:
+                aborted = self.engine.load_weights(version, params)
+                self._deliver(aborted)
+                return len(aborted)
+            # Placing weights on a mesh over several processes is a collective: it runs in the
+            # engine thread at the next lockstep point, where the followers load too.
+            load = _Load(version, params)
+            self._loads.append(load)
+            self._cond.notify_all()
+            while load.aborted is None:
+                self._cond.wait()
+            return load.aborted
 
     def status(self) -> WorkerStatus:
         with self._cond:
@@ -167,7 +200,7 @@ class InferenceWorker:
             if self._stopped:
                 return
             self._stopped = True
-            self._deliver(self.engine.abort_all())
+            self._deliver(self._call("abort"))
             self._cond.notify_all()
         self._thread.join()
 
@@ -184,26 +217,58 @@ class InferenceWorker:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopped and not self.engine.has_work():
+                while not self._stopped and not self.engine.has_work() and not self._loads:
                     self._cond.wait()
                 if self._stopped:
+                    if self._lockstep:
+                        lockstep.broadcast([*self._pending, ("stop",)])
                     return
                 try:
-                    finished = self.engine.step()
+                    if self._lockstep:
+                        self._sync()
+                    finished = self.engine.step() if self.engine.has_work() else []
                 except Exception as e:  # a broken step: fail every waiting caller loudly
                     self._fail_all(e)
                     continue
                 self._deliver(finished)
 
+    def _sync(self) -> None:
+        """Lockstep point (lead): the followers get this process's engine calls since the last
+        one, then every process loads the queued versions (a collective) and steps."""
+        loads, self._loads = self._loads, []
+        commands = [*self._pending, *(("load", load.version) for load in loads)]
+        lockstep.broadcast([*commands, ("step",)])
+        self._pending.clear()
+        for load in loads:
+            aborted = self.engine.load_weights(load.version, load.params)
+            self._deliver(aborted)
+            load.aborted = len(aborted)
+        self._cond.notify_all()
+
+    def _call(self, kind: str, *args: Any) -> Any:
+        """An engine call the followers must repeat (under the condition lock)."""
+        self._pending.append((kind, *args))
+        return self.engine.submit(*args) if kind == "submit" else self.engine.abort_all()
+
     def _fail_all(self, error: Exception) -> None:
         streams = {id(r.stream): r.stream for r in self._routes.values()}.values()
-        self.engine.abort_all()
+        self._call("abort")
         self._routes.clear()
         for s in streams:
             s.put(RuntimeError(f"inference engine step failed: {error!r}"))
 
 
+def run_follower(
+    model: models.Transformer, cfg: InferenceConfig, *, weight_source: WeightSource,
+    version: int = 0, eos_ids: Collection[int] = (),
+) -> int:  # fmt: skip
+    """A follower process of a multi-host worker: builds the same engine and repeats the lead's
+    calls until it shuts down; returns the engine steps taken."""
+    engine = Engine(model, cfg, version=version, eos_ids=eos_ids)
+    return lockstep.follow(engine, weight_source.fetch)
+
+
 __all__ = [
     "DictWeightSource", "InferenceWorker", "InvalidRequest", "Request", "UnknownVersion",
-    "VersionMismatch", "WeightSource", "WorkerShutdown", "WorkerStatus",
+    "VersionMismatch", "WeightSource", "WorkerShutdown", "WorkerStatus", "run_follower",
 ]  # fmt: skip

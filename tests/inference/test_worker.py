@@ -190,3 +190,39 @@ def test_sigterm_stops_the_service():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_worker_over_two_processes_serves_what_one_process_serves(tiny_model, tmp_path):
+    """Two jax.distributed processes (gloo, 4 CPU devices each) make one worker on a data 2 x
+    tensor 4 mesh: process 0 takes the calls, process 1 repeats its engine calls (lockstep) and
+    pulls version 1 itself. Greedy tokens before and after the reload equal a one-process
+    worker's."""
+    import json
+    import socket
+
+    from flax import nnx
+
+    from rlax_tpu import models
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    script, out = Path(__file__).with_name("distributed_worker.py"), tmp_path / "tokens.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen([sys.executable, str(script), coordinator, str(pid), str(out)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for pid in (0, 1)
+    ]  # fmt: skip
+    other = nnx.state(models.init_model(models.preset("tiny"), seed=1))
+    worker = InferenceWorker(tiny_model, SMALL, weight_source=DictWeightSource({1: other}))
+    first = list(worker.generate(random_requests(6, seed=5, temperature=0.0)))
+    worker.load_weights(1)
+    second = list(worker.generate(random_requests(6, seed=6, temperature=0.0)))
+    worker.shutdown()
+    want = {f"{i}:{r.prompt_id}": r.tokens.tolist() for i, batch in enumerate((first, second))
+            for r in batch}  # fmt: skip
+    for p in procs:
+        log, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, log[-3000:]
+    assert json.loads(out.read_text()) == want
