@@ -53,7 +53,8 @@ def _gib(n: float) -> str:
 
 
 def format_table(reports: list[ProgramReport], specs: dict[str, DeviceSpec]) -> str:
-    head = (f"{'program':<24} {'topology':<11} {'status':<16} {'args GiB':>9} {'temp GiB':>9} "
+    head = (f"{'program':<24} {'topology':<11} {'status':<16} {'args GiB':>9} {'out GiB':>8} "
+            f"{'temp GiB':>9} "
             f"{'peak GiB':>9} {'% HBM':>6} {'TFLOP':>9} {'GB moved':>9} {'roofline ms':>11} "
             f"{'compile s':>9}")  # fmt: skip
     lines = [head, "-" * len(head)]
@@ -61,7 +62,7 @@ def format_table(reports: list[ProgramReport], specs: dict[str, DeviceSpec]) -> 
         if r.status in (FITS, TOO_BIG) and r.argument_bytes:
             lines.append(
                 f"{r.name:<24} {r.topology:<11} {r.status:<16} {_gib(r.argument_bytes):>9} "
-                f"{_gib(r.temp_bytes):>9} {_gib(r.peak_bytes):>9} {100 * r.hbm_fraction:>6.1f} "
+                f"{_gib(r.output_bytes):>8} {_gib(r.temp_bytes):>9} {_gib(r.peak_bytes):>9} {100 * r.hbm_fraction:>6.1f} "
                 f"{r.flops / 1e12:>9.3f} {r.bytes_accessed / 1e9:>9.2f} "
                 f"{1e3 * r.roofline_s:>11.3f} {r.compile_s:>9.1f}"
             )
