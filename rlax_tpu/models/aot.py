@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,12 +43,11 @@ class AbstractProgram:
     note: str = ""
 
 
-def abstract(tree: Any, sharding: Sharding | Callable[[Any], Sharding] | Any) -> Any:
-    """``tree``'s leaves as ShapeDtypeStructs with ``sharding``: one Sharding for every leaf, a
-    function of the leaf, or a tree of Shardings shaped like ``tree``."""
-    if isinstance(sharding, Sharding) or callable(sharding):
-        pick = sharding if callable(sharding) else (lambda _: sharding)
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pick(x)), tree)
+def abstract(tree: Any, sharding: Sharding | Any) -> Any:
+    """``tree``'s leaves as ShapeDtypeStructs with ``sharding``: one Sharding for every leaf, or
+    a tree of Shardings shaped like ``tree``."""
+    if isinstance(sharding, Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding
     )
