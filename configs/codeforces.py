@@ -99,7 +99,8 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         mode="throughput", reload_staleness=16, acceptance_staleness=32, pipeline_depth=1,
         consume_order="freshest_first", transport="distributed", snapshot_keep=12,
         inference_endpoints=tuple(f"rlax-inference-{i}.rlax:50051" for i in range(32)),
-        param_server_endpoint="rlax-param-server.rlax:50052", trainer_endpoint="rlax-trainer.rlax:50053",
+        param_server_endpoints=tuple(f"rlax-param-server-{r}.rlax:50052" for r in range(4)),
+        trainer_endpoint="rlax-trainer.rlax:50053",
         verifier_endpoint="rlax-verifiers.rlax:50054", auth_token_file="/var/run/secrets/rlax/token",
     )  # fmt: skip
     cfg.algorithm.update(name="grpo", group_size=16, eps_low=0.2, eps_high=0.28)

@@ -138,7 +138,11 @@ def main(component: str, run: Callable[[RunConfig, list[str]], int]) -> None:
         if flags.FLAGS.print_config:
             print(json.dumps(to_dict(holder["cfg"]), indent=2))
             return 0
-        return run(holder["cfg"], args[1:])
+        try:
+            return run(holder["cfg"], args[1:])
+        except UsageError as e:  # a setting the component found unusable before starting
+            print(f"rlax_tpu.{component}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
 
     app.run(_main, flags_parser=parse)
 

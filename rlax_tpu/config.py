@@ -284,12 +284,50 @@ def _one_device() -> MeshConfig:
 
 
 @_frozen
+class DistributedConfig:
+    """How a component spanning several hosts joins its ``jax.distributed`` job.
+
+    ``coordinator_address`` "": one process, nothing is started. "auto": jax.distributed finds
+    everything in the environment (TPU VM metadata, a GKE JobSet's variables). "host:port":
+    process 0 runs the coordinator there and every process names its own ``process_id``. JAX's
+    coordinator has no credentials: keep it on the job's private network.
+    """
+
+    coordinator_address: str = ""
+    num_processes: int = 1
+    process_id: int = 0
+    initialization_timeout_s: int = 300
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_processes", "initialization_timeout_s")
+        if self.coordinator_address not in ("", "auto"):
+            host, sep, port = self.coordinator_address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise _bad(self, "coordinator_address", "must be '', 'auto' or 'host:port'")
+            if not 0 <= self.process_id < self.num_processes:
+                raise _bad(self, "process_id", f"must be in [0, num_processes={self.num_processes})")
+        elif self.coordinator_address == "" and self.num_processes != 1:
+            raise _bad(self, "num_processes", "needs a coordinator_address ('auto' or 'host:port')")
+
+    @property
+    def enabled(self) -> bool:
+        return self.coordinator_address != ""
+
+
+@_frozen
 class InferenceConfig:
     num_workers: int = 1
     backend: Literal["auto", "cpu", "gpu", "tpu"] = "auto"
     # Each worker's device mesh (the first data*fsdp*tensor devices it sees; -1: all of them):
     # weights and KV pages split over heads on tensor, decode rows over data. Default one device.
     mesh: MeshConfig = dataclasses.field(default_factory=_one_device)
+    # A worker spanning several hosts (its mesh over all their devices): process 0 serves, the
+    # others follow its engine steps.
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    # The parameter-server replica this worker pulls from (controller.param_server_endpoints[r]).
+    # -1: worker i of the local transport reads replica i mod replicas; a standalone worker then
+    # needs it set when there are several replicas.
+    param_server_replica: int = -1
     max_concurrent_seqs: int = 64
     page_size: int = 16  # tokens per KV page
     kv_cache_bytes: int = 256 * 2**20  # memory budget for KV pages, per worker
@@ -329,6 +367,8 @@ class InferenceConfig:
         )  # fmt: skip
         _non_negative(self, "top_k", "step_tokens", "prefill_rows", "span_groups")
         _positive(self, "span_bucket_pages")
+        if self.param_server_replica < -1:
+            raise _bad(self, "param_server_replica", "must be >= 0, or -1 for automatic")
         if self.span_groups > self.max_concurrent_seqs:
             raise _bad(self, "span_groups",
                        f"must be <= max_concurrent_seqs ({self.max_concurrent_seqs})")  # fmt: skip
@@ -593,7 +633,8 @@ class ControllerConfig:
     inference_endpoints: tuple[str, ...] = ()
     verifier_endpoint: str = ""
     trainer_endpoint: str = ""
-    param_server_endpoint: str = ""
+    # One per parameter-server replica (replica r at index r); the trainer publishes to all.
+    param_server_endpoints: tuple[str, ...] = ()
     auth_token_file: str = ""
     rpc_timeout_s: float = 60.0
     snapshot_keep: int = 3
@@ -637,13 +678,12 @@ class ControllerConfig:
                 self.pipeline_depth,
             )
         if self.transport == "distributed":
-            for n in ("verifier_endpoint", "trainer_endpoint", "param_server_endpoint"):
+            for n in ("verifier_endpoint", "trainer_endpoint", "param_server_endpoints",
+                      "inference_endpoints"):  # fmt: skip
                 if not getattr(self, n):
                     raise _bad(self, n, "required when transport is 'distributed'")
-            if not self.inference_endpoints:
-                raise _bad(self, "inference_endpoints", "required when transport is 'distributed'")
             endpoints = [*self.inference_endpoints, self.verifier_endpoint, self.trainer_endpoint,
-                         self.param_server_endpoint]  # fmt: skip
+                         *self.param_server_endpoints]  # fmt: skip
             remote = [e for e in endpoints if not _is_loopback(e.rpartition(":")[0])]
             if remote and not self.auth_token_file:
                 raise ConfigError(
@@ -709,6 +749,20 @@ class RunConfig:
                     f"multiple of model.num_kv_heads ({kv})",
                     tp,
                 )
+        replicas = self.param_server.replicas
+        if ctl.param_server_endpoints and len(ctl.param_server_endpoints) != replicas:
+            raise ConfigError(
+                "controller.param_server_endpoints",
+                f"needs one endpoint per replica (param_server.replicas = {replicas}): a replica "
+                "nobody publishes to never confirms progress, so no replica could collect versions",
+                ctl.param_server_endpoints,
+            )
+        if inf.param_server_replica >= replicas:
+            raise ConfigError(
+                "inference.param_server_replica",
+                f"must be < param_server.replicas ({replicas})",
+                inf.param_server_replica,
+            )
         if ctl.snapshot_keep < self.trainer.checkpoint_every + 1:
             raise ConfigError(
                 "controller.snapshot_keep",

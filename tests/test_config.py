@@ -340,7 +340,7 @@ def test_empty_datasets():
                 "controller.transport": "distributed",
                 "controller.verifier_endpoint": "127.0.0.1:1",
                 "controller.trainer_endpoint": "127.0.0.1:2",
-                "controller.param_server_endpoint": "127.0.0.1:3",
+                "controller.param_server_endpoints": ("127.0.0.1:3",),
             },
             "controller.inference_endpoints = (): required when transport is 'distributed'",
         ),
@@ -350,7 +350,7 @@ def test_empty_datasets():
                 "controller.inference_endpoints": ("10.0.0.5:50051",),
                 "controller.verifier_endpoint": "127.0.0.1:1",
                 "controller.trainer_endpoint": "127.0.0.1:2",
-                "controller.param_server_endpoint": "127.0.0.1:3",
+                "controller.param_server_endpoints": ("127.0.0.1:3",),
             },
             "controller.auth_token_file = '': required to reach non-loopback endpoints (e.g. '10.0.0.5:50051')",
         ),
@@ -361,7 +361,7 @@ def test_empty_datasets():
                 "controller.inference_endpoints": ("127.0.0.1:4",),
                 "controller.verifier_endpoint": "127.0.0.1:1",
                 "controller.trainer_endpoint": "127.0.0.1:2",
-                "controller.param_server_endpoint": "127.0.0.1:3",
+                "controller.param_server_endpoints": ("127.0.0.1:3",),
             },
             "controller.trainer_process = True: applies to the local transport only (the "
             "distributed one reaches the trainer at trainer_endpoint)",
@@ -390,7 +390,7 @@ def test_resume_needs_snapshots_and_checkpoints_that_meet():
         build({"controller.reload_staleness": 2, "controller.acceptance_staleness": 4})
     with pytest.raises(ConfigError, match=r"controller.warmup_steps = \d+: needs the local"):
         build({"controller.transport": "distributed", "controller.trainer_endpoint": "h:1",
-               "controller.verifier_endpoint": "h:1", "controller.param_server_endpoint": "h:1",
+               "controller.verifier_endpoint": "h:1", "controller.param_server_endpoints": ("h:1",),
                "controller.inference_endpoints": ("h:1",),
                "controller.auth_token_file": "/t"})  # fmt: skip
     with pytest.raises(ConfigError, match=r"data.language = 'java': the verifiers do not run it"):

@@ -1,9 +1,10 @@
 """The two transports: the same set of components, in this process or behind gRPC endpoints.
 
 ``local``: a parameter server (a real gRPC server on 127.0.0.1, so weights travel the same path as
-in production; in memory only, the trainer's checkpoints being the persistent copy), the trainer,
-the inference workers and the verifier service, all in this process.
-``distributed``: gRPC clients to the endpoints of ``controller.*_endpoint``; a component that does
+in production; in memory only, the trainer's checkpoints being the persistent copy; one per
+``param_server.replicas``, worker i reading replica i mod replicas), the trainer, the inference
+workers and the verifier service, all in this process.
+``distributed``: gRPC clients to the endpoints of ``controller.*_endpoint(s)``; a component that does
 not answer raises ``ComponentUnreachable`` naming it and its endpoint.
 """
 
@@ -20,7 +21,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from rlax_tpu import models
 from rlax_tpu.config import RunConfig
@@ -83,12 +83,15 @@ def build_local(
     closers: list[Callable[[], None]] = []
     try:
         ps_config = dataclasses.replace(config.param_server, address="127.0.0.1:0")
-        # No write-through here: in one process the trainer's checkpoints are the persistent
-        # copy, and a resumed run republishes the versions it needs from them.
-        server, port, store = serve(ps_config, persist_location="")
-        closers += [store.close, lambda: server.stop(grace=1).wait()]
-        endpoint = f"127.0.0.1:{port}"
-        ps_client = ParamServerClient.from_config(ps_config, endpoint)
+        replicas = []
+        for r in range(ps_config.replicas):
+            # No write-through here: in one process the trainer's checkpoints are the persistent
+            # copy, and a resumed run republishes the versions it needs from them.
+            server, port, store = serve(dataclasses.replace(ps_config, replica_index=r))
+            closers += [store.close, partial(_stop, server)]
+            replicas.append(f"127.0.0.1:{port}")
+        endpoint = ", ".join(replicas)
+        ps_client = ParamServerClient.from_config(ps_config, replicas)
         closers.append(ps_client.close)
         scratch = tempfile.TemporaryDirectory(prefix="rlax-verifier-")
         closers.append(scratch.cleanup)
@@ -99,7 +102,7 @@ def build_local(
             from rlax_tpu.controller.trainer_process import TrainerProcess
 
             child = TrainerProcess(config, model=model, checkpoint_dir=run_dir / "trainer",
-                                   param_server_endpoint=endpoint)  # fmt: skip
+                                   param_server_endpoints=replicas)  # fmt: skip
             closers.append(child.close)
             trainer: TrainerPort = child.client
             digest = child.params_sha256
@@ -110,12 +113,16 @@ def build_local(
             closers.append(trainer.close)
             digest = partial(_trainer_digest, trainer)
         workers = []
-        like = nnx.to_pure_dict(nnx.split(model)[1])  # the tree the trainer publishes
-        for _ in range(config.inference.num_workers):
-            source = PulledWeights(ps_client, like)
-            worker = InferenceWorker(model, config.inference, eos_ids=eos_ids, weight_source=source)
+        for i in range(config.inference.num_workers):
+            worker = InferenceWorker(model, config.inference, eos_ids=eos_ids)
             closers.append(worker.shutdown)
             workers.append(worker)
+            replica = config.inference.param_server_replica
+            reader = ParamServerClient.from_config(
+                ps_config, replicas, replica=replica if replica >= 0 else i % len(replicas)
+            )
+            closers.append(reader.close)
+            worker.weight_source = PulledWeights(reader, worker.engine.weight_shardings())
     except BaseException:
         _close_all(closers)
         raise
@@ -126,6 +133,10 @@ def build_local(
                    "verifiers": "in-process", "inference": f"in-process x{len(workers)}"},
         _closers=closers,
     )  # fmt: skip
+
+
+def _stop(server: Any) -> None:
+    server.stop(grace=1).wait()
 
 
 def _trainer_digest(trainer: Any) -> str:
@@ -143,7 +154,7 @@ def build_distributed(config: RunConfig) -> Components:
     timeout = c.rpc_timeout_s
     closers: list[Callable[[], None]] = []
     try:
-        ps = ParamServerClient(c.param_server_endpoint, credentials=creds,
+        ps = ParamServerClient(c.param_server_endpoints, credentials=creds,
                                chunk_bytes=config.param_server.chunk_bytes,
                                max_message_bytes=config.param_server.max_message_bytes)  # fmt: skip
         closers.append(ps.close)
@@ -164,7 +175,7 @@ def build_distributed(config: RunConfig) -> Components:
         raise
     return Components(
         workers=workers, verifier=verifier, trainer=trainer, param_server=ps,
-        endpoints={"param_server": c.param_server_endpoint, "trainer": c.trainer_endpoint,
+        endpoints={"param_server": ", ".join(c.param_server_endpoints), "trainer": c.trainer_endpoint,
                    "verifiers": c.verifier_endpoint,
                    "inference": ", ".join(c.inference_endpoints)},
         _closers=closers,

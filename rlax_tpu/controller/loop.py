@@ -50,7 +50,7 @@ RESUMABLE_FIELDS = (
     "controller.num_steps", "controller.log_every", "controller.rpc_timeout_s",
     "controller.transport", "controller.trainer_process", "controller.trainer_cpus",
     "controller.inference_endpoints", "controller.verifier_endpoint",
-    "controller.trainer_endpoint", "controller.param_server_endpoint",
+    "controller.trainer_endpoint", "controller.param_server_endpoints",
     "controller.auth_token_file", "controller.run_dir", "data.eval_every", "data.data_dir",
     "inference.num_workers", "inference.address", "trainer.address", "trainer.precompile",
     "verifiers.address", "verifiers.python_check",

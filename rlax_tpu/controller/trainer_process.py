@@ -9,7 +9,7 @@ distributed transport does. The child starts from the parent's model weights (af
 checkpoints to the same directory and publishes to the parent's parameter server.
 
     proc = TrainerProcess(config, model=model, checkpoint_dir=run_dir / "trainer",
-                          param_server_endpoint="127.0.0.1:PORT")
+                          param_server_endpoints=["127.0.0.1:PORT"])
     proc.client.train_step(batch)
     proc.close()
 """
@@ -44,7 +44,7 @@ def pin(cpus: set[int]) -> None:
 
 
 def _serve(
-    config: RunConfig, params: dict[str, Any], checkpoint_dir: str, endpoint: str,
+    config: RunConfig, params: dict[str, Any], checkpoint_dir: str, endpoints: list[str],
     conn: Connection,
 ) -> None:  # fmt: skip
     """The child: builds the trainer on ``params``, sends its port, serves until told to stop
@@ -59,7 +59,7 @@ def _serve(
         graphdef, state = nnx.split(models.abstract_model(config.model))
         nnx.replace_by_pure_dict(state, params)  # shapes only until now: nothing to copy
         model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, state))
-        sink = ParamServerClient.from_config(config.param_server, endpoint)
+        sink = ParamServerClient.from_config(config.param_server, endpoints)
         trainer = Trainer(config, sink=sink, model=model, checkpoint_dir=checkpoint_dir)
         server, port = serve(trainer, dataclasses.replace(config.trainer, address="127.0.0.1:0"))
     except BaseException as e:
@@ -86,7 +86,7 @@ class TrainerProcess:
 
     def __init__(
         self, config: RunConfig, *, model: models.Transformer, checkpoint_dir: str | Path,
-        param_server_endpoint: str, start_timeout_s: float = 300.0,
+        param_server_endpoints: list[str], start_timeout_s: float = 300.0,
     ):  # fmt: skip
         from rlax_tpu.trainer.client import TrainerClient
 
@@ -95,7 +95,7 @@ class TrainerProcess:
         self._conn, child_end = ctx.Pipe()
         self.process = ctx.Process(
             target=_serve, name="rlax-trainer", daemon=True,
-            args=(config, params, str(checkpoint_dir), param_server_endpoint, child_end),
+            args=(config, params, str(checkpoint_dir), list(param_server_endpoints), child_end),
         )  # fmt: skip
         self.process.start()
         child_end.close()

@@ -3,41 +3,74 @@
 Serves generate (streaming), load_weights(version), status and shutdown on inference.address
 (127.0.0.1 unless credentials are configured), and prints the bound address. The model comes
 from the run config's model section (served as version 0). With
-``controller.param_server_endpoint`` set, load_weights(v) pulls version v from that parameter
-server (with the credentials of the ``param_server`` section), shaped like the model's own
-parameters; without one, load_weights of any other version answers NOT_FOUND. Stops on SIGTERM,
-SIGINT or a Shutdown call.
+``controller.param_server_endpoints`` set, load_weights(v) pulls version v from replica
+``inference.param_server_replica`` of that parameter server (with the credentials of the
+``param_server`` section), only the slices of the worker's own devices, straight into the
+engine's shardings; without endpoints, load_weights of any other version answers NOT_FOUND.
+Stops on SIGTERM, SIGINT or a Shutdown call.
+
+A worker over several hosts (``inference.distributed``: one process per host, e.g.
+``coordinator_address=auto`` on a TPU VM slice) joins the jax.distributed job first; process 0
+serves, the others follow its engine steps and pull their own slices of each version, and all
+exit when process 0 shuts down.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from typing import Any
 
-from rlax_tpu import cli
+from rlax_tpu import cli, multihost
 from rlax_tpu.config import RunConfig
-from rlax_tpu.inference.service import serve
-from rlax_tpu.inference.worker import InferenceWorker
 from rlax_tpu.rpc.transport import Credentials
+
+
+def _replica(config: RunConfig) -> int:
+    replica = config.inference.param_server_replica
+    if replica >= 0:
+        return replica
+    if len(config.controller.param_server_endpoints) > 1:
+        raise cli.UsageError(
+            f"{len(config.controller.param_server_endpoints)} parameter-server replicas: set "
+            "inference.param_server_replica to the one this worker pulls from"
+        )
+    return 0
+
+
+def _weight_source(config: RunConfig, engine: Any) -> tuple[Any, Any]:
+    """(weight source, client to close), both None without parameter-server endpoints."""
+    if not config.controller.param_server_endpoints:
+        return None, None
+    # The composition root may use another component's published client (allowed by name
+    # in pyproject's import-linter contracts, like the trainer's sink).
+    from rlax_tpu.param_server import client as ps_client
+
+    client = ps_client.ParamServerClient.from_config(
+        config.param_server, config.controller.param_server_endpoints, replica=_replica(config)
+    )
+    return ps_client.PulledWeights(client, engine.weight_shardings()), client
 
 
 def run(config: RunConfig, args: list[str]) -> int:
     del args
+    _replica(config)  # a usage error before anything starts
+    lead = multihost.initialize(config.inference.distributed)
+    from rlax_tpu.inference.service import serve
+    from rlax_tpu.inference.worker import Follower, InferenceWorker
+
+    if not lead:
+        follower = Follower.from_config(config)
+        follower.weight_source, client = _weight_source(config, follower.engine)
+        steps = follower.run()
+        print(f"rlax_tpu.inference: follower stopped after {steps} engine steps", flush=True)
+        if client is not None:
+            client.close()
+        multihost.shutdown(config.inference.distributed)
+        return 0
     cfg = config.inference
     worker = InferenceWorker.from_config(config)
-    client = None
-    if config.controller.param_server_endpoint:
-        # The composition root may use another component's published client (allowed by name
-        # in pyproject's import-linter contracts, like the trainer's sink).
-        from flax import nnx
-
-        from rlax_tpu.param_server import client as ps_client
-
-        client = ps_client.ParamServerClient.from_config(
-            config.param_server, config.controller.param_server_endpoint
-        )
-        like = nnx.to_pure_dict(worker.engine.state)  # version 0's tree, before serving
-        worker.weight_source = ps_client.PulledWeights(client, like)
+    worker.weight_source, client = _weight_source(config, worker.engine)
     stop = threading.Event()
     server, port = serve(
         worker, cfg.address,
@@ -49,7 +82,9 @@ def run(config: RunConfig, args: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     host = cfg.address.rsplit(":", 1)[0]
     status = worker.status()
-    source = f", weights from {config.controller.param_server_endpoint}" if client else ""
+    source = ""
+    if client is not None:
+        source = f", weights from {client.endpoints[client.replica]}"
     print(f"rlax_tpu.inference: serving on {host}:{port} (backend {status.backend}, "
           f"version {status.version}, {status.pages_total} KV pages{source})", flush=True)  # fmt: skip
     stop.wait()
@@ -57,6 +92,7 @@ def run(config: RunConfig, args: list[str]) -> int:
     server.stop(grace=2.0).wait()
     if client is not None:
         client.close()
+    multihost.shutdown(config.inference.distributed)
     return 0
 
 

@@ -188,6 +188,11 @@ class Engine:
             return jax.device_put(tree, cache_shardings(tree, self.mesh))
         return jax.device_put(tree, models.param_shardings(tree, self.mesh))
 
+    def weight_shardings(self) -> Any:
+        """Where each parameter lives, as the pure-dict tree the trainer publishes: a weight
+        source builds each array from the slices this process's devices hold."""
+        return nnx.to_pure_dict(jax.tree.map(lambda a: a.sharding, self.state))
+
     @property
     def step_tokens(self) -> int:
         """Rows of every decode step."""

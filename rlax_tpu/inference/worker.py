@@ -12,8 +12,9 @@ unfinished samples and sleeps otherwise. Every sample of every accepted request 
 exactly once: finished, or ABORTED (weight reload without ``continue_on_reload``, shutdown).
 
 Several hosts (a ``jax.distributed`` job whose engine mesh spans its processes): process 0 runs
-the worker and serves callers; every other process runs :func:`run_follower`, which repeats the
-lead's engine calls (``lockstep``) and pulls each weight version from its own weight source.
+the worker and serves callers; every other process runs a :class:`Follower`, which repeats the
+lead's engine calls (``lockstep``) and pulls each weight version from its own weight source (each
+process only the slices its devices hold).
 """
 
 from __future__ import annotations
@@ -113,11 +114,7 @@ class InferenceWorker:
     ) -> InferenceWorker:
         """The run's model (``load_model``), served as version 0; EOS ids from its tokenizer when
         it has one."""
-        model = models.load_model(config.model)
-        try:
-            eos = models.load_tokenizer(config.model).stop_ids
-        except models.ModelLoadError:
-            eos = ()
+        model, eos = _model_and_eos(config)
         return cls(model, config.inference, eos_ids=eos, weight_source=weight_source)
 
     @property
@@ -258,17 +255,47 @@ class InferenceWorker:
             s.put(RuntimeError(f"inference engine step failed: {error!r}"))
 
 
-def run_follower(
-    model: models.Transformer, cfg: InferenceConfig, *, weight_source: WeightSource,
-    version: int = 0, eos_ids: Collection[int] = (),
-) -> int:  # fmt: skip
-    """A follower process of a multi-host worker: builds the same engine and repeats the lead's
-    calls until it shuts down; returns the engine steps taken."""
-    engine = Engine(model, cfg, version=version, eos_ids=eos_ids)
-    return lockstep.follow(engine, weight_source.fetch)
+def _model_and_eos(config: RunConfig) -> tuple[models.Transformer, Collection[int]]:
+    model = models.load_model(config.model)
+    try:
+        eos = models.load_tokenizer(config.model).stop_ids
+    except models.ModelLoadError:
+        eos = ()
+    return model, eos
+
+
+class Follower:
+    """A follower process of a multi-host worker: the same engine as the lead's (built at the
+    same point of the job, as building it runs collectives), repeating the lead's calls.
+
+        follower = Follower(model, cfg)
+        follower.weight_source = PulledWeights(client, follower.engine.weight_shardings())
+        follower.run()                        # until the lead shuts down
+    """
+
+    def __init__(
+        self, model: models.Transformer, cfg: InferenceConfig, *, version: int = 0,
+        eos_ids: Collection[int] = (), weight_source: WeightSource | None = None,
+    ):  # fmt: skip
+        self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids)
+        self.weight_source = weight_source
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> Follower:
+        model, eos = _model_and_eos(config)
+        return cls(model, config.inference, eos_ids=eos)
+
+    def run(self) -> int:
+        """Follows until the lead shuts down; returns the engine steps taken."""
+        return lockstep.follow(self.engine, self._fetch)
+
+    def _fetch(self, version: int) -> Any:
+        if self.weight_source is None:
+            raise UnknownVersion(f"version {version}: this follower has no weight source")
+        return self.weight_source.fetch(version)
 
 
 __all__ = [
-    "DictWeightSource", "InferenceWorker", "InvalidRequest", "Request", "UnknownVersion",
-    "VersionMismatch", "WeightSource", "WorkerShutdown", "WorkerStatus", "run_follower",
+    "DictWeightSource", "Follower", "InferenceWorker", "InvalidRequest", "Request",
+    "UnknownVersion", "VersionMismatch", "WeightSource", "WorkerShutdown", "WorkerStatus",
 ]  # fmt: skip

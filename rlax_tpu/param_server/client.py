@@ -314,15 +314,14 @@ class ParamServerClient:
 
 
 class PulledWeights:
-    """An inference worker's weight source (``fetch(version)``): pulls a version shaped like
-    ``like`` (the model's pure parameter dict, the tree the trainer publishes), every array on
-    ``device`` (default: the first). A version the server does not have raises KeyError, which the
-    worker reports as an unknown version."""
+    """An inference worker's weight source (``fetch(version)``): pulls a version into
+    ``shardings`` (a pytree of jax.sharding.Sharding shaped like the tree the trainer publishes,
+    e.g. the engine's ``weight_shardings()``), fetching only the slices this process's devices
+    hold. A version the server does not have raises KeyError, which the worker reports as an
+    unknown version."""
 
-    def __init__(self, client: ParamServerClient, like: Any, device: jax.Device | None = None):
-        self.client = client
-        sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-        self.shardings = jax.tree.map(lambda _: sharding, like)
+    def __init__(self, client: ParamServerClient, shardings: Any):
+        self.client, self.shardings = client, shardings
 
     def fetch(self, version: int) -> Any:
         try:

@@ -65,6 +65,7 @@ class ParamServer:
         # Newest version ever committed here (or found persisted): numbers at or below it that
         # are not hot can never be published again, so a number always means the same bytes.
         self._high_water = -1
+        self._bytes_served = 0  # data bytes handed to pulls (a sharded pull counts its slices)
         self._retention = Retention(replicas=config.replicas)
         self._persister = (
             Persister(self._hot, persist_location, keep=config.persist_keep)
@@ -282,6 +283,15 @@ class ParamServer:
         with self._lock:
             self._unpin_locked(version)
 
+    def bytes_served(self) -> int:
+        """Data bytes read out by pulls so far (headers not counted)."""
+        with self._lock:
+            return self._bytes_served
+
+    def _count_served(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes_served += nbytes
+
     def pins(self) -> dict[int, int]:
         """Pulls and persists in flight per version (what keeps GC off a version right now)."""
         with self._lock:
@@ -332,7 +342,8 @@ class ParamServer:
         with self._lock:
             hot = sorted(self._index)
             persisted = sorted(self._persisted)
-        detail = f"hot versions {hot}; persisted {persisted}"
+            served = self._bytes_served
+        detail = f"hot versions {hot}; persisted {persisted}; {served} bytes served"
         failing = self._persister.failing if self._persister is not None else ""
         if failing:
             return False, f"{detail}; persistence is failing: {failing}"
@@ -354,6 +365,7 @@ class VersionReader(Iterator[tuple[int, int, np.ndarray]]):
         self.manifest = manifest
         self._pieces: Iterator[tuple[int, int, np.ndarray]] | None = None
         self._closed = False
+        self._count = server._count_served
         # Not a method of self: the finalizer must not keep the reader alive.
         self._release = weakref.finalize(self, server._unpin, manifest.version)
 
@@ -365,10 +377,12 @@ class VersionReader(Iterator[tuple[int, int, np.ndarray]]):
         if self._closed or pieces is None:
             raise StopIteration
         try:
-            return next(pieces)
+            piece = next(pieces)
         except StopIteration:
             self.close()  # exhausted: release now rather than when dropped
             raise
+        self._count(piece[2].nbytes)
+        return piece
 
     def close(self) -> None:
         self._closed = True

@@ -2,8 +2,8 @@
 
 Serves train_step(batch), publish, save, restore and status over gRPC on trainer.address and
 prints the bound address; stops cleanly on SIGTERM / SIGINT. Each update publishes version
-v+1 to the parameter server at ``controller.param_server_endpoint`` (with the credentials of the
-``param_server`` section); without an endpoint nothing is published and Publish answers
+v+1 to every parameter-server replica of ``controller.param_server_endpoints`` (with the
+credentials of the ``param_server`` section); without endpoints nothing is published and Publish answers
 FAILED_PRECONDITION.
 """
 
@@ -25,13 +25,13 @@ def run(config: RunConfig, args: list[str]) -> int:
         print(f"rlax_tpu.trainer: unexpected arguments {args}", file=sys.stderr)
         return cli.EXIT_USAGE
     sink = None
-    if config.controller.param_server_endpoint:
+    if config.controller.param_server_endpoints:
         # The composition root may use another component's published client (the only such
         # import, allowed by name in pyproject's import-linter contracts).
         from rlax_tpu.param_server.client import ParamServerClient
 
         sink = ParamServerClient.from_config(
-            config.param_server, config.controller.param_server_endpoint
+            config.param_server, config.controller.param_server_endpoints
         )
     trainer = Trainer(config, sink=sink)
     server, port = serve(trainer, config.trainer)

@@ -13,7 +13,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from rlax_tpu.inference.service import InferenceClient
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "--config=configs/codeforces.py:local"
@@ -134,7 +134,7 @@ def test_distributed_run_against_separate_processes(tmp_path):
         ps = Service("param_server", [*common, "--config.param_server.address=127.0.0.1:0"])
         services.append(ps)
         ps_endpoint = ps.wait_for("param_server listening on")
-        wired = [*common, f"--config.controller.param_server_endpoint={ps_endpoint}"]
+        wired = [*common, f"--config.controller.param_server_endpoints=('{ps_endpoint}',)"]
         uid = 1_800_000 + (os.getpid() % 100_000) * 8
         trainer = Service("trainer", [*wired, "--config.trainer.address=127.0.0.1:0"])
         services.append(trainer)
@@ -201,9 +201,7 @@ def _step_record(run_dir: Path) -> list[tuple]:
 
 
 def test_unreachable_trainer_is_named(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once s is closed
+    closed = f"127.0.0.1:{free_port()}"  # nothing listens there
     # The parameter server (checked first) only has to accept a connection: any gRPC server.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
     answering = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -213,7 +211,7 @@ def test_unreachable_trainer_is_named(tmp_path):
         done = _controller([
             f"--config.controller.run_dir={tmp_path / 'run'}",
             "--config.controller.rpc_timeout_s=3",
-            f"--config.controller.param_server_endpoint={answering}",
+            f"--config.controller.param_server_endpoints=('{answering}',)",
             f"--config.controller.trainer_endpoint={closed}",
             f"--config.controller.verifier_endpoint={closed}",
             f"--config.controller.inference_endpoints=('{closed}',)",

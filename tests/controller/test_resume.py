@@ -101,8 +101,13 @@ def reference(env, tmp_path_factory) -> tuple[Path, str]:
 
 
 def test_deterministic_mode_is_bitwise_reproducible(env, reference, tmp_path):
+    """Also with two parameter-server replicas feeding two workers (worker i reads replica i):
+    where weights travel and how the work is split changes no bit."""
     _, digest = reference
-    assert sha(run(env, tmp_path / "b", "--config.controller.num_steps=4")) == digest
+    out = run(env, tmp_path / "b", "--config.controller.num_steps=4",
+              "--config.param_server.replicas=2", "--config.inference.num_workers=2")  # fmt: skip
+    assert re.search(r"param_server 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+,", out), out[-2000:]
+    assert sha(out) == digest
 
 
 def test_a_trainer_in_a_child_process_gives_the_same_weights(env, reference, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from rlax_tpu.config import MeshConfig
 from rlax_tpu.inference.engine import Engine, engine_mesh
+from tests.conftest import free_port
 
 from .conftest import SMALL, by_key, random_requests
 
@@ -95,19 +95,13 @@ def test_a_sharded_engine_keeps_its_layout_and_never_recompiles_in_steady_state(
     assert engine.cache.k_pages.sharding.spec == P(None, "tensor")  # donated and kept
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_an_engine_spanning_two_processes_gives_the_same_tokens(tiny_model, tmp_path):
     """A worker over two hosts: two jax.distributed processes (gloo on 127.0.0.1, 4 CPU devices
     each) run one engine on a data 2 x tensor 4 mesh across both, each following the same calls;
     the greedy tokens equal the one-device engine's, log-probs to f32 round-off (cross-process
     sums go through gloo)."""
     worker = Path(__file__).with_name("distributed_engine.py")
-    coordinator, out = f"127.0.0.1:{_free_port()}", tmp_path / "tokens.json"
+    coordinator, out = f"127.0.0.1:{free_port()}", tmp_path / "tokens.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
         subprocess.Popen([sys.executable, str(worker), coordinator, str(pid), str(out)], env=env,

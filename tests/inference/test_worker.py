@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 import pytest
 
+from rlax_tpu.config import MeshConfig
 from rlax_tpu.inference.engine import InvalidRequest
 from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
@@ -192,37 +195,119 @@ def test_sigterm_stops_the_service():
             proc.wait()
 
 
-def test_a_worker_over_two_processes_serves_what_one_process_serves(tiny_model, tmp_path):
-    """Two jax.distributed processes (gloo, 4 CPU devices each) make one worker on a data 2 x
-    tensor 4 mesh: process 0 takes the calls, process 1 repeats its engine calls (lockstep) and
-    pulls version 1 itself. Greedy tokens before and after the reload equal a one-process
-    worker's."""
-    import json
-    import socket
+# A small engine for the multi-process service test (the local preset's model).
+SERVICE_INFERENCE = dict(max_concurrent_seqs=8, page_size=4, kv_cache_bytes=2**20, prefill_chunk=8,
+                         max_prompt_len=24, max_new_tokens=16)  # fmt: skip
 
+
+def _local_config(inference: dict) -> Any:
+    """configs/codeforces.py:local with ``inference`` fields replaced."""
+    import importlib.util
+
+    from rlax_tpu.config import RunConfig, from_dict
+
+    spec = importlib.util.spec_from_file_location("codeforces", REPO / "configs" / "codeforces.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config("local").to_dict()
+    cfg["inference"] |= inference
+    return from_dict(RunConfig, cfg)
+
+
+def _own_slice_bytes(shardings: Any, shapes: Any, hosts: list[set]) -> int:
+    """Bytes the processes of ``hosts`` (each a set of devices) pull if each fetches every
+    distinct slice its devices hold once."""
+    total = 0
+    for sharding, shape in zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes), strict=True):
+        for devices in hosts:
+            boxes = {tuple((s.start or 0, s.stop or n) for s, n in zip(index, shape.shape, strict=True))
+                     for d, index in sharding.devices_indices_map(shape.shape).items()
+                     if d in devices}  # fmt: skip
+            total += sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * shape.dtype.itemsize
+    return total
+
+
+def test_python_m_rlax_tpu_inference_over_two_processes(tmp_path):
+    """One worker over two hosts, as `python -m rlax_tpu.inference` twice (jax.distributed on
+    127.0.0.1, gloo, 2 CPU devices each) on a tensor-4 mesh that spans both: process 0 serves,
+    process 1 follows. Both pull version 1 from a parameter server, each only its own devices'
+    slices (bytes counted by the server). Greedy tokens before and after the reload equal a
+    one-device worker's."""
     from flax import nnx
 
     from rlax_tpu import models
+    from rlax_tpu.config import ParamServerConfig
+    from rlax_tpu.inference.engine import Engine
+    from rlax_tpu.param_server.client import ParamServerClient, PulledWeights
+    from rlax_tpu.param_server.service import serve as serve_param_server
+    from tests.conftest import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-    script, out = Path(__file__).with_name("distributed_worker.py"), tmp_path / "tokens.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [
-        subprocess.Popen([sys.executable, str(script), coordinator, str(pid), str(out)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for pid in (0, 1)
-    ]  # fmt: skip
-    other = nnx.state(models.init_model(models.preset("tiny"), seed=1))
-    worker = InferenceWorker(tiny_model, SMALL, weight_source=DictWeightSource({1: other}))
-    first = list(worker.generate(random_requests(6, seed=5, temperature=0.0)))
-    worker.load_weights(1)
-    second = list(worker.generate(random_requests(6, seed=6, temperature=0.0)))
-    worker.shutdown()
-    want = {f"{i}:{r.prompt_id}": r.tokens.tolist() for i, batch in enumerate((first, second))
-            for r in batch}  # fmt: skip
-    for p in procs:
-        log, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, log[-3000:]
-    assert json.loads(out.read_text()) == want
+    ps_server, ps_port, ps_store = serve_param_server(ParamServerConfig(persist_every=0))
+    ps = ParamServerClient(f"127.0.0.1:{ps_port}")
+    coordinator = f"127.0.0.1:{free_port()}"
+    flags = [f"--config.inference.{k}={v}" for k, v in SERVICE_INFERENCE.items()]
+    common = ["--config=configs/codeforces.py:local", *flags, "--config.inference.mesh.tensor=4",
+              f"--config.controller.param_server_endpoints=('127.0.0.1:{ps_port}',)",
+              f"--config.inference.distributed.coordinator_address={coordinator}",
+              "--config.inference.distributed.num_processes=2"]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")  # fmt: skip
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "rlax_tpu.inference", *common,
+         f"--config.inference.distributed.process_id={pid}", "--config.inference.address=127.0.0.1:0"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) for pid in (0, 1)]  # fmt: skip
+    client = None
+    try:
+        # The reference: the same config on one device, in this process, from the same server.
+        config = _local_config(SERVICE_INFERENCE)
+        reference = InferenceWorker.from_config(config)
+        other = nnx.to_pure_dict(nnx.state(models.init_model(config.model, seed=1)))
+        ps.push(other, 1)
+        reference.weight_source = PulledWeights(ps, reference.engine.weight_shardings())
+        batches = [random_requests(6, seed=5, temperature=0.0, max_new=16),
+                   random_requests(6, seed=6, temperature=0.0, max_new=16)]  # fmt: skip
+        want = [by_key(reference.generate(batches[0]))]
+        reference.load_weights(1)
+        want.append(by_key(reference.generate(batches[1])))
+        reference.shutdown()
+
+        line = ""
+        while "serving on" not in line and (line := procs[0].stdout.readline()):
+            pass  # gloo prints its own lines first
+        assert "serving on 127.0.0.1:" in line, procs[0].stderr.read()[-3000:]
+        client = InferenceClient(line.split("serving on ", 1)[1].split()[0])
+        client.wait_ready(60)
+        got = [by_key(client.generate(batches[0]))]
+        served = ps_store.bytes_served()
+        assert client.load_weights(1) == 0 and client.status().version == 1
+        got.append(by_key(client.generate(batches[1])))
+        for g, w in zip(got, want, strict=True):
+            assert g.keys() == w.keys()
+            for key in w:
+                np.testing.assert_array_equal(g[key].tokens, w[key].tokens)
+                np.testing.assert_allclose(g[key].logprobs, w[key].logprobs, atol=2e-5)
+        client.shutdown()
+        for p in procs:
+            assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
+        assert "follower stopped after" in procs[1].stdout.read()
+        pulled = ps_store.bytes_served() - served  # the follower pulls at its next step
+        # Each process pulled only its own devices' slices: what a tensor-4 mesh over this
+        # process's devices 0,1 | 2,3 would hold, and less than two whole copies.
+        mesh_cfg = dataclasses.replace(config.inference, mesh=MeshConfig(data=1, fsdp=1, tensor=4))
+        engine = Engine(models.init_model(config.model), mesh_cfg, devices=jax.devices()[:4])
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), other)
+        devs = jax.devices()
+        expected = _own_slice_bytes(engine.weight_shardings(), shapes, [set(devs[:2]), set(devs[2:4])])
+        whole = sum(a.nbytes for a in jax.tree.leaves(other))
+        assert pulled == expected < 2 * whole, (pulled, expected, whole)
+    finally:
+        if client is not None:
+            client.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        ps.close()
+        ps_server.stop(None)
+        ps_store.close()

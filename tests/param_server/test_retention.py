@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from rlax_tpu.config import ParamServerConfig
@@ -65,6 +66,36 @@ def test_two_replicas_collect_once_both_hold_the_newer_version():
         assert hot(r0.client) == hot(r1.client) == [2, 3]
         assert_same_tree(both.pull(3), make_tree(3))  # from replica 1
         both.close()
+
+
+def test_forty_publishes_to_three_replicas_stay_within_in_memory_versions():
+    # One trainer publishes to every replica; readers pull from their own replica, with the
+    # version they hold leased (as the controller does); memory stays bounded on every replica.
+    k, n = 4, 3
+    configs = [ParamServerConfig(in_memory_versions=k, replicas=n, replica_index=r,
+                                 persist_every=0) for r in range(n)]  # fmt: skip
+    with running(configs[0]) as r0, running(configs[1]) as r1, running(configs[2]) as r2:
+        endpoints = [r.endpoint for r in (r0, r1, r2)]
+        trainer = ParamServerClient(endpoints)
+        readers = [ParamServerClient(endpoints, replica=r) for r in range(n)]
+        tree_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(make_tree(0)))
+        for v in range(40):
+            trainer.push(make_tree(v % 5), v)
+            for r, reader in enumerate(readers):
+                if v % n == r:  # each replica serves every third version to its reader
+                    assert_same_tree(reader.pull(v), make_tree(v % 5))
+                    reader.lease(f"reader-{r}", [v])
+            for replica in (r0, r1, r2):
+                assert len(hot(replica.client)) <= k
+        for replica in (r0, r1, r2):
+            assert hot(replica.client) == [36, 37, 38, 39]
+            committed, stored = replica.store.stored_prefixes()
+            assert committed == stored and len(committed) == k  # collected versions' data is gone
+            # Only its own reader pulled from it: 40 / 3 versions (rounded by index).
+            pulls = len(range(configs.index(replica.store.config), 40, n))
+            assert replica.store.bytes_served() == pulls * tree_bytes
+        for c in (trainer, *readers):
+            c.close()
 
 
 def test_leases_lapse_after_their_ttl():

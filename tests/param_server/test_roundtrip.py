@@ -58,10 +58,11 @@ def test_sliced_pull_builds_sharded_arrays_from_only_the_needed_slices(ps):
         ],
         "head": NamedSharding(mesh, P(None, ("data", "model"))),  # columns over all 8
     }
-    before = ps.client.bytes_pulled
+    before, served = ps.client.bytes_pulled, ps.store.bytes_served()
     got = ps.client.pull(0, shardings)
     # Devices holding the same slice share one pull: replicated data is not fetched twice.
-    assert ps.client.bytes_pulled - before == sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+    total = sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+    assert ps.client.bytes_pulled - before == ps.store.bytes_served() - served == total
     for x, s, want in zip(
         jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(shardings),
         jax.tree_util.tree_leaves(tree), strict=True,

@@ -9,7 +9,6 @@ relative, params 1e-6 absolute (0.1% of the update; adam_eps = 1e-5 as in test_s
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,20 +17,15 @@ import jax
 import numpy as np
 
 from rlax_tpu.trainer import Trainer
+from tests.conftest import free_port
 
 from .helpers import host, random_batch, run_config
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_equal_one(tmp_path):
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
         subprocess.Popen(

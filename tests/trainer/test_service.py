@@ -37,7 +37,7 @@ def test_module_entry_point_serves_publishes_and_stops(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlax_tpu.trainer", "--config=configs/codeforces.py:local",
          f"--config.controller.run_dir={tmp_path}", "--config.model.num_layers=1",
-         f"--config.controller.param_server_endpoint=127.0.0.1:{ps_port}"],
+         f"--config.controller.param_server_endpoints=('127.0.0.1:{ps_port}',)"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
