@@ -9,7 +9,7 @@ shardings need.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -235,21 +235,17 @@ class ParamServerClient:
         paths, leaf_shardings, treedef = flatten(shardings)
         manifest = self._manifest(version)
         position = {a.path: i for i, a in enumerate(manifest.arrays)}
-        missing = [p for p in paths if p not in position]
-        if missing:
-            raise errors.InvalidArgument(f"version {manifest.version} has no arrays at {missing}")
-        boxes: dict[tuple[int, Bounds], int] = {}
-        for path, sharding in zip(paths, leaf_shardings, strict=True):
-            shape = manifest.arrays[position[path]].shape
-            for index in sharding.addressable_devices_indices_map(shape).values():
-                boxes.setdefault((position[path], normalize_index(index, shape)), len(boxes))
-        _, data = self.pull_arrays(manifest.version, list(boxes))
+        boxes = needed_slices(manifest, shardings)
+        _, data = self.pull_arrays(manifest.version, boxes)
+        held: dict[int, list[tuple[Bounds, np.ndarray]]] = {}
+        for (i, bounds), array in zip(boxes, data, strict=True):
+            held.setdefault(i, []).append((bounds, array))
         leaves = []
         for path, sharding in zip(paths, leaf_shardings, strict=True):
             i = position[path]
             shape = manifest.arrays[i].shape
             leaves.append(jax.make_array_from_callback(
-                shape, sharding, lambda idx, i=i, shape=shape: data[boxes[(i, normalize_index(idx, shape))]]
+                shape, sharding, lambda idx, i=i, shape=shape: _cut(held[i], normalize_index(idx, shape))
             ))  # fmt: skip
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -311,6 +307,43 @@ class ParamServerClient:
             )
         except grpc.RpcError as e:
             _raise(e)
+
+
+def needed_slices(
+    manifest: VersionManifest, shardings: Any, devices: Collection[jax.Device] | None = None
+) -> list[tuple[int, Bounds]]:
+    """The (array index, box) slices to pull so that ``devices`` (default: this process's) get
+    what they hold of a version laid out by ``shardings`` (a pytree of Sharding shaped like the
+    pushed tree). Devices holding the same slice need it once; an array whose slices here cover
+    all of it is one whole box (one contiguous read instead of strided ones)."""
+    paths, leaf_shardings, _ = flatten(shardings)
+    position = {a.path: i for i, a in enumerate(manifest.arrays)}
+    missing = [p for p in paths if p not in position]
+    if missing:
+        raise errors.InvalidArgument(f"version {manifest.version} has no arrays at {missing}")
+    boxes: list[tuple[int, Bounds]] = []
+    for path, sharding in zip(paths, leaf_shardings, strict=True):
+        i = position[path]
+        shape = manifest.arrays[i].shape
+        if devices is None:
+            indices = sharding.addressable_devices_indices_map(shape).values()
+        else:
+            every = sharding.devices_indices_map(shape)
+            indices = [every[d] for d in devices if d in every]
+        tiles = list(dict.fromkeys(normalize_index(index, shape) for index in indices))
+        # A sharding's distinct tiles are disjoint: they cover the array iff their sizes add up.
+        if sum(math.prod(hi - lo for lo, hi in t) for t in tiles) == math.prod(shape):
+            tiles = [tuple((0, n) for n in shape)]
+        boxes += [(i, t) for t in tiles]
+    return boxes
+
+
+def _cut(held: list[tuple[Bounds, np.ndarray]], want: Bounds) -> np.ndarray:
+    """The part ``want`` of whichever pulled box contains it."""
+    for bounds, array in held:
+        if all(lo <= a and b <= hi for (a, b), (lo, hi) in zip(want, bounds, strict=True)):
+            return array[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(want, bounds, strict=True))]
+    raise errors.DataLoss(f"no pulled slice holds {want}")  # needed_slices covers every device
 
 
 class PulledWeights:
