@@ -317,7 +317,9 @@ class DistributedConfig:
 @_frozen
 class InferenceConfig:
     num_workers: int = 1
-    backend: Literal["auto", "cpu", "gpu", "tpu"] = "auto"
+    # "tpu_emulated": the TPU cache layout and packing with an XLA stand-in for the kernel (tests
+    # of the TPU path on CPU; see models/paged_attention.py).
+    backend: Literal["auto", "cpu", "gpu", "tpu", "tpu_emulated"] = "auto"
     # Each worker's device mesh (the first data*fsdp*tensor devices it sees; -1: all of them):
     # weights and KV pages split over heads on tensor, decode rows over data. Default one device.
     mesh: MeshConfig = dataclasses.field(default_factory=_one_device)

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from rlax_tpu import models
-from rlax_tpu.config import RunConfig
+from rlax_tpu.config import MeshConfig, RunConfig
 from rlax_tpu.inference.engine import engine_mesh
 from rlax_tpu.models.aot import AbstractProgram, abstract, engine_programs
 from rlax_tpu.models.paged_cache import cache_shardings
@@ -35,6 +35,9 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
         state, cache_sharding, io = abstract(state, one), one, one
         note = (f"one chip of {len(devices)}: inference.mesh is one device" if len(devices) > 1
                 else "")  # fmt: skip
+        # Traced under a one-chip mesh all the same: Mosaic reads the target chip from the
+        # context mesh, and would otherwise take this host's default device (a CPU).
+        mesh = models.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), list(devices[:1]))
     else:
         state = abstract(state, models.param_shardings(state, mesh))
         cache_sharding = cache_shardings(cache, mesh)

@@ -1,9 +1,11 @@
-"""Paged attention, one implementation per backend, all reading the same page layout.
+"""Paged attention, one implementation per backend, each reading its cache layout without a copy.
 
-Layout (per layer): ``k_pages``, ``v_pages`` [Hkv, P, page_size, D], the layout of the Pallas
-paged-attention kernels that ship with JAX (TPU ``paged_attention`` and GPU ``paged_attention``),
-so no backend transposes the cache. ``block_tables`` [B, M] int32 maps a sequence's page index to
-a physical page (null page 0 past its end). Every backend computes, for query (b, t) at
+Split layout (cpu, gpu), per layer: ``k_pages``, ``v_pages`` [Hkv, P, page_size, D], the layout of
+JAX's GPU Pallas paged-attention kernel. Combined layout (tpu, tpu_emulated), per layer:
+``kv_pages`` [P, page_size, 2 * Hkv, D'] with the keys of head h at 2h and its values at 2h + 1,
+the layout of JAX's TPU ragged paged-attention kernel (D' = D lane-padded to a multiple of 128,
+zeros, which change no dot product). ``block_tables`` [B, M] int32 maps a sequence's page index
+to a physical page (null page 0 past its end). Every backend computes, for query (b, t) at
 ``positions[b, t]`` = p >= 0, attention over positions 0..p of sequence b (the caller has already
 written them); rows with p < 0 are padding and give finite, unspecified outputs.
 
@@ -12,21 +14,29 @@ written them); rows with p < 0 are padding and give finite, unspecified outputs.
   are those of ``DenseKVCache`` with ``max_len = S``: run op by op, its output is bitwise the
   dense cache's; inside a larger jitted program XLA may fuse the gather, so only to round-off.
   This is the reference and the CPU production path.
-* ``tpu``: ``jax.experimental.pallas.ops.tpu.paged_attention`` (one query per row; every query
-  token is treated as a row of length p + 1). Its blocks need a head dim that is a multiple of
-  128, so the cache stores pages zero-padded to it (``paged_cache.stored_head_dim``) and the
-  queries are padded per call; the padding adds 0 to every score and output lane.
-* ``gpu``: ``jax.experimental.pallas.ops.gpu.paged_attention`` (same flattening).
-The ``*_interpret`` variants run the Pallas kernels in interpret mode, which is how the tests
-check them on CPU.
+* ``tpu``: ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, prefill and decode rows in
+  one call: each batch row is one of the kernel's sequences, its valid tokens packed together
+  (they must be consecutive positions at the start of the row, as the engine's decode and prefill
+  rows are). Under a mesh it runs in shard_map (rows over the batch axes, heads over tensor).
+* ``tpu_emulated``: the same layout, packing and sharding with a jittable XLA stand-in for the
+  Mosaic kernel (:func:`emulated_ragged_kernel`), a named fake: the kernel cannot run here (JAX's
+  TPU interpreter does not support its reshaped VMEM refs as of jax 0.10.2). Tests check the
+  stand-in against JAX's own reference of the kernel, and the kernel itself is compiled for TPU by
+  ``python -m rlax_tpu.aot``.
+* ``gpu``: ``jax.experimental.pallas.ops.gpu.paged_attention`` (one row per query token);
+  ``gpu_interpret`` runs it in interpret mode, which is how the tests check it on CPU.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from rlax_tpu.models.attention import causal_mask, dot_product_attention
 
@@ -88,64 +98,147 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return max(c for c in range(1, min(n, cap) + 1) if n % c == 0)
 
 
-def tpu_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-    positions: jax.Array, *, interpret: bool = False,
+# Backends whose cache keeps keys and values in one combined array (see the module docstring).
+COMBINED = ("tpu", "tpu_emulated")
+
+
+def kernel_tiles(kv_heads: int, itemsize: int) -> bool:
+    """Whether the TPU ragged kernel takes ``kv_heads`` KV heads per device: their 2 * kv_heads
+    combined heads must fill whole sublane tiles (1, 2, 4, 8 or a multiple of 8 packed rows)."""
+    combined, packing = 2 * kv_heads, max(1, 4 // itemsize)
+    return combined % packing == 0 and (combined // packing in (1, 2, 4, 8)
+                                        or combined // packing % 8 == 0)  # fmt: skip
+
+
+def padded_kv_heads(kv_heads: int, itemsize: int) -> int:
+    """KV heads the combined layout stores: the model's, padded with zero heads up to a count the
+    kernel tiles (SmolLM2's 3 -> 4 in bf16; 8 stays 8)."""
+    h = kv_heads
+    while not kernel_tiles(h, itemsize):
+        h += 1
+    return h
+
+
+def ragged_attention(
+    q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, positions: jax.Array, *,
+    kv_heads: int, emulated: bool = False,
 ) -> jax.Array:  # fmt: skip
-    """The JAX-shipped TPU Pallas paged-attention kernel; q [B, T, H, D] -> [B, T, H, D]."""
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
-    from jax.experimental.pallas.tpu import force_tpu_interpret_mode
-
-    b, t, h, d = q.shape
-    rows, tables, lengths = _flatten_queries(q, block_tables, positions)
-    per_block = _largest_divisor_at_most(tables.shape[1], 8)
-    pad = k_pages.shape[-1] - d  # pages stored with a lane-padded head dim (stored_head_dim)
-    if pad:
-        rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad)))
-
-    def call(rows, k_pages, v_pages, lengths, tables):  # noqa: ANN001, ANN202
-        return paged_attention(
-            rows, k_pages, v_pages, lengths, tables, pages_per_compute_block=per_block
-        )
-
+    """q [B, T, H, D], kv_pages [P, page_size, 2 * Hs, D'] (the model's ``kv_heads`` padded to
+    Hs, see padded_kv_heads) -> [B, T, H, D] through the TPU ragged kernel (``emulated``: its
+    XLA stand-in)."""
+    h, stored = q.shape[2], kv_pages.shape[2] // 2
+    # With zero KV heads padded in (padded_kv_heads), q gets zero heads too, at the end: the
+    # kernel maps q head i to KV head i // (h / kv_heads), so the real heads keep their groups.
+    ratio = h // kv_heads
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, stored * ratio - h), (0, 0)))
+    call = partial(_ragged_rows, d=q.shape[-1], emulated=emulated)
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1:
         # Mosaic kernels are not partitioned automatically: each device runs the kernel on its
         # rows (batch axes) and its heads (tensor axis), or on everything where they don't split.
-        call = _sharded_kernel(call, mesh, rows.shape[0], h, k_pages.shape[0])
-    args = (rows, k_pages, v_pages, lengths, tables)
-    if interpret:
-        with force_tpu_interpret_mode():
-            out = call(*args)
-    else:
-        out = call(*args)
-    return out[..., :d].reshape(b, t, h, d).astype(v_pages.dtype)
+        rows, heads = _kernel_axes(mesh, q.shape[0], q.shape[2], stored, kv_pages.dtype.itemsize)
+        call = jax.shard_map(
+            call, mesh=mesh,
+            in_specs=(P(rows, None, heads, None), P(None, None, heads, None), P(rows, None),
+                      P(rows, None)),
+            out_specs=P(rows, None, heads, None), check_vma=False,
+        )  # fmt: skip
+    return call(q, kv_pages, block_tables, positions)[:, :, :h]
 
 
-def _sharded_kernel(call: Callable, mesh: jax.sharding.AbstractMesh, rows: int, heads: int,
-                    kv_heads: int) -> Callable:  # fmt: skip
-    """``call(rows [N, H, D], k/v pages [Hkv, ...], lengths [N], tables [N, M])`` under
-    ``jax.shard_map``: rows split over the batch axes and heads over the tensor axis when they
-    divide evenly (q heads and KV heads together, so each device keeps whole GQA groups)."""
-    from jax.sharding import PartitionSpec as P
+def _ragged_rows(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
+                 positions: jax.Array, *, d: int, emulated: bool) -> jax.Array:  # fmt: skip
+    """One device's rows: packs their valid tokens (row b's at starts[b]..), rows with tokens
+    first as the kernel's sequences, and unpacks the output."""
+    b, t, h, _ = q.shape
+    valid = positions >= 0
+    q_lens = valid.sum(axis=1, dtype=jnp.int32)
+    last = jnp.take_along_axis(positions, jnp.maximum(q_lens - 1, 0)[:, None], axis=1)[:, 0]
+    kv_lens = jnp.where(q_lens > 0, last + 1, 0).astype(jnp.int32)
+    # The kernel attends the first num_seqs sequences: rows with tokens, in row order, whose
+    # packed queries then start where the running count of tokens (over all rows) says.
+    order = jnp.argsort(q_lens == 0, stable=True)
+    starts = jnp.cumsum(q_lens) - q_lens
+    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens[order], dtype=jnp.int32)])
+    num_seqs = (q_lens > 0).sum(dtype=jnp.int32)[None]
+    dest = jnp.where(valid, starts[:, None] + jnp.arange(t, dtype=jnp.int32), b * t)
+    pad = kv_pages.shape[-1] - q.shape[-1]
+    rows = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, pad))).astype(kv_pages.dtype)
+    packed = jnp.zeros((b * t, h, kv_pages.shape[-1]), rows.dtype)
+    packed = packed.at[dest.reshape(-1)].set(rows.reshape(b * t, h, -1), mode="drop")
+    kernel = emulated_ragged_kernel if emulated else _mosaic_ragged_kernel
+    out = kernel(packed, kv_pages, kv_lens[order], block_tables[order], cu_q_lens, num_seqs,
+                 sm_scale=d**-0.5)  # fmt: skip
+    out = out[jnp.minimum(dest, b * t - 1)]  # [B, T, H, D']
+    return jnp.where(valid[..., None, None], out, 0)[..., :d].astype(kv_pages.dtype)
 
+
+def _mosaic_ragged_kernel(
+    q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+    cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
+) -> jax.Array:  # fmt: skip
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    blocks: dict[str, int] = {}
+    if jax.default_backend() != "tpu":
+        # Compiling for a TPU from another host (python -m rlax_tpu.aot): the kernel's tuned
+        # table keys on the local device, so take its untuned default at the size that fits
+        # v4's VMEM (what it picks there); on a TPU host it looks up its tuned sizes itself.
+        blocks = dict(num_kv_pages_per_block=min(page_indices.shape[1], 32),
+                      num_queries_per_block=min(q.shape[0], 32))  # fmt: skip
+    return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                  sm_scale=sm_scale, **blocks)  # fmt: skip
+
+
+def emulated_ragged_kernel(
+    q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+    cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
+) -> jax.Array:  # fmt: skip
+    """The TPU ragged kernel's contract, in jittable XLA (a fake for CPU tests, see the module
+    docstring): packed token n of sequence s < num_seqs (cu_q_lens[s] <= n < cu_q_lens[s + 1])
+    is at position kv_lens[s] - q_len[s] + (n - cu_q_lens[s]) and attends over positions up to
+    it of s's pages. q [N, H, D'], kv_pages [P, page, 2 * Hkv, D'] -> [N, H, D'] (tokens past
+    the last sequence's: zeros)."""
+    n, h, d = q.shape
+    _, page, combined, _ = kv_pages.shape
+    hkv, m = combined // 2, page_indices.shape[1]
+    token = jnp.arange(n, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, kv_lens.shape[0] - 1)
+    live = token < cu_q_lens[num_seqs[0]]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    position = kv_lens[seq] - q_len + (token - cu_q_lens[seq])
+    pages = kv_pages[page_indices[seq]].reshape(n, m * page, combined, d)  # [N, S, 2Hkv, D']
+    k, v = pages[:, :, 0::2], pages[:, :, 1::2]
+    groups = q.reshape(n, hkv, h // hkv, d).astype(jnp.float32)
+    scores = jnp.einsum("nkgd,nskd->nkgs", groups, k.astype(jnp.float32)) * sm_scale
+    visible = jnp.arange(m * page)[None, :] <= position[:, None]  # [N, S]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("nkgs,nskd->nkgd", weights, v.astype(jnp.float32)).reshape(n, h, d)
+    return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+
+
+def _kernel_axes(mesh: jax.sharding.AbstractMesh, rows: int, heads: int, kv_heads: int,
+                 itemsize: int) -> tuple[Any, str | None]:  # fmt: skip
+    """(mesh axes of the rows, of the heads) for a kernel in shard_map: rows over the batch axes
+    and heads over the tensor axis when they divide evenly (q heads and KV heads together, so each
+    device keeps whole GQA groups) into a count the kernel tiles (see kv_heads_split)."""
     from rlax_tpu.models.sharding import LOGICAL_AXIS_RULES
 
     names = mesh.axis_names
     batch = tuple(a for a in LOGICAL_AXIS_RULES["batch"] if a in names and mesh.shape[a] > 1)
-    shards = 1
-    for a in batch:
-        shards *= mesh.shape[a]
+    shards = math.prod(mesh.shape[a] for a in batch)
     rows_axis = (batch if len(batch) > 1 else batch[0]) if batch and rows % shards == 0 else None
     tensor = LOGICAL_AXIS_RULES["heads"]
     tp = mesh.shape[tensor] if tensor in names else 1
-    head_axis = tensor if tp > 1 and heads % tp == 0 and kv_heads % tp == 0 else None
-    return jax.shard_map(
-        call, mesh=mesh,
-        in_specs=(P(rows_axis, head_axis, None), P(head_axis), P(head_axis), P(rows_axis),
-                  P(rows_axis, None)),
-        out_specs=P(rows_axis, head_axis, None), check_vma=False,
-    )  # fmt: skip
+    head_axis = tensor if heads % tp == 0 and kv_heads_split(kv_heads, tp, itemsize) else None
+    return rows_axis, head_axis
+
+
+def kv_heads_split(kv_heads: int, tp: int, itemsize: int) -> bool:
+    """Whether stored KV heads split over a tensor axis of ``tp`` (the cache's sharding and the
+    kernel's shard_map decide alike): evenly, into per-device counts the kernel tiles."""
+    return tp > 1 and kv_heads % tp == 0 and kernel_tiles(kv_heads // tp, itemsize)
 
 
 def gpu_attention(
@@ -165,11 +258,10 @@ def gpu_attention(
     return out.reshape(b, t, h, d).astype(v_pages.dtype)
 
 
+# Split-layout backends (the combined ones are called by the cache, see COMBINED).
 BACKENDS: dict[str, AttentionFn] = {
     "cpu": reference_attention,
-    "tpu": tpu_attention,
     "gpu": gpu_attention,
-    "tpu_interpret": lambda *a: tpu_attention(*a, interpret=True),
     "gpu_interpret": lambda *a: gpu_attention(*a, interpret=True),
 }
 
@@ -181,6 +273,7 @@ def resolve_backend(name: str, platform: str | None = None) -> str:
         platform = platform or jax.default_backend()
         platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
         return platform if platform in ("tpu", "gpu") else "cpu"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+    if name not in BACKENDS and name not in COMBINED:
+        choices = sorted([*BACKENDS, *COMBINED])
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {choices}")
     return name

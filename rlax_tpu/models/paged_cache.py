@@ -1,11 +1,17 @@
 """The device half of the paged KV cache: a jax pytree implementing ``rlax_tpu.models.KVCache``.
 
-``k_pages``/``v_pages`` [L, Hkv, P, page_size, D'] (D' = :func:`stored_head_dim`) hold every
-layer's pages (zero-initialized, so masked reads stay finite); ``block_tables`` [B, M] say which
-pages hold each batch row's sequence
-(several rows may share one table: prompt chunks of one sequence in the prefill program). ``attend``
-first writes the new keys/values of all rows, then lets the backend attend, so a query sees the
-tokens written by other rows of the same step at earlier positions.
+Two layouts of every layer's pages (D' = :func:`stored_head_dim`; zero-initialized, so masked
+reads stay finite), each the one its backend's kernel reads without a copy:
+
+* split (cpu, gpu): ``k_pages``, ``v_pages`` [L, Hkv, P, page_size, D'];
+* combined (tpu, tpu_emulated): ``kv_pages`` [L, P, page_size, 2 * Hs, D'], the keys of KV head h
+  at 2h and its values at 2h + 1 (JAX's TPU ragged paged-attention kernel), Hs the model's KV
+  heads padded with zero heads to a count the kernel tiles (:func:`stored_kv_heads`).
+
+``block_tables`` [B, M] say which pages hold each batch row's sequence (several rows may share one
+table: prompt chunks of one sequence in the prefill program). ``attend`` first writes the new
+keys/values of all rows, then lets the backend attend, so a query sees the tokens written by other
+rows of the same step at earlier positions.
 """
 
 from __future__ import annotations
@@ -14,21 +20,31 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_tpu.config import ModelConfig
-from rlax_tpu.models.paged_attention import BACKENDS, span_attention
-from rlax_tpu.models.sharding import constrain, logical_sharding
+from rlax_tpu.models.paged_attention import (
+    BACKENDS,
+    COMBINED,
+    kv_heads_split,
+    padded_kv_heads,
+    ragged_attention,
+    span_attention,
+)
+from rlax_tpu.models.sharding import LOGICAL_AXIS_RULES, logical_to_spec
 
-# Logical axes of k_pages / v_pages [L, Hkv, P, page_size, D'].
+# Logical axes of k_pages / v_pages [L, Hkv, P, page_size, D'] and of kv_pages
+# [L, P, page_size, 2 * Hkv, D'].
 PAGE_AXES = (None, "kv_heads", None, None, None)
+COMBINED_PAGE_AXES = (None, None, None, "kv_heads", None)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-    k_pages: jax.Array  # [L, Hkv, P, page_size, D]
-    v_pages: jax.Array  # [L, Hkv, P, page_size, D]
+    k_pages: jax.Array | None  # [L, Hkv, P, page_size, D'] (split layout)
+    v_pages: jax.Array | None  # [L, Hkv, P, page_size, D'] (split layout)
+    kv_pages: jax.Array | None  # [L, P, page_size, 2 * Hkv, D'] (combined layout)
     block_tables: jax.Array  # [B, M] int32
     backend: str = dataclasses.field(default="cpu", metadata=dict(static=True))
     # (rows, pages) per consecutive row group: the CPU backend attends group j's rows over their
@@ -44,20 +60,35 @@ class PagedKVCache:
         pages_per_seq: int, backend: str = "cpu",
     ) -> PagedKVCache:  # fmt: skip
         d = stored_head_dim(cfg, backend)
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, d)
         dtype = jnp.dtype(cfg.compute_dtype)
+        tables = jnp.zeros((batch, pages_per_seq), jnp.int32)
+        if backend in COMBINED:
+            shape = (cfg.num_layers, num_pages, page_size, 2 * stored_kv_heads(cfg, backend), d)
+            return cls(k_pages=None, v_pages=None, kv_pages=jnp.zeros(shape, dtype),
+                       block_tables=tables, backend=backend)  # fmt: skip
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, d)
         return cls(
-            k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
-            block_tables=jnp.zeros((batch, pages_per_seq), jnp.int32), backend=backend,
+            k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype), kv_pages=None,
+            block_tables=tables, backend=backend,
         )  # fmt: skip
 
     @property
+    def combined(self) -> bool:
+        return self.kv_pages is not None
+
+    @property
     def page_size(self) -> int:
-        return self.k_pages.shape[3]
+        return self.kv_pages.shape[2] if self.combined else self.k_pages.shape[3]
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages.shape[2]
+        return self.kv_pages.shape[1] if self.combined else self.k_pages.shape[2]
+
+    def read_pages(self, pages: jax.Array) -> list[jax.Array]:
+        """Every layer's contents of physical ``pages`` [K] (keys and values, in this layout)."""
+        if self.combined:
+            return [self.kv_pages[:, pages]]
+        return [self.k_pages[:, :, pages], self.v_pages[:, :, pages]]
 
     def with_tables(
         self, block_tables: jax.Array, spans: tuple[tuple[int, int], ...] = ()
@@ -67,6 +98,9 @@ class PagedKVCache:
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> PagedKVCache:
         """Copy-on-write: page src[i] -> dst[i] in every layer. src, dst [K] int32; pairs
         (0, 0) are padding (the null page onto itself)."""
+        if self.combined:
+            kv = self.kv_pages.at[:, dst].set(self.kv_pages[:, src])
+            return dataclasses.replace(self, kv_pages=kv)
         k = self.k_pages.at[:, :, dst].set(self.k_pages[:, :, src])
         v = self.v_pages.at[:, :, dst].set(self.v_pages[:, :, src])
         return dataclasses.replace(self, k_pages=k, v_pages=v)
@@ -83,9 +117,11 @@ class PagedKVCache:
         physical = jnp.where(valid & (safe // page < self.block_tables.shape[1]), physical,
                              self.num_pages)  # fmt: skip  # out of range: the write is dropped
         slot = safe % page
-        pad = self.k_pages.shape[-1] - k.shape[-1]  # stored_head_dim
+        pad = self.page_dim - k.shape[-1]  # stored_head_dim
         if pad:
             k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (k, v))
+        if self.combined:
+            return self._attend_combined(layer, q, k, v, positions, physical, slot)
         # Advanced indices (layer, physical, slot) around a slice put their [B, T] dims first,
         # so the update is laid out like k: [B, T, Hkv, D].
         k_pages = self.k_pages.at[layer, :, physical, slot].set(
@@ -95,7 +131,7 @@ class PagedKVCache:
             v.astype(self.v_pages.dtype), mode="drop"
         )
         # Under a mesh the pages stay split over KV heads (a no-op on one device).
-        k_pages, v_pages = constrain(k_pages, PAGE_AXES), constrain(v_pages, PAGE_AXES)
+        k_pages, v_pages = _constrain_pages(k_pages, self), _constrain_pages(v_pages, self)
         if self.spans and self.backend == "cpu":
             out = span_attention(
                 q, k_pages[layer], v_pages[layer], self.block_tables, positions, self.spans
@@ -106,26 +142,80 @@ class PagedKVCache:
             )
         return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
+    def _attend_combined(
+        self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+        physical: jax.Array, slot: jax.Array,
+    ) -> tuple[jax.Array, PagedKVCache]:  # fmt: skip
+        b, t, hkv, d = k.shape
+        stored = self.kv_pages.shape[3] // 2  # hkv padded with zero heads (padded_kv_heads)
+        k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, stored - hkv), (0, 0))) for x in (k, v))
+        kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * stored, d)  # k of head h at 2h, v 2h+1
+        kv_pages = self.kv_pages.at[layer, physical, slot].set(
+            kv.astype(self.kv_pages.dtype), mode="drop"
+        )
+        kv_pages = _constrain_pages(kv_pages, self)
+        emulated = self.backend == "tpu_emulated"
+        out = ragged_attention(q, kv_pages[layer], self.block_tables, positions, kv_heads=hkv,
+                               emulated=emulated)  # fmt: skip
+        return out, dataclasses.replace(self, kv_pages=kv_pages)
+
+    @property
+    def page_dim(self) -> int:
+        """The stored head dim (D')."""
+        return (self.kv_pages if self.combined else self.k_pages).shape[-1]
+
+
+def _page_spec(shape: tuple[int, ...], combined: bool, mesh, itemsize: int) -> jax.sharding.PartitionSpec:  # noqa: ANN001
+    """Pages split over KV heads on the tensor axis, when the KV heads divide by it. Combined
+    pages are judged by their stored KV heads (not 2 *): a split keeps a head's keys and values on
+    one device, and must leave each device a head count the TPU kernel tiles."""
+    if not combined:
+        return logical_to_spec(PAGE_AXES, shape, mesh)
+    tensor = LOGICAL_AXIS_RULES["kv_heads"]
+    tp = mesh.shape[tensor] if tensor in mesh.axis_names else 1
+    if not kv_heads_split(shape[3] // 2, tp, itemsize):
+        return PartitionSpec()
+    return logical_to_spec(COMBINED_PAGE_AXES, shape, mesh)
+
+
+def _constrain_pages(pages: jax.Array, cache: PagedKVCache) -> jax.Array:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return pages
+    spec = _page_spec(pages.shape, cache.combined, mesh, pages.dtype.itemsize)
+    return jax.lax.with_sharding_constraint(pages, spec)
+
 
 def stored_head_dim(cfg: ModelConfig, backend: str) -> int:
     """Head dim of the cache's pages: the model's, rounded up to the 128 lanes the TPU Pallas
     kernel's blocks need (its per-row max/sum outputs take the head dim's block), zero-padded,
     which changes no dot product."""
     d = cfg.resolved_head_dim
-    return -(-d // 128) * 128 if backend in ("tpu", "tpu_interpret") else d
+    return -(-d // 128) * 128 if backend in COMBINED else d
+
+
+def stored_kv_heads(cfg: ModelConfig, backend: str) -> int:
+    """KV heads of the cache's pages: the model's, padded for the TPU kernel's tiling in the
+    combined layout (zero heads: no query attends them)."""
+    if backend in COMBINED:
+        return padded_kv_heads(cfg.num_kv_heads, jnp.dtype(cfg.compute_dtype).itemsize)
+    return cfg.num_kv_heads
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, backend: str = "cpu") -> int:
     """Bytes of one page across all layers, keys and values."""
     itemsize = jnp.dtype(cfg.compute_dtype).itemsize
     d = stored_head_dim(cfg, backend)
-    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * d * itemsize
+    return 2 * cfg.num_layers * stored_kv_heads(cfg, backend) * page_size * d * itemsize
 
 
 def cache_shardings(cache: PagedKVCache, mesh: Mesh) -> PagedKVCache:
     """NamedShardings for ``cache`` on ``mesh``: pages split over KV heads on the tensor axis
     (replicated when the heads do not divide evenly, e.g. 2 KV heads on tensor 4: every device
     then holds every head's pages), block tables replicated."""
-    pages = logical_sharding(PAGE_AXES, cache.k_pages.shape, mesh)
-    tables = logical_sharding((None, None), cache.block_tables.shape, mesh)
-    return dataclasses.replace(cache, k_pages=pages, v_pages=pages, block_tables=tables)
+    pages = [None if x is None else
+             NamedSharding(mesh, _page_spec(x.shape, cache.combined, mesh, x.dtype.itemsize))
+             for x in (cache.k_pages, cache.v_pages, cache.kv_pages)]  # fmt: skip
+    tables = NamedSharding(mesh, logical_to_spec((None, None), cache.block_tables.shape, mesh))
+    return dataclasses.replace(cache, k_pages=pages[0], v_pages=pages[1], kv_pages=pages[2],
+                               block_tables=tables)  # fmt: skip

@@ -285,3 +285,30 @@ def test_prompt_prefixes_are_cut_at_fixed_boundaries(tiny_model):
         ("b", 0, 4), ("b", 4, 5)]
     assert [(r.seq.request.prompt_id, r.seq.sample_index, r.position) for r in plan.rows] == [
         ("a", 0, 10), ("a", 1, 10)]
+
+
+def test_the_tpu_layout_serves_the_cpu_engines_tokens():
+    """backend tpu_emulated: the TPU path's combined KV pages (keys and values interleaved by
+    head, lane-padded; the model's 3 KV heads padded with a zero head to the 4 the kernel tiles),
+    ragged packing of prefill and decode rows, copy-on-write pages and preemption, with the XLA
+    stand-in for the Mosaic kernel. Greedy tokens equal the CPU engine's (tiny page budget: both
+    preempt), log-probs to f32 round-off (a different summation order)."""
+    model = models.init_model(models.preset("tiny", num_heads=6, num_kv_heads=3, hidden_size=192))
+    requests = [*random_requests(12, seed=11, temperature=0.0),
+                Request(prompt_id="group", prompt_tokens=tuple(range(1, 19)), num_samples=4,
+                        sampling=SamplingParams(temperature=0.0, max_new_tokens=8))]  # fmt: skip
+    runs = {}
+    for backend in ("cpu", "tpu_emulated"):
+        budget = 16 * page_bytes(model.cfg, 4, backend)  # one max-length sequence + spares
+        engine = make_engine(model, backend=backend, kv_cache_bytes=budget)
+        for r in requests:
+            engine.submit(r)
+        runs[backend] = (by_key(_run_checked(engine)), engine)
+    want, (got, tpu) = runs["cpu"][0], runs["tpu_emulated"]
+    assert tpu.backend == "tpu_emulated" and tpu.cache.kv_pages is not None
+    assert tpu.cache.kv_pages.shape[-2:] == (2 * 4, 128)
+    assert tpu.scheduler.num_preemptions > 0 and tpu.stats().pages_shared > 0
+    assert got.keys() == want.keys()
+    for key, ro in want.items():
+        np.testing.assert_array_equal(got[key].tokens, ro.tokens)
+        np.testing.assert_allclose(got[key].logprobs, ro.logprobs, rtol=0, atol=2e-5)

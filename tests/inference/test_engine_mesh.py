@@ -68,11 +68,37 @@ def test_weights_and_pages_follow_the_logical_rules(tiny_model):
 
 def test_reloaded_weights_land_on_the_mesh(tiny_model):
     engine = Engine(tiny_model, dataclasses.replace(CFG, mesh=MESHES["tensor2"]))
-    params = jax.tree.map(np.asarray, engine.state)  # host copies, as a pull delivers them
+    params = jax.tree.map(np.asarray, engine.state)  # host copies
     engine.load_weights(1, params)
     assert engine.state["layers"][0]["mlp"]["up_proj"][...].sharding.spec == P(None, "tensor")
     engine.submit(random_requests(1, seed=9, temperature=0.0)[0])
     assert len(engine.run()) == 1 and engine.version == 1
+
+
+def test_a_pull_lands_in_the_engines_shardings(tiny_model):
+    """A version pulled from a real parameter server with the engine's weight shardings arrives
+    already laid out as the engine serves it: loading it moves nothing."""
+    from flax import nnx
+
+    from rlax_tpu.config import ParamServerConfig
+    from rlax_tpu.param_server.client import ParamServerClient, PulledWeights
+    from rlax_tpu.param_server.service import serve
+
+    engine = Engine(tiny_model, dataclasses.replace(CFG, mesh=MESHES["data2xtensor2"]))
+    server, port, store = serve(ParamServerConfig(persist_every=0))
+    client = ParamServerClient(f"127.0.0.1:{port}")
+    try:
+        client.push(jax.tree.map(np.asarray, nnx.to_pure_dict(engine.state)), 1)
+        pulled = PulledWeights(client, engine.weight_shardings()).fetch(1)
+        want = jax.tree.leaves(engine.weight_shardings())
+        assert [x.sharding for x in jax.tree.leaves(pulled)] == want
+        engine.load_weights(1, pulled)
+        for got, fetched in zip(jax.tree.leaves(engine.state), jax.tree.leaves(pulled), strict=True):
+            assert got is fetched  # placed as pulled: no copy, no resharding
+    finally:
+        client.close()
+        server.stop(None)
+        store.close()
 
 
 def test_a_mesh_larger_than_the_worker_is_refused():
