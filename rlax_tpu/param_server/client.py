@@ -71,6 +71,7 @@ class ParamServerClient:
             raise ValueError(f"replica {replica} is not one of {len(self.endpoints)} endpoints")
         self.replica, self.chunk_bytes, self.timeout_s = replica, chunk_bytes, timeout_s
         self.bytes_pulled = 0  # payload bytes received by pulls, for metrics
+        self.bytes_pushed = 0  # payload bytes sent by part pushes (all replicas), for metrics
         # Pulled versions land in slabs, reused once the caller has dropped a version's arrays
         # (jax lets go of an aliased host array at its next call: a caller that drops each
         # version at once alternates between two slabs).
@@ -121,6 +122,13 @@ class ParamServerClient:
         version raises AlreadyExists.
         """
         paths, leaves, _ = flatten(params)
+        if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+            # Arrays over several processes: each process sends the boxes it owns.
+            specs = [ArraySpec(path=p, shape=tuple(x.shape), dtype=np.dtype(x.dtype).name)
+                     for p, x in zip(paths, leaves, strict=True)]  # fmt: skip
+            boxes = [(i, b, d) for i, x in enumerate(leaves) for b, d in owned_boxes(x)]
+            return self.push_part(specs, boxes, version, step=step, part=jax.process_index(),
+                                  parts=jax.process_count())[0]  # fmt: skip
         specs, hosts = [], []
         for path, leaf in zip(paths, leaves, strict=True):
             sharding, block = describe_sharding(leaf)
@@ -159,6 +167,37 @@ class ParamServerClient:
                 yield message
             crcs.append(crc)
         yield pb.PublishRequest(trailer=pb.PublishTrailer(crc32=crcs))
+
+    def push_part(
+        self, specs: Sequence[ArraySpec], boxes: Sequence[tuple[int, Bounds, np.ndarray]],
+        version: int, *, step: int | None = None, part: int, parts: int,
+    ) -> tuple[VersionInfo, bool]:  # fmt: skip
+        """Publishes part ``part`` of ``parts`` of ``version`` to every replica: ``specs`` are the
+        whole version's arrays, ``boxes`` (array index, bounds, data) this part's share, disjoint
+        from the other parts'. Returns (info, complete): complete when the version is committed
+        (this part was its last, or it was already). Whoever completes a replica's version tells
+        every replica, so GC learns of it as with a whole push. Idempotent like ``push``."""
+        header = wire.header_to_pb(VersionManifest(
+            version=version, step=version if step is None else step, arrays=tuple(specs),
+        ))  # fmt: skip
+        header.part.index, header.part.count = part, parts
+        for i, bounds, _ in boxes:
+            header.part.boxes.add(array=i, start=[lo for lo, _ in bounds],
+                                  stop=[hi for _, hi in bounds])  # fmt: skip
+        datas = [np.ascontiguousarray(d) for _, _, d in boxes]
+
+        def one(publish: Any) -> pb.PublishReply:
+            try:
+                return publish(self._publish_stream(header, datas), timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                _raise(e)
+
+        replies = self._on_all(one, self._publish)
+        for r, reply in enumerate(replies):
+            if reply.complete:
+                self.report_progress(r, version)
+        self.bytes_pushed += sum(d.nbytes for d in datas) * len(replies)
+        return wire.info_from_pb(replies[self.replica].info), all(r.complete for r in replies)
 
     def _on_all(self, call: Any, targets: Sequence[Any] | None = None) -> list[Any]:
         """``call(target)`` for every replica's stub (or ``targets``), concurrently."""
@@ -336,6 +375,18 @@ def needed_slices(
             tiles = [tuple((0, n) for n in shape)]
         boxes += [(i, t) for t in tiles]
     return boxes
+
+
+def owned_boxes(x: jax.Array) -> list[tuple[Bounds, np.ndarray]]:
+    """The distinct slices of ``x`` this process publishes: each slice is owned by the lowest
+    process holding it, so the processes' shares are disjoint and together cover ``x``."""
+    me, shape = jax.process_index(), x.shape
+    owner: dict[Bounds, int] = {}
+    for device, index in x.sharding.devices_indices_map(shape).items():
+        box = normalize_index(index, shape)
+        owner[box] = min(owner.get(box, device.process_index), device.process_index)
+    local = {normalize_index(s.index, shape): s for s in x.addressable_shards}
+    return [(box, np.asarray(local[box].data)) for box, p in owner.items() if p == me]
 
 
 def _cut(held: list[tuple[Bounds, np.ndarray]], want: Bounds) -> np.ndarray:

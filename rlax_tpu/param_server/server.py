@@ -31,6 +31,7 @@ from rlax_tpu.param_server.codec import (
     checksum,
     np_dtype,
 )
+from rlax_tpu.param_server.parts import Assembly, PartSession, commit_assembly, cut
 from rlax_tpu.param_server.persistence import Persister
 from rlax_tpu.param_server.retention import Retention
 from rlax_tpu.param_server.store import ArrayStore
@@ -60,6 +61,7 @@ class ParamServer:
         self._lock = threading.Lock()
         self._index: dict[int, tuple[VersionManifest, str]] = {}  # committed: version -> prefix
         self._publishing: set[int] = set()
+        self._assemblies: dict[int, Assembly] = {}  # versions published in parts, incomplete
         self._pins: collections.Counter[int] = collections.Counter()  # pulls and persists in flight
         self._persisted: set[int] = set()
         # Newest version ever committed here (or found persisted): numbers at or below it that
@@ -79,35 +81,109 @@ class ParamServer:
 
     def begin_publish(self, version: int, step: int, arrays: Sequence[ArraySpec]) -> PublishSession:
         """Validates a version's declared tree and opens a session that receives its bytes."""
-        if version < 0 or step < 0:
-            raise errors.InvalidArgument(f"version and step must be >= 0, got {version}, {step}")
-        if not arrays:
-            raise errors.InvalidArgument(f"version {version} declares no arrays")
-        paths = [a.path for a in arrays]
-        if len(set(paths)) != len(paths):
-            raise errors.InvalidArgument(f"version {version} declares a path twice")
+        _check_declaration(version, step, arrays)
         with self._lock:
-            existing = self._index.get(version)
-            if existing is not None and not _same_layout(existing[0].arrays, arrays):
-                raise errors.AlreadyExists(
-                    f"version {version} exists with a different tree, shapes or dtypes"
-                )
-            latest = self._latest_locked()
-            if existing is None and latest is not None:
-                reference = self._index[latest][0].arrays
-                if not _same_layout(reference, arrays):
-                    raise errors.InvalidArgument(
-                        f"version {version} does not match the tree, shapes and dtypes of version "
-                        f"{latest}: {_first_difference(reference, arrays)}"
-                    )
-            if existing is None:
-                self._check_new_number_locked(version)
-            if version in self._publishing:
+            existing = self._check_layout_locked(version, arrays)
+            if version in self._publishing or version in self._assemblies:
                 raise errors.Aborted(f"version {version} is being published by another stream")
             if existing is None:
                 self._collectible_locked(need_room=True)  # fail early, collect at commit
             self._publishing.add(version)
         return PublishSession(self, version, step, tuple(arrays), existing=existing)
+
+    def _check_layout_locked(
+        self, version: int, arrays: Sequence[ArraySpec]
+    ) -> tuple[VersionManifest, str] | None:
+        """The committed version (a retry) or None (a new number, checked); raises when the
+        declared tree differs from the committed or the latest version's."""
+        existing = self._index.get(version)
+        if existing is not None and not _same_layout(existing[0].arrays, arrays):
+            raise errors.AlreadyExists(
+                f"version {version} exists with a different tree, shapes or dtypes"
+            )
+        latest = self._latest_locked()
+        if existing is None and latest is not None:
+            reference = self._index[latest][0].arrays
+            if not _same_layout(reference, arrays):
+                raise errors.InvalidArgument(
+                    f"version {version} does not match the tree, shapes and dtypes of version "
+                    f"{latest}: {_first_difference(reference, arrays)}"
+                )
+        if existing is None:
+            self._check_new_number_locked(version)
+        return existing
+
+    def begin_part(
+        self, version: int, step: int, arrays: Sequence[ArraySpec], *, part: int, parts: int,
+        boxes: Sequence[tuple[int, Bounds]],
+    ) -> PartSession:  # fmt: skip
+        """Opens part ``part`` of ``parts`` of a version published in parts (parts.py)."""
+        _check_declaration(version, step, arrays)
+        if not 0 <= part < parts:
+            raise errors.InvalidArgument(f"part {part} is not in [0, {parts})")
+        with self._lock:
+            existing = self._check_layout_locked(version, arrays)
+            if existing is not None:  # a retry after the commit: compared, not stored
+                return PartSession(self, None, part, boxes, committed=existing, arrays=arrays)
+            if version in self._publishing:
+                raise errors.Aborted(f"version {version} is being published by another stream")
+            assembly = self._assemblies.get(version)
+            if assembly is None:
+                self._collectible_locked(need_room=True)  # fail early, collect at commit
+                for old in [v for v in self._assemblies if v < version]:
+                    log.warning("dropping unfinished version %d: version %d is being published",
+                                old, version)  # fmt: skip
+                    del self._assemblies[old]
+                assembly = Assembly.create(version, step, arrays, parts)
+                self._assemblies[version] = assembly
+            elif (assembly.parts, assembly.step) != (parts, step) or not _same_layout(
+                assembly.arrays, arrays
+            ):
+                raise errors.InvalidArgument(
+                    f"part {part} of version {version} declares {parts} parts at step {step} or "
+                    f"another tree; its other parts declared {assembly.parts} at {assembly.step}"
+                )
+            if assembly.finishing:
+                raise errors.Aborted(f"version {version} is being committed")
+            assembly.claim(part, boxes)
+        return PartSession(self, assembly, part, boxes, committed=None, arrays=arrays)
+
+    def _finish_part(self, assembly: Assembly, part: int, boxes: list, values: list,
+                     crcs: list[int]) -> tuple[VersionInfo, bool, bool]:  # fmt: skip
+        """A part's checked boxes into its version; the part completing it commits it."""
+        info = VersionInfo(version=assembly.version, step=assembly.step,
+                           nbytes=sum(a.nbytes for a in assembly.arrays))  # fmt: skip
+        with self._lock:
+            if self._assemblies.get(assembly.version) is not assembly:
+                raise errors.Aborted(f"version {assembly.version} was dropped or committed")
+            if part in assembly.done:
+                if assembly.done[part] != crcs or assembly.claimed[part] != boxes:
+                    raise errors.AlreadyExists(
+                        f"part {part} of version {assembly.version} was sent with other content"
+                    )
+                return info, True, False
+        for (i, bounds), value in zip(boxes, values, strict=True):  # disjoint: no lock needed
+            assembly.data[i][cut(bounds)] = value
+        with self._lock:
+            assembly.done[part] = crcs
+            complete = len(assembly.done) == assembly.parts and not assembly.finishing
+            if complete:
+                missing = assembly.uncovered()
+                if missing:
+                    del self._assemblies[assembly.version]
+                    raise errors.DataLoss(
+                        f"version {assembly.version}: its {assembly.parts} parts leave arrays "
+                        f"uncovered: {missing}"
+                    )
+                assembly.finishing = True
+        if not complete:
+            return info, False, False
+        try:
+            info = commit_assembly(self, assembly)
+        finally:
+            with self._lock:
+                self._assemblies.pop(assembly.version, None)
+        return info, False, True
 
     def publish(self, version: int, step: int, paths: Sequence[str],
                 arrays: Sequence[np.ndarray]) -> tuple[VersionInfo, bool]:  # fmt: skip
@@ -441,6 +517,16 @@ def _pieces(spec: ArraySpec, bounds: Bounds, piece_bytes: int) -> Iterator[tuple
     step = max(1, piece_bytes // max(row, 1))
     for start in range(lo, max(hi, lo + 1), step):
         yield (start - lo) * row, ((start, min(start + step, hi)), *rest)
+
+
+def _check_declaration(version: int, step: int, arrays: Sequence[ArraySpec]) -> None:
+    if version < 0 or step < 0:
+        raise errors.InvalidArgument(f"version and step must be >= 0, got {version}, {step}")
+    if not arrays:
+        raise errors.InvalidArgument(f"version {version} declares no arrays")
+    paths = [a.path for a in arrays]
+    if len(set(paths)) != len(paths):
+        raise errors.InvalidArgument(f"version {version} declares a path twice")
 
 
 def _same_layout(a: Sequence[ArraySpec], b: Sequence[ArraySpec]) -> bool:

@@ -46,35 +46,33 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
         if not isinstance(first, pb.PublishRequest) or first.WhichOneof("part") != "header":
             raise errors.InvalidArgument("a publish stream must start with a header")
         header = wire.header_from_pb(first.header)
+        if first.header.HasField("part"):
+            return self._publish_part(first.header, header, request_iterator)
         session = self._server.begin_publish(header.version, header.step, header.arrays)
         try:
-            for request in request_iterator:
-                if isinstance(request, ChunkView):
-                    session.add(request.index, request.offset, request.data)
-                    continue
-                part = request.WhichOneof("part")
-                if part == "trailer":
-                    info, present = session.finish(list(request.trailer.crc32))
-                    return pb.PublishReply(info=wire.info_to_pb(info), already_present=present)
-                else:
-                    raise errors.InvalidArgument(f"unexpected {part!r} in the middle of a publish")
-            raise errors.DataLoss(
-                f"truncated publish of version {header.version}: the stream ended without a trailer"
-            )
+            crcs = _receive(session, request_iterator, header.version)
+            info, present = session.finish(crcs)
+            return pb.PublishReply(info=wire.info_to_pb(info), already_present=present,
+                                   complete=True)  # fmt: skip
         finally:
             session.abort()
+
+    def _publish_part(self, raw: pb.VersionHeader, header: VersionManifest,
+                      request_iterator: Iterator) -> pb.PublishReply:  # fmt: skip
+        boxes = [(b.array, _bounds(b)) for b in raw.part.boxes]
+        session = self._server.begin_part(
+            header.version, header.step, header.arrays, part=raw.part.index,
+            parts=raw.part.count, boxes=boxes,
+        )  # fmt: skip
+        info, present, complete = session.finish(_receive(session, request_iterator, header.version))
+        return pb.PublishReply(info=wire.info_to_pb(info), already_present=present,
+                               complete=complete)  # fmt: skip
 
     @_statuses
     def Pull(self, request: pb.PullRequest, context) -> Iterator[pb.PullReply]:  # noqa: ANN001
         slices = [] if request.header_only else None
         if request.slices:
-            slices = []
-            for s in request.slices:
-                if len(s.start) != len(s.stop):
-                    raise errors.InvalidArgument(
-                        f"slice of array {s.array}: start/stop lengths differ"
-                    )
-                slices.append((s.array, tuple(zip(s.start, s.stop, strict=True))))
+            slices = [(s.array, _bounds(s)) for s in request.slices]
         # Each piece is sent (serialized) before the next is asked for: buffers can be reused.
         manifest, pieces = self._server.pull(
             request.version, slices, piece_bytes=self._chunk_bytes, reuse_buffers=True
@@ -117,6 +115,27 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
     def Health(self, request: common_pb2.Empty, context) -> common_pb2.HealthReply:  # noqa: ANN001
         serving, detail = self._server.health()
         return common_pb2.HealthReply(component=COMPONENT, serving=serving, detail=detail)
+
+
+def _bounds(s: pb.Slice) -> tuple[tuple[int, int], ...]:
+    if len(s.start) != len(s.stop):
+        raise errors.InvalidArgument(f"slice of array {s.array}: start/stop lengths differ")
+    return tuple(zip(s.start, s.stop, strict=True))
+
+
+def _receive(session: Any, requests: Iterator, version: int) -> list[int]:
+    """Feeds a publish stream's chunks to ``session``; returns its trailer's checksums."""
+    for request in requests:
+        if isinstance(request, ChunkView):
+            session.add(request.index, request.offset, request.data)
+            continue
+        part = request.WhichOneof("part")
+        if part == "trailer":
+            return list(request.trailer.crc32)
+        raise errors.InvalidArgument(f"unexpected {part!r} in the middle of a publish")
+    raise errors.DataLoss(
+        f"truncated publish of version {version}: the stream ended without a trailer"
+    )
 
 
 def add_to_server(service: ParamServerService, server: grpc.Server) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlax_tpu.rpc import common_pb2 as rlax__tpu_dot_rpc_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlax_tpu/rpc/param_server.proto\x12\x08rlax_tpu\x1a\x19rlax_tpu/rpc/common.proto\"m\n\tArrayMeta\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x10\n\x08sharding\x18\x04 \x01(\t\x12\x13\n\x0bshard_shape\x18\x05 \x03(\x03\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"S\n\rVersionHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12#\n\x06\x61rrays\x18\x03 \x03(\x0b\x32\x13.rlax_tpu.ArrayMeta\"4\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x1f\n\x0ePublishTrailer\x12\r\n\x05\x63rc32\x18\x01 \x03(\r\"\x92\x01\n\x0ePublishRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.rlax_tpu.VersionHeaderH\x00\x12 \n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0f.rlax_tpu.ChunkH\x00\x12+\n\x07trailer\x18\x03 \x01(\x0b\x32\x18.rlax_tpu.PublishTrailerH\x00\x42\x06\n\x04part\"b\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x11\n\tpersisted\x18\x04 \x01(\x08\x12\x11\n\tleased_by\x18\x05 \x03(\t\"L\n\x0cPublishReply\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.rlax_tpu.VersionInfo\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\x08\"3\n\x05Slice\x12\r\n\x05\x61rray\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x03(\x03\x12\x0c\n\x04stop\x18\x03 \x03(\x03\"T\n\x0bPullRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x1f\n\x06slices\x18\x02 \x03(\x0b\x32\x0f.rlax_tpu.Slice\x12\x13\n\x0bheader_only\x18\x03 \x01(\x08\"`\n\tPullReply\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.rlax_tpu.VersionHeaderH\x00\x12 \n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0f.rlax_tpu.ChunkH\x00\x42\x06\n\x04part\"F\n\x0bVersionList\x12\'\n\x08versions\x18\x01 \x03(\x0b\x32\x15.rlax_tpu.VersionInfo\x12\x0e\n\x06latest\x18\x02 \x01(\x03\"3\n\x0fProgressRequest\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\"A\n\x0cLeaseRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12\x10\n\x08versions\x18\x02 \x03(\x03\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"-\n\nLeaseReply\x12\x10\n\x08versions\x18\x01 \x03(\x03\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x32\xe1\x02\n\x0bParamServer\x12=\n\x07Publish\x12\x18.rlax_tpu.PublishRequest\x1a\x16.rlax_tpu.PublishReply(\x01\x12\x34\n\x04Pull\x12\x15.rlax_tpu.PullRequest\x1a\x13.rlax_tpu.PullReply0\x01\x12\x36\n\x0cListVersions\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.VersionList\x12<\n\x0eReportProgress\x12\x19.rlax_tpu.ProgressRequest\x1a\x0f.rlax_tpu.Empty\x12\x35\n\x05Lease\x12\x16.rlax_tpu.LeaseRequest\x1a\x14.rlax_tpu.LeaseReply\x12\x30\n\x06Health\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlax_tpu/rpc/param_server.proto\x12\x08rlax_tpu\x1a\x19rlax_tpu/rpc/common.proto\"m\n\tArrayMeta\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x10\n\x08sharding\x18\x04 \x01(\t\x12\x13\n\x0bshard_shape\x18\x05 \x03(\x03\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"u\n\rVersionHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12#\n\x06\x61rrays\x18\x03 \x03(\x0b\x32\x13.rlax_tpu.ArrayMeta\x12 \n\x04part\x18\x04 \x01(\x0b\x32\x12.rlax_tpu.PartInfo\"H\n\x08PartInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x1e\n\x05\x62oxes\x18\x03 \x03(\x0b\x32\x0f.rlax_tpu.Slice\"4\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x1f\n\x0ePublishTrailer\x12\r\n\x05\x63rc32\x18\x01 \x03(\r\"\x92\x01\n\x0ePublishRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.rlax_tpu.VersionHeaderH\x00\x12 \n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0f.rlax_tpu.ChunkH\x00\x12+\n\x07trailer\x18\x03 \x01(\x0b\x32\x18.rlax_tpu.PublishTrailerH\x00\x42\x06\n\x04part\"b\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x11\n\tpersisted\x18\x04 \x01(\x08\x12\x11\n\tleased_by\x18\x05 \x03(\t\"^\n\x0cPublishReply\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.rlax_tpu.VersionInfo\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\x08\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\"3\n\x05Slice\x12\r\n\x05\x61rray\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x03(\x03\x12\x0c\n\x04stop\x18\x03 \x03(\x03\"T\n\x0bPullRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x1f\n\x06slices\x18\x02 \x03(\x0b\x32\x0f.rlax_tpu.Slice\x12\x13\n\x0bheader_only\x18\x03 \x01(\x08\"`\n\tPullReply\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.rlax_tpu.VersionHeaderH\x00\x12 \n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0f.rlax_tpu.ChunkH\x00\x42\x06\n\x04part\"F\n\x0bVersionList\x12\'\n\x08versions\x18\x01 \x03(\x0b\x32\x15.rlax_tpu.VersionInfo\x12\x0e\n\x06latest\x18\x02 \x01(\x03\"3\n\x0fProgressRequest\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\"A\n\x0cLeaseRequest\x12\x10\n\x08\x63onsumer\x18\x01 \x01(\t\x12\x10\n\x08versions\x18\x02 \x03(\x03\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"-\n\nLeaseReply\x12\x10\n\x08versions\x18\x01 \x03(\x03\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x32\xe1\x02\n\x0bParamServer\x12=\n\x07Publish\x12\x18.rlax_tpu.PublishRequest\x1a\x16.rlax_tpu.PublishReply(\x01\x12\x34\n\x04Pull\x12\x15.rlax_tpu.PullRequest\x1a\x13.rlax_tpu.PullReply0\x01\x12\x36\n\x0cListVersions\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.VersionList\x12<\n\x0eReportProgress\x12\x19.rlax_tpu.ProgressRequest\x1a\x0f.rlax_tpu.Empty\x12\x35\n\x05Lease\x12\x16.rlax_tpu.LeaseRequest\x1a\x14.rlax_tpu.LeaseReply\x12\x30\n\x06Health\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ARRAYMETA']._serialized_start=72
   _globals['_ARRAYMETA']._serialized_end=181
   _globals['_VERSIONHEADER']._serialized_start=183
-  _globals['_VERSIONHEADER']._serialized_end=266
-  _globals['_CHUNK']._serialized_start=268
-  _globals['_CHUNK']._serialized_end=320
-  _globals['_PUBLISHTRAILER']._serialized_start=322
-  _globals['_PUBLISHTRAILER']._serialized_end=353
-  _globals['_PUBLISHREQUEST']._serialized_start=356
-  _globals['_PUBLISHREQUEST']._serialized_end=502
-  _globals['_VERSIONINFO']._serialized_start=504
-  _globals['_VERSIONINFO']._serialized_end=602
-  _globals['_PUBLISHREPLY']._serialized_start=604
-  _globals['_PUBLISHREPLY']._serialized_end=680
-  _globals['_SLICE']._serialized_start=682
-  _globals['_SLICE']._serialized_end=733
-  _globals['_PULLREQUEST']._serialized_start=735
-  _globals['_PULLREQUEST']._serialized_end=819
-  _globals['_PULLREPLY']._serialized_start=821
-  _globals['_PULLREPLY']._serialized_end=917
-  _globals['_VERSIONLIST']._serialized_start=919
-  _globals['_VERSIONLIST']._serialized_end=989
-  _globals['_PROGRESSREQUEST']._serialized_start=991
-  _globals['_PROGRESSREQUEST']._serialized_end=1042
-  _globals['_LEASEREQUEST']._serialized_start=1044
-  _globals['_LEASEREQUEST']._serialized_end=1109
-  _globals['_LEASEREPLY']._serialized_start=1111
-  _globals['_LEASEREPLY']._serialized_end=1156
-  _globals['_PARAMSERVER']._serialized_start=1159
-  _globals['_PARAMSERVER']._serialized_end=1512
+  _globals['_VERSIONHEADER']._serialized_end=300
+  _globals['_PARTINFO']._serialized_start=302
+  _globals['_PARTINFO']._serialized_end=374
+  _globals['_CHUNK']._serialized_start=376
+  _globals['_CHUNK']._serialized_end=428
+  _globals['_PUBLISHTRAILER']._serialized_start=430
+  _globals['_PUBLISHTRAILER']._serialized_end=461
+  _globals['_PUBLISHREQUEST']._serialized_start=464
+  _globals['_PUBLISHREQUEST']._serialized_end=610
+  _globals['_VERSIONINFO']._serialized_start=612
+  _globals['_VERSIONINFO']._serialized_end=710
+  _globals['_PUBLISHREPLY']._serialized_start=712
+  _globals['_PUBLISHREPLY']._serialized_end=806
+  _globals['_SLICE']._serialized_start=808
+  _globals['_SLICE']._serialized_end=859
+  _globals['_PULLREQUEST']._serialized_start=861
+  _globals['_PULLREQUEST']._serialized_end=945
+  _globals['_PULLREPLY']._serialized_start=947
+  _globals['_PULLREPLY']._serialized_end=1043
+  _globals['_VERSIONLIST']._serialized_start=1045
+  _globals['_VERSIONLIST']._serialized_end=1115
+  _globals['_PROGRESSREQUEST']._serialized_start=1117
+  _globals['_PROGRESSREQUEST']._serialized_end=1168
+  _globals['_LEASEREQUEST']._serialized_start=1170
+  _globals['_LEASEREQUEST']._serialized_end=1235
+  _globals['_LEASEREPLY']._serialized_start=1237
+  _globals['_LEASEREPLY']._serialized_end=1282
+  _globals['_PARAMSERVER']._serialized_start=1285
+  _globals['_PARAMSERVER']._serialized_end=1638
 # @@protoc_insertion_point(module_scope)

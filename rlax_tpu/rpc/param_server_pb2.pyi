@@ -24,14 +24,26 @@ class ArrayMeta(_message.Message):
     def __init__(self, path: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., sharding: _Optional[str] = ..., shard_shape: _Optional[_Iterable[int]] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class VersionHeader(_message.Message):
-    __slots__ = ("version", "step", "arrays")
+    __slots__ = ("version", "step", "arrays", "part")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     version: int
     step: int
     arrays: _containers.RepeatedCompositeFieldContainer[ArrayMeta]
-    def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., arrays: _Optional[_Iterable[_Union[ArrayMeta, _Mapping]]] = ...) -> None: ...
+    part: PartInfo
+    def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., arrays: _Optional[_Iterable[_Union[ArrayMeta, _Mapping]]] = ..., part: _Optional[_Union[PartInfo, _Mapping]] = ...) -> None: ...
+
+class PartInfo(_message.Message):
+    __slots__ = ("index", "count", "boxes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    BOXES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    count: int
+    boxes: _containers.RepeatedCompositeFieldContainer[Slice]
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., boxes: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "offset", "data")
@@ -74,12 +86,14 @@ class VersionInfo(_message.Message):
     def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., nbytes: _Optional[int] = ..., persisted: _Optional[bool] = ..., leased_by: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishReply(_message.Message):
-    __slots__ = ("info", "already_present")
+    __slots__ = ("info", "already_present", "complete")
     INFO_FIELD_NUMBER: _ClassVar[int]
     ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
     info: VersionInfo
     already_present: bool
-    def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., already_present: _Optional[bool] = ...) -> None: ...
+    complete: bool
+    def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., already_present: _Optional[bool] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class Slice(_message.Message):
     __slots__ = ("array", "start", "stop")
