@@ -241,49 +241,6 @@ class MeshConfig:
 
 
 @_frozen
-class TrainerConfig:
-    learning_rate: float = 1e-6
-    schedule: Literal["constant", "warmup_cosine", "warmup_stable_decay"] = "constant"
-    warmup_steps: int = 0
-    decay_steps: int = 0  # for warmup_stable_decay: length of the final decay
-    weight_decay: float = 0.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip_norm: float = 1.0  # 0 disables clipping
-    micro_batch_size: int = 8  # rollouts per micro-batch (gradient accumulation)
-    length_bucket: int = 16  # micro-batch lengths are padded to a multiple (bounds recompiles)
-    # Compile the update for every micro-batch shape the inference limits allow during the first
-    # step, so later steps never stall on a compile (costs one compile per shape up front).
-    precompile: bool = False
-    remat: bool = True  # nothing-saveable remat on the training forward
-    align_logprobs: bool = True  # recompute π_old with the inference graph (DESIGN §6)
-    publish_dtype: Literal["float32", "bfloat16"] = "float32"
-    checkpoint_every: int = 1
-    keep_checkpoints: int = 2
-    checkpoint_dir: str = ""  # "" means <controller.run_dir>/trainer
-    nan_policy: Literal["skip", "stop"] = "stop"
-    address: str = "127.0.0.1:0"
-    auth_token_file: str = ""
-    tls_cert_file: str = ""
-
-    def __post_init__(self) -> None:
-        _positive(self, "learning_rate", "micro_batch_size", "checkpoint_every", "keep_checkpoints")
-        _positive(self, "length_bucket")
-        _non_negative(self, "warmup_steps", "decay_steps", "weight_decay", "grad_clip_norm")
-        _positive(self, "adam_eps")
-        _in_range(self, "adam_b1", 0.0, 1.0, hi_open=True)
-        _in_range(self, "adam_b2", 0.0, 1.0, hi_open=True)
-        if self.schedule == "warmup_stable_decay" and self.decay_steps == 0:
-            raise _bad(self, "decay_steps", "must be > 0 for the warmup_stable_decay schedule")
-        _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
-
-
-def _one_device() -> MeshConfig:
-    return MeshConfig(data=1, fsdp=1, tensor=1)
-
-
-@_frozen
 class DistributedConfig:
     """How a component spanning several hosts joins its ``jax.distributed`` job.
 
@@ -312,6 +269,52 @@ class DistributedConfig:
     @property
     def enabled(self) -> bool:
         return self.coordinator_address != ""
+
+
+@_frozen
+class TrainerConfig:
+    learning_rate: float = 1e-6
+    schedule: Literal["constant", "warmup_cosine", "warmup_stable_decay"] = "constant"
+    warmup_steps: int = 0
+    decay_steps: int = 0  # for warmup_stable_decay: length of the final decay
+    weight_decay: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip_norm: float = 1.0  # 0 disables clipping
+    micro_batch_size: int = 8  # rollouts per micro-batch (gradient accumulation)
+    length_bucket: int = 16  # micro-batch lengths are padded to a multiple (bounds recompiles)
+    # Compile the update for every micro-batch shape the inference limits allow during the first
+    # step, so later steps never stall on a compile (costs one compile per shape up front).
+    precompile: bool = False
+    remat: bool = True  # nothing-saveable remat on the training forward
+    align_logprobs: bool = True  # recompute π_old with the inference graph (DESIGN §6)
+    publish_dtype: Literal["float32", "bfloat16"] = "float32"
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 2
+    checkpoint_dir: str = ""  # "" means <controller.run_dir>/trainer
+    nan_policy: Literal["skip", "stop"] = "stop"
+    # A trainer spanning several hosts (its mesh over all their devices): process 0 serves, the
+    # others follow its calls (trainer/lockstep.py).
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    address: str = "127.0.0.1:0"
+    auth_token_file: str = ""
+    tls_cert_file: str = ""
+
+    def __post_init__(self) -> None:
+        _positive(self, "learning_rate", "micro_batch_size", "checkpoint_every", "keep_checkpoints")
+        _positive(self, "length_bucket")
+        _non_negative(self, "warmup_steps", "decay_steps", "weight_decay", "grad_clip_norm")
+        _positive(self, "adam_eps")
+        _in_range(self, "adam_b1", 0.0, 1.0, hi_open=True)
+        _in_range(self, "adam_b2", 0.0, 1.0, hi_open=True)
+        if self.schedule == "warmup_stable_decay" and self.decay_steps == 0:
+            raise _bad(self, "decay_steps", "must be > 0 for the warmup_stable_decay schedule")
+        _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
+
+
+def _one_device() -> MeshConfig:
+    return MeshConfig(data=1, fsdp=1, tensor=1)
 
 
 @_frozen

@@ -8,6 +8,8 @@ global device list when they join, and every process then builds the same mesh o
 from __future__ import annotations
 
 import logging
+import pickle
+from typing import Any
 
 from rlax_tpu.config import DistributedConfig
 
@@ -35,6 +37,23 @@ def initialize(cfg: DistributedConfig) -> bool:
              jax.process_index(), jax.process_count(), jax.local_device_count(),
              jax.device_count())  # fmt: skip
     return jax.process_index() == 0
+
+
+def broadcast(payload: Any) -> Any:
+    """Process 0's ``payload`` (any picklable value; other processes pass None) on every
+    process. A collective: every process of the job calls it, the same number of times."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    lead = jax.process_index() == 0
+    data = np.frombuffer(pickle.dumps(payload), np.uint8) if lead else np.zeros(0, np.uint8)
+    size = multihost_utils.broadcast_one_to_all(np.array([data.size], np.int64))
+    buffer = np.zeros(int(size[0]), np.uint8)
+    if lead:
+        buffer[:] = data
+    received = multihost_utils.broadcast_one_to_all(buffer)
+    return pickle.loads(np.asarray(received, np.uint8).tobytes())  # noqa: S301 - our own lead
 
 
 def shutdown(cfg: DistributedConfig) -> None:

@@ -15,12 +15,11 @@ pulls its weights itself.
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
+
+from rlax_tpu import multihost
 
 Command = tuple[Any, ...]
 
@@ -32,14 +31,7 @@ def is_multi_process() -> bool:
 def broadcast(commands: list[Command] | None) -> list[Command]:
     """The lead's ``commands`` on every process (followers pass None). A collective: every
     process of the job must call it, the same number of times."""
-    lead = jax.process_index() == 0
-    payload = np.frombuffer(pickle.dumps(commands), np.uint8) if lead else np.zeros(0, np.uint8)
-    size = multihost_utils.broadcast_one_to_all(np.array([payload.size], np.int64))
-    buffer = np.zeros(int(size[0]), np.uint8)
-    if lead:
-        buffer[:] = payload
-    data = multihost_utils.broadcast_one_to_all(buffer)
-    return pickle.loads(np.asarray(data, np.uint8).tobytes())  # noqa: S301 - from our own lead
+    return multihost.broadcast(commands)
 
 
 def follow(engine: Any, fetch: Any) -> int:

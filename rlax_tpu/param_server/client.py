@@ -71,7 +71,7 @@ class ParamServerClient:
             raise ValueError(f"replica {replica} is not one of {len(self.endpoints)} endpoints")
         self.replica, self.chunk_bytes, self.timeout_s = replica, chunk_bytes, timeout_s
         self.bytes_pulled = 0  # payload bytes received by pulls, for metrics
-        self.bytes_pushed = 0  # payload bytes sent by part pushes (all replicas), for metrics
+        self.bytes_pushed = 0  # payload bytes sent by pushes (counted once per replica), for metrics
         # Pulled versions land in slabs, reused once the caller has dropped a version's arrays
         # (jax lets go of an aliased host array at its next call: a caller that drops each
         # version at once alternates between two slabs).
@@ -149,6 +149,7 @@ class ParamServerClient:
                 _raise(e)
 
         replies = self._on_all(one, self._publish)
+        self.bytes_pushed += sum(h.nbytes for h in hosts) * len(replies)
         for r in range(len(self.endpoints)):
             self.report_progress(r, version)
         return wire.info_from_pb(replies[self.replica].info)

@@ -5,6 +5,11 @@ prints the bound address; stops cleanly on SIGTERM / SIGINT. Each update publish
 v+1 to every parameter-server replica of ``controller.param_server_endpoints`` (with the
 credentials of the ``param_server`` section); without endpoints nothing is published and Publish answers
 FAILED_PRECONDITION.
+
+A trainer over several hosts (``trainer.distributed``: one process per host, e.g.
+``coordinator_address=auto`` on a TPU VM slice) joins the jax.distributed job first; process 0
+serves, the others make every call it makes (``trainer/lockstep.py``); each process publishes and
+checkpoints its own shards. SIGTERM to process 0 stops them all.
 """
 
 from __future__ import annotations
@@ -12,18 +17,20 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from typing import Any
 
-from rlax_tpu import cli
+from rlax_tpu import cli, multihost
 from rlax_tpu.config import RunConfig
 
 
 def run(config: RunConfig, args: list[str]) -> int:
-    from rlax_tpu.trainer.service import serve
-    from rlax_tpu.trainer.trainer import Trainer
-
     if args:
         print(f"rlax_tpu.trainer: unexpected arguments {args}", file=sys.stderr)
         return cli.EXIT_USAGE
+    lead = multihost.initialize(config.trainer.distributed)
+    from rlax_tpu.trainer.lockstep import LeadTrainer, follow
+    from rlax_tpu.trainer.service import serve
+    from rlax_tpu.trainer.trainer import Trainer
     sink = None
     if config.controller.param_server_endpoints:
         # The composition root may use another component's published client (the only such
@@ -34,7 +41,14 @@ def run(config: RunConfig, args: list[str]) -> int:
             config.param_server, config.controller.param_server_endpoints
         )
     trainer = Trainer(config, sink=sink)
-    server, port = serve(trainer, config.trainer)
+    several = config.trainer.distributed.enabled
+    if not lead:
+        calls = follow(trainer)
+        print(f"rlax_tpu.trainer: follower stopped after {calls} calls{_pushed(sink)}", flush=True)
+        _close(trainer, sink, config)
+        return 0
+    served = LeadTrainer(trainer) if several else trainer
+    server, port = serve(served, config.trainer)
     host = config.trainer.address.rsplit(":", 1)[0]
     print(f"rlax_tpu.trainer: serving on {host}:{port}", flush=True)
     stop = threading.Event()
@@ -42,11 +56,22 @@ def run(config: RunConfig, args: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=5).wait()
+    if several:
+        served.stop()
+    _close(trainer, sink, config)
+    print(f"rlax_tpu.trainer: stopped{_pushed(sink)}", flush=True)
+    return 0
+
+
+def _pushed(sink: Any) -> str:
+    return f"; published {sink.bytes_pushed} bytes of parameters" if sink is not None else ""
+
+
+def _close(trainer: Any, sink: Any, config: RunConfig) -> None:
     trainer.close()
     if sink is not None:
         sink.close()
-    print("rlax_tpu.trainer: stopped", flush=True)
-    return 0
+    multihost.shutdown(config.trainer.distributed)
 
 
 if __name__ == "__main__":

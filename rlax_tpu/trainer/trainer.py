@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from rlax_tpu import models
 from rlax_tpu.algorithms import LossInputs, RolloutBatch
@@ -351,6 +352,9 @@ class Trainer:
             raise RuntimeError("this trainer has no weight sink to publish to")
         params = self._fns.publish_cast(self._trainable["model"], self.config.trainer.publish_dtype)
         self.sink.push(params, self._step)
+        if jax.process_count() > 1:
+            # Each process sent its own part: the version is whole once every process is done.
+            multihost_utils.sync_global_devices(f"published {self._step}")
         self._published = self._step
         return self._step
 

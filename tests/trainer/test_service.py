@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from rlax_tpu.config import ParamServerConfig
+from rlax_tpu.config import ParamServerConfig, RunConfig, from_dict
 from rlax_tpu.param_server.client import ParamServerClient
 from rlax_tpu.param_server.service import serve as serve_param_server
 from rlax_tpu.rpc.transport import Credentials
@@ -118,3 +118,82 @@ def test_wire_roundtrip():
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
     assert (back.group_size, back.temperature) == (batch.group_size, batch.temperature)
+
+
+# The overrides of configs/codeforces.py:local that make helpers.run_config((1, 8, 1)) shapes.
+TWO_HOSTS = {
+    "model.num_layers": 2, "mesh.data": 1, "mesh.fsdp": 8, "mesh.tensor": 1,
+    "trainer.learning_rate": 1e-3, "trainer.micro_batch_size": 8, "trainer.length_bucket": 64,
+    "trainer.align_logprobs": False, "trainer.adam_eps": 1e-5, "inference.prefill_chunk": 8,
+    "inference.max_prompt_len": 16, "inference.max_new_tokens": 24,
+    "controller.prompts_per_step": 4, "algorithm.group_size": 4,
+}  # fmt: skip
+
+
+def _local_with(overrides: dict) -> RunConfig:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("codeforces", REPO / "configs" / "codeforces.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    d = module.get_config("local").to_dict()
+    for path, value in overrides.items():
+        section, field = path.split(".")
+        d[section][field] = value
+    return from_dict(RunConfig, d)
+
+
+def test_a_trainer_over_two_processes_serves_one_endpoint(tmp_path):
+    """`python -m rlax_tpu.trainer` as the two processes of one jax.distributed job (gloo, 4 CPU
+    devices each, parameters split 8 ways over fsdp): process 0 serves gRPC, process 1 makes every
+    call it makes. After 3 updates the published version equals a one-process trainer's on 8
+    devices (1e-5: the cross-process sums run through gloo in another order, 3 Adam steps of lr
+    1e-3), and each process published only its half of the parameters."""
+    from tests.conftest import free_port
+
+    ps_server, ps_port, ps_store = serve_param_server(ParamServerConfig(persist_every=0))
+    coordinator = f"127.0.0.1:{free_port()}"
+    flags = [f"--config.{k}={v}" for k, v in TWO_HOSTS.items()]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "rlax_tpu.trainer", "--config=configs/codeforces.py:local", *flags,
+         f"--config.controller.run_dir={tmp_path / 'run'}", "--config.trainer.address=127.0.0.1:0",
+         f"--config.controller.param_server_endpoints=('127.0.0.1:{ps_port}',)",
+         f"--config.trainer.distributed.coordinator_address={coordinator}",
+         "--config.trainer.distributed.num_processes=2",
+         f"--config.trainer.distributed.process_id={pid}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) for pid in (0, 1)]  # fmt: skip
+    try:
+        reference = Trainer(_local_with(TWO_HOSTS), checkpoint_dir=tmp_path / "one")
+        for seed in range(3):
+            reference.train_step(random_batch(seed))
+        want = jax.tree.leaves(jax.tree.map(np.asarray, reference.params()))
+        reference.close()
+        line = ""
+        while "serving on" not in line and (line := procs[0].stdout.readline()):
+            pass  # gloo prints its own lines first
+        assert "serving on 127.0.0.1:" in line, procs[0].stderr.read()[-3000:]
+        with TrainerClient(line.split("serving on ")[1].strip()) as client:
+            client.wait_ready(60)
+            assert client.status().process_count == 2
+            for seed in range(3):
+                client.train_step(random_batch(seed))
+            assert client.status().published_version == 3
+        procs[0].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], [p.stderr.read()[-2000:] for p in procs]
+        got = jax.tree.leaves(ParamServerClient(f"127.0.0.1:{ps_port}").pull(3))
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=0, atol=1e-5)
+        whole = sum(w.nbytes for w in want)
+        pushed = [int(o.rsplit("published ", 1)[1].split()[0]) for o in outs]
+        assert sum(pushed) == 3 * whole and max(pushed) < 0.6 * 3 * whole, (pushed, whole)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        ps_server.stop(None)
+        ps_store.close()
