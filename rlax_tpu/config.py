@@ -288,6 +288,9 @@ class TrainerConfig:
     # step, so later steps never stall on a compile (costs one compile per shape up front).
     precompile: bool = False
     remat: bool = True  # nothing-saveable remat on the training forward
+    # The training forward's attention: "splash" (JAX's TPU splash kernel: memory linear in the
+    # sequence), "dense" (materializes [L, L] scores; the CPU reference), "auto" (splash on TPU).
+    attention: Literal["auto", "dense", "splash"] = "auto"
     align_logprobs: bool = True  # recompute π_old with the inference graph (DESIGN §6)
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     checkpoint_every: int = 1

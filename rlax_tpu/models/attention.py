@@ -81,13 +81,23 @@ class KVCache(Protocol):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NoCache:
-    """Attention within the given chunk only (the full-sequence forward); stores nothing."""
+    """Attention within the given chunk only (the full-sequence forward); stores nothing.
+
+    ``kernel``: "dense" (:func:`dot_product_attention`, any positions), or "splash" /
+    "splash_interpret" (JAX's TPU splash kernel, natively / in interpret mode: rows laid out
+    with their real tokens first at positions 0..n-1, see models/splash.py)."""
+
+    kernel: str = dataclasses.field(default="dense", metadata=dict(static=True))
 
     def attend(
         self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
     ) -> tuple[jax.Array, NoCache]:
         del layer
-        return dot_product_attention(q, k, v, causal_mask(positions, positions)), self
+        if self.kernel == "dense":
+            return dot_product_attention(q, k, v, causal_mask(positions, positions)), self
+        from rlax_tpu.models.splash import splash_attention
+
+        return splash_attention(q, k, v, interpret=self.kernel == "splash_interpret"), self
 
 
 @jax.tree_util.register_dataclass

@@ -29,16 +29,15 @@ written them); rows with p < 0 are padding and give finite, unspecified outputs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from rlax_tpu.models.attention import causal_mask, dot_product_attention
+from rlax_tpu.models.sharding import kernel_axes
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -136,7 +135,9 @@ def ragged_attention(
     if not mesh.empty and mesh.size > 1:
         # Mosaic kernels are not partitioned automatically: each device runs the kernel on its
         # rows (batch axes) and its heads (tensor axis), or on everything where they don't split.
-        rows, heads = _kernel_axes(mesh, q.shape[0], q.shape[2], stored, kv_pages.dtype.itemsize)
+        itemsize = kv_pages.dtype.itemsize
+        rows, heads = kernel_axes(mesh, q.shape[0], q.shape[2], stored,
+                                  lambda tp: kernel_tiles(stored // tp, itemsize))  # fmt: skip
         call = jax.shard_map(
             call, mesh=mesh,
             in_specs=(P(rows, None, heads, None), P(None, None, heads, None), P(rows, None),
@@ -216,23 +217,6 @@ def emulated_ragged_kernel(
     weights = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("nkgs,nskd->nkgd", weights, v.astype(jnp.float32)).reshape(n, h, d)
     return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
-
-
-def _kernel_axes(mesh: jax.sharding.AbstractMesh, rows: int, heads: int, kv_heads: int,
-                 itemsize: int) -> tuple[Any, str | None]:  # fmt: skip
-    """(mesh axes of the rows, of the heads) for a kernel in shard_map: rows over the batch axes
-    and heads over the tensor axis when they divide evenly (q heads and KV heads together, so each
-    device keeps whole GQA groups) into a count the kernel tiles (see kv_heads_split)."""
-    from rlax_tpu.models.sharding import LOGICAL_AXIS_RULES
-
-    names = mesh.axis_names
-    batch = tuple(a for a in LOGICAL_AXIS_RULES["batch"] if a in names and mesh.shape[a] > 1)
-    shards = math.prod(mesh.shape[a] for a in batch)
-    rows_axis = (batch if len(batch) > 1 else batch[0]) if batch and rows % shards == 0 else None
-    tensor = LOGICAL_AXIS_RULES["heads"]
-    tp = mesh.shape[tensor] if tensor in names else 1
-    head_axis = tensor if heads % tp == 0 and kv_heads_split(kv_heads, tp, itemsize) else None
-    return rows_axis, head_axis
 
 
 def kv_heads_split(kv_heads: int, tp: int, itemsize: int) -> bool:

@@ -11,7 +11,8 @@ einsums need no per-op output shardings.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -101,3 +102,21 @@ def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
+
+
+def kernel_axes(
+    mesh: jax.sharding.AbstractMesh, rows: int, heads: int, kv_heads: int,
+    heads_fit: Callable[[int], bool] = lambda tp: True,
+) -> tuple[str | tuple[str, ...] | None, str | None]:  # fmt: skip
+    """(mesh axes of the rows, of the heads) for a Pallas kernel in shard_map (Mosaic kernels are
+    not partitioned automatically): rows over the batch axes that divide them, heads over the
+    tensor axis when it divides the q and the KV heads (each device keeps whole GQA groups) and
+    ``heads_fit(tp)`` agrees; None where they stay whole."""
+    names = mesh.axis_names
+    batch = tuple(a for a in LOGICAL_AXIS_RULES["batch"] if a in names and mesh.shape[a] > 1)
+    shards = math.prod(mesh.shape[a] for a in batch)
+    rows_axis = (batch if len(batch) > 1 else batch[0]) if batch and rows % shards == 0 else None
+    tensor = LOGICAL_AXIS_RULES["heads"]
+    tp = mesh.shape[tensor] if tensor in names else 1
+    split = tp > 1 and heads % tp == 0 and kv_heads % tp == 0 and heads_fit(tp)
+    return rows_axis, tensor if split else None

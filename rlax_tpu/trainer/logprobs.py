@@ -42,16 +42,18 @@ class _RematLayer(nnx.Module):
 
 
 def hidden_states(
-    model: models.Transformer, tokens: jax.Array, positions: jax.Array, *, remat: bool
-) -> jax.Array:
-    """tokens, positions [B, L] -> final-normed hidden states [B, L, E].
+    model: models.Transformer, tokens: jax.Array, positions: jax.Array, *, remat: bool,
+    attention: str = "dense",
+) -> jax.Array:  # fmt: skip
+    """tokens, positions [B, L] -> final-normed hidden states [B, L, E]; ``attention`` is the
+    kernel of ``models.NoCache`` (splash needs each row's tokens first, as batching lays them).
 
     With ``remat`` the layers of ``model`` are wrapped in place: pass a model merged inside the
     traced function (a throwaway), never a long-lived one.
     """
     if remat:
         model.layers = nnx.List([_RematLayer(layer) for layer in model.layers])
-    hidden, _ = model(tokens, positions, models.NoCache())
+    hidden, _ = model(tokens, positions, models.NoCache(kernel=attention))
     return hidden
 
 
@@ -126,10 +128,11 @@ def completion_logprobs(
     remat: bool,
     mesh: Mesh | None,
     value_head: dict[str, jax.Array] | None = None,
+    attention: str = "dense",
 ) -> tuple[jax.Array, jax.Array | None]:
     """Log-probs [B, T] of the completion ``targets`` [B, T] and, with a value head, the values
     [B, T] (f32) of the states that emit them. tokens/positions [B, L] (padding at position -1)."""
-    hidden = hidden_states(model, tokens, positions, remat=remat)
+    hidden = hidden_states(model, tokens, positions, remat=remat, attention=attention)
     hidden = gather_completion(hidden, prompt_lengths, targets.shape[1])
     if use_vocab_parallel(mesh, model.cfg.vocab_size):
         logp = vocab_parallel_logprobs(model, hidden, targets, temperature, mesh)

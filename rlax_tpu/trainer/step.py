@@ -62,6 +62,7 @@ class StepFunctions:
     opt_shardings: Any
     tx: optax.GradientTransformation
     remat: bool
+    attention: str = "dense"  # the training forward's kernel (models.NoCache)
 
     def batch_shardings(self) -> dict[str, NamedSharding]:
         return {k: batch_sharding(self.mesh, n) for k, n in _BATCH_NDIM.items()}
@@ -79,7 +80,7 @@ class StepFunctions:
             self,
             f"score:{with_value_head}",
             lambda: jax.jit(
-                partial(_score, self.graphdef, self.mesh),
+                partial(_score, self.graphdef, self.mesh, self.attention),
                 in_shardings=(
                     self.trainable_shardings["model"],
                     self.trainable_shardings["value_head"] if with_value_head else None,
@@ -115,7 +116,8 @@ class StepFunctions:
             self,
             "accumulate",
             lambda: jax.jit(
-                partial(_accumulate, self.graphdef, self.objective, self.mesh, self.remat),
+                partial(_accumulate, self.graphdef, self.objective, self.mesh, self.remat,
+                        self.attention),
                 in_shardings=(
                     self.trainable_shardings,
                     self.trainable_shardings,
@@ -224,8 +226,16 @@ def make_step_functions(
     fns = StepFunctions(
         graphdef=graphdef, objective=objective, mesh=mesh, trainable_shardings=shardings,
         opt_shardings=opt_shardings, tx=tx, remat=config.trainer.remat,
+        attention=training_attention(config.trainer.attention, mesh),
     )  # fmt: skip
     return fns, trainable
+
+
+def training_attention(name: str, mesh: Mesh) -> str:
+    """``trainer.attention`` for ``mesh``: "auto" is splash on TPU devices, dense elsewhere."""
+    if name != "auto":
+        return name
+    return "splash" if mesh.devices.flat[0].platform == "tpu" else "dense"
 
 
 def _jit_cached(owner: StepFunctions, name: str, build: Any) -> Any:
@@ -236,23 +246,24 @@ def _jit_cached(owner: StepFunctions, name: str, build: Any) -> Any:
     return cache[name]
 
 
-def _score(graphdef, mesh, model_params, value_head, arrays, temperature):  # noqa: ANN001, ANN202
+def _score(graphdef, mesh, attention, model_params, value_head, arrays, temperature):  # noqa: ANN001, ANN202
     model = nnx.merge(graphdef, model_params)
     return completion_logprobs(
         model, arrays["tokens"], arrays["positions"], arrays["prompt_lengths"],
         arrays["targets"], temperature, remat=False, mesh=mesh, value_head=value_head,
+        attention=attention,
     )  # fmt: skip
 
 
-def _accumulate(graphdef, objective, mesh, remat, trainable, acc, arrays, inputs, temperature,
-                scale):  # noqa: ANN001, ANN202  # fmt: skip
+def _accumulate(graphdef, objective, mesh, remat, attention, trainable, acc, arrays, inputs,
+                temperature, scale):  # noqa: ANN001, ANN202  # fmt: skip
     TRACES["accumulate"] += 1  # runs once per trace
     def loss_fn(trainable):  # noqa: ANN001, ANN202
         model = nnx.merge(graphdef, trainable["model"])
         logp, values = completion_logprobs(
             model, arrays["tokens"], arrays["positions"], arrays["prompt_lengths"],
             arrays["targets"], temperature, remat=remat, mesh=mesh,
-            value_head=trainable.get("value_head"),
+            value_head=trainable.get("value_head"), attention=attention,
         )  # fmt: skip
         loss, metrics = objective.loss(logp, inputs, values=values)
         return loss * scale, (loss, metrics)
