@@ -35,7 +35,7 @@ class TrainerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.TrainStep = channel.unary_unary(
+        self.TrainStep = channel.stream_unary(
                 '/rlax_tpu.Trainer/TrainStep',
                 request_serializer=rlax__tpu_dot_rpc_dot_trainer__pb2.TrainBatchMessage.SerializeToString,
                 response_deserializer=rlax__tpu_dot_rpc_dot_trainer__pb2.TrainStepReply.FromString,
@@ -70,8 +70,10 @@ class TrainerStub:
 class TrainerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def TrainStep(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def TrainStep(self, request_iterator, context):
+        """The batch as consecutive row slices (every array's rows [a, b), full widths), so no message
+        nears the gRPC size limit; group_size and temperature are the same in every slice.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -109,7 +111,7 @@ class TrainerServicer:
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'TrainStep': grpc.unary_unary_rpc_method_handler(
+            'TrainStep': grpc.stream_unary_rpc_method_handler(
                     servicer.TrainStep,
                     request_deserializer=rlax__tpu_dot_rpc_dot_trainer__pb2.TrainBatchMessage.FromString,
                     response_serializer=rlax__tpu_dot_rpc_dot_trainer__pb2.TrainStepReply.SerializeToString,
@@ -151,7 +153,7 @@ class Trainer:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def TrainStep(request,
+    def TrainStep(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -161,8 +163,8 @@ class Trainer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/rlax_tpu.Trainer/TrainStep',
             rlax__tpu_dot_rpc_dot_trainer__pb2.TrainBatchMessage.SerializeToString,

@@ -6,7 +6,7 @@ from rlax_tpu.rpc import common_pb2, trainer_pb2_grpc
 from rlax_tpu.rpc import trainer_pb2 as pb
 from rlax_tpu.rpc.transport import Credentials, make_channel, wait_ready
 from rlax_tpu.trainer.trainer import TrainerStatus
-from rlax_tpu.trainer.wire import batch_to_pb
+from rlax_tpu.trainer.wire import batch_to_chunks
 from rlax_tpu.types import TrainBatch
 
 _NO_CREDENTIALS = Credentials()
@@ -14,8 +14,8 @@ _NO_CREDENTIALS = Credentials()
 
 class TrainerClient:
     def __init__(self, endpoint: str, *, credentials: Credentials = _NO_CREDENTIALS,
-                 timeout_s: float = 3600.0):  # fmt: skip
-        self.endpoint, self.timeout_s = endpoint, timeout_s
+                 timeout_s: float = 3600.0, chunk_bytes: int = 4 * 2**20):  # fmt: skip
+        self.endpoint, self.timeout_s, self.chunk_bytes = endpoint, timeout_s, chunk_bytes
         self._channel = make_channel(endpoint, credentials=credentials)
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
 
@@ -23,7 +23,8 @@ class TrainerClient:
         wait_ready(self._channel, component="trainer", endpoint=self.endpoint, timeout_s=timeout_s)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        reply = self._stub.TrainStep(batch_to_pb(batch), timeout=self.timeout_s)
+        chunks = batch_to_chunks(batch, self.chunk_bytes)
+        reply = self._stub.TrainStep(chunks, timeout=self.timeout_s)
         return dict(reply.metrics)
 
     def publish(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -20,7 +20,7 @@ from rlax_tpu.rpc import trainer_pb2 as pb
 from rlax_tpu.rpc.transport import Credentials, make_server
 from rlax_tpu.trainer.checkpoint import CheckpointMismatchError, NoCheckpointError
 from rlax_tpu.trainer.trainer import Trainer, TrainerHalted
-from rlax_tpu.trainer.wire import batch_from_pb
+from rlax_tpu.trainer.wire import batch_from_chunks
 
 COMPONENT = "trainer"
 # Order matters: the first matching class decides the status.
@@ -54,8 +54,8 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
         self._lock = threading.Lock()
 
     @_serialized
-    def TrainStep(self, request: pb.TrainBatchMessage, context) -> pb.TrainStepReply:  # noqa: ANN001
-        return pb.TrainStepReply(metrics=self._trainer.train_step(batch_from_pb(request)))
+    def TrainStep(self, requests: Iterator[pb.TrainBatchMessage], context) -> pb.TrainStepReply:  # noqa: ANN001
+        return pb.TrainStepReply(metrics=self._trainer.train_step(batch_from_chunks(requests)))
 
     @_serialized
     def Publish(self, request: common_pb2.Empty, context) -> pb.TrainerStep:  # noqa: ANN001

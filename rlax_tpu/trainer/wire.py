@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import numpy as np
 
 from rlax_tpu.rpc import trainer_pb2 as pb
@@ -37,6 +39,37 @@ def batch_to_pb(batch: TrainBatch) -> pb.TrainBatchMessage:
     return pb.TrainBatchMessage(
         **arrays, group_size=batch.group_size, temperature=batch.temperature
     )
+
+
+def batch_to_chunks(batch: TrainBatch, chunk_bytes: int = 4 * 2**20) -> Iterator[pb.TrainBatchMessage]:
+    """The batch as messages of consecutive row slices of about ``chunk_bytes`` each (at least
+    one row per message)."""
+    arrays = {name: np.asarray(getattr(batch, name)) for name in _ARRAYS}
+    rows = len(arrays["tokens"])
+    row_bytes = sum(a[:1].nbytes for a in arrays.values())
+    step = max(1, chunk_bytes // max(row_bytes, 1))
+    for start in range(0, max(rows, 1), step):
+        part = {name: array_to_pb(a[start : start + step]) for name, a in arrays.items()}
+        yield pb.TrainBatchMessage(**part, group_size=batch.group_size,
+                                   temperature=batch.temperature)  # fmt: skip
+
+
+def batch_from_chunks(messages: Iterable[pb.TrainBatchMessage]) -> TrainBatch:
+    """Joins row slices (``batch_to_chunks``); ValueError for slices that do not fit together."""
+    parts = [(m, {name: array_from_pb(getattr(m, name), name) for name in _ARRAYS})
+             for m in messages]  # fmt: skip
+    if not parts:
+        raise ValueError("TrainStep: the stream held no batch")
+    first = parts[0][0]
+    for m, arrays in parts:
+        if (m.group_size, m.temperature) != (first.group_size, first.temperature):
+            raise ValueError("TrainStep: slices disagree on group_size or temperature")
+        for name, a in arrays.items():
+            if a.shape[1:] != parts[0][1][name].shape[1:]:
+                raise ValueError(f"TrainBatch.{name}: slices of widths {a.shape[1:]} and "
+                                 f"{parts[0][1][name].shape[1:]}")  # fmt: skip
+    joined = {name: np.concatenate([arrays[name] for _, arrays in parts]) for name in _ARRAYS}
+    return TrainBatch(**joined, group_size=first.group_size, temperature=first.temperature)
 
 
 def batch_from_pb(msg: pb.TrainBatchMessage) -> TrainBatch:

@@ -78,7 +78,8 @@ def served(tmp_path_factory):
 
 def test_grpc_step_equals_in_process(served, tmp_path):
     endpoint, creds, cfg = served
-    with TrainerClient(endpoint, credentials=creds) as client:
+    # 2 KiB slices: the batch (~17 KB) travels as 10 messages of a streamed TrainStep.
+    with TrainerClient(endpoint, credentials=creds, chunk_bytes=2048) as client:
         remote = client.train_step(random_batch(0))
         assert client.status().step == 1
         assert client.save(wait=True) == 1
@@ -107,17 +108,26 @@ def test_grpc_errors_are_clear(served):
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_wire_roundtrip():
-    from rlax_tpu.trainer.wire import batch_from_pb, batch_to_pb
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, 2**30])
+def test_wire_roundtrip(chunk_bytes):
+    """A batch streamed as row slices (one row each, a few rows, all at once) joins back equal,
+    and no slice is larger than chunk_bytes unless it holds a single row."""
+    from rlax_tpu.trainer.wire import batch_from_chunks, batch_to_chunks
 
     batch = random_batch(2)
-    back = batch_from_pb(batch_to_pb(batch))
+    chunks = list(batch_to_chunks(batch, chunk_bytes))
+    rows = [len(c.prompt_lengths.shape) and c.prompt_lengths.shape[0] for c in chunks]
+    assert sum(rows) == len(batch.tokens)
+    assert all(c.ByteSize() <= chunk_bytes + 1024 or r == 1 for c, r in zip(chunks, rows, strict=True))
+    back = batch_from_chunks(chunks)
     for name in ("tokens", "prompt_lengths", "completion_lengths", "behaviour_logprobs", "rewards",
                  "versions"):  # fmt: skip
         a, b = getattr(batch, name), getattr(back, name)
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
     assert (back.group_size, back.temperature) == (batch.group_size, batch.temperature)
+    with pytest.raises(ValueError, match="no batch"):
+        batch_from_chunks([])
 
 
 # The overrides of configs/codeforces.py:local that make helpers.run_config((1, 8, 1)) shapes.
