@@ -3,6 +3,8 @@
 Presets:
   local  CPU, a tiny model, procedural + bundled problems graded in the sandbox (the `make run` demo).
   v5p    paper scale: a QwQ-32B-class (Qwen2) model, η_r = 16, η_a = 32, GRPO-style clipping.
+         Its storage comes from --config.controller.bucket=gs://NAME (weights at NAME/QwQ-32B, data
+         at NAME/codeforces, the run under NAME/runs/codeforces).
 No preset: the preset that fits this machine (v5p on a TPU host, local otherwise).
 
     python -m rlax_tpu.controller --config=configs/codeforces.py:local --config.trainer.learning_rate=3e-4
@@ -67,7 +69,7 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         arch="qwen2", vocab_size=152_064, hidden_size=5120, intermediate_size=27_648, num_layers=64,
         num_heads=40, num_kv_heads=8, rope_theta=1_000_000.0, max_position_embeddings=40_960,
         rms_norm_eps=1e-5, qkv_bias=True, tie_embeddings=False, param_dtype="bfloat16",
-        compute_dtype="bfloat16", weights_format="safetensors", weights_path="gs://YOUR_BUCKET/QwQ-32B",
+        compute_dtype="bfloat16", weights_format="safetensors", weights_path="{bucket}/QwQ-32B",
     )  # fmt: skip
     cfg.mesh.update(data=1, fsdp=-1, tensor=8)
     cfg.trainer.update(
@@ -85,17 +87,17 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )  # fmt: skip
     cfg.param_server.update(
         address="0.0.0.0:50052", auth_token_file="/var/run/secrets/rlax/token",
-        in_memory_versions=33, persist_every=16, persist_path="gs://YOUR_BUCKET/runs/codeforces/ps",
+        in_memory_versions=33, persist_every=16, persist_path="{bucket}/runs/codeforces/ps",
         replicas=4,
     )  # fmt: skip
     cfg.verifiers.update(
         address="0.0.0.0:50054", auth_token_file="/var/run/secrets/rlax/token", workers=64,
         time_limit_s=2.0, memory_limit_mb=256,
     )  # fmt: skip
-    cfg.data.update(datasets=("codeforces",), weights=(1.0,), data_dir="gs://YOUR_BUCKET/codeforces",
+    cfg.data.update(datasets=("codeforces",), weights=(1.0,), data_dir="{bucket}/codeforces",
                     eval_samples=32, eval_problems=256, eval_every=20)  # fmt: skip
     cfg.controller.update(
-        run_dir="gs://YOUR_BUCKET/runs/codeforces", num_steps=1000, prompts_per_step=64,
+        run_dir="{bucket}/runs/codeforces", num_steps=1000, prompts_per_step=64,
         mode="throughput", reload_staleness=16, acceptance_staleness=32, pipeline_depth=1,
         consume_order="freshest_first", transport="distributed", snapshot_keep=12,
         inference_endpoints=tuple(f"rlax-inference-{i}.rlax:50051" for i in range(32)),

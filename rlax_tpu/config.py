@@ -622,6 +622,10 @@ class AlgorithmConfig:
 
 @_frozen
 class ControllerConfig:
+    # Where the run's storage lives ("gs://NAME" or a directory): every "{bucket}" in the
+    # config's strings (run_dir, weights, data, persistence) is replaced by it when the config
+    # is built; a config that names "{bucket}" without it set is refused.
+    bucket: str = ""
     run_dir: str = "runs/local"
     num_steps: int = 20
     prompts_per_step: int = 4
@@ -829,6 +833,8 @@ def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
     """
     if isinstance(data, ml_collections.ConfigDict):
         data = data.to_dict()
+    if cls is RunConfig and not path and isinstance(data, Mapping):
+        data = _fill_bucket(data)
     if not isinstance(data, Mapping):
         raise ConfigError(path, f"expected a section (mapping), got {type(data).__name__}", data)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -845,6 +851,36 @@ def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
         return cls(**kwargs)
     except ConfigError as e:
         raise e.prefixed(path) if path else e from None
+
+
+BUCKET = "{bucket}"
+
+
+def _fill_bucket(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with every "{bucket}" in its strings replaced by controller.bucket; ConfigError
+    naming the fields that need it when it is unset."""
+    bucket = str((data.get("controller") or {}).get("bucket", "") or "").rstrip("/")
+    needing: list[str] = []
+
+    def fill(value: Any, where: str) -> Any:
+        if isinstance(value, Mapping):
+            return {k: fill(v, f"{where}.{k}" if where else k) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(fill(v, where) for v in value)
+        if isinstance(value, str) and BUCKET in value:
+            needing.append(f"{where} = {value!r}")
+            return value.replace(BUCKET, bucket)
+        return value
+
+    filled = fill(data, "")
+    if needing and not bucket:
+        raise ConfigError(
+            "controller.bucket",
+            f"required by {', '.join(needing)}: give the run's storage, e.g. "
+            "--config.controller.bucket=gs://my-bucket (or a local directory)",
+            "",
+        )
+    return filled
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:

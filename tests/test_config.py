@@ -66,7 +66,16 @@ def test_smollm2_math_presets_validate_and_find_the_packaged_weights():
 def test_presets_validate():
     mod = _codeforces()
     local = from_dict(RunConfig, mod.get_config("local"))
-    v5p = from_dict(RunConfig, mod.get_config("v5p"))
+    raw = mod.get_config("v5p")
+    with pytest.raises(ConfigError, match=r"controller.bucket = '': required by .*model.weights_path "
+                       r"= '\{bucket\}/QwQ-32B'.*--config.controller.bucket=gs://my-bucket"):  # fmt: skip
+        from_dict(RunConfig, raw)
+    raw.controller.bucket = "gs://rl-runs/"
+    v5p = from_dict(RunConfig, raw)
+    assert v5p.model.weights_path == "gs://rl-runs/QwQ-32B"
+    assert v5p.controller.run_dir == "gs://rl-runs/runs/codeforces"
+    assert v5p.data.data_dir == "gs://rl-runs/codeforces"
+    assert v5p.param_server.persist_path == "gs://rl-runs/runs/codeforces/ps"
     assert local.preset == "local" and v5p.preset == "v5p"
     assert local.controller.transport == "local" and local.inference.backend == "auto"
     assert (v5p.controller.reload_staleness, v5p.controller.acceptance_staleness) == (16, 32)

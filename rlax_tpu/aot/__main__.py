@@ -52,9 +52,14 @@ def run(config: RunConfig, args: list[str]) -> int:
     return run_check(
         config, topology=FLAGS.topology, inference_topology=FLAGS.inference_topology or FLAGS.topology,
         component=FLAGS.component, json_path=Path(FLAGS.json) if FLAGS.json else None,
-        command="python -m rlax_tpu.aot " + " ".join(sys.argv[1:]),
+        command="python -m rlax_tpu.aot " + " ".join(_COMMAND),
     )  # fmt: skip
 
 
+_COMMAND = sys.argv[1:]  # as the user typed it (for the report)
+
 if __name__ == "__main__":
+    if not any(a.startswith("--config.controller.bucket=") for a in sys.argv):
+        # The check compiles programs and reads no storage: a preset's "{bucket}" paths need none.
+        sys.argv.append("--config.controller.bucket=unused-by-the-aot-check")
     cli.main("aot", run)
