@@ -76,6 +76,8 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         learning_rate=1e-6, schedule="warmup_cosine", warmup_steps=10, weight_decay=0.1,
         # A micro-batch splits over the batch shards: 32 on v5p:8x8x4 (256 chips / tensor 8).
         grad_clip_norm=1.0, micro_batch_size=32, publish_dtype="bfloat16", checkpoint_every=10,
+        # 64 layers as one scanned body: compile time and program size independent of depth.
+        scan_layers=True,
         address="0.0.0.0:50053", auth_token_file="/var/run/secrets/rlax/token",
     )  # fmt: skip
     # Each worker a v5p:2x2x1 slice: weights and KV pages split 4 ways over heads (40 q, 8 KV).

@@ -287,11 +287,26 @@ class TrainerConfig:
     # Compile the update for every micro-batch shape the inference limits allow during the first
     # step, so later steps never stall on a compile (costs one compile per shape up front).
     precompile: bool = False
-    remat: bool = True  # nothing-saveable remat on the training forward
+    remat: bool = True  # each layer of the training forward under jax.checkpoint(remat_policy)
+    # "nothing_saveable" keeps only layer inputs, so the forward fuses as at inference (RLAX §5).
+    remat_policy: Literal[
+        "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+        "everything_saveable",
+    ] = "nothing_saveable"  # fmt: skip
+    # The trainer's forwards as one lax.scan over stacked layer parameters: one compiled layer
+    # body whatever the depth (compile time and program size stay flat), at the price of one
+    # copy of the layer parameters per call. Off: layers unrolled.
+    scan_layers: bool = False
     # The training forward's attention: "splash" (JAX's TPU splash kernel: memory linear in the
     # sequence), "dense" (materializes [L, L] scores; the CPU reference), "auto" (splash on TPU).
     attention: Literal["auto", "dense", "splash"] = "auto"
     align_logprobs: bool = True  # recompute π_old with the inference graph (DESIGN §6)
+    # How the aligned π_old is recomputed. "replay": token by token through the engine's own
+    # programs at its shapes (bitwise the sampler's log-probs on CPU; cost grows with the
+    # completion length and holds an engine-sized cache). "prefill": one prefill-shaped pass
+    # per micro-batch on the trainer's mesh through the engine's paged-attention backend (the
+    # ragged kernel on TPU; RLAX §5.1), to round-off. "auto": replay on CPU, prefill elsewhere.
+    old_logprobs: Literal["auto", "replay", "prefill"] = "auto"
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     checkpoint_every: int = 1
     keep_checkpoints: int = 2

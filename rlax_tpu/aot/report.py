@@ -3,6 +3,7 @@ reports -> a table, a JSON file and an exit code (see ``__main__``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -11,7 +12,7 @@ from pathlib import Path
 import jax
 
 from rlax_tpu import cli
-from rlax_tpu.aot.check import FITS, TOO_BIG, ProgramReport, compile_all
+from rlax_tpu.aot.check import FAILED, FITS, TOO_BIG, ProgramReport, compile_all
 from rlax_tpu.aot.chips import DeviceSpec, chip_of, device_spec
 from rlax_tpu.config import RunConfig
 from rlax_tpu.models.aot import AbstractProgram
@@ -46,6 +47,41 @@ def _builders(component: str) -> dict[str, Builder]:
 
     every = {"trainer": trainer_programs, "inference": inference_programs}
     return every if component == "all" else {component: every[component]}
+
+
+def cost_by_depth(
+    config: RunConfig, build: Builder, devices: Sequence[jax.Device],
+    reports: list[ProgramReport], *, component: str, topology: str, device: DeviceSpec,
+    progress: Callable[[str], None],
+) -> list[ProgramReport]:  # fmt: skip
+    """FLOPs and bytes of scanned programs. XLA's cost analysis counts a loop body once, so the
+    same programs are compiled unrolled at 1 and 2 layers and their cost extrapolated to the
+    config's depth: cost(L) = cost(1) + (L - 1) * (cost(2) - cost(1)), exact when every layer
+    is the same computation. Memory stays the scanned program's own."""
+    depth = config.model.num_layers
+    costs = []
+    for n in (1, 2):
+        shallow = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, num_layers=n),
+            trainer=dataclasses.replace(config.trainer, scan_layers=False),
+        )  # fmt: skip
+        progress(f"counting FLOPs of the scanned programs: unrolled at {n} layer(s) ...")
+        costs.append({r.name: r for r in compile_all(build(shallow, devices), component=component,
+                                                     topology=topology, device=device)})  # fmt: skip
+    out = []
+    for r in reports:
+        one, two = costs[0].get(r.name), costs[1].get(r.name)
+        if r.status == FAILED or one is None or two is None or FAILED in (one.status, two.status):
+            out.append(r)
+            continue
+        flops = one.flops + (depth - 1) * (two.flops - one.flops)
+        traffic = one.bytes_accessed + (depth - 1) * (two.bytes_accessed - one.bytes_accessed)
+        out.append(dataclasses.replace(
+            r, flops=flops, bytes_accessed=traffic, roofline_s=device.roofline_s(flops, traffic),
+            note=f"{r.note} (FLOPs, bytes: unrolled 1- and 2-layer compiles, extrapolated to "
+                 f"{depth} layers)",
+        ))  # fmt: skip
+    return out
 
 
 def _gib(n: float) -> str:
@@ -112,8 +148,12 @@ def run_check(
         except ValueError as e:  # ConfigError (mesh), BatchShapeError (micro-batch rows)
             return fail(f"the config's {name} does not fit topology {topo} ({len(devices)} "
                         f"devices): {e}")  # fmt: skip
-        reports += compile_all(programs, component=name, topology=topo, device=specs[topo],
+        compiled = compile_all(programs, component=name, topology=topo, device=specs[topo],
                                progress=progress)  # fmt: skip
+        if name == "trainer" and config.trainer.scan_layers:
+            compiled = cost_by_depth(config, build, devices, compiled, component=name,
+                                     topology=topo, device=specs[topo], progress=progress)  # fmt: skip
+        reports += compiled
     print(format_table(reports, specs))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

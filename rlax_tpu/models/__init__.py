@@ -40,6 +40,9 @@ from rlax_tpu.models.sharding import (
 )
 from rlax_tpu.models.tokenizer import Tokenizer
 from rlax_tpu.models.transformer import (
+    REMAT_POLICIES,
+    UNROLLED,
+    LayerLoop,
     Transformer,
     default_positions,
     forward,
@@ -50,7 +53,8 @@ from rlax_tpu.models.transformer import (
 )
 
 __all__ = [
-    "LOGICAL_AXIS_RULES", "PRESETS", "DenseKVCache", "KVCache", "ModelLoadError", "NoCache",
+    "LOGICAL_AXIS_RULES", "PRESETS", "REMAT_POLICIES", "DenseKVCache", "KVCache", "LayerLoop",
+    "ModelLoadError", "UNROLLED", "NoCache",
     "ReplayShape", "replay_logprobs",
     "Tokenizer", "Transformer", "abstract_model", "build_model", "causal_mask", "checkpoint_config",
     "config_from_gguf",

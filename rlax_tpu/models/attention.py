@@ -88,6 +88,7 @@ class NoCache:
     with their real tokens first at positions 0..n-1, see models/splash.py)."""
 
     kernel: str = dataclasses.field(default="dense", metadata=dict(static=True))
+    stateless = True  # stores nothing, ignores the layer index (see transformer.LayerLoop)
 
     def attend(
         self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array

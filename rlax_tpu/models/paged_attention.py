@@ -120,11 +120,12 @@ def padded_kv_heads(kv_heads: int, itemsize: int) -> int:
 
 def ragged_attention(
     q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, positions: jax.Array, *,
-    kv_heads: int, emulated: bool = False,
+    kv_heads: int, emulated: bool = False, pages_by_rows: bool = False,
 ) -> jax.Array:  # fmt: skip
     """q [B, T, H, D], kv_pages [P, page_size, 2 * Hs, D'] (the model's ``kv_heads`` padded to
     Hs, see padded_kv_heads) -> [B, T, H, D] through the TPU ragged kernel (``emulated``: its
-    XLA stand-in)."""
+    XLA stand-in). ``pages_by_rows``: row b owns pages b*M .. b*M + M - 1 (M = the tables'
+    width), so under a mesh the pages split over the batch axes with their rows."""
     h, stored = q.shape[2], kv_pages.shape[2] // 2
     # With zero KV heads padded in (padded_kv_heads), q gets zero heads too, at the end: the
     # kernel maps q head i to KV head i // (h / kv_heads), so the real heads keep their groups.
@@ -138,13 +139,23 @@ def ragged_attention(
         itemsize = kv_pages.dtype.itemsize
         rows, heads = kernel_axes(mesh, q.shape[0], q.shape[2], stored,
                                   lambda tp: kernel_tiles(stored // tp, itemsize))  # fmt: skip
+        if pages_by_rows and rows is not None:
+            call = partial(_local_pages, call, rows)
         call = jax.shard_map(
             call, mesh=mesh,
-            in_specs=(P(rows, None, heads, None), P(None, None, heads, None), P(rows, None),
+            in_specs=(P(rows, None, heads, None),
+                      P(rows if pages_by_rows else None, None, heads, None), P(rows, None),
                       P(rows, None)),
             out_specs=P(rows, None, heads, None), check_vma=False,
         )  # fmt: skip
     return call(q, kv_pages, block_tables, positions)[:, :, :h]
+
+
+def _local_pages(call: Callable, rows: str | tuple[str, ...], q: jax.Array, kv_pages: jax.Array,
+                 block_tables: jax.Array, positions: jax.Array) -> jax.Array:  # fmt: skip
+    """A device's rows own the device's pages (``pages_by_rows``): tables rebased to them."""
+    first = jax.lax.axis_index(rows) * block_tables.size
+    return call(q, kv_pages, block_tables - first.astype(jnp.int32), positions)
 
 
 def _ragged_rows(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,

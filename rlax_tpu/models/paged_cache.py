@@ -165,6 +165,46 @@ class PagedKVCache:
         return (self.kv_pages if self.combined else self.k_pages).shape[-1]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SequencePagedCache:
+    """Whole sequences through the engine's paged attention, storing nothing: the π_old
+    recompute as one prefill-shaped pass (RLAX §5.1). Each layer's keys/values of the chunk
+    [B, T] are laid out as pages of ``page_size`` in ``backend``'s layout, row b in pages
+    b*M .. b*M + M - 1 (M = ceil(T / page_size); a reshape, no scatter and no null page, so
+    pages split over the batch axes with their rows), and the backend's attention (the TPU
+    ragged kernel, the GPU Pallas kernel, the CPU reference) attends over them as the engine's
+    prefill and decode rows do. Column j of a row is stored at slot j: rows must hold their
+    real tokens first, at positions 0..n-1 (as the trainer's micro-batches lay them out).
+    Stateless, so layers can be scanned and one layer's pages live at a time."""
+
+    page_size: int = dataclasses.field(metadata=dict(static=True))
+    backend: str = dataclasses.field(default="cpu", metadata=dict(static=True))
+    stateless = True
+
+    def attend(
+        self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
+    ) -> tuple[jax.Array, SequencePagedCache]:
+        """q [B, T, H, D], k/v [B, T, Hkv, D], positions [B, T] -> ([B, T, H, D], self)."""
+        del layer
+        b, t, hkv, d = k.shape
+        page = self.page_size
+        m = -(-t // page)
+        tables = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
+        if self.backend in COMBINED:
+            stored, dp = padded_kv_heads(hkv, k.dtype.itemsize), -(-d // 128) * 128
+            k, v = (jnp.pad(x, ((0, 0), (0, m * page - t), (0, stored - hkv), (0, dp - d)))
+                    for x in (k, v))  # fmt: skip
+            kv = jnp.stack([k, v], axis=3).reshape(b * m, page, 2 * stored, dp)
+            emulated = self.backend == "tpu_emulated"
+            out = ragged_attention(q, kv, tables, positions, kv_heads=hkv, emulated=emulated,
+                                   pages_by_rows=True)  # fmt: skip
+            return out, self
+        k, v = (jnp.pad(x, ((0, 0), (0, m * page - t), (0, 0), (0, 0)))
+                .reshape(b * m, page, hkv, d).transpose(2, 0, 1, 3) for x in (k, v))  # fmt: skip
+        return BACKENDS[self.backend](q, k, v, tables, positions), self
+
+
 def _page_spec(shape: tuple[int, ...], combined: bool, mesh, itemsize: int) -> jax.sharding.PartitionSpec:  # noqa: ANN001
     """Pages split over KV heads on the tensor axis, when the KV heads divide by it. Combined
     pages are judged by their stored KV heads (not 2 *): a split keeps a head's keys and values on

@@ -4,10 +4,17 @@
 ``step``         a chunk of T tokens per sequence against a KV cache (prefill, chunked prefill,
                  decode): logits and the updated cache.
 Both run ``Transformer.__call__``; they differ only in the :class:`KVCache` they pass.
+
+:class:`LayerLoop` says how ``__call__`` runs its layers: unrolled (the default; program size
+and compile time grow with depth) or as one ``jax.lax.scan`` over the layers' stacked
+parameters (one compiled layer body whatever the depth), each layer optionally under
+``jax.checkpoint`` with a named policy. Scan and remat need a cache that stores nothing and
+ignores the layer index (``stateless``: the full-sequence forward's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -22,6 +29,35 @@ from rlax_tpu.models.rope import rope_tables
 from rlax_tpu.models.sharding import constrain, param_shardings
 
 _ACT = ("batch", "length", "act_embed")
+
+REMAT_POLICIES = {
+    # Only each layer's input is kept for the backward pass: the forward fuses as at inference
+    # (RLAX §5) and activation memory is one layer's input per layer.
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLoop:
+    """How the layers run: ``scan`` over stacked layer parameters or unrolled; ``remat`` a
+    :data:`REMAT_POLICIES` name (each layer under ``jax.checkpoint``) or None."""
+
+    scan: bool = False
+    remat: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.remat is not None and self.remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {self.remat!r}; one of {sorted(REMAT_POLICIES)}")
+
+    @property
+    def plain(self) -> bool:
+        return not self.scan and self.remat is None
+
+
+UNROLLED = LayerLoop()  # layers one after the other, nothing rematerialized
 
 
 class Transformer(nnx.Module):
@@ -51,16 +87,48 @@ class Transformer(nnx.Module):
             )
 
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array, cache: KVCache
-    ) -> tuple[jax.Array, KVCache]:
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+        loop: LayerLoop = UNROLLED,
+    ) -> tuple[jax.Array, KVCache]:  # fmt: skip
         """tokens, positions [B, T] int32 -> (final-normed hidden states [B, T, E], cache)."""
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.compute_dtype)
         x = constrain(x, _ACT)
         cos, sin = rope_tables(self.cfg, positions)
-        for layer in self.layers:
-            x, cache = layer(x, cos, sin, positions, cache)
-            x = constrain(x, _ACT)
+        if loop.plain:
+            for layer in self.layers:
+                x, cache = layer(x, cos, sin, positions, cache)
+                x = constrain(x, _ACT)
+        else:
+            x = self._layer_loop(x, cos, sin, positions, cache, loop)
         return self.final_norm(x), cache
+
+    def _layer_loop(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
+        cache: KVCache, loop: LayerLoop,
+    ) -> jax.Array:  # fmt: skip
+        if not getattr(cache, "stateless", False):
+            raise ValueError(
+                f"scanned or rematerialized layers need a stateless cache (one that stores "
+                f"nothing and ignores the layer index), not {type(cache).__name__}"
+            )
+        # Layers differ only in their static layer index, which a stateless cache ignores, so
+        # every layer runs layer 0's graph with its own parameters.
+        graphdef = nnx.graphdef(self.layers[0])
+
+        def run(state: nnx.State, x: jax.Array) -> jax.Array:
+            y, _ = nnx.merge(graphdef, state)(x, cos, sin, positions, cache)
+            return constrain(y, _ACT)
+
+        if loop.remat is not None:
+            run = jax.checkpoint(run, policy=REMAT_POLICIES[loop.remat])
+        states = [nnx.state(layer) for layer in self.layers]
+        if not loop.scan:
+            for state in states:
+                x = run(state, x)
+            return x
+        stacked = jax.tree.map(_stack_layers, *states, is_leaf=_is_variable)
+        x, _ = jax.lax.scan(lambda h, state: (run(state, h), None), x, stacked)
+        return x
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, T, E] -> logits [B, T, V], accumulated and returned in f32."""
@@ -70,6 +138,19 @@ class Transformer(nnx.Module):
             return jnp.einsum("bte,ve->btv", hidden, w, preferred_element_type=jnp.float32)
         w = self.lm_head[...].astype(c)
         return jnp.einsum("bte,ev->btv", hidden, w, preferred_element_type=jnp.float32)
+
+
+def _is_variable(x: object) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _stack_layers(*variables: nnx.Variable) -> nnx.Variable:
+    """The layers' values of one parameter stacked on a new leading axis [num_layers, ...],
+    constrained like the parameter (the layer axis replicated)."""
+    first = variables[0]
+    stacked = jnp.stack([v[...] for v in variables])
+    axes = first.get_metadata().get("out_sharding") or (None,) * (stacked.ndim - 1)
+    return first.replace(constrain(stacked, (None, *axes)))
 
 
 def init_model(

@@ -1,6 +1,7 @@
 """The trainer's programs, described abstractly for ahead-of-time compilation
 (``python -m rlax_tpu.aot``): the same jitted functions a :class:`Trainer` runs
-(``step.StepFunctions``; the engine's programs for the aligned π_old replay), on the mesh the
+(``step.StepFunctions``; the engine's programs for the aligned π_old replay, or the
+prefill-shaped recompute through the engine's paged attention), on the mesh the
 config builds over a topology's devices, at the largest micro-batch the config allows.
 
 Resident state (per device, held through every program): the trainable parameters, the
@@ -28,7 +29,7 @@ from rlax_tpu.models.aot import (
 )
 from rlax_tpu.trainer import mesh as mesh_lib
 from rlax_tpu.trainer.batching import possible_shapes
-from rlax_tpu.trainer.step import make_step_functions
+from rlax_tpu.trainer.step import make_step_functions, old_logprobs_mode
 
 
 def micro_batch_shape(config: RunConfig) -> tuple[int, int, int]:
@@ -102,7 +103,8 @@ def abstract_programs(
         ),
     ]  # fmt: skip
     scored = f"log-probs of one {where}"
-    if config.trainer.align_logprobs:
+    mode = old_logprobs_mode(config, devices[0].platform)
+    if mode == "replay":
         shape = models.ReplayShape.of_engine(
             config.inference, config.model, platform=devices[0].platform
         )
@@ -113,9 +115,13 @@ def abstract_programs(
             note="π_old replay through the engine's programs; cache replicated on the mesh",
         )  # fmt: skip
     else:
+        prefill = mode == "prefill"
         programs.append(AbstractProgram(
-            "trainer.score_old", fns.score_jit(False), (trainable["model"], None, arrays, scalar),
-            mesh=mesh, resident_bytes=held_outside("trainable"), note=f"π_old {scored}",
+            "trainer.prefill_old" if prefill else "trainer.score_old",
+            fns.score_jit(False, prefill), (trainable["model"], None, arrays, scalar),
+            mesh=mesh, resident_bytes=held_outside("trainable"),
+            note=f"π_old {scored}" + (f" through the engine's {fns.prefill.backend} paged "
+                                      "attention (prefill-shaped)" if prefill else ""),
         ))  # fmt: skip
     if ref is not None:
         programs.append(AbstractProgram(

@@ -9,12 +9,13 @@ from a different model is refused with the differing fields named.
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from rlax_tpu import storage
 from rlax_tpu.config import ModelConfig, to_dict
 
 # Model fields that do not change what the checkpointed arrays mean.
@@ -39,10 +40,11 @@ def model_signature(cfg: ModelConfig) -> dict[str, Any]:
 
 
 class Checkpointer:
-    """Trainer checkpoints under ``directory`` (local path; Orbax also takes gs:// paths)."""
+    """Trainer checkpoints under ``directory`` (a local path or gs://: Orbax writes through
+    TensorStore and commits a gs:// checkpoint with a marker object instead of a rename)."""
 
-    def __init__(self, directory: str | Path, *, keep: int, signature: dict[str, Any]):
-        self.directory = str(directory)
+    def __init__(self, directory: str | os.PathLike, *, keep: int, signature: dict[str, Any]):
+        self.directory = os.fspath(storage.path(directory))
         self.signature = signature
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, create=True

@@ -16,44 +16,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from rlax_tpu import models
 from rlax_tpu.trainer.mesh import BATCH_AXES, TENSOR_AXIS
 
 
-class _RematLayer(nnx.Module):
-    """A decoder layer under ``jax.checkpoint(nothing_saveable)``: only its input is kept for
-    the backward pass, so the forward fuses as at inference (RLAX §5) and activation memory is
-    one layer's."""
-
-    def __init__(self, layer: nnx.Module):
-        self.layer = layer
-
-    def __call__(self, x, cos, sin, positions, cache):  # noqa: ANN001, ANN204
-        graphdef, state = nnx.split(self.layer)
-
-        def run(state, x, cos, sin, positions):  # noqa: ANN001, ANN202
-            return nnx.merge(graphdef, state)(x, cos, sin, positions, cache)[0]
-
-        policy = jax.checkpoint_policies.nothing_saveable
-        return jax.checkpoint(run, policy=policy)(state, x, cos, sin, positions), cache
-
-
 def hidden_states(
-    model: models.Transformer, tokens: jax.Array, positions: jax.Array, *, remat: bool,
-    attention: str = "dense",
+    model: models.Transformer, tokens: jax.Array, positions: jax.Array, *,
+    loop: models.LayerLoop = models.UNROLLED, attention: str | models.KVCache = "dense",
 ) -> jax.Array:  # fmt: skip
     """tokens, positions [B, L] -> final-normed hidden states [B, L, E]; ``attention`` is the
-    kernel of ``models.NoCache`` (splash needs each row's tokens first, as batching lays them).
-
-    With ``remat`` the layers of ``model`` are wrapped in place: pass a model merged inside the
-    traced function (a throwaway), never a long-lived one.
-    """
-    if remat:
-        model.layers = nnx.List([_RematLayer(layer) for layer in model.layers])
-    hidden, _ = model(tokens, positions, models.NoCache(kernel=attention))
+    kernel of ``models.NoCache`` (splash needs each row's tokens first, as batching lays them)
+    or a stateless cache (the prefill-shaped π_old recompute), ``loop`` how the layers run
+    (scanned or unrolled, remat policy)."""
+    cache = models.NoCache(kernel=attention) if isinstance(attention, str) else attention
+    hidden, _ = model(tokens, positions, cache, loop)
     return hidden
 
 
@@ -125,14 +103,14 @@ def completion_logprobs(
     targets: jax.Array,
     temperature: jax.Array,
     *,
-    remat: bool,
+    loop: models.LayerLoop,
     mesh: Mesh | None,
     value_head: dict[str, jax.Array] | None = None,
-    attention: str = "dense",
+    attention: str | models.KVCache = "dense",
 ) -> tuple[jax.Array, jax.Array | None]:
     """Log-probs [B, T] of the completion ``targets`` [B, T] and, with a value head, the values
     [B, T] (f32) of the states that emit them. tokens/positions [B, L] (padding at position -1)."""
-    hidden = hidden_states(model, tokens, positions, remat=remat, attention=attention)
+    hidden = hidden_states(model, tokens, positions, loop=loop, attention=attention)
     hidden = gather_completion(hidden, prompt_lengths, targets.shape[1])
     if use_vocab_parallel(mesh, model.cfg.vocab_size):
         logp = vocab_parallel_logprobs(model, hidden, targets, temperature, mesh)

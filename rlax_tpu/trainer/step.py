@@ -4,7 +4,8 @@
             outputs, so every process can read them (π_old without alignment, π_ref, values).
   prepare   the objective's θ-independent inputs (advantages, weights) for the full batch.
   accumulate  loss and gradient of one micro-batch added into the gradient accumulator
-            (donated); the training forward runs under nothing-saveable remat.
+            (donated); the training forward runs under remat (``trainer.remat_policy``),
+            its layers scanned or unrolled (``trainer.scan_layers``).
   apply     clip + AdamW on the accumulated gradient (params, optimizer state and accumulator
             donated); the update is kept only if the loss, the gradient norm and the new
             params are finite, otherwise params and optimizer state come back unchanged.
@@ -27,8 +28,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rlax_tpu.algorithms import LossInputs, Objective, RolloutBatch, make_objective
-from rlax_tpu.config import RunConfig
-from rlax_tpu.models import param_shardings
+from rlax_tpu.config import RunConfig, TrainerConfig
+from rlax_tpu.models import LayerLoop, param_shardings
+from rlax_tpu.models.paged_attention import resolve_backend
+from rlax_tpu.models.paged_cache import SequencePagedCache
 from rlax_tpu.trainer.logprobs import completion_logprobs
 from rlax_tpu.trainer.mesh import batch_sharding, replicated
 from rlax_tpu.trainer.optimizer import make_optimizer
@@ -61,8 +64,10 @@ class StepFunctions:
     trainable_shardings: Params
     opt_shardings: Any
     tx: optax.GradientTransformation
-    remat: bool
+    loop: LayerLoop = LayerLoop()  # how the training forward runs its layers
     attention: str = "dense"  # the training forward's kernel (models.NoCache)
+    # The prefill-shaped π_old recompute's cache (the engine's page size and backend), or None.
+    prefill: SequencePagedCache | None = None
 
     def batch_shardings(self) -> dict[str, NamedSharding]:
         return {k: batch_sharding(self.mesh, n) for k, n in _BATCH_NDIM.items()}
@@ -72,15 +77,20 @@ class StepFunctions:
         return jax.tree.map(lambda x: batch_sharding(self.mesh, x.ndim) if x.ndim else rep, inputs)
 
     # ------------------------------------------------------------------ jitted functions
-    def score_jit(self, with_value_head: bool) -> Any:
+    def score_jit(self, with_value_head: bool, prefill: bool = False) -> Any:
         """(model params, value head | None, micro-batch arrays, temperature) -> (log-probs
-        [b, T], values [b, T] | None), replicated."""
+        [b, T], values [b, T] | None), replicated. ``prefill``: through the engine's paged
+        attention (``self.prefill``), the π_old recompute of RLAX §5.1."""
         rep = replicated(self.mesh)
+        if prefill and self.prefill is None:
+            raise ValueError("these step functions have no prefill-shaped recompute")
         return _jit_cached(
             self,
-            f"score:{with_value_head}",
+            f"score:{with_value_head}:{prefill}",
             lambda: jax.jit(
-                partial(_score, self.graphdef, self.mesh, self.attention),
+                partial(_score, self.graphdef, self.mesh,
+                        self.prefill if prefill else self.attention,
+                        LayerLoop(scan=self.loop.scan)),
                 in_shardings=(
                     self.trainable_shardings["model"],
                     self.trainable_shardings["value_head"] if with_value_head else None,
@@ -116,7 +126,7 @@ class StepFunctions:
             self,
             "accumulate",
             lambda: jax.jit(
-                partial(_accumulate, self.graphdef, self.objective, self.mesh, self.remat,
+                partial(_accumulate, self.graphdef, self.objective, self.mesh, self.loop,
                         self.attention),
                 in_shardings=(
                     self.trainable_shardings,
@@ -165,10 +175,10 @@ class StepFunctions:
     # ------------------------------------------------------------------ calls
     def score(
         self, model_params: Params, value_head: Params | None, arrays: dict[str, jax.Array],
-        temperature: jax.Array,
+        temperature: jax.Array, prefill: bool = False,
     ) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
         with jax.set_mesh(self.mesh):
-            return self.score_jit(value_head is not None)(
+            return self.score_jit(value_head is not None, prefill)(
                 model_params, value_head, arrays, temperature
             )
 
@@ -225,10 +235,37 @@ def make_step_functions(
     )  # fmt: skip
     fns = StepFunctions(
         graphdef=graphdef, objective=objective, mesh=mesh, trainable_shardings=shardings,
-        opt_shardings=opt_shardings, tx=tx, remat=config.trainer.remat,
+        opt_shardings=opt_shardings, tx=tx, loop=training_loop(config.trainer),
         attention=training_attention(config.trainer.attention, mesh),
+        prefill=prefill_recompute(config, mesh),
     )  # fmt: skip
     return fns, trainable
+
+
+def training_loop(tcfg: TrainerConfig) -> LayerLoop:
+    """How the training forward runs its layers, from ``trainer.scan_layers`` / ``remat*``."""
+    return LayerLoop(scan=tcfg.scan_layers, remat=tcfg.remat_policy if tcfg.remat else None)
+
+
+def old_logprobs_mode(config: RunConfig, platform: str) -> str:
+    """How π_old is computed on ``platform``: "replay", "prefill" (both aligned with the engine)
+    or "forward" (the training forward, ``trainer.align_logprobs`` off)."""
+    tcfg = config.trainer
+    if not tcfg.align_logprobs:
+        return "forward"
+    if tcfg.old_logprobs != "auto":
+        return tcfg.old_logprobs
+    return "replay" if platform == "cpu" else "prefill"
+
+
+def prefill_recompute(config: RunConfig, mesh: Mesh) -> SequencePagedCache | None:
+    """The prefill-shaped π_old recompute's cache for ``mesh``: the engine's page size and its
+    attention backend on this platform; None when π_old is computed otherwise."""
+    platform = mesh.devices.flat[0].platform
+    if old_logprobs_mode(config, platform) != "prefill":
+        return None
+    backend = resolve_backend(config.inference.backend, platform)
+    return SequencePagedCache(config.inference.page_size, backend)
 
 
 def training_attention(name: str, mesh: Mesh) -> str:
@@ -246,23 +283,23 @@ def _jit_cached(owner: StepFunctions, name: str, build: Any) -> Any:
     return cache[name]
 
 
-def _score(graphdef, mesh, attention, model_params, value_head, arrays, temperature):  # noqa: ANN001, ANN202
+def _score(graphdef, mesh, attention, loop, model_params, value_head, arrays, temperature):  # noqa: ANN001, ANN202
     model = nnx.merge(graphdef, model_params)
     return completion_logprobs(
         model, arrays["tokens"], arrays["positions"], arrays["prompt_lengths"],
-        arrays["targets"], temperature, remat=False, mesh=mesh, value_head=value_head,
+        arrays["targets"], temperature, loop=loop, mesh=mesh, value_head=value_head,
         attention=attention,
     )  # fmt: skip
 
 
-def _accumulate(graphdef, objective, mesh, remat, attention, trainable, acc, arrays, inputs,
+def _accumulate(graphdef, objective, mesh, loop, attention, trainable, acc, arrays, inputs,
                 temperature, scale):  # noqa: ANN001, ANN202  # fmt: skip
     TRACES["accumulate"] += 1  # runs once per trace
     def loss_fn(trainable):  # noqa: ANN001, ANN202
         model = nnx.merge(graphdef, trainable["model"])
         logp, values = completion_logprobs(
             model, arrays["tokens"], arrays["positions"], arrays["prompt_lengths"],
-            arrays["targets"], temperature, remat=remat, mesh=mesh,
+            arrays["targets"], temperature, loop=loop, mesh=mesh,
             value_head=trainable.get("value_head"), attention=attention,
         )  # fmt: skip
         loss, metrics = objective.loss(logp, inputs, values=values)

@@ -7,8 +7,10 @@
 One ``train_step``:
   1. plan micro-batches (rows sorted by length, padded per micro-batch; ``batching``);
   2. π_old: with ``trainer.align_logprobs`` the engine's computation is replayed
-     (``models.scoring.replay_logprobs``: chunked prefill + token-by-token decode, the engine's
-     shapes), else one full-sequence forward; |log π_old − log μ| is reported either way;
+     (``trainer.old_logprobs`` "replay", ``models.scoring.replay_logprobs``: chunked prefill +
+     token-by-token decode, the engine's shapes) or recomputed as one prefill per micro-batch
+     through the engine's paged attention ("prefill", RLAX §5.1), else one full-sequence
+     forward; |log π_old − log μ| is reported either way;
      π_ref (frozen reference params, same shardings, no optimizer state) and values (PPO's value
      head) come from forwards of the same micro-batches;
   3. the objective's full-batch inputs (``Objective.prepare``), then per micro-batch loss and
@@ -39,7 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from rlax_tpu import models
+from rlax_tpu import models, storage
 from rlax_tpu.algorithms import LossInputs, RolloutBatch
 from rlax_tpu.config import InferenceConfig, ModelConfig, RunConfig
 from rlax_tpu.models.scoring import ReplayShape, replay_logprobs
@@ -136,11 +138,13 @@ class Trainer:
         self._precompiled = False
         self._last_metrics: dict[str, float] = {}
         self.replay_shape = engine_replay_shape(config.inference, config.model)
+        # "replay", "prefill" or "forward" (trainer.align_logprobs / trainer.old_logprobs).
+        self.old_logprobs = step_lib.old_logprobs_mode(config, self.mesh.devices.flat[0].platform)
         directory = (
-            checkpoint_dir or tcfg.checkpoint_dir or Path(config.controller.run_dir) / "trainer"
+            checkpoint_dir or tcfg.checkpoint_dir or storage.join(config.controller.run_dir, "trainer")
         )
         self._checkpointer = Checkpointer(
-            Path(directory).absolute(), keep=tcfg.keep_checkpoints,
+            storage.path(directory), keep=tcfg.keep_checkpoints,
             signature=signature_with(config.model, value_head=spec.advantage == "gae"),
         )  # fmt: skip
 
@@ -194,13 +198,14 @@ class Trainer:
         micro = [(mb, self._put_arrays(micro_arrays(batch, mb))) for mb in plan.micro_batches]
 
         t_old = time.perf_counter()
-        if tcfg.align_logprobs:
+        if self.old_logprobs == "replay":
             logp_old = replay_logprobs(
                 self.model(), batch.tokens, batch.prompt_lengths, completion,
                 shape=self.replay_shape, temperature=batch.temperature, width=width,
             )  # fmt: skip
         else:
-            logp_old = self._score_all(self._trainable["model"], None, micro, width, temperature)[0]
+            logp_old = self._score_all(self._trainable["model"], None, micro, width, temperature,
+                                       prefill=self.old_logprobs == "prefill")[0]  # fmt: skip
         t_old = time.perf_counter() - t_old
         logp_ref = values = None
         if spec.needs_reference:
@@ -258,6 +263,7 @@ class Trainer:
             "logp_old_behaviour_diff_p95": float(np.percentile(diff, 95)) if diff.size else 0.0,
             "logp_old_behaviour_diff_max": float(diff.max()) if diff.size else 0.0,
             "aligned_logprobs": float(tcfg.align_logprobs),
+            "logp_old_prefill": float(self.old_logprobs == "prefill"),
             "padding_fraction": plan.padding_fraction,
             "padding_fraction_unsorted": plan.padding_fraction_unsorted,
             "micro_batches": float(plan.num_micro_batches),
@@ -332,14 +338,15 @@ class Trainer:
 
     def _score_all(
         self, model_params: Any, value_head: Any, micro: list[tuple[MicroBatch, Any]], width: int,
-        temperature: jax.Array,
+        temperature: jax.Array, prefill: bool = False,
     ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
-        """Completion log-probs (and values) [B, width] of every row, by micro-batch."""
+        """Completion log-probs (and values) [B, width] of every row, by micro-batch (``prefill``:
+        through the engine's paged attention, the π_old recompute)."""
         rows = sum(len(mb.rows) for mb, _ in micro)
         logp = np.zeros((rows, width), np.float32)
         values = np.zeros((rows, width), np.float32) if value_head is not None else None
         for mb, arrays in micro:
-            lp, v = self._fns.score(model_params, value_head, arrays, temperature)
+            lp, v = self._fns.score(model_params, value_head, arrays, temperature, prefill)
             logp[mb.rows, : mb.width] = np.asarray(lp)
             if values is not None:
                 values[mb.rows, : mb.width] = np.asarray(v)
@@ -388,7 +395,7 @@ class Trainer:
             step, state = self._checkpointer.restore(step, abstract)
         else:
             other = Checkpointer(
-                Path(directory).absolute(), keep=self.config.trainer.keep_checkpoints,
+                storage.path(directory), keep=self.config.trainer.keep_checkpoints,
                 signature=self._checkpointer.signature,
             )  # fmt: skip
             try:

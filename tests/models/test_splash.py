@@ -41,7 +41,8 @@ def _loss_and_grads(state, graphdef, batch, attention: str, mesh=None):  # noqa:
         model = nnx.merge(graphdef, state)
         logp, _ = completion_logprobs(
             model, batch["tokens"], batch["positions"], batch["prompt_lengths"],
-            batch["targets"], jnp.float32(1.0), remat=True, mesh=mesh, attention=attention,
+            batch["targets"], jnp.float32(1.0), loop=models.LayerLoop(remat="nothing_saveable"),
+            mesh=mesh, attention=attention,
         )  # fmt: skip
         return logp.sum(), logp
 

@@ -135,8 +135,8 @@ def test_replay_matches_an_independent_sampler_and_itself_in_any_order(sampled):
         np.testing.assert_allclose(rev[::-1], replay, rtol=0, atol=ROUND_OFF)
 
 
-def _trainer_on(model, batch, tmp_path, align):
-    cfg = run_config(align_logprobs=align, micro_batch_size=4, model=model.cfg)
+def _trainer_on(model, batch, tmp_path, align, **trainer):
+    cfg = run_config(align_logprobs=align, micro_batch_size=4, model=model.cfg, **trainer)
     cfg = dataclasses.replace(
         # prefill_rows 0: the fixture sampled every token as a [SLOTS, 1] row.
         cfg, inference=dataclasses.replace(cfg.inference, max_concurrent_seqs=SLOTS, page_size=16,
@@ -167,3 +167,21 @@ def test_trainer_metric_pins_alignment(sampled, tmp_path):
     assert 0.0 <= m_off["logp_old_behaviour_diff_mean"] <= m_off["logp_old_behaviour_diff_p95"]
     print(f"alignment off: |log pi_old - log mu| mean {m_off['logp_old_behaviour_diff_mean']:.3g}"
           f" p95 {m_off['logp_old_behaviour_diff_p95']:.3g} max {m_off['logp_old_behaviour_diff_max']:.3g}")  # fmt: skip
+
+
+def test_prefill_recompute_scanned(sampled, tmp_path):
+    """trainer.old_logprobs = "prefill" (RLAX §5.1: one prefill-shaped pass per micro-batch
+    through the engine's paged attention) with scanned layers: π_old agrees with the independent
+    sampler to round-off and the update's loss with the token-by-token replay's."""
+    model, batch = sampled
+    replay = _trainer_on(model, batch, tmp_path / "r", align=True)
+    m_replay = replay.train_step(batch)
+    replay.close()
+    prefill = _trainer_on(model, batch, tmp_path / "p", align=True, old_logprobs="prefill",
+                          scan_layers=True)  # fmt: skip
+    assert prefill.old_logprobs == "prefill"
+    m = prefill.train_step(batch)
+    prefill.close()
+    assert m["logp_old_prefill"] == 1.0 and m_replay["logp_old_prefill"] == 0.0
+    assert m["logp_old_behaviour_diff_max"] <= ROUND_OFF
+    np.testing.assert_allclose(m["loss"], m_replay["loss"], rtol=1e-4, atol=1e-6)

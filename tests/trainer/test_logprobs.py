@@ -41,7 +41,7 @@ def test_vocab_parallel_equals_plain(mesh_shape, tied):
 
     def both(params):
         m = nnx.merge(graphdef, params)
-        hidden = hidden_states(m, tokens, models.default_positions(tokens), remat=False)
+        hidden = hidden_states(m, tokens, models.default_positions(tokens))
         return (
             plain_logprobs(m, hidden, targets, temperature),
             vocab_parallel_logprobs(m, hidden, targets, temperature, mesh),
@@ -79,7 +79,7 @@ def test_remat_forward_and_grad_equal_plain():
     def f(params, remat):
         logp, _ = completion_logprobs(
             nnx.merge(graphdef, params), tokens, positions, prompt, targets, jnp.float32(1.0),
-            remat=remat, mesh=None,
+            loop=models.LayerLoop(remat="nothing_saveable" if remat else None), mesh=None,
         )  # fmt: skip
         return logp
 
