@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
@@ -16,3 +18,51 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+GCS_BUCKET = "rlax-test"
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():  # noqa: ANN201 - a fixture generator
+    """A real GCS server on 127.0.0.1 (the gcp-storage-emulator package, in memory, as
+    tests/gcs_server.py runs it) with the
+    bucket GCS_BUCKET; yields its URL and points this process's gs:// clients at it (gcsfs and
+    google-cloud-storage by STORAGE_EMULATOR_HOST, TensorStore by TENSORSTORE_GCS_HTTP_URL).
+    Child processes get both variables from ``os.environ``."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = os.path.join(os.path.dirname(__file__), "gcs_server.py")
+    proc = subprocess.Popen(
+        [sys.executable, server, f"--port={port}", f"--bucket={GCS_BUCKET}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b/{GCS_BUCKET}", timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the GCS emulator did not start") from None
+            time.sleep(0.1)
+    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")}
+    os.environ["STORAGE_EMULATOR_HOST"] = url
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = url
+    try:
+        yield url
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proc.terminate()
+        proc.wait(timeout=30)
+

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from rlax_tpu import models
+from rlax_tpu import models, storage
 from rlax_tpu.config import RunConfig, to_dict
 from rlax_tpu.controller import components as components_lib
 from rlax_tpu.controller.groups import Prompter
@@ -79,7 +79,8 @@ def _style(config: RunConfig) -> str:
     return "raw" if config.model.weights_format == "init" else "chat"
 
 
-def prepare_tokenizer(config: RunConfig, datasets: Datasets, run_dir: Path) -> models.Tokenizer:
+def prepare_tokenizer(config: RunConfig, datasets: Datasets,
+                      run_dir: storage.epath.Path) -> models.Tokenizer:  # fmt: skip
     """The model's tokenizer; a randomly initialized model without one gets a BPE trained on the
     task's text (saved in the run directory, so a resumed run uses the same one)."""
     if config.model.tokenizer_path or config.model.weights_format != "init":
@@ -157,7 +158,7 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
     """Runs (or resumes) the job of ``config``; writes ``<run_dir>/report.md``."""
     out = stream or sys.stdout
     cc = config.controller
-    run_dir = Path(cc.run_dir).absolute()
+    run_dir = storage.path(cc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"rlax_tpu.controller: run directory {run_dir} ({cc.mode} mode, {cc.transport} "
           f"transport)", file=out, flush=True)  # fmt: skip
@@ -176,7 +177,7 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
         if fresh and cc.warmup_steps:
             model, note = warm_up(config, model, prompter, out)
             notes.append(note)
-            (run_dir / "warmup.json").write_text(json.dumps({"note": note}))
+            storage.write_atomic(run_dir / "warmup.json", json.dumps({"note": note}))
         elif (run_dir / "warmup.json").exists():
             notes.append(json.loads((run_dir / "warmup.json").read_text())["note"])
         comps = components_lib.build_local(config, model=model, eos_ids=tokenizer.stop_ids,

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlax_tpu import models
+from rlax_tpu import models, storage
 from rlax_tpu.config import RunConfig
 from rlax_tpu.controller.ports import InferencePort, ParamServerPort, TrainerPort, VerifierPort
 from rlax_tpu.param_server.client import ParamServerClient, PulledWeights
@@ -69,7 +69,8 @@ def _close_all(closers: list[Callable[[], None]]) -> None:
 
 
 def build_local(
-    config: RunConfig, *, model: models.Transformer, eos_ids: Collection[int], run_dir: Path,
+    config: RunConfig, *, model: models.Transformer, eos_ids: Collection[int],
+    run_dir: storage.epath.Path,
     trainer_devices: list[jax.Device] | None = None,
 ) -> Components:  # fmt: skip
     """Every component in this process (the trainer in a child process with

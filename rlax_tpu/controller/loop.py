@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from rlax_tpu import storage
 from rlax_tpu.algorithms import Objective, make_objective
 from rlax_tpu.config import RunConfig, diff, from_dict, to_dict
 from rlax_tpu.controller import groups as groups_lib
@@ -90,12 +91,12 @@ class Controller:
 
     def __init__(
         self, config: RunConfig, components: Components, prompter: groups_lib.Prompter, *,
-        run_dir: Path, progress_stream: Any = None, on_event: Callable[[str], None] | None = None,
+        run_dir: str | Path, progress_stream: Any = None, on_event: Callable[[str], None] | None = None,
     ):  # fmt: skip
         self.config, self.c = config, components
         cc = config.controller
         self.cc = cc
-        self.run_dir = Path(run_dir)
+        self.run_dir = storage.path(run_dir)
         self.prompter = prompter
         self.objective: Objective = make_objective(config.algorithm,
                                                    max_length=config.inference.max_new_tokens)  # fmt: skip

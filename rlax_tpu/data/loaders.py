@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlax_tpu import storage
 from rlax_tpu.data.problems import (
     Checker,
     CodeProblem,
@@ -31,8 +32,8 @@ _CC_LANGUAGES = {1: "python", 2: "cpp", 3: "python", 4: "java"}
 
 
 def read_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yields (record index, record) from a .jsonl or .parquet file."""
-    path = Path(path)
+    """Yields (record index, record) from a .jsonl or .parquet file (local or gs://)."""
+    path = storage.path(path)
     if not path.is_file():
         raise DataError(str(path), None, "no such file")
     if path.suffix == ".jsonl":
@@ -55,7 +56,8 @@ def read_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         import pyarrow.parquet as pq
 
         try:
-            table = pq.read_table(path)
+            with path.open("rb") as f:
+                table = pq.read_table(f)
         except Exception as e:  # pyarrow raises several types for corrupt files
             raise DataError(str(path), None, f"unreadable parquet file: {e}") from e
         yield from enumerate(table.to_pylist())

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlax_tpu import storage
 from rlax_tpu.config import DataConfig
 from rlax_tpu.data import loaders, procedural
 from rlax_tpu.data.bundled import load_bundled
@@ -47,8 +48,8 @@ class Datasets:
         return index
 
 
-def _files(directory: str, name: str) -> list[Path]:
-    root = Path(directory)
+def _files(directory: str, name: str) -> list[storage.epath.Path]:
+    root = storage.path(directory) if directory else None
     files = sorted([*root.glob("*.jsonl"), *root.glob("*.parquet")]) if directory else []
     if not files:
         raise DataError(f"data.data_dir={directory!r}", None,

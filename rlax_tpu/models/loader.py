@@ -9,6 +9,7 @@ from pathlib import Path
 
 from jax.sharding import Mesh
 
+from rlax_tpu import storage
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.models.checkpoint import load_safetensors, read_hf_config
 from rlax_tpu.models.errors import ModelLoadError
@@ -49,10 +50,12 @@ def load_model(cfg: ModelConfig, *, mesh: Mesh | None = None) -> Transformer:
     if cfg.weights_format == "init":
         return init_model(cfg, mesh=mesh)
     run = {f: getattr(cfg, f) for f in _RUN_FIELDS}
+    # gs:// weights are copied to the local cache once (safetensors and GGUF map local files).
+    where = _local(cfg.weights_path)
     if cfg.weights_format == "safetensors":
-        _check_same_architecture(cfg, read_hf_config(cfg.weights_path, **run))
-        return load_safetensors(cfg.weights_path, mesh=mesh, cfg=cfg)[1]
-    file = GGUFFile(cfg.weights_path)  # parsed once
+        _check_same_architecture(cfg, read_hf_config(where, **run))
+        return load_safetensors(where, mesh=mesh, cfg=cfg)[1]
+    file = GGUFFile(where)  # parsed once
     _check_same_architecture(cfg, config_from_gguf(file, **run))
     return load_gguf(file, mesh=mesh, **run)[1]
 
@@ -89,5 +92,15 @@ def load_tokenizer(cfg: ModelConfig) -> Tokenizer:
             "(e.g. one saved by Tokenizer.train_bpe(...).save(dir))",
         )
     if Path(path).suffix == ".gguf":
-        return Tokenizer.from_gguf(path)
+        return Tokenizer.from_gguf(_local(path))
     return Tokenizer.from_file(path)
+
+
+def _local(path: str) -> str:
+    """A local copy of a gs:// file or folder (``storage.local_copy``); local paths as given."""
+    if not storage.is_remote(path):
+        return path
+    try:
+        return str(storage.local_copy(path))
+    except FileNotFoundError:
+        raise ModelLoadError(path, "no such file or folder") from None

@@ -12,6 +12,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from rlax_tpu import storage
 from rlax_tpu.models.errors import ModelLoadError
 from rlax_tpu.models.gguf_file import GGUFFile
 
@@ -112,10 +113,12 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
         """An HF ``tokenizer.json`` (or a directory holding it and tokenizer_config.json)."""
-        path = Path(path)
+        path = storage.path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         try:
-            backend = HFTokenizer.from_file(str(file))
+            backend = HFTokenizer.from_str(file.read_text())
+        except FileNotFoundError:
+            raise ModelLoadError(str(file), "no such file") from None
         except Exception as e:
             raise ModelLoadError(str(file), f"not a valid tokenizer.json ({e})") from None
         specials = _specials_from_config(file.parent / "tokenizer_config.json")
@@ -191,10 +194,11 @@ class Tokenizer:
         )  # fmt: skip
 
     def save(self, directory: str | Path) -> Path:
-        """Write tokenizer.json + tokenizer_config.json (readable by ``from_file`` and HF)."""
-        out = Path(directory)
+        """Write tokenizer.json + tokenizer_config.json (readable by ``from_file`` and HF); the
+        directory may be gs://."""
+        out = storage.path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(out / "tokenizer.json"))
+        storage.write_atomic(out / "tokenizer.json", self.backend.to_str())
         name = self.backend.id_to_token
         config = {
             "bos_token": None if self.bos_id is None else name(self.bos_id),
@@ -202,11 +206,11 @@ class Tokenizer:
             "pad_token": None if self.pad_id is None else name(self.pad_id),
             "add_bos_token": self.add_bos,
         }
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+        storage.write_atomic(out / "tokenizer_config.json", json.dumps(config, indent=2))
         return out / "tokenizer.json"
 
 
-def _specials_from_config(path: Path) -> dict[str, object]:
+def _specials_from_config(path: Path | storage.epath.Path) -> dict[str, object]:
     if not path.exists():
         return {}
     try:

@@ -1,7 +1,9 @@
 """Per-step metrics to JSONL (the source of truth for reports) and TensorBoard event files.
 
 JSONL line: ``{"step": int, "wall_time": float, "scalars": {name: float}, "histograms": {name: [..]}}``.
-Writes are appended and flushed per step, so a preempted run keeps everything it logged. On resume,
+Writes are appended and flushed per step, so a preempted run keeps everything it logged (a gs://
+run directory, whose objects cannot be appended to, gets the whole file rewritten per step: one
+object upload, never half a line). On resume,
 ``MetricsWriter(..., resume_after_step=s)`` drops lines of steps > s that the crashed run wrote
 after its last snapshot, so a step is never logged twice.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -18,6 +21,8 @@ from typing import Any
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+from rlax_tpu import storage
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -28,16 +33,18 @@ def _finite_or_none(x: float) -> float | None:
 
 class MetricsWriter:
     def __init__(self, run_dir: str | Path, *, resume_after_step: int | None = None):
-        self.run_dir = Path(run_dir)
+        self.run_dir = storage.path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
-        if resume_after_step is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_after_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            tmp.replace(self.path)
-        self._jsonl = self.path.open("a", encoding="utf-8")
-        self._tb = EventFileWriter(str(self.run_dir / "tensorboard"))
+        self._remote = storage.is_remote(self.run_dir)
+        self._lines: list[str] = []  # a remote file's contents, rewritten per write
+        if self.path.exists() and (resume_after_step is not None or self._remote):
+            kept = [r for r in read_metrics(self.path)
+                    if resume_after_step is None or r["step"] <= resume_after_step]  # fmt: skip
+            self._lines = [json.dumps(r) + "\n" for r in kept]
+            storage.write_atomic(self.path, "".join(self._lines))
+        self._jsonl = None if self._remote else open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._tb = EventFileWriter(os.fspath(self.run_dir / "tensorboard"))
 
     def write(
         self,
@@ -56,8 +63,13 @@ class MetricsWriter:
             "scalars": {k: _finite_or_none(float(v)) for k, v in scalars.items()},
             "histograms": {k: [float(x) for x in v] for k, v in histograms.items()},
         }
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        line = json.dumps(record) + "\n"
+        if self._jsonl is None:
+            self._lines.append(line)
+            storage.write_atomic(self.path, "".join(self._lines))
+        else:
+            self._jsonl.write(line)
+            self._jsonl.flush()
         values = [
             summary_pb2.Summary.Value(tag=k, simple_value=float(v))
             for k, v in scalars.items()
@@ -75,7 +87,8 @@ class MetricsWriter:
         self._tb.flush()
 
     def close(self) -> None:
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         self._tb.close()
 
     def __enter__(self) -> MetricsWriter:
@@ -98,8 +111,7 @@ def _histogram(values: Sequence[float]) -> summary_pb2.HistogramProto:
 
 def read_metrics(path: str | Path) -> Iterator[dict[str, Any]]:
     """Records of a metrics.jsonl; a torn last line (a crash mid-write) is ignored."""
-    with Path(path).open(encoding="utf-8") as f:
-        lines = f.readlines()
+    lines = storage.path(path).read_text(encoding="utf-8").splitlines(keepends=True)
     for i, line in enumerate(lines):
         try:
             yield json.loads(line)

@@ -12,6 +12,7 @@ Metric names the report understands (the controller logs them):
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,7 @@ matplotlib.use("Agg")  # files only; no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from rlax_tpu import storage  # noqa: E402
 from rlax_tpu.observability.metrics import METRICS_FILE, read_metrics  # noqa: E402
 
 REWARD = "reward/mean"
@@ -54,11 +56,17 @@ def _series(records: Sequence[dict], name: str) -> tuple[np.ndarray, np.ndarray,
     return steps, times, values
 
 
+def _save(fig: plt.Figure, path: storage.epath.Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    storage.write_atomic(path, buf.getvalue())
+
+
 def _names(records: Sequence[dict], prefix: str) -> list[str]:
     return sorted({k for r in records for k in r["scalars"] if k.startswith(prefix)})
 
 
-def _plot_learning(records: Sequence[dict], t0: float, path: Path) -> bool:
+def _plot_learning(records: Sequence[dict], t0: float, path: storage.epath.Path) -> bool:
     evals = _names(records, EVAL_PREFIX)
     if not _series(records, REWARD)[0].size and not evals:
         return False
@@ -76,12 +84,12 @@ def _plot_learning(records: Sequence[dict], t0: float, path: Path) -> bool:
         ax.legend()
     fig.suptitle("training reward and held-out pass@k")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    _save(fig, path)
     plt.close(fig)
     return True
 
 
-def _plot_staleness(records: Sequence[dict], path: Path) -> bool:
+def _plot_staleness(records: Sequence[dict], path: storage.epath.Path) -> bool:
     values = [v for r in records for v in r["histograms"].get(STALENESS, [])]
     if not values:
         return False
@@ -91,12 +99,12 @@ def _plot_staleness(records: Sequence[dict], path: Path) -> bool:
     ax.set_xlabel("staleness of consumed rollouts (versions)")
     ax.set_ylabel("rollouts")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    _save(fig, path)
     plt.close(fig)
     return True
 
 
-def _plot_line(records: Sequence[dict], name: str, ylabel: str, path: Path) -> bool:
+def _plot_line(records: Sequence[dict], name: str, ylabel: str, path: storage.epath.Path) -> bool:
     steps, _, values = _series(records, name)
     if not steps.size:
         return False
@@ -106,7 +114,7 @@ def _plot_line(records: Sequence[dict], name: str, ylabel: str, path: Path) -> b
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    _save(fig, path)
     plt.close(fig)
     return True
 
@@ -120,7 +128,7 @@ def _totals(records: Sequence[dict], prefix: str) -> dict[str, float]:
     return dict(totals)
 
 
-def _plot_bars(totals: Mapping[str, float], xlabel: str, path: Path) -> bool:
+def _plot_bars(totals: Mapping[str, float], xlabel: str, path: storage.epath.Path) -> bool:
     if not totals:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -128,12 +136,12 @@ def _plot_bars(totals: Mapping[str, float], xlabel: str, path: Path) -> bool:
     ax.barh(names, [totals[n] for n in names])
     ax.set_xlabel(xlabel)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    _save(fig, path)
     plt.close(fig)
     return True
 
 
-def _plot_step_time(records: Sequence[dict], path: Path) -> bool:
+def _plot_step_time(records: Sequence[dict], path: storage.epath.Path) -> bool:
     phases = _names(records, TIME_PREFIX)
     if not phases:
         return False
@@ -145,7 +153,7 @@ def _plot_step_time(records: Sequence[dict], path: Path) -> bool:
     ax.set_ylabel("seconds")
     ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    _save(fig, path)
     plt.close(fig)
     return True
 
@@ -157,13 +165,14 @@ def _first_last(records: Sequence[dict], name: str) -> tuple[float, float] | Non
 
 def write_report(
     run_dir: str | Path, info: RunInfo, summary: Mapping[str, Any] | None = None
-) -> Path:
-    """Writes ``report.md`` and its plots into ``run_dir``; returns the report's path."""
-    run_dir = Path(run_dir)
+) -> storage.epath.Path:
+    """Writes ``report.md`` and its plots into ``run_dir`` (local or gs://); returns the report's
+    path."""
+    run_dir = storage.path(run_dir)
     metrics = run_dir / METRICS_FILE
     records = sorted(read_metrics(metrics), key=lambda r: r["step"]) if metrics.exists() else []
     plots_dir = run_dir / "plots"
-    plots_dir.mkdir(exist_ok=True)
+    plots_dir.mkdir(parents=True, exist_ok=True)
     t0 = records[0]["wall_time"] if records else 0.0
     plots = {
         "Reward and held-out pass@k": ("learning.png", lambda p: _plot_learning(records, t0, p)),
@@ -207,5 +216,5 @@ def write_report(
             lines += [f"### {title}", "", "_not logged in this run_", ""]
     lines += ["## Config", "", "```json", json.dumps(info.config, indent=2, default=str), "```", ""]
     report = run_dir / "report.md"
-    report.write_text("\n".join(lines))
+    storage.write_atomic(report, "\n".join(lines))
     return report

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
+from rlax_tpu import storage
 from rlax_tpu.config import ParamServerConfig, RunConfig
 from rlax_tpu.param_server import errors, framing, wire
 from rlax_tpu.param_server.codec import VersionManifest, as_bytes
@@ -170,7 +170,7 @@ def persist_location(config: RunConfig) -> str:
     ps = config.param_server
     if ps.persist_every == 0:
         return ""
-    return ps.persist_path or os.path.join(config.controller.run_dir, "param_server")
+    return ps.persist_path or storage.join(config.controller.run_dir, "param_server")
 
 
 def serve(

@@ -183,3 +183,64 @@ def test_throughput_mode_killed_and_resumed_loses_and_duplicates_nothing(env, tm
     originals = [k for k in groups if "~" not in k]
     skipped = payload["counters"]["prompts_too_long"]
     assert len(originals) + skipped == payload["mixture"]["issued"]
+
+
+def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emulator, tmp_path):
+    """Run directory (snapshots, metrics, report, tokenizer), trainer checkpoints (Orbax) and the
+    data on gs:// — a real GCS server on 127.0.0.1 (the parameter server's gs:// persistence is
+    tests/param_server/test_persistence.py) —
+    killed mid-run and resumed: the same final weights as an uninterrupted run with everything
+    local, and nothing written to a local ./gs: folder."""
+    import uuid
+
+    from rlax_tpu import storage
+
+    from ..conftest import GCS_BUCKET
+    from ..data.test_loaders import code_contests_record
+
+    base = f"gs://{GCS_BUCKET}/resume-{uuid.uuid4().hex[:8]}"
+    local_data = tmp_path / "data"
+    local_data.mkdir()
+    files = {"train-00000-of-00001.jsonl": [code_contests_record(f"{i}_A. s{i}") for i in range(4)],
+             "valid-00000-of-00001.jsonl": [code_contests_record("9_B. v")]}  # fmt: skip
+    for name, records in files.items():
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        (local_data / name).write_text(text)
+        storage.write_atomic(f"{base}/data/{name}", text)
+    common = ("--config.controller.num_steps=3", "--config.data.datasets=('procedural','code_contests')",
+              "--config.data.weights=(0.5,0.5)")  # fmt: skip
+    local = run(env, tmp_path / "local", *common, f"--config.data.data_dir={local_data}")
+    genv = env | {"STORAGE_EMULATOR_HOST": gcs_emulator, "TENSORSTORE_GCS_HTTP_URL": gcs_emulator}
+    run_dir = f"{base}/run"
+    extra = (*common, f"--config.data.data_dir={base}/data")
+    remote = storage.path(run_dir)
+    # Killed at a random moment once a snapshot is on GCS (uploads there take a while).
+    proc = subprocess.Popen(command(run_dir, *extra), cwd=REPO, env=genv, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 1/"):
+                break
+        deadline = time.monotonic() + 120
+        while not ((remote / "snapshots").exists() and any((remote / "snapshots").iterdir())):
+            assert time.monotonic() < deadline and proc.poll() is None, "no snapshot on GCS"
+            time.sleep(0.2)
+        time.sleep(random.Random(11).uniform(0.0, 1.5))
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert not (remote / "report.md").exists()  # it died mid-run
+    assert any((remote / "trainer").iterdir())
+    out = run(genv, run_dir, *extra)
+    assert "resuming" in out and "run finished: 3 updates" in out, out[-3000:]
+    assert sha(out) == sha(local)
+    for name in ("report.md", "metrics.jsonl", "plots/learning.png", "tokenizer/tokenizer.json"):
+        assert (remote / name).exists(), name
+    def steps(path) -> list[int]:  # noqa: ANN001
+        return [json.loads(ln)["step"] for ln in path.read_text().splitlines()]
+
+    # Each record once, as the uninterrupted run logged them (the lines after the snapshot that
+    # the killed run wrote were dropped on resume).
+    assert steps(remote / "metrics.jsonl") == steps(tmp_path / "local" / "metrics.jsonl")
+    assert not (REPO / "gs:").exists()

@@ -143,3 +143,20 @@ def test_versions_persisted_with_zlib_crc32_still_recover(tmp_path: Path):
     versions, tree = recovered(str(location))  # 4 fails its (legacy) check; 2 passes it
     assert versions == [0, 2]
     assert_same_tree(tree, make_tree(2))  # pull_arrays checked the re-computed CRC32C
+
+
+def test_persistence_on_gs_survives_a_restart(gcs_emulator):
+    """The same write-through and recovery with persist_path on gs:// (a GCS server on
+    127.0.0.1, TensorStore's GCS driver)."""
+    import uuid
+
+    from rlax_tpu import storage
+    from tests.conftest import GCS_BUCKET
+
+    location = f"gs://{GCS_BUCKET}/ps-{uuid.uuid4().hex[:8]}"
+    publish_five(location)
+    assert {p.name for p in storage.path(location).iterdir()} >= {"v000000000002",
+                                                                   "v000000000004"}  # fmt: skip
+    versions, tree = recovered(location)
+    assert versions[-2:] == [2, 4]
+    assert_same_tree(tree, make_tree(4))

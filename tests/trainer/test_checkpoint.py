@@ -93,3 +93,42 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     ):
         ppo.restore()
     ppo.close()
+
+
+def test_gs_checkpoints_and_a_killed_saves_leftovers(gcs_emulator):
+    """Checkpoints on gs:// (a GCS server on 127.0.0.1): Orbax writes them in place and commits
+    with a marker, so a save killed midway leaves an uncommitted folder with a half-written
+    OCDBT manifest. It is not listed as a checkpoint, and saving that step again starts from
+    scratch (Orbax removes the folder first)."""
+    import uuid
+
+    from rlax_tpu import storage
+    from rlax_tpu.trainer.checkpoint import Checkpointer
+
+    from ..conftest import GCS_BUCKET
+
+    directory = f"gs://{GCS_BUCKET}/ckpt-{uuid.uuid4().hex[:8]}"
+    state = {"w": jax.numpy.arange(6.0).reshape(2, 3), "step": jax.numpy.int32(1)}
+    ckpt = Checkpointer(directory, keep=2, signature={"m": 1})
+    ckpt.save(1, state)
+    ckpt.wait()
+    # What a save of step 2 killed before its commit leaves: its files, no commit marker.
+    done = storage.path(directory) / "1"
+    for f in storage._files_under(done):
+        rel = os.fspath(f)[len(os.fspath(done)) + 1 :]
+        if "commit_success" not in rel:
+            (storage.path(directory) / "2" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (storage.path(directory) / "2" / rel).write_bytes(f.read_bytes())
+    stray = storage.path(directory) / "2" / "state" / "ocdbt.process_0" / "d" / "dead-save"
+    stray.write_bytes(b"written by the killed save")
+    assert ckpt.steps() == [1]
+    ckpt.save(2, jax.tree.map(lambda x: x + 1, state))
+    ckpt.wait()
+    assert ckpt.steps() == [1, 2]
+    assert not stray.exists()  # step 2 was written from scratch, not over the dead save
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), state)  # fmt: skip
+    step, restored = ckpt.restore(None, abstract)
+    ckpt.close()
+    assert step == 2
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(6.0).reshape(2, 3) + 1)
