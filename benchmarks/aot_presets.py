@@ -31,19 +31,12 @@ CASES: dict[str, list[str]] = {
     # RLAX's layout: the trainer on a v5p-512 slice, each inference worker on its own slice.
     "v5p-inference-v5p_2x2x1": ["--config=configs/codeforces.py:v5p", "--topology=v5p:2x2x1",
                                 "--component=inference"],  # fmt: skip
-    # The 64 unrolled layers' gradient step for 256 chips exhausts this 24 GiB host while XLA
-    # compiles it (killed at 22 GB resident after 14 min): the trainer is compiled at 2 and 4
-    # layers and extrapolated (see extrapolated_table).
-    **{f"v5p-trainer-v5p_8x8x4-L{n}": ["--config=configs/codeforces.py:v5p", "--topology=v5p:8x8x4",
-                                       "--component=trainer", f"--config.model.num_layers={n}"]
-       for n in (2, 4)},  # fmt: skip
+    # The trainer's 64 layers are scanned (trainer.scan_layers): one layer body whatever the depth,
+    # so the full step compiles on this 24 GiB host (unrolled, XLA was killed at 22 GB after 14
+    # min); FLOPs and bytes of scanned programs are counted by depth (aot/report.cost_by_depth).
+    "v5p-trainer-v5p_8x8x4": ["--config=configs/codeforces.py:v5p", "--topology=v5p:8x8x4",
+                              "--component=trainer"],  # fmt: skip
 }
-EXTRAPOLATE = {"v5p-trainer-v5p_8x8x4": (("v5p-trainer-v5p_8x8x4-L2", 2),
-                                         ("v5p-trainer-v5p_8x8x4-L4", 4), 64)}  # fmt: skip
-LINEAR = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "resident_bytes",
-          "flops", "bytes_accessed")  # fmt: skip
-
-
 def run_case(name: str, args: list[str]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.json"
@@ -82,41 +75,6 @@ def table(name: str) -> str:
     return "\n".join(rows)
 
 
-def extrapolated_table(name: str) -> str:
-    """Every quantity of a program is affine in the layer count when layers are unrolled and
-    remat'd (parameters, optimizer state, saved layer inputs, per-layer FLOPs and traffic; the
-    embedding, LM head and one layer's working set are the constant), so two compiled depths
-    give it at any depth. Exact for parameter-sized quantities; the compiler's scheduling of
-    temporaries at full depth is the approximation."""
-    (small, a), (large, b), target = EXTRAPOLATE[name]
-    reports = [json.loads((OUT / f"{n}.json").read_text()) for n in (small, large)]
-    spec = next(iter(reports[0]["devices"].values()))
-    bw, peak_flops, usable = spec["hbm_bandwidth"], spec["bf16_flops"], spec["usable_hbm_bytes"]
-    rows = [
-        f"Extrapolated to {target} layers from `{reports[0]['command']}` and the same at {b} layers.",
-        "",
-        "| program | status at 64 layers | args GiB | temp GiB | resident GiB | peak GiB | % HBM | TFLOP | GB accessed | roofline ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]  # fmt: skip
-    progs = [{p["name"]: p for p in r["programs"]} for r in reports]
-    for pname, p0 in progs[0].items():
-        p1 = progs[1][pname]
-        if not (p0["argument_bytes"] and p1["argument_bytes"]):
-            rows.append(f"| {pname} | {p1['status']}: {p1['error']} |||||||||")
-            continue
-        at = {k: p0[k] + (p1[k] - p0[k]) * (target - a) / (b - a) for k in LINEAR}
-        program = at["argument_bytes"] + at["output_bytes"] - at["alias_bytes"] + at["temp_bytes"]
-        peak = program + at["resident_bytes"]
-        roof = max(at["flops"] / peak_flops, at["bytes_accessed"] / bw)
-        status = "fits" if peak <= usable else "does not fit"
-        rows.append(
-            f"| {pname} | {status} | {_gib(at['argument_bytes'])} | {_gib(at['temp_bytes'])} | "
-            f"{_gib(at['resident_bytes'])} | {_gib(peak)} | {100 * peak / usable:.1f} | "
-            f"{at['flops'] / 1e12:.2f} | {at['bytes_accessed'] / 1e9:.1f} | {1e3 * roof:.1f} |"
-        )
-    return "\n".join(rows)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
@@ -129,9 +87,6 @@ def main() -> None:
     for name in names:
         if (OUT / f"{name}.json").exists():
             print(f"\n### {name}\n\n{table(name)}")
-    for name, ((small, _), (large, _), _) in EXTRAPOLATE.items():
-        if args.only in name and (OUT / f"{small}.json").exists() and (OUT / f"{large}.json").exists():
-            print(f"\n### {name} (extrapolated)\n\n{extrapolated_table(name)}")
 
 
 if __name__ == "__main__":
