@@ -71,7 +71,7 @@ Options parse(int argc, char** argv) {
     else if (!strcmp(a, "--fsize")) o.fsize = number(v);
     else if (!strcmp(a, "--nofile")) o.nofile = number(v);
     else if (!strcmp(a, "--nproc")) o.nproc = number(v);
-    else if (!strcmp(a, "--stack")) o.stack = number(v);
+    else if (!strcmp(a, "--stack")) o.stack = strcmp(v, "unlimited") ? number(v) : -1;
     else if (!strcmp(a, "--stdin")) o.stdin_path = v;
     else if (!strcmp(a, "--cwd")) o.cwd = v;
     else {
@@ -129,7 +129,14 @@ long elapsed_ms(const struct timespec& start) {
   limit(RLIMIT_FSIZE, o.fsize);
   limit(RLIMIT_NOFILE, o.nofile);
   limit(RLIMIT_NPROC, o.nproc);
-  limit(RLIMIT_STACK, o.stack);
+  if (o.stack == -1) {
+    // Unlimited: the main thread's stack grows up to RLIMIT_AS, and glibc gives new threads its
+    // default 8 MiB stack (with a finite limit every thread would reserve that much address space).
+    struct rlimit inf = {RLIM_INFINITY, RLIM_INFINITY};
+    if (setrlimit(RLIMIT_STACK, &inf)) die("setrlimit stack");
+  } else {
+    limit(RLIMIT_STACK, o.stack);
+  }
   struct rlimit zero = {0, 0};
   setrlimit(RLIMIT_CORE, &zero);
   setrlimit(RLIMIT_MEMLOCK, &zero);

@@ -6,7 +6,7 @@ import signal
 
 from rlax_tpu.types import VerdictKind
 from rlax_tpu.verifiers.compiler import Executable
-from rlax_tpu.verifiers.sandbox import Limits, RunResult, signal_name
+from rlax_tpu.verifiers.sandbox import UNLIMITED_STACK, Limits, RunResult, signal_name
 
 # What runtimes print when an allocation fails under RLIMIT_AS.
 _OUT_OF_MEMORY_MARKERS = (
@@ -31,7 +31,7 @@ def program_limits(
         memory_bytes=(memory_mb + extra) << 20,
         output_bytes=output_bytes,
         disk_bytes=disk_bytes,
-        stack_bytes=memory_mb << 20,
+        stack_bytes=UNLIMITED_STACK,  # deep recursion up to the limit, and threads that start
         processes=executable.language.processes,
     )
 

@@ -43,6 +43,9 @@ class SandboxUnavailable(RuntimeError):
     """bubblewrap or a C++ compiler for the launcher is missing, or we cannot switch uids."""
 
 
+UNLIMITED_STACK = -1  # Limits.stack_bytes: see there
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Limits:
     """Per-run limits. Memory is address space (RLIMIT_AS); processes count threads too.
@@ -61,7 +64,17 @@ class Limits:
     disk_bytes: int = 64 << 20  # size of each of the private tmpfs /work and /tmp
     processes: int = 8  # programs; languages.Language.processes (the JVM needs more threads)
     open_files: int = 128
-    stack_bytes: int = 0  # 0: same as memory_bytes (Codeforces gives the stack the whole limit)
+    # 0: same as memory_bytes. UNLIMITED_STACK: the main thread's stack may still grow to the
+    # memory limit (RLIMIT_AS bounds it, as Codeforces gives the stack the whole limit), while new
+    # threads get glibc's default 8 MiB stack: a finite stack limit is also every thread's stack
+    # size, and each thread then reserves that much of RLIMIT_AS (one thread at 256 MB failed).
+    stack_bytes: int = 0
+
+
+def _stack_arg(limits: Limits) -> str:
+    if limits.stack_bytes == UNLIMITED_STACK:
+        return "unlimited"
+    return str(limits.stack_bytes or limits.memory_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +256,7 @@ class Sandbox:
             "--wall-ms", str(int(limits.wall_time_s * 1000)), "--cpu-s", str(cpu_s),
             "--as", str(limits.memory_bytes), "--fsize", str(limits.output_bytes),
             "--nofile", str(limits.open_files), "--nproc", str(limits.processes),
-            "--stack", str(limits.stack_bytes or limits.memory_bytes), "--cwd", cwd,
+            "--stack", _stack_arg(limits), "--cwd", cwd,
         ]  # fmt: skip
         if stdin is not None:
             args += ["--stdin", stdin]

@@ -144,3 +144,49 @@ def test_partial_points_add_up_to_the_mean_over_tests(service):
     # 0.5 + 1 + 0.5 + 0 (a failure without points: test 5 is skipped) over 5 tests.
     assert verdict.score == pytest.approx(2.0 / 5)
     assert verdict.tests_passed == 0 and verdict.tests_total == 5
+
+
+THREADS = {
+    "python": textwrap.dedent("""\
+        import sys, threading
+        from concurrent.futures import ThreadPoolExecutor
+        sys.setrecursionlimit(10 ** 6)
+        a, b = map(int, input().split())
+        def deep(n):
+            return 0 if n == 0 else 1 + deep(n - 1)
+        with ThreadPoolExecutor(4) as pool:
+            parts = list(pool.map(lambda x: x, [a, b]))
+        t = threading.Thread(target=lambda: None)
+        t.start(); t.join()
+        print(sum(parts) + deep(100000) - 100000)
+    """),
+    "cpp": textwrap.dedent("""\
+        #include <cstdio>
+        #include <thread>
+        int deep(int n) { volatile char pad[200]; pad[0] = 0; return n == 0 ? pad[0] : 1 + deep(n - 1); }
+        int main() {
+          long long a, b, s = 0;
+          if (scanf("%lld %lld", &a, &b) != 2) return 1;
+          std::thread t([&] { s = a + b; });
+          t.join();
+          printf("%lld\\n", s + deep(400000) - 400000);  // ~100 MB of main-thread stack
+        }
+    """),
+}
+
+
+@pytest.mark.parametrize("language", sorted(THREADS))
+def test_programs_that_start_threads_and_recurse_deeply_are_accepted(service, language):
+    """At the default 256 MB: threads get ordinary stacks (the stack limit used to equal the
+    memory limit, so each new thread reserved 256 MB of address space and failed: Python's
+    "can't start new thread", C++'s SIGABRT), while the main thread may still recurse ~100 MB
+    deep; a program over the memory limit still fails."""
+    spec = upload_problem(service, problem_id=f"threads-{language}",
+                          tests=[("1 2\n", "3\n"), ("40 2\n", "42\n")])  # fmt: skip
+    [verdict] = service.verify([CodeTask(problem=spec, language=language, code=THREADS[language])])
+    assert verdict.kind is VerdictKind.ACCEPTED, verdict
+    hog = "x = bytearray(600 * 2**20)\nprint(3)" if language == "python" else (
+        "#include <cstdio>\n#include <cstdlib>\n#include <cstring>\nint main(){"
+        "char* p=(char*)malloc(600u<<20); if(!p) return 3; memset(p,1,600u<<20); puts(\"3\");}")
+    [over] = service.verify([CodeTask(problem=spec, language=language, code=hog)])
+    assert over.kind is not VerdictKind.ACCEPTED, over
