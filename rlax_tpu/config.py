@@ -578,6 +578,9 @@ class AlgorithmConfig:
     # *_mask only: keep c = π_old/μ inside [behaviour_floor, behaviour_cap] (IcePop's two-sided
     # band, e.g. 0.5 and 2); 0 = one-sided. seq_* modes use the length-normalized (geometric) c.
     behaviour_floor: float = 0.0
+    # group_norm advantages (r - mean) / (std + group_std_eps): verl's 1e-6; TRL adds 1e-4. It
+    # decides how far a group with nearly equal rewards is blown up.
+    group_std_eps: float = 1e-6
     dynamic_sampling: Literal["default", "on", "off"] = "default"
     overlong_shaping: Literal["default", "on", "off"] = "default"  # DAPO soft overlong punishment
     overlong_buffer: int = 0  # its length L_cache; 0 = max_new_tokens // 5 (DAPO's 4096 of 20480)
@@ -604,6 +607,7 @@ class AlgorithmConfig:
         _in_range(self, "eps_low", 0.0, 1.0, hi_open=True)
         _non_negative(self, "eps_high", "kl_coef", "is_cap", "overlong_buffer", "value_clip")
         _non_negative(self, "reward_kl_coef", "value_coef", "tb_beta_decay_steps")
+        _positive(self, "group_std_eps")
         _in_range(self, "gamma", 0.0, 1.0)
         _in_range(self, "gae_lambda", 0.0, 1.0)
         if self.kl_coef > 0 and self.kl_estimator == "none":

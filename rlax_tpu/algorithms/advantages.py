@@ -12,7 +12,8 @@ WHITEN_EPS = 1e-8
 def group_normalized(rewards: jax.Array, eps: float = GROUP_STD_EPS) -> jax.Array:
     """GRPO: (r_i − mean)/(std + eps) within each group: [N, G] -> [N, G].
 
-    std is the sample standard deviation (ddof=1), as in TRL and verl; G must be >= 2.
+    std is the sample standard deviation (ddof=1), as in TRL and verl; G must be >= 2. eps
+    (``algorithm.group_std_eps``) defaults to verl's 1e-6; TRL's GRPOTrainer adds 1e-4.
     """
     centered = rewards - rewards.mean(axis=1, keepdims=True)
     std = jnp.sqrt((centered**2).sum(axis=1, keepdims=True) / (rewards.shape[1] - 1))

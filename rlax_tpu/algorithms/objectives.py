@@ -79,7 +79,11 @@ def _advantages(spec, batch, mask, rewards):
     kind = spec.advantage
     if kind in _GROUP_ESTIMATORS:
         grouped = rewards.reshape(-1, spec.group_size)
-        return _GROUP_ESTIMATORS[kind](grouped).reshape(-1, 1) * mask, None
+        if kind == "group_norm":
+            adv = adv_lib.group_normalized(grouped, eps=spec.group_std_eps)
+        else:
+            adv = _GROUP_ESTIMATORS[kind](grouped)
+        return adv.reshape(-1, 1) * mask, None
     if kind == "reward":
         return rewards[:, None] * mask, None
     if kind == "none":

@@ -154,6 +154,7 @@ def make_objective(cfg: AlgorithmConfig, *, max_length: int) -> Objective:
         behaviour_correction=cfg.behaviour_correction,
         behaviour_cap=cfg.behaviour_cap,
         behaviour_floor=cfg.behaviour_floor,
+        group_std_eps=cfg.group_std_eps,
         gamma=cfg.gamma,
         gae_lambda=cfg.gae_lambda,
         value_clip=cfg.value_clip,

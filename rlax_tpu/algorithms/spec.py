@@ -43,6 +43,7 @@ class ObjectiveSpec:
     behaviour_correction: BehaviourCorrection = "none"
     behaviour_cap: float = 2.0
     behaviour_floor: float = 0.0  # *_mask: lower edge of the kept band (IcePop)
+    group_std_eps: float = 1e-6  # group_norm: (r - mean) / (std + eps)
     gamma: float = 1.0
     gae_lambda: float = 0.95
     value_clip: float = 0.2

@@ -76,3 +76,25 @@ def test_leave_one_out_is_scaled_centered(g):
     np.testing.assert_allclose(
         A.leave_one_out(rewards), A.group_centered(rewards) * g / (g - 1), atol=1e-5
     )
+
+
+def test_group_std_eps_is_configurable_and_reaches_the_objective():
+    """algorithm.group_std_eps: verl's 1e-6 by default, TRL's 1e-4 on request: a group whose
+    rewards differ by 1e-4 gets advantages ±0.71 with 1e-6 and ±0.35 with 1e-4 (std 1.41e-4)."""
+    import jax.numpy as jnp
+
+    from rlax_tpu.algorithms import RolloutBatch, make_objective
+    from rlax_tpu.config import AlgorithmConfig
+
+    rewards = np.array([0.0, 1e-4], np.float32)
+    std = np.std(rewards, ddof=1)
+    for eps in (1e-6, 1e-4):
+        cfg = AlgorithmConfig(name="grpo", group_size=2, group_std_eps=eps, kl_estimator="none")
+        obj = make_objective(cfg, max_length=4)
+        mask = jnp.ones((2, 4), jnp.float32)
+        batch = RolloutBatch(logp_old=-mask, logp_behaviour=-mask, mask=mask,
+                             rewards=jnp.asarray(rewards), logp_ref=None, values=None)  # fmt: skip
+        adv = np.asarray(obj.prepare(batch).advantages)[:, 0]
+        want = (rewards - rewards.mean()) / (std + eps)
+        np.testing.assert_allclose(adv, want, rtol=1e-4)  # f32
+    assert AlgorithmConfig().group_std_eps == 1e-6
