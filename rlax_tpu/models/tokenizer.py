@@ -1,6 +1,7 @@
 """Tokenizers (all backed by HF ``tokenizers``): from tokenizer.json, from a GGUF file's embedded
-vocabulary and merges, or a small byte-level BPE trained locally; plus special tokens and a
-minimal ChatML chat template (the format of SmolLM2 and Qwen instruct models).
+vocabulary and merges, or a small byte-level BPE trained locally; plus special tokens and the
+model's own chat template (the Jinja template a GGUF file or tokenizer_config.json carries,
+rendered as HF transformers renders it), ChatML where the model has none.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from rlax_tpu.models.errors import ModelLoadError
 from rlax_tpu.models.gguf_file import GGUFFile
 
 IM_START, IM_END, ENDOFTEXT, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|pad|>"
+# End-of-turn tokens of chat vocabularies (ChatML, Llama 3, Phi-3): a generation stops at them.
+END_OF_TURN = (IM_END, "<|eot_id|>", "<|end|>")
 TRAINED_SPECIALS = (PAD, ENDOFTEXT, IM_START, IM_END)
 
 # Pre-tokenizer split patterns by GGUF ``tokenizer.ggml.pre`` (the regexes the vocabularies were
@@ -58,21 +61,23 @@ def _pre_tokenizer_for(gguf_pre: str) -> pre_tokenizers.PreTokenizer:
 
 
 class Tokenizer:
-    """Text <-> token ids, with bos/eos/pad ids and a ChatML template.
+    """Text <-> token ids, with bos/eos/pad ids and a chat template.
 
-    ``stop_ids`` are the ids that end a generation (eos and, for chat vocabularies, <|im_end|>).
+    ``stop_ids`` are the ids that end a generation (eos and the vocabulary's end-of-turn tokens).
+    ``chat_template``: the model's Jinja chat template, or None (ChatML).
     """
 
     def __init__(
         self, backend: HFTokenizer, *, bos: str | None = None, eos: str | None = None,
-        pad: str | None = None, add_bos: bool = False,
+        pad: str | None = None, add_bos: bool = False, chat_template: str | None = None,
     ):  # fmt: skip
         self.backend = backend
         self.add_bos = add_bos
+        self.chat_template = chat_template or None
         self.bos_id, self.eos_id, self.pad_id = (self._id_of(t) for t in (bos, eos, pad))
         if self.pad_id is None:
             self.pad_id = self.eos_id
-        stops = {self.eos_id, self.backend.token_to_id(IM_END)}
+        stops = {self.eos_id, *(self.backend.token_to_id(t) for t in END_OF_TURN)}
         self.stop_ids = frozenset(i for i in stops if i is not None)
 
     def _id_of(self, token: str | None) -> int | None:
@@ -98,15 +103,28 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True,
+        **options: object,
     ) -> str:
-        """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then
-        ``<|im_start|>assistant\\n`` when ``add_generation_prompt``."""
+        """The conversation as the model was trained to read it: its own chat template rendered
+        as HF transformers' ``apply_chat_template(tokenize=False)`` renders it (``options``, e.g.
+        ``enable_thinking=False`` for Qwen 3, go to the template), or, for a model without one,
+        ChatML: ``<|im_start|>{role}`` newline ``{content}<|im_end|>`` newline per message, then
+        ``<|im_start|>assistant`` newline when ``add_generation_prompt``."""
+        if self.chat_template is not None:
+            return render_chat_template(
+                self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self.bos_id), eos_token=self._token_text(self.eos_id),
+                **options,
+            )  # fmt: skip
         for tok in (IM_START, IM_END):
             if self.backend.token_to_id(tok) is None:
                 raise ValueError(f"this vocabulary has no {tok} token, so no ChatML template")
         text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
         return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+    def _token_text(self, i: int | None) -> str:
+        return "" if i is None else self.backend.id_to_token(i)
 
     # -- constructors -----------------------------------------------------------------------
 
@@ -166,6 +184,7 @@ class Tokenizer:
         return cls(
             backend, bos=token("tokenizer.ggml.bos_token_id"), eos=token("tokenizer.ggml.eos_token_id"),
             pad=token("tokenizer.ggml.padding_token_id"), add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
+            chat_template=f.field("tokenizer.chat_template"),
         )  # fmt: skip
 
     @classmethod
@@ -206,6 +225,8 @@ class Tokenizer:
             "pad_token": None if self.pad_id is None else name(self.pad_id),
             "add_bos_token": self.add_bos,
         }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
         storage.write_atomic(out / "tokenizer_config.json", json.dumps(config, indent=2))
         return out / "tokenizer.json"
 
@@ -222,7 +243,37 @@ def _specials_from_config(path: Path | storage.epath.Path) -> dict[str, object]:
         v = cfg.get(key)
         return v.get("content") if isinstance(v, dict) else v
 
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
     return {
         "bos": content("bos_token"), "eos": content("eos_token"), "pad": content("pad_token"),
         "add_bos": bool(cfg.get("add_bos_token", False)),
+        "chat_template": template if isinstance(template, str) else None,
     }  # fmt: skip
+
+
+def render_chat_template(
+    template: str, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
+    **variables: object,
+) -> str:  # fmt: skip
+    """A Jinja chat template rendered the way HF transformers does: a sandboxed environment
+    (templates come with downloaded models) with trim_blocks and lstrip_blocks, loop controls,
+    and ``raise_exception`` for a template's own checks."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"the chat template refused these messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])  # fmt: skip
+    env.globals["raise_exception"] = raise_exception
+    try:
+        compiled = env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise ModelLoadError("chat template", f"not a valid Jinja template ({e})") from None
+    return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                           **variables)  # fmt: skip

@@ -106,3 +106,62 @@ def test_trained_bpe_can_split_digits():
     assert digits == list("202493817")
     again = Tokenizer.train_bpe(corpus, vocab_size=400, split_digits=True)
     assert split.backend.to_str() == again.backend.to_str()
+
+
+# Chat templates in the shape of Llama 3's and Qwen 3's (written here, not copied): header tokens
+# per role with bos, and a thinking switch passed as a template option.
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+QWEN3_STYLE = (
+    "{%- for m in messages %}\n"
+    "  {%- if m.role not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m.role) }}{% endif %}\n"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{%- endif %}"
+)
+
+
+def test_the_models_own_template_without_a_system_message(smollm2_tokenizer, reference):
+    """SmolLM2's GGUF template adds its default system prompt when the conversation has none
+    (plain ChatML did not: prompts the model was not trained on)."""
+    user_only = MESSAGES[1:]
+    ours = smollm2_tokenizer.apply_chat_template(user_only)
+    theirs = reference.apply_chat_template(user_only, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs and "SmolLM" in ours
+
+
+@pytest.mark.parametrize(("template", "options"), [
+    (LLAMA3_STYLE, {}), (QWEN3_STYLE, {}), (QWEN3_STYLE, {"enable_thinking": False}),
+])  # fmt: skip
+def test_templates_render_as_transformers_renders_them(smollm2_tokenizer, tmp_path, template,
+                                                      options):  # fmt: skip
+    tok = Tokenizer(smollm2_tokenizer.backend, bos="<|im_start|>", eos="<|im_end|>",
+                    chat_template=template)  # fmt: skip
+    tok.save(tmp_path)
+    again = Tokenizer.from_file(tmp_path)  # the template travels in tokenizer_config.json
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
+                                 bos_token="<|im_start|>", eos_token="<|im_end|>")  # fmt: skip
+    for generation in (True, False):
+        want = hf.apply_chat_template(MESSAGES, chat_template=template, tokenize=False,
+                                      add_generation_prompt=generation, **options)  # fmt: skip
+        assert tok.apply_chat_template(MESSAGES, add_generation_prompt=generation, **options) == want
+        assert again.apply_chat_template(MESSAGES, add_generation_prompt=generation,
+                                         **options) == want  # fmt: skip
+    if template is QWEN3_STYLE:
+        with pytest.raises(ValueError, match="unknown role tool"):
+            tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_end_of_turn_tokens_stop_a_generation():
+    import tokenizers
+
+    vocab = {"a": 0, "<|eot_id|>": 1, "<|end_of_text|>": 2}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="a"))
+    tok = Tokenizer(backend, eos="<|end_of_text|>")
+    assert tok.stop_ids == {1, 2}
