@@ -172,21 +172,52 @@ THREADS = {
           printf("%lld\\n", s + deep(400000) - 400000);  // ~100 MB of main-thread stack
         }
     """),
+    "rust": textwrap.dedent("""\
+        use std::io::Read;
+        fn deep(n: u64) -> u64 { let pad = [n as u8; 64]; if n == 0 { pad[0] as u64 } else { 1 + deep(n - 1) + (pad[63] as u64) * 0 } }
+        fn main() {
+            let mut s = String::new();
+            std::io::stdin().read_to_string(&mut s).unwrap();
+            let v: Vec<i64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect();
+            let (a, b) = (v[0], v[1]);
+            let sum = std::thread::spawn(move || a + b).join().unwrap();
+            println!("{}", sum + deep(200000) as i64 - 200000);
+        }
+    """),
+    "java": textwrap.dedent("""\
+        import java.util.*;
+        import java.util.concurrent.*;
+        public class Main {
+            public static void main(String[] args) throws Exception {
+                Scanner in = new Scanner(System.in);
+                long a = in.nextLong(), b = in.nextLong();
+                ExecutorService pool = Executors.newFixedThreadPool(2);
+                Future<Long> f = pool.submit(() -> a + b);
+                System.out.println(f.get());
+                pool.shutdown();
+            }
+        }
+    """),
+}
+
+
+HOGS = {  # 600 MB, over the 256 MB limit
+    "python": "x = bytearray(600 * 2**20)\nprint(3)",
+    "cpp": "#include <cstdio>\n#include <cstdlib>\n#include <cstring>\nint main(){"
+           "char* p=(char*)malloc(600u<<20); if(!p) return 3; memset(p,1,600u<<20); puts(\"3\");}",
 }
 
 
 @pytest.mark.parametrize("language", sorted(THREADS))
 def test_programs_that_start_threads_and_recurse_deeply_are_accepted(service, language):
-    """At the default 256 MB: threads get ordinary stacks (the stack limit used to equal the
-    memory limit, so each new thread reserved 256 MB of address space and failed: Python's
-    "can't start new thread", C++'s SIGABRT), while the main thread may still recurse ~100 MB
-    deep; a program over the memory limit still fails."""
+    """At the default 256 MB, in every language: threads get ordinary stacks (the stack limit
+    used to equal the memory limit, so each new thread reserved 256 MB of address space and
+    failed: Python's "can't start new thread", C++'s SIGABRT), while the main thread may still
+    recurse deep (~100 MB in C++); a program over the memory limit still fails."""
     spec = upload_problem(service, problem_id=f"threads-{language}",
                           tests=[("1 2\n", "3\n"), ("40 2\n", "42\n")])  # fmt: skip
     [verdict] = service.verify([CodeTask(problem=spec, language=language, code=THREADS[language])])
     assert verdict.kind is VerdictKind.ACCEPTED, verdict
-    hog = "x = bytearray(600 * 2**20)\nprint(3)" if language == "python" else (
-        "#include <cstdio>\n#include <cstdlib>\n#include <cstring>\nint main(){"
-        "char* p=(char*)malloc(600u<<20); if(!p) return 3; memset(p,1,600u<<20); puts(\"3\");}")
-    [over] = service.verify([CodeTask(problem=spec, language=language, code=hog)])
-    assert over.kind is not VerdictKind.ACCEPTED, over
+    if language in HOGS:
+        [over] = service.verify([CodeTask(problem=spec, language=language, code=HOGS[language])])
+        assert over.kind is not VerdictKind.ACCEPTED, over
