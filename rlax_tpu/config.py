@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import glob
+import importlib
 import ipaddress
 import math
 import types
@@ -33,6 +34,20 @@ GROUP_ALGORITHMS = frozenset(
     {"grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "tb", "online_dpo"}
 )
 LANGUAGES = ("python", "cpp", "rust", "java")
+# Algorithms user code registered (rlax_tpu.algorithms.register_algorithm): name -> whether it is
+# defined over a group. A config names the modules that register them in algorithm.plugins.
+_REGISTERED_ALGORITHMS: dict[str, bool] = {}
+
+
+def register_algorithm_name(name: str, *, group: bool) -> None:
+    """Makes ``name`` a valid algorithm.name (called by algorithms.register_algorithm)."""
+    if name in ALGORITHMS:
+        raise ValueError(f"{name!r} is a built-in algorithm; register another name")
+    _REGISTERED_ALGORITHMS[name] = group
+
+
+def known_algorithms() -> tuple[str, ...]:
+    return (*ALGORITHMS, *_REGISTERED_ALGORITHMS)
 
 
 _NO_VALUE = object()
@@ -594,11 +609,24 @@ class AlgorithmConfig:
     tb_beta_final: float = 0.004
     tb_beta_decay_steps: int = 500
     dpo_beta: float = 0.1
+    # Python modules imported before algorithm.name is checked, so that they can register
+    # algorithms and advantage estimators (rlax_tpu.algorithms.register_algorithm /
+    # register_advantage); every process that builds the objective imports them.
+    plugins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.name not in ALGORITHMS:
-            close = difflib.get_close_matches(self.name, ALGORITHMS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(ALGORITHMS)}"
+        for module in self.plugins:
+            try:
+                importlib.import_module(module)
+            except Exception as e:  # noqa: BLE001 - any failure of user code, named
+                raise _bad(self, "plugins",
+                           f"cannot import {module!r}: {type(e).__name__}: {e}") from None  # fmt: skip
+        known = known_algorithms()
+        if self.name not in known:
+            close = difflib.get_close_matches(self.name, known, n=1)
+            hint = (f"; did you mean {close[0]!r}?" if close else
+                    f"; built-in: {', '.join(ALGORITHMS)} (an algorithm of your own: name the "
+                    "module that registers it in algorithm.plugins)")  # fmt: skip
             raise _bad(self, "name", f"unknown algorithm{hint}")
         _positive(
             self, "group_size", "behaviour_cap", "overlong_penalty", "tb_beta", "tb_beta_final",
@@ -614,7 +642,8 @@ class AlgorithmConfig:
             raise _bad(
                 self, "kl_estimator", f"is 'none' but kl_coef is {self.kl_coef}; pick k1, k2 or k3"
             )
-        if (self.name in GROUP_ALGORITHMS or self.name == "aipo") and self.group_size < 2:
+        grouped = self.name in GROUP_ALGORITHMS or _REGISTERED_ALGORITHMS.get(self.name, False)
+        if (grouped or self.name == "aipo") and self.group_size < 2:
             raise _bad(
                 self, "group_size", f"{self.name} compares samples within a group: needs >= 2"
             )

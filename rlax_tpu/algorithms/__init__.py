@@ -32,7 +32,13 @@ tb_loss; dpo.select_pairs / dpo_loss; shaping.dynamic_sampling_filter / overlong
 """
 
 from rlax_tpu.algorithms.batch import LossInputs, RolloutBatch, validate_batch
-from rlax_tpu.algorithms.registry import DEFAULTS, Objective, make_objective
+from rlax_tpu.algorithms.registry import (
+    DEFAULTS,
+    Objective,
+    make_objective,
+    register_advantage,
+    register_algorithm,
+)
 from rlax_tpu.algorithms.spec import ObjectiveSpec
 
 __all__ = [
@@ -42,5 +48,7 @@ __all__ = [
     "ObjectiveSpec",
     "RolloutBatch",
     "make_objective",
+    "register_advantage",
+    "register_algorithm",
     "validate_batch",
 ]

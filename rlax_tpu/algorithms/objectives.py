@@ -29,11 +29,19 @@ from rlax_tpu.algorithms.value import clipped_value_loss
 Metrics = dict[str, jax.Array]
 _sg = jax.lax.stop_gradient
 
-_GROUP_ESTIMATORS = {
+# Group advantage estimators: rewards [N, G] -> advantages [N, G] (registry.register_advantage
+# adds to it).
+GROUP_ESTIMATORS = {
     "group_norm": adv_lib.group_normalized,
     "group_center": adv_lib.group_centered,
     "leave_one_out": adv_lib.leave_one_out,
 }
+_OTHER_ADVANTAGES = ("reward", "none", "batch_norm_kl_reward", "gae")
+
+
+def known_advantage(name: str) -> bool:
+    """Whether ``_advantages`` computes the estimator ``name`` (built-in or registered)."""
+    return name in GROUP_ESTIMATORS or name in _OTHER_ADVANTAGES
 
 
 def prepare(spec: ObjectiveSpec, batch: RolloutBatch, step: int | jax.Array = 0) -> LossInputs:
@@ -77,12 +85,12 @@ def prepare(spec: ObjectiveSpec, batch: RolloutBatch, step: int | jax.Array = 0)
 
 def _advantages(spec, batch, mask, rewards):
     kind = spec.advantage
-    if kind in _GROUP_ESTIMATORS:
+    if kind in GROUP_ESTIMATORS:
         grouped = rewards.reshape(-1, spec.group_size)
         if kind == "group_norm":
             adv = adv_lib.group_normalized(grouped, eps=spec.group_std_eps)
         else:
-            adv = _GROUP_ESTIMATORS[kind](grouped)
+            adv = GROUP_ESTIMATORS[kind](grouped)
         return adv.reshape(-1, 1) * mask, None
     if kind == "reward":
         return rewards[:, None] * mask, None

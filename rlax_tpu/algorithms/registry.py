@@ -6,6 +6,7 @@ An AlgorithmConfig value of 0 / 'default' means "this algorithm's default" (the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ from rlax_tpu.algorithms import objectives, shaping
 from rlax_tpu.algorithms.batch import LossInputs, RolloutBatch, validate_batch
 from rlax_tpu.algorithms.spec import ObjectiveSpec
 from rlax_tpu.algorithms.tb import tb_beta
-from rlax_tpu.config import AlgorithmConfig, ConfigError
+from rlax_tpu.config import AlgorithmConfig, ConfigError, register_algorithm_name
 
 # Components and hyperparameters per algorithm, from its paper.
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -134,6 +135,42 @@ class Objective:
         return float(
             tb_beta(step, beta=s.beta, beta_final=s.beta_final, decay_steps=s.beta_decay_steps)
         )
+
+
+def register_algorithm(name: str, *, base: str = "grpo", **components: Any) -> None:
+    """Adds an Eq. 3 algorithm named ``name`` (usable as ``algorithm.name`` once the module
+    calling this is in ``algorithm.plugins``): ``base``'s paper defaults with ``components``
+    replaced, each an ObjectiveSpec field (advantage, aggregation, importance, clip_mask,
+    eps_low, eps_high, kl_estimator, kl_coef, ...) or dynamic_sampling / overlong_shaping. The
+    KL regularizer not given is ``base``'s default; config overrides apply as to built-ins."""
+    if base not in DEFAULTS or DEFAULTS[base].get("kind", "eq3") != "eq3":
+        raise ValueError(f"base {base!r} must be a built-in Eq. 3 algorithm")
+    fields = {f.name for f in dataclasses.fields(ObjectiveSpec)} | {"dynamic_sampling",
+                                                                    "overlong_shaping"}  # fmt: skip
+    unknown = sorted(set(components) - fields - {"name", "kind"})
+    if unknown or {"name", "kind"} & set(components):
+        raise ValueError(f"register_algorithm({name!r}): not ObjectiveSpec components: "
+                         f"{unknown or sorted({'name', 'kind'} & set(components))}")  # fmt: skip
+    advantage = components.get("advantage", DEFAULTS[base].get("advantage"))
+    if not objectives.known_advantage(advantage):
+        raise ValueError(f"register_algorithm({name!r}): unknown advantage {advantage!r}; "
+                         "register it first with register_advantage")  # fmt: skip
+    register_algorithm_name(name, group=advantage in objectives.GROUP_ESTIMATORS)
+    components = dict(components)
+    # The KL regularizer's defaults live in their own tables (kl_estimator "default").
+    for key, table in (("kl_estimator", DEFAULT_KL_ESTIMATOR), ("kl_coef", DEFAULT_KL_COEF)):
+        value = components.pop(key, table.get(base))
+        if value is not None:
+            table[name] = value
+    DEFAULTS[name] = dict(DEFAULTS[base]) | components
+
+
+def register_advantage(name: str, estimator: Callable[[jax.Array], jax.Array]) -> None:
+    """Adds a group advantage estimator: rewards [N, G] -> advantages [N, G] (jittable; each
+    row is one prompt's group), usable as ``advantage=name`` in register_algorithm."""
+    if objectives.known_advantage(name):
+        raise ValueError(f"advantage estimator {name!r} exists already")
+    objectives.GROUP_ESTIMATORS[name] = estimator
 
 
 def make_objective(cfg: AlgorithmConfig, *, max_length: int) -> Objective:

@@ -244,3 +244,15 @@ def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emula
     # the killed run wrote were dropped on resume).
     assert steps(remote / "metrics.jsonl") == steps(tmp_path / "local" / "metrics.jsonl")
     assert not (REPO / "gs:").exists()
+
+
+def test_an_algorithm_of_the_users_own_trains_from_the_main_command(env, tmp_path):
+    """The open registry end to end: a plugin module named in the config registers an algorithm
+    with its own advantage estimator (tests/algorithms/plugin_rank.py), and the main command
+    trains with it."""
+    run_dir = tmp_path / "plugin"
+    out = run(env, run_dir, "--config.controller.num_steps=2", "--config.algorithm.name=rank_grpo",
+              "--config.algorithm.plugins=('tests.algorithms.plugin_rank',)")  # fmt: skip
+    assert "run finished: 2 updates" in out, out[-2000:]
+    report = (run_dir / "report.md").read_text()
+    assert '"name": "rank_grpo"' in report and "tests.algorithms.plugin_rank" in report
