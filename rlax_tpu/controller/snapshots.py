@@ -4,7 +4,7 @@ A snapshot is one file ``snapshot_<step:09d>.msgpack``: a magic line, the SHA-25
 the payload (msgpack of plain dicts/lists/scalars/numpy arrays). It is written under a temporary name
 and renamed (atomic on a local filesystem; an object upload is atomic on GCS), so a reader sees a
 complete file or none. A file that is truncated or fails its checksum is skipped with a warning and the
-previous snapshot is used. Paths go through ``etils.epath`` so local and GCS share one code path.
+previous snapshot is used. Paths go through ``rlax_tpu.storage`` so local and GCS share one code path.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import uuid
 from typing import Any
 
 from etils import epath
 from flax import serialization
+
+from rlax_tpu import storage
 
 MAGIC = b"rlax_tpu-snapshot-v1\n"
 _NAME = re.compile(r"^snapshot_(\d{9})\.msgpack$")
@@ -48,7 +49,7 @@ class SnapshotStore:
     def __init__(self, directory: str | epath.Path, *, keep: int):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.dir = epath.Path(directory)
+        self.dir = storage.path(directory)
         self.keep = keep
 
     def _steps(self) -> list[int]:
@@ -71,9 +72,10 @@ class SnapshotStore:
         """Writes the snapshot of ``step`` atomically, then deletes all but the newest ``keep``."""
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
-        tmp = self.dir / f".{final.name}.{uuid.uuid4().hex}.tmp"
-        tmp.write_bytes(_encode(payload))
-        tmp.replace(final)  # a resumed run may rewrite the snapshot of its first step
+        # Locally a temporary file renamed over the target; on GCS one object upload (objects
+        # appear whole; a rename there is a copy and a delete). A resumed run may rewrite the
+        # snapshot of its first step.
+        storage.write_atomic(final, _encode(payload))
         for old in self._steps()[: -self.keep]:
             self.path(old).unlink(missing_ok=True)
         return final

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -217,10 +218,13 @@ def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emula
     # Killed at a random moment once a snapshot is on GCS (uploads there take a while).
     proc = subprocess.Popen(command(run_dir, *extra), cwd=REPO, env=genv, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    watchdog = threading.Timer(600, proc.kill)  # a hung run fails the test instead of CI
+    watchdog.start()
     try:
         for line in proc.stdout:
             if line.startswith("step 1/"):
                 break
+        assert proc.poll() is None, "the run ended before its first step"
         deadline = time.monotonic() + 120
         while not ((remote / "snapshots").exists() and any((remote / "snapshots").iterdir())):
             assert time.monotonic() < deadline and proc.poll() is None, "no snapshot on GCS"
@@ -228,6 +232,7 @@ def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emula
         time.sleep(random.Random(11).uniform(0.0, 1.5))
         proc.send_signal(signal.SIGKILL)
     finally:
+        watchdog.cancel()
         proc.kill()
         proc.wait(timeout=60)
     assert not (remote / "report.md").exists()  # it died mid-run
