@@ -70,3 +70,34 @@ def test_tokenizer_sources(tmp_path):
     assert load_tokenizer(cfg).encode("some text") == trained.encode("some text")
     with pytest.raises(ModelLoadError, match="^model.tokenizer_path: a randomly initialized model"):
         load_tokenizer(preset("tiny"))
+
+
+def test_weights_and_tokenizer_from_gs(gcs_emulator, tmp_path, monkeypatch):
+    """model.weights_path and model.tokenizer_path on gs:// (a GCS server on 127.0.0.1): the
+    safetensors folder is copied once into RLAX_CACHE_DIR and loads as from disk; the
+    tokenizer is read in place."""
+    import uuid
+
+    from rlax_tpu import storage
+
+    from ..conftest import GCS_BUCKET
+
+    monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
+    base = f"gs://{GCS_BUCKET}/weights-{uuid.uuid4().hex[:8]}"
+    original = load_model(preset("tiny", seed=2))
+    save_safetensors(original, tmp_path / "local")
+    for f in (tmp_path / "local").iterdir():  # the shards and config.json
+        storage.write_atomic(f"{base}/model/{f.name}", f.read_bytes())
+    trained = Tokenizer.train_bpe(["words for a tiny vocabulary"] * 10, vocab_size=300)
+    trained.save(f"{base}/tok")
+    cfg = preset("tiny", weights_format="safetensors", weights_path=f"{base}/model",
+                 tokenizer_path=f"{base}/tok")  # fmt: skip
+    tokens = jnp.arange(10, dtype=jnp.int32)[None]
+    np.testing.assert_array_equal(
+        np.asarray(forward(load_model(cfg), tokens)), np.asarray(forward(original, tokens))
+    )
+    assert any((tmp_path / "cache").rglob("*.safetensors"))
+    assert load_tokenizer(cfg).encode("tiny words") == trained.encode("tiny words")
+    missing = dataclasses.replace(cfg, weights_path=f"{base}/nothing")
+    with pytest.raises(ModelLoadError, match="no such file or folder"):
+        load_model(missing)
