@@ -14,7 +14,7 @@ run: setup
 	$(PY) -m rlax_tpu.controller --config=configs/codeforces.py:local $(RUN_ARGS)
 
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadscope
 
 lint: setup
 	$(VENV)/bin/ruff check rlax_tpu tests configs benchmarks
