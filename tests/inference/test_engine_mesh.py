@@ -18,9 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 from rlax_tpu.config import MeshConfig
 from rlax_tpu.inference.engine import Engine, engine_mesh
+from rlax_tpu.inference.sampler import SamplingParams
+from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.models.paged_cache import page_bytes
 from tests.conftest import free_port
 
-from .conftest import SMALL, by_key, random_requests
+from .conftest import SMALL, assert_same_samples, by_key, random_requests
 
 MESHES = {
     "tensor2": MeshConfig(data=1, fsdp=1, tensor=2),
@@ -53,6 +56,35 @@ def test_sharded_engine_gives_the_single_device_greedy_tokens(tiny_model, single
         np.testing.assert_array_equal(got[key].tokens, want.tokens, err_msg=str(key))
         # Greedy log-probs are log-softmax at the picked token: f32 round-off of a sharded sum.
         np.testing.assert_allclose(got[key].logprobs, want.logprobs, rtol=0, atol=2e-5)
+
+
+def test_preemption_prefix_sharing_and_seeded_sampling_on_a_mesh(tiny_model):
+    """data 2 x tensor 2 under a page budget of one max-length sequence and spares: a group of 4
+    samples shares its prompt's pages (copy-on-write), sequences are preempted and recomputed,
+    and seeded temperature-1 samples are the single-device engine's (log-probs to f32 round-off,
+    up to a near-tie drawn the other way); greedy rows give the same tokens."""
+    requests = [*random_requests(10, seed=21, num_samples=2, temperature=1.0),
+                *(dataclasses.replace(r, prompt_id=f"greedy{i}") for i, r in
+                  enumerate(random_requests(4, seed=22, temperature=0.0))),
+                Request(prompt_id="group", prompt_tokens=tuple(range(1, 19)), num_samples=4,
+                        sampling=SamplingParams(temperature=1.0, max_new_tokens=8, seed=7))]  # fmt: skip
+    budget = 16 * page_bytes(tiny_model.cfg, CFG.page_size)
+    runs = []
+    for mesh in (None, MESHES["data2xtensor2"]):
+        cfg = dataclasses.replace(CFG, kv_cache_bytes=budget)
+        engine = Engine(tiny_model, cfg if mesh is None else dataclasses.replace(cfg, mesh=mesh))
+        for r in requests:
+            engine.submit(r)
+        runs.append((by_key(engine.run()), engine))
+    (want, _), (got, sharded) = runs
+    assert sharded.mesh is not None
+    assert sharded.scheduler.num_preemptions > 0 and sharded.stats().pages_shared > 0
+    assert got.keys() == want.keys()
+    for key, ro in want.items():
+        assert_same_samples(got[key], ro, bitwise=False, atol=2e-5)
+        if key[0].startswith("greedy"):
+            np.testing.assert_array_equal(got[key].tokens, ro.tokens)
+    assert len(want) == 10 * 2 + 4 + 4
 
 
 def test_weights_and_pages_follow_the_logical_rules(tiny_model):
