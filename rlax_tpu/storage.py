@@ -47,8 +47,6 @@ def is_remote(p: str | os.PathLike) -> bool:
 
 def path(p: str | os.PathLike) -> epath.Path:
     """``p`` as an epath.Path: gs:// as given, local paths absolute."""
-    if isinstance(p, epath.Path) and is_remote(p):
-        return p
     text = os.fspath(p)
     if is_remote(text):
         use_emulator_if_set()
@@ -107,10 +105,8 @@ def local_copy(p: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"{src} does not exist")
     key = hashlib.sha256(os.fspath(src).encode()).hexdigest()[:16]
     dest = cache_dir() / key / src.name
-    files = list(_files_under(src)) if src.is_dir() else [src]
-    for f in files:
-        rel = f.relative_to(src) if f != src else None
-        out = dest if rel is None else dest / os.fspath(rel)
+    for f in _files_under(src) if src.is_dir() else [src]:
+        out = dest if f == src else dest / os.fspath(f.relative_to(src))
         if out.exists() and out.stat().st_size == f.stat().length:
             continue
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
 """Controller snapshots: atomic, checksummed, newest K kept, on a local dir or ``gs://``.
 
 A snapshot is one file ``snapshot_<step:09d>.msgpack``: a magic line, the SHA-256 of the payload, then
-the payload (msgpack of plain dicts/lists/scalars/numpy arrays). It is written under a temporary name
-and renamed (atomic on a local filesystem; an object upload is atomic on GCS), so a reader sees a
-complete file or none. A file that is truncated or fails its checksum is skipped with a warning and the
+the payload (msgpack of plain dicts/lists/scalars/numpy arrays). It is written with
+``storage.write_atomic`` (a temporary file renamed on a local filesystem, one object upload on GCS),
+so a reader sees a complete file or none. A file that is truncated or fails its checksum is skipped with a warning and the
 previous snapshot is used. Paths go through ``rlax_tpu.storage`` so local and GCS share one code path.
 """
 
@@ -72,8 +72,7 @@ class SnapshotStore:
         """Writes the snapshot of ``step`` atomically, then deletes all but the newest ``keep``."""
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
-        # Locally a temporary file renamed over the target; on GCS one object upload (objects
-        # appear whole; a rename there is a copy and a delete). A resumed run may rewrite the
+        # Not a rename on GCS (a copy and a delete there). A resumed run may rewrite the
         # snapshot of its first step.
         storage.write_atomic(final, _encode(payload))
         for old in self._steps()[: -self.keep]:

@@ -50,7 +50,7 @@ class Datasets:
 
 def _files(directory: str, name: str) -> list[storage.epath.Path]:
     root = storage.path(directory) if directory else None
-    files = sorted([*root.glob("*.jsonl"), *root.glob("*.parquet")]) if directory else []
+    files = sorted([*root.glob("*.jsonl"), *root.glob("*.parquet")]) if root else []
     if not files:
         raise DataError(f"data.data_dir={directory!r}", None,
                         f"dataset {name!r} needs .jsonl or .parquet files there")  # fmt: skip

@@ -146,10 +146,8 @@ class PagedKVCache:
         self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
         physical: jax.Array, slot: jax.Array,
     ) -> tuple[jax.Array, PagedKVCache]:  # fmt: skip
-        b, t, hkv, d = k.shape
-        stored = self.kv_pages.shape[3] // 2  # hkv padded with zero heads (padded_kv_heads)
-        k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, stored - hkv), (0, 0))) for x in (k, v))
-        kv = jnp.stack([k, v], axis=3).reshape(b, t, 2 * stored, d)  # k of head h at 2h, v 2h+1
+        hkv = k.shape[2]
+        kv = interleave_kv(k, v, stored_heads=self.kv_pages.shape[3] // 2)
         kv_pages = self.kv_pages.at[layer, physical, slot].set(
             kv.astype(self.kv_pages.dtype), mode="drop"
         )
@@ -192,10 +190,10 @@ class SequencePagedCache:
         m = -(-t // page)
         tables = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
         if self.backend in COMBINED:
-            stored, dp = padded_kv_heads(hkv, k.dtype.itemsize), -(-d // 128) * 128
-            k, v = (jnp.pad(x, ((0, 0), (0, m * page - t), (0, stored - hkv), (0, dp - d)))
+            k, v = (jnp.pad(x, ((0, 0), (0, m * page - t), (0, 0), (0, lane_padded(d) - d)))
                     for x in (k, v))  # fmt: skip
-            kv = jnp.stack([k, v], axis=3).reshape(b * m, page, 2 * stored, dp)
+            stored = padded_kv_heads(hkv, k.dtype.itemsize)
+            kv = interleave_kv(k, v, stored_heads=stored).reshape(b * m, page, 2 * stored, -1)
             emulated = self.backend == "tpu_emulated"
             out = ragged_attention(q, kv, tables, positions, kv_heads=hkv, emulated=emulated,
                                    pages_by_rows=True)  # fmt: skip
@@ -226,12 +224,25 @@ def _constrain_pages(pages: jax.Array, cache: PagedKVCache) -> jax.Array:
     return jax.lax.with_sharding_constraint(pages, spec)
 
 
+def lane_padded(d: int) -> int:
+    """A head dim rounded up to the TPU's 128 lanes."""
+    return -(-d // 128) * 128
+
+
+def interleave_kv(k: jax.Array, v: jax.Array, *, stored_heads: int) -> jax.Array:
+    """k, v [B, T, Hkv, D] -> the combined layout's [B, T, 2 * Hs, D]: KV heads padded with zero
+    heads to ``stored_heads`` (padded_kv_heads), the keys of head h at 2h, its values at 2h + 1."""
+    b, t, hkv, d = k.shape
+    k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, stored_heads - hkv), (0, 0))) for x in (k, v))
+    return jnp.stack([k, v], axis=3).reshape(b, t, 2 * stored_heads, d)
+
+
 def stored_head_dim(cfg: ModelConfig, backend: str) -> int:
     """Head dim of the cache's pages: the model's, rounded up to the 128 lanes the TPU Pallas
     kernel's blocks need (its per-row max/sum outputs take the head dim's block), zero-padded,
     which changes no dot product."""
     d = cfg.resolved_head_dim
-    return -(-d // 128) * 128 if backend in COMBINED else d
+    return lane_padded(d) if backend in COMBINED else d
 
 
 def stored_kv_heads(cfg: ModelConfig, backend: str) -> int:

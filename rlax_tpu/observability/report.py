@@ -57,8 +57,10 @@ def _series(records: Sequence[dict], name: str) -> tuple[np.ndarray, np.ndarray,
 
 
 def _save(fig: plt.Figure, path: storage.epath.Path) -> None:
+    """Writes the figure as PNG (local or gs://) and closes it."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
     storage.write_atomic(path, buf.getvalue())
 
 
@@ -85,7 +87,6 @@ def _plot_learning(records: Sequence[dict], t0: float, path: storage.epath.Path)
     fig.suptitle("training reward and held-out pass@k")
     fig.tight_layout()
     _save(fig, path)
-    plt.close(fig)
     return True
 
 
@@ -100,7 +101,6 @@ def _plot_staleness(records: Sequence[dict], path: storage.epath.Path) -> bool:
     ax.set_ylabel("rollouts")
     fig.tight_layout()
     _save(fig, path)
-    plt.close(fig)
     return True
 
 
@@ -115,7 +115,6 @@ def _plot_line(records: Sequence[dict], name: str, ylabel: str, path: storage.ep
     ax.grid(alpha=0.3)
     fig.tight_layout()
     _save(fig, path)
-    plt.close(fig)
     return True
 
 
@@ -137,7 +136,6 @@ def _plot_bars(totals: Mapping[str, float], xlabel: str, path: storage.epath.Pat
     ax.set_xlabel(xlabel)
     fig.tight_layout()
     _save(fig, path)
-    plt.close(fig)
     return True
 
 
@@ -154,7 +152,6 @@ def _plot_step_time(records: Sequence[dict], path: storage.epath.Path) -> bool:
     ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     _save(fig, path)
-    plt.close(fig)
     return True
 
 

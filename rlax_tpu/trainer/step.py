@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from rlax_tpu.algorithms import LossInputs, Objective, RolloutBatch, make_objective
 from rlax_tpu.config import RunConfig, TrainerConfig
-from rlax_tpu.models import LayerLoop, param_shardings
+from rlax_tpu.models import UNROLLED, LayerLoop, param_shardings
 from rlax_tpu.models.paged_attention import resolve_backend
 from rlax_tpu.models.paged_cache import SequencePagedCache
 from rlax_tpu.trainer.logprobs import completion_logprobs
@@ -64,7 +64,7 @@ class StepFunctions:
     trainable_shardings: Params
     opt_shardings: Any
     tx: optax.GradientTransformation
-    loop: LayerLoop = LayerLoop()  # how the training forward runs its layers
+    loop: LayerLoop = UNROLLED  # how the training forward runs its layers
     attention: str = "dense"  # the training forward's kernel (models.NoCache)
     # The prefill-shaped π_old recompute's cache (the engine's page size and backend), or None.
     prefill: SequencePagedCache | None = None

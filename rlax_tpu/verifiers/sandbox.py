@@ -64,17 +64,15 @@ class Limits:
     disk_bytes: int = 64 << 20  # size of each of the private tmpfs /work and /tmp
     processes: int = 8  # programs; languages.Language.processes (the JVM needs more threads)
     open_files: int = 128
-    # 0: same as memory_bytes. UNLIMITED_STACK: the main thread's stack may still grow to the
-    # memory limit (RLIMIT_AS bounds it, as Codeforces gives the stack the whole limit), while new
-    # threads get glibc's default 8 MiB stack: a finite stack limit is also every thread's stack
-    # size, and each thread then reserves that much of RLIMIT_AS (one thread at 256 MB failed).
-    stack_bytes: int = 0
+    # UNLIMITED_STACK: the main thread's stack may still grow to the memory limit (RLIMIT_AS
+    # bounds it, as Codeforces gives the stack the whole limit), while new threads get glibc's
+    # default 8 MiB stack: a finite stack limit is also every thread's stack size, and each
+    # thread then reserves that much of RLIMIT_AS (one thread at 256 MB failed).
+    stack_bytes: int = UNLIMITED_STACK
 
 
 def _stack_arg(limits: Limits) -> str:
-    if limits.stack_bytes == UNLIMITED_STACK:
-        return "unlimited"
-    return str(limits.stack_bytes or limits.memory_bytes)
+    return "unlimited" if limits.stack_bytes == UNLIMITED_STACK else str(limits.stack_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
