@@ -64,13 +64,18 @@ class PythonSyntaxChecker:
     """Checks Python sources with ``compile()`` in a helper process (thread-safe; one at a time).
 
     ``uid``: the unprivileged uid the helper drops to when started as root. ``memory_bytes``: its
-    address-space limit. ``timeout_s``: the deadline of one check.
+    address-space limit. ``timeout_s``: the deadline of one check. ``start_timeout_s``: the
+    deadline of the helper's start-up, apart because booting an interpreter is not the source's
+    time and a loaded host can take far longer than one check's deadline to do it.
     """
 
-    def __init__(self, *, uid: int, memory_bytes: int, timeout_s: float):
+    def __init__(
+        self, *, uid: int, memory_bytes: int, timeout_s: float, start_timeout_s: float = 30.0
+    ):
         if uid <= 0:
             raise ValueError(f"uid must be > 0, got {uid}")
         self._uid, self._memory, self._timeout = uid, memory_bytes, timeout_s
+        self._start_timeout = start_timeout_s
         version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
         self._exe = str(Path(sys.base_prefix) / "bin" / version)
         self._lock = threading.Lock()
@@ -122,7 +127,7 @@ class PythonSyntaxChecker:
             )  # fmt: skip
             self._buffer = b""
             self.started += 1
-            ready = self._read_line(self._proc, time.monotonic() + self._timeout)
+            ready = self._read_line(self._proc, time.monotonic() + self._start_timeout)
             if ready != b'{"ready": true}':
                 self._kill(self._proc)
                 code, self._proc = self._proc.returncode, None

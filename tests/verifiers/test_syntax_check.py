@@ -88,10 +88,12 @@ def test_a_source_that_kills_the_helper_twice_is_a_compile_error():
 
 
 def test_an_overrun_is_a_compile_error_and_the_next_check_works():
-    slow = PythonSyntaxChecker(uid=NOBODY, memory_bytes=1 << 30, timeout_s=0.05)
+    # 0.5 s: a third of what the source takes to compile (~1.6 s), yet ample for "pass" on a
+    # loaded host (a 0.05 s deadline failed CI once, when the helper's start shared it).
+    slow = PythonSyntaxChecker(uid=NOBODY, memory_bytes=1 << 30, timeout_s=0.5)
     try:
-        big = b"".join(b"x%d = %d\n" % (i, i) for i in range(300_000))  # ~1 s to compile
-        assert slow.check(big, MAIN) == "the syntax check exceeded 0.05 s"
+        big = b"".join(b"x%d = %d\n" % (i, i) for i in range(300_000))
+        assert slow.check(big, MAIN) == "the syntax check exceeded 0.5 s"
         assert slow.check(b"pass\n", MAIN) is None
         assert slow.started == 2
     finally:
@@ -130,7 +132,9 @@ def test_verdicts_match_a_sandbox_run_per_program(service, verifier_config, tmp_
 
 def test_a_helper_that_cannot_start_is_an_internal_error_not_a_verdict(service, tmp_path):
     # A deadline no interpreter can start within: the helper is never ready.
-    broken = PythonSyntaxChecker(uid=NOBODY, memory_bytes=1 << 30, timeout_s=1e-6)
+    broken = PythonSyntaxChecker(
+        uid=NOBODY, memory_bytes=1 << 30, timeout_s=1.0, start_timeout_s=1e-6
+    )
     with pytest.raises(CheckerUnavailable, match="did not start"):
         broken.check(b"pass\n", MAIN)
     limits = compile_limits(time_limit_s=20.0, memory_mb=512, disk_bytes=64 << 20)
