@@ -869,6 +869,14 @@ class RunConfig:
     def rollouts_per_step(self) -> int:
         return self.controller.prompts_per_step * self.algorithm.group_size
 
+    @property
+    def prompt_style(self) -> Literal["raw", "chat"]:
+        """data.prompt_style with "auto" resolved: raw for a randomly initialized model (it has
+        no chat format to follow), chat for pretrained weights."""
+        if self.data.prompt_style != "auto":
+            return self.data.prompt_style
+        return "raw" if self.model.weights_format == "init" else "chat"
+
 
 # ---------------------------------------------------------------------------------------------
 # Dict <-> dataclass conversion with type checks.

@@ -4,14 +4,26 @@
 
 Without a preset it picks the one that fits this machine (local on CPU). A run directory that
 holds snapshots is resumed; a finished run is left as it is.
+
+    python -m rlax_tpu.controller --config=... --warmup_out=DIR
+
+runs only the supervised warm-up (controller.warmup_steps) and writes the warmed-up model to DIR
+(HF safetensors + tokenizer), for services started apart that load it
+(model.weights_format=safetensors, model.weights_path=DIR); `python -m rlax_tpu.launch` does this.
 """
 
 from __future__ import annotations
 
 import sys
 
+from absl import flags
+
 from rlax_tpu import cli
 from rlax_tpu.config import RunConfig
+
+WARMUP_OUT = flags.DEFINE_string(
+    "warmup_out", None, "Run only the supervised warm-up and write its weights to this folder."
+)
 
 
 def run(config: RunConfig, args: list[str]) -> int:
@@ -27,6 +39,15 @@ def run(config: RunConfig, args: list[str]) -> int:
         print(f"rlax_tpu.controller: unexpected arguments {args}", file=sys.stderr)
         return cli.EXIT_USAGE
     try:
+        if WARMUP_OUT.value:
+            if not config.controller.warmup_steps:
+                print("rlax_tpu.controller: error: --warmup_out needs controller.warmup_steps > 0",
+                      file=sys.stderr)  # fmt: skip
+                return cli.EXIT_USAGE
+            from rlax_tpu.controller.app import export_warmup
+
+            export_warmup(config, WARMUP_OUT.value)
+            return 0
         run_job(config, command="python -m rlax_tpu.controller " + " ".join(sys.argv[1:]))
     except (IncompatibleResume, DataError, ComponentUnreachable) as e:
         print(f"rlax_tpu.controller: error: {e}", file=sys.stderr)

@@ -34,6 +34,7 @@ from rlax_tpu.observability.progress import format_duration
 from rlax_tpu.observability.report import RunInfo, write_report
 
 TOKENIZER_DIR = "tokenizer"
+WARMUP_NOTE = "warmup.json"
 
 
 def reference_text(problem: Problem, *, language: str) -> str | None:
@@ -71,12 +72,6 @@ def warmup_demonstration(problem: Problem, config: RunConfig) -> tuple[str | Non
         if wrong is not None:
             return wrong, True
     return reference_text(problem, language=language), False
-
-
-def _style(config: RunConfig) -> str:
-    if config.data.prompt_style != "auto":
-        return config.data.prompt_style
-    return "raw" if config.model.weights_format == "init" else "chat"
 
 
 def prepare_tokenizer(config: RunConfig, datasets: Datasets,
@@ -144,6 +139,50 @@ def warm_up(config: RunConfig, model: models.Transformer, prompter: Prompter,
     return model, note
 
 
+def _prompter(config: RunConfig, run_dir: storage.epath.Path) -> Prompter:
+    datasets = load_datasets(config.data, seed=config.controller.seed)
+    tokenizer = prepare_tokenizer(config, datasets, run_dir)
+    return Prompter(
+        datasets, tokenizer, style=config.prompt_style, language=config.data.language,
+        group_size=config.algorithm.group_size, seed=config.controller.seed,
+        max_prompt_len=config.inference.max_prompt_len,
+        stop_token_ids=sorted(tokenizer.stop_ids),  # remote workers may not have the tokenizer
+    )  # fmt: skip
+
+
+def export_warmup(config: RunConfig, out_dir: str, *, stream: TextIO | None = None) -> None:
+    """Runs only the supervised warm-up (``controller.warmup_steps``) and writes the warmed-up
+    model to ``out_dir`` as an HF checkpoint (config.json + safetensors) with its tokenizer.
+
+    Services started apart (``python -m rlax_tpu.launch``, the distributed transport) load
+    weights instead of training them: they start from ``model.weights_format=safetensors,
+    model.weights_path=out_dir``. The report's note goes to ``<run_dir>/warmup.json`` as in a
+    local run. ``out_dir`` may be gs:// (written through a local copy).
+    """
+    import tempfile
+
+    from rlax_tpu.models.checkpoint import save_safetensors
+
+    out = stream or sys.stdout
+    if config.controller.warmup_steps == 0:
+        raise ValueError("controller.warmup_steps is 0: there is no warm-up to export")
+    run_dir = storage.path(config.controller.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prompter = _prompter(config, run_dir)
+    model, note = warm_up(config, models.load_model(config.model), prompter, out)
+    with tempfile.TemporaryDirectory(prefix="rlax-warmup-") as scratch:
+        files = [*save_safetensors(model, scratch), Path(scratch) / "config.json"]
+        prompter.tokenizer.save(scratch)
+        files += [Path(scratch) / "tokenizer.json", Path(scratch) / "tokenizer_config.json"]
+        target = storage.path(out_dir)
+        target.mkdir(parents=True, exist_ok=True)
+        # config.json last: its presence says the export is complete.
+        for file in sorted(files, key=lambda f: f.name == "config.json"):
+            storage.write_atomic(target / file.name, file.read_bytes())
+    storage.write_atomic(run_dir / WARMUP_NOTE, json.dumps({"note": note}))
+    print(f"rlax_tpu.controller: warm-up weights written to {out_dir}", file=out, flush=True)
+
+
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -162,24 +201,19 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"rlax_tpu.controller: run directory {run_dir} ({cc.mode} mode, {cc.transport} "
           f"transport)", file=out, flush=True)  # fmt: skip
-    datasets = load_datasets(config.data, seed=cc.seed)
-    tokenizer = prepare_tokenizer(config, datasets, run_dir)
-    prompter = Prompter(
-        datasets, tokenizer, style=_style(config), language=config.data.language,
-        group_size=config.algorithm.group_size, seed=cc.seed,
-        max_prompt_len=config.inference.max_prompt_len,
-        stop_token_ids=sorted(tokenizer.stop_ids),  # remote workers may not have the tokenizer
-    )  # fmt: skip
+    prompter = _prompter(config, run_dir)
+    tokenizer = prompter.tokenizer
     fresh = SnapshotStore(run_dir / "snapshots", keep=cc.snapshot_keep).latest_step() is None
     notes: list[str] = []
+    if cc.transport == "local" and fresh and cc.warmup_steps:
+        model, note = warm_up(config, models.load_model(config.model), prompter, out)
+        notes.append(note)
+        storage.write_atomic(run_dir / WARMUP_NOTE, json.dumps({"note": note}))
+    elif (run_dir / WARMUP_NOTE).exists():  # also a warm-up exported for launched services
+        notes.append(json.loads((run_dir / WARMUP_NOTE).read_text())["note"])
     if cc.transport == "local":
-        model = models.load_model(config.model)
-        if fresh and cc.warmup_steps:
-            model, note = warm_up(config, model, prompter, out)
-            notes.append(note)
-            storage.write_atomic(run_dir / "warmup.json", json.dumps({"note": note}))
-        elif (run_dir / "warmup.json").exists():
-            notes.append(json.loads((run_dir / "warmup.json").read_text())["note"])
+        if not (fresh and cc.warmup_steps):
+            model = models.load_model(config.model)
         comps = components_lib.build_local(config, model=model, eos_ids=tokenizer.stop_ids,
                                            run_dir=run_dir)  # fmt: skip
     else:

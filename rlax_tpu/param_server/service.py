@@ -166,11 +166,13 @@ def _serialize(message: Any) -> bytes:
 
 
 def persist_location(config: RunConfig) -> str:
-    """Where versions are persisted; "" when persistence is off."""
+    """Where versions are persisted; "" when persistence is off. Replicas (several) write apart,
+    under replica-<index>: each persists what it received, and none overwrites another's files."""
     ps = config.param_server
     if ps.persist_every == 0:
         return ""
-    return ps.persist_path or storage.join(config.controller.run_dir, "param_server")
+    base = ps.persist_path or storage.join(config.controller.run_dir, "param_server")
+    return storage.join(base, f"replica-{ps.replica_index}") if ps.replicas > 1 else base
 
 
 def serve(

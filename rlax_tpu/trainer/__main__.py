@@ -27,6 +27,9 @@ def run(config: RunConfig, args: list[str]) -> int:
     if args:
         print(f"rlax_tpu.trainer: unexpected arguments {args}", file=sys.stderr)
         return cli.EXIT_USAGE
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
     lead = multihost.initialize(config.trainer.distributed)
     from rlax_tpu.trainer.lockstep import LeadTrainer, follow
     from rlax_tpu.trainer.service import serve

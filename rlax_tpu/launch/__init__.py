@@ -1,0 +1,1 @@
+"""Launching a run's topology: every component as its own process (locally), from one config."""

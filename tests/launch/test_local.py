@@ -1,0 +1,155 @@
+"""`python -m rlax_tpu.launch`: the local preset's topology as processes, run to the end, resumed,
+stopped by a signal or by a dying service, and nothing left running afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rlax_tpu.launch.local import launched_pids
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH_ID = re.compile(r"\(launch id ([0-9a-f]+)\)")
+
+
+def _env() -> dict[str, str]:
+    # One CPU device per process (conftest forces 8 for in-process tests).
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _tiny(run_dir: Path, steps: int) -> list[str]:
+    uid = 1_900_000 + (os.getpid() % 50_000) * 8
+    return [
+        "--config=configs/codeforces.py:local",
+        f"--config.controller.run_dir={run_dir}",
+        f"--config.controller.num_steps={steps}",
+        "--config.controller.prompts_per_step=2",
+        "--config.algorithm.group_size=2",
+        "--config.trainer.micro_batch_size=4",
+        "--config.model.num_layers=1",
+        "--config.inference.max_new_tokens=16",
+        "--config.inference.max_concurrent_seqs=8",
+        "--config.data.eval_problems=4",
+        "--config.data.eval_samples=2",
+        "--config.controller.warmup_steps=10",
+        f"--config.verifiers.sandbox_uid={uid}",
+    ]
+
+
+def _launch(args: list[str], timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rlax_tpu.launch", *args], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+
+
+def _launch_id(stdout: str) -> str:
+    m = LAUNCH_ID.search(stdout)
+    assert m, stdout[-3000:]
+    return m.group(1)
+
+
+def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tmp_path):
+    """Two parameter-server replicas, a trainer of two jax.distributed processes, one inference
+    worker, the verifiers and the controller, each its own process: the warm-up runs first and
+    the services start from its weights; a second launch with more steps resumes the run."""
+    run_dir = tmp_path / "run"
+    topology = ["--config.param_server.replicas=2",
+                "--config.trainer.distributed.coordinator_address=auto",
+                "--config.trainer.distributed.num_processes=2"]  # fmt: skip
+    done = _launch([*_tiny(run_dir, 2), *topology])
+    out = done.stdout
+    assert done.returncode == 0, out[-5000:] + done.stderr[-3000:]
+    assert "run finished: 2 updates (version 2)" in out, out[-3000:]
+    assert launched_pids(_launch_id(out)) == []
+    for name in ("warmup", "param_server-0", "param_server-1", "trainer.0", "trainer.1",
+                 "inference-0", "verifiers", "controller"):  # fmt: skip
+        assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0, name
+    # The services ran apart, over gRPC, from the warmed-up weights.
+    assert "distributed transport" in out
+    assert (run_dir / "warmup" / "config.json").is_file()
+    assert "supervised warm-up of 10 steps" in (run_dir / "report.md").read_text()
+    assert "weights from 127.0.0.1:" in (run_dir / "logs" / "inference-0.log").read_text()
+    trainer_log = (run_dir / "logs" / "trainer.0.log").read_text()
+    assert "serving on 127.0.0.1:" in trainer_log
+    assert "follower stopped" in (run_dir / "logs" / "trainer.1.log").read_text()
+    # Each replica persisted what it received, apart.
+    for r in (0, 1):
+        assert any((run_dir / "param_server" / f"replica-{r}").iterdir())
+
+    again = _launch([*_tiny(run_dir, 3), *topology])
+    out = again.stdout
+    assert again.returncode == 0, out[-5000:] + again.stderr[-3000:]
+    assert "reusing the warm-up" in out
+    assert "run finished: 3 updates (version 3)" in out, out[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    updates = [r["step"] for r in records if "reward/mean" in r["scalars"]]
+    assert updates == [1, 2, 3]  # nothing lost, nothing repeated
+    assert launched_pids(_launch_id(out)) == []
+
+
+def _start(args: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "rlax_tpu.launch", *args], cwd=REPO,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+
+
+def _read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float = 300) -> str:
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if marker in line:
+            return "".join(seen)
+    raise AssertionError(f"no {marker!r}:\n{''.join(seen)[-4000:]}")
+
+
+def test_sigterm_stops_every_process(tmp_path):
+    proc = _start([*_tiny(tmp_path / "run", 1000), "--config.controller.warmup_steps=0"])
+    try:
+        head = _read_until(proc, "step 1/1000")
+        launch_id = _launch_id(head)
+        assert len(launched_pids(launch_id)) >= 5  # 4 services and the controller
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "SIGTERM: stopping every process" in rest, rest[-3000:]
+    assert launched_pids(launch_id) == []
+
+
+def test_a_service_that_dies_stops_the_run(tmp_path):
+    proc = _start([*_tiny(tmp_path / "run", 1000), "--config.controller.warmup_steps=0"])
+    try:
+        head = _read_until(proc, "step 1/1000")
+        launch_id = _launch_id(head)
+        worker = next(p for p in launched_pids(launch_id)
+                      if b"rlax_tpu.inference" in Path(f"/proc/{p}/cmdline").read_bytes())  # fmt: skip
+        os.kill(worker, signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, rest[-3000:]
+    assert "inference-0 exited with status -9 during the run" in rest, rest[-3000:]
+    assert launched_pids(launch_id) == []
+
+
+def test_a_service_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
+    done = _launch([*_tiny(tmp_path / "run", 2), "--config.controller.warmup_steps=0",
+                    "--config.inference.backend=gpu"], timeout_s=300)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "inference-0 exited with status" in done.stdout and "before it served" in done.stdout
+    assert launched_pids(_launch_id(done.stdout)) == []
