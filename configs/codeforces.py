@@ -1,10 +1,16 @@
 """Competitive-programming RL (RLAX's main workload).
 
 Presets:
-  local  CPU, a tiny model, procedural + bundled problems graded in the sandbox (the `make run` demo).
-  v5p    paper scale: a QwQ-32B-class (Qwen2) model, η_r = 16, η_a = 32, GRPO-style clipping.
-         Its storage comes from --config.controller.bucket=gs://NAME (weights at NAME/QwQ-32B, data
-         at NAME/codeforces, the run under NAME/runs/codeforces).
+  local      CPU, a tiny model, procedural + bundled problems graded in the sandbox (the `make run`
+             demo).
+  v5p        paper scale on GKE (RLAX's layout): a QwQ-32B-class (Qwen2) model trained on a v5p-512
+             slice (v5p:8x8x4, 64 hosts), 32 inference workers on v5p:2x2x1 slices, η_r = 16,
+             η_a = 32, GRPO-style clipping.
+  v5p_small  the same on a small v5p allocation: Qwen2.5-Coder-7B-Instruct trained on v5p:2x2x2
+             (2 hosts), 2 inference workers on v5p:2x2x1.
+The GKE presets take their storage from --config.controller.bucket=gs://NAME (weights, data and
+the run under NAME) and are deployed with `python -m rlax_tpu.launch --render=gke` (README,
+"Deployment"); every endpoint is a Service of that render, every service uses TLS and a token.
 No preset: the preset that fits this machine (v5p on a TPU host, local otherwise).
 
     python -m rlax_tpu.controller --config=configs/codeforces.py:local --config.trainer.learning_rate=3e-4
@@ -16,7 +22,9 @@ import ml_collections
 
 from rlax_tpu.config import base_config_dict, detect_accelerator
 
-PRESETS = ("local", "v5p")
+PRESETS = ("local", "v5p", "v5p_small")
+SECRETS = "/var/run/secrets/rlax"  # the credentials Secret's mount in every pod
+PORTS = {"inference": 50051, "param_server": 50052, "trainer": 50053, "verifiers": 50054}
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
@@ -27,7 +35,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         )
     cfg = base_config_dict()
     cfg.preset = preset
-    return _local(cfg) if preset == "local" else _v5p(cfg)
+    return {"local": _local, "v5p": _v5p, "v5p_small": _v5p_small}[preset](cfg)
 
 
 def _local(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -78,34 +86,93 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         grad_clip_norm=1.0, micro_batch_size=32, publish_dtype="bfloat16", checkpoint_every=10,
         # 64 layers as one scanned body: compile time and program size independent of depth.
         scan_layers=True,
-        address="0.0.0.0:50053", auth_token_file="/var/run/secrets/rlax/token",
     )  # fmt: skip
+    cfg.trainer.distributed.update(coordinator_address="auto", num_processes=64)
     # Each worker a v5p:2x2x1 slice: weights and KV pages split 4 ways over heads (40 q, 8 KV).
     cfg.inference.mesh.update(data=1, fsdp=1, tensor=4)
     cfg.inference.update(
         num_workers=32, backend="tpu", max_concurrent_seqs=256, page_size=64,
         kv_cache_bytes=48 * 2**30, prefill_chunk=2048, max_prompt_len=2048, max_new_tokens=14_336,
-        temperature=1.0, address="0.0.0.0:50051", auth_token_file="/var/run/secrets/rlax/token",
+        temperature=1.0,
     )  # fmt: skip
+    # Workers pull only at reloads (every 16th version) and hold what they pull by a lease, so a
+    # few hot versions suffice; each is 66 GB in bf16, and a replica's pod is sized for them.
     cfg.param_server.update(
-        address="0.0.0.0:50052", auth_token_file="/var/run/secrets/rlax/token",
-        in_memory_versions=33, persist_every=16, persist_path="{bucket}/runs/codeforces/ps",
+        in_memory_versions=4, persist_every=16, persist_path="{bucket}/runs/codeforces/ps",
         replicas=4,
     )  # fmt: skip
-    cfg.verifiers.update(
-        address="0.0.0.0:50054", auth_token_file="/var/run/secrets/rlax/token", workers=64,
-        time_limit_s=2.0, memory_limit_mb=256,
-    )  # fmt: skip
+    cfg.verifiers.update(workers=64, time_limit_s=2.0, memory_limit_mb=256)
     cfg.data.update(datasets=("codeforces",), weights=(1.0,), data_dir="{bucket}/codeforces",
                     eval_samples=32, eval_problems=256, eval_every=20)  # fmt: skip
     cfg.controller.update(
         run_dir="{bucket}/runs/codeforces", num_steps=1000, prompts_per_step=64,
         mode="throughput", reload_staleness=16, acceptance_staleness=32, pipeline_depth=1,
-        consume_order="freshest_first", transport="distributed", snapshot_keep=12,
-        inference_endpoints=tuple(f"rlax-inference-{i}.rlax:50051" for i in range(32)),
-        param_server_endpoints=tuple(f"rlax-param-server-{r}.rlax:50052" for r in range(4)),
-        trainer_endpoint="rlax-trainer.rlax:50053",
-        verifier_endpoint="rlax-verifiers.rlax:50054", auth_token_file="/var/run/secrets/rlax/token",
+        consume_order="freshest_first", snapshot_keep=12,
     )  # fmt: skip
     cfg.algorithm.update(name="grpo", group_size=16, eps_low=0.2, eps_high=0.28)
+    cfg.topology.update(trainer_tpu="v5p:8x8x4", inference_tpu="v5p:2x2x1", verifier_replicas=4)
+    return _on_gke(cfg)
+
+
+def _v5p_small(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    # Qwen2.5-Coder-7B-Instruct (Qwen2 architecture, 28 q / 4 KV heads) from HF safetensors.
+    cfg.model.update(
+        arch="qwen2", vocab_size=152_064, hidden_size=3584, intermediate_size=18_944, num_layers=28,
+        num_heads=28, num_kv_heads=4, rope_theta=1_000_000.0, max_position_embeddings=32_768,
+        rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=False, param_dtype="bfloat16",
+        compute_dtype="bfloat16", weights_format="safetensors",
+        weights_path="{bucket}/Qwen2.5-Coder-7B-Instruct",
+    )  # fmt: skip
+    cfg.mesh.update(data=1, fsdp=-1, tensor=4)  # 8 chips: fsdp 2 x tensor 4
+    cfg.trainer.update(
+        learning_rate=1e-6, schedule="warmup_cosine", warmup_steps=10, weight_decay=0.1,
+        grad_clip_norm=1.0, micro_batch_size=16, publish_dtype="bfloat16", checkpoint_every=10,
+        scan_layers=True,
+    )  # fmt: skip
+    cfg.trainer.distributed.update(coordinator_address="auto", num_processes=2)
+    cfg.inference.mesh.update(data=1, fsdp=1, tensor=4)
+    cfg.inference.update(
+        num_workers=2, backend="tpu", max_concurrent_seqs=128, page_size=64,
+        kv_cache_bytes=32 * 2**30, prefill_chunk=2048, max_prompt_len=2048, max_new_tokens=8192,
+        temperature=1.0,
+    )  # fmt: skip
+    cfg.param_server.update(
+        in_memory_versions=4, persist_every=4, persist_path="{bucket}/runs/codeforces-small/ps"
+    )
+    cfg.verifiers.update(workers=16, time_limit_s=2.0, memory_limit_mb=256)
+    cfg.data.update(datasets=("codeforces",), weights=(1.0,), data_dir="{bucket}/codeforces",
+                    eval_samples=8, eval_problems=128, eval_every=20)  # fmt: skip
+    cfg.controller.update(
+        run_dir="{bucket}/runs/codeforces-small", num_steps=200, prompts_per_step=16,
+        mode="throughput", reload_staleness=4, acceptance_staleness=8, pipeline_depth=1,
+        consume_order="freshest_first", snapshot_keep=12,
+    )  # fmt: skip
+    cfg.algorithm.update(name="grpo", group_size=8, eps_low=0.2, eps_high=0.28)
+    cfg.topology.update(trainer_tpu="v5p:2x2x2", inference_tpu="v5p:2x2x1", verifier_replicas=2)
+    return _on_gke(cfg)
+
+
+def _on_gke(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Every service on its pod's interfaces with TLS and a token from the credentials Secret,
+    and the controller's endpoints the Services that `--render=gke` makes for them."""
+    token, cert = f"{SECRETS}/token", f"{SECRETS}/tls.pem"
+    for section, port in PORTS.items():
+        cfg[section].update(address=f"0.0.0.0:{port}", auth_token_file=token, tls_cert_file=cert)
+    # Sandbox uids inside the verifier pods' user namespace (65536 ids).
+    cfg.verifiers.sandbox_uid = 10_000
+    name, ns = cfg.topology.name, cfg.topology.namespace
+
+    def host(component: str, index: int | None = None) -> str:
+        suffix = "" if index is None else f"-{index}"
+        return f"{name}-{component}{suffix}.{ns}.svc"
+
+    cfg.controller.update(
+        transport="distributed", auth_token_file=token, tls_cert_file=cert,
+        inference_endpoints=tuple(f"{host('inference', i)}:{PORTS['inference']}"
+                                  for i in range(cfg.inference.num_workers)),
+        param_server_endpoints=tuple(f"{host('param-server', r)}:{PORTS['param_server']}"
+                                     for r in range(cfg.param_server.replicas)),
+        trainer_endpoint=f"{host('trainer')}:{PORTS['trainer']}",
+        verifier_endpoint=f"{host('verifiers')}:{PORTS['verifiers']}",
+    )  # fmt: skip
     return cfg

@@ -15,6 +15,7 @@ import glob
 import importlib
 import ipaddress
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -366,6 +367,9 @@ class InferenceConfig:
     # -1: worker i of the local transport reads replica i mod replicas; a standalone worker then
     # needs it set when there are several replicas.
     param_server_replica: int = -1
+    # This worker's index among num_workers, for a worker started on its own (a cluster pod):
+    # with param_server_replica -1 it reads replica worker_index mod replicas. -1: not given.
+    worker_index: int = -1
     max_concurrent_seqs: int = 64
     page_size: int = 16  # tokens per KV page
     kv_cache_bytes: int = 256 * 2**20  # memory budget for KV pages, per worker
@@ -407,6 +411,8 @@ class InferenceConfig:
         _positive(self, "span_bucket_pages")
         if self.param_server_replica < -1:
             raise _bad(self, "param_server_replica", "must be >= 0, or -1 for automatic")
+        if not -1 <= self.worker_index < self.num_workers:
+            raise _bad(self, "worker_index", f"must be in [0, num_workers={self.num_workers}), or -1")
         if self.span_groups > self.max_concurrent_seqs:
             raise _bad(self, "span_groups",
                        f"must be <= max_concurrent_seqs ({self.max_concurrent_seqs})")  # fmt: skip
@@ -696,6 +702,9 @@ class ControllerConfig:
     # One per parameter-server replica (replica r at index r); the trainer publishes to all.
     param_server_endpoints: tuple[str, ...] = ()
     auth_token_file: str = ""
+    # The certificate the components serve with (a PEM holding it; its key is not read here):
+    # the controller's channels to them use TLS and trust it. "": plain channels.
+    tls_cert_file: str = ""
     rpc_timeout_s: float = 60.0
     snapshot_keep: int = 3
     log_every: int = 1
@@ -768,6 +777,54 @@ class ControllerConfig:
         return math.inf if self.acceptance_staleness == UNBOUNDED else self.acceptance_staleness
 
 
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_TPU_SLICE = re.compile(r"(v4|v5e|v5p|v6e):\d+(x\d+){1,2}")
+
+
+@_frozen
+class TopologyConfig:
+    """Where the components run when the run is deployed (``rlax_tpu.launch``).
+
+    How many of each component there are lives in their own sections (trainer.distributed
+    .num_processes, inference.num_workers and inference.distributed.num_processes,
+    param_server.replicas); their ports and credentials in their addresses and token files. This
+    section adds what only a cluster needs: the slices the trainer and each inference worker run
+    on, the pods' image, sizes and restart budget. The local launch and the GKE render read the
+    same config, so the two cannot drift.
+    """
+
+    name: str = "rlax"  # the JobSet's name, prefix of every object and Service name
+    namespace: str = "rlax"
+    image: str = "rlax-tpu:latest"  # one image for every component (deploy/docker/Containerfile)
+    # A TPU slice as "<generation>:<topology>" (the names `python -m rlax_tpu.aot` compiles for),
+    # e.g. "v5p:8x8x4"; "" runs the component on CPU nodes.
+    trainer_tpu: str = ""
+    inference_tpu: str = ""  # each worker's slice
+    verifier_replicas: int = 1  # verifier pods behind the verifier Service
+    controller_memory_gib: int = 8
+    param_server_memory_gib: int = 0  # 0: sized from the model (its hot versions + a quarter)
+    # The Kubernetes Secret mounted at the token and certificate files' folder: keys "token" and
+    # "tls.pem" (a certificate for *.<namespace>.svc with its key).
+    credentials_secret: str = "rlax-credentials"
+    # Kubernetes service account of the pods (Workload Identity to the run's bucket).
+    service_account: str = "rlax"
+    # Restarts of the whole JobSet (a preemption restarts every job; the run resumes from its
+    # snapshots) before it is marked failed.
+    max_restarts: int = 50
+
+    def __post_init__(self) -> None:
+        for n in ("name", "namespace", "credentials_secret", "service_account"):
+            if not _DNS_LABEL.fullmatch(getattr(self, n)) or len(getattr(self, n)) > 40:
+                raise _bad(self, n, "must be a DNS label (a-z, 0-9, '-'; at most 40 characters)")
+        for n in ("trainer_tpu", "inference_tpu"):
+            if getattr(self, n) and not _TPU_SLICE.fullmatch(getattr(self, n)):
+                raise _bad(self, n, "must be '' or '<v4|v5e|v5p|v6e>:<topology>', e.g. 'v5p:2x2x1'")
+        _positive(self, "verifier_replicas", "controller_memory_gib")
+        _non_negative(self, "param_server_memory_gib", "max_restarts")
+        if not self.image:
+            raise _bad(self, "image", "must be set")
+
+
 @_frozen
 class RunConfig:
     preset: str = "default"
@@ -780,6 +837,7 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    topology: TopologyConfig = dataclasses.field(default_factory=TopologyConfig)
 
     def __post_init__(self) -> None:
         """Rules that span components."""

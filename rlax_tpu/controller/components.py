@@ -151,7 +151,7 @@ def build_distributed(config: RunConfig) -> Components:
     from rlax_tpu.verifiers.client import VerifierClient
 
     c = config.controller
-    creds = Credentials(auth_token_file=c.auth_token_file)
+    creds = Credentials(auth_token_file=c.auth_token_file, tls_cert_file=c.tls_cert_file)
     timeout = c.rpc_timeout_s
     closers: list[Callable[[], None]] = []
     try:

@@ -30,10 +30,13 @@ def _replica(config: RunConfig) -> int:
     replica = config.inference.param_server_replica
     if replica >= 0:
         return replica
-    if len(config.controller.param_server_endpoints) > 1:
+    replicas = len(config.controller.param_server_endpoints)
+    if config.inference.worker_index >= 0:
+        return config.inference.worker_index % max(replicas, 1)
+    if replicas > 1:
         raise cli.UsageError(
-            f"{len(config.controller.param_server_endpoints)} parameter-server replicas: set "
-            "inference.param_server_replica to the one this worker pulls from"
+            f"{replicas} parameter-server replicas: set inference.worker_index (this worker "
+            "reads replica worker_index mod replicas) or inference.param_server_replica"
         )
     return 0
 

@@ -200,9 +200,7 @@ class Launch:
         trainer_lead = self._start_group(trainer_procs, "trainer", "trainer", wired)
         workers = []
         for i in range(cfg.inference.num_workers):
-            replica = cfg.inference.param_server_replica
-            extra = [f"--config.inference.param_server_replica="
-                     f"{i % cfg.param_server.replicas if replica < 0 else replica}"]  # fmt: skip
+            extra = [f"--config.inference.worker_index={i}"]
             procs = _group(f"inference-{i}", cfg.inference.distributed.num_processes)
             workers.append(self._start_group(procs, "inference", "inference", [*wired, *extra]))
         verifiers = self._start(

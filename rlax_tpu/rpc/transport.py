@@ -197,9 +197,16 @@ def make_channel(
     *,
     credentials: Credentials = Credentials(),
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    server_name: str = "",
 ) -> grpc.Channel:
-    """A channel to ``endpoint`` that presents the configured token and trusts the configured cert."""
+    """A channel to ``endpoint`` that presents the configured token and trusts the configured cert.
+
+    ``server_name``: the name the server's certificate must carry when it differs from the
+    endpoint's host (a pod probing itself on 127.0.0.1 with a certificate for its Service name).
+    """
     options = _channel_options(max_message_bytes)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
     tls = credentials.channel_tls()
     channel = (
         grpc.secure_channel(endpoint, tls, options=options)

@@ -1,0 +1,491 @@
+"""The run's topology as GKE objects: one JobSet, a Service per endpoint, NetworkPolicies.
+
+``render(config, config_args)`` returns the objects as plain dicts, grouped by the file they go
+to; ``python -m rlax_tpu.launch --render=gke --out=DIR`` writes them with a kustomization that
+layers them on ``deploy/gke/base``. Every pod runs the same image and the same config flags as the
+local launch, plus only what differs per pod (its replica or worker index, its jax.distributed
+coordinator and process id). :func:`check` refuses a config whose endpoints, ports, process
+counts, meshes or credentials do not match what the render deploys (all problems at once).
+
+Objects (``<name>`` is topology.name, every one in topology.namespace):
+- JobSet ``<name>`` (jobset.x-k8s.io/v1alpha2): replicated jobs ``param-server`` (one job per
+  replica), ``verifiers`` (topology.verifier_replicas), ``trainer`` (one job over the trainer's
+  slice, one pod per host), ``inference`` (a job per worker over its slice), ``controller``,
+  started in that order (startupPolicy InOrder: each waits for the previous ones' readiness).
+  The controller finishing ends the JobSet (successPolicy); any pod failing restarts the whole
+  JobSet (failurePolicy, up to topology.max_restarts): a preempted slice brings every component
+  back, and the run resumes from the controller's snapshots, the trainer's checkpoints and the
+  parameter server's persisted versions, all on GCS.
+- Service ``<name>-<component>[-<index>]`` per endpoint the controller dials, selecting the pod
+  that serves it (process 0 of a multi-host job).
+- NetworkPolicies: nothing in or out unless listed; the controller reaches every service; the
+  trainer publishes to the parameter server; inference workers pull from it; processes of one
+  jax.distributed job reach each other; verifiers reach nothing at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import posixpath
+from collections.abc import Sequence
+from typing import Any
+
+from rlax_tpu import storage
+from rlax_tpu.config import ConfigError, MeshConfig, RunConfig
+from rlax_tpu.launch.slices import TpuSlice, parse_slice
+
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+COORDINATOR_PORT = 8476  # jax.distributed's coordinator, inside one job
+IMAGE_CONFIG_ROOT = "/app"  # the image's working directory: configs/ is under it
+TOKEN_KEY, TLS_KEY = "token", "tls.pem"
+GiB = 2**30
+
+# Labels JobSet and Indexed Jobs put on every pod.
+L_JOBSET = "jobset.sigs.k8s.io/jobset-name"
+L_RJOB = "jobset.sigs.k8s.io/replicatedjob-name"
+L_JOB_INDEX = "jobset.sigs.k8s.io/job-index"
+L_POD_INDEX = "batch.kubernetes.io/job-completion-index"
+
+# (replicated job, python module, config section, rpc service name for the probe)
+COMPONENTS = {
+    "param-server": ("param_server", "param_server", "ParamServer"),
+    "verifiers": ("verifiers", "verifiers", "Verifier"),
+    "trainer": ("trainer", "trainer", "Trainer"),
+    "inference": ("inference", "inference", "Inference"),
+}
+START_ORDER = ("param-server", "verifiers", "trainer", "inference", "controller")
+
+
+class RenderError(ValueError):
+    """The config cannot be deployed as rendered; the message lists every problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    component: str  # replicated job
+    index: int  # replica / worker index (0 for trainer and verifiers)
+    service: str  # the Service's name
+    host: str  # what the controller dials: <service>.<namespace>.svc
+    port: int
+
+
+def endpoints(config: RunConfig) -> list[Endpoint]:
+    """The Services the render deploys, one per endpoint the controller must dial."""
+    t = config.topology
+    found = []
+    plan = [("param-server", config.param_server.replicas), ("verifiers", 1), ("trainer", 1),
+            ("inference", config.inference.num_workers)]  # fmt: skip
+    for component, count in plan:
+        port = _port(config, component)
+        for i in range(count):
+            service = f"{t.name}-{component}" + (f"-{i}" if component in _INDEXED else "")
+            found.append(Endpoint(component, i, service, f"{service}.{t.namespace}.svc", port))
+    return found
+
+
+_INDEXED = ("param-server", "inference")
+
+
+def expected_controller_endpoints(config: RunConfig) -> dict[str, Any]:
+    """controller.* endpoint fields as the render needs them."""
+    by = {}
+    for e in endpoints(config):
+        by.setdefault(e.component, []).append(f"{e.host}:{e.port}")
+    return {
+        "param_server_endpoints": tuple(by["param-server"]),
+        "verifier_endpoint": by["verifiers"][0],
+        "trainer_endpoint": by["trainer"][0],
+        "inference_endpoints": tuple(by["inference"]),
+    }
+
+
+def check(config: RunConfig, config_args: Sequence[str]) -> None:
+    """RenderError listing every way ``config`` differs from what the render deploys."""
+    problems: list[str] = []
+    cc, t = config.controller, config.topology
+    if cc.transport != "distributed":
+        problems.append("controller.transport must be 'distributed' (components run in pods)")
+    for field, want in expected_controller_endpoints(config).items():
+        got = getattr(cc, field)
+        if got != want:
+            problems.append(f"controller.{field} is {got!r}; the Services are {want!r}")
+    # Ports and credentials: every service listens on all interfaces of its pod with TLS and a
+    # token from the one Secret, and the controller presents the same.
+    secret_dir = posixpath.dirname(cc.auth_token_file) or "/var/run/secrets/rlax"
+    for _, section, _ in COMPONENTS.values():
+        sec = getattr(config, section)
+        host = sec.address.rpartition(":")[0]
+        if host not in ("0.0.0.0", "[::]"):
+            problems.append(f"{section}.address must listen on 0.0.0.0 in a pod, not {host!r}")
+        for field, key in (("auth_token_file", TOKEN_KEY), ("tls_cert_file", TLS_KEY)):
+            want = posixpath.join(secret_dir, key)
+            if getattr(sec, field) != want:
+                problems.append(f"{section}.{field} must be {want!r} (the Secret "
+                                f"{t.credentials_secret}'s {key!r}), got {getattr(sec, field)!r}")  # fmt: skip
+    for field, key in (("auth_token_file", TOKEN_KEY), ("tls_cert_file", TLS_KEY)):
+        want = posixpath.join(secret_dir, key)
+        if getattr(cc, field) != want:
+            problems.append(f"controller.{field} must be {want!r}, got {getattr(cc, field)!r}")
+    # Process counts and meshes against the slices.
+    for section, tpu in (("trainer", t.trainer_tpu), ("inference", t.inference_tpu)):
+        sec = getattr(config, section)
+        hosts = parse_slice(tpu).hosts if tpu else 1
+        if sec.distributed.num_processes != hosts:
+            problems.append(f"{section}.distributed.num_processes is "
+                            f"{sec.distributed.num_processes}, but {tpu or 'a CPU pod'} has "
+                            f"{hosts} host(s)")  # fmt: skip
+        mesh = config.mesh if section == "trainer" else config.inference.mesh
+        if tpu:
+            problems += _mesh_problems(mesh, parse_slice(tpu), section)
+    # Everything a restarted pod resumes from must outlive the pod.
+    for field, value in (("controller.run_dir", cc.run_dir),
+                         ("param_server.persist_path", config.param_server.persist_path)):  # fmt: skip
+        if value and not storage.is_remote(value):
+            problems.append(f"{field} must be on GCS (gs://...) to survive a pod, got {value!r}")
+    if config.param_server.persist_every == 0:
+        problems.append("param_server.persist_every must be > 0: a restarted parameter server "
+                        "serves its persisted versions")  # fmt: skip
+    if config.verifiers.repository_dir and storage.is_remote(config.verifiers.repository_dir):
+        problems.append("verifiers.repository_dir must be local: verifier pods have no network")
+    v = config.verifiers
+    if v.sandbox_uid + v.workers > 65534:
+        problems.append(f"verifiers.sandbox_uid + workers = {v.sandbox_uid + v.workers} must be "
+                        "<= 65534: verifier pods run in a user namespace of 65536 ids")  # fmt: skip
+    if cc.warmup_steps:
+        problems.append("controller.warmup_steps must be 0 (a cluster run starts from "
+                        "model.weights_path; warm up with the local launch)")  # fmt: skip
+    config_file = _config_file(config_args)
+    if config_file.startswith("/") or config_file.startswith(".."):
+        problems.append(f"--config={config_file}: the config file must be a path inside the "
+                        "repository (the image holds it under /app)")  # fmt: skip
+    if problems:
+        raise RenderError("the config does not match its GKE deployment:\n  - "
+                          + "\n  - ".join(problems))  # fmt: skip
+
+
+def _mesh_problems(mesh: MeshConfig, tpu: TpuSlice, section: str) -> list[str]:
+    where = "mesh" if section == "trainer" else "inference.mesh"
+    try:
+        shape = mesh.shape(tpu.devices)
+    except ConfigError as e:
+        return [f"{where} does not fit {tpu.name} ({tpu.devices} devices): {e.why}"]
+    total = shape[0] * shape[1] * shape[2]
+    if total != tpu.devices:
+        return [f"{where} {shape} uses {total} of {tpu.name}'s {tpu.devices} devices"]
+    return []
+
+
+def _port(config: RunConfig, component: str) -> int:
+    section = COMPONENTS[component][1]
+    return int(getattr(config, section).address.rpartition(":")[2])
+
+
+def _config_file(config_args: Sequence[str]) -> str:
+    for a in config_args:
+        if a.startswith("--config="):
+            return a.removeprefix("--config=").split(":", 1)[0]
+    raise RenderError("the render needs the --config=FILE[:PRESET] flag the pods will use")
+
+
+def param_count(config: RunConfig) -> int:
+    """Parameters of the model (arithmetic on its config; no weights are read)."""
+    m = config.model
+    h, hd = m.hidden_size, m.resolved_head_dim
+    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    attention = h * q + 2 * h * kv + q * h
+    if m.qkv_bias:
+        attention += q + 2 * kv
+    if m.qk_norm:
+        attention += 2 * hd
+    layer = attention + 3 * h * m.intermediate_size + 2 * h
+    embeddings = m.vocab_size * h * (1 if m.tie_embeddings else 2)
+    return m.num_layers * layer + embeddings + h
+
+
+def param_server_memory_bytes(config: RunConfig) -> int:
+    """Its hot versions in the publish dtype, a quarter more for the version being written and
+    the serving buffers, and 2 GiB for the process."""
+    if config.topology.param_server_memory_gib:
+        return config.topology.param_server_memory_gib * GiB
+    itemsize = 2 if config.trainer.publish_dtype == "bfloat16" else 4
+    versions = config.param_server.in_memory_versions
+    return int(param_count(config) * itemsize * versions * 1.25) + 2 * GiB
+
+
+def _gib(n: int) -> str:
+    return f"{-(-n // GiB)}Gi"
+
+
+def render(config: RunConfig, config_args: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """{file name: [objects]} for ``config``, whose pods start with ``config_args`` (the
+    ``--config=`` and ``--config.a.b=`` flags). Raises RenderError (see :func:`check`)."""
+    check(config, config_args)
+    args = [a for a in config_args if a.startswith("--config")]
+    jobset = _jobset(config, args)
+    return {
+        "jobset.yaml": [jobset],
+        "services.yaml": [_service(config, e) for e in endpoints(config)],
+        "network-policies.yaml": network_policies(config),
+    }
+
+
+# -- the JobSet ----------------------------------------------------------------------------------
+
+
+def _jobset(config: RunConfig, args: list[str]) -> dict[str, Any]:
+    t = config.topology
+    jobs = {
+        "param-server": _replicated(config, "param-server", config.param_server.replicas, None, args),
+        "verifiers": _replicated(config, "verifiers", t.verifier_replicas, None, args),
+        "trainer": _replicated(config, "trainer", 1,
+                               parse_slice(t.trainer_tpu) if t.trainer_tpu else None, args),
+        "inference": _replicated(config, "inference", config.inference.num_workers,
+                                 parse_slice(t.inference_tpu) if t.inference_tpu else None, args),
+        "controller": _replicated(config, "controller", 1, None, args),
+    }  # fmt: skip
+    return {
+        "apiVersion": JOBSET_API,
+        "kind": "JobSet",
+        "metadata": {"name": t.name, "labels": {"app.kubernetes.io/name": "rlax-tpu"}},
+        "spec": {
+            "network": {"enableDNSHostnames": True, "subdomain": t.name},
+            "startupPolicy": {"startupPolicyOrder": "InOrder"},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": ["controller"]},
+            "failurePolicy": {"maxRestarts": t.max_restarts},
+            "replicatedJobs": [jobs[name] for name in START_ORDER],
+        },
+    }
+
+
+def _replicated(config: RunConfig, component: str, replicas: int, tpu: TpuSlice | None,
+                args: list[str]) -> dict[str, Any]:  # fmt: skip
+    hosts = tpu.hosts if tpu else 1
+    pod = _pod(config, component, tpu, args)
+    job_meta: dict[str, Any] = {}
+    if tpu is not None:
+        # One slice per job: its pods land on the nodes of one node pool, and no other job's.
+        job_meta["annotations"] = {
+            "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"
+        }
+    return {
+        "name": component,
+        "replicas": replicas,
+        "template": {
+            "metadata": job_meta,
+            "spec": {
+                "parallelism": hosts,
+                "completions": hosts,
+                "completionMode": "Indexed",
+                "backoffLimit": 0,  # a failed pod fails the job; the JobSet restarts (see above)
+                "template": pod,
+            },
+        },
+    }
+
+
+def _pod(config: RunConfig, component: str, tpu: TpuSlice | None,
+         args: list[str]) -> dict[str, Any]:  # fmt: skip
+    t = config.topology
+    module = COMPONENTS[component][0] if component in COMPONENTS else "controller"
+    container: dict[str, Any] = {
+        "name": component,
+        "image": t.image,
+        "imagePullPolicy": "IfNotPresent",
+        "workingDir": IMAGE_CONFIG_ROOT,
+        "command": ["python", "-m", f"rlax_tpu.{module}"],
+        "args": [*args, *_pod_args(config, component, tpu)],
+        "env": [
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": "JOB_INDEX",
+             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_JOB_INDEX}']"}}},
+        ],  # fmt: skip
+        "volumeMounts": [
+            {"name": "credentials", "mountPath": _secret_dir(config), "readOnly": True},
+            {"name": "scratch", "mountPath": "/tmp"},
+        ],
+        "resources": _resources(config, component, tpu),
+        "securityContext": _security(component),
+    }
+    if component in COMPONENTS:
+        port = _port(config, component)
+        container["ports"] = [{"name": "grpc", "containerPort": port}]
+        probe = _probe(config, component, port)
+        container["readinessProbe"] = probe | {"periodSeconds": 10, "failureThreshold": 3}
+        # Start-up (weights, compiles) can take many minutes; liveness starts after it.
+        container["startupProbe"] = probe | {"periodSeconds": 10, "failureThreshold": 180}
+        container["livenessProbe"] = probe | {"periodSeconds": 30, "failureThreshold": 5}
+    if tpu is not None:
+        container["ports"] = [*container.get("ports", []),
+                              {"name": "coordinator", "containerPort": COORDINATOR_PORT}]  # fmt: skip
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "serviceAccountName": t.service_account,
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+        "volumes": [
+            {"name": "credentials", "secret": {"secretName": t.credentials_secret,
+                                               "defaultMode": 0o400}},
+            {"name": "scratch", "emptyDir": {}},
+        ],  # fmt: skip
+    }
+    if tpu is not None:
+        spec["nodeSelector"] = {
+            "cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
+            "cloud.google.com/gke-tpu-topology": tpu.topology,
+        }
+    if component == "verifiers":
+        # Root inside a user namespace: bubblewrap's mounts and uid switches stay in the pod.
+        spec["hostUsers"] = False
+        spec["automountServiceAccountToken"] = False
+    return {"metadata": {"labels": {"app.kubernetes.io/component": component}}, "spec": spec}
+
+
+def _pod_args(config: RunConfig, component: str, tpu: TpuSlice | None) -> list[str]:
+    """What differs per pod: its index, and its place in a jax.distributed job."""
+    t = config.topology
+    out = []
+    if component == "param-server":
+        out.append("--config.param_server.replica_index=$(JOB_INDEX)")
+    if component == "inference":
+        out.append("--config.inference.worker_index=$(JOB_INDEX)")
+    if component in ("trainer", "inference") and tpu is not None and tpu.hosts > 1:
+        lead = f"{t.name}-{component}-$(JOB_INDEX)-0.{t.name}:{COORDINATOR_PORT}"
+        out += [f"--config.{component}.distributed.coordinator_address={lead}",
+                f"--config.{component}.distributed.process_id=$(JOB_COMPLETION_INDEX)"]  # fmt: skip
+    return out
+
+
+def _secret_dir(config: RunConfig) -> str:
+    return posixpath.dirname(config.controller.auth_token_file) or "/var/run/secrets/rlax"
+
+
+def _probe(config: RunConfig, component: str, port: int) -> dict[str, Any]:
+    d, service = _secret_dir(config), COMPONENTS[component][2]
+    name = next(e.host for e in endpoints(config) if e.component == component)
+    return {
+        "exec": {"command": [
+            "python", "-m", "rlax_tpu.rpc.probe", service, f"127.0.0.1:{port}",
+            f"--token_file={d}/{TOKEN_KEY}", f"--tls_cert_file={d}/{TLS_KEY}",
+            f"--server_name={name}", "--lead_only",
+        ]},
+        "timeoutSeconds": 10,
+    }  # fmt: skip
+
+
+def _resources(config: RunConfig, component: str, tpu: TpuSlice | None) -> dict[str, Any]:
+    if tpu is not None:
+        chips = str(tpu.chips_per_host)
+        return {"requests": {"google.com/tpu": chips}, "limits": {"google.com/tpu": chips}}
+    if component == "param-server":
+        memory = _gib(param_server_memory_bytes(config))
+        return {"requests": {"cpu": "4", "memory": memory}, "limits": {"memory": memory}}
+    if component == "verifiers":
+        v = config.verifiers
+        # A sandbox per worker at its memory limit, the compilers, and the service itself.
+        memory = _gib(int(v.workers * v.memory_limit_mb * 2**20 * 1.5) + 2 * GiB)
+        cpu = str(v.workers)
+        return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
+    if component == "controller":
+        memory = f"{config.topology.controller_memory_gib}Gi"
+        return {"requests": {"cpu": "4", "memory": memory}, "limits": {"memory": memory}}
+    return {"requests": {"cpu": "8", "memory": "32Gi"}, "limits": {"memory": "32Gi"}}
+
+
+def _security(component: str) -> dict[str, Any]:
+    if component == "verifiers":
+        # What bubblewrap and the sandbox launcher need, and nothing else: namespaces and mounts
+        # (SYS_ADMIN), switching to the per-slot uids (SETUID, SETGID), chown of a run's folder
+        # and killing what a program leaves (CHOWN, FOWNER, DAC_OVERRIDE, KILL). /proc unmasked
+        # so bubblewrap can mount a fresh one in the sandbox's pid namespace.
+        return {
+            "runAsUser": 0,
+            "allowPrivilegeEscalation": False,
+            "procMount": "Unmasked",
+            "appArmorProfile": {"type": "Unconfined"},
+            "seccompProfile": {"type": "RuntimeDefault"},
+            "capabilities": {
+                "drop": ["ALL"],
+                "add": ["SYS_ADMIN", "SETUID", "SETGID", "CHOWN", "FOWNER", "DAC_OVERRIDE", "KILL"],
+            },
+        }
+    common = {
+        "allowPrivilegeEscalation": False,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "capabilities": {"drop": ["ALL"]},
+    }
+    if component in ("controller", "param-server"):
+        return {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True} | common
+    return common  # TPU hosts: root for the chips' device files, with no capabilities
+
+
+def _service(config: RunConfig, e: Endpoint) -> dict[str, Any]:
+    t = config.topology
+    selector = {L_JOBSET: t.name, L_RJOB: e.component}
+    if e.component != "verifiers":  # verifier replicas share one Service
+        selector |= {L_JOB_INDEX: str(e.index), L_POD_INDEX: "0"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": e.service, "labels": {"app.kubernetes.io/component": e.component}},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [{"name": "grpc", "port": e.port, "targetPort": e.port, "protocol": "TCP"}],
+        },
+    }
+
+
+# -- network policies ----------------------------------------------------------------------------
+
+# Who may open connections to whom (component -> component, on the destination's gRPC port).
+EDGES = (
+    ("controller", "param-server"),
+    ("controller", "verifiers"),
+    ("controller", "trainer"),
+    ("controller", "inference"),
+    ("trainer", "param-server"),  # publish
+    ("inference", "param-server"),  # pull
+)
+# Components that reach GCS (run directory, checkpoints, persisted versions, weights).
+GCS_CLIENTS = ("controller", "trainer", "inference", "param-server")
+PEERS = ("trainer", "inference")  # processes of one jax.distributed job reach each other
+
+
+def network_policies(config: RunConfig) -> list[dict[str, Any]]:
+    t = config.topology
+
+    def pods(component: str) -> dict[str, Any]:
+        return {"matchLabels": {L_JOBSET: t.name, L_RJOB: component}}
+
+    def policy(name: str, component: str, ingress: list, egress: list) -> dict[str, Any]:
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": f"{t.name}-{name}"},
+            "spec": {"podSelector": pods(component), "policyTypes": ["Ingress", "Egress"],
+                     "ingress": ingress, "egress": egress},
+        }  # fmt: skip
+
+    dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    gcs = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"protocol": "TCP", "port": 443}]}
+    out = []
+    for component in (*COMPONENTS, "controller"):
+        ingress = [
+            {"from": [{"podSelector": pods(src)}],
+             "ports": [{"protocol": "TCP", "port": _port(config, dst)}]}
+            for src, dst in EDGES if dst == component
+        ]  # fmt: skip
+        egress = [
+            {"to": [{"podSelector": pods(dst)}],
+             "ports": [{"protocol": "TCP", "port": _port(config, dst)}]}
+            for src, dst in EDGES if src == component
+        ]  # fmt: skip
+        if component in PEERS:
+            ingress.append({"from": [{"podSelector": pods(component)}]})
+            egress.append({"to": [{"podSelector": pods(component)}]})
+        if component in GCS_CLIENTS:
+            egress += [dns, gcs]
+        elif component != "verifiers":
+            egress.append(dns)
+        out.append(policy(component, component, ingress, egress))
+    return out

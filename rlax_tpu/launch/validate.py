@@ -1,0 +1,279 @@
+"""Checks a built GKE deployment offline: schemas, and that it deploys what the config describes.
+
+    python -m rlax_tpu.launch.validate --config=... [--config.a.b=v ...] DIR
+
+builds the kustomize overlay DIR (the pinned ``kustomize`` binary), validates every core object
+against its Kubernetes schema (``kubernetes-validate``, strict: unknown fields are errors), the
+JobSet against ``deploy/gke/schemas/jobset-v1alpha2.json`` and each of its job templates as a
+batch/v1 Job, then checks consistency with the config: each endpoint the controller dials has its
+Service on the right port, selecting a pod that exists and listens there; replica, host and chip
+counts match the topology; the slices match the meshes; the NetworkPolicies allow exactly the
+edges of ``gke.EDGES`` (plus each multi-process job to itself), nothing else, and nothing out of
+the verifiers. Exit status 0 when all holds, 1 with every problem listed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlax_tpu.config import RunConfig
+from rlax_tpu.launch import gke
+from rlax_tpu.launch.slices import parse_slice
+
+REPO = Path(__file__).resolve().parents[2]
+JOBSET_SCHEMA = REPO / "deploy" / "gke" / "schemas" / "jobset-v1alpha2.json"
+KUBERNETES_VERSION = "1.33.0"  # GKE's regular channel in 2026-11 (JobSet >= 0.8 needs >= 1.29)
+
+
+def kustomize_binary() -> str:
+    """The pinned kustomize (`make setup` puts it next to the venv's python)."""
+    beside = Path(sys.executable).parent / "kustomize"
+    found = str(beside) if beside.exists() else shutil.which("kustomize")
+    if not found:
+        raise FileNotFoundError("kustomize is not installed; `make setup` installs the pinned one")
+    return found
+
+
+def build(overlay: Path) -> list[dict[str, Any]]:
+    """The objects ``kustomize build overlay`` renders."""
+    done = subprocess.run([kustomize_binary(), "build", str(overlay)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    if done.returncode != 0:
+        raise ValueError(f"kustomize build {overlay} failed: {done.stderr.strip()}")
+    return [o for o in yaml.safe_load_all(done.stdout) if o]
+
+
+def schema_problems(objects: Iterable[dict[str, Any]]) -> list[str]:
+    """Every schema violation, as '<kind>/<name>: <message>'."""
+    import jsonschema
+    import kubernetes_validate
+
+    jobset_schema = json.loads(JOBSET_SCHEMA.read_text())
+    problems = []
+
+    def core(obj: dict[str, Any], where: str) -> None:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = "/".join(str(p) for p in e.path)
+            problems.append(f"{where}: {path}: {e.message}")
+
+    for obj in objects:
+        where = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+        if obj.get("kind") == "JobSet":
+            for err in jsonschema.Draft202012Validator(jobset_schema).iter_errors(obj):
+                problems.append(f"{where}: {'/'.join(map(str, err.path))}: {err.message}")
+            for rjob in obj.get("spec", {}).get("replicatedJobs", []):
+                template = rjob.get("template", {})
+                job = {"apiVersion": "batch/v1", "kind": "Job",
+                       "metadata": {"name": rjob.get("name", "job"),
+                                    **(template.get("metadata") or {})},
+                       "spec": template.get("spec", {})}  # fmt: skip
+                core(job, f"{where} replicatedJob {rjob.get('name')}")
+        else:
+            core(obj, where)
+    return problems
+
+
+def _by_kind(objects: Iterable[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objects if o.get("kind") == kind}
+
+
+def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -> list[str]:
+    """Every way the built objects differ from what ``config`` describes."""
+    t = config.topology
+    problems: list[str] = []
+    for o in objects:
+        ns = o["metadata"].get("namespace")
+        if o["kind"] != "Namespace" and ns != t.namespace:
+            problems.append(f"{o['kind']}/{o['metadata']['name']} is in namespace {ns!r}, "
+                            f"not {t.namespace!r}")  # fmt: skip
+    jobsets = list(_by_kind(objects, "JobSet").values())
+    if len(jobsets) != 1:
+        return [*problems, f"expected one JobSet, found {len(jobsets)}"]
+    rjobs = {r["name"]: r for r in jobsets[0]["spec"]["replicatedJobs"]}
+    services = _by_kind(objects, "Service")
+
+    # Endpoints -> Services -> pods.
+    cc = config.controller
+    dialed = [*cc.param_server_endpoints, cc.verifier_endpoint, cc.trainer_endpoint,
+              *cc.inference_endpoints]  # fmt: skip
+    for endpoint in dialed:
+        host, _, port = endpoint.rpartition(":")
+        name, _, rest = host.partition(".")
+        if rest not in (f"{t.namespace}.svc", f"{t.namespace}.svc.cluster.local"):
+            problems.append(f"endpoint {endpoint} is not a Service of namespace {t.namespace}")
+            continue
+        svc = services.get(name)
+        if svc is None:
+            problems.append(f"endpoint {endpoint} has no Service {name!r}")
+            continue
+        ports = [p["port"] for p in svc["spec"]["ports"]]
+        if int(port) not in ports:
+            problems.append(f"Service {name} exposes {ports}, the controller dials {port}")
+        problems += _selector_problems(svc, rjobs, int(port))
+    for name in services:
+        if not any(e.rpartition(":")[0].split(".")[0] == name for e in dialed):
+            problems.append(f"Service {name} is not an endpoint of the config")
+
+    # Counts, slices and meshes.
+    want_replicas = {"param-server": config.param_server.replicas, "trainer": 1,
+                     "inference": config.inference.num_workers,
+                     "verifiers": t.verifier_replicas, "controller": 1}  # fmt: skip
+    for name, want in want_replicas.items():
+        got = rjobs.get(name, {}).get("replicas")
+        if got != want:
+            problems.append(f"replicatedJob {name} has {got} replicas, the config {want}")
+    for name, tpu, section in (("trainer", t.trainer_tpu, config.trainer),
+                               ("inference", t.inference_tpu, config.inference)):  # fmt: skip
+        if name not in rjobs:
+            continue
+        spec = rjobs[name]["template"]["spec"]
+        pod = spec["template"]["spec"]
+        hosts = parse_slice(tpu).hosts if tpu else 1
+        if spec["parallelism"] != hosts or spec["completions"] != hosts:
+            problems.append(f"{name} runs {spec['parallelism']} pods, its slice has {hosts} hosts")
+        if section.distributed.num_processes != hosts:
+            problems.append(f"{name}.distributed.num_processes {section.distributed.num_processes}"
+                            f" != {hosts} hosts")  # fmt: skip
+        selector = pod.get("nodeSelector", {})
+        if tpu:
+            s = parse_slice(tpu)
+            if selector.get("cloud.google.com/gke-tpu-topology") != s.topology or selector.get(
+                "cloud.google.com/gke-tpu-accelerator") != s.gke_accelerator:  # fmt: skip
+                problems.append(f"{name}'s node selector {selector} is not {s.name}")
+            chips = pod["containers"][0]["resources"]["limits"].get("google.com/tpu")
+            if chips != str(s.chips_per_host):
+                problems.append(f"{name} asks for {chips} chips per pod, a {s.name} host has "
+                                f"{s.chips_per_host}")  # fmt: skip
+            mesh = config.mesh if name == "trainer" else config.inference.mesh
+            problems += gke._mesh_problems(mesh, s, name)
+    accounts = _by_kind(objects, "ServiceAccount")
+    for name, r in rjobs.items():
+        account = r["template"]["spec"]["template"]["spec"].get("serviceAccountName")
+        if account and account not in accounts:
+            problems.append(f"replicatedJob {name} runs as ServiceAccount {account!r}, not deployed")
+    problems += network_problems(config, objects)
+    return problems
+
+
+def _selector_problems(svc: dict[str, Any], rjobs: dict[str, Any], port: int) -> list[str]:
+    sel = svc["spec"]["selector"]
+    name = svc["metadata"]["name"]
+    rjob = rjobs.get(sel.get(gke.L_RJOB, ""))
+    if rjob is None:
+        return [f"Service {name} selects replicatedJob {sel.get(gke.L_RJOB)!r}, which is absent"]
+    problems = []
+    if gke.L_JOB_INDEX in sel and int(sel[gke.L_JOB_INDEX]) >= rjob["replicas"]:
+        problems.append(f"Service {name} selects job {sel[gke.L_JOB_INDEX]} of {rjob['replicas']}")
+    if gke.L_POD_INDEX in sel and int(sel[gke.L_POD_INDEX]) >= rjob["template"]["spec"]["parallelism"]:
+        problems.append(f"Service {name} selects a pod index its job does not have")
+    container = rjob["template"]["spec"]["template"]["spec"]["containers"][0]
+    listening = [p["containerPort"] for p in container.get("ports", [])]
+    if port not in listening:
+        problems.append(f"Service {name}'s port {port} is not a port of {rjob['name']} {listening}")
+    for p in svc["spec"]["ports"]:
+        if p.get("targetPort", p["port"]) != p["port"]:
+            problems.append(f"Service {name} maps {p['port']} to {p['targetPort']}")
+    return problems
+
+
+def allowed_edges(config: RunConfig, objects: Sequence[dict[str, Any]]) -> set[tuple[str, str]]:
+    """(source, destination) component pairs the NetworkPolicies let connect on a port the
+    destination listens on: the source's egress allows it and the destination's ingress allows
+    the source (a component that no policy selects for a direction is open in it; one that is
+    selected allows only its rules). An ipBlock peer counts as every pod (pod addresses are
+    inside 0.0.0.0/0, and implementations match them)."""
+    policies = list(_by_kind(objects, "NetworkPolicy").values())
+    components = [*gke.COMPONENTS, "controller"]
+    rjobs = {r["name"]: r for r in _jobset(objects)["spec"]["replicatedJobs"]}
+
+    def listens(component: str) -> list[int]:
+        pod = rjobs[component]["template"]["spec"]["template"]["spec"]
+        return [p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])]
+
+    def selects(selector: dict[str, Any], component: str) -> bool:
+        labels = {gke.L_JOBSET: config.topology.name, gke.L_RJOB: component}
+        return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+    def rules(component: str, direction: str) -> list[dict[str, Any]] | None:
+        mine = [p for p in policies if selects(p["spec"]["podSelector"], component)
+                and direction.capitalize() in p["spec"].get("policyTypes", [])]  # fmt: skip
+        return None if not mine else [r for p in mine for r in p["spec"].get(direction, [])]
+
+    def admits(rule_list: list[dict[str, Any]] | None, peer: str, key: str, port: int) -> bool:
+        if rule_list is None:
+            return True
+        for rule in rule_list:
+            peers = rule.get(key)
+            ports = rule.get("ports")
+            peer_ok = peers is None or any(
+                "ipBlock" in p or ("podSelector" in p and selects(p["podSelector"], peer))
+                for p in peers
+            )
+            if peer_ok and (ports is None or any(p.get("port") == port for p in ports)):
+                return True
+        return False
+
+    edges = set()
+    for src in components:
+        for dst in components:
+            if dst not in rjobs:
+                continue
+            for port in listens(dst):
+                if admits(rules(src, "egress"), dst, "to", port) and admits(
+                    rules(dst, "ingress"), src, "from", port
+                ):
+                    edges.add((src, dst))
+    return edges
+
+
+def _jobset(objects: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return next(o for o in objects if o.get("kind") == "JobSet")
+
+
+def network_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -> list[str]:
+    want = set(gke.EDGES) | {(c, c) for c in gke.PEERS}
+    got = allowed_edges(config, objects)
+    problems = [f"NetworkPolicies allow {s} -> {d}, which the design forbids" for s, d in
+                sorted(got - want)]  # fmt: skip
+    problems += [f"NetworkPolicies block {s} -> {d}, which the run needs" for s, d in
+                 sorted(want - got)]  # fmt: skip
+    for policy in _by_kind(objects, "NetworkPolicy").values():
+        selector = policy["spec"]["podSelector"].get("matchLabels", {})
+        if selector.get(gke.L_RJOB) == "verifiers" and policy["spec"].get("egress"):
+            problems.append(f"NetworkPolicy {policy['metadata']['name']} lets verifiers out")
+    return problems
+
+
+def run(config: RunConfig, args: list[str]) -> int:
+    from rlax_tpu import cli
+
+    if len(args) != 1:
+        print("rlax_tpu.launch.validate: give the overlay's folder (one argument)", file=sys.stderr)
+        return cli.EXIT_USAGE
+    try:
+        objects = build(Path(args[0]))
+    except (ValueError, FileNotFoundError, subprocess.TimeoutExpired) as e:
+        print(f"rlax_tpu.launch.validate: error: {e}", file=sys.stderr)
+        return 1
+    problems = schema_problems(objects) + consistency_problems(config, objects)
+    for p in problems:
+        print(f"- {p}")
+    print(f"{args[0]}: {len(objects)} objects, "
+          f"{'valid' if not problems else f'{len(problems)} problems'}")  # fmt: skip
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    from rlax_tpu import cli
+
+    cli.main("launch.validate", run)

@@ -1,0 +1,75 @@
+"""A health probe for any of the services: calls its Health RPC with the service's credentials.
+
+    python -m rlax_tpu.rpc.probe SERVICE ENDPOINT [--token_file=F] [--tls_cert_file=F]
+                                 [--server_name=NAME] [--timeout_s=5]
+
+SERVICE is Trainer, Inference, ParamServer or Verifier. Exit status 0 when it answers serving
+within the timeout, 1 otherwise (the reason on stderr): Kubernetes runs it as the pods' exec
+probe, since a built-in gRPC probe can present neither a token nor trust a private certificate.
+With --lead_only, a pod that is not process 0 of its job (JOB_COMPLETION_INDEX != 0: a
+jax.distributed follower, which serves nothing) passes: its failures surface as its exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+
+from rlax_tpu.rpc import common_pb2
+from rlax_tpu.rpc.transport import Credentials, CredentialsError, make_channel
+
+SERVICES = ("Trainer", "Inference", "ParamServer", "Verifier")
+
+
+def probe(service: str, endpoint: str, credentials: Credentials, *, server_name: str = "",
+          timeout_s: float = 5.0) -> common_pb2.HealthReply:  # fmt: skip
+    """The service's HealthReply; raises grpc.RpcError if it does not answer in time."""
+    if service not in SERVICES:
+        raise ValueError(f"unknown service {service!r}; one of {', '.join(SERVICES)}")
+    channel = make_channel(endpoint, credentials=credentials, server_name=server_name)
+    try:
+        health = channel.unary_unary(
+            f"/rlax_tpu.{service}/Health",
+            request_serializer=common_pb2.Empty.SerializeToString,
+            response_deserializer=common_pb2.HealthReply.FromString,
+        )
+        return health(common_pb2.Empty(), timeout=timeout_s)
+    finally:
+        channel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlax_tpu.rpc.probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("service", choices=SERVICES)
+    parser.add_argument("endpoint", help="host:port")
+    parser.add_argument("--token_file", default="")
+    parser.add_argument("--tls_cert_file", default="")
+    parser.add_argument("--server_name", default="", help="name on the server's certificate")
+    parser.add_argument("--timeout_s", type=float, default=5.0)
+    parser.add_argument("--lead_only", action="store_true",
+                        help="pass on pods other than process 0 of an Indexed job")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.lead_only and os.environ.get("JOB_COMPLETION_INDEX", "0") != "0":
+        print(f"{args.service}: a follower process; nothing to probe")
+        return 0
+    creds = Credentials(auth_token_file=args.token_file, tls_cert_file=args.tls_cert_file)
+    try:
+        reply = probe(args.service, args.endpoint, creds, server_name=args.server_name,
+                      timeout_s=args.timeout_s)  # fmt: skip
+    except (grpc.RpcError, CredentialsError) as e:
+        detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+        print(f"{args.service} at {args.endpoint}: unhealthy: {detail}", file=sys.stderr)
+        return 1
+    if not reply.serving:
+        print(f"{args.service} at {args.endpoint}: not serving: {reply.detail}", file=sys.stderr)
+        return 1
+    print(f"{args.service} at {args.endpoint}: serving ({reply.detail})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
