@@ -158,6 +158,8 @@ def _on_gke(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     token, cert = f"{SECRETS}/token", f"{SECRETS}/tls.pem"
     for section, port in PORTS.items():
         cfg[section].update(address=f"0.0.0.0:{port}", auth_token_file=token, tls_cert_file=cert)
+    # Only the trainer holds the publish token: a worker that pulls weights cannot write them.
+    cfg.param_server.publish_token_file = f"{SECRETS}/publish-token"
     # Sandbox uids inside the verifier pods' user namespace (65536 ids).
     cfg.verifiers.sandbox_uid = 10_000
     name, ns = cfg.topology.name, cfg.topology.namespace

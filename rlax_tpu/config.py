@@ -432,6 +432,9 @@ class ParamServerConfig:
     address: str = "127.0.0.1:0"
     auth_token_file: str = ""
     tls_cert_file: str = ""
+    # A second token that publishing (Publish, ReportProgress) needs besides auth_token_file:
+    # given to the trainer only, so a worker that may pull weights cannot write them. "": none.
+    publish_token_file: str = ""
     in_memory_versions: int = 4  # K: versions kept hot
     persist_every: int = 1  # write every N-th version through to persistent storage; 0: never
     persist_path: str = ""  # local dir or gs:// path; "" means <run_dir>/param_server
@@ -803,8 +806,8 @@ class TopologyConfig:
     verifier_replicas: int = 1  # verifier pods behind the verifier Service
     controller_memory_gib: int = 8
     param_server_memory_gib: int = 0  # 0: sized from the model (its hot versions + a quarter)
-    # The Kubernetes Secret mounted at the token and certificate files' folder: keys "token" and
-    # "tls.pem" (a certificate for *.<namespace>.svc with its key).
+    # The Kubernetes Secret mounted at the token and certificate files' folder: keys "token",
+    # "tls.pem" (a certificate for *.<namespace>.svc with its key) and "publish-token".
     credentials_secret: str = "rlax-credentials"
     # Kubernetes service account of the pods (Workload Identity to the run's bucket).
     service_account: str = "rlax"

@@ -37,7 +37,8 @@ from rlax_tpu.launch.slices import TpuSlice, parse_slice
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 COORDINATOR_PORT = 8476  # jax.distributed's coordinator, inside one job
 IMAGE_CONFIG_ROOT = "/app"  # the image's working directory: configs/ is under it
-TOKEN_KEY, TLS_KEY = "token", "tls.pem"
+TOKEN_KEY, TLS_KEY, PUBLISH_KEY = "token", "tls.pem", "publish-token"
+PUBLISHERS = ("trainer", "param-server")  # the pods that get the publish token
 GiB = 2**30
 
 # Labels JobSet and Indexed Jobs put on every pod.
@@ -126,6 +127,11 @@ def check(config: RunConfig, config_args: Sequence[str]) -> None:
         want = posixpath.join(secret_dir, key)
         if getattr(cc, field) != want:
             problems.append(f"controller.{field} must be {want!r}, got {getattr(cc, field)!r}")
+    want = posixpath.join(secret_dir, PUBLISH_KEY)
+    if config.param_server.publish_token_file != want:
+        problems.append(f"param_server.publish_token_file must be {want!r} (only the trainer "
+                        f"and the parameter server get it), got "
+                        f"{config.param_server.publish_token_file!r}")  # fmt: skip
     # Process counts and meshes against the slices.
     for section, tpu in (("trainer", t.trainer_tpu), ("inference", t.inference_tpu)):
         sec = getattr(config, section)
@@ -323,8 +329,12 @@ def _pod(config: RunConfig, component: str, tpu: TpuSlice | None,
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
         "volumes": [
-            {"name": "credentials", "secret": {"secretName": t.credentials_secret,
-                                               "defaultMode": 0o400}},
+            {"name": "credentials", "secret": {
+                "secretName": t.credentials_secret, "defaultMode": 0o400,
+                # The publish token only where weights are written.
+                "items": [{"key": k, "path": k} for k in (
+                    TOKEN_KEY, TLS_KEY, *([PUBLISH_KEY] if component in PUBLISHERS else []))],
+            }},
             {"name": "scratch", "emptyDir": {}},
         ],  # fmt: skip
     }

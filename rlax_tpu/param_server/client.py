@@ -36,6 +36,7 @@ from rlax_tpu.rpc import common_pb2, param_server_pb2_grpc
 from rlax_tpu.rpc import param_server_pb2 as pb
 from rlax_tpu.rpc.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    WRITE_TOKEN_KEY,
     Credentials,
     make_channel,
     wait_ready,
@@ -65,7 +66,12 @@ class ParamServerClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         replica: int = 0,
         timeout_s: float = 600.0,
+        publish_token_file: str = "",
     ):
+        """``publish_token_file``: the publish token pushes present (read when first needed:
+        a client that only pulls never opens it)."""
+        self._publish_token_file = publish_token_file
+        self._write_metadata: list[tuple[str, str]] | None = None
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not 0 <= replica < len(self.endpoints):
             raise ValueError(f"replica {replica} is not one of {len(self.endpoints)} endpoints")
@@ -95,7 +101,15 @@ class ParamServerClient:
             auth_token_file=config.auth_token_file, tls_cert_file=config.tls_cert_file
         )
         return cls(endpoints, credentials=creds, chunk_bytes=config.chunk_bytes,
-                   max_message_bytes=config.max_message_bytes, replica=replica)  # fmt: skip
+                   max_message_bytes=config.max_message_bytes, replica=replica,
+                   publish_token_file=config.publish_token_file)  # fmt: skip
+
+    def _write(self) -> list[tuple[str, str]]:
+        """Metadata of a publishing call (the publish token, if this client has one)."""
+        if self._write_metadata is None:
+            token = Credentials(auth_token_file=self._publish_token_file).token()
+            self._write_metadata = [(WRITE_TOKEN_KEY, token)] if token else []
+        return self._write_metadata
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Raises rpc.transport.ComponentUnreachable if a replica does not answer in time."""
@@ -144,7 +158,8 @@ class ParamServerClient:
 
         def one(publish: Any) -> pb.PublishReply:
             try:
-                return publish(self._publish_stream(header, hosts), timeout=self.timeout_s)
+                return publish(self._publish_stream(header, hosts), timeout=self.timeout_s,
+                               metadata=self._write())
             except grpc.RpcError as e:
                 _raise(e)
 
@@ -189,7 +204,8 @@ class ParamServerClient:
 
         def one(publish: Any) -> pb.PublishReply:
             try:
-                return publish(self._publish_stream(header, datas), timeout=self.timeout_s)
+                return publish(self._publish_stream(header, datas), timeout=self.timeout_s,
+                               metadata=self._write())
             except grpc.RpcError as e:
                 _raise(e)
 
@@ -323,7 +339,8 @@ class ParamServerClient:
         """Tells every replica that replica ``replica`` has committed ``version``."""
         request = pb.ProgressRequest(replica=replica, version=version)
         try:
-            self._on_all(lambda stub: stub.ReportProgress(request, timeout=self.timeout_s))
+            self._on_all(lambda stub: stub.ReportProgress(request, timeout=self.timeout_s,
+                                                          metadata=self._write()))
         except grpc.RpcError as e:
             _raise(e)
 

@@ -175,6 +175,11 @@ def persist_location(config: RunConfig) -> str:
     return storage.join(base, f"replica-{ps.replica_index}") if ps.replicas > 1 else base
 
 
+# What changes the store's versions (a lease only holds one); with publish_token_file set these
+# need the publish token too.
+WRITE_METHODS = ("/rlax_tpu.ParamServer/Publish", "/rlax_tpu.ParamServer/ReportProgress")
+
+
 def serve(
     config: ParamServerConfig, *, persist_location: str = ""
 ) -> tuple[grpc.Server, int, ParamServer]:
@@ -185,12 +190,15 @@ def serve(
         auth_token_file=config.auth_token_file, tls_cert_file=config.tls_cert_file
     )
     try:
+        write_token = Credentials(auth_token_file=config.publish_token_file).token()
         server, port = make_server(
             config.address,
             lambda s: add_to_server(service, s),
             credentials=credentials,
             max_message_bytes=config.max_message_bytes,
             max_workers=16,
+            write_token=write_token,
+            write_methods=WRITE_METHODS,
         )
     except Exception:
         store.close()

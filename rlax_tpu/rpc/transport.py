@@ -125,6 +125,33 @@ class _TokenCheck(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(self._deny)
 
 
+WRITE_TOKEN_KEY = "x-rlax-write-token"
+
+
+class _WriteTokenCheck(grpc.ServerInterceptor):
+    """Methods that change state (``methods``, full names) also need ``WRITE_TOKEN_KEY``
+    metadata holding ``token``: a second credential, given only to the writer."""
+
+    def __init__(self, token: str, methods: Sequence[str]):
+        self._expected, self._methods = token.encode(), frozenset(methods)
+
+    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method not in self._methods:
+            return handler
+        presented = dict(handler_call_details.invocation_metadata or ()).get(WRITE_TOKEN_KEY, "")
+        if hmac.compare_digest(str(presented).encode(), self._expected):
+            return handler
+
+        def deny(_request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{handler_call_details.method} needs the write token")  # fmt: skip
+
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
 def make_server(
     address: str,
     add_servicers: Callable[[grpc.Server], None],
@@ -132,10 +159,18 @@ def make_server(
     credentials: Credentials = Credentials(),
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_workers: int = 8,
+    write_token: str | None = None,
+    write_methods: Sequence[str] = (),
 ) -> tuple[grpc.Server, int]:
-    """Builds, binds and starts a server. Returns (server, bound port); port 0 picks a free one."""
+    """Builds, binds and starts a server. Returns (server, bound port); port 0 picks a free one.
+
+    ``write_token``: ``write_methods`` (full method names, unary or client-streaming) also need
+    it, as ``WRITE_TOKEN_KEY`` metadata (PERMISSION_DENIED otherwise).
+    """
     token = credentials.token()
-    interceptors = [_TokenCheck(token)] if token else []
+    interceptors: list[grpc.ServerInterceptor] = [_TokenCheck(token)] if token else []
+    if write_token:
+        interceptors.append(_WriteTokenCheck(write_token, write_methods))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=interceptors,
