@@ -11,7 +11,10 @@ Presets:
 The GKE presets take their storage from --config.controller.bucket=gs://NAME (weights, data and
 the run under NAME) and are deployed with `python -m rlax_tpu.launch --render=gke` (README,
 "Deployment"); every endpoint is a Service of that render, every service uses TLS and a token.
-No preset: the preset that fits this machine (v5p on a TPU host, local otherwise).
+  tpu_vm     one TPU VM of 8 chips (v5e-8 / v6e-8) or 4 (v5p-8): Qwen2.5-Coder-1.5B-Instruct, half
+             the chips train, the other half generate (topology.trainer_devices), all in one
+             process (local transport). Checked to fit with `python -m rlax_tpu.aot` (README).
+No preset: the preset that fits this machine (tpu_vm on a TPU host, local otherwise).
 
     python -m rlax_tpu.controller --config=configs/codeforces.py:local --config.trainer.learning_rate=3e-4
 """
@@ -22,20 +25,21 @@ import ml_collections
 
 from rlax_tpu.config import base_config_dict, detect_accelerator
 
-PRESETS = ("local", "v5p", "v5p_small")
+PRESETS = ("local", "tpu_vm", "v5p", "v5p_small")
 SECRETS = "/var/run/secrets/rlax"  # the credentials Secret's mount in every pod
 PORTS = {"inference": 50051, "param_server": 50052, "trainer": 50053, "verifiers": 50054}
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
-    preset = preset or ("v5p" if detect_accelerator() == "tpu" else "local")
+    preset = preset or ("tpu_vm" if detect_accelerator() == "tpu" else "local")
     if preset not in PRESETS:
         raise ValueError(
             f"unknown preset {preset!r} for configs/codeforces.py; choose one of {PRESETS}"
         )
     cfg = base_config_dict()
     cfg.preset = preset
-    return {"local": _local, "v5p": _v5p, "v5p_small": _v5p_small}[preset](cfg)
+    builders = {"local": _local, "tpu_vm": _tpu_vm, "v5p": _v5p, "v5p_small": _v5p_small}
+    return builders[preset](cfg)
 
 
 def _local(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -68,6 +72,52 @@ def _local(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )  # fmt: skip
     # KL off: the tiny demo has no reference-model budget (grpo's default is k3, β 0.04).
     cfg.algorithm.update(name="grpo", group_size=8, kl_estimator="none")
+    return cfg
+
+
+def _host_chips() -> int:
+    """This host's TPU chips (JAX starts on them), or 8 where JAX sees no TPU (the preset is
+    then being read elsewhere, e.g. by `python -m rlax_tpu.aot` for a v5e:2x2 half)."""
+    import jax
+
+    chips = [d for d in jax.local_devices() if d.platform == "tpu"]
+    return len(chips) or 8
+
+
+def _tpu_vm(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    # Qwen2.5-Coder-1.5B-Instruct (Qwen2 architecture: 12 q / 2 KV heads, tied embeddings).
+    cfg.model.update(
+        arch="qwen2", vocab_size=151_936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+        num_heads=12, num_kv_heads=2, rope_theta=1_000_000.0, max_position_embeddings=32_768,
+        rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=True, param_dtype="bfloat16",
+        compute_dtype="bfloat16", weights_format="safetensors",
+        weights_path="{bucket}/Qwen2.5-Coder-1.5B-Instruct",
+    )  # fmt: skip
+    half = _host_chips() // 2
+    # Half the chips train (fsdp over them), the other half hold one worker split over heads.
+    cfg.topology.trainer_devices = half
+    cfg.mesh.update(data=1, fsdp=-1, tensor=1)
+    cfg.inference.mesh.update(data=1, fsdp=1, tensor=half)
+    cfg.trainer.update(
+        learning_rate=1e-6, schedule="warmup_cosine", warmup_steps=10, weight_decay=0.1,
+        grad_clip_norm=1.0, micro_batch_size=8, publish_dtype="bfloat16", checkpoint_every=10,
+        scan_layers=True,
+    )  # fmt: skip
+    cfg.inference.update(
+        num_workers=1, backend="tpu", max_concurrent_seqs=64, page_size=64,
+        kv_cache_bytes=8 * 2**30, prefill_chunk=1024, max_prompt_len=2048, max_new_tokens=4096,
+        temperature=1.0,
+    )  # fmt: skip
+    cfg.param_server.update(in_memory_versions=4)
+    cfg.verifiers.update(workers=8, time_limit_s=2.0, memory_limit_mb=256)
+    cfg.data.update(datasets=("codeforces",), weights=(1.0,), data_dir="{bucket}/codeforces",
+                    eval_samples=8, eval_problems=64, eval_every=20)  # fmt: skip
+    cfg.controller.update(
+        run_dir="{bucket}/runs/codeforces-tpu-vm", num_steps=200, prompts_per_step=8,
+        mode="deterministic", reload_staleness=1, acceptance_staleness=1, pipeline_depth=1,
+        transport="local", snapshot_keep=12,
+    )  # fmt: skip
+    cfg.algorithm.update(name="grpo", group_size=8, eps_low=0.2, eps_high=0.28)
     return cfg
 
 

@@ -814,6 +814,11 @@ class TopologyConfig:
     # Restarts of the whole JobSet (a preemption restarts every job; the run resumes from its
     # snapshots) before it is marked failed.
     max_restarts: int = 50
+    # One host, local transport (a single TPU VM): the trainer's mesh takes the first
+    # trainer_devices devices and inference worker i the i-th group of inference.mesh's size
+    # after them, so training and generation run side by side on their own chips. 0: every
+    # component lays its mesh over all the devices (they take turns on them).
+    trainer_devices: int = 0
 
     def __post_init__(self) -> None:
         for n in ("name", "namespace", "credentials_secret", "service_account"):
@@ -823,7 +828,7 @@ class TopologyConfig:
             if getattr(self, n) and not _TPU_SLICE.fullmatch(getattr(self, n)):
                 raise _bad(self, n, "must be '' or '<v4|v5e|v5p|v6e>:<topology>', e.g. 'v5p:2x2x1'")
         _positive(self, "verifier_replicas", "controller_memory_gib")
-        _non_negative(self, "param_server_memory_gib", "max_restarts")
+        _non_negative(self, "param_server_memory_gib", "max_restarts", "trainer_devices")
         if not self.image:
             raise _bad(self, "image", "must be set")
 
@@ -908,6 +913,20 @@ class RunConfig:
                 "or span_groups = 0",
                 self.inference.span_groups,
             )
+        if self.topology.trainer_devices:
+            if ctl.transport != "local" or ctl.trainer_process:
+                raise ConfigError(
+                    "topology.trainer_devices",
+                    "splits one process's devices: it needs controller.transport 'local' and "
+                    "trainer_process False",
+                    self.topology.trainer_devices,
+                )
+            if -1 in (inf.mesh.data, inf.mesh.fsdp, inf.mesh.tensor):
+                raise ConfigError(
+                    "inference.mesh",
+                    "needs explicit sizes (no -1) when topology.trainer_devices splits the devices",
+                    (inf.mesh.data, inf.mesh.fsdp, inf.mesh.tensor),
+                )
         if self.data.language not in self.verifiers.languages:
             raise ConfigError(
                 "data.language",

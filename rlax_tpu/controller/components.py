@@ -68,6 +68,35 @@ def _close_all(closers: list[Callable[[], None]]) -> None:
     closers.clear()
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceSplit:
+    """One process's devices shared out (topology.trainer_devices): the trainer's first, then
+    each inference worker's group of inference.mesh's size."""
+
+    trainer: list[jax.Device]
+    workers: list[list[jax.Device]]
+
+    @classmethod
+    def of(cls, config: RunConfig) -> DeviceSplit:
+        devices = jax.devices()
+        k = config.topology.trainer_devices
+        m = config.inference.mesh
+        per_worker = m.data * m.fsdp * m.tensor
+        need = k + per_worker * config.inference.num_workers
+        if need > len(devices):
+            raise ValueError(
+                f"topology.trainer_devices ({k}) + inference.num_workers "
+                f"({config.inference.num_workers}) x inference.mesh ({per_worker} devices) = "
+                f"{need} devices; this host has {len(devices)}"
+            )
+        workers = [devices[k + i * per_worker : k + (i + 1) * per_worker]
+                   for i in range(config.inference.num_workers)]  # fmt: skip
+        return cls(trainer=devices[:k], workers=workers)
+
+    def worker(self, i: int) -> list[jax.Device]:
+        return self.workers[i]
+
+
 def build_local(
     config: RunConfig, *, model: models.Transformer, eos_ids: Collection[int],
     run_dir: storage.epath.Path,
@@ -82,6 +111,9 @@ def build_local(
     from rlax_tpu.verifiers.service import VerifierService
 
     closers: list[Callable[[], None]] = []
+    split = DeviceSplit.of(config) if config.topology.trainer_devices else None
+    if split is not None:
+        trainer_devices = split.trainer
     try:
         ps_config = dataclasses.replace(config.param_server, address="127.0.0.1:0")
         replicas = []
@@ -115,7 +147,8 @@ def build_local(
             digest = partial(_trainer_digest, trainer)
         workers = []
         for i in range(config.inference.num_workers):
-            worker = InferenceWorker(model, config.inference, eos_ids=eos_ids)
+            worker = InferenceWorker(model, config.inference, eos_ids=eos_ids,
+                                     devices=split.worker(i) if split else None)  # fmt: skip
             closers.append(worker.shutdown)
             workers.append(worker)
             replica = config.inference.param_server_replica
@@ -130,14 +163,25 @@ def build_local(
     return Components(
         workers=workers, verifier=verifier, trainer=trainer, param_server=ps_client,
         params_digest=digest,
-        endpoints={"param_server": endpoint, "trainer": trainer_where,
-                   "verifiers": "in-process", "inference": f"in-process x{len(workers)}"},
+        endpoints={"param_server": endpoint,
+                   "trainer": trainer_where + (placed(trainer) if split else ""),
+                   "verifiers": "in-process",
+                   "inference": f"in-process x{len(workers)}"
+                                + (",".join(placed(w.engine) for w in workers) if split else "")},
         _closers=closers,
     )  # fmt: skip
 
 
 def _stop(server: Any) -> None:
     server.stop(grace=1).wait()
+
+
+def placed(component: Any) -> str:
+    """" on devices [...]" of a component's mesh ("" without one)."""
+    mesh = getattr(component, "mesh", None)
+    if mesh is None or not isinstance(mesh, jax.sharding.Mesh):
+        return ""
+    return f" on devices {sorted(d.id for d in mesh.devices.flat)}"
 
 
 def _trainer_digest(trainer: Any) -> str:

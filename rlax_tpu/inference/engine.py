@@ -90,7 +90,8 @@ def _warn_rows_not_bitwise() -> None:
 
 def engine_mesh(cfg: InferenceConfig, devices: list[jax.Device] | None = None) -> Mesh | None:
     """The mesh ``inference.mesh`` lays out over the first of ``devices`` (default: all of this
-    process's view), or None for one device (the programs then carry no shardings at all)."""
+    process's view), or None for the default device alone (the programs then carry no
+    shardings at all; another single device gets a mesh of one, which places them there)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     if -1 not in sizes:
@@ -101,8 +102,8 @@ def engine_mesh(cfg: InferenceConfig, devices: list[jax.Device] | None = None) -
                 f"tensor {sizes[2]}); this worker has {len(devices)}"
             )
         devices = devices[:need]
-    if len(devices) == 1:
-        return None
+    if len(devices) == 1 and devices[0] == jax.devices()[0]:
+        return None  # the default device: no shardings needed
     return models.make_mesh(cfg.mesh, devices)
 
 

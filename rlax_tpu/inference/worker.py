@@ -92,9 +92,11 @@ class InferenceWorker:
     def __init__(
         self, model: models.Transformer, cfg: InferenceConfig, *, version: int = 0,
         eos_ids: Collection[int] = (), weight_source: WeightSource | None = None,
+        devices: list[Any] | None = None,
     ):  # fmt: skip
+        """``devices``: the jax devices its engine lays ``cfg.mesh`` out on (default: all)."""
         self.cfg = cfg
-        self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids)
+        self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids, devices=devices)
         self.weight_source = weight_source
         # Several processes: this one leads; the engine calls since the last step go to the
         # followers before each step (see lockstep.py).

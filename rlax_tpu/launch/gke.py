@@ -55,6 +55,7 @@ COMPONENTS = {
     "inference": ("inference", "inference", "Inference"),
 }
 START_ORDER = ("param-server", "verifiers", "trainer", "inference", "controller")
+NON_ROOT = ("controller", "param-server")  # CPU pods that run as uid 1000
 
 
 class RenderError(ValueError):
@@ -330,7 +331,7 @@ def _pod(config: RunConfig, component: str, tpu: TpuSlice | None,
         "containers": [container],
         "volumes": [
             {"name": "credentials", "secret": {
-                "secretName": t.credentials_secret, "defaultMode": 0o400,
+                "secretName": t.credentials_secret, "defaultMode": 0o440,
                 # The publish token only where weights are written.
                 "items": [{"key": k, "path": k} for k in (
                     TOKEN_KEY, TLS_KEY, *([PUBLISH_KEY] if component in PUBLISHERS else []))],
@@ -338,6 +339,8 @@ def _pod(config: RunConfig, component: str, tpu: TpuSlice | None,
             {"name": "scratch", "emptyDir": {}},
         ],  # fmt: skip
     }
+    if component in NON_ROOT:
+        spec["securityContext"] = {"fsGroup": 1000}  # the Secret's files readable by uid 1000
     if tpu is not None:
         spec["nodeSelector"] = {
             "cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
@@ -423,7 +426,7 @@ def _security(component: str) -> dict[str, Any]:
         "seccompProfile": {"type": "RuntimeDefault"},
         "capabilities": {"drop": ["ALL"]},
     }
-    if component in ("controller", "param-server"):
+    if component in NON_ROOT:
         return {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True} | common
     return common  # TPU hosts: root for the chips' device files, with no capabilities
 

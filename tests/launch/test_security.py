@@ -41,19 +41,12 @@ def test_a_service_off_loopback_without_a_token_refuses_to_start(section):
 
 @pytest.fixture(scope="module")
 def secrets(tmp_path_factory) -> Path:
-    """What the GKE Secret holds: a token, a publish token and a certificate for the namespace's
-    Services (a wildcard, as deploy/gke/README's command makes) with its key."""
+    """What the GKE Secret holds, made by deploy/gke/make-credentials.sh: a token, a publish
+    token and a certificate for the namespace's Services (*.rlax.svc) with its key."""
     d = tmp_path_factory.mktemp("secrets")
-    (d / "token").write_text("general-token\n")
-    (d / "publish-token").write_text("publish-only-token\n")
-    key, cert = d / "key.pem", d / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=rlax", "-addext", "subjectAltName=DNS:*.rlax.svc",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    (d / "tls.pem").write_bytes(cert.read_bytes() + key.read_bytes())
+    subprocess.run(["bash", str(REPO / "deploy" / "gke" / "make-credentials.sh"), str(d)],
+                   check=True, capture_output=True)  # fmt: skip
+    assert sorted(p.name for p in d.iterdir()) == ["publish-token", "tls.pem", "token"]
     return d
 
 
