@@ -1,6 +1,22 @@
 #!/usr/bin/env bash
-# Installs the project on every worker of the TPU VM: clone (or update) and `make setup` (the
-# virtualenv, the pinned packages with libtpu, bubblewrap). Usage: deploy/tpu_vm/setup.sh [ENV_FILE]
+# On every host of every VM: clone (or update) the project and `make setup`; then the run's
+# credentials (deploy/gke/make-credentials.sh: tokens and a certificate naming every host's
+# address) into /etc/rlax on each. Usage: deploy/tpu_vm/setup.sh [ENV_FILE]
 source "$(dirname "$0")/common.sh"
 : "${REPO_URL:?set REPO_URL, the git URL to clone this project from}"
-on_vm all "set -e; if [ -d rlax_tpu ]; then git -C rlax_tpu pull --ff-only; else git clone $REPO_URL rlax_tpu; fi; cd rlax_tpu && sudo make setup"
+mapfile -t lines < <(vms)
+names=(127.0.0.1)
+for line in "${lines[@]}"; do
+  read -r vm _acc hosts <<<"$line"
+  on_vm "$vm" all "set -e; if [ -d rlax_tpu ]; then git -C rlax_tpu pull --ff-only; else git clone $REPO_URL rlax_tpu; fi; cd rlax_tpu && sudo make setup"
+  IFS=, read -r -a ips <<<"$(ips_of "$vm" "$hosts")"
+  names+=("${ips[@]}")
+done
+creds=$(mktemp -d)
+trap 'rm -rf "$creds"' EXIT
+run bash "$REPO/deploy/gke/make-credentials.sh" "$creds/rlax" rlax "${names[@]}"
+for line in "${lines[@]}"; do
+  read -r vm _acc _hosts <<<"$line"
+  run gcloud compute tpus tpu-vm scp --zone "$ZONE" --worker all --recurse "$creds/rlax" "$vm:rlax-credentials"
+  on_vm "$vm" all 'sudo install -d -m 0755 /etc/rlax && sudo install -m 0644 rlax-credentials/* /etc/rlax/ && rm -rf rlax-credentials'
+done

@@ -68,3 +68,15 @@ def parse_slice(name: str) -> TpuSlice:
             raise ValueError(f"a multi-host {generation} slice has a multiple of 4 chips; "
                              f"{name} has {chips}")  # fmt: skip
     return TpuSlice(generation, topology, chips, chips // per_host, per_host)
+
+
+# Cloud TPU's accelerator-type names count TensorCores on v4 and v5p (two per chip), chips on
+# v5e ("v5litepod") and v6e.
+_VM_PREFIX = {"v4": ("v4", 2), "v5p": ("v5p", 2), "v5e": ("v5litepod", 1), "v6e": ("v6e", 1)}
+
+
+def tpu_vm_accelerator(tpu: TpuSlice) -> str:
+    """The ``gcloud compute tpus tpu-vm create --accelerator-type`` of a slice, e.g.
+    v5p:2x2x2 -> "v5p-16", v5e:2x4 -> "v5litepod-8"."""
+    prefix, per_chip = _VM_PREFIX[tpu.generation]
+    return f"{prefix}-{tpu.chips * per_chip}"

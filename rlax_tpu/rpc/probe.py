@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import grpc
 
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls_cert_file", default="")
     parser.add_argument("--server_name", default="", help="name on the server's certificate")
     parser.add_argument("--timeout_s", type=float, default=5.0)
+    parser.add_argument("--wait_s", type=float, default=0.0,
+                        help="retry every 5 s until it serves or this many seconds pass")  # fmt: skip
     parser.add_argument("--lead_only", action="store_true",
                         help="pass on pods other than process 0 of an Indexed job")  # fmt: skip
     args = parser.parse_args(argv)
@@ -57,18 +60,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.service}: a follower process; nothing to probe")
         return 0
     creds = Credentials(auth_token_file=args.token_file, tls_cert_file=args.tls_cert_file)
-    try:
-        reply = probe(args.service, args.endpoint, creds, server_name=args.server_name,
-                      timeout_s=args.timeout_s)  # fmt: skip
-    except (grpc.RpcError, CredentialsError) as e:
-        detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
-        print(f"{args.service} at {args.endpoint}: unhealthy: {detail}", file=sys.stderr)
-        return 1
-    if not reply.serving:
-        print(f"{args.service} at {args.endpoint}: not serving: {reply.detail}", file=sys.stderr)
-        return 1
-    print(f"{args.service} at {args.endpoint}: serving ({reply.detail})")
-    return 0
+    deadline = time.monotonic() + args.wait_s
+    while True:
+        try:
+            reply = probe(args.service, args.endpoint, creds, server_name=args.server_name,
+                          timeout_s=args.timeout_s)  # fmt: skip
+            problem = None if reply.serving else f"not serving: {reply.detail}"
+        except CredentialsError as e:
+            problem = f"unhealthy: {e}"
+            deadline = 0.0  # a bad token file does not heal by waiting
+        except grpc.RpcError as e:
+            problem = f"unhealthy: {e.details()}"
+        if problem is None:
+            print(f"{args.service} at {args.endpoint}: serving ({reply.detail})")
+            return 0
+        if time.monotonic() >= deadline:
+            print(f"{args.service} at {args.endpoint}: {problem}", file=sys.stderr)
+            return 1
+        time.sleep(5.0)
 
 
 if __name__ == "__main__":

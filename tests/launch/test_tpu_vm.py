@@ -1,4 +1,5 @@
-"""deploy/tpu_vm: the scripts' commands (DRY_RUN=1 prints them) and the config they start."""
+"""deploy/tpu_vm and its plan (rlax_tpu.launch.tpu_vm): the commands the scripts run (DRY_RUN=1
+prints them) and that every process they start gets a valid config wired to the others."""
 
 from __future__ import annotations
 
@@ -9,48 +10,61 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "deploy" / "tpu_vm"
-ENV = {"NAME": "rl-vm", "ZONE": "us-east5-a", "BUCKET": "gs://my-bucket", "DRY_RUN": "1",
+ENV = {"NAME": "rl", "ZONE": "us-east5-a", "BUCKET": "gs://my-bucket", "DRY_RUN": "1",
        "REPO_URL": "https://example.com/rlax_tpu.git"}  # fmt: skip
+POD = {"CONFIG": "configs/codeforces.py:v5p_small"}
 
 
 def _script(name: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(SCRIPTS / name)], env=os.environ | ENV | env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(["bash", str(SCRIPTS / name)], env=os.environ | ENV | env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return done
 
 
 def _gcloud(stdout: str) -> list[list[str]]:
     return [shlex.split(line[2:]) for line in stdout.splitlines() if line.startswith("+ gcloud")]
 
 
-def test_create_setup_and_stop_name_the_vm():
-    (create,) = _gcloud(_script("create.sh", ACCELERATOR="v6e-8", RUNTIME="v2-alpha-tpuv6e",
-                                SPOT="1").stdout)  # fmt: skip
-    assert create[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]
-    assert create[create.index("--accelerator-type"):][:2] == ["--accelerator-type", "v6e-8"]
-    assert "--spot" in create and "rl-vm" in create
-    (setup,) = _gcloud(_script("setup.sh").stdout)
-    assert setup[setup.index("--worker") + 1] == "all"
-    assert "https://example.com/rlax_tpu.git" in setup[-1] and "make setup" in setup[-1]
-    stop = _gcloud(_script("stop.sh", DELETE="1").stdout)
-    assert "pkill -TERM" in stop[0][-1] and stop[1][4] == "delete"
-    missing = subprocess.run(["bash", str(SCRIPTS / "create.sh")], capture_output=True, text=True,
-                             env={k: v for k, v in (os.environ | ENV).items() if k != "BUCKET"})  # fmt: skip
-    assert missing.returncode != 0 and "set BUCKET" in missing.stderr
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
 
 
-def test_start_runs_the_controller_with_the_tpu_vm_preset():
-    (ssh,) = _gcloud(_script("start.sh").stdout)
-    assert ssh[ssh.index("--worker") + 1] == "0"
-    remote = shlex.split(ssh[-1].split("&&", 1)[1].split(">", 1)[0])
-    assert remote[:3] == ["nohup", ".venv/bin/python", "-m"] and remote[3] == "rlax_tpu.controller"
-    flags = remote[4:]
-    # The same flags, here: the config they name is valid and is the one-host preset.
-    done = subprocess.run([sys.executable, "-m", "rlax_tpu.controller", *flags, "--print_config"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+def test_create_makes_one_vm_per_slice():
+    one = _gcloud(_script("create.sh", ACCELERATOR="v6e-8", SPOT="1").stdout)
+    assert [(c[5], _flag(c, "--accelerator-type"), _flag(c, "--version")) for c in one] == [
+        ("rl", "v6e-8", "v2-alpha-tpuv6e")]  # fmt: skip
+    assert "--spot" in one[0]
+    pod = _gcloud(_script("create.sh", **POD).stdout)
+    assert [(c[5], _flag(c, "--accelerator-type")) for c in pod] == [
+        ("rl", "v5p-16"), ("rl-inference-0", "v5p-8"), ("rl-inference-1", "v5p-8")]  # fmt: skip
+
+
+def test_setup_installs_everywhere_and_certifies_every_address():
+    done = _script("setup.sh", **POD)
     assert done.returncode == 0, done.stderr
-    config = json.loads(done.stdout)
+    calls = _gcloud(done.stdout)
+    installs = [c for c in calls if "make setup" in c[-1]]
+    assert [(c[4 + 1], _flag(c, "--worker")) for c in installs] == [
+        ("rl", "all"), ("rl-inference-0", "all"), ("rl-inference-1", "all")]  # fmt: skip
+    (make,) = [shlex.split(x[2:]) for x in done.stdout.splitlines() if "make-credentials" in x]
+    addresses = make[4:]
+    assert addresses[0] == "127.0.0.1" and len(addresses) == 1 + 2 + 1 + 1  # 2 trainer hosts
+    copies = [c for c in calls if c[4] == "scp"]
+    assert len(copies) == 3 and all(_flag(c, "--worker") == "all" for c in copies)
+    missing = _script("setup.sh", REPO_URL="")
+    assert missing.returncode != 0 and "set REPO_URL" in missing.stderr
+
+
+def test_start_on_one_vm_runs_the_controller_with_the_tpu_vm_preset():
+    (ssh,) = _gcloud(_script("start.sh").stdout)
+    assert _flag(ssh, "--worker") == "0"
+    remote = shlex.split(ssh[-1].split("nohup", 1)[1].split(">", 1)[0])
+    assert remote[:4] == ["sudo", ".venv/bin/python", "-m", "rlax_tpu.controller"]
+    config = _print_config("controller", remote[4:])
     assert config["preset"] == "tpu_vm" and config["controller"]["transport"] == "local"
     assert config["controller"]["run_dir"] == "gs://my-bucket/runs/codeforces-tpu-vm"
     # Where JAX sees no TPU the preset assumes an 8-chip host: 4 train, 4 generate.
@@ -58,6 +72,86 @@ def test_start_runs_the_controller_with_the_tpu_vm_preset():
     assert config["inference"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 4}
 
 
-def test_start_refuses_a_multi_host_vm_for_now():
-    done = _script("start.sh", ACCELERATOR="v5p-32")
-    assert done.returncode == 2 and "not built yet" in done.stderr
+def _print_config(module: str, flags: list[str]) -> dict:
+    done = subprocess.run([sys.executable, "-m", f"rlax_tpu.{module}", *flags, "--print_config"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _processes(stdout: str) -> list[tuple[str, str, list[str]]]:
+    """(vm, worker, argv) of every python process start.sh starts, in order."""
+    out = []
+    for call in _gcloud(stdout):
+        command = call[-1].split("&&")[-1]
+        command = command.split(">", 1)[0].replace("nohup", "")
+        argv = shlex.split(command)
+        if argv[0] == "sudo":
+            argv = argv[1:]
+        out.append((call[5], _flag(call, "--worker"), argv))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pod_plan() -> list[tuple[str, str, list[str]]]:
+    done = _script("start.sh", **POD)
+    assert done.returncode == 0, done.stderr
+    return _processes(done.stdout)
+
+
+def test_start_on_several_vms_starts_every_component_in_order(pod_plan):
+    modules = [(vm, w, argv[2]) for vm, w, argv in pod_plan]
+    assert modules[:6] == [
+        ("rl", "0", "rlax_tpu.param_server"), ("rl", "0", "rlax_tpu.verifiers"),
+        ("rl", "0", "rlax_tpu.trainer"), ("rl", "1", "rlax_tpu.trainer"),
+        ("rl-inference-0", "0", "rlax_tpu.inference"), ("rl-inference-1", "0", "rlax_tpu.inference"),
+    ]  # fmt: skip
+    probes = [argv[3] for _, _, argv in pod_plan if argv[2] == "rlax_tpu.rpc.probe"]
+    assert probes == ["ParamServer", "Verifier", "Trainer", "Inference", "Inference"]
+    assert modules[-1] == ("rl", "0", "rlax_tpu.controller")
+
+
+def test_the_pod_plan_wires_each_process_to_the_others(pod_plan):
+    configs = {}
+    for vm, worker, argv in pod_plan:
+        if argv[2] == "rlax_tpu.rpc.probe":
+            continue
+        module = argv[2].removeprefix("rlax_tpu.")
+        configs[(vm, worker, module)] = _print_config(module, argv[3:])
+    controller = configs[("rl", "0", "controller")]["controller"]
+    trainer0, trainer1 = configs[("rl", "0", "trainer")], configs[("rl", "1", "trainer")]
+    lead = controller["trainer_endpoint"].rpartition(":")[0]
+    # The trainer: one jax.distributed job over the VM's two hosts, coordinator on worker 0.
+    assert trainer0["trainer"]["distributed"] | {"process_id": 0} == trainer1["trainer"][
+        "distributed"] | {"process_id": 0}  # fmt: skip
+    assert trainer1["trainer"]["distributed"]["process_id"] == 1
+    assert trainer0["trainer"]["distributed"]["coordinator_address"] == f"{lead}:8476"
+    # Every endpoint the controller dials is where a process listens: worker 0 of the trainer's
+    # VM for the parameter server and the trainer, loopback for the verifiers (the controller's
+    # own host), worker 0 of each inference VM for the workers.
+    ps = configs[("rl", "0", "param_server")]["param_server"]
+    assert controller["param_server_endpoints"] == [f"{lead}:{ps['address'].rpartition(':')[2]}"]
+    assert trainer0["trainer"]["address"] == f"0.0.0.0:{controller['trainer_endpoint'][-5:]}"
+    hosts = [e.rpartition(":")[0] for e in controller["inference_endpoints"]]
+    assert len(set(hosts + [lead])) == 3  # each worker on its own VM
+    for cfg in configs.values():  # TLS and the token everywhere; publish token where set
+        assert cfg["controller"]["tls_cert_file"] == "/etc/rlax/tls.pem"
+        for section in ("param_server", "trainer", "inference", "verifiers"):
+            assert cfg[section]["auth_token_file"] == "/etc/rlax/token"
+    workers = [configs[(f"rl-inference-{i}", "0", "inference")]["inference"] for i in (0, 1)]
+    assert [w["worker_index"] for w in workers] == [0, 1]
+    assert controller["inference_endpoints"][0].endswith(":50051")
+    assert controller["verifier_endpoint"] == "127.0.0.1:50054"
+    assert configs[("rl", "0", "verifiers")]["verifiers"]["address"] == "127.0.0.1:50054"
+
+
+def test_a_config_that_does_not_fit_the_vms_is_refused():
+    done = subprocess.run(
+        [sys.executable, "-m", "rlax_tpu.launch.tpu_vm", "plan",
+         "--config=configs/codeforces.py:v5p_small", "--config.controller.bucket=gs://b",
+         "--trainer_ips=10.0.0.2", "--inference_ips=10.0.1.2"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "the trainer's VM has 1 hosts, v5p:2x2x2 has 2" in done.stderr
+    assert "1 inference VMs for inference.num_workers 2" in done.stderr
