@@ -231,7 +231,11 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
     if summary.already_finished:
         print(f"rlax_tpu.controller: {run_dir} already finished {summary.steps_done} steps; "
               "nothing to do (raise controller.num_steps to train further)", file=out)  # fmt: skip
-        return summary
+        if (run_dir / "report.md").exists():
+            return summary
+        # The process that finished was stopped after its last snapshot, before its report.
+        notes.append("the report was written by a later invocation on the finished run (the "
+                     "one that finished it stopped first); wall time is not the run's")  # fmt: skip
     info = RunInfo(command=command or "python -m rlax_tpu.controller", config=to_dict(config),
                    model=_describe(config), commit=_commit(), notes=notes)  # fmt: skip
     report = write_report(run_dir, info, summary=_summary_dict(summary))

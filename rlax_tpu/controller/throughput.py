@@ -54,6 +54,8 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
     finish_seq = {}  # group key -> order it was buffered in, for the consumption order
     ctl.ensure_versions([ctl.version, policy.reload_point(ctl.version)])
     last_log, tokens_at_log = time.perf_counter(), ctl.pool.generated_tokens
+    # The pool counts this process's tokens; a resumed run adds them to what it had counted.
+    tokens_before, pool_at_start = ctl.counters.tokens_generated, ctl.pool.generated_tokens
     generated_lengths: list[float] = []
     while ctl.step < n:
         if ctl._eval_due():
@@ -90,7 +92,9 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
         ready.sort(key=lambda r: (r.version if cc.consume_order == "oldest_first" else -r.version,
                                   finish_seq.get(r.key, 0)))  # fmt: skip
         chosen = ready[:batch]
-        ctl.counters.tokens_generated = ctl.pool.generated_tokens
+        ctl.counters.tokens_generated = (
+            tokens_before + ctl.pool.generated_tokens - pool_at_start
+        )
         ctl.snapshot()
         scalars, hist = ctl.step_metrics(chosen)
         now = time.perf_counter()

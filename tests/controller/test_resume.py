@@ -142,6 +142,19 @@ def test_a_finished_run_is_left_alone(env, reference):
     assert "already finished 4 steps; nothing to do" in out
 
 
+def test_a_finished_run_without_its_report_gets_one(env, reference, tmp_path):
+    """A kill after the final snapshot, before the report: the next invocation writes it."""
+    import shutil
+
+    run_dir = tmp_path / "finished"
+    shutil.copytree(reference[0], run_dir)
+    (run_dir / "report.md").unlink()
+    out = run(env, run_dir, "--config.controller.num_steps=4")
+    assert "already finished 4 steps" in out and "run finished: 4 updates (version 4)" in out
+    report = (run_dir / "report.md").read_text()
+    assert "eval/pass@1" in report and "written by a later invocation" in report
+
+
 def test_an_incompatible_config_is_refused_naming_the_field(env, reference):
     run_dir, _ = reference
     out = subprocess.run(command(run_dir, "--config.controller.num_steps=4",
@@ -169,9 +182,12 @@ def test_throughput_mode_killed_and_resumed_loses_and_duplicates_nothing(env, tm
     extra = ("--config.controller.mode=throughput", "--config.controller.num_steps=5",
              "--config.controller.acceptance_staleness=1")  # fmt: skip
     killed_at_random(env, run_dir, *extra, after_step=2, seed=3)
+    before = final_payload(run_dir)["counters"]["tokens_generated"]
     out = run(env, run_dir, *extra)
     assert "run finished: 5 updates" in out
     payload = final_payload(run_dir)
+    # Counters survive the resume: the rerun adds its tokens to those counted before the kill.
+    assert payload["counters"]["tokens_generated"] > before > 0
     groups = {g["key"]: g for g in payload["ledger"]}
     trained = [g for g in groups.values() if g["state"] == "trained"]
     assert len(trained) == 5 * 2  # B groups per update, each trained once (keys are unique)
