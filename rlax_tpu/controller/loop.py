@@ -174,8 +174,16 @@ class Controller:
                 self._warn(f"snapshot {step} needs trainer checkpoint {payload['version']}, which "
                            "is missing or incomplete; trying an older snapshot")  # fmt: skip
                 continue
+            try:
+                self.c.trainer.restore(int(payload["version"]))
+            except Exception as e:
+                if not _corrupt_checkpoint(e):
+                    raise
+                self._warn(f"snapshot {step} needs trainer checkpoint {payload['version']}, which "
+                           f"is corrupt and was removed ({_detail(e)}); trying an older "
+                           "snapshot")  # fmt: skip
+                continue
             self._load(payload)
-            self.c.trainer.restore(self.version)
             return True
         if self.snapshots.steps():
             raise RuntimeError(f"no usable snapshot in {self.snapshots.dir} (see warnings)")
@@ -449,6 +457,23 @@ class Controller:
             already_finished=already_finished, counters=dataclasses.asdict(self.counters),
             evals=dict(self.evals), wall_s=time.perf_counter() - t0,
         )  # fmt: skip
+
+
+def _corrupt_checkpoint(e: Exception) -> bool:
+    """The trainer found its checkpoint damaged (in this process, or reported over gRPC)."""
+    import grpc
+
+    from rlax_tpu.trainer import CorruptCheckpointError
+
+    if isinstance(e, CorruptCheckpointError):
+        return True
+    return isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.DATA_LOSS
+
+
+def _detail(e: Exception) -> str:
+    import grpc
+
+    return e.details() if isinstance(e, grpc.RpcError) else str(e)
 
 
 def _no_filter(objective: Objective) -> Objective:

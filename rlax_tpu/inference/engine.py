@@ -90,8 +90,7 @@ def _warn_rows_not_bitwise() -> None:
 
 def engine_mesh(cfg: InferenceConfig, devices: list[jax.Device] | None = None) -> Mesh | None:
     """The mesh ``inference.mesh`` lays out over the first of ``devices`` (default: all of this
-    process's view), or None for the default device alone (the programs then carry no
-    shardings at all; another single device gets a mesh of one, which places them there)."""
+    process's view), or None for one device (the programs then carry no shardings at all)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     if -1 not in sizes:
@@ -102,8 +101,8 @@ def engine_mesh(cfg: InferenceConfig, devices: list[jax.Device] | None = None) -
                 f"tensor {sizes[2]}); this worker has {len(devices)}"
             )
         devices = devices[:need]
-    if len(devices) == 1 and devices[0] == jax.devices()[0]:
-        return None  # the default device: no shardings needed
+    if len(devices) == 1:
+        return None
     return models.make_mesh(cfg.mesh, devices)
 
 
@@ -144,6 +143,10 @@ class Engine:
         self.version = version
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.mesh = engine_mesh(cfg, devices)
+        if self.mesh is None and devices and devices[0] != jax.devices()[0]:
+            # One device that is not the default (a host's devices split between components):
+            # a mesh of one places the engine there.
+            self.mesh = models.make_mesh(cfg.mesh, list(devices[:1]))
         # The shapes every program is compiled for: a replay at them reproduces the log-probs.
         self.replay_shape = models.ReplayShape.of_engine(cfg, model.cfg)
         self.graphdef, state = nnx.split(model)

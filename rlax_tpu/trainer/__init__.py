@@ -8,7 +8,11 @@
 gRPC: ``python -m rlax_tpu.trainer`` serves the same calls; ``TrainerClient`` calls them.
 """
 
-from rlax_tpu.trainer.checkpoint import CheckpointMismatchError, NoCheckpointError
+from rlax_tpu.trainer.checkpoint import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+)
 from rlax_tpu.trainer.client import TrainerClient
 from rlax_tpu.trainer.mesh import BatchShapeError
 from rlax_tpu.trainer.trainer import (
@@ -23,6 +27,7 @@ __all__ = [
     "BatchShapeError",
     "CheckpointMismatchError",
     "NoCheckpointError",
+    "CorruptCheckpointError",
     "NonFiniteLossError",
     "Trainer",
     "TrainerClient",

@@ -5,6 +5,13 @@ background) and committed atomically by Orbax: a checkpoint killed mid-write is 
 ``latest_step`` only names complete ones. Restores take the *target* shardings, so a checkpoint
 written on one mesh restores onto another. Each checkpoint records the model architecture; one
 from a different model is refused with the differing fields named.
+
+Each checkpoint also records two checksums of every array (wrapping uint32 sums of its bits as
+words, plain and weighted by odd position factors, so any one flipped bit changes both; computed
+on the devices where the array lives, integer sums being the same on any mesh), committed with
+it in the same Orbax checkpoint. A restore recomputes them: a flipped bit
+anywhere in the data, or a file that no longer decodes, is a :class:`CorruptCheckpointError`,
+never a silently different model.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from rlax_tpu import storage
@@ -28,6 +37,43 @@ class CheckpointMismatchError(ValueError):
 
 class NoCheckpointError(FileNotFoundError):
     """No complete checkpoint where one was asked for."""
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A complete checkpoint whose data does not match its recorded checksums (or no longer
+    decodes): storage damaged it after it was written."""
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The array's bits as uint32 words (any dtype up to 8 bytes)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = x.dtype.itemsize
+    if size == 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)  # a trailing axis of 2
+    small = {1: jnp.uint8, 2: jnp.uint16}[size]
+    return jax.lax.bitcast_convert_type(x, small).astype(jnp.uint32)
+
+
+@jax.jit
+def _checksums(tree: Any) -> Any:
+    def one(x: jax.Array) -> jax.Array:
+        w = _words(x).ravel()
+        odd = jnp.arange(w.size, dtype=jnp.uint32) * np.uint32(2) + np.uint32(1)
+        return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * odd, dtype=jnp.uint32)])
+
+    return jax.tree.map(one, tree)
+
+
+def checksums(state: Any) -> dict[str, list[int]]:
+    """{leaf path: [sum, position-weighted sum]} (uint32) of a pytree of arrays."""
+    values = jax.device_get(_checksums(state))
+    return {jax.tree_util.keystr(path): [int(v[0]), int(v[1])]
+            for path, v in jax.tree_util.tree_flatten_with_path(values)[0]}  # fmt: skip
 
 
 def model_signature(cfg: ModelConfig) -> dict[str, Any]:
@@ -53,13 +99,18 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Starts an asynchronous save of ``state`` (a pytree of jax arrays) as ``step``."""
+        meta = {"step": step, "signature": self.signature, "checksums": checksums(state)}
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave({"step": step, "signature": self.signature}),
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
             ),
         )
+
+    def delete(self, step: int) -> None:
+        """Removes checkpoint ``step`` (a corrupt one, so a later save of that step can land)."""
+        self.wait()
+        self._manager.delete(step)
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -82,18 +133,37 @@ class Checkpointer:
                 f"no complete trainer checkpoint {'' if step is None else step} in "
                 f"{self.directory} (have: {self.steps()})"
             )
-        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        self._check_signature(step, meta["meta"]["signature"])
+        try:
+            meta = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"checkpoint {step} in {self.directory}: its metadata does not read: {e}"
+            ) from e
+        self._check_signature(step, meta["signature"])
         try:
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-            )
+            )["state"]
         except (ValueError, KeyError) as e:
             raise CheckpointMismatchError(
                 f"checkpoint {step} in {self.directory} does not fit this trainer's state "
                 f"(a different objective or optimizer?): {e}"
             ) from e
-        return step, restored["state"]
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"checkpoint {step} in {self.directory} does not decode: {e}"
+            ) from e
+        if "checksums" in meta:  # checkpoints from before checksums restore unverified
+            got = checksums(restored)
+            bad = sorted(k for k, v in meta["checksums"].items() if got.get(k) != v)
+            if bad:
+                raise CorruptCheckpointError(
+                    f"checkpoint {step} in {self.directory} is corrupt: {len(bad)} array(s) "
+                    f"differ from their recorded checksums ({', '.join(bad[:3])})"
+                )
+        return step, restored
 
     def _check_signature(self, step: int, saved: dict[str, Any]) -> None:
         diffs = [

@@ -18,7 +18,11 @@ from rlax_tpu.config import TrainerConfig
 from rlax_tpu.rpc import common_pb2, trainer_pb2_grpc
 from rlax_tpu.rpc import trainer_pb2 as pb
 from rlax_tpu.rpc.transport import Credentials, make_server
-from rlax_tpu.trainer.checkpoint import CheckpointMismatchError, NoCheckpointError
+from rlax_tpu.trainer.checkpoint import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+)
 from rlax_tpu.trainer.trainer import Trainer, TrainerHalted
 from rlax_tpu.trainer.wire import batch_from_chunks
 
@@ -26,6 +30,7 @@ COMPONENT = "trainer"
 # Order matters: the first matching class decides the status.
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (TrainerHalted, grpc.StatusCode.FAILED_PRECONDITION),
+    (CorruptCheckpointError, grpc.StatusCode.DATA_LOSS),
     (CheckpointMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (NoCheckpointError, grpc.StatusCode.NOT_FOUND),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),

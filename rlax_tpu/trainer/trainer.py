@@ -53,7 +53,12 @@ from rlax_tpu.trainer.batching import (
     plan_micro_batches,
     possible_shapes,
 )
-from rlax_tpu.trainer.checkpoint import Checkpointer, abstract_like, signature_with
+from rlax_tpu.trainer.checkpoint import (
+    Checkpointer,
+    CorruptCheckpointError,
+    abstract_like,
+    signature_with,
+)
 from rlax_tpu.trainer.optimizer import make_schedule
 from rlax_tpu.types import TrainBatch
 
@@ -381,6 +386,11 @@ class Trainer:
             self._checkpointer.wait()
         return self._step
 
+    def _latest(self) -> int:
+        latest = self._checkpointer.latest_step()
+        assert latest is not None
+        return latest
+
     def wait_for_checkpoints(self) -> None:
         self._checkpointer.wait()
 
@@ -388,11 +398,18 @@ class Trainer:
         """Loads checkpoint ``step`` (default: the newest complete one) onto this trainer's mesh,
         from this trainer's checkpoint directory or from ``directory`` (another run's).
 
-        Raises NoCheckpointError, or CheckpointMismatchError for another model's checkpoint.
+        Raises NoCheckpointError, CheckpointMismatchError for another model's checkpoint, or
+        CorruptCheckpointError for a damaged one (which is then deleted: the caller falls back
+        to an older checkpoint, and this step can be saved again).
         """
         abstract = abstract_like(self._state())
         if directory is None:
-            step, state = self._checkpointer.restore(step, abstract)
+            try:
+                step, state = self._checkpointer.restore(step, abstract)
+            except CorruptCheckpointError:
+                # Out of the way: a resumed run saves this step again later.
+                self._checkpointer.delete(step if step is not None else self._latest())
+                raise
         else:
             other = Checkpointer(
                 storage.path(directory), keep=self.config.trainer.keep_checkpoints,

@@ -155,6 +155,24 @@ def test_a_finished_run_without_its_report_gets_one(env, reference, tmp_path):
     assert "eval/pass@1" in report and "written by a later invocation" in report
 
 
+def test_a_corrupt_newest_checkpoint_is_skipped_and_the_run_is_redone_bitwise(
+    env, reference, tmp_path
+):
+    """A byte flipped in the newest trainer checkpoint (4): the resume finds it by its
+    checksums, removes it, takes snapshot 3 and redoes update 4 to the same weights."""
+    import shutil
+
+    from tests.trainer.test_checkpoint import _flip_a_byte
+
+    run_dir = tmp_path / "corrupt"
+    shutil.copytree(reference[0], run_dir)
+    _flip_a_byte(run_dir / "trainer" / "4", seed=0)
+    out = run(env, run_dir, "--config.controller.num_steps=4")
+    assert "needs trainer checkpoint 4, which is corrupt and was removed" in out, out[-3000:]
+    assert "resuming" in out and "at step 3" in out
+    assert sha(out) == reference[1]
+
+
 def test_an_incompatible_config_is_refused_naming_the_field(env, reference):
     run_dir, _ = reference
     out = subprocess.run(command(run_dir, "--config.controller.num_steps=4",

@@ -132,3 +132,36 @@ def test_gs_checkpoints_and_a_killed_saves_leftovers(gcs_emulator):
     ckpt.close()
     assert step == 2
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(6.0).reshape(2, 3) + 1)
+
+
+def _flip_a_byte(step_dir: Path, seed: int) -> Path:
+    """Flips one byte in the largest data file of a checkpoint's state (where the arrays are)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    target = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    at = np.random.default_rng(seed).integers(len(data) // 4, len(data))
+    data[at] ^= 0x10
+    target.write_bytes(bytes(data))
+    return target
+
+
+def test_a_flipped_byte_in_a_checkpoint_is_caught(tmp_path):
+    from rlax_tpu.trainer.checkpoint import CorruptCheckpointError
+
+    trainer = Trainer(run_config(), devices=jax.devices()[:1], checkpoint_dir=tmp_path)
+    trainer.save(wait=True)
+    trainer.train_step(random_batch(0))
+    trainer.save(wait=True)
+    want = host(trainer.params())
+    trainer.close()
+    _flip_a_byte(tmp_path / "1", seed=0)
+    again = Trainer(run_config(), devices=jax.devices()[:1], checkpoint_dir=tmp_path)
+    try:
+        with pytest.raises(CorruptCheckpointError, match="checkpoint 1 in .* (is corrupt|does not)"):
+            again.restore(1)
+        # An intact checkpoint still restores, and equals what was saved.
+        again.restore(0)
+        again.train_step(random_batch(0))
+        _assert_trees_equal(again.params(), want)
+    finally:
+        again.close()
