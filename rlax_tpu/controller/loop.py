@@ -127,7 +127,9 @@ class Controller:
         self._verify_pool = cf.ThreadPoolExecutor(2, "verify")
 
     def _warn(self, text: str) -> None:
-        log.warning("%s", text)
+        # Shown once, in the run's output; the log keeps it below the terminal's WARNING level
+        # (it printed every warning twice, once on each stream).
+        log.info("warning: %s", text)
         self._event(f"warning: {text}")
 
     # ------------------------------------------------------------------ state and snapshots
