@@ -32,7 +32,7 @@ def run(config: RunConfig, args: list[str]) -> int:
     from rlax_tpu.controller.app import run_job
     from rlax_tpu.controller.loop import IncompatibleResume
     from rlax_tpu.data.problems import DataError
-    from rlax_tpu.rpc.transport import ComponentUnreachable
+    from rlax_tpu.rpc.transport import ComponentFailed, ComponentUnreachable
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
     if args:
@@ -49,7 +49,7 @@ def run(config: RunConfig, args: list[str]) -> int:
             export_warmup(config, WARMUP_OUT.value)
             return 0
         run_job(config, command="python -m rlax_tpu.controller " + " ".join(sys.argv[1:]))
-    except (IncompatibleResume, DataError, ComponentUnreachable) as e:
+    except (IncompatibleResume, DataError, ComponentUnreachable, ComponentFailed) as e:
         print(f"rlax_tpu.controller: error: {e}", file=sys.stderr)
         return 1
     return 0

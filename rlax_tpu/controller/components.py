@@ -26,7 +26,7 @@ from rlax_tpu import models, storage
 from rlax_tpu.config import RunConfig
 from rlax_tpu.controller.ports import InferencePort, ParamServerPort, TrainerPort, VerifierPort
 from rlax_tpu.param_server.client import ParamServerClient, PulledWeights
-from rlax_tpu.rpc.transport import Credentials
+from rlax_tpu.rpc.transport import Credentials, Named
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def build_local(
             child = TrainerProcess(config, model=model, checkpoint_dir=run_dir / "trainer",
                                    param_server_endpoints=replicas)  # fmt: skip
             closers.append(child.close)
-            trainer: TrainerPort = child.client
+            trainer: TrainerPort = Named(child.client, "trainer", child.endpoint)
             digest = child.params_sha256
             trainer_where = f"{child.endpoint} (child process {child.process.pid})"
         else:
@@ -219,7 +219,9 @@ def build_distributed(config: RunConfig) -> Components:
         _close_all(closers)
         raise
     return Components(
-        workers=workers, verifier=verifier, trainer=trainer, param_server=ps,
+        workers=workers, verifier=Named(verifier, "verifiers", c.verifier_endpoint),
+        trainer=Named(trainer, "trainer", c.trainer_endpoint),
+        param_server=Named(ps, "param_server", ", ".join(c.param_server_endpoints)),
         endpoints={"param_server": ", ".join(c.param_server_endpoints), "trainer": c.trainer_endpoint,
                    "verifiers": c.verifier_endpoint,
                    "inference": ", ".join(c.inference_endpoints)},

@@ -32,6 +32,42 @@ class ComponentUnreachable(ConnectionError):
         super().__init__(f"{component} at {endpoint} did not answer within {timeout_s:g} s")
 
 
+class ComponentFailed(ConnectionError):
+    """A component stopped answering during the run (its process died or its host went away)."""
+
+    def __init__(self, component: str, endpoint: str, code: str, details: str):
+        self.component, self.endpoint = component, endpoint
+        super().__init__(f"{component} at {endpoint} stopped answering ({code}: {details})")
+
+
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class Named:
+    """``target`` (a client) whose calls raise :class:`ComponentFailed`, naming the component
+    and its endpoint, where gRPC reports it gone (UNAVAILABLE, DEADLINE_EXCEEDED); every other
+    outcome passes through unchanged."""
+
+    def __init__(self, target: Any, component: str, endpoint: str):
+        self._target, self._component, self._endpoint = target, component, endpoint
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except grpc.RpcError as e:
+                if e.code() not in _GONE:
+                    raise
+                raise ComponentFailed(self._component, self._endpoint, e.code().name,
+                                      e.details() or "") from None  # fmt: skip
+
+        return call
+
+
 class CredentialsError(ValueError):
     """A token or certificate file is missing, empty or malformed."""
 

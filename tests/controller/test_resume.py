@@ -173,6 +173,37 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_the_run_is_redone_bitwise(
     assert sha(out) == reference[1]
 
 
+def test_a_dead_trainer_ends_the_run_with_one_line_naming_it(env, tmp_path):
+    """The trainer's child process killed mid-run: the controller stops with one line naming
+    the trainer and its endpoint (it used to end in a page of gRPC traceback)."""
+    errors = tmp_path / "stderr.txt"
+    with errors.open("w") as err:
+        proc = subprocess.Popen(
+            command(tmp_path / "run", "--config.controller.trainer_process=true",
+                    "--config.controller.num_steps=1000"),
+            cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=err,
+        )  # fmt: skip
+        try:
+            endpoint = pid = None
+            for line in proc.stdout:
+                if m := re.search(r"trainer (127\.0\.0\.1:\d+) \(child process (\d+)\)", line):
+                    endpoint, pid = m.group(1), int(m.group(2))
+                if line.startswith("step 1/"):
+                    break
+            assert pid is not None, errors.read_text()[-3000:]
+            os.kill(pid, signal.SIGKILL)
+            proc.stdout.read()
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    stderr = errors.read_text()
+    assert proc.returncode == 1, stderr[-3000:]
+    assert f"rlax_tpu.controller: error: trainer at {endpoint} stopped answering (" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
 def test_an_incompatible_config_is_refused_naming_the_field(env, reference):
     run_dir, _ = reference
     out = subprocess.run(command(run_dir, "--config.controller.num_steps=4",
