@@ -56,6 +56,20 @@ def unknown_override(argv: Sequence[str]) -> str | None:
     return None
 
 
+def config_args(argv: Sequence[str]) -> list[str]:
+    """The ``--config=FILE[:PRESET]`` and ``--config.a.b=v`` flags of ``argv``, the default config
+    file first when none is named: what another process needs to build the same config."""
+    flags = [a for a in argv if a.startswith("--config=") or a.startswith("--config.")]
+    if not any(a.startswith("--config=") for a in flags):
+        flags.insert(0, f"--config={DEFAULT_CONFIG}")
+    return flags
+
+
+def tuple_value(items: Sequence[str]) -> str:
+    """A tuple of strings as a ``--config.a.b=`` override value: ``('x','y',)``."""
+    return "(" + "".join(f"'{x}'," for x in items) + ")"
+
+
 def _missing_config_file(argv: Sequence[str]) -> str | None:
     for arg in argv:
         if arg.startswith("--config="):

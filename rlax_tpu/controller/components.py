@@ -93,9 +93,6 @@ class DeviceSplit:
                    for i in range(config.inference.num_workers)]  # fmt: skip
         return cls(trainer=devices[:k], workers=workers)
 
-    def worker(self, i: int) -> list[jax.Device]:
-        return self.workers[i]
-
 
 def build_local(
     config: RunConfig, *, model: models.Transformer, eos_ids: Collection[int],
@@ -148,7 +145,7 @@ def build_local(
         workers = []
         for i in range(config.inference.num_workers):
             worker = InferenceWorker(model, config.inference, eos_ids=eos_ids,
-                                     devices=split.worker(i) if split else None)  # fmt: skip
+                                     devices=split.workers[i] if split else None)  # fmt: skip
             closers.append(worker.shutdown)
             workers.append(worker)
             replica = config.inference.param_server_replica

@@ -43,6 +43,7 @@ from rlax_tpu.data.evaluation import mean_pass_at_k
 from rlax_tpu.data.mixture import PromptMixture, PromptRef
 from rlax_tpu.observability.metrics import MetricsWriter
 from rlax_tpu.observability.progress import Progress
+from rlax_tpu.trainer import CorruptCheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -178,12 +179,9 @@ class Controller:
                 continue
             try:
                 self.c.trainer.restore(int(payload["version"]))
-            except Exception as e:
-                if not _corrupt_checkpoint(e):
-                    raise
+            except CorruptCheckpointError as e:
                 self._warn(f"snapshot {step} needs trainer checkpoint {payload['version']}, which "
-                           f"is corrupt and was removed ({_detail(e)}); trying an older "
-                           "snapshot")  # fmt: skip
+                           f"is corrupt and was removed ({e}); trying an older snapshot")  # fmt: skip
                 continue
             self._load(payload)
             return True
@@ -459,23 +457,6 @@ class Controller:
             already_finished=already_finished, counters=dataclasses.asdict(self.counters),
             evals=dict(self.evals), wall_s=time.perf_counter() - t0,
         )  # fmt: skip
-
-
-def _corrupt_checkpoint(e: Exception) -> bool:
-    """The trainer found its checkpoint damaged (in this process, or reported over gRPC)."""
-    import grpc
-
-    from rlax_tpu.trainer import CorruptCheckpointError
-
-    if isinstance(e, CorruptCheckpointError):
-        return True
-    return isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.DATA_LOSS
-
-
-def _detail(e: Exception) -> str:
-    import grpc
-
-    return e.details() if isinstance(e, grpc.RpcError) else str(e)
 
 
 def _no_filter(objective: Objective) -> Objective:

@@ -41,9 +41,7 @@ def run(config: RunConfig, args: list[str]) -> int:
     if args:
         print(f"rlax_tpu.launch: unexpected arguments {args}", file=sys.stderr)
         return cli.EXIT_USAGE
-    config_args = [a for a in sys.argv[1:] if a.startswith("--config=") or a.startswith("--config.")]
-    if not any(a.startswith("--config=") for a in config_args):
-        config_args.insert(0, f"--config={cli.DEFAULT_CONFIG}")
+    config_args = cli.config_args(sys.argv[1:])
     if RENDER.value:
         return _render(config, config_args)
     if OUT.value:

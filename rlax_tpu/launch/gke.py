@@ -113,7 +113,7 @@ def check(config: RunConfig, config_args: Sequence[str]) -> None:
             problems.append(f"controller.{field} is {got!r}; the Services are {want!r}")
     # Ports and credentials: every service listens on all interfaces of its pod with TLS and a
     # token from the one Secret, and the controller presents the same.
-    secret_dir = posixpath.dirname(cc.auth_token_file) or "/var/run/secrets/rlax"
+    secret_dir = _secret_dir(config)
     for _, section, _ in COMPONENTS.values():
         sec = getattr(config, section)
         host = sec.address.rpartition(":")[0]
@@ -143,7 +143,7 @@ def check(config: RunConfig, config_args: Sequence[str]) -> None:
                             f"{hosts} host(s)")  # fmt: skip
         mesh = config.mesh if section == "trainer" else config.inference.mesh
         if tpu:
-            problems += _mesh_problems(mesh, parse_slice(tpu), section)
+            problems += mesh_problems(mesh, parse_slice(tpu), section)
     # Everything a restarted pod resumes from must outlive the pod.
     for field, value in (("controller.run_dir", cc.run_dir),
                          ("param_server.persist_path", config.param_server.persist_path)):  # fmt: skip
@@ -170,7 +170,8 @@ def check(config: RunConfig, config_args: Sequence[str]) -> None:
                           + "\n  - ".join(problems))  # fmt: skip
 
 
-def _mesh_problems(mesh: MeshConfig, tpu: TpuSlice, section: str) -> list[str]:
+def mesh_problems(mesh: MeshConfig, tpu: TpuSlice, section: str) -> list[str]:
+    """Why ``section``'s mesh does not lay out over exactly the slice's devices ([] if it does)."""
     where = "mesh" if section == "trainer" else "inference.mesh"
     try:
         shape = mesh.shape(tpu.devices)
@@ -227,8 +228,7 @@ def render(config: RunConfig, config_args: Sequence[str]) -> dict[str, list[dict
     """{file name: [objects]} for ``config``, whose pods start with ``config_args`` (the
     ``--config=`` and ``--config.a.b=`` flags). Raises RenderError (see :func:`check`)."""
     check(config, config_args)
-    args = [a for a in config_args if a.startswith("--config")]
-    jobset = _jobset(config, args)
+    jobset = _jobset(config, list(config_args))
     return {
         "jobset.yaml": [jobset],
         "services.yaml": [_service(config, e) for e in endpoints(config)],

@@ -17,6 +17,7 @@ and, prefixed with its name, to this process's stdout.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import queue
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import TextIO
 
 from rlax_tpu import storage
+from rlax_tpu.cli import tuple_value
 from rlax_tpu.config import RunConfig
 
 LAUNCH_ID_ENV = "RLAX_LAUNCH_ID"  # every process this launch starts carries it
@@ -66,7 +68,7 @@ class Child:
         self._log = open(self.log_path, "a", buffering=1)  # noqa: SIM115 - closed by the reader
         self._echo, self._prefix = echo, f"[{name}] " if prefix else ""
         self._lines: queue.Queue[str | None] = queue.Queue()
-        self.tail: list[str] = []
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
         # Its own session: signals to this launcher's terminal do not reach it twice, and
         # stop() can signal the whole group (anything it started).
         self.proc = subprocess.Popen(
@@ -80,7 +82,7 @@ class Child:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self._log.write(line)
-            self.tail = [*self.tail[-39:], line]
+            self.tail.append(line)
             self._echo.write(self._prefix + line)
             self._echo.flush()
             self._lines.put(line)
@@ -102,7 +104,7 @@ class Child:
                 return m.group(1)
 
     def last_lines(self, n: int = 15) -> str:
-        return "".join(self.tail[-n:])
+        return "".join(list(self.tail)[-n:])
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -192,7 +194,7 @@ class Launch:
             for r in range(replicas)
         ]
         endpoints = [self._ready(c, READY["param_server"]) for c in children]
-        return [f"--config.controller.param_server_endpoints={_tuple(endpoints)}"]
+        return [f"--config.controller.param_server_endpoints={tuple_value(endpoints)}"]
 
     def _start_services(self, wired: list[str]) -> list[str]:
         cfg = self.config
@@ -211,7 +213,7 @@ class Launch:
         verifier = self._ready(verifiers, READY["verifiers"])
         return [
             f"--config.controller.trainer_endpoint={trainer}",
-            f"--config.controller.inference_endpoints={_tuple(inference)}",
+            f"--config.controller.inference_endpoints={tuple_value(inference)}",
             f"--config.controller.verifier_endpoint={verifier}",
         ]
 
@@ -321,10 +323,6 @@ def kill_launched(launch_id: str) -> list[int]:
 
 def _group(name: str, processes: int) -> list[str]:
     return [name] if processes == 1 else [f"{name}.{p}" for p in range(processes)]
-
-
-def _tuple(items: Sequence[str]) -> str:
-    return "(" + "".join(f"'{x}'," for x in items) + ")"
 
 
 def _free_port() -> int:

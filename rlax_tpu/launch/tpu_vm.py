@@ -26,6 +26,7 @@ import sys
 from collections.abc import Sequence
 
 from rlax_tpu import storage
+from rlax_tpu.cli import tuple_value
 from rlax_tpu.config import RunConfig
 from rlax_tpu.launch.slices import parse_slice, tpu_vm_accelerator
 
@@ -74,7 +75,7 @@ def vms(config: RunConfig, name: str, *,
 def plan(config: RunConfig, config_args: Sequence[str], *, name: str, trainer_ips: Sequence[str],
          inference_ips: Sequence[Sequence[str]], secrets: str = SECRETS) -> list[Process]:  # fmt: skip
     """Every process of the run, in start order (see the module docstring)."""
-    args = [a for a in config_args if a.startswith("--config")]
+    args = list(config_args)
     py = (".venv/bin/python", "-m")
     if config.controller.transport == "local":
         # Root: its verifiers run untrusted code under their own sandbox uids.
@@ -92,7 +93,7 @@ def plan(config: RunConfig, config_args: Sequence[str], *, name: str, trainer_ip
               f"--config.param_server.publish_token_file={secrets}/publish-token"]  # fmt: skip
     replicas = config.param_server.replicas
     ps_endpoints = [f"{lead}:{ports['param_server'] + r}" for r in range(replicas)]
-    wired = [*args, *creds, f"--config.controller.param_server_endpoints={_tuple(ps_endpoints)}"]
+    wired = [*args, *creds, f"--config.controller.param_server_endpoints={tuple_value(ps_endpoints)}"]
     out = [
         Process(name, 0, f"param_server-{r}", (*py, "rlax_tpu.param_server", *wired,
                 f"--config.param_server.address=0.0.0.0:{ports['param_server'] + r}",
@@ -106,14 +107,14 @@ def plan(config: RunConfig, config_args: Sequence[str], *, name: str, trainer_ip
     for i, ips in enumerate(inference_ips):
         out += _group(f"{name}-inference-{i}", "inference", ips, ports["inference"],
                       [*wired, f"--config.inference.worker_index={i}"])  # fmt: skip
+    workers = [f"{ips[0]}:{ports['inference']}" for ips in inference_ips]
     endpoints = {
         "trainer_endpoint": f"{lead}:{ports['trainer']}",
         "verifier_endpoint": verifier,
-        "inference_endpoints": _tuple([f"{ips[0]}:{ports['inference']}" for ips in inference_ips]),
+        "inference_endpoints": tuple_value(workers),
     }
-    wait = [(s, e) for s, e in [("ParamServer", p) for p in ps_endpoints]
-            + [("Verifier", verifier), ("Trainer", endpoints["trainer_endpoint"])]
-            + [("Inference", f"{ips[0]}:{ports['inference']}") for ips in inference_ips]]  # fmt: skip
+    wait = [*(("ParamServer", p) for p in ps_endpoints), ("Verifier", verifier),
+            ("Trainer", endpoints["trainer_endpoint"]), *(("Inference", w) for w in workers)]
     for service, endpoint in wait:
         out.append(Process(name, 0, f"wait-{service}-{endpoint}", (
             *py, "rlax_tpu.rpc.probe", service, endpoint, f"--token_file={secrets}/token",
@@ -163,10 +164,6 @@ def _check(config: RunConfig, trainer_ips: Sequence[str],
         raise PlanError("the config does not fit the TPU VMs:\n  - " + "\n  - ".join(problems))
 
 
-def _tuple(items: Sequence[str]) -> str:
-    return "(" + "".join(f"'{x}'," for x in items) + ")"
-
-
 def run(config: RunConfig, args: list[str]) -> int:
     from absl import flags
 
@@ -176,7 +173,7 @@ def run(config: RunConfig, args: list[str]) -> int:
     if args not in (["vms"], ["plan"]):
         print("rlax_tpu.launch.tpu_vm: give one command, vms or plan", file=sys.stderr)
         return cli.EXIT_USAGE
-    config_args = [a for a in sys.argv[1:] if a.startswith("--config")]
+    config_args = cli.config_args(sys.argv[1:])
     try:
         if args == ["vms"]:
             for vm, accelerator, hosts in vms(config, f.name, one_vm=f.accelerator):

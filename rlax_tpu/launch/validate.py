@@ -155,7 +155,7 @@ def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -
                 problems.append(f"{name} asks for {chips} chips per pod, a {s.name} host has "
                                 f"{s.chips_per_host}")  # fmt: skip
             mesh = config.mesh if name == "trainer" else config.inference.mesh
-            problems += gke._mesh_problems(mesh, s, name)
+            problems += gke.mesh_problems(mesh, s, name)
     accounts = _by_kind(objects, "ServiceAccount")
     for name, r in rjobs.items():
         account = r["template"]["spec"]["template"]["spec"].get("serviceAccountName")

@@ -41,7 +41,11 @@ class NoCheckpointError(FileNotFoundError):
 
 class CorruptCheckpointError(RuntimeError):
     """A complete checkpoint whose data does not match its recorded checksums (or no longer
-    decodes): storage damaged it after it was written."""
+    decodes): storage damaged it after it was written. ``step``: which one."""
+
+    def __init__(self, step: int, message: str):
+        self.step = step
+        super().__init__(message)
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -139,7 +143,7 @@ class Checkpointer:
             )["meta"]
         except Exception as e:
             raise CorruptCheckpointError(
-                f"checkpoint {step} in {self.directory}: its metadata does not read: {e}"
+                step, f"checkpoint {step} in {self.directory}: its metadata does not read: {e}"
             ) from e
         self._check_signature(step, meta["signature"])
         try:
@@ -153,14 +157,14 @@ class Checkpointer:
             ) from e
         except Exception as e:
             raise CorruptCheckpointError(
-                f"checkpoint {step} in {self.directory} does not decode: {e}"
+                step, f"checkpoint {step} in {self.directory} does not decode: {e}"
             ) from e
         if "checksums" in meta:  # checkpoints from before checksums restore unverified
             got = checksums(restored)
             bad = sorted(k for k, v in meta["checksums"].items() if got.get(k) != v)
             if bad:
                 raise CorruptCheckpointError(
-                    f"checkpoint {step} in {self.directory} is corrupt: {len(bad)} array(s) "
+                    step, f"checkpoint {step} in {self.directory} is corrupt: {len(bad)} array(s) "
                     f"differ from their recorded checksums ({', '.join(bad[:3])})"
                 )
         return step, restored

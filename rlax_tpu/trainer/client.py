@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import grpc
+
 from rlax_tpu.rpc import common_pb2, trainer_pb2_grpc
 from rlax_tpu.rpc import trainer_pb2 as pb
 from rlax_tpu.rpc.transport import Credentials, make_channel, wait_ready
+from rlax_tpu.trainer.checkpoint import CorruptCheckpointError
 from rlax_tpu.trainer.trainer import TrainerStatus
 from rlax_tpu.trainer.wire import batch_to_chunks
 from rlax_tpu.types import TrainBatch
@@ -34,8 +37,14 @@ class TrainerClient:
         return self._stub.Save(pb.TrainerSaveRequest(wait=wait), timeout=self.timeout_s).step
 
     def restore(self, step: int | None = None) -> int:
+        """As Trainer.restore; a damaged checkpoint raises CorruptCheckpointError here too."""
         request = pb.TrainerRestoreRequest(step=step or 0, latest=step is None)
-        return self._stub.Restore(request, timeout=self.timeout_s).step
+        try:
+            return self._stub.Restore(request, timeout=self.timeout_s).step
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DATA_LOSS:
+                raise
+            raise CorruptCheckpointError(step if step is not None else -1, e.details()) from None
 
     def status(self) -> TrainerStatus:
         s = self._stub.Status(common_pb2.Empty(), timeout=self.timeout_s)

@@ -386,11 +386,6 @@ class Trainer:
             self._checkpointer.wait()
         return self._step
 
-    def _latest(self) -> int:
-        latest = self._checkpointer.latest_step()
-        assert latest is not None
-        return latest
-
     def wait_for_checkpoints(self) -> None:
         self._checkpointer.wait()
 
@@ -406,9 +401,9 @@ class Trainer:
         if directory is None:
             try:
                 step, state = self._checkpointer.restore(step, abstract)
-            except CorruptCheckpointError:
+            except CorruptCheckpointError as e:
                 # Out of the way: a resumed run saves this step again later.
-                self._checkpointer.delete(step if step is not None else self._latest())
+                self._checkpointer.delete(e.step)
                 raise
         else:
             other = Checkpointer(
