@@ -119,6 +119,25 @@ def load_config(argv: Sequence[str]) -> tuple[RunConfig, list[str]]:
         raise UsageError(f"config error: {e}") from e
 
 
+# The components that compile (the controller does in its local transport).
+CACHED_COMPONENTS = ("controller", "trainer", "inference")
+COMPILATION_CACHE_DIR = "jax_cache"
+
+
+def use_compilation_cache(config: RunConfig) -> str:
+    """Points JAX's persistent compilation cache at ``<run_dir>/jax_cache`` (programs that took
+    more than 0.3 s to compile); "" when ``controller.compilation_cache`` is off. Returns it."""
+    if not config.controller.compilation_cache:
+        return ""
+    import jax
+
+    where = f"{config.controller.run_dir.rstrip('/')}/{COMPILATION_CACHE_DIR}"  # also gs://
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return where
+
+
 def main(component: str, run: Callable[[RunConfig, list[str]], int]) -> None:
     """Entry point of ``python -m rlax_tpu.<component>``: parse flags, validate, run.
 
@@ -152,6 +171,8 @@ def main(component: str, run: Callable[[RunConfig, list[str]], int]) -> None:
         if flags.FLAGS.print_config:
             print(json.dumps(to_dict(holder["cfg"]), indent=2))
             return 0
+        if component in CACHED_COMPONENTS:
+            use_compilation_cache(holder["cfg"])
         try:
             return run(holder["cfg"], args[1:])
         except UsageError as e:  # a setting the component found unusable before starting

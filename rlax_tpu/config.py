@@ -709,6 +709,15 @@ class ControllerConfig:
     # the controller's channels to them use TLS and trust it. "": plain channels.
     tls_cert_file: str = ""
     rpc_timeout_s: float = 60.0
+    # distributed transport: how long the controller waits for a trainer, parameter server,
+    # verifier or inference worker that stopped answering to serve again (a restarted pod), then
+    # resumes from its newest snapshot; past it the run stops with one line naming the component.
+    # 0: stop at once.
+    recovery_timeout_s: float = 600.0
+    # JAX's persistent compilation cache in <run_dir>/jax_cache, shared by the run's processes
+    # (controller, trainer, inference workers): a restarted one loads its programs instead of
+    # compiling them again.
+    compilation_cache: bool = True
     snapshot_keep: int = 3
     log_every: int = 1
     # Supervised warm-up on reference solutions before RL (fresh runs only; 0: none), so a tiny
@@ -727,7 +736,7 @@ class ControllerConfig:
             raise _bad(self, "run_dir", "must be set")
         _positive(self, "num_steps", "prompts_per_step", "reload_staleness", "rpc_timeout_s",
                   "snapshot_keep", "log_every")  # fmt: skip
-        _non_negative(self, "pipeline_depth", "warmup_steps")
+        _non_negative(self, "pipeline_depth", "warmup_steps", "recovery_timeout_s")
         _positive(self, "warmup_batch_size", "warmup_learning_rate")
         _in_range(self, "warmup_wrong_fraction", 0.0, 1.0, hi_open=True)
         if self.acceptance_staleness < UNBOUNDED:

@@ -19,6 +19,7 @@ from rlax_tpu.config import RunConfig, to_dict
 from rlax_tpu.controller import components as components_lib
 from rlax_tpu.controller.groups import Prompter
 from rlax_tpu.controller.loop import Controller, RunSummary
+from rlax_tpu.controller.pool import NoWorkers
 from rlax_tpu.controller.snapshots import SnapshotStore
 from rlax_tpu.controller.tasks import FENCE, prompt_text
 from rlax_tpu.data.mixture import stream_seed
@@ -32,6 +33,7 @@ from rlax_tpu.data.problems import (
 from rlax_tpu.data.sources import Datasets, load_datasets
 from rlax_tpu.observability.progress import format_duration
 from rlax_tpu.observability.report import RunInfo, write_report
+from rlax_tpu.rpc.transport import ComponentFailed
 
 TOKENIZER_DIR = "tokenizer"
 WARMUP_NOTE = "warmup.json"
@@ -220,14 +222,13 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
         comps = components_lib.build_distributed(config)
     print("components: " + ", ".join(f"{k} {v}" for k, v in comps.endpoints.items()),
           file=out, flush=True)  # fmt: skip
+    holder = [comps]
     try:
-        controller = Controller(config, comps, prompter, run_dir=run_dir, progress_stream=out,
-                                on_event=lambda t: print(t, file=out, flush=True))  # fmt: skip
-        summary = controller.run()
-        if comps.params_digest is not None:
-            summary.weights_sha256 = comps.params_digest()
+        summary = _run_recovering(config, holder, prompter, run_dir, out)
+        if holder[0].params_digest is not None:
+            summary.weights_sha256 = holder[0].params_digest()
     finally:
-        comps.close()
+        holder[0].close()
     if summary.already_finished:
         print(f"rlax_tpu.controller: {run_dir} already finished {summary.steps_done} steps; "
               "nothing to do (raise controller.num_steps to train further)", file=out)  # fmt: skip
@@ -241,6 +242,38 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
     report = write_report(run_dir, info, summary=_summary_dict(summary))
     print_summary(summary, report, out)
     return summary
+
+
+def _run_recovering(config: RunConfig, comps: list[components_lib.Components],
+                    prompter: Prompter, run_dir: Path, out: TextIO) -> RunSummary:  # fmt: skip
+    """Runs the controller. With the distributed transport a component that stops answering is
+    waited for (``controller.recovery_timeout_s``, counted from the last failure after which no
+    step was completed) and the run resumes from its newest snapshot with fresh channels, as a
+    restarted controller would. ``comps`` holds the current components (replaced on recovery)."""
+    cc = config.controller
+    streak_start, best_step = 0.0, -1
+    while True:
+        controller = Controller(config, comps[0], prompter, run_dir=run_dir, progress_stream=out,
+                                on_event=lambda t: print(t, file=out, flush=True))  # fmt: skip
+        try:
+            return controller.run()
+        except (ComponentFailed, NoWorkers) as e:
+            if cc.transport != "distributed" or cc.recovery_timeout_s <= 0:
+                raise
+            controller.drain()
+            now = time.monotonic()
+            if controller.step > best_step:  # progress since the last failure: a new streak
+                streak_start, best_step = now, controller.step
+            left = cc.recovery_timeout_s - (now - streak_start)
+            if left <= 0:
+                raise
+            print(f"rlax_tpu.controller: {e}; waiting up to {left:.0f} s for it to serve again",
+                  file=out, flush=True)  # fmt: skip
+            comps[0].close()
+            components_lib.wait_until_serving(config, left)
+            comps[0] = components_lib.build_distributed(config)
+            print("rlax_tpu.controller: every component serves again; resuming from the newest "
+                  "snapshot", file=out, flush=True)  # fmt: skip
 
 
 def _describe(config: RunConfig) -> str:

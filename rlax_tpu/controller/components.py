@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import logging
 import tempfile
+import time
 from collections.abc import Callable, Collection
 from functools import partial
 from pathlib import Path
@@ -224,3 +225,39 @@ def build_distributed(config: RunConfig) -> Components:
                    "inference": ", ".join(c.inference_endpoints)},
         _closers=closers,
     )  # fmt: skip
+
+
+def wait_until_serving(config: RunConfig, timeout_s: float) -> None:
+    """Blocks until the trainer, every parameter-server replica, the verifier service and at least
+    one inference worker (the pool waits for the others itself) answer their Health RPC as
+    serving; retries with backoff (0.5 s, doubling to 5 s). Raises ComponentUnreachable naming the
+    first component still silent after ``timeout_s``."""
+    from rlax_tpu.rpc.probe import probe
+    from rlax_tpu.rpc.transport import ComponentUnreachable
+
+    c = config.controller
+    creds = Credentials(auth_token_file=c.auth_token_file, tls_cert_file=c.tls_cert_file)
+    required = [("ParamServer", f"param_server replica {r}", e)
+                for r, e in enumerate(c.param_server_endpoints)]  # fmt: skip
+    required += [("Trainer", "trainer", c.trainer_endpoint),
+                 ("Verifier", "verifiers", c.verifier_endpoint)]  # fmt: skip
+    workers = [("Inference", f"inference worker {i}", e) for i, e in enumerate(c.inference_endpoints)]
+    deadline = time.monotonic() + timeout_s
+    delay = 0.5
+
+    def serving(target: tuple[str, str, str]) -> bool:
+        left = deadline - time.monotonic()
+        try:
+            return probe(target[0], target[2], creds, timeout_s=min(5.0, max(0.2, left))).serving
+        except Exception:  # gRPC errors, and a refused connection
+            return False
+
+    while True:
+        required = [t for t in required if not serving(t)]
+        if not required and any(serving(w) for w in workers):
+            return
+        if time.monotonic() >= deadline:
+            _, name, endpoint = (required or workers)[0]
+            raise ComponentUnreachable(name, endpoint, timeout_s)
+        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+        delay = min(2 * delay, 5.0)

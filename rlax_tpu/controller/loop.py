@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 # Fields a resumed run may change; any other difference is an incompatible config.
 RESUMABLE_FIELDS = (
     "controller.num_steps", "controller.log_every", "controller.rpc_timeout_s",
+    "controller.recovery_timeout_s", "controller.compilation_cache",
     "controller.transport", "controller.trainer_process", "controller.trainer_cpus",
     "controller.inference_endpoints", "controller.verifier_endpoint",
     "controller.trainer_endpoint", "controller.param_server_endpoints",
@@ -165,7 +166,13 @@ class Controller:
 
     def restore(self) -> bool:
         """Loads the newest snapshot that has a trainer checkpoint; False for a fresh run."""
-        checkpoints = set(self.c.trainer.status().checkpoint_steps)
+        status = self.c.trainer.status()
+        checkpoints = set(status.checkpoint_steps)
+        # A trainer that outlived the controller and holds a snapshot's version already has
+        # that checkpoint's state in memory: no restore, and no need for the checkpoint. (Not
+        # at step 0: a new trainer holds its initial weights there, which a run with a
+        # warm-up replaced in checkpoint 0.)
+        live = int(status.step) if status.step > 0 and not status.halted else None
         for step in reversed(self.snapshots.steps()):
             try:
                 payload = json.loads(self.snapshots.load(step)["json"])
@@ -173,6 +180,9 @@ class Controller:
                 self._warn(f"skipping unreadable snapshot {step}: {e}")
                 continue
             self.check_compatible(payload["config"])
+            if int(payload["version"]) == live:
+                self._load(payload)
+                return True
             if int(payload["version"]) not in checkpoints:
                 self._warn(f"snapshot {step} needs trainer checkpoint {payload['version']}, which "
                            "is missing or incomplete; trying an older snapshot")  # fmt: skip
@@ -450,6 +460,12 @@ class Controller:
             self.pool.close()
             self._verify_pool.shutdown(wait=False, cancel_futures=True)
         return self._summary(t0, already_finished=False)
+
+    def drain(self) -> None:
+        """Waits for this controller's generation and verification calls still running (after a
+        failure), so a controller that takes over does not share the workers with them."""
+        self.pool.close(wait=True)
+        self._verify_pool.shutdown(wait=True, cancel_futures=True)
 
     def _summary(self, t0: float, *, already_finished: bool) -> RunSummary:
         return RunSummary(

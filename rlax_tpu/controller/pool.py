@@ -160,9 +160,10 @@ class WorkerPool:
             self._held[i] = None
             self._on_event(f"inference {self.names[i]} answers again and rejoins the pool")
 
-    def close(self) -> None:
-        self._coordinator.shutdown(wait=False, cancel_futures=True)
-        self._threads.shutdown(wait=False, cancel_futures=True)
+    def close(self, *, wait: bool = False) -> None:
+        """Cancels jobs not started; ``wait``: also waits for the calls already running."""
+        self._coordinator.shutdown(wait=wait, cancel_futures=True)
+        self._threads.shutdown(wait=wait, cancel_futures=True)
 
 
 class _Epochs:

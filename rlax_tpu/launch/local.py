@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -62,8 +62,11 @@ class Child:
     with its name, and to a queue that :meth:`wait_for` reads."""
 
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log_dir: Path,
-                 echo: TextIO, *, prefix: bool = True):  # fmt: skip
-        self.name = name
+                 echo: TextIO, *, prefix: bool = True,
+                 watch: Callable[[str], None] | None = None):  # fmt: skip
+        """``watch``: called with every line of output (on the reader thread)."""
+        self.name, self.argv, self.env, self.log_dir = name, list(argv), env, log_dir
+        self._watch = watch
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "a", buffering=1)  # noqa: SIM115 - closed by the reader
         self._echo, self._prefix = echo, f"[{name}] " if prefix else ""
@@ -85,6 +88,8 @@ class Child:
             self.tail.append(line)
             self._echo.write(self._prefix + line)
             self._echo.flush()
+            if self._watch is not None:
+                self._watch(line)
             self._lines.put(line)
         self._lines.put(None)
         self._log.close()
@@ -114,14 +119,22 @@ class Child:
     def join(self) -> None:
         self._reader.join(timeout=10)
 
+    def respawn(self) -> Child:
+        """The same command started again (as a restarted pod), logging to the same file."""
+        return Child(self.name, self.argv, self.env, self.log_dir, self._echo,
+                     prefix=bool(self._prefix), watch=self._watch)  # fmt: skip
+
 
 class Launch:
     """Starts and stops the processes of one run (see the module docstring)."""
 
-    def __init__(self, config: RunConfig, config_args: Sequence[str], *, out: TextIO = sys.stdout):
+    def __init__(self, config: RunConfig, config_args: Sequence[str], *, out: TextIO = sys.stdout,
+                 warmup_dir: str = ""):  # fmt: skip
         """``config_args``: the ``--config=...`` and ``--config.a.b=v`` flags ``config`` was
-        parsed from; every process gets them, then the launch's own overrides."""
+        parsed from; every process gets them, then the launch's own overrides. ``warmup_dir``:
+        where the warm-up's weights are (made if missing); default ``<run_dir>/warmup``."""
         self.config, self.args, self.out = config, list(config_args), out
+        self.warmup_dir = warmup_dir or storage.join(config.controller.run_dir, WARMUP_DIR)
         self.launch_id = uuid.uuid4().hex
         self.env = dict(os.environ, **{LAUNCH_ID_ENV: self.launch_id})
         self.log_dir = _log_dir(config.controller.run_dir)
@@ -169,7 +182,7 @@ class Launch:
         cc = self.config.controller
         if not cc.warmup_steps:
             return []
-        out_dir = storage.join(cc.run_dir, WARMUP_DIR)
+        out_dir = self.warmup_dir
         if not storage.path(storage.join(out_dir, "config.json")).exists():
             child = self._start("warmup", "controller", [
                 "--config.controller.transport=local", f"--warmup_out={out_dir}"], service=False)  # fmt: skip
@@ -189,7 +202,7 @@ class Launch:
         replicas = self.config.param_server.replicas
         children = [
             self._start(f"param_server-{r}", "param_server", [
-                *common, "--config.param_server.address=127.0.0.1:0",
+                *common, f"--config.param_server.address={self._address(f'param_server-{r}')}",
                 f"--config.param_server.replica_index={r}"])  # fmt: skip
             for r in range(replicas)
         ]
@@ -206,7 +219,7 @@ class Launch:
             procs = _group(f"inference-{i}", cfg.inference.distributed.num_processes)
             workers.append(self._start_group(procs, "inference", "inference", [*wired, *extra]))
         verifiers = self._start(
-            "verifiers", "verifiers", [*wired, "--config.verifiers.address=127.0.0.1:0"]
+            "verifiers", "verifiers", [*wired, f"--config.verifiers.address={self._address('verifiers')}"]
         )
         trainer = self._ready(trainer_lead, READY["trainer"])
         inference = [self._ready(w, READY["inference"]) for w in workers]
@@ -221,10 +234,10 @@ class Launch:
                      args: list[str]) -> Child:  # fmt: skip
         """The processes of one jax.distributed job (one, or a coordinator on a free local port
         and a process id each); returns process 0, the one that serves."""
-        args = [*args, f"--config.{section}.address=127.0.0.1:0"]
+        args = [*args, f"--config.{section}.address={self._address(names[0].split('.')[0])}"]
         if len(names) == 1:
             return self._start(names[0], module, args)
-        coordinator = f"127.0.0.1:{_free_port()}"
+        coordinator = f"127.0.0.1:{free_port()}"
         children = [
             self._start(name, module, [
                 *args, f"--config.{section}.distributed.coordinator_address={coordinator}",
@@ -234,11 +247,13 @@ class Launch:
         ]
         return children[0]
 
+    def _address(self, name: str) -> str:
+        """Where service ``name`` (a group's name for a jax.distributed job) listens: a port the
+        OS picks."""
+        return "127.0.0.1:0"
+
     def _run_controller(self, args: list[str]) -> int:
-        self.controller = self._start(
-            "controller", "controller", [*args, "--config.controller.transport=distributed"],
-            service=False, prefix=False,
-        )  # fmt: skip
+        self.controller = self._start_controller(args)
         while self.controller.proc.poll() is None:
             dead = next((s for s in self.services if s.proc.poll() is not None), None)
             if dead is not None and not self._stopping.is_set():
@@ -251,12 +266,18 @@ class Launch:
             time.sleep(0.5)
         return self.controller.proc.returncode
 
+    def _start_controller(self, args: list[str], watch: Callable[[str], None] | None = None
+                          ) -> Child:  # fmt: skip
+        return self._start("controller", "controller",
+                           [*args, "--config.controller.transport=distributed"], service=False,
+                           prefix=False, watch=watch)  # fmt: skip
+
     # -- processes ------------------------------------------------------------------------------
 
     def _start(self, name: str, module: str, args: list[str], *, service: bool = True,
-               prefix: bool = True) -> Child:  # fmt: skip
+               prefix: bool = True, watch: Callable[[str], None] | None = None) -> Child:  # fmt: skip
         argv = [sys.executable, "-m", f"rlax_tpu.{module}", *self.args, *args]
-        child = Child(name, argv, self.env, self.log_dir, self.out, prefix=prefix)
+        child = Child(name, argv, self.env, self.log_dir, self.out, prefix=prefix, watch=watch)
         if service:
             self.services.append(child)
         return child
@@ -325,7 +346,7 @@ def _group(name: str, processes: int) -> list[str]:
     return [name] if processes == 1 else [f"{name}.{p}" for p in range(processes)]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

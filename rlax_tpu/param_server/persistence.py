@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from rlax_tpu.param_server.codec import VersionManifest, as_bytes, checksum
-from rlax_tpu.param_server.store import ArrayStore
+from rlax_tpu.param_server.store import INTENT, ArrayStore
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class Persister:
     def _write(self, manifest: VersionManifest, hot_prefix: str) -> None:
         prefix = persisted_prefix(manifest.version)
         self._store.delete(prefix)  # an older run's copy of this number, if any
+        self._store.write_manifest(prefix, manifest, name=INTENT)
         pending = None
         for i, spec in enumerate(manifest.arrays):
             data = self._hot.read_array(hot_prefix, i, spec).result()
@@ -113,6 +114,24 @@ class Persister:
         for v in doomed:
             self._store.delete(persisted_prefix(v))
         return doomed
+
+    def torn_versions(self) -> dict[int, VersionManifest]:
+        """Versions whose copy was cut short (no commit marker) and what each was going to hold
+        (its intent record), newer than every complete one: the server committed them in memory
+        and died while persisting."""
+        newest = max(self.complete_versions(), default=-1)
+        out = {}
+        for prefix in self._store.prefixes():
+            v = _version_of(prefix)
+            if v is None or v <= newest:
+                continue
+            try:
+                intent = self._store.read_manifest(prefix, name=INTENT)
+            except (ValueError, KeyError, TypeError):
+                intent = None
+            if intent is not None and intent.version == v:
+                out[v] = intent
+        return out
 
     def complete_versions(self) -> list[int]:
         """Versions whose commit marker (manifest) is written."""

@@ -67,6 +67,9 @@ class ParamServer:
         # Newest version ever committed here (or found persisted): numbers at or below it that
         # are not hot can never be published again, so a number always means the same bytes.
         self._high_water = -1
+        # Numbers at or below the high-water mark whose persisted copy was torn by a crash:
+        # publishable once more, with exactly the content their intent record names.
+        self._torn: dict[int, VersionManifest] = {}
         self._bytes_served = 0  # data bytes handed to pulls (a sharded pull counts its slices)
         self._retention = Retention(replicas=config.replicas)
         self._persister = (
@@ -204,7 +207,8 @@ class ParamServer:
     def _commit(self, manifest: VersionManifest, prefix: str) -> list[str]:
         """Makes a written version visible; returns hot prefixes collected to make room."""
         with self._lock:
-            self._check_new_number_locked(manifest.version)  # a newer one may have won the race
+            self._check_new_number_locked(manifest.version, manifest)  # a newer one may have won
+            self._torn.pop(manifest.version, None)
             doomed = self._collectible_locked(need_room=True)
             for v in doomed:
                 self._index.pop(v)
@@ -234,8 +238,20 @@ class ParamServer:
             if ok and manifest.version in self._index:
                 self._persisted.add(manifest.version)
 
-    def _check_new_number_locked(self, version: int) -> None:
-        """Refuses a version number that is not hot but was already used (or skipped) here."""
+    def _check_new_number_locked(self, version: int, manifest: VersionManifest | None = None
+                                 ) -> None:  # fmt: skip
+        """Refuses a version number that is not hot but was already used (or skipped) here; a
+        number whose persisted copy was torn is taken again with the same content (checked on
+        commit, ``manifest`` given, against its intent record)."""
+        if version in self._torn:
+            want = self._torn[version]
+            if manifest is not None and not _same_content(want, manifest):
+                raise errors.FailedPrecondition(
+                    f"version {version} differs from the version {version} this server committed "
+                    f"before it restarted (its checksums are recorded): version numbers always "
+                    f"mean the same bytes; publish version {self._high_water + 1} or later"
+                )
+            return
         if version <= self._high_water:
             raise errors.FailedPrecondition(
                 f"version {version} is not held and is not newer than version {self._high_water}, "
@@ -378,6 +394,10 @@ class ParamServer:
     def _recover(self) -> None:
         used = self._persister.stored_versions()  # every one was committed before being persisted
         self._high_water = max(used, default=-1)
+        self._torn = self._persister.torn_versions()
+        for v in sorted(self._torn):
+            log.info("version %d was cut short while persisting; it may be published again "
+                     "with the content its intent record names", v)  # fmt: skip
         # The newest complete versions that fit in memory: a resumed controller may still need
         # the older ones (rollouts generated with them are re-issued).
         keep = self.config.in_memory_versions
@@ -698,3 +718,8 @@ class PublishSession:
             for f in (*self._creates, *self._writes):
                 f.exception()  # wait: a late create or write must not recreate deleted keys
             self._server._hot.delete(self._prefix)
+
+
+def _same_content(a: VersionManifest, b: VersionManifest) -> bool:
+    key = lambda m: [(s.path, s.dtype, tuple(s.shape), s.crc32c) for s in m.arrays]  # noqa: E731
+    return a.checksum == b.checksum and key(a) == key(b)

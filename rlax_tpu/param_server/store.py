@@ -17,6 +17,7 @@ import tensorstore as ts
 from rlax_tpu.param_server.codec import ArraySpec, VersionManifest, chunk_shape, np_dtype
 
 MANIFEST = "manifest.json"
+INTENT = "intent.json"  # the manifest, written first: what a torn copy was going to hold
 
 
 def kvstore_spec(location: str) -> dict:
@@ -113,11 +114,12 @@ class ArrayStore:
         source = self._view(prefix, i, spec, bounds)
         return ts.array(out, copy=False, write=True).write(source)
 
-    def write_manifest(self, prefix: str, manifest: VersionManifest) -> None:
-        self._kv.write(f"{prefix}/{MANIFEST}", manifest.to_json()).result()
+    def write_manifest(self, prefix: str, manifest: VersionManifest, *, name: str = MANIFEST
+                       ) -> None:  # fmt: skip
+        self._kv.write(f"{prefix}/{name}", manifest.to_json()).result()
 
-    def read_manifest(self, prefix: str) -> VersionManifest | None:
-        got = self._kv.read(f"{prefix}/{MANIFEST}").result()
+    def read_manifest(self, prefix: str, *, name: str = MANIFEST) -> VersionManifest | None:
+        got = self._kv.read(f"{prefix}/{name}").result()
         return VersionManifest.from_json(got.value) if got.state == "value" else None
 
     def manifest_prefixes(self) -> list[str]:

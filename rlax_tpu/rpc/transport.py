@@ -275,7 +275,10 @@ def make_channel(
     ``server_name``: the name the server's certificate must carry when it differs from the
     endpoint's host (a pod probing itself on 127.0.0.1 with a certificate for its Service name).
     """
-    options = _channel_options(max_message_bytes)
+    # A restarted peer (a rescheduled pod) is found again within ~2 s, not after gRPC's default
+    # reconnect backoff of up to 120 s.
+    options = [*_channel_options(max_message_bytes), ("grpc.initial_reconnect_backoff_ms", 250),
+               ("grpc.min_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]  # fmt: skip
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     tls = credentials.channel_tls()

@@ -36,6 +36,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (RuntimeError, grpc.StatusCode.FAILED_PRECONDITION),
 )
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _serialized(method: Callable) -> Callable:
@@ -44,6 +45,11 @@ def _serialized(method: Callable) -> Callable:
         with self._lock:
             try:
                 return method(self, request, context)
+            except grpc.RpcError as e:  # from the weight sink: a parameter server is gone
+                if e.code() not in _GONE:
+                    raise
+                context.abort(grpc.StatusCode.UNAVAILABLE,
+                              f"a parameter server did not answer ({e.code().name}: {e.details()})")
             except Exception as e:
                 for cls, code in _STATUS:
                     if isinstance(e, cls):

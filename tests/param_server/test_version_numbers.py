@@ -53,3 +53,26 @@ def test_the_high_water_mark_survives_a_restart(tmp_path: Path):
         assert ps.client.push(make_tree(2), 2).version == 2
         ps.client.push(make_tree(3), 3)
         assert hot(ps)[-2:] == [2, 3]
+
+
+def test_a_version_torn_by_a_crash_is_taken_again_only_with_its_content(tmp_path: Path):
+    """A server killed while persisting version 3 leaves its arrays and intent record but no
+    commit marker: after the restart 3 is not served, and a republish of 3 is taken only with
+    the checksums the intent recorded (a deterministic redo), never other bytes."""
+    location = str(tmp_path / "ps")
+    config = ParamServerConfig(persist_every=1, persist_keep=3)
+    with running(config, location) as ps:
+        for v in range(4):
+            ps.client.push(make_tree(v), v)
+            assert ps.store.flush(timeout_s=60)
+    marker = Path(location) / "v000000000003" / "manifest.json"
+    assert (marker.parent / "intent.json").is_file()
+    marker.unlink()  # as a SIGKILL between the arrays and the commit marker leaves it
+    with running(config, location) as ps:
+        assert hot(ps) == [1, 2]  # 0 was pruned when 3 was persisted (persist_keep 3)
+        with pytest.raises(errors.FailedPrecondition, match="differs from the version 3"):
+            ps.client.push(make_tree(9), 3)
+        assert ps.client.push(make_tree(3), 3).version == 3
+        assert_same_tree(ps.client.pull(3), make_tree(3))
+        with pytest.raises(errors.FailedPrecondition, match="not newer than version 3"):
+            ps.client.push(make_tree(9), 0)

@@ -1,0 +1,1 @@
+"""Preemption drills: ``python -m rlax_tpu.drills``."""

@@ -1,0 +1,157 @@
+"""What a drill checks once its run has finished, from the run directory alone (and, in
+deterministic mode, an uninterrupted reference run of the same config)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from rlax_tpu.config import RunConfig
+from rlax_tpu.controller.snapshots import SnapshotStore
+from rlax_tpu.observability.metrics import read_metrics
+from rlax_tpu.param_server.persistence import Persister
+from rlax_tpu.trainer.checkpoint import inspect_checkpoints
+
+# Lines in any process's log that mean a reader got bytes that were not a whole version.
+PARTIAL_VERSION_SIGNS = ("checksum mismatch", "DataLoss", "DATA_LOSS")
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RunState:
+    """What a finished run left: its final snapshot and the digest of its final checkpoint."""
+
+    payload: dict[str, Any]  # the newest snapshot
+    final_sha256: str  # of the trainer checkpoint at the final version ("" if none)
+    checkpoints: list[Any]  # CheckpointReport per checkpoint on disk
+    train_steps: list[int]  # steps of metrics.jsonl's update records, in file order
+
+
+def read_run(run_dir: Path, config: RunConfig) -> RunState:
+    store = SnapshotStore(run_dir / "snapshots", keep=config.controller.snapshot_keep)
+    newest = store.latest()
+    payload = json.loads(newest[1]["json"]) if newest else {}
+    reports = inspect_checkpoints(run_dir / "trainer")
+    final = next((r.sha256 for r in reports if r.step == payload.get("version") and r.complete), "")
+    metrics = run_dir / "metrics.jsonl"
+    steps = [r["step"] for r in read_metrics(metrics) if "reward/mean" in r["scalars"]] if (
+        metrics.exists()) else []  # fmt: skip
+    return RunState(payload=payload, final_sha256=final, checkpoints=reports, train_steps=steps)
+
+
+def check_run(run_dir: Path, config: RunConfig, reference: RunState | None) -> list[Check]:
+    """Every check of a drill on ``run_dir`` (``reference``: deterministic mode's uninterrupted
+    run, for the bitwise comparisons)."""
+    state = read_run(run_dir, config)
+    cc = config.controller
+    p = state.payload
+    out = [Check("run finished", bool(p.get("done")) and p.get("step") == cc.num_steps,
+                 f"step {p.get('step')} of {cc.num_steps}")]  # fmt: skip
+    want = list(range(1, cc.num_steps + 1))
+    out.append(Check("every update logged once", state.train_steps == want,
+                     f"metrics.jsonl update steps {_span(state.train_steps)}"))  # fmt: skip
+    ledger = p.get("ledger", [])
+    trained = [r for r in ledger if r["state"] == "trained"]
+    open_ = [r["key"] for r in ledger if r["state"] not in ("trained", "discarded")]
+    out.append(Check("no group lost", not open_ or not p.get("done"),
+                     f"{len(ledger)} groups issued, {len(trained)} trained, "
+                     f"{len(open_)} left unfinished"))  # fmt: skip
+    counted = p.get("counters", {}).get("groups_trained", -1)
+    out.append(Check("every group trained exactly once", counted == len(trained),
+                     f"{len(trained)} trained in the ledger (one record each), the counter says "
+                     f"{counted}"))  # fmt: skip
+    eta = cc.acceptance_bound
+    worst = max((r["trained_at"] - r["version"] for r in trained), default=0)
+    out.append(Check("η_a held", worst <= eta, f"largest staleness trained on {worst}, η_a {eta}"))
+    incomplete = [r for r in state.checkpoints if not r.complete]
+    usable = set(_usable_snapshots(run_dir, config, state))
+    out.append(Check(
+        "checkpoints complete or skipped", not [r for r in incomplete if r.step in usable],
+        f"{len(state.checkpoints) - len(incomplete)} complete; "
+        + (", ".join(f"{r.step}: {r.detail}" for r in incomplete) or "none incomplete")))  # fmt: skip
+    bad_snapshots = _unreadable_snapshots(run_dir, config)
+    out.append(Check("snapshots complete or skipped", not bad_snapshots,
+                     "every snapshot reads" if not bad_snapshots else
+                     f"unreadable: {bad_snapshots}"))  # fmt: skip
+    out.append(_partial_versions(run_dir, config))
+    if reference is not None:
+        same = state.final_sha256 and state.final_sha256 == reference.final_sha256
+        out.append(Check("final weights bitwise equal", bool(same),
+                         f"trainer state sha256 {state.final_sha256[:16] or '-'} vs the "
+                         f"uninterrupted run's {reference.final_sha256[:16] or '-'}"))  # fmt: skip
+        same_ledger = _trained(ledger) == _trained(reference.payload.get("ledger", []))
+        out.append(Check("same groups trained as the uninterrupted run", same_ledger,
+                         f"{len(trained)} groups, each at the same version"))  # fmt: skip
+    return out
+
+
+def _trained(ledger: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    return {r["key"]: (r["version"], r["trained_at"]) for r in ledger if r["state"] == "trained"}
+
+
+def _span(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    dup = len(steps) - len(set(steps))
+    return f"{steps[0]}..{steps[-1]} ({len(steps)} records, {dup} repeated)"
+
+
+def _unreadable_snapshots(run_dir: Path, config: RunConfig) -> list[int]:
+    store = SnapshotStore(run_dir / "snapshots", keep=config.controller.snapshot_keep)
+    bad = []
+    for step in store.steps():
+        try:
+            json.loads(store.load(step)["json"])
+        except Exception:
+            bad.append(step)
+    # A torn newest snapshot is skipped with a warning on resume; only the final one must read.
+    log = (run_dir / "logs" / "controller.log")
+    warned = log.read_text() if log.exists() else ""
+    return [s for s in bad if f"skipping unreadable snapshot {s}" not in warned]
+
+
+def _usable_snapshots(run_dir: Path, config: RunConfig, state: RunState) -> list[int]:
+    """Versions the kept snapshots need from the trainer's checkpoints."""
+    store = SnapshotStore(run_dir / "snapshots", keep=config.controller.snapshot_keep)
+    out = []
+    for step in store.steps():
+        try:
+            out.append(int(json.loads(store.load(step)["json"])["version"]))
+        except Exception:
+            continue
+    return out
+
+
+def _partial_versions(run_dir: Path, config: RunConfig) -> Check:
+    """No reader logged a version that failed its checksums, and every version each replica
+    persisted is whole (torn writes of a killed replica are left uncommitted, never served)."""
+    logs = sorted((run_dir / "logs").glob("*.log"))
+    seen = [f"{f.name}: {line.strip()[:120]}" for f in logs for line in f.open(errors="replace")
+            if any(sign in line for sign in PARTIAL_VERSION_SIGNS)]  # fmt: skip
+    ps = config.param_server
+    base = Path(ps.persist_path) if ps.persist_path else run_dir / "param_server"
+    dirs = [base / f"replica-{r}" for r in range(ps.replicas)] if ps.replicas > 1 else [base]
+    whole = 0
+    for d in dirs:
+        if not d.exists():
+            continue
+        store = Persister(None, str(d))  # type: ignore[arg-type]  # reads only: no hot store
+        try:
+            committed = sorted(store.complete_versions())
+            found = store.recover_newest(len(committed))
+        finally:
+            store.close()
+        if len(found) != len(committed):
+            seen.append(f"{d.name}: {len(committed) - len(found)} committed versions do not verify")
+        whole += len(found)
+    detail = (f"no reader saw a bad version; {whole} persisted versions verify"
+              if not seen else "; ".join(seen[:3]))  # fmt: skip
+    return Check("parameter server never served a partial version", not seen, detail)
