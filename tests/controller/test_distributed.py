@@ -180,13 +180,48 @@ def test_distributed_run_against_separate_processes(tmp_path):
         assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
         steps = _step_record(run_dir)
         assert [s[0] for s in steps] == [1, 2] and _step_record(local_dir) == steps
+        _a_component_that_stays_away_ends_the_run_in_one_line(run_dir, wired, endpoints, verifiers)
     finally:
         for s in services:
             s.terminate()
         for s in services:
             s.stop()
-    for s in services:  # every service stops cleanly on SIGTERM
-        assert s.proc.returncode == 0, f"{s.module} exited {s.proc.returncode}:\n{s.output()}"
+    for s in services:  # every service stops cleanly on SIGTERM (the verifiers were killed)
+        assert s.proc.returncode == (-signal.SIGKILL if s is verifiers else 0), f"{s.module} exited {s.proc.returncode}:\n{s.output()}"
+
+
+def _a_component_that_stays_away_ends_the_run_in_one_line(
+    run_dir: Path, wired: list[str], endpoints: dict[str, str], verifiers: Service
+) -> None:  # fmt: skip
+    """The run resumed for more steps; its verifier service is SIGKILLed and not restarted: the
+    controller waits controller.recovery_timeout_s for it, then stops with one line naming it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlax_tpu.controller", CONFIG, *wired,
+         "--config.controller.transport=distributed", "--config.controller.num_steps=12",
+         "--config.controller.recovery_timeout_s=3",
+         f"--config.controller.trainer_endpoint={endpoints['trainer']}",
+         f"--config.controller.verifier_endpoint={endpoints['verifier']}",
+         f"--config.controller.inference_endpoints=('{endpoints['inference']}',)"],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        head = []
+        for line in proc.stdout:
+            head.append(line)
+            if line.startswith("resuming"):
+                verifiers.proc.kill()
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    out = "".join(head) + out
+    assert proc.returncode == 1, out[-3000:] + err[-3000:]
+    assert f"verifiers at {endpoints['verifier']} stopped answering" in out, out[-3000:]
+    assert "waiting up to 3 s for it to serve again" in out, out[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.rstrip().endswith(f"rlax_tpu.controller: error: verifiers at "
+                                 f"{endpoints['verifier']} did not answer within 3 s"), err[-3000:]  # fmt: skip
 
 
 def _step_record(run_dir: Path) -> list[tuple]:
