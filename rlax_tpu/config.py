@@ -325,7 +325,9 @@ class TrainerConfig:
     old_logprobs: Literal["auto", "replay", "prefill"] = "auto"
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     checkpoint_every: int = 1
-    keep_checkpoints: int = 2
+    # At least controller.snapshot_keep / checkpoint_every, so every kept snapshot has its
+    # checkpoint (or an older one a resume falls back to).
+    keep_checkpoints: int = 3
     checkpoint_dir: str = ""  # "" means <controller.run_dir>/trainer
     nan_policy: Literal["skip", "stop"] = "stop"
     # A trainer spanning several hosts (its mesh over all their devices): process 0 serves, the
@@ -903,6 +905,16 @@ class RunConfig:
                 "controller.snapshot_keep",
                 "a resume needs a snapshot whose version has a trainer checkpoint: keep at least "
                 f"trainer.checkpoint_every + 1 = {self.trainer.checkpoint_every + 1}",
+                ctl.snapshot_keep,
+            )
+        span = self.trainer.keep_checkpoints * self.trainer.checkpoint_every
+        if ctl.snapshot_keep > span:
+            raise ConfigError(
+                "controller.snapshot_keep",
+                f"the oldest of {ctl.snapshot_keep} snapshots would be older than every kept "
+                f"trainer checkpoint (trainer.keep_checkpoints {self.trainer.keep_checkpoints} x "
+                f"checkpoint_every {self.trainer.checkpoint_every} = {span} steps), so no resume "
+                f"could use it: keep at most {span} snapshots or more checkpoints",
                 ctl.snapshot_keep,
             )
         needed_versions = ctl.pipeline_depth * (ctl.mode == "deterministic") + ctl.reload_staleness

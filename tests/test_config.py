@@ -397,7 +397,13 @@ def test_resume_needs_snapshots_and_checkpoints_that_meet():
         build({"trainer.checkpoint_every": 2, "controller.snapshot_keep": 2})
     with pytest.raises(ConfigError, match=r"trainer.keep_checkpoints = 2: .* republishes .* "
                        r"pipeline_depth \+ reload_staleness = 3"):  # fmt: skip
-        build({"controller.reload_staleness": 2, "controller.acceptance_staleness": 4})
+        build({"controller.reload_staleness": 2, "controller.acceptance_staleness": 4,
+               "trainer.keep_checkpoints": 2, "controller.snapshot_keep": 2})  # fmt: skip
+    # Every kept snapshot has a kept checkpoint at or before it.
+    with pytest.raises(ConfigError, match=r"controller.snapshot_keep = 4: the oldest of 4 "
+                       r"snapshots .* 3 x checkpoint_every 1 = 3 steps"):  # fmt: skip
+        build({"controller.snapshot_keep": 4})
+    build({"controller.snapshot_keep": 6, "trainer.keep_checkpoints": 6})
     with pytest.raises(ConfigError, match=r"controller.warmup_steps = \d+: needs the local"):
         build({"controller.transport": "distributed", "controller.trainer_endpoint": "h:1",
                "controller.verifier_endpoint": "h:1", "controller.param_server_endpoints": ("h:1",),

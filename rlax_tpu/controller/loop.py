@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 # Fields a resumed run may change; any other difference is an incompatible config.
 RESUMABLE_FIELDS = (
     "controller.num_steps", "controller.log_every", "controller.rpc_timeout_s",
-    "controller.recovery_timeout_s", "controller.compilation_cache",
+    "controller.recovery_timeout_s", "controller.compilation_cache", "controller.snapshot_keep",
+    "trainer.keep_checkpoints",
     "controller.transport", "controller.trainer_process", "controller.trainer_cpus",
     "controller.inference_endpoints", "controller.verifier_endpoint",
     "controller.trainer_endpoint", "controller.param_server_endpoints",
