@@ -59,7 +59,37 @@ class GroupResult:
     def tokens(self) -> int:
         return sum(len(r.tokens) for r in self.rollouts)
 
-    # Snapshots hold buffered groups as JSON (arrays as base64 of their bytes: exact, compact).
+    def split_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """(JSON-able fields, arrays): snapshots keep the arrays out of their JSON. Per rollout
+        arrays are concatenated over the group ([sum of lengths]) with their lengths."""
+        meta = {
+            "ref": dataclasses.asdict(self.ref), "verdicts": list(self.verdicts),
+            "issued_version": self.issued_version,
+            "rollouts": [{"prompt_id": r.prompt_id, "sample_index": r.sample_index,
+                          "finish_reason": r.finish_reason.value,
+                          "logprob_policy": r.logprob_policy} for r in self.rollouts],
+        }  # fmt: skip
+        arrays = {"rewards": np.asarray(self.rewards, np.float64)}
+        for k, t in _ARRAYS.items():
+            parts = [np.asarray(getattr(r, k), t) for r in self.rollouts]
+            arrays[k] = np.concatenate(parts) if parts else np.zeros(0, t)
+            arrays[f"{k}_lengths"] = np.asarray([len(p) for p in parts], np.int64)
+        return meta, arrays
+
+    @classmethod
+    def from_split(cls, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> GroupResult:
+        split = {k: np.split(np.asarray(arrays[k], t), np.cumsum(arrays[f"{k}_lengths"])[:-1])
+                 for k, t in _ARRAYS.items()}  # fmt: skip
+        rollouts = [
+            Rollout(**(r | {k: split[k][i].copy() for k in _ARRAYS}
+                       | {"finish_reason": FinishReason(r["finish_reason"])}))
+            for i, r in enumerate(meta["rollouts"])
+        ]  # fmt: skip
+        return cls(ref=PromptRef(**meta["ref"]), rollouts=rollouts,
+                   rewards=np.asarray(arrays["rewards"], np.float64).copy(),
+                   verdicts=list(meta["verdicts"]), issued_version=int(meta["issued_version"]))  # fmt: skip
+
+    # Snapshots before split_state held buffered groups as JSON (arrays as base64): still read.
     def state(self) -> dict[str, Any]:
         return {
             "ref": dataclasses.asdict(self.ref),

@@ -57,6 +57,7 @@ class GroupRecord:
 class Ledger:
     def __init__(self) -> None:
         self._groups: dict[str, GroupRecord] = {}
+        self._closed: list[str] = []  # keys that reached a final state since take_closed()
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -76,6 +77,8 @@ class Ledger:
         if to not in _ALLOWED[rec.state]:
             raise LedgerError(f"group {key!r}: {rec.state.value} -> {to.value} is not allowed")
         rec.state = to
+        if to in (GroupState.TRAINED, GroupState.DISCARDED):
+            self._closed.append(key)
         return rec
 
     def start(self, key: str) -> None:
@@ -129,7 +132,18 @@ class Ledger:
                 )
 
     def state(self) -> list[dict[str, Any]]:
-        return [dataclasses.asdict(r) | {"state": r.state.value} for r in self._groups.values()]
+        return [_row(r) for r in self._groups.values()]
+
+    def live_state(self) -> list[dict[str, Any]]:
+        """Rows of the groups not in a final state (what a resumed run still acts on)."""
+        final = (GroupState.TRAINED, GroupState.DISCARDED)
+        return [_row(r) for r in self._groups.values() if r.state not in final]
+
+    def take_closed(self) -> list[dict[str, Any]]:
+        """Rows of the groups that reached a final state since the last call (each once)."""
+        rows = [_row(self._groups[k]) for k in self._closed]
+        self._closed = []
+        return rows
 
     @classmethod
     def from_state(cls, rows: Iterable[dict[str, Any]]) -> Ledger:
@@ -138,3 +152,7 @@ class Ledger:
             rec = GroupRecord(**(row | {"state": GroupState(row["state"])}))
             ledger._groups[rec.key] = rec
         return ledger
+
+
+def _row(r: GroupRecord) -> dict[str, Any]:
+    return dataclasses.asdict(r) | {"state": r.state.value}

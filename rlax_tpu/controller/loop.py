@@ -36,7 +36,7 @@ from rlax_tpu.controller import groups as groups_lib
 from rlax_tpu.controller.components import Components
 from rlax_tpu.controller.ledger import GroupState, Ledger
 from rlax_tpu.controller.pool import WorkerPool
-from rlax_tpu.controller.snapshots import SnapshotStore
+from rlax_tpu.controller.snapshots import LEDGER_DIR, LedgerLog, SnapshotStore
 from rlax_tpu.controller.staleness import StalenessPolicy
 from rlax_tpu.controller.tasks import SpecCache
 from rlax_tpu.data.evaluation import mean_pass_at_k
@@ -118,6 +118,9 @@ class Controller:
         self.buffered: dict[str, groups_lib.GroupResult] = {}
         self.counters = Counters()
         self.snapshots = SnapshotStore(self.run_dir / "snapshots", keep=cc.snapshot_keep)
+        self.ledger_log = LedgerLog(self.run_dir / LEDGER_DIR)
+        self.ledger_segments = 0  # segments of ledger_log the newest snapshot covers
+        self._split: dict[str, tuple[dict, dict]] = {}
         self.specs = SpecCache(components.verifier)
         self._event = on_event or (lambda text: print(text, flush=True))
         self.pool = WorkerPool(components.workers, retry_s=cc.rpc_timeout_s, on_event=self._warn,
@@ -142,17 +145,25 @@ class Controller:
             "step": self.step,
             "version": self.version,
             "mixture": self.mixture.state(),
-            "ledger": self.ledger.state(),
+            "ledger": self.ledger.live_state(),
+            "ledger_segments": self.ledger_segments,
             "refs": {k: dataclasses.asdict(r) for k, r in self.refs.items()},
-            "buffered": {k: g.state() for k, g in self.buffered.items()},
+            "buffered": {k: self._split[k][0] for k in self.buffered},
             "counters": dataclasses.asdict(self.counters),
             "evals": {str(v): m for v, m in self.evals.items()},
             "done": self.step >= self.cc.num_steps,
         }
 
     def snapshot(self) -> None:
-        # One JSON document (the mixture's RNG state holds 128-bit ints msgpack cannot carry).
-        self.snapshots.save(self.step, {"json": json.dumps(self._payload())})
+        closed = self.ledger.take_closed()
+        if closed:  # before the snapshot that counts it
+            self.ledger_log.write(self.ledger_segments, closed)
+            self.ledger_segments += 1
+        self._split = {k: g.split_state() for k, g in self.buffered.items()}
+        # The state as JSON (the mixture's RNG state holds 128-bit ints msgpack cannot carry),
+        # the buffered rollouts as arrays beside it.
+        self.snapshots.save(self.step, {"json": json.dumps(self._payload()),
+                                        "rollouts": {k: a for k, (_, a) in self._split.items()}})
 
     def check_compatible(self, saved: dict[str, Any]) -> None:
         old = from_dict(type(self.config), saved)
@@ -176,7 +187,8 @@ class Controller:
         live = int(status.step) if status.step > 0 and not status.halted else None
         for step in reversed(self.snapshots.steps()):
             try:
-                payload = json.loads(self.snapshots.load(step)["json"])
+                loaded = self.snapshots.load(step)
+                payload = json.loads(loaded["json"]) | {"_arrays": loaded.get("rollouts", {})}
             except Exception as e:
                 self._warn(f"skipping unreadable snapshot {step}: {e}")
                 continue
@@ -205,7 +217,17 @@ class Controller:
         self.mixture.restore(p["mixture"])
         self.ledger = Ledger.from_state(p["ledger"])
         self.refs = {k: PromptRef(**v) for k, v in p["refs"].items()}
-        self.buffered = {k: groups_lib.GroupResult.from_state(v) for k, v in p["buffered"].items()}
+        arrays = p.get("_arrays", {})
+        self.buffered = {k: groups_lib.GroupResult.from_split(v, arrays[k]) if k in arrays
+                         else groups_lib.GroupResult.from_state(v)  # a snapshot from before
+                         for k, v in p["buffered"].items()}  # fmt: skip
+        self.ledger_segments = int(p.get("ledger_segments", 0))
+        self.ledger_log.truncate(self.ledger_segments)
+        if "ledger_segments" not in p:  # a snapshot from before segments: its finished groups
+            old = [r for r in p["ledger"] if r["state"] in ("trained", "discarded")]
+            if old:
+                self.ledger_log.write(0, old)
+                self.ledger_segments = 1
         # Snapshots from before a counter was dropped (e.g. warmup_ran) still load.
         known = {f.name for f in dataclasses.fields(Counters)}
         self.counters = Counters(**{k: v for k, v in p["counters"].items() if k in known})
@@ -332,7 +354,9 @@ class Controller:
                 trained=[],
             )  # fmt: skip
         t0 = time.perf_counter()
-        metrics = self.c.trainer.train_step(plan.batch) if plan.batch is not None else {}
+        # expect_step: a trainer that restarted unseen (between two calls) refuses the update.
+        metrics = (self.c.trainer.train_step(plan.batch, expect_step=self.version)
+                   if plan.batch is not None else {})  # fmt: skip
         train_s = time.perf_counter() - t0
         for key in plan.trained:
             self.ledger.train(key, at_version=self.version)

@@ -37,7 +37,8 @@ class VerifierPort(Protocol):
 
 
 class TrainerPort(Protocol):
-    def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
+    def train_step(self, batch: TrainBatch, *, expect_step: int | None = None
+                   ) -> dict[str, float]: ...  # fmt: skip
 
     def publish(self) -> int: ...
 

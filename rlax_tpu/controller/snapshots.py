@@ -10,6 +10,7 @@ previous snapshot is used. Paths go through ``rlax_tpu.storage`` so local and GC
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 from typing import Any
@@ -91,3 +92,49 @@ class SnapshotStore:
             except SnapshotError as e:
                 log.warning("skipping unreadable snapshot: %s", e)
         return None
+
+
+class LedgerLog:
+    """The ledger's finished records (trained or discarded groups), out of the snapshots so
+    those stay small: one JSON-lines segment per snapshot that closed any group,
+    ``<dir>/finished_<index:06d>.jsonl``, written before its snapshot. A snapshot records how
+    many segments it covers; a resume deletes later ones (written by the process that died)."""
+
+    def __init__(self, directory: str | epath.Path):
+        self.dir = storage.path(directory)
+
+    def _path(self, index: int) -> epath.Path:
+        return self.dir / f"finished_{index:06d}.jsonl"
+
+    def indices(self) -> list[int]:
+        if not self.dir.exists():
+            return []
+        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _SEGMENT.match(p.name)))
+
+    def write(self, index: int, rows: list[dict[str, Any]]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        storage.write_atomic(self._path(index), "".join(json.dumps(r) + "\n" for r in rows))
+
+    def truncate(self, count: int) -> None:
+        """Deletes segments ``count`` and later."""
+        for i in self.indices():
+            if i >= count:
+                self._path(i).unlink(missing_ok=True)
+
+    def read(self, count: int) -> list[dict[str, Any]]:
+        """Rows of segments 0 .. count-1, oldest first."""
+        rows = []
+        for i in range(count):
+            rows += [json.loads(line) for line in self._path(i).read_text().splitlines() if line]
+        return rows
+
+
+_SEGMENT = re.compile(r"^finished_(\d{6})\.jsonl$")
+LEDGER_DIR = "ledger"
+
+
+def full_ledger(run_dir: str | epath.Path, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every ledger record of a run as of snapshot ``payload`` (its JSON, parsed): the finished
+    ones from the segments it covers, then the ones it holds."""
+    count = int(payload.get("ledger_segments", 0))
+    return LedgerLog(storage.path(run_dir) / LEDGER_DIR).read(count) + list(payload["ledger"])

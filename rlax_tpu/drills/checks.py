@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rlax_tpu.config import RunConfig
-from rlax_tpu.controller.snapshots import SnapshotStore
+from rlax_tpu.controller.snapshots import SnapshotStore, full_ledger
 from rlax_tpu.observability.metrics import read_metrics
 from rlax_tpu.param_server.persistence import Persister
 from rlax_tpu.trainer.checkpoint import inspect_checkpoints
@@ -39,6 +39,8 @@ def read_run(run_dir: Path, config: RunConfig) -> RunState:
     store = SnapshotStore(run_dir / "snapshots", keep=config.controller.snapshot_keep)
     newest = store.latest()
     payload = json.loads(newest[1]["json"]) if newest else {}
+    if payload:
+        payload["ledger"] = full_ledger(run_dir, payload)
     reports = inspect_checkpoints(run_dir / "trainer")
     final = next((r.sha256 for r in reports if r.step == payload.get("version") and r.complete), "")
     metrics = run_dir / "metrics.jsonl"
@@ -62,9 +64,10 @@ def check_run(run_dir: Path, config: RunConfig, reference: RunState | None) -> l
     trained = [r for r in ledger if r["state"] == "trained"]
     out.append(_no_group_lost(p))
     counted = p.get("counters", {}).get("groups_trained", -1)
-    out.append(Check("every group trained exactly once", counted == len(trained),
-                     f"{len(trained)} trained in the ledger (one record each), the counter says "
-                     f"{counted}"))  # fmt: skip
+    repeated = len(ledger) - len({r["key"] for r in ledger})
+    out.append(Check("every group trained exactly once", counted == len(trained) and not repeated,
+                     f"{len(trained)} trained in the ledger, {repeated} records repeated, the "
+                     f"counter says {counted}"))  # fmt: skip
     eta = cc.acceptance_bound
     worst = max((r["trained_at"] - r["version"] for r in trained), default=0)
     out.append(Check("η_a held", worst <= eta, f"largest staleness trained on {worst}, η_a {eta}"))

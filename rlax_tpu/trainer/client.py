@@ -25,9 +25,12 @@ class TrainerClient:
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         wait_ready(self._channel, component="trainer", endpoint=self.endpoint, timeout_s=timeout_s)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, *, expect_step: int | None = None) -> dict[str, float]:
+        """``expect_step``: the trainer refuses the batch (UNAVAILABLE, "TrainerStateLost") when
+        it is at another step, i.e. it restarted since the caller restored it."""
         chunks = batch_to_chunks(batch, self.chunk_bytes)
-        reply = self._stub.TrainStep(chunks, timeout=self.timeout_s)
+        metadata = None if expect_step is None else (("rlax-expect-step", str(expect_step)),)
+        reply = self._stub.TrainStep(chunks, timeout=self.timeout_s, metadata=metadata)
         return dict(reply.metrics)
 
     def publish(self) -> int:

@@ -23,10 +23,11 @@ from rlax_tpu.trainer.checkpoint import (
     CorruptCheckpointError,
     NoCheckpointError,
 )
-from rlax_tpu.trainer.trainer import Trainer, TrainerHalted
+from rlax_tpu.trainer.trainer import Trainer, TrainerHalted, TrainerStateLost
 from rlax_tpu.trainer.wire import batch_from_chunks
 
 COMPONENT = "trainer"
+EXPECT_STEP_KEY = "rlax-expect-step"  # call metadata of TrainStep: the step the caller expects
 # Order matters: the first matching class decides the status.
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (TrainerHalted, grpc.StatusCode.FAILED_PRECONDITION),
@@ -66,7 +67,13 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
 
     @_serialized
     def TrainStep(self, requests: Iterator[pb.TrainBatchMessage], context) -> pb.TrainStepReply:  # noqa: ANN001
-        return pb.TrainStepReply(metrics=self._trainer.train_step(batch_from_chunks(requests)))
+        expect = dict(context.invocation_metadata()).get(EXPECT_STEP_KEY)
+        try:
+            metrics = self._trainer.train_step(batch_from_chunks(requests),
+                                               expect_step=None if expect is None else int(expect))  # fmt: skip
+        except TrainerStateLost as e:  # as gone as a dead trainer: the caller must restore it
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"TrainerStateLost: {e}")
+        return pb.TrainStepReply(metrics=metrics)
 
     @_serialized
     def Publish(self, request: common_pb2.Empty, context) -> pb.TrainerStep:  # noqa: ANN001

@@ -73,6 +73,11 @@ class WeightSink(Protocol):
         ...
 
 
+class TrainerStateLost(RuntimeError):
+    """The trainer's step is not the one its caller expects: it restarted (and holds its
+    initial weights or a checkpoint) under a caller that did not restore it."""
+
+
 class TrainerHalted(RuntimeError):
     """The trainer stopped (nan_policy 'stop') and takes no steps until restored."""
 
@@ -173,12 +178,19 @@ class Trainer:
         return nnx.merge(self._graphdef, self._trainable["model"])
 
     # ------------------------------------------------------------------ train step
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, *, expect_step: int | None = None) -> dict[str, float]:
         """One optimizer update on ``batch``; returns the step's metrics (floats).
 
-        Raises BatchShapeError / ValueError for a batch that does not fit the mesh, the
-        micro-batching or the objective; NonFiniteLossError under nan_policy 'stop'.
+        ``expect_step``: the step the caller believes this trainer is at; any other raises
+        TrainerStateLost (a restarted trainer must not take the next update from where it
+        restarted). Raises BatchShapeError / ValueError for a batch that does not fit the mesh,
+        the micro-batching or the objective; NonFiniteLossError under nan_policy 'stop'.
         """
+        if expect_step is not None and expect_step != self._step:
+            raise TrainerStateLost(
+                f"the trainer is at step {self._step}, not {expect_step}: it restarted since the "
+                "controller last restored it"
+            )
         if self._halted:
             raise TrainerHalted(f"the trainer is halted ({self._halted}); restore a checkpoint")
         t_start = time.perf_counter()

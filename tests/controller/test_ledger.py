@@ -72,3 +72,19 @@ def test_state_round_trip():
     restored = Ledger.from_state(ledger.state())
     assert restored.state() == ledger.state()
     assert restored["a#0"].state is GroupState.BUFFERED
+
+
+def test_finished_groups_leave_the_live_state_once_each():
+    ledger = Ledger()
+    for key in ("a#0", "b#0", "c#0"):
+        ledger.issue(key, step=0)
+        ledger.start(key)
+        ledger.finish(key, version=0)
+    ledger.train("a#0", at_version=0)
+    ledger.discard("b#0", reason="filtered")
+    closed = ledger.take_closed()
+    assert [(r["key"], r["state"]) for r in closed] == [("a#0", "trained"), ("b#0", "discarded")]
+    assert ledger.take_closed() == []  # each closed group is handed out once
+    assert [r["key"] for r in ledger.live_state()] == ["c#0"]
+    ledger.train("c#0", at_version=1)
+    assert [r["key"] for r in ledger.take_closed()] == ["c#0"] and ledger.live_state() == []

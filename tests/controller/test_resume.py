@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rlax_tpu.controller.snapshots import SnapshotStore
+from rlax_tpu.controller.snapshots import SnapshotStore, full_ledger
 
 REPO = Path(__file__).resolve().parents[2]
 # A uid block of its own (tests/verifiers, tests/data and test_tasks use others).
@@ -84,9 +84,12 @@ def sha(stdout: str) -> str:
 
 
 def final_payload(run_dir: Path) -> dict:
+    """The newest snapshot's state, with the run's whole ledger (finished groups are in
+    segments beside the snapshots)."""
     latest = SnapshotStore(run_dir / "snapshots", keep=3).latest()
     assert latest is not None
-    return json.loads(latest[1]["json"])
+    payload = json.loads(latest[1]["json"])
+    return payload | {"ledger": full_ledger(run_dir, payload)}
 
 
 @pytest.fixture(scope="module")

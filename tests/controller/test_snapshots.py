@@ -54,3 +54,44 @@ def test_empty_directory_and_stray_files(tmp_path: Path):
     (tmp_path / "notes.txt").write_text("x")
     (tmp_path / ".snapshot_000000009.msgpack.abc.tmp").write_bytes(b"partial")  # a crashed write
     assert SnapshotStore(tmp_path, keep=1).latest() is None
+
+
+def test_the_ledger_log_keeps_what_snapshots_cover(tmp_path: Path):
+    from rlax_tpu.controller.snapshots import LEDGER_DIR, LedgerLog, full_ledger
+
+    log = LedgerLog(tmp_path / LEDGER_DIR)
+    log.write(0, [{"key": "a#0", "state": "trained"}])
+    log.write(1, [{"key": "b#0", "state": "discarded"}])
+    log.write(2, [{"key": "c#0", "state": "trained"}])  # written by a process that then died
+    payload = {"ledger_segments": 2, "ledger": [{"key": "d#0", "state": "buffered"}]}
+    assert [r["key"] for r in full_ledger(tmp_path, payload)] == ["a#0", "b#0", "d#0"]
+    log.truncate(2)  # what a resume from that snapshot does
+    assert log.indices() == [0, 1]
+
+
+def test_a_buffered_group_round_trips_through_its_array_form():
+    from rlax_tpu.controller.groups import GroupResult
+    from rlax_tpu.data.mixture import PromptRef
+    from rlax_tpu.types import FinishReason, Rollout
+
+    rng = np.random.default_rng(0)
+    rollouts = [Rollout(prompt_id="d/p#0", sample_index=i, prompt_tokens=np.arange(5, dtype=np.int32),
+                        tokens=rng.integers(0, 99, n).astype(np.int32),
+                        logprobs=rng.normal(size=n).astype(np.float32),
+                        versions=np.full(n, 3, np.int64), finish_reason=FinishReason.EOS)
+                for i, n in enumerate((4, 0, 7))]  # fmt: skip
+    group = GroupResult(ref=PromptRef(dataset="d", index=1, problem_id="p", epoch=0, ordinal=0), rollouts=rollouts,
+                        rewards=np.array([1.0, np.nan, 0.0]), verdicts=["accepted", "x", "y"],
+                        issued_version=2)  # fmt: skip
+    meta, arrays = group.split_state()
+    assert all(isinstance(a, np.ndarray) for a in arrays.values())
+    assert "tokens" not in str(meta)  # no array inside the JSON part
+    back = GroupResult.from_split(meta, arrays)
+    assert back.ref == group.ref and back.verdicts == group.verdicts and back.issued_version == 2
+    np.testing.assert_array_equal(back.rewards, group.rewards)
+    for a, b in zip(back.rollouts, rollouts, strict=True):
+        assert a.prompt_id == b.prompt_id and a.sample_index == b.sample_index
+        assert a.finish_reason is b.finish_reason and a.logprob_policy == b.logprob_policy
+        for k in ("prompt_tokens", "tokens", "logprobs", "versions"):
+            np.testing.assert_array_equal(getattr(a, k), getattr(b, k))
+            assert getattr(a, k).dtype == getattr(b, k).dtype

@@ -18,7 +18,7 @@ import pytest
 from rlax_tpu.config import ParamServerConfig, RunConfig, from_dict
 from rlax_tpu.param_server.client import ParamServerClient
 from rlax_tpu.param_server.service import serve as serve_param_server
-from rlax_tpu.rpc.transport import Credentials
+from rlax_tpu.rpc.transport import ComponentFailed, Credentials, Named
 from rlax_tpu.trainer import Trainer, TrainerClient
 from rlax_tpu.trainer.service import serve
 
@@ -106,6 +106,17 @@ def test_grpc_errors_are_clear(served):
         with pytest.raises(grpc.RpcError) as e:
             client.restore(99)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        # A caller that expects another step (the trainer restarted unseen) is refused as if the
+        # trainer were gone, and nothing is trained; the controller names it and recovers.
+        step = client.status().step
+        named = Named(client, "trainer", endpoint)
+        with pytest.raises(ComponentFailed, match=rf"trainer at {endpoint} stopped answering "
+                           rf"\(UNAVAILABLE: TrainerStateLost: the trainer is at step {step}, "
+                           rf"not {step + 5}"):  # fmt: skip
+            named.train_step(random_batch(1), expect_step=step + 5)
+        assert client.status().step == step
+        client.train_step(random_batch(1), expect_step=step)
+        assert client.status().step == step + 1
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 3000, 2**30])
