@@ -230,7 +230,8 @@ def build_distributed(config: RunConfig) -> Components:
 def wait_until_serving(config: RunConfig, timeout_s: float) -> None:
     """Blocks until the trainer, every parameter-server replica, the verifier service and at least
     one inference worker (the pool waits for the others itself) answer their Health RPC as
-    serving; retries with backoff (0.5 s, doubling to 5 s). Raises ComponentUnreachable naming the
+    serving; retries with backoff (0.25 s, doubling to 1 s: a probe is cheap, and every second
+    a restarted component sits unnoticed is a second of the run lost). Raises ComponentUnreachable naming the
     first component still silent after ``timeout_s``."""
     from rlax_tpu.rpc.probe import probe
     from rlax_tpu.rpc.transport import ComponentUnreachable
@@ -243,7 +244,7 @@ def wait_until_serving(config: RunConfig, timeout_s: float) -> None:
                  ("Verifier", "verifiers", c.verifier_endpoint)]  # fmt: skip
     workers = [("Inference", f"inference worker {i}", e) for i, e in enumerate(c.inference_endpoints)]
     deadline = time.monotonic() + timeout_s
-    delay = 0.5
+    delay = 0.25
 
     def serving(target: tuple[str, str, str]) -> bool:
         left = deadline - time.monotonic()
@@ -260,4 +261,4 @@ def wait_until_serving(config: RunConfig, timeout_s: float) -> None:
             _, name, endpoint = (required or workers)[0]
             raise ComponentUnreachable(name, endpoint, timeout_s)
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-        delay = min(2 * delay, 5.0)
+        delay = min(2 * delay, 1.0)

@@ -253,6 +253,8 @@ class Controller:
 
     def lease(self, versions: Iterable[int]) -> None:
         versions = list(versions)
+        if not versions:
+            return
         try:
             self.c.param_server.lease("controller", sorted(set(versions)))
         except Exception as e:  # a lease is an optimization of GC, not needed for correctness
@@ -419,7 +421,10 @@ class Controller:
                 if t not in self._jobs and t not in buffered_by_step:
                     g = self.policy.generation_version(t)
                     self._jobs[t] = self._launch(self.issue(self.cc.prompts_per_step, step=t), g)
-            self.lease(self.policy.generation_version(t) for t in range(s, launch_until + 1))
+            # Versions still to generate with (a resumed step whose rollouts are buffered needs
+            # none: its version may be gone from the parameter server, and that is fine).
+            self.lease(self.policy.generation_version(t) for t in range(s, launch_until + 1)
+                       if t not in buffered_by_step)  # fmt: skip
             if s in self._jobs:
                 results = self._jobs.pop(s).result()
                 for r in results:
