@@ -125,15 +125,15 @@ COMPILATION_CACHE_DIR = "jax_cache"
 
 
 def use_compilation_cache(config: RunConfig) -> str:
-    """Points JAX's persistent compilation cache at ``<run_dir>/jax_cache`` (programs that took
-    more than 0.3 s to compile); "" when ``controller.compilation_cache`` is off. Returns it."""
+    """Points JAX's persistent compilation cache at ``<run_dir>/jax_cache`` (every program:
+    a restarted trainer compiles a dozen small ones before its first step); "" when ``controller.compilation_cache`` is off. Returns it."""
     if not config.controller.compilation_cache:
         return ""
     import jax
 
     where = f"{config.controller.run_dir.rstrip('/')}/{COMPILATION_CACHE_DIR}"  # also gs://
     jax.config.update("jax_compilation_cache_dir", where)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return where
 
