@@ -11,7 +11,6 @@ not answer raises ``ComponentUnreachable`` naming it and its endpoint.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import tempfile
 import time
@@ -21,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from rlax_tpu import models, storage
 from rlax_tpu.config import RunConfig
@@ -49,13 +47,9 @@ class Components:
 
 def params_sha256(params: Any) -> str:
     """SHA-256 over a parameter tree's paths, dtypes, shapes and bytes (bitwise identity)."""
-    digest = hashlib.sha256()
-    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params),
-                             key=lambda kv: jax.tree_util.keystr(kv[0])):  # fmt: skip
-        a = np.asarray(jax.device_get(leaf))
-        digest.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}".encode())
-        digest.update(np.ascontiguousarray(a).tobytes())
-    return digest.hexdigest()
+    from rlax_tpu.trainer.checkpoint import tree_sha256
+
+    return tree_sha256(params)
 
 
 def _close_all(closers: list[Callable[[], None]]) -> None:

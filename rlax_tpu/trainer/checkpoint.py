@@ -240,13 +240,19 @@ def _inspect_one(manager: ocp.CheckpointManager, step: int) -> CheckpointReport:
     bad = sorted(k for k, v in meta.get("checksums", {}).items() if got.get(_canonical(k)) != v)
     if bad:
         return CheckpointReport(step, False, f"checksum mismatch in {', '.join(bad[:3])}", "")
+    return CheckpointReport(step, True, "", tree_sha256(state))
+
+
+def tree_sha256(tree: Any) -> str:
+    """SHA-256 over a pytree's paths, dtypes, shapes and bytes (bitwise identity; arrays are
+    fetched to the host)."""
     digest = hashlib.sha256()
-    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(state),
+    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(tree),
                              key=lambda kv: jax.tree_util.keystr(kv[0])):  # fmt: skip
-        a = np.asarray(leaf)
+        a = np.asarray(jax.device_get(leaf))
         digest.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}".encode())
         digest.update(np.ascontiguousarray(a).tobytes())
-    return CheckpointReport(step, True, "", digest.hexdigest())
+    return digest.hexdigest()
 
 
 def _canonical(path: str) -> str:
