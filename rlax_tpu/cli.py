@@ -171,8 +171,13 @@ def main(component: str, run: Callable[[RunConfig, list[str]], int]) -> None:
         if flags.FLAGS.print_config:
             print(json.dumps(to_dict(holder["cfg"]), indent=2))
             return 0
-        if component in CACHED_COMPONENTS:
-            use_compilation_cache(holder["cfg"])
+        cfg = holder["cfg"]
+        section = getattr(cfg, component, None)
+        several = getattr(getattr(section, "distributed", None), "enabled", False)
+        # Not for a jax.distributed job: unverified there (a two-process CPU trainer once hung
+        # at shutdown in CI with it on).
+        if component in CACHED_COMPONENTS and not several:
+            use_compilation_cache(cfg)
         try:
             return run(holder["cfg"], args[1:])
         except UsageError as e:  # a setting the component found unusable before starting
