@@ -142,8 +142,7 @@ def _override(args: list[str], field: str, value: str) -> list[str]:
 
 
 def _summary(launch, kills, mode: str, config: RunConfig) -> dict:  # noqa: ANN001
-    times = [b[0] - a[0] for a, b in zip(launch.steps, launch.steps[1:], strict=False)]
-    step_s = statistics.median(times) if times else float("nan")
+    step_s = launch.median_step_s()
     rec = [k.recover_s for k in kills if k.recovered_at == k.recovered_at]
     return {
         "mode": mode, "num_steps": config.controller.num_steps,

@@ -72,12 +72,12 @@ def check_run(run_dir: Path, config: RunConfig, reference: RunState | None) -> l
     worst = max((r["trained_at"] - r["version"] for r in trained), default=0)
     out.append(Check("η_a held", worst <= eta, f"largest staleness trained on {worst}, η_a {eta}"))
     incomplete = [r for r in state.checkpoints if not r.complete]
-    usable = set(_usable_snapshots(run_dir, config, state))
+    bad_snapshots, needed = _snapshots(run_dir, config)
+    usable = set(needed)
     out.append(Check(
         "checkpoints complete or skipped", not [r for r in incomplete if r.step in usable],
         f"{len(state.checkpoints) - len(incomplete)} complete; "
         + (", ".join(f"{r.step}: {r.detail}" for r in incomplete) or "none incomplete")))  # fmt: skip
-    bad_snapshots = _unreadable_snapshots(run_dir, config)
     out.append(Check("snapshots complete or skipped", not bad_snapshots,
                      "every snapshot reads" if not bad_snapshots else
                      f"unreadable: {bad_snapshots}"))  # fmt: skip
@@ -119,30 +119,20 @@ def _span(steps: list[int]) -> str:
     return f"{steps[0]}..{steps[-1]} ({len(steps)} records, {dup} repeated)"
 
 
-def _unreadable_snapshots(run_dir: Path, config: RunConfig) -> list[int]:
+def _snapshots(run_dir: Path, config: RunConfig) -> tuple[list[int], list[int]]:
+    """(steps of unreadable snapshots not skipped with a warning, versions the readable ones
+    need from the trainer's checkpoints), in one pass over the snapshots."""
     store = SnapshotStore(run_dir / "snapshots", keep=config.controller.snapshot_keep)
-    bad = []
+    bad, versions = [], []
     for step in store.steps():
         try:
-            json.loads(store.load(step)["json"])
+            versions.append(int(json.loads(store.load(step)["json"])["version"]))
         except Exception:
             bad.append(step)
     # A torn newest snapshot is skipped with a warning on resume; only the final one must read.
-    log = (run_dir / "logs" / "controller.log")
+    log = run_dir / "logs" / "controller.log"
     warned = log.read_text() if log.exists() else ""
-    return [s for s in bad if f"skipping unreadable snapshot {s}" not in warned]
-
-
-def _usable_snapshots(run_dir: Path, config: RunConfig, state: RunState) -> list[int]:
-    """Versions the kept snapshots need from the trainer's checkpoints."""
-    store = SnapshotStore(run_dir / "snapshots", keep=config.controller.snapshot_keep)
-    out = []
-    for step in store.steps():
-        try:
-            out.append(int(json.loads(store.load(step)["json"])["version"]))
-        except Exception:
-            continue
-    return out
+    return [s for s in bad if f"skipping unreadable snapshot {s}" not in warned], versions
 
 
 def _partial_versions(run_dir: Path, config: RunConfig) -> Check:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from rlax_tpu.config import RunConfig
-from rlax_tpu.launch.local import Launch, free_port
+from rlax_tpu.launch.local import Child, Launch, free_port
 
 KINDS = ("controller", "trainer", "inference", "param_server", "verifiers")
 _STEP = re.compile(r"^step (\d+)/(\d+)")
@@ -107,13 +107,13 @@ class DrillLaunch(Launch):
 
     def _run_controller(self, args: list[str]) -> int:
         self._controller_args = args
-        self.controller = self._start_controller(args, watch=self._on_controller_line)
+        self.controller = self._restart_controller()
         since = 0.0
         for i, kill in enumerate(self.kills):
             if not self._wait_step_after(since) or self._stopping.is_set():
                 self._say(f"the run ended before kill {i + 1} of {len(self.kills)}")
                 break
-            time.sleep(kill.fraction * self._step_time())
+            time.sleep(kill.fraction * self.median_step_s(default=1.0))
             if self.controller.proc.poll() is not None:
                 self._say(f"the run ended before kill {i + 1} of {len(self.kills)}")
                 break
@@ -139,7 +139,10 @@ class DrillLaunch(Launch):
             code = self.controller.proc.wait()
             if code == 0 or self._stopping.is_set() or not self._unplanned("controller", code):
                 return code
-            self.controller = self._start_controller(args, watch=self._on_controller_line)
+            self.controller = self._restart_controller()
+
+    def _restart_controller(self) -> Child:
+        return self._start_controller(self._controller_args, watch=self._on_controller_line)
 
     def _wait_step_after(self, t: float, *, limit_s: float | None = None) -> bool:
         """Waits for a step completed after time ``t`` while restarting services that die on
@@ -155,18 +158,18 @@ class DrillLaunch(Launch):
             if code is not None:
                 if code == 0 or not self._unplanned("controller", code):
                     return False
-                self.controller = self._start_controller(self._controller_args,
-                                                         watch=self._on_controller_line)  # fmt: skip
+                self.controller = self._restart_controller()
         return False
 
     def _first_step_after(self, t: float) -> tuple[float, int]:
         with self._cond:
             return next((w, s) for w, s in self.steps if w > t)
 
-    def _step_time(self) -> float:
+    def median_step_s(self, default: float = float("nan")) -> float:
+        """Median time between the completed steps seen (``default`` before two)."""
         with self._cond:
             times = [b[0] - a[0] for a, b in zip(self.steps, self.steps[1:], strict=False)]
-        return statistics.median(times) if times else 1.0
+        return statistics.median(times) if times else default
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -189,8 +192,7 @@ class DrillLaunch(Launch):
 
     def _restart(self, target: str) -> None:
         if target == "controller":
-            self.controller = self._start_controller(self._controller_args,
-                                                     watch=self._on_controller_line)  # fmt: skip
+            self.controller = self._restart_controller()
             return
         for i in self._group(target):
             old = self.services[i]
