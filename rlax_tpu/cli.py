@@ -12,7 +12,9 @@ import difflib
 import json
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -136,6 +138,25 @@ def use_compilation_cache(config: RunConfig) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return where
+
+
+def stop_event() -> threading.Event:
+    """An event set by SIGTERM or SIGINT. Wait on it with ``wait_for(event)``."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def wait_for(stop: threading.Event) -> None:
+    """Blocks until ``stop`` is set.
+
+    Polls, because a bare ``wait()`` can miss the signal for good: the kernel may deliver it to
+    another thread (gRPC's, a pool's), and the main thread, asleep on a lock, never wakes to run
+    the Python handler. CI once saw a verifier ignore SIGTERM for 60 s that way.
+    """
+    while not stop.wait(0.5):
+        pass
 
 
 def main(component: str, run: Callable[[RunConfig, list[str]], int]) -> None:

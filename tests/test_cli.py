@@ -97,3 +97,31 @@ def test_unknown_override_helper():
     assert unknown_override(["prog", "--config.mesh.tensor.x=1"]) == (
         "--config.mesh.tensor.x=1: unknown config field 'x' in mesh.tensor"
     )
+
+
+_SIGNAL_TO_A_THREAD = """
+import signal, threading, time
+from rlax_tpu import cli
+
+stop = cli.stop_event()
+threading.Thread(target=lambda: (time.sleep(0.3),
+                                 signal.pthread_kill(threading.get_ident(), signal.SIGTERM))).start()
+{wait}
+print("stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("wait, stops", [("cli.wait_for(stop)", True), ("stop.wait()", False)])
+def test_a_stop_signal_delivered_to_another_thread_still_stops_the_main_thread(wait, stops):
+    # The kernel may hand a process-directed SIGTERM to any thread; here it goes to a helper on
+    # purpose. A bare Event.wait() in the main thread never runs the handler (the control case).
+    code = _SIGNAL_TO_A_THREAD.format(wait=wait)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = proc.communicate(timeout=5)
+        assert stops and out == "stopped\n"
+    except subprocess.TimeoutExpired:
+        assert not stops, "cli.wait_for missed a SIGTERM delivered to another thread"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -17,8 +17,6 @@ exit when process 0 shuts down.
 
 from __future__ import annotations
 
-import signal
-import threading
 from typing import Any
 
 from rlax_tpu import cli, multihost
@@ -74,15 +72,13 @@ def run(config: RunConfig, args: list[str]) -> int:
     cfg = config.inference
     worker = InferenceWorker.from_config(config)
     worker.weight_source, client = _weight_source(config, worker.engine)
-    stop = threading.Event()
+    stop = cli.stop_event()
     server, port = serve(
         worker, cfg.address,
         credentials=Credentials(auth_token_file=cfg.auth_token_file,
                                 tls_cert_file=cfg.tls_cert_file),
         on_shutdown=stop.set,
     )  # fmt: skip
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     host = cfg.address.rsplit(":", 1)[0]
     status = worker.status()
     source = ""
@@ -90,7 +86,7 @@ def run(config: RunConfig, args: list[str]) -> int:
         source = f", weights from {client.endpoints[client.replica]}"
     print(f"rlax_tpu.inference: serving on {host}:{port} (backend {status.backend}, "
           f"version {status.version}, {status.pages_total} KV pages{source})", flush=True)  # fmt: skip
-    stop.wait()
+    cli.wait_for(stop)
     worker.shutdown()
     server.stop(grace=2.0).wait()
     if client is not None:

@@ -186,7 +186,9 @@ class Launch:
         if not storage.path(storage.join(out_dir, "config.json")).exists():
             child = self._start("warmup", "controller", [
                 "--config.controller.transport=local", f"--warmup_out={out_dir}"], service=False)  # fmt: skip
-            if child.proc.wait() != 0:
+            while child.proc.poll() is None:  # polls: a bare wait() can miss a signal
+                time.sleep(0.5)
+            if child.proc.returncode != 0:
                 raise LaunchError(f"the warm-up exited with status {child.proc.returncode} (log: "
                                   f"{child.log_path}):\n{child.last_lines()}")  # fmt: skip
         else:

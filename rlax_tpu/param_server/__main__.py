@@ -8,23 +8,17 @@ Prints "param_server listening on HOST:PORT" once ready; SIGTERM or SIGINT stops
 
 from __future__ import annotations
 
-import signal
-import threading
-
 from rlax_tpu import cli
 from rlax_tpu.config import RunConfig
 from rlax_tpu.param_server.service import persist_location, serve
 
 
 def run(config: RunConfig, args: list[str]) -> int:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = cli.stop_event()
     server, port, store = serve(config.param_server, persist_location=persist_location(config))
     host = config.param_server.address.rpartition(":")[0]
     print(f"param_server listening on {host}:{port}", flush=True)
-    while not stop.wait(1.0):
-        pass
+    cli.wait_for(stop)
     server.stop(grace=5).wait()
     store.flush(timeout_s=60)  # let a write-through in progress finish
     store.close()

@@ -14,9 +14,7 @@ checkpoints its own shards. SIGTERM to process 0 stops them all.
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 from typing import Any
 
 from rlax_tpu import cli, multihost
@@ -34,6 +32,7 @@ def run(config: RunConfig, args: list[str]) -> int:
     from rlax_tpu.trainer.lockstep import LeadTrainer, follow
     from rlax_tpu.trainer.service import serve
     from rlax_tpu.trainer.trainer import Trainer
+
     sink = None
     if config.controller.param_server_endpoints:
         # The composition root may use another component's published client (the only such
@@ -54,10 +53,8 @@ def run(config: RunConfig, args: list[str]) -> int:
     server, port = serve(served, config.trainer)
     host = config.trainer.address.rsplit(":", 1)[0]
     print(f"rlax_tpu.trainer: serving on {host}:{port}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    stop = cli.stop_event()
+    cli.wait_for(stop)
     server.stop(grace=5).wait()
     if several:
         served.stop()

@@ -6,9 +6,7 @@ cleanly on SIGTERM or SIGINT.
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 
 from rlax_tpu import cli
 from rlax_tpu.config import RunConfig
@@ -24,14 +22,12 @@ def run(config: RunConfig, args: list[str]) -> int:
     except SandboxUnavailable as e:
         print(f"rlax_tpu.verifiers: error: {e}", file=sys.stderr)
         return 1
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = cli.stop_event()
     try:
         server, port = serve(cfg, service)
         host = cfg.address.rsplit(":", 1)[0]
         print(f"verifiers serving on {host}:{port} ({service.health()})", flush=True)
-        stop.wait()
+        cli.wait_for(stop)
         server.stop(grace=5).wait()
     finally:
         service.close()
