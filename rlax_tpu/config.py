@@ -560,6 +560,16 @@ class DataConfig:
     replay_temperature: float = 1.0
     replay_per_prompt: int = 16
     replay_max_items: int = 100_000
+    # Pre-filtering (RLAX §6.2 curation): before a fresh run's first update, every training
+    # problem gets prefilter_samples samples from the initial policy, and only problems whose pass
+    # rate r has prefilter_low < r < prefilter_high are trained on (partially solved: the others
+    # teach a group-relative objective nothing). The result is kept in <run_dir>/prefilter.json.
+    # prefilter_problems > 0 measures (and so trains on) only the first that many of each
+    # dataset. 0 samples: off.
+    prefilter_samples: int = 0
+    prefilter_low: float = 0.0
+    prefilter_high: float = 1.0
+    prefilter_problems: int = 0
 
     def __post_init__(self) -> None:
         if not self.datasets:
@@ -580,6 +590,10 @@ class DataConfig:
             "replay_per_prompt", "replay_max_items",
         )  # fmt: skip
         _in_range(self, "replay_recency_prob", 0.0, 1.0)
+        _non_negative(self, "prefilter_samples", "prefilter_problems")
+        if not 0.0 <= self.prefilter_low < self.prefilter_high <= 1.0:
+            raise _bad(self, "prefilter_low", f"need 0 <= prefilter_low < prefilter_high <= 1 "
+                       f"(prefilter_high = {self.prefilter_high})")  # fmt: skip
 
 
 @_frozen
@@ -721,6 +735,15 @@ class ControllerConfig:
     # compiling them again.
     compilation_cache: bool = True
     snapshot_keep: int = 3
+    # Dynamic sampling (DAPO): while fewer than prompts_per_step groups survive the filter, a
+    # step draws more prompts, generated with the step's version, at most this many extra times
+    # (throughput mode: admits up to this many batches' worth of filtered groups per update);
+    # then it trains on the groups kept. 0: train on what the first round keeps.
+    refill_rounds: int = 3
+    # Updates in a row with nothing to learn (every group filtered) before the run stops with an
+    # error: the data is too hard or too easy for the model, or the verifier is broken. A
+    # skipped update changes no weights and no version; its step is drawn afresh.
+    max_skipped_updates: int = 10
     log_every: int = 1
     # Supervised warm-up on reference solutions before RL (fresh runs only; 0: none), so a tiny
     # randomly initialized model has some reward signal. The report says when it ran.
@@ -738,7 +761,8 @@ class ControllerConfig:
             raise _bad(self, "run_dir", "must be set")
         _positive(self, "num_steps", "prompts_per_step", "reload_staleness", "rpc_timeout_s",
                   "snapshot_keep", "log_every")  # fmt: skip
-        _non_negative(self, "pipeline_depth", "warmup_steps", "recovery_timeout_s")
+        _non_negative(self, "pipeline_depth", "warmup_steps", "recovery_timeout_s",
+                      "refill_rounds", "max_skipped_updates")
         _positive(self, "warmup_batch_size", "warmup_learning_rate")
         _in_range(self, "warmup_wrong_fraction", 0.0, 1.0, hi_open=True)
         if self.acceptance_staleness < UNBOUNDED:

@@ -30,7 +30,7 @@ def run(config: RunConfig, args: list[str]) -> int:
     from absl import logging as absl_logging
 
     from rlax_tpu.controller.app import run_job
-    from rlax_tpu.controller.loop import IncompatibleResume
+    from rlax_tpu.controller.loop import IncompatibleResume, NothingToLearn
     from rlax_tpu.data.problems import DataError
     from rlax_tpu.rpc.transport import ComponentFailed, ComponentUnreachable
 
@@ -49,7 +49,8 @@ def run(config: RunConfig, args: list[str]) -> int:
             export_warmup(config, WARMUP_OUT.value)
             return 0
         run_job(config, command="python -m rlax_tpu.controller " + " ".join(sys.argv[1:]))
-    except (IncompatibleResume, DataError, ComponentUnreachable, ComponentFailed) as e:
+    except (IncompatibleResume, NothingToLearn, DataError, ComponentUnreachable,
+            ComponentFailed) as e:
         print(f"rlax_tpu.controller: error: {e}", file=sys.stderr)
         return 1
     return 0

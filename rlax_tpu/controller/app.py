@@ -295,6 +295,10 @@ def print_summary(s: RunSummary, report: Path, out: TextIO) -> None:
              f"{c['groups_discarded_stale']} discarded as stale, "
              f"{c['groups_verifier_failed']} dropped on verifier errors",
              f"tokens generated: {c['tokens_generated']}"]  # fmt: skip
+    if c.get("groups_refilled") or c.get("updates_skipped"):
+        lines.insert(4, f"dynamic sampling: {c['groups_refilled']} groups drawn to refill "
+                     f"batches, {c['groups_surplus']} surplus, {c['updates_skipped']} updates "
+                     "skipped with nothing to learn")  # fmt: skip
     if s.evals:
         first, last = min(s.evals), max(s.evals)
         p0, p1 = s.evals[first].get("eval/pass@1"), s.evals[last].get("eval/pass@1")

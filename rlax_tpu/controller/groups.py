@@ -39,6 +39,7 @@ class GroupResult:
     issued_version: int = 0  # trainer version when the group was issued (throughput mode)
     # perf_counter stamps "launched", "generated", "verified" of its job (not snapshotted)
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
+    replayed: str = ""  # drawn from the replay buffer: the pool ("recent", "reward", "uniform")
 
     @property
     def key(self) -> str:
@@ -62,29 +63,14 @@ class GroupResult:
     def split_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(JSON-able fields, arrays): snapshots keep the arrays out of their JSON. Per rollout
         arrays are concatenated over the group ([sum of lengths]) with their lengths."""
-        meta = {
-            "ref": dataclasses.asdict(self.ref), "verdicts": list(self.verdicts),
-            "issued_version": self.issued_version,
-            "rollouts": [{"prompt_id": r.prompt_id, "sample_index": r.sample_index,
-                          "finish_reason": r.finish_reason.value,
-                          "logprob_policy": r.logprob_policy} for r in self.rollouts],
-        }  # fmt: skip
-        arrays = {"rewards": np.asarray(self.rewards, np.float64)}
-        for k, t in _ARRAYS.items():
-            parts = [np.asarray(getattr(r, k), t) for r in self.rollouts]
-            arrays[k] = np.concatenate(parts) if parts else np.zeros(0, t)
-            arrays[f"{k}_lengths"] = np.asarray([len(p) for p in parts], np.int64)
-        return meta, arrays
+        rollouts, arrays = split_rollouts(self.rollouts)
+        meta = {"ref": dataclasses.asdict(self.ref), "verdicts": list(self.verdicts),
+                "issued_version": self.issued_version, "rollouts": rollouts}  # fmt: skip
+        return meta, arrays | {"rewards": np.asarray(self.rewards, np.float64)}
 
     @classmethod
     def from_split(cls, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> GroupResult:
-        split = {k: np.split(np.asarray(arrays[k], t), np.cumsum(arrays[f"{k}_lengths"])[:-1])
-                 for k, t in _ARRAYS.items()}  # fmt: skip
-        rollouts = [
-            Rollout(**(r | {k: split[k][i].copy() for k in _ARRAYS}
-                       | {"finish_reason": FinishReason(r["finish_reason"])}))
-            for i, r in enumerate(meta["rollouts"])
-        ]  # fmt: skip
+        rollouts = join_rollouts(meta["rollouts"], arrays)
         return cls(ref=PromptRef(**meta["ref"]), rollouts=rollouts,
                    rewards=np.asarray(arrays["rewards"], np.float64).copy(),
                    verdicts=list(meta["verdicts"]), issued_version=int(meta["issued_version"]))  # fmt: skip
@@ -119,6 +105,31 @@ def _pack(a: np.ndarray) -> dict[str, str]:
 
 def _unpack(d: dict[str, str]) -> np.ndarray:
     return np.frombuffer(base64.b64decode(d["data"]), dtype=np.dtype(d["dtype"])).copy()
+
+
+def split_rollouts(rollouts: Sequence[Rollout]) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+    """(JSON-able fields per rollout, arrays): each per-token array concatenated over the
+    rollouts ([sum of lengths]) with its lengths ([R]), for msgpack."""
+    meta = [{"prompt_id": r.prompt_id, "sample_index": r.sample_index,
+             "finish_reason": r.finish_reason.value, "logprob_policy": r.logprob_policy}
+            for r in rollouts]  # fmt: skip
+    arrays = {}
+    for k, t in _ARRAYS.items():
+        parts = [np.asarray(getattr(r, k), t) for r in rollouts]
+        arrays[k] = np.concatenate(parts) if parts else np.zeros(0, t)
+        arrays[f"{k}_lengths"] = np.asarray([len(p) for p in parts], np.int64)
+    return meta, arrays
+
+
+def join_rollouts(meta: Sequence[dict[str, Any]], arrays: dict[str, np.ndarray]) -> list[Rollout]:
+    """The inverse of :func:`split_rollouts`."""
+    split = {k: np.split(np.asarray(arrays[k], t), np.cumsum(arrays[f"{k}_lengths"])[:-1])
+             for k, t in _ARRAYS.items()}  # fmt: skip
+    return [
+        Rollout(**(r | {k: split[k][i].copy() for k in _ARRAYS}
+                   | {"finish_reason": FinishReason(r["finish_reason"])}))
+        for i, r in enumerate(meta)
+    ]  # fmt: skip
 
 
 _ARRAYS = {
@@ -243,12 +254,16 @@ class BatchPlan:
     trained: list[str]  # group keys in the batch
     filtered: list[str]  # dropped by dynamic sampling (uniform rewards)
     failed: list[str]  # dropped: the verifier failed on some sample
+    surplus: list[str] = dataclasses.field(default_factory=list)  # kept beyond max_groups
 
 
 def plan_batch(
-    results: Sequence[GroupResult], objective: Objective, *, group_size: int, temperature: float
-) -> BatchPlan:
-    """The TrainBatch of a step: verifier failures dropped, dynamic sampling, reward shaping."""
+    results: Sequence[GroupResult], objective: Objective, *, group_size: int, temperature: float,
+    max_groups: int | None = None,
+) -> BatchPlan:  # fmt: skip
+    """The TrainBatch of a step: verifier failures dropped, dynamic sampling, at most
+    ``max_groups`` kept groups (the first ones; DAPO trims a refilled batch to its size), reward
+    shaping."""
     ok = [r for r in results if not r.verifier_failed]
     failed = [r.key for r in results if r.verifier_failed]
     if not ok:
@@ -257,6 +272,8 @@ def plan_batch(
     keep, _ = objective.filter_groups(rewards)
     kept = [r for r, k in zip(ok, keep, strict=True) if k]
     filtered = [r.key for r, k in zip(ok, keep, strict=True) if not k]
+    surplus = [r.key for r in kept[max_groups:]] if max_groups is not None else []
+    kept = kept[: len(kept) - len(surplus)]
     if not kept:
         return BatchPlan(None, [], filtered, failed)
     rollouts = [ro for r in kept for ro in r.rollouts]
@@ -264,7 +281,7 @@ def plan_batch(
     shaped = objective.shape_rewards(np.concatenate([r.rewards for r in kept]), lengths)
     batch = TrainBatch.from_rollouts(rollouts, shaped, group_size=group_size,
                                      temperature=temperature)  # fmt: skip
-    return BatchPlan(batch, [r.key for r in kept], filtered, failed)
+    return BatchPlan(batch, [r.key for r in kept], filtered, failed, surplus)
 
 
 def verdict_counts(results: Sequence[GroupResult]) -> dict[str, int]:

@@ -22,6 +22,7 @@ import concurrent.futures as cf
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -36,10 +37,12 @@ from rlax_tpu.controller import groups as groups_lib
 from rlax_tpu.controller.components import Components
 from rlax_tpu.controller.ledger import GroupState, Ledger
 from rlax_tpu.controller.pool import WorkerPool
+from rlax_tpu.controller.replay import REPLAY_DIR, ReplayFeed
 from rlax_tpu.controller.snapshots import LEDGER_DIR, LedgerLog, SnapshotStore
 from rlax_tpu.controller.staleness import StalenessPolicy
 from rlax_tpu.controller.tasks import SpecCache
 from rlax_tpu.data.evaluation import mean_pass_at_k
+from rlax_tpu.data.filters import prefilter
 from rlax_tpu.data.mixture import PromptMixture, PromptRef
 from rlax_tpu.observability.metrics import MetricsWriter
 from rlax_tpu.observability.progress import Progress
@@ -66,11 +69,23 @@ class IncompatibleResume(ValueError):
     """The run directory holds a run with a different config."""
 
 
+PREFILTER_FILE = "prefilter.json"
+
+
+class NothingToLearn(RuntimeError):
+    """Too many updates in a row had every group filtered (controller.max_skipped_updates)."""
+
+
 @dataclasses.dataclass
 class Counters:
     groups_trained: int = 0
     groups_discarded_stale: int = 0
     groups_filtered: int = 0
+    groups_refilled: int = 0  # drawn by dynamic sampling's extra rounds
+    groups_surplus: int = 0  # kept by the filter beyond prompts_per_step, discarded
+    updates_skipped: int = 0  # nothing to learn: every group filtered
+    groups_replayed: int = 0  # data.replay: groups drawn from the buffer and trained on
+    skipped_in_a_row: int = 0
     groups_verifier_failed: int = 0
     tokens_generated: int = 0
     prompts_too_long: int = 0  # drawn from the mixture but longer than inference.max_prompt_len
@@ -108,11 +123,7 @@ class Controller:
             pipeline_depth=cc.pipeline_depth if cc.mode == "deterministic" else 0,
         )  # fmt: skip
         self.group_size = config.algorithm.group_size
-        datasets = prompter.datasets
-        self.mixture = PromptMixture(
-            {n: [p.id for p in ps] for n, ps in datasets.train.items()},
-            dict(zip(config.data.datasets, config.data.weights, strict=True)), seed=cc.seed,
-        )  # fmt: skip
+        self.mixture = self._mixture(self._prefiltered())
         self.ledger = Ledger()
         self.refs: dict[str, PromptRef] = {}  # group key -> ref, for unfinished groups
         self.buffered: dict[str, groups_lib.GroupResult] = {}
@@ -131,12 +142,78 @@ class Controller:
         self._progress_stream = progress_stream
         self._jobs: dict[int, cf.Future] = {}  # deterministic: step -> verified groups
         self._verify_pool = cf.ThreadPoolExecutor(2, "verify")
+        self.replay, self._replay_state = None, None
+        if config.data.replay:
+            self.replay = ReplayFeed(config.data, seed=cc.seed, group_size=self.group_size,
+                                     max_staleness=cc.acceptance_bound,
+                                     directory=self.run_dir / REPLAY_DIR)  # fmt: skip
 
     def _warn(self, text: str) -> None:
         # Shown once, in the run's output; the log keeps it below the terminal's WARNING level
         # (it printed every warning twice, once on each stream).
         log.info("warning: %s", text)
         self._event(f"warning: {text}")
+
+    # ------------------------------------------------------------------ training problems
+    def _mixture(self, keep: set[str] | None) -> PromptMixture:
+        """The prompt mixture over the training problems (``keep``: "dataset/id" keys only)."""
+        train = {n: [p.id for p in ps if keep is None or f"{n}/{p.id}" in keep]
+                 for n, ps in self.prompter.datasets.train.items()}  # fmt: skip
+        train = {n: ids for n, ids in train.items() if ids}
+        weights = dict(zip(self.config.data.datasets, self.config.data.weights, strict=True))
+        return PromptMixture(train, {n: weights[n] for n in train}, seed=self.cc.seed)
+
+    def _prefiltered(self) -> set[str] | None:
+        path = self.run_dir / PREFILTER_FILE
+        if not self.config.data.prefilter_samples:
+            return None
+        return set(json.loads(path.read_text())["kept"]) if path.exists() else None
+
+    def prefilter(self) -> None:
+        """RLAX's pre-filtering: measures the training problems' pass rates with this version
+        and keeps the partially solved ones (``data.prefilter_*``); the result goes to
+        ``<run_dir>/prefilter.json`` and the mixture draws from the kept problems only."""
+        d = self.config.data
+        k, cap = d.prefilter_samples, d.prefilter_problems
+        problems = [(f"{n}/{p.id}", p) for n, ps in self.prompter.datasets.train.items()
+                    for p in (ps[:cap] if cap else ps) if self.prompter.fits(p)]  # fmt: skip
+        self._event(f"pre-filtering {len(problems)} training problems: {k} samples each at "
+                    f"version {self.version}")  # fmt: skip
+        self.ensure_versions([self.version])
+        counts: dict[str, int] = {}
+        chunk = max(1, 256 // k)
+        for i in range(0, len(problems), chunk):
+            counts |= self._pass_counts(problems[i : i + chunk], k, stream="prefilter")
+            self._event(f"pre-filtering: {min(i + chunk, len(problems))}/{len(problems)} problems")
+        rates = {key: c / k for key, c in counts.items()}
+        result = prefilter(rates, low=d.prefilter_low, high=d.prefilter_high)
+        summary = (f"{len(result.kept)} of {len(rates)} problems kept, "
+                   f"{len(result.dropped_solved)} solved at rate >= {d.prefilter_high}, "
+                   f"{len(result.dropped_unsolved)} at rate <= {d.prefilter_low}")  # fmt: skip
+        if not result.kept:
+            raise NothingToLearn(f"pre-filtering kept no training problem ({summary}); widen "
+                                 "data.prefilter_low/prefilter_high or turn it off")  # fmt: skip
+        storage.write_atomic(self.run_dir / PREFILTER_FILE, json.dumps({
+            "version": self.version, "samples": k, "low": d.prefilter_low,
+            "high": d.prefilter_high, "pass_rates": rates, "kept": list(result.kept),
+            "dropped_solved": list(result.dropped_solved),
+            "dropped_unsolved": list(result.dropped_unsolved)}, indent=1))  # fmt: skip
+        self._event(f"pre-filtering: {summary}")
+        self.mixture = self._mixture(set(result.kept))
+
+    def _pass_counts(self, problems: Sequence[tuple[str, Any]], k: int, *, stream: str
+                     ) -> dict[str, int]:  # fmt: skip
+        """Samples accepted of ``k`` per (key, problem), generated with the current version."""
+        requests = [self.prompter.request(f"{stream}/{key}", p, num_samples=k, stream=stream)
+                    for key, p in problems]  # fmt: skip
+        by_key = {f"{stream}/{key}": (key, p) for key, p in problems}
+        rollouts = self.pool.submit(self.version, requests).result()
+        items = [(by_key[ro.prompt_id][1], ro) for ro in rollouts]
+        verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
+        correct = {key: 0 for key, _ in problems}
+        for ro, v in zip(rollouts, verdicts, strict=True):
+            correct[by_key[ro.prompt_id][0]] += int(v.accepted)
+        return correct
 
     # ------------------------------------------------------------------ state and snapshots
     def _payload(self) -> dict[str, Any]:
@@ -152,7 +229,7 @@ class Controller:
             "counters": dataclasses.asdict(self.counters),
             "evals": {str(v): m for v, m in self.evals.items()},
             "done": self.step >= self.cc.num_steps,
-        }
+        } | ({"replay": self._replay_state} if self.replay is not None else {})
 
     def snapshot(self) -> None:
         closed = self.ledger.take_closed()
@@ -160,10 +237,15 @@ class Controller:
             self.ledger_log.write(self.ledger_segments, closed)
             self.ledger_segments += 1
         self._split = {k: g.split_state() for k, g in self.buffered.items()}
+        if self.replay is not None:
+            self.replay.flush()
+            self._replay_state = self.replay.state()
         # The state as JSON (the mixture's RNG state holds 128-bit ints msgpack cannot carry),
         # the buffered rollouts as arrays beside it.
         self.snapshots.save(self.step, {"json": json.dumps(self._payload()),
                                         "rollouts": {k: a for k, (_, a) in self._split.items()}})
+        if self.replay is not None:
+            self.replay.collect(self.step, self.snapshots.steps(), self._replay_state)
 
     def check_compatible(self, saved: dict[str, Any]) -> None:
         old = from_dict(type(self.config), saved)
@@ -231,6 +313,8 @@ class Controller:
         # Snapshots from before a counter was dropped (e.g. warmup_ran) still load.
         known = {f.name for f in dataclasses.fields(Counters)}
         self.counters = Counters(**{k: v for k, v in p["counters"].items() if k in known})
+        if self.replay is not None:
+            self.replay.restore(p["replay"])
         self.evals = {int(v): dict(m) for v, m in p["evals"].items()}
 
     # ------------------------------------------------------------------ weights
@@ -284,6 +368,41 @@ class Controller:
 
         return self._verify_pool.submit(verify)
 
+    def _collect(self, job: cf.Future[list[groups_lib.GroupResult]]
+                 ) -> list[groups_lib.GroupResult]:  # fmt: skip
+        results = job.result()
+        for r in results:
+            self.ledger.finish(r.key, version=r.version)
+            self.buffered[r.key] = r
+        return results
+
+    def learnable(self, result: groups_lib.GroupResult) -> bool:
+        """The group would be trained on: verified, and kept by dynamic sampling if it is on."""
+        if result.verifier_failed:
+            return False
+        keep, _ = self.objective.filter_groups(result.rewards[None])
+        return bool(keep[0])
+
+    def _refill(self, s: int, results: list[groups_lib.GroupResult]
+                ) -> list[groups_lib.GroupResult]:  # fmt: skip
+        """DAPO's dynamic sampling: while fewer than prompts_per_step groups of step ``s`` are
+        learnable, draw more prompts for it (generated with the step's version), at most
+        controller.refill_rounds times. A round draws the shortfall over the rate kept so far
+        (at least 1 in prompts_per_step), at most a full batch."""
+        if not self.objective.spec.dynamic_sampling or self.replay is not None:
+            return results  # with replay the batch is drawn from the buffer, not these groups
+        target = self.cc.prompts_per_step
+        for _ in range(self.cc.refill_rounds):
+            kept = sum(self.learnable(r) for r in results)
+            if kept >= target:
+                break
+            rate = max(kept / len(results), 1 / target)
+            refs = self.issue(min(target, math.ceil((target - kept) / rate)), step=s)
+            self.counters.groups_refilled += len(refs)
+            version = self.policy.generation_version(s)
+            results = [*results, *self._collect(self._launch(refs, version))]
+        return results
+
     def issue(self, n: int, *, step: int = -1) -> list[PromptRef]:
         refs = [self._fit(self.mixture.next()) for _ in range(n)]
         for ref in refs:
@@ -308,16 +427,8 @@ class Controller:
             return {}
         k = self.config.data.eval_samples
         t0 = time.perf_counter()
-        requests = [self.prompter.request(f"eval/{p.id}", p, num_samples=k, stream="eval")
-                    for p in problems if self.prompter.fits(p)]  # fmt: skip
-        by_key = {f"eval/{p.id}": p for p in problems}
-        rollouts = self.pool.submit(self.version, requests).result()
-        items = [(by_key[ro.prompt_id], ro) for ro in rollouts]
-        verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
-        correct = collections.Counter()
-        for (problem, _), v in zip(items, verdicts, strict=True):
-            correct[problem.id] += int(v.accepted)
-        counts = [correct[by_key[r.prompt_id].id] for r in requests]
+        fitting = [(p.id, p) for p in problems if self.prompter.fits(p)]
+        counts = list(self._pass_counts(fitting, k, stream="eval").values())
         metrics = {"eval/pass@1": mean_pass_at_k(counts, k, 1),
                    f"eval/pass@{k}": mean_pass_at_k(counts, k, k),
                    "eval/problems": float(len(counts)),
@@ -333,42 +444,87 @@ class Controller:
         return self.version in (0, self.cc.num_steps) or (every > 0 and self.version % every == 0)
 
     # ------------------------------------------------------------------ training
-    def train(self, results: Sequence[groups_lib.GroupResult]) -> dict[str, float]:
-        """One update on ``results`` (all within η_a); ledger and counters follow."""
+    def train(self, results: Sequence[groups_lib.GroupResult]) -> dict[str, float] | None:
+        """One update on ``results`` (all within η_a); ledger and counters follow. None: the
+        update is skipped, as nothing is left to learn from (every group filtered or failed);
+        step and version stay, and the step's groups are finished all the same."""
         for r in results:
             if not self.policy.accepts(self.version, r.version):
                 raise AssertionError(f"group {r.key}: staleness {self.version - r.version} > η_a")
-        plan = groups_lib.plan_batch(results, self.objective, group_size=self.group_size,
-                                     temperature=self.config.inference.temperature)  # fmt: skip
-        for key in plan.filtered:
-            self.ledger.discard(key, reason="filtered")
-        for key in plan.failed:
-            self.ledger.discard(key, reason="verifier_failed")
+        extra: dict[str, float] = {}
+        consumed: list[str] = []  # fresh groups the ledger marks trained at this update
+        if self.replay is not None:
+            # The step's groups join the buffer (trained from it, this update or later); the
+            # batch is drawn from it.
+            consumed = [r.key for r in results if not r.verifier_failed]
+            batch_groups = self._draw(results, extra)
+        else:
+            batch_groups = results
+        plan = groups_lib.plan_batch(batch_groups, self.objective, group_size=self.group_size,
+                                     temperature=self.config.inference.temperature,
+                                     max_groups=self.cc.prompts_per_step)  # fmt: skip
+        if self.replay is None:
+            consumed = plan.trained
+            for keys, reason in ((plan.filtered, "filtered"), (plan.failed, "verifier_failed"),
+                                 (plan.surplus, "surplus")):  # fmt: skip
+                for key in keys:
+                    self.ledger.discard(key, reason=reason)
+        else:
+            for r in results:
+                if r.verifier_failed:
+                    self.ledger.discard(r.key, reason="verifier_failed")
+            self.counters.groups_replayed += len(plan.trained)
         self.counters.groups_filtered += len(plan.filtered)
-        self.counters.groups_verifier_failed += len(plan.failed)
-        if plan.batch is None:
-            # Nothing to learn from (every group filtered): the update is still taken, with the
-            # full batch (zero advantages), so versions keep counting updates.
-            plan = dataclasses.replace(
-                groups_lib.plan_batch([r for r in results if not r.verifier_failed] or results,
-                                      _no_filter(self.objective), group_size=self.group_size,
-                                      temperature=self.config.inference.temperature),
-                trained=[],
-            )  # fmt: skip
-        t0 = time.perf_counter()
-        # expect_step: a trainer that restarted unseen (between two calls) refuses the update.
-        metrics = (self.c.trainer.train_step(plan.batch, expect_step=self.version)
-                   if plan.batch is not None else {})  # fmt: skip
-        train_s = time.perf_counter() - t0
-        for key in plan.trained:
+        self.counters.groups_verifier_failed += sum(r.verifier_failed for r in results)
+        self.counters.groups_surplus += len(plan.surplus)
+        for key in consumed:
             self.ledger.train(key, at_version=self.version)
+        self.counters.groups_trained += len(consumed)
         for r in results:
             self.buffered.pop(r.key, None)
             self.refs.pop(r.key, None)
-        self.counters.groups_trained += len(plan.trained)
+        if plan.batch is None:
+            self._skip(len(batch_groups))
+            return None
+        self.counters.skipped_in_a_row = 0
+        t0 = time.perf_counter()
+        # expect_step: a trainer that restarted unseen (between two calls) refuses the update.
+        metrics = self.c.trainer.train_step(plan.batch, expect_step=self.version)
+        train_s = time.perf_counter() - t0
         self.version += 1
         self.step += 1
-        return {f"trainer/{k}": float(v) for k, v in metrics.items()} | {"time/train": train_s}
+        return {f"trainer/{k}": float(v) for k, v in metrics.items()} | extra | {
+            "time/train": train_s, "groups/trained": float(len(plan.trained))}  # fmt: skip
+
+    def _draw(self, results: Sequence[groups_lib.GroupResult], metrics: dict[str, float]
+              ) -> list[groups_lib.GroupResult]:  # fmt: skip
+        """data.replay: adds the step's groups to the buffer, draws the update's groups."""
+        new = self.replay.add(results)
+        drawn = self.replay.draw(self.cc.prompts_per_step, self.version)
+        ages = [self.version - ro.version for g in drawn for ro in g.rollouts]
+        metrics |= {
+            "replay/items": float(len(self.replay.buffer)), "replay/added": float(new),
+            "replay/recent_fraction": float(np.mean([g.replayed == "recent" for g in drawn]))
+            if drawn else 0.0,
+            "replay/staleness_mean": float(np.mean(ages)) if ages else 0.0,
+            "replay/staleness_max": float(max(ages, default=0)),
+        }  # fmt: skip
+        return drawn
+
+    def _skip(self, groups: int) -> None:
+        c = self.counters
+        c.updates_skipped += 1
+        c.skipped_in_a_row += 1
+        self._warn(f"step {self.step}: nothing to learn from its {groups} groups (every one "
+                   f"filtered or failed); update skipped, the step is drawn again "
+                   f"({c.skipped_in_a_row} in a row)")  # fmt: skip
+        if c.skipped_in_a_row > self.cc.max_skipped_updates:
+            raise NothingToLearn(
+                f"{c.skipped_in_a_row} updates in a row had nothing to learn (every group's "
+                "rewards equal, or the verifier failed): the data is too hard or too easy for the "
+                "model, or the verifier is broken. controller.max_skipped_updates = "
+                f"{self.cc.max_skipped_updates}; a resume continues from the newest snapshot"
+            )  # fmt: skip
 
     def step_metrics(self, results: Sequence[groups_lib.GroupResult]) -> tuple[dict, dict]:
         rewards = np.concatenate([np.nan_to_num(r.rewards, nan=0.0) for r in results])
@@ -385,6 +541,8 @@ class Controller:
             "time/generate": gen_s, "time/verify": ver_s,
             "groups/discarded_stale": float(self.counters.groups_discarded_stale),
             "groups/filtered": float(self.counters.groups_filtered),
+            "groups/refilled": float(self.counters.groups_refilled),
+            "updates/skipped": float(self.counters.updates_skipped),
             "groups/verifier_failed": float(self.counters.groups_verifier_failed),
         }  # fmt: skip
         scalars |= {f"verdict/{k}": float(v)
@@ -426,18 +584,17 @@ class Controller:
             self.lease(self.policy.generation_version(t) for t in range(s, launch_until + 1)
                        if t not in buffered_by_step)  # fmt: skip
             if s in self._jobs:
-                results = self._jobs.pop(s).result()
-                for r in results:
-                    self.ledger.finish(r.key, version=r.version)
-                    self.buffered[r.key] = r
-            else:
+                results = self._refill(s, self._collect(self._jobs.pop(s)))
+            else:  # a snapshot's, refilled before it was taken
                 results = buffered_by_step.pop(s)
             wait_s = time.perf_counter() - t_wait0
             self.counters.tokens_generated += sum(r.tokens() for r in results)
             self.snapshot()
             scalars, hist = self.step_metrics(results)
-            scalars |= self.train(results) | {"time/wait": wait_s}
-            self._log(metrics, progress, scalars, hist)
+            trained = self.train(results)
+            if trained is None:  # skipped: step s is drawn again
+                continue
+            self._log(metrics, progress, scalars | trained | {"time/wait": wait_s}, hist)
         if self._eval_due():
             self._log_eval(metrics, progress)
         self.snapshot()
@@ -471,6 +628,8 @@ class Controller:
             return self._summary(t0, already_finished=True)
         if not resumed:
             self.c.trainer.save(wait=True)  # version 0: every snapshot has its checkpoint
+            if self.config.data.prefilter_samples and self._prefiltered() is None:
+                self.prefilter()
         else:
             self._event(f"resuming {self.run_dir} at step {self.step} (version {self.version})")
         progress = Progress(self.cc.num_steps, start_step=self.step, stream=self._progress_stream,
@@ -503,11 +662,6 @@ class Controller:
             already_finished=already_finished, counters=dataclasses.asdict(self.counters),
             evals=dict(self.evals), wall_s=time.perf_counter() - t0,
         )  # fmt: skip
-
-
-def _no_filter(objective: Objective) -> Objective:
-    spec = dataclasses.replace(objective.spec, dynamic_sampling=False)
-    return dataclasses.replace(objective, spec=spec)
 
 
 def _get(cfg: Any, dotted: str) -> Any:

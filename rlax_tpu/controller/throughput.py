@@ -7,7 +7,9 @@ rollout is rarely too stale by the time the trainer reaches it. The trainer take
 η_a, oldest first (or freshest first, RLAX's choice). A group that aged out anyway is discarded,
 counted, and its prompt re-issued ahead of new prompts, never lost; the length distribution of
 trained vs generated rollouts is logged so the bias that discarding could cause is visible.
-With η_a = ∞ (``acceptance_staleness = -1``) the budget is infinite, so the queue is capped at
+Dynamic sampling filters a group as it arrives, so admission refills the batch; after
+controller.refill_rounds batches' worth of filtered groups the trainer takes what is ready (an
+update with nothing is skipped). With η_a = ∞ (``acceptance_staleness = -1``) the budget is infinite, so the queue is capped at
 what keeps the workers busy: the groups they hold at once plus one buffered batch
 (:func:`throughput_queue_cap`).
 Not bitwise reproducible (timing decides which groups share a step), but the ledger guarantees no
@@ -30,6 +32,7 @@ from rlax_tpu.observability.progress import Progress
 
 if TYPE_CHECKING:
     from rlax_tpu.config import RunConfig
+    from rlax_tpu.controller.groups import GroupResult
     from rlax_tpu.controller.loop import Controller
 
 
@@ -57,6 +60,8 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
     # The pool counts this process's tokens; a resumed run adds them to what it had counted.
     tokens_before, pool_at_start = ctl.counters.tokens_generated, ctl.pool.generated_tokens
     generated_lengths: list[float] = []
+    filtered = 0  # groups dynamic sampling dropped since the last update
+    give_up = (1 + cc.refill_rounds) * batch
     while ctl.step < n:
         if ctl._eval_due():
             ctl._log_eval(metrics, progress)
@@ -77,17 +82,22 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
             done, _ = cf.wait(list(jobs), return_when=cf.FIRST_COMPLETED)
             for fut in done:
                 del jobs[fut]
-                for r in fut.result():
-                    ctl.ledger.finish(r.key, version=r.version)
-                    ctl.buffered[r.key] = r
+                for r in ctl._collect(fut):
                     finish_seq[r.key] = len(finish_seq)
                     generated_lengths += [float(len(ro.tokens)) for ro in r.rollouts]
+                    filtered += _drop_filtered(ctl, r)
             _discard_stale(ctl, v, reissue)
             ready = _take_ready(ctl, v)
-            if len(ready) < batch and not jobs:
-                break  # everything admitted is buffered: admit more
-        if len(ready) < batch:
+            if len(ready) < batch and (not jobs or filtered >= give_up):
+                break  # everything admitted is buffered (admit more), or refilled enough
+        if len(ready) < batch and filtered < give_up:
             continue
+        if not ready:
+            ctl.snapshot()
+            ctl._skip(filtered)
+            filtered = 0
+            continue
+        filtered = 0
         wait_s = time.perf_counter() - t_wait
         ready.sort(key=lambda r: (r.version if cc.consume_order == "oldest_first" else -r.version,
                                   finish_seq.get(r.key, 0)))  # fmt: skip
@@ -104,7 +114,10 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
         last_log, tokens_at_log = now, ctl.pool.generated_tokens
         hist["lengths/trained"] = [float(len(ro.tokens)) for r in chosen for ro in r.rollouts]
         hist["lengths/generated"], generated_lengths = generated_lengths, []
-        scalars |= ctl.train(chosen) | {"time/wait": wait_s, "groups/queued": float(queued)}
+        trained = ctl.train(chosen)
+        if trained is None:  # every chosen group failed verification
+            continue
+        scalars |= trained | {"time/wait": wait_s, "groups/queued": float(queued)}
         ctl._log(metrics, progress, scalars, hist)
     if ctl._eval_due():
         ctl._log_eval(metrics, progress)
@@ -113,6 +126,17 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
 
 def _take_ready(ctl: Controller, version: int) -> list:
     return [r for r in ctl.buffered.values() if ctl.policy.accepts(version, r.version)]
+
+
+def _drop_filtered(ctl: Controller, result: GroupResult) -> int:
+    """1 if dynamic sampling drops ``result`` on arrival (finished as filtered), else 0."""
+    if not ctl.objective.spec.dynamic_sampling or result.verifier_failed or ctl.learnable(result):
+        return 0
+    ctl.ledger.discard(result.key, reason="filtered")
+    del ctl.buffered[result.key]
+    ctl.refs.pop(result.key, None)
+    ctl.counters.groups_filtered += 1
+    return 1
 
 
 def _discard_stale(ctl: Controller, version: int, reissue: collections.deque) -> None:

@@ -64,18 +64,22 @@ class ReplayBuffer:
         return sum(len(v) for v in self._items.values())
 
     def add(self, item: ReplayItem) -> bool:
-        """Stores ``item``; returns False (and counts it) if the prompt already has these tokens."""
+        """Stores ``item``; False (counted) if the prompt already had these tokens: the newer copy
+        replaces the older one (its version and behaviour log-probs are the fresher), as in TBA."""
         if not math.isfinite(item.reward):
             raise ValueError(
                 f"replay item for {item.prompt_id!r} has a non-finite reward {item.reward}"
             )
         bucket = self._items.setdefault(item.prompt_id, OrderedDict())
         h = _token_hash(item.tokens)
-        if h in bucket:
+        duplicate = h in bucket
+        if duplicate:
             self.duplicates += 1
-            return False
+            del bucket[h]
         bucket[h] = (self._counter, item)
         self._counter += 1
+        if duplicate:
+            return False
         if len(bucket) > self.per_prompt:
             bucket.popitem(last=False)
             self.evicted += 1
@@ -118,6 +122,53 @@ class ReplayBuffer:
             else:
                 out.append((eligible[int(self._rng.choice(len(eligible), p=probs))], self.priority))
         return out
+
+    def sample_groups(
+        self, n: int, k: int, *, current_version: int, max_staleness: float = math.inf
+    ) -> list[tuple[str, list[ReplayItem], Literal["recent", "reward", "uniform"]]]:
+        """TBA's trainer draw: ``n`` groups of ``k`` items, each of one prompt.
+
+        Per group: with probability ``recency_prob`` a prompt with items from the last
+        ``recent_versions`` versions, and ``k`` of those recent items, uniformly; otherwise any
+        prompt with an eligible item, and ``k`` of its eligible items by the buffer's priority.
+        Without replacement when the prompt has ``k`` items, with replacement otherwise. Prompts
+        are chosen uniformly, in prompt-id order (so a restored buffer draws the same).
+        Returns (prompt id, items, pool) per group; [] if nothing is eligible.
+        """
+        pools: dict[str, list[ReplayItem]] = {}
+        for prompt in sorted(self._items):
+            items = [it for _, it in self._items[prompt].values()
+                     if current_version - it.version <= max_staleness]  # fmt: skip
+            if items:
+                pools[prompt] = items
+        if not pools:
+            return []
+        recent = {p: [it for it in items if current_version - it.version < self.recent_versions]
+                  for p, items in pools.items()}  # fmt: skip
+        recent = {p: items for p, items in recent.items() if items}
+        out = []
+        for _ in range(n):
+            if self._rng.random() < self.recency_prob and recent:
+                prompt = list(recent)[int(self._rng.integers(len(recent)))]
+                out.append((prompt, self._pick(recent[prompt], k, uniform=True), "recent"))
+            else:
+                prompt = list(pools)[int(self._rng.integers(len(pools)))]
+                uniform = self.priority == "uniform"
+                out.append((prompt, self._pick(pools[prompt], k, uniform=uniform), self.priority))
+        return out
+
+    def _pick(self, items: list[ReplayItem], k: int, *, uniform: bool) -> list[ReplayItem]:
+        if uniform:
+            probs = None
+        else:
+            logits = np.array([it.reward for it in items], np.float64) / self.temperature
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+        # choice without replacement needs k nonzero probabilities; exp() keeps every one > 0
+        # unless rewards differ by ~745 temperatures, so fall back to replacement then.
+        replace = len(items) < k or (probs is not None and int((probs > 0).sum()) < k)
+        picked = self._rng.choice(len(items), size=k, replace=replace, p=probs)
+        return [items[int(i)] for i in picked]
 
     def state(self) -> dict[str, Any]:
         """Contents, counters and RNG state; payloads are kept as they are (the caller persists them)."""

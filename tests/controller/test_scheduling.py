@@ -95,7 +95,7 @@ class VaryingLengths:
         return iter(out)
 
 
-def run_controller(config: RunConfig, wrap) -> Controller:
+def run_controller(config: RunConfig, wrap, on_event=None) -> Controller:
     run_dir = Path(config.controller.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     datasets = load_datasets(config.data, seed=config.controller.seed)
@@ -109,7 +109,7 @@ def run_controller(config: RunConfig, wrap) -> Controller:
     try:
         wrap(comps)
         controller = Controller(config, comps, prompter, run_dir=run_dir,
-                                on_event=lambda text: None)  # fmt: skip
+                                on_event=on_event or (lambda text: None))  # fmt: skip
         controller.run()
     finally:
         comps.close()

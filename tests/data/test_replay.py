@@ -108,3 +108,66 @@ def test_bad_inputs():
         buffer(recency_prob=1.5)
     with pytest.raises(ValueError, match="must be > 0"):
         buffer(per_prompt=0)
+
+
+def test_a_duplicate_replaces_the_older_copy():
+    b = buffer()
+    b.add(item("p", [1, 2], version=0, reward=0.0))
+    b.add(item("p", [3], version=1))
+    assert not b.add(item("p", [1, 2], version=5, reward=1.0))
+    assert [(it.tokens, it.version) for it in b.items()] == [((3,), 1), ((1, 2), 5)]
+
+
+def test_sample_groups_draws_k_items_of_one_prompt_without_replacement_when_it_can():
+    b = buffer(per_prompt=8, recency_prob=0.0, priority="uniform")
+    for p in "abc":
+        for i in range(5):
+            b.add(item(p, [i], version=0, payload=p))
+    b.add(item("d", [0], version=0, payload="d"))  # one item: drawn with replacement
+    for prompt, items, pool in b.sample_groups(40, 3, current_version=0):
+        assert pool == "uniform" and len(items) == 3
+        assert {it.prompt_id for it in items} == {prompt}
+        if prompt != "d":
+            assert len({it.tokens for it in items}) == 3
+    assert {p for p, _, _ in b.sample_groups(200, 1, current_version=0)} == set("abcd")
+
+
+def test_sample_groups_recency_pool_and_staleness_bound():
+    b = buffer(per_prompt=8, recency_prob=1.0, recent_versions=2)
+    for v in range(6):
+        b.add(item("old" if v < 3 else "new", [v], version=v))
+    groups = b.sample_groups(50, 2, current_version=5)
+    assert all(pool == "recent" for _, _, pool in groups)
+    assert all(it.version >= 4 for _, items, _ in groups for it in items)  # 5 - v < 2
+    # Nothing recent: the other pool, and never past max_staleness.
+    groups = b.sample_groups(50, 1, current_version=9, max_staleness=5)
+    assert groups and all(it.version >= 4 for _, items, _ in groups for it in items)
+    assert all(pool == "reward" for _, _, pool in groups)
+    assert b.sample_groups(5, 1, current_version=20, max_staleness=5) == []
+
+
+def test_sample_groups_prioritizes_reward_by_softmax():
+    b = buffer(per_prompt=8, recency_prob=0.0, temperature=0.5)
+    for i, r in enumerate([0.0, 0.0, 0.0, 1.0]):
+        b.add(item("p", [i], reward=r))
+    n = 4000
+    hits = sum(it.reward == 1.0 for _, items, _ in b.sample_groups(n, 1, current_version=0)
+               for it in items)  # fmt: skip
+    p = math.exp(2) / (math.exp(2) + 3)  # softmax(r / 0.5)
+    assert abs(hits - n * p) < 5 * math.sqrt(n * p * (1 - p))
+
+
+def test_a_restored_buffer_draws_the_same_groups():
+    b = buffer(per_prompt=2, max_items=3, recency_prob=0.5)
+    # Evictions leave the live buffer's prompts in the order a, b, z and a restored one's in
+    # b, a, z (by oldest surviving item): draws must not depend on it.
+    for i, p in enumerate("zabaz"):
+        b.add(item(p, [i], version=i // 2, reward=float(i % 2)))
+    assert list(b._items) == ["a", "b", "z"]
+    c = buffer(per_prompt=2, max_items=3, recency_prob=0.5, seed=99)
+    c.restore(b.state())
+    assert list(c._items) == ["b", "a", "z"]
+    a1 = b.sample_groups(30, 2, current_version=4)
+    a2 = c.sample_groups(30, 2, current_version=4)
+    assert [(p, [it.tokens for it in its], pool) for p, its, pool in a1] == [
+        (p, [it.tokens for it in its], pool) for p, its, pool in a2]
