@@ -397,8 +397,9 @@ class InferenceConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0
-    # On reload, continue in-flight requests under the new weights (per-token versions recorded)
-    # instead of aborting and returning them.
+    # Partial rollouts (throughput mode): a worker reloads as soon as a job of a newer version
+    # arrives, and in-flight requests continue under the new weights (per-token versions
+    # recorded; staleness counts the oldest token) instead of waiting for them to finish.
     continue_on_reload: bool = False
     address: str = "127.0.0.1:0"
     auth_token_file: str = ""
@@ -987,6 +988,13 @@ class RunConfig:
                 "data.replay",
                 "replay with unbounded staleness draws from an unbounded past, which "
                 "deterministic mode cannot schedule; use mode 'throughput'",
+                True,
+            )
+        if inf.continue_on_reload and ctl.mode != "throughput":
+            raise ConfigError(
+                "inference.continue_on_reload",
+                "partial rollouts need controller.mode 'throughput': deterministic mode generates "
+                "every step with one version and never reloads a worker under a running job",
                 True,
             )
 

@@ -135,7 +135,8 @@ class Controller:
         self.specs = SpecCache(components.verifier)
         self._event = on_event or (lambda text: print(text, flush=True))
         self.pool = WorkerPool(components.workers, retry_s=cc.rpc_timeout_s, on_event=self._warn,
-                               exclusive_jobs=cc.mode == "deterministic")  # fmt: skip
+                               exclusive_jobs=cc.mode == "deterministic",
+                               continue_on_reload=config.inference.continue_on_reload)  # fmt: skip
         self.version = 0
         self.step = 0
         self.evals: dict[int, dict[str, float]] = {}

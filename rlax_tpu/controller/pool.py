@@ -8,6 +8,11 @@ weights (a reload between engine steps, never under a running request). A worker
 a down worker is probed before each job and takes work again once it answers. Aborted samples are
 generated again: with per-group seeds that gives the same tokens, so failover does not change
 results.
+
+Partial rollouts (``continue_on_reload``, throughput mode): a job of a newer version reloads its
+worker at once instead of waiting for the running jobs, which continue under the new weights (the
+engine records each token's version; a rollout's staleness is its oldest token's). A job of an
+older version runs on the newer weights the worker already holds.
 """
 
 from __future__ import annotations
@@ -35,13 +40,16 @@ class WorkerPool:
     def __init__(
         self, workers: Sequence[InferencePort], *, names: Sequence[str] | None = None,
         retry_s: float = 60.0, on_event: Callable[[str], None] | None = None,
-        exclusive_jobs: bool = False,
+        exclusive_jobs: bool = False, continue_on_reload: bool = False,
     ):  # fmt: skip
         """``exclusive_jobs``: a worker runs one job at a time, so the engine's batches (and with
         them its scheduling, preemptions and sampled tokens) depend on the job alone, never on
         timing: deterministic mode needs this; throughput mode shares the engine."""
         if not workers:
             raise ValueError("the pool needs at least one inference worker")
+        if exclusive_jobs and continue_on_reload:
+            raise ValueError("continue_on_reload reloads under running jobs; exclusive jobs never")
+        self.continue_on_reload = continue_on_reload
         self.workers = list(workers)
         self.names = list(names or [f"worker {i}" for i in range(len(workers))])
         self.retry_s = retry_s
@@ -68,8 +76,24 @@ class WorkerPool:
         return self._coordinator.submit(self._gather, version, futures)
 
     def _start(self, i: int, version: int, requests: list[Request]) -> cf.Future:
+        if self.continue_on_reload:
+            return self._threads.submit(self._run_continuing, i, version, requests)
         ticket = self._epochs[i].join(version)
         return self._threads.submit(self._run_in_epoch, i, ticket, version, requests)
+
+    def _run_continuing(self, i: int, version: int, requests: list[Request]
+                        ) -> tuple[list[Request], list[Rollout], Exception | None]:  # fmt: skip
+        with self._epochs[i].load_lock:
+            held = self._held[i]
+            if held is None or held < version:
+                try:
+                    self.workers[i].load_weights(version)
+                except Exception as e:
+                    self._held[i] = None
+                    return self._fail(i, requests, [], e)
+                self._held[i] = version
+        # No version pinned: a newer job may reload the worker while this one runs.
+        return self._run(i, None, requests)
 
     def _run_in_epoch(self, i: int, ticket: int, version: int, requests: list[Request]
                       ) -> tuple[list[Request], list[Rollout], Exception | None]:  # fmt: skip
@@ -112,7 +136,7 @@ class WorkerPool:
             pending.append((j, self._start(j, version, reqs)))
         return out
 
-    def _run(self, i: int, version: int, requests: list[Request]
+    def _run(self, i: int, version: int | None, requests: list[Request]
              ) -> tuple[list[Request], list[Rollout], Exception | None]:  # fmt: skip
         """(requests not finished, rollouts of the finished ones, the error if the worker failed)."""
         worker = self.workers[i]
