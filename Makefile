@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed-stamp
 KUSTOMIZE := $(VENV)/bin/kustomize
 
-.PHONY: run test setup sysdeps lint lock clean image
+.PHONY: run test setup sysdeps lint lock clean image docs
 
 # RUN_ARGS: extra controller flags, e.g. RUN_ARGS="--config.controller.seed=1 --config.controller.run_dir=runs/s1"
 run: setup
@@ -16,6 +16,10 @@ run: setup
 
 test: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadscope
+
+# The README's flag reference, from the comments in rlax_tpu/config.py.
+docs: setup
+	$(PY) -m rlax_tpu.config_reference README.md
 
 lint: setup
 	$(VENV)/bin/ruff check rlax_tpu tests configs benchmarks

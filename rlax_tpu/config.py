@@ -141,38 +141,40 @@ _frozen = dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Decoder-only transformer (Llama / Qwen2 / Qwen3 families)."""
 
+    # Family: tensor names, biases and norms follow it.
     arch: Literal["llama", "qwen2", "qwen3"] = "llama"
-    vocab_size: int = 512
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 0  # 0: hidden_size // num_heads
-    rope_theta: float = 10_000.0
+    vocab_size: int = 512  # tokens in the vocabulary (embedding rows)
+    hidden_size: int = 128  # model width
+    intermediate_size: int = 384  # MLP hidden width
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention)
+    head_dim: int = 0  # per-head width; 0: hidden_size // num_heads
+    rope_theta: float = 10_000.0  # RoPE frequency base
     # "dynamic" (NTK) picks its base from the longest position of each call, so past
     # max_position_embeddings cached decoding and the full forward disagree (models/rope.py).
+    # RoPE context scaling.
     rope_scaling: Literal["none", "linear", "dynamic", "llama3", "yarn"] = "none"
-    rope_scaling_factor: float = 1.0
+    rope_scaling_factor: float = 1.0  # context extension factor of rope_scaling
     # Context length the model was pretrained with, for llama3 / yarn scaling; 0: max_position_embeddings.
     rope_original_max_position_embeddings: int = 0
-    rope_low_freq_factor: float = 1.0  # llama3
-    rope_high_freq_factor: float = 4.0  # llama3
-    rope_beta_fast: float = 32.0  # yarn
-    rope_beta_slow: float = 1.0  # yarn
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: low-frequency wavelength factor
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: high-frequency wavelength factor
+    rope_beta_fast: float = 32.0  # yarn: rotations where interpolation starts
+    rope_beta_slow: float = 1.0  # yarn: rotations where interpolation is full
     rope_attention_factor: float = 0.0  # yarn cos/sin scale; 0: 0.1 * ln(factor) + 1
-    max_position_embeddings: int = 2048
-    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048  # longest sequence (prompt + generation) the model takes
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
     qkv_bias: bool = False  # qwen2: q, k, v biases; llama / qwen3 (HF attention_bias): q, k, v, o
-    qk_norm: bool = False
-    tie_embeddings: bool = True
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    qk_norm: bool = False  # RMSNorm on queries and keys per head (qwen3)
+    tie_embeddings: bool = True  # the output projection is the embedding matrix
+    param_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype parameters are stored in
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of activations and matmuls
     # Where the initial weights come from: random init (seeded), HF safetensors dir, or a GGUF file.
     weights_format: Literal["init", "safetensors", "gguf"] = "init"
-    weights_path: str = ""
+    weights_path: str = ""  # the safetensors directory or GGUF file of weights_format
     tokenizer_path: str = ""  # "" means: the tokenizer that comes with the weights / the task
-    seed: int = 0  # random init only
+    seed: int = 0  # seed of the random init (weights_format "init")
 
     def __post_init__(self) -> None:
         _positive(
@@ -229,9 +231,9 @@ class ModelConfig:
 class MeshConfig:
     """Device mesh axes. One axis may be -1: it takes the devices the others leave."""
 
-    data: int = 1
-    fsdp: int = -1
-    tensor: int = 1
+    data: int = 1  # data-parallel axis (batch rows)
+    fsdp: int = -1  # fully sharded axis (parameters and batch)
+    tensor: int = 1  # tensor-parallel axis (heads, MLP width)
 
     def __post_init__(self) -> None:
         for n in ("data", "fsdp", "tensor"):
@@ -266,10 +268,10 @@ class DistributedConfig:
     coordinator has no credentials: keep it on the job's private network.
     """
 
-    coordinator_address: str = ""
-    num_processes: int = 1
-    process_id: int = 0
-    initialization_timeout_s: int = 300
+    coordinator_address: str = ""  # "" one process; "auto"; or "host:port" of process 0
+    num_processes: int = 1  # processes in the job (one per host)
+    process_id: int = 0  # this process's index, with a host:port coordinator
+    initialization_timeout_s: int = 300  # how long processes wait for each other to join
 
     def __post_init__(self) -> None:
         _positive(self, "num_processes", "initialization_timeout_s")
@@ -289,15 +291,16 @@ class DistributedConfig:
 
 @_frozen
 class TrainerConfig:
-    learning_rate: float = 1e-6
+    learning_rate: float = 1e-6  # AdamW peak learning rate
+    # Learning-rate schedule over controller.num_steps.
     schedule: Literal["constant", "warmup_cosine", "warmup_stable_decay"] = "constant"
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear warm-up updates of the schedule
     decay_steps: int = 0  # for warmup_stable_decay: length of the final decay
-    weight_decay: float = 0.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip_norm: float = 1.0  # 0 disables clipping
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    adam_b1: float = 0.9  # AdamW beta1
+    adam_b2: float = 0.999  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
+    grad_clip_norm: float = 1.0  # global gradient-norm clip; 0 disables clipping
     micro_batch_size: int = 8  # rollouts per micro-batch (gradient accumulation)
     length_bucket: int = 16  # micro-batch lengths are padded to a multiple (bounds recompiles)
     # Compile the update for every micro-batch shape the inference limits allow during the first
@@ -323,19 +326,21 @@ class TrainerConfig:
     # per micro-batch on the trainer's mesh through the engine's paged-attention backend (the
     # ragged kernel on TPU; RLAX §5.1), to round-off. "auto": replay on CPU, prefill elsewhere.
     old_logprobs: Literal["auto", "replay", "prefill"] = "auto"
+    # Dtype of the weights published to the parameter server.
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
-    checkpoint_every: int = 1
+    checkpoint_every: int = 1  # save an Orbax checkpoint every N versions
     # At least controller.snapshot_keep / checkpoint_every, so every kept snapshot has its
     # checkpoint (or an older one a resume falls back to).
     keep_checkpoints: int = 3
     checkpoint_dir: str = ""  # "" means <controller.run_dir>/trainer
+    # Non-finite loss/grads: 'skip' drops the update, 'stop' halts.
     nan_policy: Literal["skip", "stop"] = "stop"
     # A trainer spanning several hosts (its mesh over all their devices): process 0 serves, the
     # others follow its calls (trainer/lockstep.py).
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
-    address: str = "127.0.0.1:0"
-    auth_token_file: str = ""
-    tls_cert_file: str = ""
+    address: str = "127.0.0.1:0"  # gRPC address the trainer serves on (distributed transport)
+    auth_token_file: str = ""  # file holding the token callers must present; needed off loopback
+    tls_cert_file: str = ""  # PEM certificate and key to serve TLS with; '' plain
 
     def __post_init__(self) -> None:
         _positive(self, "learning_rate", "micro_batch_size", "checkpoint_every", "keep_checkpoints")
@@ -355,7 +360,7 @@ def _one_device() -> MeshConfig:
 
 @_frozen
 class InferenceConfig:
-    num_workers: int = 1
+    num_workers: int = 1  # inference workers (engines), each on its own devices
     # "tpu_emulated": the TPU cache layout and packing with an XLA stand-in for the kernel (tests
     # of the TPU path on CPU; see models/paged_attention.py).
     backend: Literal["auto", "cpu", "gpu", "tpu", "tpu_emulated"] = "auto"
@@ -372,13 +377,13 @@ class InferenceConfig:
     # This worker's index among num_workers, for a worker started on its own (a cluster pod):
     # with param_server_replica -1 it reads replica worker_index mod replicas. -1: not given.
     worker_index: int = -1
-    max_concurrent_seqs: int = 64
+    max_concurrent_seqs: int = 64  # sequences an engine runs at once (continuous batching)
     page_size: int = 16  # tokens per KV page
     kv_cache_bytes: int = 256 * 2**20  # memory budget for KV pages, per worker
     # The prefill program's fixed shape: prefill_rows prompt chunks of prefill_len tokens per call
     # (keys/values only; the replay cuts prompts the same way). 0 rows: prompts run as decode rows.
     prefill_rows: int = 4
-    prefill_len: int = 16
+    prefill_len: int = 16  # tokens per prefill chunk
     prefill_chunk: int = 128  # decode rows one sequence may take per step (recompute)
     # Token rows per decode step (one token per row); 0 means max_concurrent_seqs. Fixed, so
     # steps never recompile and logits do not depend on batching.
@@ -391,19 +396,19 @@ class InferenceConfig:
     # group it falls in (~1e-7): log-probs are no longer bitwise the dense-cache replay, so it
     # needs trainer.align_logprobs = False. 0: off, every row attends over the whole cache.
     span_groups: int = 0
-    span_bucket_pages: int = 4
-    max_prompt_len: int = 256
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
+    span_bucket_pages: int = 4  # span_groups: attention spans round up to this many pages
+    max_prompt_len: int = 256  # longer prompts are skipped when drawn (counted)
+    max_new_tokens: int = 256  # generation budget per sample
+    temperature: float = 1.0  # sampling temperature (behaviour log-probs are under it)
+    top_k: int = 0  # sample from the k likeliest tokens; 0: off
+    top_p: float = 1.0  # nucleus sampling mass; 1: off
     # Partial rollouts (throughput mode): a worker reloads as soon as a job of a newer version
     # arrives, and in-flight requests continue under the new weights (per-token versions
     # recorded; staleness counts the oldest token) instead of waiting for them to finish.
     continue_on_reload: bool = False
-    address: str = "127.0.0.1:0"
-    auth_token_file: str = ""
-    tls_cert_file: str = ""
+    address: str = "127.0.0.1:0"  # gRPC address a worker serves on (distributed transport)
+    auth_token_file: str = ""  # file holding the token callers must present; needed off loopback
+    tls_cert_file: str = ""  # PEM certificate and key to serve TLS with; '' plain
 
     def __post_init__(self) -> None:
         _positive(
@@ -432,20 +437,20 @@ class InferenceConfig:
 
 @_frozen
 class ParamServerConfig:
-    address: str = "127.0.0.1:0"
-    auth_token_file: str = ""
-    tls_cert_file: str = ""
+    address: str = "127.0.0.1:0"  # gRPC address the parameter server serves on
+    auth_token_file: str = ""  # file holding the token callers must present; needed off loopback
+    tls_cert_file: str = ""  # PEM certificate and key to serve TLS with; '' plain
     # A second token that publishing (Publish, ReportProgress) needs besides auth_token_file:
     # given to the trainer only, so a worker that may pull weights cannot write them. "": none.
     publish_token_file: str = ""
-    in_memory_versions: int = 4  # K: versions kept hot
+    in_memory_versions: int = 4  # K: versions kept hot in memory (older ones garbage-collected)
     persist_every: int = 1  # write every N-th version through to persistent storage; 0: never
     persist_path: str = ""  # local dir or gs:// path; "" means <run_dir>/param_server
     # Newest complete persisted versions kept; older ones are deleted after each persist. 0: all.
     persist_keep: int = 3
-    chunk_bytes: int = 4 * 2**20
-    max_message_bytes: int = 64 * 2**20
-    replicas: int = 1
+    chunk_bytes: int = 4 * 2**20  # weights stream in messages of this size
+    max_message_bytes: int = 64 * 2**20  # largest gRPC message accepted
+    replicas: int = 1  # parameter-server replicas; the trainer publishes to all
     replica_index: int = 0  # which of the replicas this server is; its commits are its progress
     lease_ttl_s: float = 600.0  # a consumer's lease lapses unless renewed within this
 
@@ -469,22 +474,22 @@ class ParamServerConfig:
 
 @_frozen
 class VerifierConfig:
-    address: str = "127.0.0.1:0"
-    auth_token_file: str = ""
-    tls_cert_file: str = ""
-    languages: tuple[str, ...] = LANGUAGES
-    workers: int = 2
+    address: str = "127.0.0.1:0"  # gRPC address the verifier service serves on
+    auth_token_file: str = ""  # file holding the token callers must present; needed off loopback
+    tls_cert_file: str = ""  # PEM certificate and key to serve TLS with; '' plain
+    languages: tuple[str, ...] = LANGUAGES  # languages it compiles and runs
+    workers: int = 2  # sandboxes running at once
     max_pending: int = 1024  # backpressure: requests queued beyond this are refused
     time_limit_s: float = 2.0  # default per test when the problem gives none
-    memory_limit_mb: int = 256
-    compile_time_limit_s: float = 30.0
-    max_output_bytes: int = 1 << 20
+    memory_limit_mb: int = 256  # default memory per program when the problem gives none
+    compile_time_limit_s: float = 30.0  # time limit of one compilation
+    max_output_bytes: int = 1 << 20  # a program's output beyond this is an output-limit verdict
     # Worker slot i runs untrusted code as uid sandbox_uid + i (RLIMIT_NPROC counts per uid and
     # does not bind root, so each slot gets its own non-root uid). A dedicated range far from
     # system users and `nobody` (65534), whose processes would share the RLIMIT_NPROC budget.
     sandbox_uid: int = 200_000
     testlib_path: str = ""  # testlib.h for problems' own checkers; "" = none available
-    request_deadline_s: float = 120.0
+    request_deadline_s: float = 120.0  # a verify call's default deadline
     compile_memory_limit_mb: int = 2048  # compilers (rustc, javac) need far more than programs
     # Python's syntax check: in a long-lived unprivileged helper process ("helper": compile() runs
     # no code) or one sandbox run per program ("sandbox", ~17 ms each).
@@ -494,7 +499,7 @@ class VerifierConfig:
     repository_dir: str = ""  # content-addressed test data; "" = a private temporary directory
     # Limits a request may ask for (per test / per unit-test program); larger ones are clamped.
     max_time_limit_s: float = 20.0
-    max_memory_limit_mb: int = 1024
+    max_memory_limit_mb: int = 1024  # largest memory limit a request may ask for
 
     def __post_init__(self) -> None:
         _positive(
@@ -541,26 +546,28 @@ class VerifierConfig:
 
 @_frozen
 class DataConfig:
-    datasets: tuple[str, ...] = ("procedural",)
-    weights: tuple[float, ...] = (1.0,)
+    datasets: tuple[str, ...] = ("procedural",)  # training datasets (see README, Datasets)
+    weights: tuple[float, ...] = (1.0,)  # mixture weight of each dataset
     data_dir: str = ""  # local files for file-backed datasets
-    train_until_year: int = (
+    train_until_year: int = (  # codeforces: train up to this year, hold out the next
         2024  # codeforces: train up to this year, test on the next (code_contests: its own split)
     )
+    # 'chat' (the model's template), 'raw' text, 'auto': chat if it has one.
     prompt_style: Literal["auto", "raw", "chat"] = (
         "auto"  # auto: chat if the tokenizer has a template
     )
     language: str = "python"  # the language the model is asked to write
     eval_every: int = 0  # steps between held-out evaluations; 0: only at start and end
-    eval_samples: int = 8  # k of pass@k
-    eval_problems: int = 32
-    replay: bool = False
+    eval_samples: int = 8  # samples per held-out problem: k of pass@k
+    eval_problems: int = 32  # held-out problems per evaluation
+    replay: bool = False  # TBA replay: updates draw their groups from a replay buffer
     replay_recency_prob: float = 0.5  # m: draw from the last replay_recent_versions with prob. m
-    replay_recent_versions: int = 4
+    replay_recent_versions: int = 4  # 'recent' means generated by the last this many versions
+    # The non-recent draw: softmax of reward, or uniform.
     replay_priority: Literal["reward", "uniform"] = "reward"
-    replay_temperature: float = 1.0
-    replay_per_prompt: int = 16
-    replay_max_items: int = 100_000
+    replay_temperature: float = 1.0  # temperature of the reward softmax
+    replay_per_prompt: int = 16  # rollouts kept per prompt (oldest evicted)
+    replay_max_items: int = 100_000  # rollouts kept in all (oldest evicted)
     # Pre-filtering (RLAX §6.2 curation): before a fresh run's first update, every training
     # problem gets prefilter_samples samples from the initial policy, and only problems whose pass
     # rate r has prefilter_low < r < prefilter_high are trained on (partially solved: the others
@@ -568,9 +575,9 @@ class DataConfig:
     # prefilter_problems > 0 measures (and so trains on) only the first that many of each
     # dataset. 0 samples: off.
     prefilter_samples: int = 0
-    prefilter_low: float = 0.0
-    prefilter_high: float = 1.0
-    prefilter_problems: int = 0
+    prefilter_low: float = 0.0  # pass rates <= this are dropped (never solved)
+    prefilter_high: float = 1.0  # pass rates >= this are dropped (always solved)
+    prefilter_problems: int = 0  # measure the first N problems of each dataset; 0: all
 
     def __post_init__(self) -> None:
         if not self.datasets:
@@ -601,40 +608,44 @@ class DataConfig:
 class AlgorithmConfig:
     """The objective (DESIGN §5). Zero/empty values mean "the named algorithm's paper default"."""
 
-    name: str = "grpo"
+    name: str = "grpo"  # the objective: a built-in (README) or a registered plugin's
     group_size: int = 8  # G samples per prompt
     eps_low: float = 0.0  # PPO-style clip 1 - ε_low; 0 = algorithm default
     eps_high: float = 0.0  # clip 1 + ε_high; 0 = algorithm default
     # Regularizer β·R: 'default' = the algorithm's paper default (grpo: k3 with β 0.04; dapo and
     # most others: off), 'none' turns it off; with an estimator, kl_coef 0 = algorithm default β.
     kl_coef: float = 0.0
+    # The KL estimator of kl_coef's regularizer (see above).
     kl_estimator: Literal["default", "none", "k1", "k2", "k3"] = "default"
     reward_kl_coef: float = 0.0  # KL folded into the reward (ppo, reinforce_pp); 0 = default
+    # Token weights: per-sequence mean, token mean, or 1/(B·L_max).
     aggregation: Literal["default", "seq_mean_token_mean", "token_mean", "max_length"] = "default"
     is_cap: float = 0.0  # AIPO truncation c; 0 = algorithm default
+    # reweight by c = π_old/μ per token or sequence
     behaviour_correction: Literal[
         "none", "token_truncate", "token_mask", "seq_truncate", "seq_mask"
     ] = "none"
-    behaviour_cap: float = 2.0
+    behaviour_cap: float = 2.0  # upper bound on c (truncate or mask)
     # *_mask only: keep c = π_old/μ inside [behaviour_floor, behaviour_cap] (IcePop's two-sided
     # band, e.g. 0.5 and 2); 0 = one-sided. seq_* modes use the length-normalized (geometric) c.
     behaviour_floor: float = 0.0
     # group_norm advantages (r - mean) / (std + group_std_eps): verl's 1e-6; TRL adds 1e-4. It
     # decides how far a group with nearly equal rewards is blown up.
     group_std_eps: float = 1e-6
+    # DAPO: drop groups with equal rewards, refill the batch.
     dynamic_sampling: Literal["default", "on", "off"] = "default"
     overlong_shaping: Literal["default", "on", "off"] = "default"  # DAPO soft overlong punishment
     overlong_buffer: int = 0  # its length L_cache; 0 = max_new_tokens // 5 (DAPO's 4096 of 20480)
-    overlong_penalty: float = 1.0
-    gamma: float = 1.0  # PPO GAE
-    gae_lambda: float = 0.95
-    value_clip: float = 0.2
+    overlong_penalty: float = 1.0  # reward at and beyond max_new_tokens
+    gamma: float = 1.0  # PPO GAE discount γ
+    gae_lambda: float = 0.95  # PPO GAE λ (bias-variance trade-off)
+    value_clip: float = 0.2  # PPO value clipping range
     value_coef: float = 0.0  # PPO value-loss weight; 0 = algorithm default
     # TB's β decays linearly from tb_beta to tb_beta_final over tb_beta_decay_steps (0: constant).
     tb_beta: float = 0.012
-    tb_beta_final: float = 0.004
-    tb_beta_decay_steps: int = 500
-    dpo_beta: float = 0.1
+    tb_beta_final: float = 0.004  # TB's β after the decay
+    tb_beta_decay_steps: int = 500  # updates over which β decays; 0: constant
+    dpo_beta: float = 0.1  # online DPO's β
     # Python modules imported before algorithm.name is checked, so that they can register
     # algorithms and advantage estimators (rlax_tpu.algorithms.register_algorithm /
     # register_advantage); every process that builds the objective imports them.
@@ -700,14 +711,17 @@ class ControllerConfig:
     # config's strings (run_dir, weights, data, persistence) is replaced by it when the config
     # is built; a config that names "{bucket}" without it set is refused.
     bucket: str = ""
-    run_dir: str = "runs/local"
-    num_steps: int = 20
-    prompts_per_step: int = 4
+    run_dir: str = "runs/local"  # snapshots, checkpoints, metrics, report (local or gs://)
+    num_steps: int = 20  # updates (versions) the run makes
+    prompts_per_step: int = 4  # prompt groups per update (B)
+    # Bitwise reproducible steps, or continuous generation.
     mode: Literal["deterministic", "throughput"] = "deterministic"
     reload_staleness: int = 1  # η_r: workers reload every η_r-th version
     acceptance_staleness: int = 1  # η_a: max v − version(rollout); -1 = unbounded
     pipeline_depth: int = 1  # deterministic mode: steps generation runs ahead of training
+    # Throughput mode: which ready groups an update takes first.
     consume_order: Literal["oldest_first", "freshest_first"] = "oldest_first"
+    # Components in this process, or gRPC services.
     transport: Literal["local", "distributed"] = "local"
     # local transport: the trainer in a spawned child process (its own interpreter and XLA
     # client) instead of this one, so training does not share the GIL with generation.
@@ -717,15 +731,15 @@ class ControllerConfig:
     trainer_cpus: tuple[int, ...] = ()
     # distributed transport: endpoints of the components ("host:port").
     inference_endpoints: tuple[str, ...] = ()
-    verifier_endpoint: str = ""
-    trainer_endpoint: str = ""
+    verifier_endpoint: str = ""  # host:port of the verifier service
+    trainer_endpoint: str = ""  # host:port of the trainer
     # One per parameter-server replica (replica r at index r); the trainer publishes to all.
     param_server_endpoints: tuple[str, ...] = ()
-    auth_token_file: str = ""
+    auth_token_file: str = ""  # token the controller presents to the components
     # The certificate the components serve with (a PEM holding it; its key is not read here):
     # the controller's channels to them use TLS and trust it. "": plain channels.
     tls_cert_file: str = ""
-    rpc_timeout_s: float = 60.0
+    rpc_timeout_s: float = 60.0  # per call; a worker unanswering this long is failed over
     # distributed transport: how long the controller waits for a trainer, parameter server,
     # verifier or inference worker that stopped answering to serve again (a restarted pod), then
     # resumes from its newest snapshot; past it the run stops with one line naming the component.
@@ -735,7 +749,7 @@ class ControllerConfig:
     # (controller, trainer, inference workers): a restarted one loads its programs instead of
     # compiling them again.
     compilation_cache: bool = True
-    snapshot_keep: int = 3
+    snapshot_keep: int = 3  # newest controller snapshots kept
     # Dynamic sampling (DAPO): while fewer than prompts_per_step groups survive the filter, a
     # step draws more prompts, generated with the step's version, at most this many extra times
     # (throughput mode: admits up to this many batches' worth of filtered groups per update);
@@ -745,12 +759,12 @@ class ControllerConfig:
     # error: the data is too hard or too easy for the model, or the verifier is broken. A
     # skipped update changes no weights and no version; its step is drawn afresh.
     max_skipped_updates: int = 10
-    log_every: int = 1
+    log_every: int = 1  # steps between progress lines (metrics are written every step)
     # Supervised warm-up on reference solutions before RL (fresh runs only; 0: none), so a tiny
     # randomly initialized model has some reward signal. The report says when it ran.
     warmup_steps: int = 0
-    warmup_batch_size: int = 16
-    warmup_learning_rate: float = 1e-3
+    warmup_batch_size: int = 16  # examples per warm-up step
+    warmup_learning_rate: float = 1e-3  # warm-up learning rate
     # Share of warm-up demonstrations that are a problem's known-wrong program instead of its
     # reference (unverified demonstrations): the warmed-up policy then writes the right program
     # only part of the time, and RL from the verifier's reward has to tell them apart.
@@ -833,14 +847,14 @@ class TopologyConfig:
     """
 
     name: str = "rlax"  # the JobSet's name, prefix of every object and Service name
-    namespace: str = "rlax"
+    namespace: str = "rlax"  # Kubernetes namespace of every object
     image: str = "rlax-tpu:latest"  # one image for every component (deploy/docker/Containerfile)
     # A TPU slice as "<generation>:<topology>" (the names `python -m rlax_tpu.aot` compiles for),
     # e.g. "v5p:8x8x4"; "" runs the component on CPU nodes.
     trainer_tpu: str = ""
     inference_tpu: str = ""  # each worker's slice
     verifier_replicas: int = 1  # verifier pods behind the verifier Service
-    controller_memory_gib: int = 8
+    controller_memory_gib: int = 8  # controller pod's memory
     param_server_memory_gib: int = 0  # 0: sized from the model (its hot versions + a quarter)
     # The Kubernetes Secret mounted at the token and certificate files' folder: keys "token",
     # "tls.pem" (a certificate for *.<namespace>.svc with its key) and "publish-token".
@@ -871,7 +885,7 @@ class TopologyConfig:
 
 @_frozen
 class RunConfig:
-    preset: str = "default"
+    preset: str = "default"  # the config file's preset this config came from (informational)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
