@@ -28,11 +28,12 @@ UNBOUNDED = -1
 
 ALGORITHMS = (
     "grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce", "rloo", "reinforce_pp", "ppo",
-    "aipo", "tb", "online_dpo",
+    "aipo", "tb", "online_dpo", "sapo", "luspo", "vespo",
 )  # fmt: skip
 # Algorithms whose advantage or loss is defined over a group of samples of one prompt.
 GROUP_ALGORITHMS = frozenset(
-    {"grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "tb", "online_dpo"}
+    {"grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "tb", "online_dpo", "sapo", "luspo",
+     "vespo"}
 )
 LANGUAGES = ("python", "cpp", "rust", "java")
 # Algorithms user code registered (rlax_tpu.algorithms.register_algorithm): name -> whether it is
@@ -617,6 +618,23 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     # The KL estimator of kl_coef's regularizer (see above).
     kl_estimator: Literal["default", "none", "k1", "k2", "k3"] = "default"
+    # The KL regularizer times the importance ratio ρ = π_θ/π_old (differentiated): an unbiased
+    # estimate of KL(π_θ‖π_ref) from π_old's samples (TRL's use_bias_correction_kl).
+    kl_bias_correction: bool = False
+    # Two-sided clipping (INTELLECT-2; TRL's delta): no gradient where the ratio exceeds delta,
+    # whatever the advantage's sign; > 1 (e.g. 4). 0: off. PPO-clipped algorithms only.
+    delta: float = 0.0
+    # Advantage scaling of group-relative algorithms: "group" (r − mean)/(group std + eps),
+    # "batch" (r − group mean)/(batch std + eps) (PPO Lite; TRL's scale_rewards="batch"),
+    # "none" r − group mean (Dr.GRPO); "default": the algorithm's own.
+    reward_scaling: Literal["default", "group", "batch", "none"] = "default"
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature τ for tokens with A > 0
+    sapo_tau_neg: float = 1.05  # SAPO's gate temperature τ for tokens with A <= 0
+    # VESPO's Gamma weight φ(w) = e^λ·w^k·e^(−λw) of the sequence ratio w, per advantage sign.
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0  # VESPO's decay λ for A >= 0
+    vespo_k_neg: float = 3.0  # VESPO's exponent k for A < 0
+    vespo_lambda_neg: float = 2.0  # VESPO's decay λ for A < 0
     reward_kl_coef: float = 0.0  # KL folded into the reward (ppo, reinforce_pp); 0 = default
     # Token weights: per-sequence mean, token mean, or 1/(B·L_max).
     aggregation: Literal["default", "seq_mean_token_mean", "token_mean", "max_length"] = "default"
@@ -672,7 +690,11 @@ class AlgorithmConfig:
         _in_range(self, "eps_low", 0.0, 1.0, hi_open=True)
         _non_negative(self, "eps_high", "kl_coef", "is_cap", "overlong_buffer", "value_clip")
         _non_negative(self, "reward_kl_coef", "value_coef", "tb_beta_decay_steps")
-        _positive(self, "group_std_eps")
+        _positive(self, "group_std_eps", "sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos",
+                  "vespo_lambda_neg")
+        _non_negative(self, "vespo_k_pos", "vespo_k_neg", "delta")
+        if self.delta and self.delta <= 1.0:
+            raise _bad(self, "delta", "caps the ratio from above: must be > 1 (or 0: off)")
         _in_range(self, "gamma", 0.0, 1.0)
         _in_range(self, "gae_lambda", 0.0, 1.0)
         if self.kl_coef > 0 and self.kl_estimator == "none":

@@ -270,8 +270,8 @@ def test_must_be_non_negative(section, name):
         (
             "algorithm.name", "zzz",
             "algorithm.name = 'zzz': unknown algorithm; built-in: grpo, dapo, dr_grpo, gspo, "
-            "cispo, reinforce, rloo, reinforce_pp, ppo, aipo, tb, online_dpo (an algorithm of "
-            "your own: name the module that registers it in algorithm.plugins)",
+            "cispo, reinforce, rloo, reinforce_pp, ppo, aipo, tb, online_dpo, sapo, luspo, vespo "
+            "(an algorithm of your own: name the module that registers it in algorithm.plugins)",
         ),
     ],
 )  # fmt: skip

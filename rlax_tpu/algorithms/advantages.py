@@ -20,6 +20,15 @@ def group_normalized(rewards: jax.Array, eps: float = GROUP_STD_EPS) -> jax.Arra
     return centered / (std + eps)
 
 
+def batch_scaled(rewards: jax.Array, eps: float = GROUP_STD_EPS) -> jax.Array:
+    """Batch reward scaling (PPO Lite; TRL's scale_rewards="batch"): (r_i − group mean) / (std
+    of the whole batch's rewards + eps), std with ddof=1: [N, G] -> [N, G]. Unlike group_norm,
+    a group with nearly equal rewards is not amplified."""
+    flat = rewards.reshape(-1)
+    std = jnp.sqrt(((flat - flat.mean()) ** 2).sum() / max(flat.shape[0] - 1, 1))
+    return group_centered(rewards) / (std + eps)
+
+
 def group_centered(rewards: jax.Array) -> jax.Array:
     """Dr.GRPO / AIPO: r_i − mean of the group: [N, G] -> [N, G]."""
     return rewards - rewards.mean(axis=1, keepdims=True)

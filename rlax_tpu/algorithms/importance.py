@@ -5,6 +5,7 @@ Log-ratios are zeroed on padding before exponentiating, so garbage there cannot 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import jax
@@ -39,6 +40,29 @@ def sequence_ratio(logp: jax.Array, logp_old: jax.Array, mask: jax.Array) -> jax
     """GSPO's length-normalized ratio (π_θ(o_i)/π_old(o_i))^{1/|o_i|}: [B]."""
     lengths = jnp.maximum(mask.sum(axis=1), 1)
     return jnp.exp(masked_log_ratio(logp, logp_old, mask).sum(axis=1) / lengths)
+
+
+def sapo_gate(ratio: jax.Array, advantages: jax.Array, tau_pos: float, tau_neg: float
+              ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """SAPO's soft gate f(ρ) = (4/τ)·σ(τ(ρ − 1)), τ by the advantage's sign: (f, df/dlog ρ =
+    4·σ·(1 − σ)·ρ), both [B, T]. f replaces PPO's hard clip: its slope peaks at ρ = 1 (the
+    on-policy gradient) and fades smoothly off-policy."""
+    tau = jnp.where(advantages > 0, tau_pos, tau_neg)
+    sig = jax.nn.sigmoid(tau * (ratio - 1.0))
+    return 4.0 / tau * sig, 4.0 * sig * (1.0 - sig) * ratio
+
+
+def vespo_weight(logp: jax.Array, logp_old: jax.Array, mask: jax.Array, positive: jax.Array,
+                 k: tuple[float, float], lam: tuple[float, float]) -> jax.Array:  # fmt: skip
+    """VESPO's Gamma weight φ(w) = e^λ·w^k·e^{−λw} (φ(1) = 1) of the sequence ratio w =
+    Π_t π_θ/π_old (log-ratios clamped to ±20, log w to [log 1e-8, 20]); (k, λ) = k[0], lam[0]
+    where ``positive`` [B] (advantage >= 0), else k[1], lam[1]. Returns [B]."""
+    log_ratio = jnp.clip(masked_log_ratio(logp, logp_old, mask), -20.0, 20.0)
+    log_w = jnp.clip(log_ratio.sum(axis=1), math.log(1e-8), 20.0)
+    kk = jnp.where(positive, k[0], k[1])
+    ll = jnp.maximum(jnp.where(positive, lam[0], lam[1]), 1e-4)
+    phi = jnp.exp(ll + kk * log_w - ll * jnp.exp(log_w))
+    return jnp.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def behaviour_weights(

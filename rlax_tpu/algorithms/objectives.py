@@ -17,8 +17,10 @@ from rlax_tpu.algorithms.importance import (
     behaviour_weights,
     clipped_ratio,
     masked_log_ratio,
+    sapo_gate,
     sequence_ratio,
     token_ratio,
+    vespo_weight,
 )
 from rlax_tpu.algorithms.masks import ppo_clip_mask
 from rlax_tpu.algorithms.regularizers import kl_estimate
@@ -35,6 +37,7 @@ GROUP_ESTIMATORS = {
     "group_norm": adv_lib.group_normalized,
     "group_center": adv_lib.group_centered,
     "leave_one_out": adv_lib.leave_one_out,
+    "batch_scaled": adv_lib.batch_scaled,
 }
 _OTHER_ADVANTAGES = ("reward", "none", "batch_norm_kl_reward", "gae")
 
@@ -87,8 +90,8 @@ def _advantages(spec, batch, mask, rewards):
     kind = spec.advantage
     if kind in GROUP_ESTIMATORS:
         grouped = rewards.reshape(-1, spec.group_size)
-        if kind == "group_norm":
-            adv = adv_lib.group_normalized(grouped, eps=spec.group_std_eps)
+        if kind in ("group_norm", "batch_scaled"):
+            adv = GROUP_ESTIMATORS[kind](grouped, eps=spec.group_std_eps)
         else:
             adv = GROUP_ESTIMATORS[kind](grouped)
         return adv.reshape(-1, 1) * mask, None
@@ -145,10 +148,15 @@ def loss(
 
 
 def _eq3_loss(spec, logp, x: LossInputs, values):
+    """The surrogate −Σ w·sg(ω·c·M)·A·log π_θ (+ β Σ w·R): its gradient is the algorithm's. The
+    metric ``objective`` is the objective's own value, as its paper (and TRL) writes it: the
+    clipped min(ωA, clip(ω)A) of PPO-style ratios, SAPO's gated (4/τ)σ(τ(ρ−1))·A; for CISPO,
+    AIPO, REINFORCE/RLOO and VESPO, defined by their gradient, it is the surrogate itself."""
     mask, adv = x.mask, x.advantages
     lp = _sg(logp)
     ratio = token_ratio(lp, x.logp_old, mask)
     clip_active = jnp.zeros(mask.shape, bool)
+    term = None  # the objective's per-token value J_t (before w and c), where not the surrogate
     if spec.importance == "ratio":
         omega = ratio
     elif spec.importance == "clipped_ratio":
@@ -162,24 +170,50 @@ def _eq3_loss(spec, logp, x: LossInputs, values):
         omega = jnp.broadcast_to(sequence_ratio(lp, x.logp_old, mask)[:, None], mask.shape)
     elif spec.importance == "one":
         omega = jnp.ones_like(mask)
+    elif spec.importance == "sapo":
+        gate, omega = sapo_gate(ratio, adv, spec.sapo_tau_pos, spec.sapo_tau_neg)
+        term = gate * adv
+    elif spec.importance == "vespo":
+        positive = (adv * mask).sum(axis=1) >= 0
+        phi = vespo_weight(lp, x.logp_old, mask, positive, spec.vespo_k, spec.vespo_lambda)
+        omega = jnp.broadcast_to(phi[:, None], mask.shape)
     else:
         raise ValueError(f"unknown importance weight {spec.importance!r}")
     grad_mask = jnp.ones_like(mask)
     if spec.clip_mask:
         grad_mask = ppo_clip_mask(omega, adv, spec.eps_low, spec.eps_high)
+        capped = jnp.minimum(omega, spec.delta) if spec.delta else omega
+        clipped = jnp.clip(omega, 1 - spec.eps_low, 1 + spec.eps_high)
+        term = jnp.minimum(capped * adv, clipped * adv)
+        if spec.delta:  # min(min(ω, δ)·A, clip(ω)·A): a gradient where the active side moves
+            inside = (omega > 1 - spec.eps_low) & (omega < 1 + spec.eps_high)
+            grad_mask = jnp.where(capped * adv <= clipped * adv, omega < spec.delta, inside)
+            grad_mask = grad_mask.astype(mask.dtype)
         clip_active = grad_mask == 0
     coef = _sg(omega * x.behaviour_weight * grad_mask)
     policy_loss = -(x.agg_weight * coef * adv * logp).sum()
+    if term is None:
+        policy_value = policy_loss
+    else:
+        policy_value = -(x.agg_weight * x.behaviour_weight * _sg(term)).sum()
     total = policy_loss
     metrics = {
         "policy_loss": _sg(policy_loss),
+        "policy_objective": _sg(policy_value),
         "clip_fraction": _masked_mean(clip_active, mask),
         "importance_weight_mean": _masked_mean(omega, mask),
         "behaviour_weight_mean": _masked_mean(x.behaviour_weight, mask),
         **_stats("advantage", adv, mask),
     }
     if spec.kl_estimator != "none":
-        kl_loss = (x.agg_weight * kl_estimate(logp, x.logp_ref, mask, spec.kl_estimator)).sum()
+        kl = kl_estimate(logp, x.logp_ref, mask, spec.kl_estimator)
+        if spec.kl_bias_correction:  # differentiated: ∇(ρ·R) = ρ·(R∇log π + ∇R)
+            if spec.importance == "sequence_ratio":
+                rho = sequence_ratio(logp, x.logp_old, mask)[:, None]
+            else:
+                rho = token_ratio(logp, x.logp_old, mask)
+            kl = kl * rho
+        kl_loss = (x.agg_weight * kl).sum()
         total = total + spec.kl_coef * kl_loss
         metrics["kl_loss"] = _sg(kl_loss)
     if spec.value_coef:
@@ -190,6 +224,7 @@ def _eq3_loss(spec, logp, x: LossInputs, values):
         )
         total = total + spec.value_coef * value_loss
         metrics["value_loss"] = _sg(value_loss)
+    metrics["objective"] = _sg(total - policy_loss + policy_value)
     return total, metrics
 
 
@@ -204,6 +239,7 @@ def _sequence_loss(spec, logp, x: LossInputs):
     else:
         out, metrics = dpo_loss(seq_logp, seq_ref, rewards, x.beta)
     metrics["seq_log_ratio_ref_mean"] = _sg(seq_logp - seq_ref).mean()
+    metrics["objective"] = _sg(out)  # these losses are their objectives' values
     return out, metrics
 
 

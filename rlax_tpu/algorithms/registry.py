@@ -75,6 +75,20 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         clip_mask=False,
         is_cap=5.0,
     ),  # fmt: skip
+    # SAPO (Qwen): SAPO's soft gate instead of the hard clip, per token, GRPO's aggregation.
+    "sapo": dict(
+        advantage="group_norm", aggregation="seq_mean_token_mean", importance="sapo",
+        clip_mask=False,
+    ),  # fmt: skip
+    # LUSPO: GSPO (sequence ratio and clipping) with each sequence's loss scaled by its length.
+    "luspo": dict(
+        advantage="group_norm", aggregation="seq_mean_token_sum", importance="sequence_ratio",
+        eps_low=3e-4, eps_high=4e-4,
+    ),  # fmt: skip
+    # VESPO: a Gamma weight of the sequence ratio (no clip), token mean.
+    "vespo": dict(
+        advantage="group_norm", aggregation="token_mean", importance="vespo", clip_mask=False
+    ),
     "tb": dict(kind="tb", advantage="none"),
     "online_dpo": dict(kind="online_dpo", advantage="none"),
 }
@@ -83,7 +97,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 DEFAULT_KL_ESTIMATOR = {"grpo": "k3"}
 # β of the KL regularizer when one is on and kl_coef is 0 (DeepSeekMath: 0.04).
 DEFAULT_KL_COEF = {"grpo": 0.04}
-OVERLONG_BUFFER_FRACTION = 5  # DAPO: a 4096-token buffer in a 20480-token budget
+OVERLONG_BUFFER_FRACTION = 5
+# algorithm.reward_scaling -> the group-relative advantage estimator
+_SCALED = {"group": "group_norm", "batch": "batch_scaled", "none": "group_center"}
+_SCALED_FROM = frozenset(_SCALED.values())  # DAPO: a 4096-token buffer in a 20480-token budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,8 +212,23 @@ def make_objective(cfg: AlgorithmConfig, *, max_length: int) -> Objective:
         value_clip=cfg.value_clip,
         dynamic_sampling={"on": True, "off": False, "default": dynamic}[cfg.dynamic_sampling],
         overlong_penalty=cfg.overlong_penalty,
-    )
+        sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg,
+        vespo_k=(cfg.vespo_k_pos, cfg.vespo_k_neg),
+        vespo_lambda=(cfg.vespo_lambda_pos, cfg.vespo_lambda_neg),
+    )  # fmt: skip
     fields |= d
+    if cfg.reward_scaling != "default":
+        if fields.get("advantage") not in _SCALED_FROM:
+            raise ConfigError(
+                "reward_scaling", f"{cfg.name}'s advantage {fields.get('advantage')!r} is not a "
+                "group-relative one it can rescale", cfg.reward_scaling,
+            )  # fmt: skip
+        fields["advantage"] = _SCALED[cfg.reward_scaling]
+    if cfg.delta:
+        if not fields.get("clip_mask", True) or fields.get("kind", "eq3") != "eq3":
+            raise ConfigError("delta", f"caps the PPO-clipped ratio; {cfg.name} has no such "
+                              "clipping", cfg.delta)  # fmt: skip
+        fields["delta"] = cfg.delta
     for name in ("eps_low", "eps_high", "is_cap", "reward_kl_coef", "value_coef"):
         if getattr(cfg, name):
             fields[name] = getattr(cfg, name)
@@ -221,7 +253,11 @@ def make_objective(cfg: AlgorithmConfig, *, max_length: int) -> Objective:
             raise ConfigError(
                 "kl_coef", f"{cfg.name} has no default KL coefficient; set kl_coef", 0.0
             )
-        fields |= dict(kl_estimator=estimator, kl_coef=coef)
+        fields |= dict(kl_estimator=estimator, kl_coef=coef,
+                       kl_bias_correction=cfg.kl_bias_correction)  # fmt: skip
+    elif cfg.kl_bias_correction:
+        raise ConfigError("kl_bias_correction", f"{cfg.name} runs without a KL regularizer here; "
+                          "set kl_estimator (and kl_coef)", True)  # fmt: skip
     if {"on": True, "off": False, "default": overlong}[cfg.overlong_shaping]:
         buffer = cfg.overlong_buffer or max(1, max_length // OVERLONG_BUFFER_FRACTION)
         if buffer > max_length:

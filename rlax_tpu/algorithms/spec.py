@@ -10,10 +10,11 @@ from rlax_tpu.algorithms.importance import BehaviourCorrection
 
 Kind = Literal["eq3", "tb", "online_dpo"]
 Advantage = Literal[
-    "group_norm", "group_center", "leave_one_out", "reward", "batch_norm_kl_reward", "gae", "none"
-]
-Importance = Literal["ratio", "clipped_ratio", "truncated", "sequence_ratio", "one"]
-GROUP_ADVANTAGES = ("group_norm", "group_center", "leave_one_out")
+    "group_norm", "group_center", "leave_one_out", "batch_scaled", "reward",
+    "batch_norm_kl_reward", "gae", "none",
+]  # fmt: skip
+Importance = Literal["ratio", "clipped_ratio", "truncated", "sequence_ratio", "one", "sapo", "vespo"]
+GROUP_ADVANTAGES = ("group_norm", "group_center", "leave_one_out", "batch_scaled")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -21,9 +22,11 @@ class ObjectiveSpec:
     """Hashable, so an Objective can close over it inside jax.jit as static configuration.
 
     kind 'eq3' is RLAX Eq. 3 with: aggregation (w), importance (ω: 'ratio' ρ = π_θ/π_old,
-    'clipped_ratio' CISPO, 'truncated' AIPO min(π_θ/μ, is_cap), 'sequence_ratio' GSPO, 'one'),
-    clip_mask (M: PPO clipping with eps_low/eps_high, per sequence for GSPO), advantage (A),
-    kl_estimator/kl_coef (β·R). 'tb' and 'online_dpo' are the two objectives beside Eq. 3.
+    'clipped_ratio' CISPO, 'truncated' AIPO min(π_θ/μ, is_cap), 'sequence_ratio' GSPO, 'one',
+    'sapo' SAPO's soft gate, 'vespo' VESPO's Gamma weight), clip_mask (M: PPO clipping with
+    eps_low/eps_high, per sequence for GSPO; ``delta`` also caps ω from above, two-sided),
+    advantage (A), kl_estimator/kl_coef (β·R; ``kl_bias_correction`` weighs R by ω).
+    'tb' and 'online_dpo' are the two objectives beside Eq. 3.
     """
 
     name: str
@@ -39,6 +42,12 @@ class ObjectiveSpec:
     is_cap: float = 0.0
     kl_estimator: Literal["none", "k1", "k2", "k3"] = "none"
     kl_coef: float = 0.0
+    kl_bias_correction: bool = False  # R·ρ: the KL estimated under π_old's samples (TRL)
+    delta: float = 0.0  # two-sided clipping: no gradient where ω > delta (INTELLECT-2); 0: off
+    sapo_tau_pos: float = 1.0  # SAPO gate temperature for A > 0
+    sapo_tau_neg: float = 1.05  # ... for A <= 0
+    vespo_k: tuple[float, float] = (2.0, 3.0)  # VESPO exponent k for A >= 0, A < 0
+    vespo_lambda: tuple[float, float] = (3.0, 2.0)  # VESPO decay λ for A >= 0, A < 0
     reward_kl_coef: float = 0.0  # β of the per-token KL folded into the reward (ppo, reinforce_pp)
     behaviour_correction: BehaviourCorrection = "none"
     behaviour_cap: float = 2.0

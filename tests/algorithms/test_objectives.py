@@ -266,6 +266,106 @@ def dpo_textbook(batch, lengths, beta=0.1):
     return loss
 
 
+def batch_scaled_adv(r):
+    """TRL scale_rewards="batch" / PPO Lite: (r − group mean) / (std of all rewards + eps)."""
+    return group_center_adv(r) / (np.std(r, ddof=1) + 1e-6)
+
+
+def grpo_batch_scaled_textbook(batch, lengths):
+    adv = batch_scaled_adv(batch.rewards)
+
+    def loss(logp):
+        total = 0.0
+        for i in range(len(lengths)):
+            lp, old, _, _ = seqs(batch, lengths, logp, i)
+            total = total + jnp.mean(ppo_surrogate(lp, old, adv[i], 0.2, 0.2))
+        return -total / len(lengths)
+
+    return loss
+
+
+def grpo_kl_is_textbook(batch, lengths, beta=0.04):
+    """GRPO with the KL estimated under π_old's samples: ρ·k3, ρ = π_θ/π_old (differentiated)."""
+    adv = group_norm_adv(batch.rewards)
+
+    def loss(logp):
+        total = 0.0
+        for i in range(len(lengths)):
+            lp, old, _, ref = seqs(batch, lengths, logp, i)
+            log_r = ref - lp
+            k3 = jnp.exp(log_r) - log_r - 1
+            total = total + jnp.mean(ppo_surrogate(lp, old, adv[i], 0.2, 0.2)
+                                     - beta * jnp.exp(lp - old) * k3)  # fmt: skip
+        return -total / len(lengths)
+
+    return loss
+
+
+def dapo_delta_textbook(batch, lengths, delta):
+    """INTELLECT-2's two-sided clip: min(min(ρ, δ)·A, clip(ρ, 1−0.2, 1+0.28)·A), token mean."""
+    adv = group_norm_adv(batch.rewards)
+
+    def loss(logp):
+        total = 0.0
+        for i in range(len(lengths)):
+            lp, old, _, _ = seqs(batch, lengths, logp, i)
+            rho = jnp.exp(lp - old)
+            total = total + jnp.sum(jnp.minimum(jnp.minimum(rho, delta) * adv[i],
+                                                jnp.clip(rho, 0.8, 1.28) * adv[i]))  # fmt: skip
+        return -total / lengths.sum()
+
+    return loss
+
+
+def sapo_textbook(batch, lengths, tau_pos=1.0, tau_neg=1.05):
+    """SAPO: 1/G Σ_i 1/|o_i| Σ_t f(ρ_{i,t}) A_i, f(ρ) = 4/τ · sigmoid(τ(ρ − 1)), τ by sign of A."""
+    adv = group_norm_adv(batch.rewards)
+
+    def loss(logp):
+        total = 0.0
+        for i in range(len(lengths)):
+            lp, old, _, _ = seqs(batch, lengths, logp, i)
+            tau = tau_pos if adv[i] > 0 else tau_neg
+            f = 4.0 / tau / (1.0 + jnp.exp(-tau * (jnp.exp(lp - old) - 1.0)))
+            total = total + jnp.mean(f * adv[i])
+        return -total / len(lengths)
+
+    return loss
+
+
+def luspo_textbook(batch, lengths):
+    """LUSPO: GSPO's clipped sequence term scaled by the sequence's length, mean over sequences."""
+    adv = group_norm_adv(batch.rewards)
+
+    def loss(logp):
+        total = 0.0
+        for i in range(len(lengths)):
+            lp, old, _, _ = seqs(batch, lengths, logp, i)
+            s = jnp.exp(jnp.mean(lp - old))
+            term = jnp.minimum(s * adv[i], jnp.clip(s, 1 - 3e-4, 1 + 4e-4) * adv[i])
+            total = total + lengths[i] * term
+        return -total / len(lengths)
+
+    return loss
+
+
+def vespo_textbook(batch, lengths, k=(2.0, 3.0), lam=(3.0, 2.0)):
+    """VESPO: Σ_i Σ_t sg(φ(w_i)) A_i log π / Σ|o_i|, φ(w) = e^λ w^k e^(−λw), w = Π_t π_θ/π_old."""
+    adv = group_norm_adv(batch.rewards)
+
+    def loss(logp):
+        total = 0.0
+        for i in range(len(lengths)):
+            lp, old, _, _ = seqs(batch, lengths, logp, i)
+            kk, ll = (k[0], lam[0]) if adv[i] >= 0 else (k[1], lam[1])
+            w = jax.lax.stop_gradient(jnp.prod(jnp.exp(lp - old)))
+            phi = jnp.exp(ll) * w**kk * jnp.exp(-ll * w)
+            total = total + jnp.sum(phi * adv[i] * lp)
+        return -total / lengths.sum()
+
+    return loss
+
+
 def token_truncate(cap):
     return lambda old, mu: jnp.minimum(jnp.exp(old - mu), cap)
 
@@ -306,6 +406,14 @@ CASES = [
     ("reinforce_pp", dict(name="reinforce_pp"), reinforce_pp_textbook, 0.3, True),
     ("aipo", dict(name="aipo"), lambda b, n: aipo_textbook(b, n, 5.0), 0.3, False),
     ("aipo_cap", dict(name="aipo", is_cap=1.2), lambda b, n: aipo_textbook(b, n, 1.2), 0.3, True),
+    ("grpo_batch_scaled", dict(name="grpo", kl_estimator="none", reward_scaling="batch"), grpo_batch_scaled_textbook, 0.3, True),
+    ("grpo_kl_bias_corrected", dict(name="grpo", kl_bias_correction=True), grpo_kl_is_textbook, 0.3, True),
+    ("dapo_delta", dict(name="dapo", delta=1.2), lambda b, n: dapo_delta_textbook(b, n, 1.2), 0.3, True),
+    ("sapo", dict(name="sapo"), sapo_textbook, 0.3, False),
+    ("sapo_tau", dict(name="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5), lambda b, n: sapo_textbook(b, n, 2.0, 0.5), 0.3, False),
+    ("luspo", dict(name="luspo"), luspo_textbook, 1e-3, True),
+    ("vespo", dict(name="vespo"), vespo_textbook, 0.1, False),
+    ("vespo_k", dict(name="vespo", vespo_k_pos=1.0, vespo_lambda_neg=4.0), lambda b, n: vespo_textbook(b, n, (1.0, 3.0), (3.0, 4.0)), 0.1, False),
     ("tb", dict(name="tb"), lambda b, n: tb_textbook(b, n, 0.012), 0.3, False),
     ("online_dpo", dict(name="online_dpo"), dpo_textbook, 0.3, False),
 ]  # fmt: skip
@@ -343,6 +451,26 @@ def test_gradient_matches_textbook(case, seed, x64, make_batch):
         real = np.asarray(batch.mask) > 0
         w, w1 = np.asarray(inputs.behaviour_weight)[real], np.asarray(one_sided.behaviour_weight)[real]
         assert (w == 0).sum() > (w1 == 0).sum() and (w > 0).any()
+
+
+# AIPO's textbook is written for its gradient (a stop-gradient switch), not its value.
+VALUE_CASES = [c for c in CASES if not c[0].startswith("aipo")]
+
+
+@pytest.mark.parametrize("case", VALUE_CASES, ids=[c[0] for c in VALUE_CASES])
+def test_logged_objective_is_the_textbook_value(case, x64, make_batch):
+    # The loss is a gradient-equivalent surrogate; metrics["objective"] is the objective's own
+    # value (the clipped min, SAPO's gate, ...), as the textbook (and TRL) computes it.
+    _, overrides, textbook, spread, _ = case
+    batch, logp, lengths = make_batch(0, group_size=G, length=T, spread=spread)
+    if overrides["name"] == "online_dpo":
+        rewards = batch.rewards.copy()
+        rewards[G : 2 * G] = 0.5
+        batch = dataclasses.replace(batch, rewards=rewards)
+    obj = _objective(overrides)
+    _, metrics = obj.loss(jnp.asarray(logp), obj.prepare(batch))
+    np.testing.assert_allclose(metrics["objective"], textbook(batch, lengths)(jnp.asarray(logp)),
+                               atol=1e-9, rtol=1e-9)  # fmt: skip
 
 
 def test_ppo_policy_and_value_gradients_match_textbook(x64, make_batch):
