@@ -269,7 +269,7 @@ class Trainer:
 
         diff = np.abs(logp_old - behaviour)[mask > 0]
         versions = np.asarray(batch.versions)[np.asarray(batch.versions) >= 0]
-        metrics = _combine(parts) | {
+        metrics = _combine(parts, scale) | {
             "loss": loss_total,
             "update_compilations": float(step_lib.TRACES["accumulate"]),
             "grad_norm": float(stats["grad_norm"]),
@@ -461,14 +461,22 @@ def _slice_inputs(inputs: LossInputs, mb: MicroBatch) -> LossInputs:
     return jax.tree.map(one, inputs)
 
 
-def _combine(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Micro-batch metrics -> step metrics: *_max max, *_min min, tokens summed, others
-    token-weighted means (p95s become the token-weighted mean of micro-batch p95s)."""
+# Terms of the loss, each micro-batch's a part of the batch's: combined as the loss is.
+_ADDITIVE = ("objective", "policy_objective", "policy_loss", "kl_loss", "value_loss")
+
+
+def _combine(parts: list[tuple[float, dict[str, float]]], scale: float = 1.0) -> dict[str, float]:
+    """Micro-batch metrics -> step metrics: *_max max, *_min min, tokens summed, loss terms
+    (_ADDITIVE) summed times ``scale`` as the loss is (Eq. 3 objectives normalize over the whole
+    batch; tb / online_dpo average micro-batches), others token-weighted means (p95s become the
+    token-weighted mean of micro-batch p95s)."""
     out: dict[str, float] = {}
     total = sum(w for w, _ in parts) or 1.0
     for name in parts[0][1]:
         vals = [m[name] for _, m in parts]
-        if name.endswith("_max"):
+        if name in _ADDITIVE:
+            out[name] = sum(vals) * scale
+        elif name.endswith("_max"):
             out[name] = max(vals)
         elif name.endswith("_min"):
             out[name] = min(vals)

@@ -13,7 +13,7 @@ from rlax_tpu.trainer.batching import micro_arrays, plan_micro_batches, possible
 from rlax_tpu.trainer.mesh import BatchShapeError
 from rlax_tpu.trainer.optimizer import make_schedule
 
-from .helpers import MAX_NEW, MAX_PROMPT, ROWS, random_batch, run_config
+from .helpers import GROUP, MAX_NEW, MAX_PROMPT, ROWS, random_batch, run_config
 
 
 def test_sorting_bounds_padding_and_covers_every_row_once():
@@ -100,3 +100,20 @@ def test_precompile_leaves_no_compile_for_later_steps(tmp_path, precompile):
                         tokens=np.ones((ROWS, MAX_PROMPT + MAX_NEW), np.int32))  # fmt: skip
     second = trainer.train_step(long)["update_compilations"]
     assert (second == first) is precompile
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "tb"])
+def test_loss_terms_of_micro_batches_add_up_to_the_batchs(tmp_path, algorithm):
+    # The objective's value and the loss's terms are parts of one batch-normalized sum (Eq. 3)
+    # or a mean over micro-batches (tb): the step reports the same whatever the micro-batching.
+    batch = random_batch(3)
+    whole, split = (
+        Trainer(run_config(algorithm=algorithm, micro_batch_size=m), checkpoint_dir=tmp_path / str(m),
+                devices=jax.devices()[:1]).train_step(batch)
+        for m in (ROWS, GROUP)
+    )  # fmt: skip
+    names = ["loss", "objective"] + (["policy_loss", "policy_objective", "kl_loss"]
+                                     if algorithm == "grpo" else [])  # fmt: skip
+    for name in names:
+        np.testing.assert_allclose(split[name], whole[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    assert whole["objective"] != 0.0
