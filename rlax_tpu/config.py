@@ -497,6 +497,9 @@ class VerifierConfig:
     python_check: Literal["helper", "sandbox"] = "helper"
     disk_limit_mb: int = 64  # size of each sandbox's private /work and /tmp (tmpfs, in RAM)
     seccomp: bool = True  # deny kernel attack surface (ptrace, mount, namespaces...) on x86_64
+    # Bound each run's memory (all its processes) with a memory cgroup where the host allows
+    # it; elsewhere, or False, a run is judged by its peak RSS (README: Verifier sandbox).
+    memory_cgroups: bool = True
     repository_dir: str = ""  # content-addressed test data; "" = a private temporary directory
     # Limits a request may ask for (per test / per unit-test program); larger ones are clamped.
     max_time_limit_s: float = 20.0

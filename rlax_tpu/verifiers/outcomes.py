@@ -28,7 +28,8 @@ def program_limits(
         cpu_time_s=time_limit_s,
         # Sleeping or blocked programs use no CPU; the wall limit catches them.
         wall_time_s=time_limit_s * 2 + 1,
-        memory_bytes=(memory_mb + extra) << 20,
+        memory_bytes=memory_mb << 20,
+        address_space_bytes=(memory_mb + extra) << 20,  # at least what the runtime reserves
         output_bytes=output_bytes,
         disk_bytes=disk_bytes,
         stack_bytes=UNLIMITED_STACK,  # deep recursion up to the limit, and threads that start
@@ -44,6 +45,8 @@ def classify(result: RunResult, limits: Limits, memory_mb: int) -> tuple[Verdict
     full = len(result.stdout) >= limits.output_bytes or b"File too large" in result.stderr
     if result.signal == signal.SIGXFSZ or full:
         return VerdictKind.OUTPUT_LIMIT, f"output over {limits.output_bytes} bytes"
+    if result.over_memory:  # killed for it, or (peak RSS) held more than it
+        return VerdictKind.MEMORY_LIMIT, f"memory limit {memory_mb} MB"
     if result.timed_out:
         return VerdictKind.TIME_LIMIT, f"wall-clock limit {limits.wall_time_s:g} s"
     if result.cpu_time_s > limits.cpu_time_s or result.signal == signal.SIGXCPU:

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rlax_tpu.verifiers import seccomp
+from rlax_tpu.verifiers.memory import SANDBOX_OVERHEAD_BYTES, MemoryCgroups
 
 _LAUNCHER_SOURCE = Path(__file__).with_name("launcher.cpp")
 _LAUNCHER_IN_SANDBOX = "/.launcher"
@@ -44,22 +45,27 @@ class SandboxUnavailable(RuntimeError):
 
 
 UNLIMITED_STACK = -1  # Limits.stack_bytes: see there
+CGROUP_ADDRESS_SPACE_FACTOR = 16  # RLIMIT_AS backstop / memory limit, when a cgroup bounds the run
+RSS_ADDRESS_SPACE_FACTOR = 2  # ... when only the peak RSS is judged (it bounds what a run holds)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Limits:
-    """Per-run limits. Memory is address space (RLIMIT_AS); processes count threads too.
+    """Per-run limits; processes count threads too.
 
-    RLIMIT_AS binds each process, so a run can hold at most ``processes * memory_bytes`` (plus
-    its two tmpfs): each slot has its own uid, and RLIMIT_NPROC counts processes per uid. This
-    host has no writable cgroup v2 memory/pids controllers to bound a run as a whole, so
-    ``processes`` stays small: a fork bomb that allocates in every child cannot multiply the
-    memory limit by much.
+    Memory is what the run holds (``verifiers.memory``): with memory cgroups, the run's processes
+    together, enforced by the kernel (the OOM killer); without, the program's peak RSS, judged
+    after the run. RLIMIT_AS is only a backstop, ``address_space_bytes`` or a multiple of
+    ``memory_bytes`` (CGROUP_/RSS_ADDRESS_SPACE_FACTOR, whichever is larger), so runtimes that
+    reserve address space (thread stacks, malloc arenas, the JVM) run as they would on a judge.
+    Without cgroups a fork bomb is bounded by ``processes`` times that backstop, so
+    ``processes`` stays small.
     """
 
     cpu_time_s: float
     wall_time_s: float
     memory_bytes: int
+    address_space_bytes: int = 0
     output_bytes: int  # RLIMIT_FSIZE: stdout, stderr and every file the program writes
     disk_bytes: int = 64 << 20  # size of each of the private tmpfs /work and /tmp
     processes: int = 8  # programs; languages.Language.processes (the JVM needs more threads)
@@ -93,6 +99,8 @@ class RunResult:
     stdout: bytes
     stderr: bytes  # the last few KiB
     error: str = ""  # the sandbox failed (not the program): an internal error
+    memory_peak_bytes: int = 0  # the run's cgroup peak (all its processes), else the peak RSS
+    over_memory: bool = False  # killed for the memory limit, or held more than it
 
     @property
     def ok(self) -> bool:
@@ -115,7 +123,10 @@ class Sandbox:
         scratch_dir: Path,
         toolchain_mounts: Sequence[Mount] = (),
         use_seccomp: bool = True,
+        memory_cgroups: bool = True,
     ):
+        """``memory_cgroups``: bound each run with a memory cgroup where the host allows it
+        (False: judge the peak RSS only)."""
         self._bwrap = shutil.which("bwrap")
         if self._bwrap is None:
             raise SandboxUnavailable("bubblewrap (bwrap) is not installed; `make` installs it")
@@ -135,6 +146,7 @@ class Sandbox:
             self._free.put(uid_base + slot)
         self._seccomp = seccomp.build_filter() if use_seccomp and seccomp.supported() else None
         self._fixed_args = self._system_args(toolchain_mounts)
+        self.memory_cgroups = MemoryCgroups.detect() if memory_cgroups else None
 
     @property
     def uids(self) -> range:
@@ -232,6 +244,22 @@ class Sandbox:
             shutil.rmtree(run_dir, ignore_errors=True)
 
     def _spawn(self, uid, argv, limits, mounts, stdin, cwd, env, run_dir) -> RunResult:  # noqa: ANN001
+        group = None
+        if self.memory_cgroups is not None:
+            group = self.memory_cgroups.create(limits.memory_bytes + SANDBOX_OVERHEAD_BYTES)
+        try:
+            result = self._spawn_in(group, uid, argv, limits, mounts, stdin, cwd, env, run_dir)
+        finally:
+            usage = group.finish() if group is not None else None
+        if usage is None:
+            return dataclasses.replace(result, memory_peak_bytes=result.max_rss_bytes,
+                                       over_memory=result.max_rss_bytes > limits.memory_bytes)  # fmt: skip
+        # Killed at the limit: by the OOM killer (counted), or SIGKILLed while charges met it.
+        killed = usage.oom_kills > 0 or (usage.limit_hits > 0 and result.signal == signal.SIGKILL)
+        return dataclasses.replace(result, memory_peak_bytes=usage.peak_bytes, over_memory=killed)
+
+    def _spawn_in(self, group, uid, argv, limits, mounts, stdin, cwd, env, run_dir  # noqa: ANN001
+                  ) -> RunResult:  # fmt: skip
         disk = str(limits.disk_bytes)
         args = [self._bwrap, *self._fixed_args]
         args += ["--size", disk, "--perms", "1777", "--tmpfs", "/tmp"]
@@ -249,16 +277,21 @@ class Sandbox:
             fds.append(filter_r)
             args += ["--seccomp", str(filter_r)]
         cpu_s = int(limits.cpu_time_s) + 1  # the verdict compares the measured time to the limit
+        factor = CGROUP_ADDRESS_SPACE_FACTOR if group else RSS_ADDRESS_SPACE_FACTOR
+        address_space = max(limits.address_space_bytes, limits.memory_bytes * factor)
         args += [
             _LAUNCHER_IN_SANDBOX, "--status-fd", str(status_w), "--uid", str(uid), "--gid", str(uid),
             "--wall-ms", str(int(limits.wall_time_s * 1000)), "--cpu-s", str(cpu_s),
-            "--as", str(limits.memory_bytes), "--fsize", str(limits.output_bytes),
+            "--as", str(address_space), "--fsize", str(limits.output_bytes),
             "--nofile", str(limits.open_files), "--nproc", str(limits.processes),
             "--stack", _stack_arg(limits), "--cwd", cwd,
         ]  # fmt: skip
         if stdin is not None:
             args += ["--stdin", stdin]
         args += ["--", *argv]
+        if group is not None:  # joins the run's cgroup, then becomes bwrap: every process is in it
+            args = ["/bin/sh", "-c", 'echo $$ > "$0" || exit 125; exec "$@"', str(group.procs),
+                    *args]  # fmt: skip
         out_path, err_path = run_dir / "stdout", run_dir / "stderr"
         try:
             with open(out_path, "wb") as out, open(err_path, "wb") as err:

@@ -61,6 +61,7 @@ class VerifierService:
             scratch_dir=self._scratch / "sandbox",
             toolchain_mounts=self.toolchains.mounts,
             use_seccomp=config.seccomp,
+            memory_cgroups=config.memory_cgroups,
         )
         self._python_checker = None
         if config.python_check == "helper" and "python" in self.toolchains.languages:
@@ -189,7 +190,9 @@ class VerifierService:
     def health(self) -> str:
         langs = ", ".join(sorted(set(self.toolchains.languages) & set(self.config.languages)))
         langs = langs or "none"
-        return f"{self.config.workers} workers, {self.pending} tasks pending, languages: {langs}"
+        memory = "per-run cgroups" if self.sandbox.memory_cgroups else "peak RSS"
+        return (f"{self.config.workers} workers, {self.pending} tasks pending, languages: {langs}, "
+                f"memory judged by {memory}")  # fmt: skip
 
     def close(self) -> None:
         with self._lock:

@@ -221,3 +221,60 @@ def test_programs_that_start_threads_and_recurse_deeply_are_accepted(service, la
     if language in HOGS:
         [over] = service.verify([CodeTask(problem=spec, language=language, code=HOGS[language])])
         assert over.kind is not VerdictKind.ACCEPTED, over
+
+
+# Memory by what a program holds. RESERVERS reserve far more address space than they touch (many
+# threads with their stacks and malloc arenas; a large untouched allocation): judges accept them,
+# and RLIMIT_AS at the limit did not. TOUCHERS hold 300 MB of a 256 MB limit.
+RESERVERS = {
+    "python": textwrap.dedent("""\
+        import mmap, threading
+        a, b = map(int, input().split())
+        reserve = mmap.mmap(-1, 300 << 20)  # anonymous, never touched
+        barrier = threading.Barrier(5)
+        ts = [threading.Thread(target=barrier.wait) for _ in range(4)]
+        for t in ts: t.start()
+        barrier.wait()
+        for t in ts: t.join()
+        print(a + b + len(reserve) - (300 << 20))
+    """),
+    "cpp": textwrap.dedent("""\
+        #include <cstdio>
+        #include <cstdlib>
+        #include <thread>
+        #include <vector>
+        int main() {
+          long long a, b;
+          if (scanf("%lld %lld", &a, &b) != 2) return 1;
+          char* reserve = (char*)malloc(300u << 20);  // mmap'd, never touched
+          if (!reserve) return 3;
+          std::vector<std::thread> ts;
+          for (int i = 0; i < 6; ++i) ts.emplace_back([] { volatile int x = 0; (void)x; });
+          for (auto& t : ts) t.join();
+          printf("%lld\\n", a + b);
+        }
+    """),
+}
+TOUCHERS = {
+    "python": "x = bytearray(300 * 2**20)\nprint(3)",
+    # Volatile stores to every page: the compiler may not drop the allocation.
+    "cpp": "#include <cstdio>\n#include <cstdlib>\nint main(){const unsigned long n=300ul<<20;"
+           "volatile char* p=(volatile char*)malloc(n); if(!p)return 3;"
+           "for(unsigned long i=0;i<n;i+=4096)p[i]=1; printf(\"%d\\n\",p[n-4096]+2);}",
+}
+
+
+@pytest.mark.parametrize("cgroups", [True, False], ids=["cgroup", "peak_rss"])
+def test_memory_is_what_a_program_holds_not_what_it_reserves(verifier_config, tmp_path, cgroups):
+    config = verifier_config(20, languages=("python", "cpp"), memory_cgroups=cgroups)
+    with VerifierService(config, scratch_dir=tmp_path) as service:
+        if cgroups and service.sandbox.memory_cgroups is None:
+            pytest.skip("this host lets the verifier create no memory cgroups")
+        assert ("per-run cgroups" if cgroups else "peak RSS") in service.health()
+        spec = upload_problem(service, problem_id="reserve", tests=[("1 2\n", "3\n")])
+        tasks = [CodeTask(problem=spec, language=lang, code=code)
+                 for progs in (RESERVERS, TOUCHERS) for lang, code in sorted(progs.items())]  # fmt: skip
+        verdicts = service.verify(tasks)
+    reserved, held = verdicts[: len(RESERVERS)], verdicts[len(RESERVERS) :]
+    assert [v.kind for v in reserved] == [VerdictKind.ACCEPTED] * len(RESERVERS), reserved
+    assert [v.kind for v in held] == [VerdictKind.MEMORY_LIMIT] * len(TOUCHERS), held
