@@ -141,7 +141,8 @@ def warm_up(config: RunConfig, model: models.Transformer, prompter: Prompter,
     return model, note
 
 
-def _prompter(config: RunConfig, run_dir: storage.epath.Path) -> Prompter:
+def build_prompter(config: RunConfig, run_dir: storage.epath.Path) -> Prompter:
+    """The run's datasets, tokenizer and prompt format, as the controller uses them."""
     datasets = load_datasets(config.data, seed=config.controller.seed)
     tokenizer = prepare_tokenizer(config, datasets, run_dir)
     return Prompter(
@@ -170,7 +171,7 @@ def export_warmup(config: RunConfig, out_dir: str, *, stream: TextIO | None = No
         raise ValueError("controller.warmup_steps is 0: there is no warm-up to export")
     run_dir = storage.path(config.controller.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    prompter = _prompter(config, run_dir)
+    prompter = build_prompter(config, run_dir)
     model, note = warm_up(config, models.load_model(config.model), prompter, out)
     with tempfile.TemporaryDirectory(prefix="rlax-warmup-") as scratch:
         files = [*save_safetensors(model, scratch), Path(scratch) / "config.json"]
@@ -203,7 +204,7 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"rlax_tpu.controller: run directory {run_dir} ({cc.mode} mode, {cc.transport} "
           f"transport)", file=out, flush=True)  # fmt: skip
-    prompter = _prompter(config, run_dir)
+    prompter = build_prompter(config, run_dir)
     tokenizer = prompter.tokenizer
     fresh = SnapshotStore(run_dir / "snapshots", keep=cc.snapshot_keep).latest_step() is None
     notes: list[str] = []

@@ -1,6 +1,7 @@
-"""The objectives added beside TRL's (SAPO, LUSPO, VESPO) and the loss options (batch reward
-scaling, two-sided delta, bias-corrected KL) train from a config through the controller with the
-real local components, and the run logs each update's objective value beside the loss."""
+"""The objectives added beside TRL's (SAPO, LUSPO, VESPO), the loss options (batch reward
+scaling, two-sided delta, bias-corrected KL) and IcePop's two-sided band on the length-normalized
+sequence ratio train from a config through the controller with the real local components, and the
+run logs each update's objective value beside the loss."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ RUNS = [
     dict(name="sapo", reward_scaling="batch"),
     dict(name="luspo", delta=2.0),
     dict(name="vespo", kl_estimator="k3", kl_coef=0.01, kl_bias_correction=True),
+    dict(name="dapo", behaviour_correction="seq_mask", behaviour_floor=0.5, behaviour_cap=2.0),
 ]
 
 
@@ -40,3 +42,5 @@ def test_the_objective_trains_through_the_controller(tmp_path, algorithm):
     assert any(u["trainer/grad_norm"] > 0 for u in logged)
     if "kl_coef" in algorithm:
         assert all(math.isfinite(u["trainer/kl_loss"]) for u in logged)
+    if "behaviour_floor" in algorithm:  # the band is applied: its weights are logged
+        assert all(0 < u["trainer/behaviour_weight_mean"] <= 2.0 for u in logged)

@@ -25,13 +25,11 @@ from scipy import stats
 from rlax_tpu import models
 from rlax_tpu.cli import DEFAULT_CONFIG
 from rlax_tpu.config import RunConfig, from_dict
-from rlax_tpu.controller.app import prepare_tokenizer
+from rlax_tpu.controller.app import build_prompter
 from rlax_tpu.controller.components import build_local
-from rlax_tpu.controller.groups import Prompter
 from rlax_tpu.controller.ledger import GroupState
 from rlax_tpu.controller.loop import Controller
 from rlax_tpu.controller.throughput import throughput_queue_cap
-from rlax_tpu.data.sources import load_datasets
 
 UID = 1_500_000 + (os.getpid() % 100_000) * 8
 
@@ -98,12 +96,8 @@ class VaryingLengths:
 def run_controller(config: RunConfig, wrap, on_event=None) -> Controller:
     run_dir = Path(config.controller.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    datasets = load_datasets(config.data, seed=config.controller.seed)
-    tokenizer = prepare_tokenizer(config, datasets, run_dir)
-    prompter = Prompter(datasets, tokenizer, style="raw", language="python",
-                        group_size=config.algorithm.group_size, seed=config.controller.seed,
-                        max_prompt_len=config.inference.max_prompt_len,
-                        stop_token_ids=sorted(tokenizer.stop_ids))  # fmt: skip
+    prompter = build_prompter(config, run_dir)  # datasets, tokenizer, prompt format
+    tokenizer = prompter.tokenizer
     comps = build_local(config, model=models.load_model(config.model), eos_ids=tokenizer.stop_ids,
                         run_dir=run_dir, trainer_devices=jax.devices()[:1])  # fmt: skip
     try:
