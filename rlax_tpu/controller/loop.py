@@ -478,13 +478,11 @@ class Controller:
         self.counters.groups_filtered += len(plan.filtered)
         self.counters.groups_verifier_failed += sum(r.verifier_failed for r in results)
         self.counters.groups_surplus += len(plan.surplus)
-        for key in consumed:
-            self.ledger.train(key, at_version=self.version)
-        self.counters.groups_trained += len(consumed)
         for r in results:
             self.buffered.pop(r.key, None)
             self.refs.pop(r.key, None)
         if plan.batch is None:
+            self._mark_trained(consumed)  # with replay they are in the buffer all the same
             self._skip(len(batch_groups))
             return None
         self.counters.skipped_in_a_row = 0
@@ -492,6 +490,7 @@ class Controller:
         # expect_step: a trainer that restarted unseen (between two calls) refuses the update.
         metrics = self.c.trainer.train_step(plan.batch, expect_step=self.version)
         train_s = time.perf_counter() - t0
+        self._mark_trained(consumed)  # only once the update happened
         self.version += 1
         self.step += 1
         return {f"trainer/{k}": float(v) for k, v in metrics.items()} | extra | {
@@ -511,6 +510,11 @@ class Controller:
             "replay/staleness_max": float(max(ages, default=0)),
         }  # fmt: skip
         return drawn
+
+    def _mark_trained(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self.ledger.train(key, at_version=self.version)
+        self.counters.groups_trained += len(keys)
 
     def _skip(self, groups: int) -> None:
         c = self.counters

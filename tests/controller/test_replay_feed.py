@@ -33,24 +33,20 @@ def run(cfg):
     return run_controller(cfg, wrap), held["trainer"].batches
 
 
-def test_updates_train_on_groups_drawn_from_the_replay_buffer_within_eta_a(tmp_path):
-    cfg = replay_config(tmp_path, num_steps=4)
-    ctl, batches = run(cfg)
-    assert ctl.version == 4 and len(batches) == 4
+def test_updates_draw_from_the_replay_buffer_and_a_resumed_run_draws_the_same(tmp_path):
+    cfg = replay_config(tmp_path / "a", num_steps=4)
+    ctl, whole = run(cfg)
+    assert ctl.version == 4 and len(whole) == 4
     # Every step's groups entered the buffer once; every update drew a full batch from it.
     assert ctl.counters.groups_trained == 8 == len(ctl.ledger.keys(GroupState.TRAINED))
-    assert ctl.counters.groups_replayed == 8
+    assert ctl.counters.groups_replayed == 8 and len(ctl.replay.buffer) > 0
     older = 0
-    for v, batch in enumerate(batches):
+    for v, batch in enumerate(whole):
         assert batch.tokens.shape[0] == 2 * cfg.algorithm.group_size
         assert ((v - batch.versions) <= 2).all() and (batch.versions <= v).all()  # η_a = 2
         older += int((batch.versions < max(0, v - 1)).any())  # older than the step's own (d = 1)
     assert older > 0  # the buffer served rollouts of earlier steps, not only the newest
-    assert len(ctl.replay.buffer) > 0
-
-
-def test_a_resumed_run_draws_the_same_batches_from_the_restored_buffer(tmp_path):
-    _, whole = run(replay_config(tmp_path / "a", num_steps=4))
+    # Stopped at step 2 and resumed: the restored buffer (and its RNG) draws the same batches.
     _, first = run(replay_config(tmp_path / "b", num_steps=2))
     _, rest = run(replay_config(tmp_path / "b", num_steps=4))  # resumes at step 2
     assert len(first) == 2 and len(rest) == 2

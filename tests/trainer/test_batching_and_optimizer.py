@@ -12,6 +12,7 @@ from rlax_tpu.trainer import Trainer
 from rlax_tpu.trainer.batching import micro_arrays, plan_micro_batches, possible_shapes
 from rlax_tpu.trainer.mesh import BatchShapeError
 from rlax_tpu.trainer.optimizer import make_schedule
+from rlax_tpu.trainer.trainer import _combine
 
 from .helpers import GROUP, MAX_NEW, MAX_PROMPT, ROWS, random_batch, run_config
 
@@ -102,18 +103,25 @@ def test_precompile_leaves_no_compile_for_later_steps(tmp_path, precompile):
     assert (second == first) is precompile
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "tb"])
-def test_loss_terms_of_micro_batches_add_up_to_the_batchs(tmp_path, algorithm):
-    # The objective's value and the loss's terms are parts of one batch-normalized sum (Eq. 3)
-    # or a mean over micro-batches (tb): the step reports the same whatever the micro-batching.
+def test_loss_terms_of_micro_batches_add_up_to_the_batchs(tmp_path, algorithm="grpo"):
+    # The objective's value and the loss's terms are parts of one batch-normalized sum (Eq. 3):
+    # the step reports the same whatever the micro-batching.
     batch = random_batch(3)
     whole, split = (
         Trainer(run_config(algorithm=algorithm, micro_batch_size=m), checkpoint_dir=tmp_path / str(m),
                 devices=jax.devices()[:1]).train_step(batch)
         for m in (ROWS, GROUP)
     )  # fmt: skip
-    names = ["loss", "objective"] + (["policy_loss", "policy_objective", "kl_loss"]
-                                     if algorithm == "grpo" else [])  # fmt: skip
+    names = ["loss", "objective", "policy_loss", "policy_objective", "kl_loss"]
     for name in names:
         np.testing.assert_allclose(split[name], whole[name], rtol=1e-4, atol=1e-6, err_msg=name)
     assert whole["objective"] != 0.0
+
+
+def test_sequence_objectives_average_their_micro_batches():
+    # tb / online_dpo normalize per micro-batch (the loss is scaled by 1/n): so are their terms;
+    # other metrics stay token-weighted means.
+    parts = [(10.0, {"objective": 2.0, "ratio_mean": 1.0}), (30.0, {"objective": 4.0,
+                                                                     "ratio_mean": 2.0})]  # fmt: skip
+    out = _combine(parts, scale=0.5)
+    assert out["objective"] == 3.0 and out["ratio_mean"] == 1.75
