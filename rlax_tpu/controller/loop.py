@@ -143,7 +143,7 @@ class Controller:
         self._progress_stream = progress_stream
         self._jobs: dict[int, cf.Future] = {}  # deterministic: step -> verified groups
         self._verify_pool = cf.ThreadPoolExecutor(2, "verify")
-        self.replay, self._replay_state = None, None
+        self.replay = None
         if config.data.replay:
             self.replay = ReplayFeed(config.data, seed=cc.seed, group_size=self.group_size,
                                      max_staleness=cc.acceptance_bound,
@@ -217,7 +217,7 @@ class Controller:
         return correct
 
     # ------------------------------------------------------------------ state and snapshots
-    def _payload(self) -> dict[str, Any]:
+    def _payload(self, replay: dict[str, Any] | None) -> dict[str, Any]:
         return {
             "config": to_dict(self.config),
             "step": self.step,
@@ -230,7 +230,7 @@ class Controller:
             "counters": dataclasses.asdict(self.counters),
             "evals": {str(v): m for v, m in self.evals.items()},
             "done": self.step >= self.cc.num_steps,
-        } | ({"replay": self._replay_state} if self.replay is not None else {})
+        } | ({"replay": replay} if replay is not None else {})
 
     def snapshot(self) -> None:
         closed = self.ledger.take_closed()
@@ -238,15 +238,16 @@ class Controller:
             self.ledger_log.write(self.ledger_segments, closed)
             self.ledger_segments += 1
         self._split = {k: g.split_state() for k, g in self.buffered.items()}
+        replay = None
         if self.replay is not None:
             self.replay.flush()
-            self._replay_state = self.replay.state()
+            replay = self.replay.state()
         # The state as JSON (the mixture's RNG state holds 128-bit ints msgpack cannot carry),
         # the buffered rollouts as arrays beside it.
-        self.snapshots.save(self.step, {"json": json.dumps(self._payload()),
+        self.snapshots.save(self.step, {"json": json.dumps(self._payload(replay)),
                                         "rollouts": {k: a for k, (_, a) in self._split.items()}})
         if self.replay is not None:
-            self.replay.collect(self.step, self.snapshots.steps(), self._replay_state)
+            self.replay.collect(self.step, self.snapshots.steps(), replay)
 
     def check_compatible(self, saved: dict[str, Any]) -> None:
         old = from_dict(type(self.config), saved)

@@ -116,16 +116,14 @@ class ReplayFeed:
         """After the snapshot of ``step`` (holding ``state``) is saved: deletes the segments no
         kept snapshot names. A kept snapshot from before a restart is taken to name every
         segment it covers."""
-        self._needs[step] = {where[0] for _, f in state["items"] for where in [f["payload"]]}
+        self._needs[step] = {f["payload"][0] for _, f in state["items"]}
         self._needs = {s: n for s, n in self._needs.items() if s in kept_steps}
+        if any(s not in self._needs for s in kept_steps):
+            return  # a snapshot from before a restart may name any segment below its count
         needed: set[int] = set().union(*self._needs.values())
-        oldest_unknown = min((s for s in kept_steps if s not in self._needs), default=None)
         for i in self._indices():
-            if i in needed or i >= self.segments:
-                continue
-            if oldest_unknown is not None:  # it may name any segment up to its own count
-                continue
-            self._path(i).unlink(missing_ok=True)
+            if i not in needed and i < self.segments:
+                self._path(i).unlink(missing_ok=True)
 
     def restore(self, state: dict[str, Any]) -> None:
         """Loads the buffer a snapshot names; deletes segments written after it."""

@@ -72,14 +72,13 @@ class ReplayBuffer:
             )
         bucket = self._items.setdefault(item.prompt_id, OrderedDict())
         h = _token_hash(item.tokens)
-        duplicate = h in bucket
-        if duplicate:
+        if bucket.pop(h, None) is not None:  # re-inserted last: it is now the newest item
             self.duplicates += 1
-            del bucket[h]
+            bucket[h] = (self._counter, item)
+            self._counter += 1
+            return False
         bucket[h] = (self._counter, item)
         self._counter += 1
-        if duplicate:
-            return False
         if len(bucket) > self.per_prompt:
             bucket.popitem(last=False)
             self.evicted += 1
@@ -146,14 +145,15 @@ class ReplayBuffer:
         recent = {p: [it for it in items if current_version - it.version < self.recent_versions]
                   for p, items in pools.items()}  # fmt: skip
         recent = {p: items for p, items in recent.items() if items}
+        recent_prompts, prompts = list(recent), list(pools)
+        uniform = self.priority == "uniform"
         out = []
         for _ in range(n):
             if self._rng.random() < self.recency_prob and recent:
-                prompt = list(recent)[int(self._rng.integers(len(recent)))]
+                prompt = recent_prompts[int(self._rng.integers(len(recent_prompts)))]
                 out.append((prompt, self._pick(recent[prompt], k, uniform=True), "recent"))
             else:
-                prompt = list(pools)[int(self._rng.integers(len(pools)))]
-                uniform = self.priority == "uniform"
+                prompt = prompts[int(self._rng.integers(len(prompts)))]
                 out.append((prompt, self._pick(pools[prompt], k, uniform=uniform), self.priority))
         return out
 

@@ -2,7 +2,7 @@
 
 Where this process may create memory cgroups (cgroup v1's memory controller, as on this kind of
 host), every run gets a fresh cgroup whose limit bounds all its processes together (so a fork bomb
-cannot multiply it) and whose peak usage and OOM kills decide the verdict; RLIMIT_AS is then only
+cannot multiply it) and whose OOM kills decide the verdict; RLIMIT_AS is then only
 a generous backstop. Elsewhere the run's peak RSS (the launcher's wait4) decides, under a tighter
 RLIMIT_AS backstop. cgroup v2 (memory.max) is not used yet: hosts with only v2 take the peak-RSS
 path (logged once at start-up).
@@ -28,7 +28,6 @@ _V1_ROOT = Path("/sys/fs/cgroup/memory")
 
 @dataclasses.dataclass(frozen=True)
 class Usage:
-    peak_bytes: int  # the most the run's processes held at once (charged memory)
     oom_kills: int  # processes the kernel's OOM killer ended for the limit
     limit_hits: int  # charges that met the limit (some reclaim satisfied; the rest OOM-killed)
 
@@ -51,7 +50,6 @@ class RunCgroup:
 
     def finish(self) -> Usage:
         """The run's usage; removes the cgroup (its processes are gone by now)."""
-        peak = int((self.path / "memory.max_usage_in_bytes").read_text())
         oom = 0
         for line in (self.path / "memory.oom_control").read_text().splitlines():
             key, _, value = line.partition(" ")
@@ -59,7 +57,7 @@ class RunCgroup:
                 oom = int(value)
         hits = int((self.path / "memory.failcnt").read_text())
         self._remove()
-        return Usage(peak_bytes=peak, oom_kills=oom, limit_hits=hits)
+        return Usage(oom_kills=oom, limit_hits=hits)
 
     def _remove(self) -> None:
         for delay in (0.0, 0.01, 0.05, 0.2, 1.0):  # exiting processes may linger a moment

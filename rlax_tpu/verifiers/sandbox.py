@@ -99,7 +99,6 @@ class RunResult:
     stdout: bytes
     stderr: bytes  # the last few KiB
     error: str = ""  # the sandbox failed (not the program): an internal error
-    memory_peak_bytes: int = 0  # the run's cgroup peak (all its processes), else the peak RSS
     over_memory: bool = False  # killed for the memory limit, or held more than it
 
     @property
@@ -251,12 +250,11 @@ class Sandbox:
             result = self._spawn_in(group, uid, argv, limits, mounts, stdin, cwd, env, run_dir)
         finally:
             usage = group.finish() if group is not None else None
-        if usage is None:
-            return dataclasses.replace(result, memory_peak_bytes=result.max_rss_bytes,
-                                       over_memory=result.max_rss_bytes > limits.memory_bytes)  # fmt: skip
-        # Killed at the limit: by the OOM killer (counted), or SIGKILLed while charges met it.
-        killed = usage.oom_kills > 0 or (usage.limit_hits > 0 and result.signal == signal.SIGKILL)
-        return dataclasses.replace(result, memory_peak_bytes=usage.peak_bytes, over_memory=killed)
+        if usage is None:  # judged by the peak RSS
+            over = result.max_rss_bytes > limits.memory_bytes
+        else:  # killed at the limit: by the OOM killer, or SIGKILLed while charges met it
+            over = usage.oom_kills > 0 or (usage.limit_hits > 0 and result.signal == signal.SIGKILL)
+        return dataclasses.replace(result, over_memory=over)
 
     def _spawn_in(self, group, uid, argv, limits, mounts, stdin, cwd, env, run_dir  # noqa: ANN001
                   ) -> RunResult:  # fmt: skip
