@@ -52,6 +52,21 @@ def known_algorithms() -> tuple[str, ...]:
     return (*ALGORITHMS, *_REGISTERED_ALGORITHMS)
 
 
+REWARDS = ("verdict", "partial")
+_REGISTERED_REWARDS: list[str] = []
+
+
+def register_reward_name(name: str) -> None:
+    """Makes ``name`` a valid algorithm.reward (called by algorithms.register_reward)."""
+    if name in REWARDS:
+        raise ValueError(f"{name!r} is a built-in reward function; register another name")
+    _REGISTERED_REWARDS.append(name)
+
+
+def known_rewards() -> tuple[str, ...]:
+    return (*REWARDS, *_REGISTERED_REWARDS)
+
+
 _NO_VALUE = object()
 
 
@@ -668,9 +683,14 @@ class AlgorithmConfig:
     tb_beta_decay_steps: int = 500  # updates over which β decays; 0: constant
     dpo_beta: float = 0.1  # online DPO's β
     # Python modules imported before algorithm.name is checked, so that they can register
-    # algorithms and advantage estimators (rlax_tpu.algorithms.register_algorithm /
-    # register_advantage); every process that builds the objective imports them.
+    # algorithms, advantage estimators and reward functions (rlax_tpu.algorithms.
+    # register_algorithm / register_advantage / register_reward); every process that builds the
+    # objective imports them.
     plugins: tuple[str, ...] = ()
+    # The reward of a rollout from its verdict: "verdict" (1 accepted, else 0), "partial" (the
+    # fraction of tests passed), or a function registered by a plugin. Evaluation's pass@1
+    # counts accepted answers whatever the reward.
+    reward: str = "verdict"
 
     def __post_init__(self) -> None:
         for module in self.plugins:
@@ -686,6 +706,10 @@ class AlgorithmConfig:
                     f"; built-in: {', '.join(ALGORITHMS)} (an algorithm of your own: name the "
                     "module that registers it in algorithm.plugins)")  # fmt: skip
             raise _bad(self, "name", f"unknown algorithm{hint}")
+        if self.reward not in known_rewards():
+            raise _bad(self, "reward", f"unknown reward function; built-in: {', '.join(REWARDS)} "
+                       "(one of your own: name the module that registers it in "
+                       "algorithm.plugins)")  # fmt: skip
         _positive(
             self, "group_size", "behaviour_cap", "overlong_penalty", "tb_beta", "tb_beta_final",
             "dpo_beta",

@@ -39,6 +39,7 @@ from rlax_tpu.algorithms.registry import (
     register_advantage,
     register_algorithm,
 )
+from rlax_tpu.algorithms.rewards import RewardInput, register_reward
 from rlax_tpu.algorithms.spec import ObjectiveSpec
 
 __all__ = [
@@ -46,9 +47,11 @@ __all__ = [
     "LossInputs",
     "Objective",
     "ObjectiveSpec",
+    "RewardInput",
     "RolloutBatch",
     "make_objective",
     "register_advantage",
     "register_algorithm",
+    "register_reward",
     "validate_batch",
 ]

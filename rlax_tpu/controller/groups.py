@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from rlax_tpu.algorithms import Objective
+from rlax_tpu.algorithms import rewards as rewards_lib
 from rlax_tpu.controller import tasks as tasks_lib
 from rlax_tpu.controller.ports import VerifierPort
 from rlax_tpu.data.mixture import PromptRef, stream_seed
@@ -228,22 +229,36 @@ def _task_key(problem: Problem, task: Any) -> tuple[str, ...]:
     return (problem.id, type(task).__name__, getattr(task, "language", ""), text)
 
 
+def rewards_of(
+    reward: str, prompter: Prompter, items: Sequence[tuple[Problem, Rollout]],
+    verdicts: Sequence[Verdict],
+) -> list[float | None]:  # fmt: skip
+    """The reward function ``reward``'s value per (problem, rollout); None: internal error."""
+    fn = rewards_lib.reward_fn(reward)
+    return [
+        rewards_lib.score(fn, rewards_lib.RewardInput(
+            verdict=v, completion=prompter.completion(ro), tokens=ro.tokens, problem=problem,
+            finished=ro.finish_reason is not FinishReason.LENGTH), name=reward)
+        for (problem, ro), v in zip(items, verdicts, strict=True)
+    ]  # fmt: skip
+
+
 def results_from(
     refs: Sequence[PromptRef], rollouts: Sequence[Rollout], verdicts: Sequence[Verdict],
-    *, issued_version: int = 0,
+    rewards: Sequence[float | None], *, issued_version: int = 0,
 ) -> list[GroupResult]:  # fmt: skip
-    """Groups rollouts (prompt_id = group key) and their verdicts into GroupResults (refs' order)."""
-    by_key: dict[str, list[tuple[Rollout, Verdict]]] = {r.key: [] for r in refs}
-    for ro, v in zip(rollouts, verdicts, strict=True):
-        by_key[ro.prompt_id].append((ro, v))
+    """Groups rollouts (prompt_id = group key), their verdicts and rewards (None: the verifier
+    failed) into GroupResults (refs' order)."""
+    by_key: dict[str, list[tuple[Rollout, Verdict, float | None]]] = {r.key: [] for r in refs}
+    for ro, v, r in zip(rollouts, verdicts, rewards, strict=True):
+        by_key[ro.prompt_id].append((ro, v, r))
     out = []
     for ref in refs:
-        pairs = sorted(by_key[ref.key], key=lambda p: p[0].sample_index)
-        rewards = [tasks_lib.reward(v) for _, v in pairs]
+        triples = sorted(by_key[ref.key], key=lambda p: p[0].sample_index)
         out.append(GroupResult(
-            ref=ref, rollouts=[p[0] for p in pairs],
-            rewards=np.array([np.nan if r is None else r for r in rewards], np.float64),
-            verdicts=[v.kind.value for _, v in pairs], issued_version=issued_version,
+            ref=ref, rollouts=[t[0] for t in triples],
+            rewards=np.array([np.nan if t[2] is None else t[2] for t in triples], np.float64),
+            verdicts=[t[1].kind.value for t in triples], issued_version=issued_version,
         ))  # fmt: skip
     return out
 

@@ -362,7 +362,9 @@ class Controller:
             items = [(self.prompter.problem(by_key[ro.prompt_id]), ro) for ro in rollouts]
             verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
             timing["verified"] = time.perf_counter()
-            results = groups_lib.results_from(refs, rollouts, verdicts,
+            rewards = groups_lib.rewards_of(self.config.algorithm.reward, self.prompter, items,
+                                            verdicts)  # fmt: skip
+            results = groups_lib.results_from(refs, rollouts, verdicts, rewards,
                                               issued_version=issued_version)  # fmt: skip
             for r in results:
                 r.timing = dict(timing)

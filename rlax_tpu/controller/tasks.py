@@ -119,11 +119,3 @@ def make_task(
 
 
 NO_PROGRAM = Verdict(kind=VerdictKind.COMPILE_ERROR, detail="no program in the completion")
-
-
-def reward(verdict: Verdict) -> float | None:
-    """1 if accepted, 0 for a model failure, None for an internal error (not the model's fault:
-    the rollout must not be trained on as if it failed)."""
-    if verdict.kind is VerdictKind.INTERNAL_ERROR:
-        return None
-    return 1.0 if verdict.accepted else 0.0

@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from rlax_tpu.config import RunConfig, from_dict, to_dict
-from tests.controller.test_dynamic_sampling import HashedVerdicts
+from rlax_tpu.controller.app import build_prompter
+from rlax_tpu.types import VerdictKind
+from tests.controller.test_dynamic_sampling import Batches, HashedVerdicts
 from tests.controller.test_scheduling import make_config, run_controller
 
 RUNS = [
@@ -44,3 +47,36 @@ def test_the_objective_trains_through_the_controller(tmp_path, algorithm):
         assert all(math.isfinite(u["trainer/kl_loss"]) for u in logged)
     if "behaviour_floor" in algorithm:  # the band is applied: its weights are logged
         assert all(0 < u["trainer/behaviour_weight_mean"] <= 2.0 for u in logged)
+
+
+def test_a_reward_function_of_the_users_own_scores_every_rollout(tmp_path):
+    """algorithm.reward names a function a plugin registered (tests/algorithms/plugin_reward.py):
+    it sees each rollout's verdict, decoded text, tokens and problem, and its values are the
+    rewards the trainer gets."""
+    from tests.algorithms import plugin_reward
+
+    d = to_dict(make_config(tmp_path, num_steps=1, prompts_per_step=2))
+    d["algorithm"] |= dict(reward="brevity", plugins=("tests.algorithms.plugin_reward",))
+    cfg = from_dict(RunConfig, d)
+    plugin_reward.SEEN.clear()
+    held = {}
+
+    def wrap(comps):
+        comps.verifier = HashedVerdicts(comps.verifier)
+        comps.trainer = held["trainer"] = Batches(comps.trainer)
+
+    ctl = run_controller(cfg, wrap)
+    assert ctl.version == 1
+    seen = plugin_reward.SEEN
+    assert len(seen) == 2 * cfg.algorithm.group_size  # one call per rollout
+    tokenizer = build_prompter(cfg, tmp_path).tokenizer
+    for x in seen:
+        assert x.completion == tokenizer.decode(list(x.tokens))
+        assert x.problem.id and x.verdict.kind in (VerdictKind.ACCEPTED, VerdictKind.WRONG_ANSWER)
+    [batch] = held["trainer"].batches
+    expected = sorted(float(x.verdict.accepted) - 0.01 * len(x.tokens) for x in seen)
+    np.testing.assert_allclose(sorted(batch.rewards), expected, rtol=1e-6)
+    # Rewards follow the lengths the trainer was given, row by row.
+    accepted = np.asarray(batch.rewards) > 0.5
+    np.testing.assert_allclose(batch.rewards, accepted - 0.01 * batch.completion_lengths, rtol=1e-6)
+

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from rlax_tpu.algorithms.rewards import RewardInput, reward_fn, score
 from rlax_tpu.config import VerifierConfig
 from rlax_tpu.controller.tasks import (
     FENCE,
@@ -14,7 +15,6 @@ from rlax_tpu.controller.tasks import (
     extract_program,
     make_task,
     prompt_text,
-    reward,
 )
 from rlax_tpu.data.bundled import load_bundled
 from rlax_tpu.data.loaders import load_human_eval
@@ -22,6 +22,12 @@ from rlax_tpu.data.problems import MathProblem
 from rlax_tpu.data.procedural import TEMPLATES, make_problem
 from rlax_tpu.types import Verdict, VerdictKind
 from rlax_tpu.verifiers.service import VerifierService
+
+
+def reward(verdict: Verdict) -> float | None:
+    """The default reward (algorithm.reward = "verdict") of a rollout with this verdict."""
+    return score(reward_fn("verdict"), RewardInput(
+        verdict=verdict, completion="", tokens=np.zeros(0, np.int32), problem=None, finished=True))
 
 
 @pytest.fixture(scope="module")
