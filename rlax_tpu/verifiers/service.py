@@ -190,7 +190,8 @@ class VerifierService:
     def health(self) -> str:
         langs = ", ".join(sorted(set(self.toolchains.languages) & set(self.config.languages)))
         langs = langs or "none"
-        memory = "per-run cgroups" if self.sandbox.memory_cgroups else "peak RSS"
+        groups = self.sandbox.memory_cgroups
+        memory = f"per-run cgroups (v{groups.version})" if groups else "peak RSS"
         return (f"{self.config.workers} workers, {self.pending} tasks pending, languages: {langs}, "
                 f"memory judged by {memory}")  # fmt: skip
 
