@@ -128,12 +128,16 @@ COMPILATION_CACHE_DIR = "jax_cache"
 
 def use_compilation_cache(config: RunConfig) -> str:
     """Points JAX's persistent compilation cache at ``<run_dir>/jax_cache`` (every program:
-    a restarted trainer compiles a dozen small ones before its first step); "" when ``controller.compilation_cache`` is off. Returns it."""
+    a restarted trainer compiles a dozen small ones before its first step), or at
+    ``$JAX_COMPILATION_CACHE_DIR`` when the environment names one (a cache shared by many runs
+    of one model); "" when ``controller.compilation_cache`` is off. Returns it."""
     if not config.controller.compilation_cache:
         return ""
     import jax
 
-    where = f"{config.controller.run_dir.rstrip('/')}/{COMPILATION_CACHE_DIR}"  # also gs://
+    where = os.environ.get("JAX_COMPILATION_CACHE_DIR") or (
+        f"{config.controller.run_dir.rstrip('/')}/{COMPILATION_CACHE_DIR}"  # also gs://
+    )
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

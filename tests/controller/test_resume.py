@@ -40,12 +40,10 @@ SHA = re.compile(r"final weights sha256: ([0-9a-f]{64})")
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    cache = tmp_path_factory.mktemp("jax-cache")
+def env() -> dict[str, str]:
+    # The test run's compilation cache (tests/conftest.py) is in os.environ.
     return os.environ | {
         "XLA_FLAGS": "",  # one CPU device: the topology every run here shares
-        "JAX_COMPILATION_CACHE_DIR": str(cache),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "PYTHONUNBUFFERED": "1",
     }
 

@@ -32,7 +32,9 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     checkpoint and snapshot complete; a restarted process reuses the compilation cache."""
     run_dir = tmp_path / "run"
     args = [*_tiny(run_dir, 40), "--kills=5", "--seed=1"]
-    done = subprocess.run([sys.executable, "-m", "rlax_tpu.drills", *args], cwd=REPO, env=_env(),
+    env = _env()
+    env.pop("JAX_COMPILATION_CACHE_DIR")  # the run's own cache, as in production (not the tests')
+    done = subprocess.run([sys.executable, "-m", "rlax_tpu.drills", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     out = done.stdout
     assert done.returncode == 0, out[-6000:] + done.stderr[-3000:]
