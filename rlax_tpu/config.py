@@ -794,9 +794,9 @@ class ControllerConfig:
     # resumes from its newest snapshot; past it the run stops with one line naming the component.
     # 0: stop at once.
     recovery_timeout_s: float = 600.0
-    # JAX's persistent compilation cache in <run_dir>/jax_cache, shared by the run's processes
-    # (controller, trainer, inference workers): a restarted one loads its programs instead of
-    # compiling them again.
+    # JAX's persistent compilation cache in <run_dir>/jax_cache (or $JAX_COMPILATION_CACHE_DIR
+    # when set: one cache for many runs), shared by the run's processes (controller, trainer,
+    # inference workers): a restarted one loads its programs instead of compiling them again.
     compilation_cache: bool = True
     snapshot_keep: int = 3  # newest controller snapshots kept
     # Dynamic sampling (DAPO): while fewer than prompts_per_step groups survive the filter, a
