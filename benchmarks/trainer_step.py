@@ -21,12 +21,11 @@ import json
 import os
 import platform
 import tempfile
-import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from common import dot_peak
 
 from rlax_tpu import models
 from rlax_tpu.config import (
@@ -56,18 +55,6 @@ CASES = [
     Case("smollm2-135m", rows=8, micro=4, prompt=(16, 64), completion=(16, 96), slots=8),
 ]
 GROUP = 4
-
-
-def peak_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-    a = jnp.ones((n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dot(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
 
 
 def batch(case: Case, seed: int, vocab: int) -> TrainBatch:
@@ -125,7 +112,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    peak = peak_matmul_flops()
+    peak = dot_peak()
     rows = [run_case(c, a, args.steps, peak) for c in CASES for a in (False, True)]
     result = dict(
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",

@@ -413,6 +413,10 @@ class InferenceConfig:
     # needs trainer.align_logprobs = False. 0: off, every row attends over the whole cache.
     span_groups: int = 0
     span_bucket_pages: int = 4  # span_groups: attention spans round up to this many pages
+    # CPU backend: a decode step attends over the pages block by block (this many pages each,
+    # online softmax) up to its furthest row's position, not over the whole cache; a token's
+    # bits still depend on its own row alone, so replays stay bitwise. 0: the whole cache.
+    attention_block_pages: int = 4
     max_prompt_len: int = 256  # longer prompts are skipped when drawn (counted)
     max_new_tokens: int = 256  # generation budget per sample
     temperature: float = 1.0  # sampling temperature (behaviour log-probs are under it)
@@ -431,7 +435,8 @@ class InferenceConfig:
             self, "num_workers", "max_concurrent_seqs", "page_size", "kv_cache_bytes",
             "prefill_chunk", "prefill_len", "max_prompt_len", "max_new_tokens", "temperature",
         )  # fmt: skip
-        _non_negative(self, "top_k", "step_tokens", "prefill_rows", "span_groups")
+        _non_negative(self, "top_k", "step_tokens", "prefill_rows", "span_groups",
+                      "attention_block_pages")
         _positive(self, "span_bucket_pages")
         if self.param_server_replica < -1:
             raise _bad(self, "param_server_replica", "must be >= 0, or -1 for automatic")

@@ -13,7 +13,10 @@ written them); rows with p < 0 are padding and give finite, unspecified outputs.
   :func:`rlax_tpu.models.dot_product_attention` with the causal mask by position. S and the math
   are those of ``DenseKVCache`` with ``max_len = S``: run op by op, its output is bitwise the
   dense cache's; inside a larger jitted program XLA may fuse the gather, so only to round-off.
-  This is the reference and the CPU production path.
+  This is the reference, and the CPU path of prefill chunks. Decode rows (T = 1) with
+  ``inference.attention_block_pages`` > 0 take :func:`block_attention` instead: an online
+  softmax over blocks of pages up to the step's furthest position, without the gathered copy of
+  the whole cache (8x less time per layer on SmolLM2 at 160 of 512 positions).
 * ``tpu``: ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, prefill and decode rows in
   one call: each batch row is one of the kernel's sequences, its valid tokens packed together
   (they must be consecutive positions at the start of the row, as the engine's decode and prefill
@@ -59,6 +62,56 @@ def reference_attention(
     v = gather_pages(v_pages, block_tables)
     stored = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=positions.dtype), k.shape[:2])
     return dot_product_attention(q, k, v, causal_mask(positions, stored))
+
+
+def block_attention(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+    positions: jax.Array, *, block_pages: int,
+) -> jax.Array:  # fmt: skip
+    """Decode attention straight over the pages, one block of ``block_pages`` pages at a time
+    with an online softmax, up to the block holding the step's furthest position (a dynamic trip
+    count): no gathered copy of the whole cache, and work that follows the rows' lengths, not
+    the cache's. q [B, 1, H, D], pages [Hkv, P, page, D], tables [B, M], positions [B, 1] ->
+    [B, 1, H, D] (padding rows: zeros).
+
+    A row's bits do not depend on the trip count, so neither on the other rows: a block past
+    the row's position has every score masked, and the update then leaves the running max,
+    sum and output exactly as they were (factor exactly 1, weights exactly 0)."""
+    b, t, h, d = q.shape
+    if t != 1:
+        raise ValueError(f"block_attention serves decode rows (T = 1), got T = {t}")
+    hkv, _, page, _ = k_pages.shape
+    m = block_tables.shape[1]
+    blocks = -(-m // block_pages)
+    tables = jnp.pad(block_tables, ((0, 0), (0, blocks * block_pages - m)))  # null page 0
+    width = block_pages * page
+    qg = q.reshape(b, hkv, h // hkv, d).astype(jnp.float32) * (1.0 / d**0.5)
+    pos = positions[:, 0]
+    trips = (jnp.max(pos) // width + 1).clip(0, blocks)  # 0 when every row is padding
+
+    def body(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        top, total, acc = carry
+        cols = jax.lax.dynamic_slice_in_dim(tables, j * block_pages, block_pages, axis=1)
+        k = k_pages[:, cols].reshape(hkv, b, width, d)  # [Hkv, B, block, D]
+        v = v_pages[:, cols].reshape(hkv, b, width, d)
+        scores = jnp.einsum("bkgd,kbsd->bkgs", qg, k, preferred_element_type=jnp.float32)
+        seen = (j * width + jnp.arange(width))[None, :] <= pos[:, None]  # [B, block]
+        seen = seen[:, None, None, :]
+        scores = jnp.where(seen, scores, -jnp.inf)
+        new_top = jnp.maximum(top, scores.max(axis=-1))
+        scale = jnp.where(new_top == top, 1.0, jnp.exp(top - new_top))
+        weights = jnp.where(seen, jnp.exp(scores - new_top[..., None]), 0.0)
+        total = total * scale + weights.sum(axis=-1)
+        acc = acc * scale[..., None] + jnp.einsum(
+            "bkgs,kbsd->bkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return new_top, total, acc
+
+    shape = (b, hkv, h // hkv)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, d), jnp.float32))  # fmt: skip
+    _, total, acc = jax.lax.fori_loop(0, trips, body, init)
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.reshape(b, 1, h, d).astype(v_pages.dtype)
 
 
 def span_attention(

@@ -26,6 +26,7 @@ from rlax_tpu.config import ModelConfig
 from rlax_tpu.models.paged_attention import (
     BACKENDS,
     COMBINED,
+    block_attention,
     kv_heads_split,
     padded_kv_heads,
     ragged_attention,
@@ -53,11 +54,15 @@ class PagedKVCache:
     spans: tuple[tuple[int, int], ...] = dataclasses.field(
         default=(), metadata=dict(static=True)
     )
+    # CPU backend, decode rows (T = 1): attend block by block over block_pages pages with an
+    # online softmax, up to the step's furthest position (paged_attention.block_attention).
+    # 0: every row over the whole cache. Static.
+    block_pages: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @classmethod
     def create(
         cls, cfg: ModelConfig, *, num_pages: int, page_size: int, batch: int,
-        pages_per_seq: int, backend: str = "cpu",
+        pages_per_seq: int, backend: str = "cpu", block_pages: int = 0,
     ) -> PagedKVCache:  # fmt: skip
         d = stored_head_dim(cfg, backend)
         dtype = jnp.dtype(cfg.compute_dtype)
@@ -69,7 +74,7 @@ class PagedKVCache:
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, d)
         return cls(
             k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype), kv_pages=None,
-            block_tables=tables, backend=backend,
+            block_tables=tables, backend=backend, block_pages=block_pages,
         )  # fmt: skip
 
     @property
@@ -136,6 +141,9 @@ class PagedKVCache:
             out = span_attention(
                 q, k_pages[layer], v_pages[layer], self.block_tables, positions, self.spans
             )
+        elif self.block_pages and self.backend == "cpu" and q.shape[1] == 1:
+            out = block_attention(q, k_pages[layer], v_pages[layer], self.block_tables,
+                                  positions, block_pages=self.block_pages)  # fmt: skip
         else:
             out = BACKENDS[self.backend](
                 q, k_pages[layer], v_pages[layer], self.block_tables, positions

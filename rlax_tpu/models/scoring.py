@@ -57,6 +57,9 @@ class ReplayShape:
     prefill_rows: int = 0  # chunks per prefill call; 0: no prefill program
     prefill_len: int = 1  # tokens per chunk
     backend: str = "cpu"
+    # CPU decode attention: pages per online-softmax block (paged_attention.block_attention);
+    # 0 = every row over the whole cache.
+    block_pages: int = 0
 
     @classmethod
     def of_engine(
@@ -70,6 +73,7 @@ class ReplayShape:
             pages_per_seq=-(-(cfg.max_prompt_len + cfg.max_new_tokens) // cfg.page_size),
             num_pages=cfg.kv_cache_bytes // page_bytes(model, cfg.page_size, backend),
             prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len, backend=backend,
+            block_pages=cfg.attention_block_pages if backend == "cpu" else 0,
         )  # fmt: skip
 
     @property
@@ -84,7 +88,7 @@ class ReplayShape:
     def make_cache(self, model: ModelConfig) -> PagedKVCache:
         return PagedKVCache.create(
             model, num_pages=self.num_pages, page_size=self.page_size, batch=self.slots,
-            pages_per_seq=self.pages_per_seq, backend=self.backend,
+            pages_per_seq=self.pages_per_seq, backend=self.backend, block_pages=self.block_pages,
         )  # fmt: skip
 
 

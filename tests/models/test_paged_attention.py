@@ -11,6 +11,7 @@ from rlax_tpu.config import ModelConfig
 from rlax_tpu.inference.pages import BlockTable, PageAllocator
 from rlax_tpu.models import DenseKVCache
 from rlax_tpu.models.paged_attention import (
+    block_attention,
     reference_attention,
     resolve_backend,
     span_attention,
@@ -36,7 +37,8 @@ def _chunks(lengths: list[int], chunk: int):
         yield pos
 
 
-def _run(backend: str, page_size: int, lengths: list[int], chunk: int, seed: int = 0):
+def _run(backend: str, page_size: int, lengths: list[int], chunk: int, seed: int = 0,
+         block_pages: int = 0):
     """Feeds random q/k/v through a paged and a dense cache; returns both outputs per chunk."""
     rng = np.random.default_rng(seed)
     b = len(lengths)
@@ -50,7 +52,7 @@ def _run(backend: str, page_size: int, lengths: list[int], chunk: int, seed: int
     rows = np.stack([t.row(pages_per_seq) for t in tables])
     paged = PagedKVCache.create(
         CFG, num_pages=alloc.num_pages, page_size=page_size, batch=b,
-        pages_per_seq=pages_per_seq, backend=backend,
+        pages_per_seq=pages_per_seq, backend=backend, block_pages=block_pages,
     ).with_tables(jnp.asarray(rows))  # fmt: skip
     dense = DenseKVCache.create(
         num_layers=2, batch=b, max_len=s, kv_heads=HKV, head_dim=D, dtype=jnp.float32
@@ -203,3 +205,41 @@ def test_tpu_kernel_under_a_mesh_runs_per_shard_and_matches_unsharded():
     valid = positions >= 0
     np.testing.assert_allclose(sharded[valid], want[valid], rtol=0, atol=1e-5)
     assert not sharded[~valid].any()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("block_pages", [1, 3])
+def test_block_attention_is_dense_attention_up_to_round_off(page_size, block_pages):
+    """Decode rows through the cache with attention_block_pages: the dense cache's attention to
+    f32 round-off (an online softmax sums in another order); prefill chunks (T > 1) keep the
+    whole-cache path, bitwise."""
+    for pos, got, want in _run("cpu", page_size, [1, 7, 16, 23], 1, block_pages=block_pages):
+        valid = pos >= 0
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got[valid], want[valid], atol=2e-6, rtol=1e-5)
+    for pos, got, want in _run("cpu", page_size, [7, 23], 5, block_pages=block_pages):
+        np.testing.assert_array_equal(got[pos >= 0], want[pos >= 0])
+
+
+def test_a_block_attention_row_does_not_depend_on_the_other_rows():
+    """The trip count follows the step's furthest row; a row's bits must not: the same row alone,
+    beside a long row, and beside only padding gives the same bits (what keeps the engine's
+    log-probs bitwise its replay's). Padding rows give zeros."""
+    rng = np.random.default_rng(1)
+    b, pages, page = 4, 12, 4
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((HKV, 1 + b * pages, page, D)),
+                                    jnp.float32) for _ in range(2))  # fmt: skip
+    tables = jnp.asarray(1 + np.arange(b * pages).reshape(b, pages), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((b, 1, H, D)), jnp.float32)
+    run = jax.jit(block_attention, static_argnames="block_pages")
+    outs = [np.asarray(run(q, k_pages, v_pages, tables, jnp.asarray(p, jnp.int32)[:, None],
+                           block_pages=2))  # fmt: skip
+            for p in ([5, -1, -1, -1], [5, 47, 30, -1], [5, 9, -1, 2])]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out[0], outs[0][0])
+    assert not outs[0][1:].any() and not outs[1][3].any()
+    ref = reference_attention(q, k_pages, v_pages, tables, jnp.asarray([[5], [47], [30], [0]]))
+    np.testing.assert_allclose(outs[1][:3], np.asarray(ref)[:3], atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="T = 1"):
+        block_attention(jnp.zeros((b, 2, H, D)), k_pages, v_pages, tables,
+                        jnp.zeros((b, 2), jnp.int32), block_pages=2)  # fmt: skip
