@@ -254,6 +254,9 @@ def main() -> None:
     parser.add_argument("--span-groups", type=int, default=2,
                         help="inference.span_groups of the engine (0: every row attends over "
                              "the whole cache; the bitwise-replay setting)")  # fmt: skip
+    parser.add_argument("--block-pages", type=int, default=InferenceConfig.attention_block_pages,
+                        help="inference.attention_block_pages of the engine (0: every decode "
+                             "row attends over the whole cache)")  # fmt: skip
     parser.add_argument("--out", default=str(HERE / "inference_throughput.json"))
     args = parser.parse_args()
     results = {}
@@ -262,10 +265,12 @@ def main() -> None:
         n = args.sequences if name == "tiny" else args.smollm_sequences
         requests = workload(n, model.cfg.vocab_size, lengths=args.lengths)
         r = dict(requests=n, lengths=args.lengths, ceiling=ceiling(args.lengths),
-                 prefill=(args.prefill_rows, args.prefill_len), span_groups=args.span_groups)
+                 prefill=(args.prefill_rows, args.prefill_len), span_groups=args.span_groups,
+                 block_pages=args.block_pages)  # fmt: skip
         print(f"[{name}] engine ...", flush=True)
         r["engine"] = run_engine(model, requests, prefill_rows=args.prefill_rows,
-                                 prefill_len=args.prefill_len, span_groups=args.span_groups)
+                                 prefill_len=args.prefill_len, span_groups=args.span_groups,
+                                 attention_block_pages=args.block_pages)  # fmt: skip
         print(f"[{name}] engine: {r['engine']}", flush=True)
         print(f"[{name}] static dense baseline ...", flush=True)
         r["static"] = run_static(model, requests, args.baseline_waves)

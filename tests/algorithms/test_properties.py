@@ -70,7 +70,7 @@ def test_aipo_ratio_above_cap_gets_weight_cap(x64):
 PPO_FAMILY = ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce_pp", "ppo", "aipo"]
 
 
-@settings(max_examples=12, derandomize=True, deadline=None)
+@settings(max_examples=8, derandomize=True, deadline=None)
 @given(
     name=st.sampled_from(PPO_FAMILY),
     seed=st.integers(0, 2**16),

@@ -42,13 +42,16 @@ def test_logits_match_transformers_gguf_reader(smollm2, smollm2_path):
     hf_cfg = LlamaConfig(
         **{k: v for k, v in meta.items() if k not in ("model_type", "_model_name_or_path")}
     )
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(hf_cfg).eval()
+    with torch.device("meta"):  # no random init: every weight comes from the file
+        hf = LlamaForCausalLM(hf_cfg).eval()
     tensors = load_gguf_checkpoint(str(smollm2_path), return_tensors=True, model_to_load=hf)[
         "tensors"
     ]
-    hf.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
+    hf.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False,
+                       assign=True)  # fmt: skip
     hf.tie_weights()
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_cfg)  # its buffers, off "meta"
+    assert not any(p.is_meta for p in [*hf.parameters(), *hf.buffers()])
     tokens = np.random.default_rng(0).integers(0, hf_cfg.vocab_size, size=(1, 24))
     with torch.no_grad():
         reference = hf(torch.as_tensor(tokens)).logits.numpy()
