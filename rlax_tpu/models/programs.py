@@ -118,8 +118,9 @@ def rows_are_independent(
     prefill_len: int = 1,
 ) -> tuple[bool, PagedKVCache]:  # fmt: skip
     """Whether the compiled decode (and prefill) programs give a row bits that depend only on
-    the row's inputs: the same token in every row, and in the last row alone, must give the same
-    log-probs; a prompt chunk in the first and in the last prefill row the same keys/values.
+    the row's inputs: the same token in every row, in the last row alone, and beside a row at the
+    cache's last position must give the same log-probs; a prompt chunk in the first and in the
+    last prefill row the same keys/values.
 
     Uses (and returns) the engine's own ``cache`` of N rows x M pages per sequence, before any
     sequence holds a page: it writes pages 1..M (finite values; pages are always written before
@@ -146,6 +147,10 @@ def rows_are_independent(
     ok &= bool((every == every[:1]).all())
     alone = decode(np.full(n, 3), np.where(np.arange(n) == n - 1, 1, -1))
     ok &= bool((alone[-1] == every[0]).all())
+    if n >= 2:  # beside a row at the cache's last position (block attention: every block runs)
+        far = np.where(np.arange(n) == n - 1, 1, -1)
+        far[0] = m * cache.page_size - 1
+        ok &= bool((decode(np.full(n, 3), far)[-1] == every[0]).all())
     if prefill_rows >= 2:
         c = min(prefill_len, m * cache.page_size)
         pages = jnp.arange(1, 1 + -(-c // cache.page_size))
