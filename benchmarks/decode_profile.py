@@ -27,7 +27,7 @@ from flax import nnx
 from rlax_tpu.config import InferenceConfig
 from rlax_tpu.inference.engine import Engine
 from rlax_tpu.models.attention import causal_mask, dot_product_attention
-from rlax_tpu.models.paged_attention import gather_pages
+from rlax_tpu.models.paged_attention import block_attention, gather_pages
 from rlax_tpu.models.programs import decode_program, idle_sampling
 from rlax_tpu.models.sampling import sample
 
@@ -97,13 +97,20 @@ def main() -> None:
     k_pages = engine.cache.k_pages[0]
     v_pages = engine.cache.v_pages[0]
     gather = jax.jit(lambda kp, vp, t: (gather_pages(kp, t), gather_pages(vp, t)))
-    rows[f"page gather K+V, {s} positions (x layers)"] = (
+    if args.block_pages:
+        block = jax.jit(lambda q, kp, vp, t, p: block_attention(
+            q, kp, vp, t, p, block_pages=args.block_pages))  # fmt: skip
+        q1 = jnp.asarray(rng.standard_normal((n, 1, h, d)), jnp.float32)
+        rows[f"block attention over {ctx} positions, {args.block_pages} pages a block (x layers)"] = (
+            median_time(lambda: block(q1, k_pages, v_pages, tables, positions[:, None]),
+                        args.repeats), layers)  # fmt: skip
+    rows[f"for comparison: page gather K+V, {s} positions (x layers)"] = (
         median_time(lambda: gather(k_pages, v_pages, tables), args.repeats), layers)
     kd = jnp.asarray(rng.standard_normal((n, s, hkv, d)), jnp.float32)
     qd = jnp.asarray(rng.standard_normal((n, 1, h, d)), jnp.float32)
     stored = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (n, s))
     attn = jax.jit(lambda q, k, v, p: dot_product_attention(q, k, v, causal_mask(p, stored)))
-    rows[f"attention einsums + softmax over {s} (x layers)"] = (
+    rows[f"for comparison: einsums + softmax over all {s} (x layers)"] = (
         median_time(lambda: attn(qd, kd, kd, positions[:, None]), args.repeats), layers)
     write = jax.jit(lambda kp, t, k: kp.at[:, t[:, 0], 3].set(k.transpose(1, 0, 2)))
     kn = jnp.asarray(rng.standard_normal((n, hkv, d)), jnp.float32)
@@ -115,16 +122,16 @@ def main() -> None:
         median_time(lambda: head(hidden), args.repeats), 1)
     logits = head(hidden)[:, 0]
     samp = jax.jit(lambda z, s: sample(z, **s))
-    rows["sampler, T = 1 (Gumbel noise, 2 log-softmax)"] = (
+    rows["sampler, T = 1 (inverse CDF, 2 picked log-probs)"] = (
         median_time(lambda: samp(logits, sampling), args.repeats), 1)
     greedy = dict(sampling, temperature=jnp.zeros(n, jnp.float32))
     rows["sampler, greedy"] = (median_time(lambda: samp(logits, greedy), args.repeats), 1)
     noise = jax.jit(jax.vmap(lambda seed: jax.random.gumbel(
         jax.random.key(seed), (cfg.vocab_size,), jnp.float32)))  # fmt: skip
-    rows["  of which Gumbel noise [rows, V]"] = (
+    rows["  for comparison: Gumbel noise [rows, V] (the old draw)"] = (
         median_time(lambda: noise(sampling["seeds"]), args.repeats), 1)
     lsm = jax.jit(lambda z: jax.nn.log_softmax(z, axis=-1))
-    rows["  of which one log-softmax [rows, V]"] = (
+    rows["  for comparison: one full log-softmax [rows, V]"] = (
         median_time(lambda: lsm(logits), args.repeats), 1)
 
     def host():
@@ -142,7 +149,8 @@ def main() -> None:
     whole = rows["whole decode program"][0]
     flops = model_flops(cfg, n, ctx)
     parts = sum(t * k for name, (t, k) in rows.items()
-                if name != "whole decode program" and not name.startswith("  "))  # fmt: skip
+                if name != "whole decode program" and "comparison" not in name
+                and "greedy" not in name)  # fmt: skip
     print(f"SmolLM2-135M f32, {n} rows at position {ctx}, cache {s} positions; jnp.dot peak "
           f"{peak / 1e9:.0f} GFLOP/s; model FLOPs per step {flops / 1e9:.2f} G")
     print("| part | ms per call | calls per step | ms per step | share of the whole |")
