@@ -16,6 +16,7 @@ says nothing about the model) and its group is not trained on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -28,13 +29,19 @@ from rlax_tpu.types import Verdict, VerdictKind
 
 @dataclasses.dataclass(frozen=True)
 class RewardInput:
-    """What a reward function sees of one rollout."""
+    """What a reward function sees of one rollout; ``completion`` is decoded on first use (the
+    built-in rewards never read it, and the verifier's tasks already decoded it once)."""
 
     verdict: Verdict
-    completion: str  # the generated text, decoded
     tokens: np.ndarray  # [T] int32, the generated token ids
     problem: Any  # the data record (rlax_tpu.data.Problem): a code, unit-test or math problem
     finished: bool  # the model stopped by itself (False: cut at max_new_tokens)
+    decode: Callable[[np.ndarray], str]  # token ids -> text (the run's tokenizer)
+
+    @functools.cached_property
+    def completion(self) -> str:
+        """The generated text."""
+        return self.decode(self.tokens)
 
 
 RewardFn = Callable[[RewardInput], float]

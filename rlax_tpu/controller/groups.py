@@ -190,7 +190,10 @@ class Prompter:
         )  # fmt: skip
 
     def completion(self, rollout: Rollout) -> str:
-        return self.tokenizer.decode(list(rollout.tokens))
+        return self.decode(rollout.tokens)
+
+    def decode(self, tokens: np.ndarray) -> str:
+        return self.tokenizer.decode(list(tokens))
 
 
 def verify(
@@ -237,7 +240,7 @@ def rewards_of(
     fn = rewards_lib.reward_fn(reward)
     return [
         rewards_lib.score(fn, rewards_lib.RewardInput(
-            verdict=v, completion=prompter.completion(ro), tokens=ro.tokens, problem=problem,
+            verdict=v, tokens=ro.tokens, problem=problem, decode=prompter.decode,
             finished=ro.finish_reason is not FinishReason.LENGTH), name=reward)
         for (problem, ro), v in zip(items, verdicts, strict=True)
     ]  # fmt: skip

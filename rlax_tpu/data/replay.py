@@ -72,13 +72,12 @@ class ReplayBuffer:
             )
         bucket = self._items.setdefault(item.prompt_id, OrderedDict())
         h = _token_hash(item.tokens)
-        if bucket.pop(h, None) is not None:  # re-inserted last: it is now the newest item
-            self.duplicates += 1
-            bucket[h] = (self._counter, item)
-            self._counter += 1
-            return False
+        duplicate = bucket.pop(h, None) is not None  # re-inserted last: now the newest item
         bucket[h] = (self._counter, item)
         self._counter += 1
+        if duplicate:
+            self.duplicates += 1
+            return False
         if len(bucket) > self.per_prompt:
             bucket.popitem(last=False)
             self.evicted += 1

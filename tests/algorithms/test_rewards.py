@@ -17,8 +17,8 @@ from rlax_tpu.types import Verdict, VerdictKind
 
 def _input(kind: VerdictKind, score_: float = 0.0) -> RewardInput:
     return RewardInput(verdict=Verdict(kind=kind, score=score_, tests_passed=1, tests_total=4),
-                       completion="x", tokens=np.zeros(3, np.int32), problem=None,
-                       finished=True)  # fmt: skip
+                       tokens=np.zeros(3, np.int32), problem=None, finished=True,
+                       decode=lambda t: "x")  # fmt: skip
 
 
 def test_builtin_rewards():

@@ -27,7 +27,8 @@ from rlax_tpu.verifiers.service import VerifierService
 def reward(verdict: Verdict) -> float | None:
     """The default reward (algorithm.reward = "verdict") of a rollout with this verdict."""
     return score(reward_fn("verdict"), RewardInput(
-        verdict=verdict, completion="", tokens=np.zeros(0, np.int32), problem=None, finished=True))
+        verdict=verdict, tokens=np.zeros(0, np.int32), problem=None, finished=True,
+        decode=lambda t: ""))
 
 
 @pytest.fixture(scope="module")
