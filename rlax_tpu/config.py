@@ -417,6 +417,10 @@ class InferenceConfig:
     # online softmax) up to its furthest row's position, not over the whole cache; a token's
     # bits still depend on its own row alone, so replays stay bitwise. 0: the whole cache.
     attention_block_pages: int = 4
+    # CPU backend, decode rows, one device: 'native' attends with a C++ kernel built on first
+    # use (reads pages in place, writes the new key/value in place; bits still per row),
+    # 'xla' with XLA's block attention above, 'auto' native where a C++ compiler is found.
+    attention_kernel: str = "auto"
     max_prompt_len: int = 256  # longer prompts are skipped when drawn (counted)
     max_new_tokens: int = 256  # generation budget per sample
     temperature: float = 1.0  # sampling temperature (behaviour log-probs are under it)
@@ -438,6 +442,8 @@ class InferenceConfig:
         _non_negative(self, "top_k", "step_tokens", "prefill_rows", "span_groups",
                       "attention_block_pages")
         _positive(self, "span_bucket_pages")
+        if self.attention_kernel not in ("auto", "native", "xla"):
+            raise _bad(self, "attention_kernel", "must be 'auto', 'native' or 'xla'")
         if self.param_server_replica < -1:
             raise _bad(self, "param_server_replica", "must be >= 0, or -1 for automatic")
         if not -1 <= self.worker_index < self.num_workers:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_tpu.config import ModelConfig
+from rlax_tpu.models import native_attention
 from rlax_tpu.models.paged_attention import (
     BACKENDS,
     COMBINED,
@@ -58,11 +59,14 @@ class PagedKVCache:
     # online softmax, up to the step's furthest position (paged_attention.block_attention).
     # 0: every row over the whole cache. Static.
     block_pages: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # CPU backend, decode rows (T = 1), one device: the native kernel writes and attends
+    # (native_attention.decode_attention); block_pages then serves no row. Static.
+    native: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
     def create(
         cls, cfg: ModelConfig, *, num_pages: int, page_size: int, batch: int,
-        pages_per_seq: int, backend: str = "cpu", block_pages: int = 0,
+        pages_per_seq: int, backend: str = "cpu", block_pages: int = 0, native: bool = False,
     ) -> PagedKVCache:  # fmt: skip
         d = stored_head_dim(cfg, backend)
         dtype = jnp.dtype(cfg.compute_dtype)
@@ -74,7 +78,7 @@ class PagedKVCache:
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, d)
         return cls(
             k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype), kv_pages=None,
-            block_tables=tables, backend=backend, block_pages=block_pages,
+            block_tables=tables, backend=backend, block_pages=block_pages, native=native,
         )  # fmt: skip
 
     @property
@@ -127,6 +131,13 @@ class PagedKVCache:
             k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (k, v))
         if self.combined:
             return self._attend_combined(layer, q, k, v, positions, physical, slot)
+        if self.native and q.shape[1] == 1 and not self.spans and _one_device():
+            out, k_pages, v_pages = native_attention.decode_attention(
+                q[:, 0], k[:, 0], v[:, 0], self.k_pages, self.v_pages, self.block_tables,
+                positions[:, 0], layer=layer,
+            )  # fmt: skip
+            out = out[:, None].astype(q.dtype)
+            return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
         # Advanced indices (layer, physical, slot) around a slice put their [B, T] dims first,
         # so the update is laid out like k: [B, T, Hkv, D].
         k_pages = self.k_pages.at[layer, :, physical, slot].set(
@@ -209,6 +220,12 @@ class SequencePagedCache:
         k, v = (jnp.pad(x, ((0, 0), (0, m * page - t), (0, 0), (0, 0)))
                 .reshape(b * m, page, hkv, d).transpose(2, 0, 1, 3) for x in (k, v))  # fmt: skip
         return BACKENDS[self.backend](q, k, v, tables, positions), self
+
+
+def _one_device() -> bool:
+    """No mesh, or a mesh of one device: where a custom call needs no partitioning."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
 
 
 def _page_spec(shape: tuple[int, ...], combined: bool, mesh, itemsize: int) -> jax.sharding.PartitionSpec:  # noqa: ANN001

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from rlax_tpu.config import InferenceConfig, ModelConfig
+from rlax_tpu.models import native_attention
 from rlax_tpu.models.generate import check_token_ids
 from rlax_tpu.models.paged_attention import resolve_backend
 from rlax_tpu.models.paged_cache import PagedKVCache, page_bytes
@@ -60,6 +61,8 @@ class ReplayShape:
     # CPU decode attention: pages per online-softmax block (paged_attention.block_attention);
     # 0 = every row over the whole cache.
     block_pages: int = 0
+    # CPU decode attention by the native kernel (native_attention; inference.attention_kernel).
+    native: bool = False
 
     @classmethod
     def of_engine(
@@ -74,6 +77,7 @@ class ReplayShape:
             num_pages=cfg.kv_cache_bytes // page_bytes(model, cfg.page_size, backend),
             prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len, backend=backend,
             block_pages=cfg.attention_block_pages if backend == "cpu" else 0,
+            native=backend == "cpu" and native_kernel(cfg, model),
         )  # fmt: skip
 
     @property
@@ -89,7 +93,26 @@ class ReplayShape:
         return PagedKVCache.create(
             model, num_pages=self.num_pages, page_size=self.page_size, batch=self.slots,
             pages_per_seq=self.pages_per_seq, backend=self.backend, block_pages=self.block_pages,
+            native=self.native,
         )  # fmt: skip
+
+
+def native_kernel(cfg: InferenceConfig, model: ModelConfig) -> bool:
+    """Whether CPU decode rows take the native kernel: ``inference.attention_kernel`` resolved
+    (``auto``: where it builds) and the model's attention shape one it is built for."""
+    if cfg.attention_kernel == "xla":
+        return False
+    fits = native_attention.supports(model.resolved_head_dim, model.num_heads,
+                                     model.num_kv_heads, jnp.dtype(model.compute_dtype))  # fmt: skip
+    if not fits:
+        if cfg.attention_kernel == "native":
+            raise ValueError(
+                "inference.attention_kernel = 'native' supports f32 caches, head dims "
+                f"{native_attention.HEAD_DIMS} and up to {native_attention.MAX_GROUP} query "
+                "heads per KV head; use 'auto' or 'xla' for this model"
+            )
+        return False
+    return native_attention.resolve(cfg.attention_kernel)
 
 
 def rows_bitwise(model: Transformer, shape: ReplayShape) -> bool:

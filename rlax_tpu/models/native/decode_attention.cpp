@@ -1,0 +1,215 @@
+// Paged decode attention for the CPU backend, an XLA FFI custom call (see
+// rlax_tpu/models/native_attention.py, which builds and registers it).
+//
+// One decode token per row. First every row's new key/value is written into its page slot of
+// the given layer (in place: the page buffers are aliased to the outputs), then each (row, KV
+// head) attends over positions 0..p of its pages, reading them where they lie: no gathered copy.
+// A (row, KV head) item is computed in one fixed order whatever thread runs it and whatever the
+// other rows hold, so a row's bits depend only on its own inputs.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Shapes {
+  int64_t rows, heads, kv_heads, dim, pages, page, table_width, layer_stride;
+};
+
+// exp(x) for x <= 0 (x = -inf gives 0): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+// polynomial (relative error about 2e-7), branch-free so that loops over it vectorize.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693359375f, std::fma(n, 2.12194440e-4f, x));
+  float p = 1.3888889e-3f;
+  p = std::fma(p, r, 8.3333333e-3f);
+  p = std::fma(p, r, 4.1666667e-2f);
+  p = std::fma(p, r, 1.6666667e-1f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, 4);
+  return p;
+}
+
+// One (row, KV head): its G query heads over positions 0..span-1 of the row's pages.
+// q [B, H, D], out [B, H, D]; pages [L, Hkv, P, page, D]; tables [B, M]; positions [B].
+template <int64_t D, int64_t G>
+void AttendItem(const Shapes& s, int64_t item, const float* q, const float* k_pages,
+                const float* v_pages, const int32_t* tables, const int32_t* positions,
+                int64_t layer, float* out, std::vector<float>& scores) {
+  const int64_t b = item / s.kv_heads, g = item % s.kv_heads;
+  float* o = out + (b * s.heads + g * G) * D;
+  const int64_t p = positions[b];
+  if (p < 0) {  // a padding row
+    std::fill(o, o + G * D, 0.0f);
+    return;
+  }
+  const int64_t span = std::min<int64_t>(p + 1, s.table_width * s.page);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  alignas(64) float qs[G][D];
+  const float* qb = q + (b * s.heads + g * G) * D;
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t x = 0; x < D; ++x) qs[h][x] = qb[h * D + x] * scale;
+  const int64_t head_base = layer * s.layer_stride + g * s.pages * s.page * D;
+  const int32_t* row_table = tables + b * s.table_width;
+  scores.resize(G * span);
+  float* sc = scores.data();  // [G, span]
+  for (int64_t j = 0; j < span; ++j) {  // one pass over the keys
+    const float* kj = k_pages + head_base + (row_table[j / s.page] * s.page + j % s.page) * D;
+    for (int64_t h = 0; h < G; ++h) {
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t x = 0; x < D; ++x) acc += qs[h][x] * kj[x];
+      sc[h * span + j] = acc;
+    }
+  }
+  float total[G];
+  for (int64_t h = 0; h < G; ++h) {
+    float* sh = sc + h * span;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < span; ++j) top = std::max(top, sh[j]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < span; ++j) {
+      sh[j] = ExpNonPositive(sh[j] - top);
+      sum += sh[j];
+    }
+    total[h] = sum;
+  }
+  alignas(64) float acc[G][D] = {};
+  for (int64_t j = 0; j < span; ++j) {  // one pass over the values
+    const float* vj = v_pages + head_base + (row_table[j / s.page] * s.page + j % s.page) * D;
+    for (int64_t h = 0; h < G; ++h) {
+      const float w = sc[h * span + j];
+#pragma omp simd
+      for (int64_t x = 0; x < D; ++x) acc[h][x] += w * vj[x];
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    const float inv = 1.0f / total[h];
+    for (int64_t x = 0; x < D; ++x) o[h * D + x] = acc[h][x] * inv;
+  }
+}
+
+using ItemFn = void (*)(const Shapes&, int64_t, const float*, const float*, const float*,
+                       const int32_t*, const int32_t*, int64_t, float*, std::vector<float>&);
+
+template <int64_t D>
+ItemFn ForGroup(int64_t group) {
+  switch (group) {
+    case 1: return AttendItem<D, 1>;
+    case 2: return AttendItem<D, 2>;
+    case 3: return AttendItem<D, 3>;
+    case 4: return AttendItem<D, 4>;
+    case 5: return AttendItem<D, 5>;
+    case 6: return AttendItem<D, 6>;
+    case 7: return AttendItem<D, 7>;
+    case 8: return AttendItem<D, 8>;
+    default: return nullptr;
+  }
+}
+
+// Head dims 16, 32, 64, 128, 256 and 1..8 query heads per KV head (native_attention.SUPPORTED).
+ItemFn Dispatch(int64_t dim, int64_t group) {
+  switch (dim) {
+    case 16: return ForGroup<16>(group);
+    case 32: return ForGroup<32>(group);
+    case 64: return ForGroup<64>(group);
+    case 128: return ForGroup<128>(group);
+    case 256: return ForGroup<256>(group);
+    default: return nullptr;
+  }
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                           ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                           ffi::Buffer<ffi::F32> k_pages_in, ffi::Buffer<ffi::F32> v_pages_in,
+                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
+                           int64_t layer, ffi::ResultBuffer<ffi::F32> out,
+                           ffi::ResultBuffer<ffi::F32> k_pages, ffi::ResultBuffer<ffi::F32> v_pages) {
+  auto qd = q.dimensions(), pd = k_pages_in.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || pd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("decode attention: q [B, H, D], pages [L, Hkv, P, page, D], tables [B, M]");
+  Shapes s{qd[0], qd[1], pd[1], qd[2], pd[2], pd[3], td[1], pd[1] * pd[2] * pd[3] * pd[4]};
+  if (pd[4] != s.dim || td[0] != s.rows || s.heads % s.kv_heads || layer < 0 || layer >= pd[0])
+    return ffi::Error::InvalidArgument("decode attention: inconsistent shapes");
+  const ItemFn attend = Dispatch(s.dim, s.heads / s.kv_heads);
+  if (attend == nullptr)
+    return ffi::Error::InvalidArgument("decode attention: unsupported head dim or group size");
+  float* kp = k_pages->typed_data();
+  float* vp = v_pages->typed_data();
+  if (kp != k_pages_in.typed_data() || vp != v_pages_in.typed_data())
+    return ffi::Error::Internal("decode attention: page buffers are not aliased");
+  const int32_t* tab = tables.typed_data();
+  const int32_t* pos = positions.typed_data();
+  for (int64_t i = 0; i < s.rows * s.table_width; ++i)
+    if (tab[i] < 0 || tab[i] >= s.pages)
+      return ffi::Error::InvalidArgument("decode attention: a block table names a page out of range");
+  const int64_t d = s.dim;
+  for (int64_t b = 0; b < s.rows; ++b) {  // the writes, before any read
+    const int64_t p = pos[b];
+    if (p < 0 || p / s.page >= s.table_width) continue;
+    const int64_t phys = tab[b * s.table_width + p / s.page];
+    if (phys < 0 || phys >= s.pages) continue;
+    for (int64_t g = 0; g < s.kv_heads; ++g) {
+      const int64_t at = layer * s.layer_stride + ((g * s.pages + phys) * s.page + p % s.page) * d;
+      std::copy_n(k_new.typed_data() + (b * s.kv_heads + g) * d, d, kp + at);
+      std::copy_n(v_new.typed_data() + (b * s.kv_heads + g) * d, d, vp + at);
+    }
+  }
+  const int64_t items = s.rows * s.kv_heads;
+  const float* qp = q.typed_data();
+  float* op = out->typed_data();
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    std::vector<float> scores;
+    for (int64_t i; (i = next.fetch_add(1)) < items;)
+      attend(s, i, qp, kp, vp, tab, pos, layer, op, scores);
+  };
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t done = 0;
+  for (int64_t t = 0; t < helpers; ++t)
+    pool.Schedule([&] {
+      work();
+      std::lock_guard<std::mutex> lock(mu);
+      if (++done == helpers) cv.notify_one();
+    });
+  work();
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done == helpers; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlaxPagedDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
