@@ -262,7 +262,7 @@ class Engine:
 
     # -- stepping -----------------------------------------------------------------------------
 
-    def _sampling_arrays(self, rows: list, first: int) -> dict[str, jax.Array]:
+    def _sampling_arrays(self, rows: list, first: int) -> dict[str, np.ndarray]:
         arrays = idle_sampling(self.step_tokens)
         for r, row in enumerate(rows, first):
             if not row.sample:
@@ -274,7 +274,7 @@ class Engine:
             arrays["seeds"][r] = s.seed & 0xFFFFFFFF
             arrays["sample_index"][r] = row.seq.sample_index
             arrays["token_index"][r] = len(row.seq.generated)
-        return {k: jnp.asarray(v) for k, v in arrays.items()}
+        return arrays
 
     def step(self) -> list[Rollout]:
         """Runs one engine step; returns the samples that finished in it."""
@@ -306,9 +306,11 @@ class Engine:
                 tokens[r], positions[r] = row.token, row.position
             tables = np.zeros((n, self.pages_per_seq), np.int32)
             tables[first:] = block_table_rows(rows, self.pages_per_seq, len(rows))
+            # Host arrays straight to the program: jit's dispatch transfers them (faster than
+            # a jnp.asarray each).
             out, self.cache = decode_program(
-                self.state, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-                jnp.asarray(tables), self._sampling_arrays(rows, first), graphdef=self.graphdef,
+                self.state, self.cache, tokens, positions, tables,
+                self._sampling_arrays(rows, first), graphdef=self.graphdef,
                 spans=self._spans(positions // page + 1),
             )  # fmt: skip
             out = jax.device_get(out)
@@ -352,9 +354,9 @@ class Engine:
         before = TRACES.total()
         n, m = self.step_tokens, self.pages_per_seq
         idle = (
-            jnp.zeros(n, jnp.int32), jnp.full(n, -1, jnp.int32), jnp.zeros((n, m), jnp.int32),
+            np.zeros(n, np.int32), np.full(n, -1, np.int32), np.zeros((n, m), np.int32),
             self._sampling_arrays([], 0),
-        )  # positional, as step() passes them: jit keys its cache on the call's structure
+        )  # positional host arrays, as step() passes them: jit keys its cache on the call
         for spans in self.span_choices():
             _, self.cache = decode_program(
                 self.state, self.cache, *idle, graphdef=self.graphdef, spans=spans

@@ -1,0 +1,315 @@
+"""Decode speed on SmolLM2-135M: the engine (default, aligned config) against a plain jitted
+dense decode and HF transformers, on one wave and on a queue, in one run (issue [decode-speed]).
+
+    .venv/bin/python benchmarks/decode_speed.py [--queue 256] [--baseline-waves 1] [--skip-hf]
+
+Workloads (seeded, greedy, so every engine's tokens can be checked against the reference):
+  wave   64 requests submitted at once: prompts of U[10, 28] random tokens, output lengths
+         U[16, 256] (forced with ignore_eos);
+  queue  ``--queue`` such requests (prompts U[16, 64]) through 64 slots: several waves, as in an
+         RL step.
+Engines:
+  engine       rlax_tpu's Engine with the default InferenceConfig (bitwise-aligned replay; on
+               CPU the native decode attention), continuous batching;
+  plain JAX    the reference: static batches of 64, prefill then every decode step of the batch
+               in one jitted ``lax.fori_loop`` (no host round trip per token), f32 weights, a
+               dense f32 cache sized to the batch, greedy; the tokens every other engine is
+               checked against;
+  HF f32/bf16  transformers ``generate`` (torch CPU), greedy, static batches of 64 (left
+               padding) run to the batch's longest request.
+Only useful tokens count (a request's own length). Static engines run the first
+``--baseline-waves`` waves of the queue (i.i.d. waves: the same rate). The engine's decode step
+is also timed alone at 64 rows (``decode_profile``'s measurement) and reported as a fraction of the
+jitted ``jnp.dot`` peak measured in the same run. Prints a markdown table; writes
+``decode_speed.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import dot_peak, median_time, smollm2
+from decode_profile import model_flops
+from flax import nnx
+
+from rlax_tpu import models
+from rlax_tpu.config import InferenceConfig
+from rlax_tpu.inference.engine import Engine
+from rlax_tpu.inference.sampler import SamplingParams
+from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.models.programs import decode_program, idle_sampling
+
+HERE = Path(__file__).resolve().parent
+SLOTS = 64
+OUTPUT = (16, 256)
+
+
+def workload(n: int, prompt: tuple[int, int], vocab: int, seed: int) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        tokens = rng.integers(0, vocab, size=int(rng.integers(prompt[0], prompt[1] + 1)))
+        length = int(rng.integers(OUTPUT[0], OUTPUT[1] + 1))
+        params = SamplingParams(temperature=0.0, max_new_tokens=length, ignore_eos=True, seed=i)
+        out.append(Request(prompt_id=f"q{i}", prompt_tokens=tuple(int(t) for t in tokens),
+                           sampling=params))  # fmt: skip
+    return out
+
+
+def waves(requests: list[Request], count: int) -> list[list[Request]]:
+    return [requests[w * SLOTS : (w + 1) * SLOTS] for w in range(count)]
+
+
+def useful(batch: list[Request]) -> int:
+    return sum(r.sampling.max_new_tokens for r in batch)
+
+
+# -- the engine -------------------------------------------------------------------------------
+
+
+def engine_config(max_prompt: int) -> InferenceConfig:
+    """The defaults, sized for the workload (slots, prompt and output budget)."""
+    return InferenceConfig(max_concurrent_seqs=SLOTS, max_prompt_len=max_prompt,
+                           max_new_tokens=OUTPUT[1])  # fmt: skip
+
+
+def run_engine(model: models.Transformer, requests: list[Request], max_prompt: int) -> dict:
+    cfg = engine_config(max_prompt)
+    warm = Engine(model, cfg)  # compiles the programs outside the timed run (process-wide cache)
+    first = requests[0]
+    warm.submit(dataclasses.replace(first, sampling=dataclasses.replace(first.sampling,
+                                                                        max_new_tokens=2)))
+    warm.run()
+    del warm
+    engine = Engine(model, cfg)
+    for r in requests:
+        engine.submit(r)
+    start = time.perf_counter()
+    rollouts = engine.run()
+    wall = time.perf_counter() - start
+    tokens = {r.prompt_id: np.asarray(r.tokens) for r in rollouts}
+    total = sum(len(t) for t in tokens.values())
+    assert total == useful(requests), "the engine did not produce every requested token"
+    return dict(tokens=total, seconds=wall, tokens_per_s=total / wall, steps=engine.steps,
+                compilations=engine.compilations, rows_bitwise=engine.rows_bitwise,
+                native_attention=engine.cache.native, outputs=tokens)  # fmt: skip
+
+
+def engine_step(model: models.Transformer, context: int, repeats: int = 7) -> float:
+    """Seconds of the engine's decode program at 64 rows, every row at ``context``."""
+    engine = Engine(model, engine_config(64))
+    n, m = SLOTS, engine.pages_per_seq
+    tables = jnp.asarray(1 + np.arange(n * m).reshape(n, m) % (engine.cache.num_pages - 1),
+                         jnp.int32)  # fmt: skip
+    tokens = jnp.asarray(np.arange(n) * 7 % model.cfg.vocab_size, jnp.int32)
+    positions = jnp.full((n,), context, jnp.int32)
+    sampling = {k: jnp.asarray(v) for k, v in idle_sampling(n).items()}
+    sampling["temperature"] = jnp.zeros(n, jnp.float32)  # greedy, as the workloads
+
+    def run():  # noqa: ANN202
+        out, engine.cache = decode_program(engine.state, engine.cache, tokens, positions, tables,
+                                           sampling, graphdef=engine.graphdef)  # fmt: skip
+        return out
+
+    return median_time(run, repeats)
+
+
+# -- the plain JAX reference ------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PlainCache:
+    """A dense cache as one would write it for a static batch: one [B, S, Hkv, D] array per layer
+    (updated in place inside the decode loop) and grouped-query attention over all S positions,
+    masked past each row's position. Implements ``models.KVCache``."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @classmethod
+    def create(cls, cfg, batch: int, length: int) -> PlainCache:  # noqa: ANN001
+        shape = (batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
+        zeros = tuple(jnp.zeros(shape, jnp.float32) for _ in range(cfg.num_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, jnp.float32) for _ in range(cfg.num_layers)))
+
+    def attend(self, layer, q, k, v, positions):  # noqa: ANN001, ANN201
+        b, s = k.shape[0], self.k[layer].shape[1]
+        index = jnp.where(positions >= 0, positions, s)
+        rows = jnp.arange(b)[:, None]
+        k_layer = self.k[layer].at[rows, index].set(k, mode="drop")
+        v_layer = self.v[layer].at[rows, index].set(v, mode="drop")
+        hkv, d = k.shape[2], k.shape[3]
+        if q.shape[1] == 1:  # decode: XLA:CPU runs broadcast multiply-sums faster than einsums
+            qg = q.reshape(b, 1, hkv, -1, d) * (1.0 / d**0.5)  # [B, 1, Hkv, G, D]
+            scores = (qg * k_layer[:, :, :, None, :]).sum(-1)  # [B, S, Hkv, G]
+            seen = jnp.arange(s)[None, :] <= positions  # [B, S]
+            scores = jnp.where(seen[:, :, None, None], scores, -jnp.inf)
+            probs = jax.nn.softmax(scores, axis=1)
+            out = (probs[..., None] * v_layer[:, :, :, None, :]).sum(1)  # [B, Hkv, G, D]
+        else:
+            qg = q.reshape(b, q.shape[1], hkv, -1, d) * (1.0 / d**0.5)
+            scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_layer)
+            seen = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+            scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
+            out = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(scores, axis=-1), v_layer)
+        cache = PlainCache(k=self.k[:layer] + (k_layer,) + self.k[layer + 1 :],
+                           v=self.v[:layer] + (v_layer,) + self.v[layer + 1 :])  # fmt: skip
+        return out.reshape(q.shape), cache
+
+
+@partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
+def _plain_step(state, tokens, positions, cache, last, *, graphdef):  # noqa: ANN001, ANN202
+    """tokens, positions [B, T]; last [B] the column whose logits pick the next token
+    -> (greedy tokens [B], cache)."""
+    logits, cache = models.step(nnx.merge(graphdef, state), tokens, positions, cache)
+    picked = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    return jnp.argmax(picked, axis=-1).astype(jnp.int32), cache
+
+
+def _static_generate(model, prompt, positions, lengths, steps, cache_len):  # noqa: ANN001, ANN202
+    """prompt, positions [B, P] (padding -1 at the end), lengths [B] -> greedy tokens [B, steps]:
+    one jitted step per token, everything on device until the end (no host round trip)."""
+    graphdef, state = nnx.split(model)
+    cache = PlainCache.create(model.cfg, prompt.shape[0], cache_len)
+    nxt, cache = _plain_step(state, prompt, positions, cache, lengths - 1, graphdef=graphdef)
+    out, zero = [nxt], jnp.zeros_like(lengths)
+    for t in range(1, steps):
+        nxt, cache = _plain_step(state, nxt[:, None], (lengths + t - 1)[:, None], cache, zero,
+                                 graphdef=graphdef)  # fmt: skip
+        out.append(nxt)
+    return jnp.stack(out, axis=1)
+
+
+def run_static(model: models.Transformer, batches: list[list[Request]]) -> dict:
+    total, wall, outputs = 0, 0.0, {}
+    for batch in batches:
+        width = max(len(r.prompt_tokens) for r in batch)
+        prompt = np.zeros((len(batch), width), np.int32)
+        positions = np.full((len(batch), width), -1, np.int32)
+        for b, r in enumerate(batch):
+            prompt[b, : len(r.prompt_tokens)] = r.prompt_tokens
+            positions[b, : len(r.prompt_tokens)] = np.arange(len(r.prompt_tokens))
+        lengths = np.array([len(r.prompt_tokens) for r in batch], np.int32)
+        steps = max(r.sampling.max_new_tokens for r in batch)
+        args = (model, jnp.asarray(prompt), jnp.asarray(positions), jnp.asarray(lengths))
+        cache_len = -(-(width + steps) // 16) * 16  # the batch's longest row, in 16s
+        jax.block_until_ready(_static_generate(*args, 2, cache_len))  # compiles both steps
+        start = time.perf_counter()
+        out = np.asarray(jax.block_until_ready(_static_generate(*args, steps, cache_len)))
+        wall += time.perf_counter() - start
+        total += useful(batch)
+        for b, r in enumerate(batch):
+            outputs[r.prompt_id] = out[b, : r.sampling.max_new_tokens]
+    return dict(tokens=total, seconds=wall, tokens_per_s=total / wall, waves=len(batches),
+                outputs=outputs)  # fmt: skip
+
+
+# -- HF transformers --------------------------------------------------------------------------
+
+
+def run_hf(model: models.Transformer, batches: list[list[Request]], dtype: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        models.save_safetensors(model, tmp)
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, dtype)).eval()
+    total, wall, outputs = 0, 0.0, {}
+    for batch in batches:
+        width = max(len(r.prompt_tokens) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, r in enumerate(batch):  # left padding
+            ids[b, width - len(r.prompt_tokens) :] = torch.tensor(r.prompt_tokens)
+            mask[b, width - len(r.prompt_tokens) :] = 1
+        steps = max(r.sampling.max_new_tokens for r in batch)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                              max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0,
+                              eos_token_id=None)  # fmt: skip
+        wall += time.perf_counter() - start
+        total += useful(batch)
+        for b, r in enumerate(batch):
+            outputs[r.prompt_id] = out[b, width : width + r.sampling.max_new_tokens].numpy()
+    return dict(tokens=total, seconds=wall, tokens_per_s=total / wall, waves=len(batches),
+                torch_threads=torch.get_num_threads(), outputs=outputs)  # fmt: skip
+
+
+def agreement(got: dict, want: dict) -> dict:
+    """Requests whose tokens equal the reference's, over the requests both ran."""
+    common = sorted(set(got) & set(want))
+    same = [k for k in common if np.array_equal(got[k], want[k])]
+    first = [int(np.argmax(got[k] != want[k])) for k in common if k not in same]
+    return dict(requests=len(common), equal=len(same), first_divergence=first)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--queue", type=int, default=256, help="requests in the queued workload")
+    ap.add_argument("--baseline-waves", type=int, default=1, help="queue waves the static "
+                    "engines run")  # fmt: skip
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "decode_speed.json"))
+    args = ap.parse_args()
+    model = smollm2()
+    vocab = model.cfg.vocab_size
+    peaks = [dot_peak()]
+    loads = dict(wave=(workload(SLOTS, (10, 28), vocab, seed=0), 28),
+                 queue=(workload(args.queue, (16, 64), vocab, seed=1), 64))  # fmt: skip
+    results: dict = {}
+    for name, (requests, max_prompt) in loads.items():
+        batches = waves(requests, 1 if name == "wave" else args.baseline_waves)
+        res = {"engine": run_engine(model, requests, max_prompt),
+               "plain JAX": run_static(model, batches)}
+        if not args.skip_hf:
+            for dtype in ("float32", "bfloat16"):
+                res[f"HF {dtype}"] = run_hf(model, batches, dtype)
+        reference = res["plain JAX"]["outputs"]
+        for r in res.values():
+            r["agreement"] = agreement(r.pop("outputs"), reference)
+        results[name] = res
+        print(f"{name}: " + ", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s" for k, v in res.items()),
+              flush=True)  # fmt: skip
+    context = 160
+    step = engine_step(model, context)
+    peaks.append(dot_peak())
+    flops = model_flops(model.cfg, SLOTS, context)
+    results["decode_step"] = dict(rows=SLOTS, context=context, seconds=step, model_flops=flops,
+                                  peak_flops=peaks, fraction_of_peak=flops / step / max(peaks))  # fmt: skip
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    lines = ["| workload | engine | tokens | seconds | tokens/s | engine / this | equal to the "
+             "plain JAX reference |", "|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    for name in ("wave", "queue"):
+        ours = results[name]["engine"]["tokens_per_s"]
+        for key, r in results[name].items():
+            a = r["agreement"]
+            lines.append(f"| {name} | {key} | {r['tokens']} | {r['seconds']:.1f} | "
+                         f"{r['tokens_per_s']:.1f} | {ours / r['tokens_per_s']:.2f}x | "
+                         f"{a['equal']}/{a['requests']} |")  # fmt: skip
+    d = results["decode_step"]
+    lines.append(f"\nengine decode step, {d['rows']} rows at position {d['context']}: "
+                 f"{d['seconds'] * 1e3:.1f} ms = {d['model_flops'] / d['seconds'] / 1e9:.0f} "
+                 f"GFLOP/s = {d['fraction_of_peak']:.1%} of the jnp.dot peak (best of "
+                 f"{', '.join(f'{p / 1e9:.0f}' for p in d['peak_flops'])} GFLOP/s, start and end "
+                 "of the run)")  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
