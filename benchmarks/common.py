@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def dot_peak(n: int = 2048, repeats: int = 5, dtype: Any = jnp.float32) -> float:
@@ -50,3 +52,39 @@ def smollm2() -> Any:
     from rlax_tpu import models
 
     return models.load_gguf(smollm2_path())[1]
+
+
+def hf_model(model: Any, dtype: str = "float32") -> Any:
+    """HF transformers' causal LM with ``model``'s weights (through safetensors), in ``dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlax_tpu import models
+
+    with tempfile.TemporaryDirectory() as tmp:
+        models.save_safetensors(model, tmp)
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, dtype)).eval()
+
+
+def hf_generate(hf: Any, batch: list, *, sample: bool) -> tuple[float, dict[str, np.ndarray]]:
+    """HF ``generate`` on one static batch of ``Request``s (left padding), every row run to the
+    batch's longest ``max_new_tokens``, sampling at T = 1 or greedy -> (seconds, each request's
+    own tokens by prompt_id)."""
+    import torch
+
+    width = max(len(r.prompt_tokens) for r in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(batch):
+        ids[b, width - len(r.prompt_tokens) :] = torch.tensor(r.prompt_tokens)
+        mask[b, width - len(r.prompt_tokens) :] = 1
+    steps = max(r.sampling.max_new_tokens for r in batch)
+    how = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(
+        do_sample=False)  # fmt: skip
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
+                          min_new_tokens=steps, pad_token_id=0, eos_token_id=None, **how)  # fmt: skip
+    seconds = time.perf_counter() - start
+    return seconds, {r.prompt_id: out[b, width : width + r.sampling.max_new_tokens].numpy()
+                     for b, r in enumerate(batch)}  # fmt: skip

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import dot_peak, median_time, smollm2
+from common import dot_peak, hf_generate, hf_model, median_time, smollm2
 from decode_profile import model_flops
 from flax import nnx
 
@@ -219,30 +218,15 @@ def run_static(model: models.Transformer, batches: list[list[Request]]) -> dict:
 
 def run_hf(model: models.Transformer, batches: list[list[Request]], dtype: str) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        models.save_safetensors(model, tmp)
-        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, dtype)).eval()
+    hf = hf_model(model, dtype)
     total, wall, outputs = 0, 0.0, {}
     for batch in batches:
-        width = max(len(r.prompt_tokens) for r in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, r in enumerate(batch):  # left padding
-            ids[b, width - len(r.prompt_tokens) :] = torch.tensor(r.prompt_tokens)
-            mask[b, width - len(r.prompt_tokens) :] = 1
-        steps = max(r.sampling.max_new_tokens for r in batch)
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                              max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0,
-                              eos_token_id=None)  # fmt: skip
-        wall += time.perf_counter() - start
+        seconds, tokens = hf_generate(hf, batch, sample=False)
+        wall += seconds
         total += useful(batch)
-        for b, r in enumerate(batch):
-            outputs[r.prompt_id] = out[b, width : width + r.sampling.max_new_tokens].numpy()
+        outputs.update(tokens)
     return dict(tokens=total, seconds=wall, tokens_per_s=total / wall, waves=len(batches),
                 torch_threads=torch.get_num_threads(), outputs=outputs)  # fmt: skip
 

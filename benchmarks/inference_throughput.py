@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -38,7 +37,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import smollm2_path
+from common import hf_generate, hf_model, smollm2_path
 from flax import nnx
 
 from rlax_tpu import models
@@ -188,28 +187,14 @@ def run_static(model: models.Transformer, requests: list[Request], waves: int) -
 
 def run_hf(model: models.Transformer, requests: list[Request], waves: int) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        models.save_safetensors(model, tmp)
-        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    hf = hf_model(model)
     tokens_total, wall = 0, 0.0
     for w in range(waves):
         batch = requests[w * SLOTS : (w + 1) * SLOTS]
-        width = max(len(r.prompt_tokens) for r in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, r in enumerate(batch):  # left padding
-            ids[b, width - len(r.prompt_tokens) :] = torch.tensor(r.prompt_tokens)
-            mask[b, width - len(r.prompt_tokens) :] = 1
-        steps = max(r.sampling.max_new_tokens for r in batch)
-        start = time.perf_counter()
-        with torch.no_grad():
-            hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
-                        top_k=0, top_p=1.0, max_new_tokens=steps, min_new_tokens=steps,
-                        pad_token_id=0, eos_token_id=None)  # fmt: skip
-        wall += time.perf_counter() - start
+        seconds, _ = hf_generate(hf, batch, sample=True)
+        wall += seconds
         tokens_total += sum(r.sampling.max_new_tokens for r in batch)
     return dict(tokens=tokens_total, seconds=wall, tokens_per_s=tokens_total / wall, waves=waves,
                 torch_threads=torch.get_num_threads())  # fmt: skip

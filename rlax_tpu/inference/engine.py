@@ -11,9 +11,10 @@ Numerical contract (what a replay does to reproduce the reported log-probs bitwi
   through the decode program (``models.programs.decode_program``) on tokens/positions [N],
   N = ``step_tokens`` (``inference.step_tokens``, 0 -> ``max_concurrent_seqs``): one token per
   row, unused rows padded with position -1; attention over the sequence's pages, S =
-  ``pages_per_seq * page_size`` positions (:attr:`Engine.cache_len`), or block by block up to
-  the step's furthest position (``inference.attention_block_pages``, the CPU default: the same
-  bits for a row whatever the other rows hold); then the sampler
+  ``pages_per_seq * page_size`` positions (:attr:`Engine.cache_len`), on CPU by the native
+  kernel or block by block up to the step's furthest position (``inference.attention_kernel``,
+  ``attention_block_pages``; either gives a row the same bits whatever the other rows hold);
+  then the sampler
   (``models.sampling``) draws the token and reports ``log_softmax(z / T)[token]`` in f32
   (``logprob_policy = "temperature_scaled"``, T = the request's temperature, T = 1 when greedy)
   or the top-k/top-p renormalized one (``"sampler"``), from the f32 logits z.

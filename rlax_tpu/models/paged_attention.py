@@ -13,10 +13,11 @@ written them); rows with p < 0 are padding and give finite, unspecified outputs.
   :func:`rlax_tpu.models.dot_product_attention` with the causal mask by position. S and the math
   are those of ``DenseKVCache`` with ``max_len = S``: run op by op, its output is bitwise the
   dense cache's; inside a larger jitted program XLA may fuse the gather, so only to round-off.
-  This is the reference, and the CPU path of prefill chunks. Decode rows (T = 1) with
-  ``inference.attention_block_pages`` > 0 take :func:`block_attention` instead: an online
-  softmax over blocks of pages up to the step's furthest position, without the gathered copy of
-  the whole cache (8x less time per layer on SmolLM2 at 160 of 512 positions).
+  This is the reference, and the CPU path of prefill chunks. Decode rows (T = 1) take the
+  native kernel (``rlax_tpu.models.native_attention``, ``inference.attention_kernel``) or, with
+  ``inference.attention_block_pages`` > 0, :func:`block_attention`: an online softmax over
+  blocks of pages up to the step's furthest position, without the gathered copy of the whole
+  cache (8x less time per layer on SmolLM2 at 160 of 512 positions).
 * ``tpu``: ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, prefill and decode rows in
   one call: each batch row is one of the kernel's sequences, its valid tokens packed together
   (they must be consecutive positions at the start of the row, as the engine's decode and prefill

@@ -118,6 +118,14 @@ class PagedKVCache:
         self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
     ) -> tuple[jax.Array, PagedKVCache]:
         """q [B, T, H, D], k/v [B, T, Hkv, D], positions [B, T] -> ([B, T, H, D], new cache)."""
+        # The native kernel computes its own write slots (only split-layout caches have native).
+        if self.native and q.shape[1] == 1 and not self.spans and _one_device():
+            out, k_pages, v_pages = native_attention.decode_attention(
+                q[:, 0], k[:, 0], v[:, 0], self.k_pages, self.v_pages, self.block_tables,
+                positions[:, 0], layer=layer,
+            )  # fmt: skip
+            out = out[:, None].astype(q.dtype)
+            return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
         page = self.page_size
         valid = positions >= 0
         safe = jnp.where(valid, positions, 0)
@@ -131,13 +139,6 @@ class PagedKVCache:
             k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (k, v))
         if self.combined:
             return self._attend_combined(layer, q, k, v, positions, physical, slot)
-        if self.native and q.shape[1] == 1 and not self.spans and _one_device():
-            out, k_pages, v_pages = native_attention.decode_attention(
-                q[:, 0], k[:, 0], v[:, 0], self.k_pages, self.v_pages, self.block_tables,
-                positions[:, 0], layer=layer,
-            )  # fmt: skip
-            out = out[:, None].astype(q.dtype)
-            return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
         # Advanced indices (layer, physical, slot) around a slice put their [B, T] dims first,
         # so the update is laid out like k: [B, T, Hkv, D].
         k_pages = self.k_pages.at[layer, :, physical, slot].set(

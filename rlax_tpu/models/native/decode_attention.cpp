@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -124,7 +125,8 @@ ItemFn ForGroup(int64_t group) {
   }
 }
 
-// Head dims 16, 32, 64, 128, 256 and 1..8 query heads per KV head (native_attention.SUPPORTED).
+// Head dims 16, 32, 64, 128, 256 and 1..8 query heads per KV head (native_attention.HEAD_DIMS,
+// MAX_GROUP).
 ItemFn Dispatch(int64_t dim, int64_t group) {
   switch (dim) {
     case 16: return ForGroup<16>(group);
@@ -164,36 +166,49 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   for (int64_t b = 0; b < s.rows; ++b) {  // the writes, before any read
     const int64_t p = pos[b];
     if (p < 0 || p / s.page >= s.table_width) continue;
-    const int64_t phys = tab[b * s.table_width + p / s.page];
-    if (phys < 0 || phys >= s.pages) continue;
+    const int64_t phys = tab[b * s.table_width + p / s.page];  // checked above
     for (int64_t g = 0; g < s.kv_heads; ++g) {
       const int64_t at = layer * s.layer_stride + ((g * s.pages + phys) * s.page + p % s.page) * d;
       std::copy_n(k_new.typed_data() + (b * s.kv_heads + g) * d, d, kp + at);
       std::copy_n(v_new.typed_data() + (b * s.kv_heads + g) * d, d, vp + at);
     }
   }
+  // Items are claimed from a shared counter by this thread and by helpers on XLA's pool. The
+  // state lives on the heap and this thread waits only for helpers that have started: a helper
+  // the pool runs after the call has returned finds the call closed and does nothing, so a busy
+  // pool can delay the call but never block it.
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::mutex mu;
+    std::condition_variable cv;
+    int64_t active = 0;
+    bool closed = false;
+  };
+  auto shared = std::make_shared<Shared>();
   const int64_t items = s.rows * s.kv_heads;
   const float* qp = q.typed_data();
   float* op = out->typed_data();
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
+  auto work = [=] {  // by value: a helper holds its own copy
     std::vector<float> scores;
-    for (int64_t i; (i = next.fetch_add(1)) < items;)
+    for (int64_t i; (i = shared->next.fetch_add(1)) < items;)
       attend(s, i, qp, kp, vp, tab, pos, layer, op, scores);
   };
   const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t done = 0;
   for (int64_t t = 0; t < helpers; ++t)
-    pool.Schedule([&] {
+    pool.Schedule([shared, work] {
+      {
+        std::lock_guard<std::mutex> lock(shared->mu);
+        if (shared->closed) return;
+        ++shared->active;
+      }
       work();
-      std::lock_guard<std::mutex> lock(mu);
-      if (++done == helpers) cv.notify_one();
+      std::lock_guard<std::mutex> lock(shared->mu);
+      if (--shared->active == 0) shared->cv.notify_one();
     });
   work();
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return done == helpers; });
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->closed = true;
+  shared->cv.wait(lock, [&] { return shared->active == 0; });
   return ffi::Error::Success();
 }
 
