@@ -21,8 +21,13 @@ from rlax_tpu.verifiers.problems import Uploader, upload_problem
 PromptStyle = Literal["raw", "chat"]
 FENCE = "```"
 _LANG_TAGS = {"python": "python", "cpp": "cpp", "rust": "rust", "java": "java"}
-_SYSTEM = (
+_CODE_SYSTEM = (
     "You are an expert competitive programmer. Answer with one complete program in a code block."
+)
+# A math question must not be framed as a programming task: under the code system prompt
+# SmolLM2-135M answered arithmetic with programs and never stated an answer (issue [real-model]).
+_MATH_SYSTEM = (
+    "You are a careful math assistant. Work the problem out, then state the final answer."
 )
 _FENCED = re.compile(r"```[A-Za-z0-9+]*\n(.*?)```", re.S)
 
@@ -52,8 +57,9 @@ def prompt_text(problem: Problem, *, style: PromptStyle, language: str = "python
         return f"{body}\n{FENCE}{tag}\n"
     if tokenizer is None:
         raise ValueError("the chat prompt style needs a tokenizer with a chat template")
+    system = _MATH_SYSTEM if isinstance(problem, MathProblem) else _CODE_SYSTEM
     messages = [
-        {"role": "system", "content": _SYSTEM},
+        {"role": "system", "content": system},
         {"role": "user", "content": f"{body}\n\n{ask}"},
     ]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -10,6 +10,7 @@ Every malformed record raises :class:`DataError` naming the file and the record 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -231,20 +232,30 @@ def load_human_eval() -> list[UnitTestProblem]:
     ]
 
 
-def load_reasoning_gym(task: str, size: int, seed: int) -> list[MathProblem]:
-    """``size`` problems of a reasoning-gym task (e.g. ``basic_arithmetic``), seeded."""
+def load_reasoning_gym(
+    task: str, size: int, seed: int, options: Mapping[str, Any] | None = None
+) -> list[MathProblem]:
+    """``size`` problems of a reasoning-gym task (e.g. ``basic_arithmetic``), seeded; ``options``
+    are the task's generator settings (its config dataclass fields, e.g. ``max_digits``)."""
     import reasoning_gym
 
-    dataset = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    options = dict(options or {})
+    where = f"reasoning-gym/{task}"
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **options)
+    except (TypeError, ValueError, AssertionError) as e:  # unknown task, field or bad value
+        raise DataError(where, None, f"cannot make the dataset with options {options}: {e}") from e
+    tag = "" if not options else "/" + hashlib.sha256(
+        json.dumps(options, sort_keys=True).encode()).hexdigest()[:8]  # fmt: skip
     return [
         check_problem(
             MathProblem(
-                id=f"{task}/{seed}/{i}",
+                id=f"{task}{tag}/{seed}/{i}",
                 question=e["question"],
                 answer=str(e["answer"]),
-                source=f"reasoning-gym/{task}",
+                source=where,
             ),
-            f"reasoning-gym/{task}",
+            where,
             i,
         )  # fmt: skip
         for i, e in enumerate(dataset)

