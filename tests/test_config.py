@@ -60,7 +60,7 @@ def test_smollm2_math_presets_validate_and_find_the_packaged_weights():
     for preset in mod.PRESETS:
         cfg = from_dict(RunConfig, mod.get_config(preset))
         assert cfg.model.weights_format == "gguf" and Path(cfg.model.weights_path).is_file()
-        assert cfg.data.datasets == ("reasoning_gym:basic_arithmetic",)
+        assert cfg.data.datasets == (mod.TWO_TERM_SUMS,)
 
 
 def test_presets_validate():
