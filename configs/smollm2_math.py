@@ -61,7 +61,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     cfg.trainer.update(
         learning_rate=2e-6 if accel else 1e-5, schedule="constant", grad_clip_norm=1.0,
         micro_batch_size=16, checkpoint_every=1 if accel else 5,
-        # CPU memory holds every layer's activations at 16 rows: no recompute (~15% faster).
+        # CPU memory holds every layer's activations at 16 rows: no recompute (the loss + grad
+        # alone at 8 x 128 tokens: 5.6 s against 6.6 s with nothing_saveable remat).
         remat=accel,
     )  # fmt: skip
     cfg.inference.update(
