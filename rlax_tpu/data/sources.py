@@ -126,8 +126,10 @@ def _unseen(task: str, options: dict[str, Any], n: int, seed: int, train: list[P
     asked = {p.question for p in train}
     size = n
     while True:
-        fresh = [p for p in loaders.load_reasoning_gym(task, size, seed, options)
-                 if p.question not in asked]  # fmt: skip
+        fresh: dict[str, Problem] = {}  # question -> its first problem, in draw order
+        for p in loaders.load_reasoning_gym(task, size, seed, options):
+            if p.question not in asked:
+                fresh.setdefault(p.question, p)
         if len(fresh) >= n or size >= 64 * n:
             break
         size *= 4
@@ -135,8 +137,7 @@ def _unseen(task: str, options: dict[str, Any], n: int, seed: int, train: list[P
         raise DataError("data.datasets", name,
                         f"every held-out question is also a training question ({_TRAIN_SIZE} "
                         "drawn): the task's space is too small for a held-out split")  # fmt: skip
-    unique = list({p.question: p for p in reversed(fresh)}.values())[::-1]
-    return unique[:n]
+    return list(fresh.values())[:n]
 
 
 def load_datasets(cfg: DataConfig, *, seed: int) -> Datasets:
