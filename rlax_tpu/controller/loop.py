@@ -70,6 +70,7 @@ class IncompatibleResume(ValueError):
 
 
 PREFILTER_FILE = "prefilter.json"
+EVAL_DIR = "eval"  # <run_dir>/eval/version_<v>.jsonl: every held-out sample of the eval at v
 
 
 class NothingToLearn(RuntimeError):
@@ -202,9 +203,10 @@ class Controller:
         self._event(f"pre-filtering: {summary}")
         self.mixture = self._mixture(set(result.kept))
 
-    def _pass_counts(self, problems: Sequence[tuple[str, Any]], k: int, *, stream: str
-                     ) -> dict[str, int]:  # fmt: skip
-        """Samples accepted of ``k`` per (key, problem), generated with the current version."""
+    def _pass_counts(self, problems: Sequence[tuple[str, Any]], k: int, *, stream: str,
+                     answers: list[dict[str, Any]] | None = None) -> dict[str, int]:  # fmt: skip
+        """Samples accepted of ``k`` per (key, problem), generated with the current version;
+        each sample's text and verdict are appended to ``answers`` if given."""
         requests = [self.prompter.request(f"{stream}/{key}", p, num_samples=k, stream=stream)
                     for key, p in problems]  # fmt: skip
         by_key = {f"{stream}/{key}": (key, p) for key, p in problems}
@@ -213,7 +215,14 @@ class Controller:
         verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
         correct = {key: 0 for key, _ in problems}
         for ro, v in zip(rollouts, verdicts, strict=True):
-            correct[by_key[ro.prompt_id][0]] += int(v.accepted)
+            key, problem = by_key[ro.prompt_id]
+            correct[key] += int(v.accepted)
+            if answers is not None:
+                answers.append({
+                    "problem": key, "question": getattr(problem, "question", ""),
+                    "answer": self.prompter.completion(ro), "verdict": v.kind.value,
+                    "detail": v.detail,
+                })  # fmt: skip
         return correct
 
     # ------------------------------------------------------------------ state and snapshots
@@ -432,7 +441,13 @@ class Controller:
         k = self.config.data.eval_samples
         t0 = time.perf_counter()
         fitting = [(p.id, p) for p in problems if self.prompter.fits(p)]
-        counts = list(self._pass_counts(fitting, k, stream="eval").values())
+        answers: list[dict[str, Any]] = []
+        counts = list(self._pass_counts(fitting, k, stream="eval", answers=answers).values())
+        # Every sample's text, so a run's answers can be read (and compared across versions).
+        storage.write_atomic(
+            self.run_dir / EVAL_DIR / f"version_{self.version:06d}.jsonl",
+            "".join(json.dumps(a) + "\n" for a in answers),
+        )
         metrics = {"eval/pass@1": mean_pass_at_k(counts, k, 1),
                    f"eval/pass@{k}": mean_pass_at_k(counts, k, k),
                    "eval/problems": float(len(counts)),

@@ -69,3 +69,10 @@ def test_threaded_programs_that_reserve_memory_are_accepted_through_the_controll
     train = [s for s in steps if "reward/mean" in s]
     assert len(train) == 1 and all(s["reward/mean"] == 1.0 for s in train), train
     assert ctl.evals[0]["eval/pass@1"] == 1.0
+    # The eval's samples are kept as text beside their verdicts (run_dir/eval/version_<v>.jsonl).
+    answers = [json.loads(line) for line in
+               (tmp_path / "eval" / "version_000000.jsonl").read_text().splitlines()]  # fmt: skip
+    k = cfg.data.eval_samples
+    assert len(answers) == k * ctl.evals[0]["eval/problems"]
+    assert {a["verdict"] for a in answers} == {"accepted"}
+    assert all(a["answer"].startswith(PROLOGUE) for a in answers)
