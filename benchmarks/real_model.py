@@ -1,0 +1,260 @@
+"""RL on a real model: SmolLM2-135M-Instruct on two-term sums (configs/smollm2_math.py:cpu).
+
+    .venv/bin/python benchmarks/real_model.py run --seeds 0 1 2 [--minutes 60]
+    .venv/bin/python benchmarks/real_model.py trainer      # the trainer step, before and after
+    .venv/bin/python benchmarks/real_model.py report       # the tables for RESULTS.md
+
+``run`` starts ``python -m rlax_tpu.controller --config=configs/smollm2_math.py:cpu`` once per
+seed (``--config.controller.seed``; held-out evals every 5 versions instead of the preset's 10, for the
+curve), stops it at ``--minutes`` of wall time (SIGTERM: the controller's preemption path) and
+writes ``benchmarks/real_model/seed<N>.json``: held-out pass@1 / pass@k against version and
+minutes since start, reward, |log π_old − log μ|, the step-time breakdown, and raw held-out
+answers before and after (from ``<run_dir>/eval/version_<v>.jsonl``).
+
+``trainer`` times one update on synthetic 64-row batches of the preset's shape (SmolLM2's real
+shape, random weights: timing does not depend on the values) with the trainer settings before
+this issue (nothing-saveable remat, micro-batches of 8, π_old replayed token by token) and the
+preset's, against the jitted ``jnp.dot`` peak measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = Path(__file__).with_suffix("")
+CONFIG = "configs/smollm2_math.py:cpu"
+EVAL_EVERY = 5
+SAMPLES_SHOWN = 6
+TRAIN_KEYS = {  # metrics.jsonl scalar -> curve field
+    "reward/mean": "reward", "rollout/length_mean": "length",
+    "trainer/logp_old_behaviour_diff_mean": "dlogp_mean",
+    "trainer/logp_old_behaviour_diff_p95": "dlogp_p95",
+    "trainer/logp_old_behaviour_diff_max": "dlogp_max",
+    "trainer/staleness_max": "staleness", "time/generate": "generate_s",
+    "time/verify": "verify_s", "time/train": "train_s",
+    "trainer/time_logp_old_s": "logp_old_s", "trainer/time_update_s": "update_s",
+    "trainer/time_step_s": "trainer_step_s", "trainer/sequence_tokens": "tokens",
+}  # fmt: skip
+
+
+def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
+    run_dir = run_root / f"seed{seed}"
+    cmd = [sys.executable, "-m", "rlax_tpu.controller", f"--config={CONFIG}",
+           f"--config.controller.seed={seed}", f"--config.controller.run_dir={run_dir}",
+           f"--config.data.eval_every={EVAL_EVERY}"]  # fmt: skip
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.time()
+    log = (run_root / f"seed{seed}.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    deadline = t0 + minutes * 60
+    while proc.poll() is None and time.time() < deadline:
+        time.sleep(5)
+    stopped = proc.poll() is None
+    if stopped:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+    if not (run_dir / "metrics.jsonl").exists():
+        tail = (run_root / f"seed{seed}.log").read_text().splitlines()[-20:]
+        raise SystemExit(f"seed {seed}: the run wrote no metrics (exit {proc.returncode}):\n"
+                         + "\n".join(tail))
+    return _summarize(seed, run_dir, t0, minutes, stopped, proc.returncode)
+
+
+def _summarize(seed: int, run_dir: Path, t0: float, minutes: float, stopped: bool,
+               code: int) -> dict:  # fmt: skip
+    evals, steps = [], []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        s, minute = rec["scalars"], (rec["wall_time"] - t0) / 60
+        if "eval/pass@1" in s:
+            k = next(n for n in s if n.startswith("eval/pass@") and n != "eval/pass@1")
+            evals.append(dict(version=rec["step"], minutes=minute, pass1=s["eval/pass@1"],
+                              passk=s[k], k=int(k.split("@")[1]), eval_s=s["time/eval"]))  # fmt: skip
+        if "reward/mean" in s:
+            steps.append({"step": rec["step"], "minutes": minute}
+                         | {v: s[m] for m, v in TRAIN_KEYS.items() if m in s})  # fmt: skip
+    evals = [e for e in evals if e["minutes"] <= minutes]
+    base = evals[0]["pass1"]
+    best = max(evals, key=lambda e: e["pass1"])
+    first = next((e for e in evals if e["pass1"] - base >= 0.10), None)
+    return dict(
+        seed=seed, command=f"{CONFIG} --config.controller.seed={seed} --config.data.eval_every={EVAL_EVERY}",
+        stopped_at_minutes=minutes if stopped else None, exit_code=code,
+        evals=evals, steps=steps, gain=best["pass1"] - base, best=best,
+        first_plus_10=first, answers=_answers(run_dir, evals[0]["version"], best["version"]),
+        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+    )  # fmt: skip
+
+
+def _answers(run_dir: Path, before: int, after: int) -> dict:
+    """The first sample of the first SAMPLES_SHOWN held-out problems at both versions."""
+    out = {}
+    for name, v in (("before", before), ("after", after)):
+        rows = [json.loads(x) for x in
+                (run_dir / "eval" / f"version_{v:06d}.jsonl").read_text().splitlines()]  # fmt: skip
+        seen, shown = set(), []
+        for r in rows:
+            if r["problem"] not in seen and len(shown) < SAMPLES_SHOWN:
+                seen.add(r["problem"])
+                shown.append(r)
+        out[name] = dict(version=v, samples=shown,
+                         accepted=sum(r["verdict"] == "accepted" for r in rows), total=len(rows))
+    return out
+
+
+def trainer_fraction() -> dict:
+    """One 64-row update of the preset's shape, trainer settings before and after; model FLOP/s
+    = 6 · params · sequence tokens / step seconds, against the dot peak of this process."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import jax
+    import numpy as np
+    import trainer_step
+    from common import dot_peak
+    from trainer_step import Case, batch
+
+    from rlax_tpu import models
+    from rlax_tpu.config import (
+        AlgorithmConfig,
+        ControllerConfig,
+        InferenceConfig,
+        MeshConfig,
+        RunConfig,
+        TrainerConfig,
+    )  # fmt: skip
+    from rlax_tpu.trainer import Trainer
+
+    trainer_step.GROUP = 8
+    case = Case("smollm2-135m", rows=64, micro=16, prompt=(40, 56), completion=(16, 64), slots=64)
+    settings = {
+        "before (remat, micro 8, π_old replay)": dict(remat=True, micro_batch_size=8,
+                                                     old_logprobs="replay"),
+        "after (the preset: no remat, micro 16, π_old prefill)": dict(
+            remat=False, micro_batch_size=16, old_logprobs="prefill"),
+    }  # fmt: skip
+    peak = dot_peak()
+    model = models.preset("smollm2-135m")
+    rows = []
+    for name, kw in settings.items():
+        cfg = RunConfig(
+            model=model, mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
+            trainer=TrainerConfig(learning_rate=1e-5, checkpoint_every=1000, keep_checkpoints=2,
+                                  **kw),
+            inference=InferenceConfig(max_prompt_len=64, max_new_tokens=64,
+                                      max_concurrent_seqs=64),
+            controller=ControllerConfig(prompts_per_step=8, num_steps=100, snapshot_keep=1001),
+            algorithm=AlgorithmConfig(name="grpo", group_size=8),
+        )  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = Trainer(cfg, checkpoint_dir=tmp)
+            n = sum(x.size for x in jax.tree.leaves(trainer.params()))
+            for s in range(2):  # compiles the shapes the timed batches use
+                trainer.train_step(batch(case, s, model.vocab_size))
+            ms = [trainer.train_step(batch(case, s, model.vocab_size)) for s in range(2)]
+            trainer.close()
+        step = float(np.mean([m["time_step_s"] for m in ms]))
+        tokens = float(np.mean([m["sequence_tokens"] for m in ms]))
+        update = float(np.mean([m["time_update_s"] for m in ms]))
+        rows.append(dict(
+            name=name, step_s=step, logp_old_s=float(np.mean([m["time_logp_old_s"] for m in ms])),
+            update_s=update, tokens=tokens, fraction_of_peak=6 * n * tokens / step / peak,
+            update_fraction_of_peak=6 * n * tokens / update / peak,
+        ))  # fmt: skip
+        print(rows[-1], flush=True)
+    return dict(peak_flops_per_s=peak, params=int(n), rows=rows, jax=jax.__version__,
+                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")  # fmt: skip
+
+
+def report(steps: bool = False) -> None:
+    seeds = sorted(OUT.glob("seed*.json"))
+    print("| seed | pass@1 at v0 | last pass@1 (version, minutes) | best (version) | gain (best) "
+          "| first +10 points (version, minutes) | steps in budget |")  # fmt: skip
+    print("|---|---:|---|---|---:|---|---:|")
+    for path in seeds:
+        r = json.loads(path.read_text())
+        b, f = r["best"], r["first_plus_10"]
+        first = f"v{f['version']}, {f['minutes']:.0f} min" if f else "not reached"
+        last = r["evals"][-1]
+        print(f"| {r['seed']} | {r['evals'][0]['pass1']:.3f} | {last['pass1']:.3f} "
+              f"(v{last['version']}, {last['minutes']:.0f} min) | {b['pass1']:.3f} (v{b['version']}) "
+              f"| {r['gain'] * 100:+.1f} | {first} | {len(r['steps'])} |")
+    for path in seeds:
+        r = json.loads(path.read_text())
+        print(f"\nseed {r['seed']}: held-out pass@1 (pass@{r['evals'][0]['k']}) by version")
+        print("| version | minutes | pass@1 | pass@k |\n|---:|---:|---:|---:|")
+        for e in r["evals"]:
+            print(f"| {e['version']} | {e['minutes']:.1f} | {e['pass1']:.3f} | {e['passk']:.3f} |")
+        st = r["steps"]
+        print("\nreward by step: " + " ".join(f"{x['reward']:.2f}" for x in st))
+        mean = {k: sum(x.get(k, 0) for x in st[1:]) / max(len(st) - 1, 1)
+                for k in ("generate_s", "logp_old_s", "update_s", "train_s", "dlogp_mean",
+                          "dlogp_p95", "tokens")}  # fmt: skip
+        print(f"steps 2-{len(st)} mean: generate {mean['generate_s']:.1f} s, π_old "
+              f"{mean['logp_old_s']:.1f} s, update {mean['update_s']:.1f} s, train "
+              f"{mean['train_s']:.1f} s, {mean['tokens']:.0f} sequence tokens; |Δlogp| mean "
+              f"{mean['dlogp_mean']:.2e}, p95 {mean['dlogp_p95']:.2e}, max over steps "
+              f"{max(x.get('dlogp_max', 0) for x in st[1:]):.2f}")
+        if not steps:
+            continue
+        print("| step | minutes | reward | length | stale | \\|Δlogp\\| mean / p95 / max | generate s "
+              "| π_old s | update s | train s |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+        for s in r["steps"]:
+            print(f"| {s['step']} | {s['minutes']:.1f} | {s['reward']:.3f} | {s['length']:.0f} "
+                  f"| {s.get('staleness', 0):.0f} | {s.get('dlogp_mean', 0):.2e} / "
+                  f"{s.get('dlogp_p95', 0):.2e} / {s.get('dlogp_max', 0):.2e} "
+                  f"| {s.get('generate_s', 0):.1f} | {s.get('logp_old_s', 0):.1f} "
+                  f"| {s.get('update_s', 0):.1f} | {s.get('train_s', 0):.1f} |")
+    trainer = OUT / "trainer.json"
+    if trainer.exists():
+        t = json.loads(trainer.read_text())
+        print(f"\ntrainer step, 64 rollouts; jnp.dot peak {t['peak_flops_per_s'] / 1e9:.0f} GFLOP/s")
+        print("| settings | step s | π_old s | update s | tokens | step of peak | update of peak |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for r in t["rows"]:
+            print(f"| {r['name']} | {r['step_s']:.1f} | {r['logp_old_s']:.1f} | {r['update_s']:.1f} "
+                  f"| {r['tokens']:.0f} | {r['fraction_of_peak']:.1%} "
+                  f"| {r['update_fraction_of_peak']:.1%} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train one run per seed and write seed<N>.json")
+    run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    run.add_argument("--minutes", type=float, default=60.0, help="wall-time budget per seed")
+    run.add_argument("--run-root", default=None, help="where the run directories go (a temp dir)")
+    sub.add_parser("trainer", help="the trainer step before and after, as a fraction of peak")
+    rep = sub.add_parser("report", help="print the RESULTS.md tables from the JSON files")
+    rep.add_argument("--steps", action="store_true", help="also every step of every seed")
+    args = parser.parse_args()
+    OUT.mkdir(exist_ok=True)
+    if args.command == "run":
+        root = Path(args.run_root or tempfile.mkdtemp(prefix="real-model-"))
+        root.mkdir(parents=True, exist_ok=True)
+        for seed in args.seeds:
+            result = _run_seed(seed, args.minutes, root)
+            (OUT / f"seed{seed}.json").write_text(json.dumps(result, indent=2))
+            print(f"seed {seed}: pass@1 {result['evals'][0]['pass1']:.3f} -> "
+                  f"{result['best']['pass1']:.3f} ({result['gain'] * 100:+.1f} points)", flush=True)
+    elif args.command == "trainer":
+        (OUT / "trainer.json").write_text(json.dumps(trainer_fraction(), indent=2))
+    report(steps=getattr(args, "steps", False))
+
+
+if __name__ == "__main__":
+    main()
