@@ -35,6 +35,7 @@ OUT = Path(__file__).with_suffix("")
 CONFIG = "configs/smollm2_math.py:cpu"
 EVAL_EVERY = 5
 SAMPLES_SHOWN = 6
+GROUP = 8  # the preset's algorithm.group_size
 TRAIN_KEYS = {  # metrics.jsonl scalar -> curve field
     "reward/mean": "reward", "rollout/length_mean": "length",
     "trainer/logp_old_behaviour_diff_mean": "dlogp_mean",
@@ -123,7 +124,6 @@ def trainer_fraction() -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     import jax
     import numpy as np
-    import trainer_step
     from common import dot_peak
     from trainer_step import Case, batch
 
@@ -138,7 +138,6 @@ def trainer_fraction() -> dict:
     )  # fmt: skip
     from rlax_tpu.trainer import Trainer
 
-    trainer_step.GROUP = 8
     case = Case("smollm2-135m", rows=64, micro=16, prompt=(40, 56), completion=(16, 64), slots=64)
     settings = {
         "before (remat, micro 8, π_old replay)": dict(remat=True, micro_batch_size=8,
@@ -157,14 +156,14 @@ def trainer_fraction() -> dict:
             inference=InferenceConfig(max_prompt_len=64, max_new_tokens=64,
                                       max_concurrent_seqs=64),
             controller=ControllerConfig(prompts_per_step=8, num_steps=100, snapshot_keep=1001),
-            algorithm=AlgorithmConfig(name="grpo", group_size=8),
+            algorithm=AlgorithmConfig(name="grpo", group_size=GROUP),
         )  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(cfg, checkpoint_dir=tmp)
             n = sum(x.size for x in jax.tree.leaves(trainer.params()))
             for s in range(2):  # compiles the shapes the timed batches use
-                trainer.train_step(batch(case, s, model.vocab_size))
-            ms = [trainer.train_step(batch(case, s, model.vocab_size)) for s in range(2)]
+                trainer.train_step(batch(case, s, model.vocab_size, GROUP))
+            ms = [trainer.train_step(batch(case, s, model.vocab_size, GROUP)) for s in range(2)]
             trainer.close()
         step = float(np.mean([m["time_step_s"] for m in ms]))
         tokens = float(np.mean([m["sequence_tokens"] for m in ms]))

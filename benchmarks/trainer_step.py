@@ -57,7 +57,7 @@ CASES = [
 GROUP = 4
 
 
-def batch(case: Case, seed: int, vocab: int) -> TrainBatch:
+def batch(case: Case, seed: int, vocab: int, group: int = GROUP) -> TrainBatch:
     r = np.random.default_rng(seed)
     p = r.integers(case.prompt[0], case.prompt[1] + 1, case.rows).astype(np.int32)
     c = r.integers(case.completion[0], case.completion[1] + 1, case.rows).astype(np.int32)
@@ -66,7 +66,7 @@ def batch(case: Case, seed: int, vocab: int) -> TrainBatch:
         tokens=tokens, prompt_lengths=p, completion_lengths=c,
         behaviour_logprobs=-r.uniform(5, 8, (case.rows, case.completion[1])).astype(np.float32),
         rewards=r.integers(0, 2, case.rows).astype(np.float32),
-        versions=np.zeros(case.rows, np.int64), group_size=GROUP,
+        versions=np.zeros(case.rows, np.int64), group_size=group,
     )  # fmt: skip
 
 
