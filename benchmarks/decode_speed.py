@@ -1,7 +1,9 @@
 """Decode speed on SmolLM2-135M: the engine (default, aligned config) against a plain jitted
 dense decode and HF transformers, on one wave and on a queue, in one run (issue [decode-speed]).
 
+    make bench-decode BENCH_ARGS="..."   (the benchmark venv for llama.cpp, then this script)
     .venv/bin/python benchmarks/decode_speed.py [--queue 256] [--baseline-waves 1] [--skip-hf]
+        [--skip-llama-cpp] [--skip-tunix]
 
 Workloads (seeded, greedy, so every engine's tokens can be checked against the reference):
   wave   64 requests submitted at once: prompts of U[10, 28] random tokens, output lengths
@@ -17,6 +19,10 @@ Engines:
                checked against;
   HF f32/bf16  transformers ``generate`` (torch CPU), greedy, static batches of 64 (left
                padding) run to the batch's longest request.
+  Tunix f32    Tunix's sampler over its Llama-3 model with the same f32 weights, greedy, the
+               static engines' batches;
+  llama.cpp    batched, continuous, over 64 slots, on the whole queue, the GGUF's Q4_1 weights.
+               Both run in ``.venv-bench`` (``make bench-venv``) by ``foreign_engines.py``.
 Only useful tokens count (a request's own length). Static engines run the first
 ``--baseline-waves`` waves of the queue (i.i.d. waves: the same rate). The engine's decode step
 is also timed alone at 64 rows (``decode_profile``'s measurement) and reported as a fraction of the
@@ -29,6 +35,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -36,7 +44,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import dot_peak, hf_generate, hf_model, median_time, smollm2
+from common import dot_peak, hf_generate, hf_model, median_time, smollm2, smollm2_path
 from decode_profile import model_flops
 from flax import nnx
 
@@ -48,6 +56,7 @@ from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.models.programs import decode_program, idle_sampling
 
 HERE = Path(__file__).resolve().parent
+BENCH_PYTHON = HERE.parent / ".venv-bench" / "bin" / "python"
 SLOTS = 64
 OUTPUT = (16, 256)
 
@@ -231,6 +240,49 @@ def run_hf(model: models.Transformer, batches: list[list[Request]], dtype: str) 
                 torch_threads=torch.get_num_threads(), outputs=outputs)  # fmt: skip
 
 
+# -- engines in the benchmark venv ------------------------------------------------------------
+
+
+def export_weights(model: models.Transformer, path: Path) -> None:
+    """The model's f32 parameters as ``path`` (.npz, keys like ``layers.0.attn.q_proj``) and its
+    shape as ``path.with_suffix('.json')``: how the Tunix runner receives the same weights."""
+    flat = nnx.to_flat_state(nnx.state(model))
+    np.savez(path, **{".".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat})
+    c = model.cfg
+    path.with_suffix(".json").write_text(json.dumps(dict(
+        num_layers=c.num_layers, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads, head_dim=c.resolved_head_dim, rope_theta=c.rope_theta,
+        rms_norm_eps=c.rms_norm_eps)))  # fmt: skip
+
+
+def run_foreign(engine: str, requests: list[Request], model: models.Transformer) -> dict:
+    """``foreign_engines.py <engine>`` on ``requests`` in the benchmark venv (a subprocess)."""
+    if not BENCH_PYTHON.exists():
+        raise SystemExit(f"{BENCH_PYTHON} is missing: run `make bench-venv` (or pass "
+                         f"--skip-{engine})")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = [dict(id=r.prompt_id, prompt=list(r.prompt_tokens),
+                     length=r.sampling.max_new_tokens) for r in requests]  # fmt: skip
+        (Path(tmp) / "requests.json").write_text(json.dumps(spec))
+        if engine == "tunix":
+            export_weights(model, Path(tmp) / "weights.npz")
+            source = ["--weights", f"{tmp}/weights.npz"]
+        else:
+            source = ["--gguf", str(smollm2_path())]
+        cmd = [str(BENCH_PYTHON), str(HERE / "foreign_engines.py"), engine, *source,
+               "--requests", f"{tmp}/requests.json", "--slots", str(SLOTS),
+               "--out", f"{tmp}/out.json"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{engine} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        out = json.loads((Path(tmp) / "out.json").read_text())
+    assert out["tokens"] == useful(requests), f"{engine} did not produce every requested token"
+    out["outputs"] = {k: np.asarray(v) for k, v in out["outputs"].items()}
+    out["tokens_per_s"] = out["tokens"] / out["seconds"]
+    return out
+
+
 def agreement(got: dict, want: dict) -> dict:
     """Requests whose tokens equal the reference's, over the requests both ran."""
     common = sorted(set(got) & set(want))
@@ -245,6 +297,8 @@ def main() -> None:
     ap.add_argument("--baseline-waves", type=int, default=1, help="queue waves the static "
                     "engines run")  # fmt: skip
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--skip-tunix", action="store_true")
     ap.add_argument("--out", default=str(HERE / "decode_speed.json"))
     args = ap.parse_args()
     model = smollm2()
@@ -260,6 +314,10 @@ def main() -> None:
         if not args.skip_hf:
             for dtype in ("float32", "bfloat16"):
                 res[f"HF {dtype}"] = run_hf(model, batches, dtype)
+        if not args.skip_tunix:
+            res["Tunix f32"] = run_foreign("tunix", [r for b in batches for r in b], model)
+        if not args.skip_llama_cpp:
+            res["llama.cpp Q4_1"] = run_foreign("llama-cpp", requests, model)
         reference = res["plain JAX"]["outputs"]
         for r in res.values():
             r["agreement"] = agreement(r.pop("outputs"), reference)

@@ -418,8 +418,9 @@ class InferenceConfig:
     # bits still depend on its own row alone, so replays stay bitwise. 0: the whole cache.
     attention_block_pages: int = 4
     # CPU backend, decode rows, one device: 'native' attends with a C++ kernel built on first
-    # use (reads pages in place, writes the new key/value in place; bits still per row),
-    # 'xla' with XLA's block attention above, 'auto' native where a C++ compiler is found.
+    # use (reads pages in place, writes the new key/value in place; bits still per row) and
+    # takes the sampler's per-row max / log-normalizer / argmax from another, 'xla' with XLA's
+    # block attention above and XLA's reductions, 'auto' native where a C++ compiler is found.
     attention_kernel: str = "auto"
     max_prompt_len: int = 256  # longer prompts are skipped when drawn (counted)
     max_new_tokens: int = 256  # generation budget per sample

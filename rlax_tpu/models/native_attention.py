@@ -1,5 +1,6 @@
-"""The CPU decode attention as a native kernel: ``native/decode_attention.cpp``, an XLA FFI
-custom call built with the host's C++ compiler on first use and cached.
+"""The CPU decode step's native kernels: ``native/decode_kernels.cpp``, XLA FFI custom calls
+built with the host's C++ compiler on first use and cached: the paged decode attention and the
+sampler's logit statistics (:func:`logit_stats`).
 
 What it does that XLA:CPU's block attention cannot: it reads each row's keys and values where
 they lie in the pages (XLA gathers a copy of every block first), keeps a query group's partial
@@ -34,8 +35,9 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "native" / "decode_attention.cpp"
+SOURCE = Path(__file__).resolve().parent / "native" / "decode_kernels.cpp"
 TARGET = "rlax_tpu_paged_decode_attention"
+STATS_TARGET = "rlax_tpu_logit_stats"
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-std=c++17",
          "-shared", "-fPIC")  # fmt: skip
 # Head dims and query heads per KV head the kernel is instantiated for (its Dispatch).
@@ -83,18 +85,18 @@ def build() -> Path:
                  _cpu_identity().encode(), compiler.encode()):  # fmt: skip
         key.update(part)
         key.update(b"\0")
-    out = cache_dir() / f"decode_attention-{key.hexdigest()[:16]}.so"
+    out = cache_dir() / f"decode_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building the native decode attention (once per CPU and version) into %s", out)
+    log.info("building the native decode kernels (once per CPU and version) into %s", out)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     cmd = [compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            raise NativeUnavailable(f"building the native decode attention failed:\n"
+            raise NativeUnavailable(f"building the native decode kernels failed:\n"
                                     f"{' '.join(cmd)}\n{done.stderr[-4000:]}")  # fmt: skip
         os.replace(tmp, out)  # atomic: concurrent builders each install a complete library
     finally:
@@ -110,6 +112,8 @@ def _register() -> None:
     library = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.RlaxPagedDecodeAttention),
                                 platform="cpu")  # fmt: skip
+    jax.ffi.register_ffi_target(STATS_TARGET, jax.ffi.pycapsule(library.RlaxLogitStats),
+                                platform="cpu")  # fmt: skip
 
 
 @functools.cache
@@ -118,7 +122,7 @@ def available() -> bool:
     try:
         _register()
     except (NativeUnavailable, OSError, AttributeError) as e:
-        log.warning("native decode attention unavailable, using XLA's block attention: %s", e)
+        log.warning("native decode kernels unavailable, using XLA (block attention, XLA sampler): %s", e)
         return False
     return True
 
@@ -156,3 +160,19 @@ def decode_attention(
     return call(q.astype(f32), k_new.astype(f32), v_new.astype(f32), k_pages, v_pages,
                 block_tables.astype(jnp.int32), positions.astype(jnp.int32),
                 layer=np.int64(layer))  # fmt: skip
+
+
+def logit_stats(logits: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per row of ``y = logits / temperature``: (top, log_sum, best), where top = max y (0 when
+    that max is not finite), log_sum = log(sum(exp(y - top))) and best = the first index with
+    y == top (0 when none): what the sampler needs of a row without materializing y.
+
+    logits [N, V] f32, temperature [N] f32 (> 0) -> top [N] f32, log_sum [N] f32, best [N] int32."""
+    _register()
+    n = logits.shape[0]
+    call = jax.ffi.ffi_call(
+        STATS_TARGET,
+        (jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32),
+         jax.ShapeDtypeStruct((n,), jnp.int32)),
+    )  # fmt: skip
+    return call(logits.astype(jnp.float32), temperature.astype(jnp.float32))

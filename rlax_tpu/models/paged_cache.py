@@ -119,7 +119,7 @@ class PagedKVCache:
     ) -> tuple[jax.Array, PagedKVCache]:
         """q [B, T, H, D], k/v [B, T, Hkv, D], positions [B, T] -> ([B, T, H, D], new cache)."""
         # The native kernel computes its own write slots (only split-layout caches have native).
-        if self.native and q.shape[1] == 1 and not self.spans and _one_device():
+        if self.native and q.shape[1] == 1 and not self.spans and one_device():
             out, k_pages, v_pages = native_attention.decode_attention(
                 q[:, 0], k[:, 0], v[:, 0], self.k_pages, self.v_pages, self.block_tables,
                 positions[:, 0], layer=layer,
@@ -223,7 +223,7 @@ class SequencePagedCache:
         return BACKENDS[self.backend](q, k, v, tables, positions), self
 
 
-def _one_device() -> bool:
+def one_device() -> bool:
     """No mesh, or a mesh of one device: where a custom call needs no partitioning."""
     mesh = jax.sharding.get_abstract_mesh()
     return mesh.empty or mesh.size == 1

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from rlax_tpu.models.paged_cache import PagedKVCache
+from rlax_tpu.models.paged_cache import PagedKVCache, one_device
 from rlax_tpu.models.sampling import sample
 from rlax_tpu.models.sharding import constrain
 from rlax_tpu.models.transformer import step
@@ -69,7 +69,7 @@ def decode_program(
     model = nnx.merge(graphdef, state)
     logits, cache = step(model, tokens[:, None], positions[:, None],
                          cache.with_tables(tables, spans))  # fmt: skip
-    out = sample(logits[:, 0], **sampling)
+    out = sample(logits[:, 0], **sampling, native=cache.native and one_device())
     # Replicated under a mesh, so every process of a multi-host engine reads every row's token
     # (a no-op on one device).
     out = {k: constrain(v, (None,)) for k, v in dataclasses.asdict(out).items()}

@@ -29,6 +29,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from rlax_tpu.models import native_attention
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -103,37 +105,66 @@ def inverse_cdf(x: jax.Array, top: jax.Array, u: jax.Array) -> jax.Array:
 def sample(
     logits: jax.Array, *, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
     seeds: jax.Array, sample_index: jax.Array, token_index: jax.Array, forced: jax.Array,
+    native: bool = False,
 ) -> SampleOut:  # fmt: skip
     """logits [N, V] f32; temperature, top_p [N] f32; top_k, seeds, sample_index, token_index,
-    forced [N] int32 (forced < 0: sample)."""
+    forced [N] int32 (forced < 0: sample). ``native`` (static; CPU, one device): each row's max,
+    log-normalizer and first argmax from the native kernel
+    (:func:`rlax_tpu.models.native_attention.logit_stats`, one multi-threaded pass instead of
+    XLA:CPU's single-threaded reductions); the draw and the filter stay in XLA."""
     greedy = temperature <= 0
-    t = jnp.where(greedy, 1.0, temperature)[:, None]
-    scaled = logits / t
-    scaled_top, scaled_log_sum = _log_normalizer(scaled)
+    t = jnp.where(greedy, 1.0, temperature)
+    zeros = jnp.zeros(logits.shape[0], jnp.int32)
+    argmax_needed = jnp.any(greedy & (forced < 0))
+    if native:
+        top, log_sum, best = native_attention.logit_stats(logits, t)
+
+        def scaled() -> jax.Array:
+            return logits / t[:, None]
+
+        def picked(tokens: jax.Array) -> jax.Array:  # greedy rows: exactly -log_sum
+            z = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+            return (z / t - top) - log_sum
+    else:
+        x = logits / t[:, None]
+        top, log_sum = _log_normalizer(x)
+        # greedy rows have T = 1: x is the logits
+        best = jax.lax.cond(argmax_needed, lambda: first_max(x, top), lambda: zeros)
+
+        def scaled() -> jax.Array:
+            return x
+
+        def picked(tokens: jax.Array) -> jax.Array:
+            return _picked_logprob(x, top, log_sum, tokens)
+
     wants_filter = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
-
-    def filtered() -> tuple[jax.Array, jax.Array, jax.Array]:
-        narrowed = top_k_top_p(scaled, top_k, top_p)
-        return (narrowed, *_log_normalizer(narrowed))
-
-    narrowed, top, log_sum = jax.lax.cond(
-        wants_filter, filtered, lambda: (scaled, scaled_top, scaled_log_sum))
     samples = ~greedy & (forced < 0)
 
-    def draw() -> jax.Array:
-        def uniform(seed: jax.Array, i: jax.Array, j: jax.Array) -> jax.Array:
+    def uniform() -> jax.Array:
+        def one(seed: jax.Array, i: jax.Array, j: jax.Array) -> jax.Array:
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), j)
             return jax.random.uniform(key, (), jnp.float32)
 
-        u = jax.vmap(uniform)(seeds.astype(jnp.uint32), sample_index, token_index)
-        return inverse_cdf(narrowed, top, u)
+        return jax.vmap(one)(seeds.astype(jnp.uint32), sample_index, token_index)
 
-    zeros = jnp.zeros(logits.shape[0], jnp.int32)
-    drawn = jax.lax.cond(jnp.any(samples), draw, lambda: zeros)
-    best = jax.lax.cond(jnp.any(greedy & (forced < 0)), lambda: first_max(scaled, scaled_top),
-                        lambda: zeros)  # greedy rows have T = 1: scaled is the logits
-    tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
-    tokens = jnp.where(forced >= 0, forced, tokens)
-    lp_scaled = _picked_logprob(scaled, scaled_top, scaled_log_sum, tokens)
-    lp_sampler = _picked_logprob(narrowed, top, log_sum, tokens)
+    def choose(x: jax.Array, x_top: jax.Array) -> jax.Array:
+        drawn = jax.lax.cond(jnp.any(samples), lambda: inverse_cdf(x, x_top, uniform()),
+                             lambda: zeros)  # fmt: skip
+        tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
+        return jnp.where(forced >= 0, forced, tokens)
+
+    def plain() -> tuple[jax.Array, jax.Array, jax.Array]:
+        tokens = choose(scaled(), top)
+        lp = picked(tokens)
+        return tokens, lp, lp
+
+    def filtered() -> tuple[jax.Array, jax.Array, jax.Array]:
+        narrowed = top_k_top_p(scaled(), top_k, top_p)
+        narrowed_top, narrowed_log_sum = _log_normalizer(narrowed)
+        tokens = choose(narrowed, narrowed_top)
+        return (tokens, picked(tokens),
+                _picked_logprob(narrowed, narrowed_top, narrowed_log_sum, tokens))  # fmt: skip
+
+    # No [N, V] array leaves a branch: a cond's outputs are materialized.
+    tokens, lp_scaled, lp_sampler = jax.lax.cond(wants_filter, filtered, plain)
     return SampleOut(tokens, lp_scaled, lp_sampler)

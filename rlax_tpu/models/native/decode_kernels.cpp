@@ -1,11 +1,15 @@
-// Paged decode attention for the CPU backend, an XLA FFI custom call (see
-// rlax_tpu/models/native_attention.py, which builds and registers it).
+// The CPU decode step's native kernels, XLA FFI custom calls (see
+// rlax_tpu/models/native_attention.py, which builds and registers them):
 //
-// One decode token per row. First every row's new key/value is written into its page slot of
-// the given layer (in place: the page buffers are aliased to the outputs), then each (row, KV
-// head) attends over positions 0..p of its pages, reading them where they lie: no gathered copy.
-// A (row, KV head) item is computed in one fixed order whatever thread runs it and whatever the
-// other rows hold, so a row's bits depend only on its own inputs.
+// * Paged decode attention. One decode token per row. First every row's new key/value is written
+//   into its page slot of the given layer (in place: the page buffers are aliased to the
+//   outputs), then each (row, KV head) attends over positions 0..p of its pages, reading them
+//   where they lie: no gathered copy.
+// * Logit statistics for the sampler: per row of z / t, its max, log-sum-exp and first argmax in
+//   two passes over the row (XLA:CPU runs each of these reductions as its own single-threaded loop).
+//
+// Every item (a (row, KV head), a row of logits) is computed in one fixed order whatever thread
+// runs it and whatever the other rows hold, so a row's bits depend only on its own inputs.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -107,6 +111,42 @@ void AttendItem(const Shapes& s, int64_t item, const float* q, const float* k_pa
   }
 }
 
+// Runs fn(i, scratch) for i in [0, items): items are claimed from a shared counter by this
+// thread and by helpers on XLA's pool. The state lives on the heap and this thread waits only
+// for helpers that have started: a helper the pool runs after the call has returned finds the
+// call closed and does nothing, so a busy pool can delay the call but never block it.
+template <typename Fn>
+void RunItems(ffi::ThreadPool& pool, int64_t items, Fn fn) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::mutex mu;
+    std::condition_variable cv;
+    int64_t active = 0;
+    bool closed = false;
+  };
+  auto shared = std::make_shared<Shared>();
+  auto work = [=] {  // by value: a helper holds its own copy
+    std::vector<float> scratch;
+    for (int64_t i; (i = shared->next.fetch_add(1)) < items;) fn(i, scratch);
+  };
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
+  for (int64_t t = 0; t < helpers; ++t)
+    pool.Schedule([shared, work] {
+      {
+        std::lock_guard<std::mutex> lock(shared->mu);
+        if (shared->closed) return;
+        ++shared->active;
+      }
+      work();
+      std::lock_guard<std::mutex> lock(shared->mu);
+      if (--shared->active == 0) shared->cv.notify_one();
+    });
+  work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->closed = true;
+  shared->cv.wait(lock, [&] { return shared->active == 0; });
+}
+
 using ItemFn = void (*)(const Shapes&, int64_t, const float*, const float*, const float*,
                        const int32_t*, const int32_t*, int64_t, float*, std::vector<float>&);
 
@@ -173,42 +213,94 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       std::copy_n(v_new.typed_data() + (b * s.kv_heads + g) * d, d, vp + at);
     }
   }
-  // Items are claimed from a shared counter by this thread and by helpers on XLA's pool. The
-  // state lives on the heap and this thread waits only for helpers that have started: a helper
-  // the pool runs after the call has returned finds the call closed and does nothing, so a busy
-  // pool can delay the call but never block it.
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    int64_t active = 0;
-    bool closed = false;
-  };
-  auto shared = std::make_shared<Shared>();
-  const int64_t items = s.rows * s.kv_heads;
   const float* qp = q.typed_data();
   float* op = out->typed_data();
-  auto work = [=] {  // by value: a helper holds its own copy
-    std::vector<float> scores;
-    for (int64_t i; (i = shared->next.fetch_add(1)) < items;)
-      attend(s, i, qp, kp, vp, tab, pos, layer, op, scores);
-  };
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
-  for (int64_t t = 0; t < helpers; ++t)
-    pool.Schedule([shared, work] {
-      {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        if (shared->closed) return;
-        ++shared->active;
+  RunItems(pool, s.rows * s.kv_heads, [=](int64_t i, std::vector<float>& scores) {
+    attend(s, i, qp, kp, vp, tab, pos, layer, op, scores);
+  });
+  return ffi::Error::Success();
+}
+
+// One row of logits: over y = z / t (IEEE division, as XLA computes z / t), top = max y (0 when
+// the max is not finite, e.g. a NaN or an infinity), best = the first index with y == top (0
+// when none), log_sum = log(sum exp(y - top)).
+void RowStats(const float* z, int64_t v, float t, std::vector<float>& y, float* top_out,
+              float* log_sum_out, int32_t* best_out) {
+  constexpr int64_t L = 16;
+  y.resize(v);
+  float lane_max[L];
+  int32_t lane_arg[L];
+  bool nan = false;
+  for (int64_t l = 0; l < L; ++l) lane_max[l] = -std::numeric_limits<float>::infinity(), lane_arg[l] = -1;
+  int64_t i = 0;
+  for (; i + L <= v; i += L) {
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) {
+      const float x = z[i + l] / t;
+      y[i + l] = x;
+      nan |= x != x;
+      const bool more = x > lane_max[l];
+      lane_max[l] = more ? x : lane_max[l];
+      lane_arg[l] = more ? static_cast<int32_t>(i + l) : lane_arg[l];
+    }
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  int32_t arg = -1;
+  for (int64_t l = 0; l < L; ++l)  // the first index among the lanes' maxima
+    if (lane_arg[l] >= 0 && (lane_max[l] > m || (lane_max[l] == m && lane_arg[l] < arg)))
+      m = lane_max[l], arg = lane_arg[l];
+  for (; i < v; ++i) {
+    const float x = z[i] / t;
+    y[i] = x;
+    nan |= x != x;
+    if (x > m) m = x, arg = static_cast<int32_t>(i);
+  }
+  const bool finite = !nan && std::isfinite(m);
+  const float top = finite ? m : 0.0f;
+  int32_t best = finite ? arg : -1;
+  if (!finite)
+    for (int64_t j = 0; j < v && best < 0; ++j)
+      if (y[j] == top) best = static_cast<int32_t>(j);
+  double sum = 0.0;
+  if (finite) {  // every y - top <= 0; blocks of 16 x 32 entries, summed in a fixed order
+    constexpr int64_t kBlock = 512;
+    int64_t j = 0;
+    for (; j + kBlock <= v; j += kBlock) {
+      float acc[L] = {};
+      for (int64_t k = j; k < j + kBlock; k += L) {
+#pragma omp simd
+        for (int64_t l = 0; l < L; ++l) acc[l] += ExpNonPositive(y[k + l] - top);
       }
-      work();
-      std::lock_guard<std::mutex> lock(shared->mu);
-      if (--shared->active == 0) shared->cv.notify_one();
-    });
-  work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->closed = true;
-  shared->cv.wait(lock, [&] { return shared->active == 0; });
+      for (int64_t w = L / 2; w > 0; w /= 2)
+        for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+      sum += acc[0];
+    }
+    for (; j < v; ++j) sum += ExpNonPositive(y[j] - top);
+  } else {  // rare and not fast: infinities or NaNs in the row
+    for (int64_t j = 0; j < v; ++j) sum += std::exp(y[j] - top);
+  }
+  *top_out = top;
+  *log_sum_out = static_cast<float>(std::log(sum));
+  *best_out = best < 0 ? 0 : best;
+}
+
+ffi::Error LogitStats(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
+                      ffi::Buffer<ffi::F32> temperature, ffi::ResultBuffer<ffi::F32> top,
+                      ffi::ResultBuffer<ffi::F32> log_sum, ffi::ResultBuffer<ffi::S32> best) {
+  const auto dims = logits.dimensions();
+  if (dims.size() != 2 || temperature.element_count() != static_cast<size_t>(dims[0]))
+    return ffi::Error::InvalidArgument("logit stats: logits [N, V], temperature [N]");
+  const int64_t n = dims[0], v = dims[1];
+  if (v <= 0 || v > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument("logit stats: vocabulary size out of range");
+  const float* z = logits.typed_data();
+  const float* t = temperature.typed_data();
+  float* tp = top->typed_data();
+  float* ls = log_sum->typed_data();
+  int32_t* bp = best->typed_data();
+  RunItems(pool, n, [=](int64_t r, std::vector<float>& y) {
+    RowStats(z + r * v, v, t[r], y, tp + r, ls + r, bp + r);
+  });
   return ffi::Error::Success();
 }
 
@@ -228,3 +320,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlaxPagedDecodeAttention, DecodeAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlaxLogitStats, LogitStats,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
