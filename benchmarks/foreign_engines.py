@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+BATCH = 2048  # llama.cpp's n_batch: tokens per llama_decode (decode tokens + admitted prompts)
+
 
 def run_llama_cpp(gguf: str, requests: list[dict], slots: int, threads: int) -> dict:
     import llama_cpp as L
@@ -47,19 +49,22 @@ def run_llama_cpp(gguf: str, requests: list[dict], slots: int, threads: int) -> 
     model = L.llama_model_load_from_file(gguf.encode(), mparams)
     if not model:
         raise SystemExit(f"llama.cpp could not load {gguf}")
+    if max(len(r["prompt"]) for r in requests) > BATCH - slots:
+        raise SystemExit(f"llama-cpp: prompts must fit one batch beside the decode tokens "
+                         f"(<= {BATCH - slots} tokens)")  # fmt: skip
     per_seq = max(len(r["prompt"]) + r["length"] for r in requests)
     per_seq = -(-per_seq // 256) * 256
     cparams = L.llama_context_default_params()
     cparams.n_ctx = per_seq * slots
     cparams.n_seq_max = slots
-    cparams.n_batch = cparams.n_ubatch = 2048
+    cparams.n_batch = cparams.n_ubatch = BATCH
     cparams.n_threads = cparams.n_threads_batch = threads
     ctx = L.llama_init_from_model(model, cparams)
     if not ctx:
         raise SystemExit("llama.cpp could not create a context")
     vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     memory = L.llama_get_memory(ctx)
-    batch = L.llama_batch_init(2048 + slots, 0, 1)
+    batch = L.llama_batch_init(BATCH, 0, 1)
 
     def add(token: int, pos: int, seq: int, logits: bool) -> None:
         i = batch.n_tokens
@@ -79,7 +84,7 @@ def run_llama_cpp(gguf: str, requests: list[dict], slots: int, threads: int) -> 
             add(s["out"][-1], s["pos"], slot, True)
             s["pos"] += 1
             order.append(slot)
-        while queue and free and batch.n_tokens + len(queue[0]["prompt"]) <= 2048 + slots:
+        while queue and free and batch.n_tokens + len(queue[0]["prompt"]) <= BATCH:
             req, slot = queue.pop(0), free.pop()
             L.llama_memory_seq_rm(memory, slot, -1, -1)
             for p, tok in enumerate(req["prompt"]):
