@@ -80,7 +80,7 @@ $(BENCH_STAMP):
 	  $$(grep -E '^(jax|jaxlib)==' $(LOCK)) 'numpy>=2,<3'
 	@touch $(BENCH_STAMP)
 
-# [decode-speed]'s comparison in one command (about 15 minutes on 2 cores).
+# [decode-speed]'s comparison in one command (about 20 minutes on 2 cores).
 bench-decode: setup bench-venv
 	$(PY) benchmarks/decode_speed.py $(BENCH_ARGS)
 

@@ -256,8 +256,9 @@ def export_weights(model: models.Transformer, path: Path) -> None:
         rms_norm_eps=c.rms_norm_eps)))  # fmt: skip
 
 
-def run_foreign(engine: str, requests: list[Request], model: models.Transformer) -> dict:
-    """``foreign_engines.py <engine>`` on ``requests`` in the benchmark venv (a subprocess)."""
+def run_foreign(engine: str, requests: list[Request], weights: Path) -> dict:
+    """``foreign_engines.py <engine>`` on ``requests`` in the benchmark venv (a subprocess);
+    ``weights``: :func:`export_weights`' file (Tunix reads it; llama.cpp reads the GGUF)."""
     if not BENCH_PYTHON.exists():
         raise SystemExit(f"{BENCH_PYTHON} is missing: run `make bench-venv` (or pass "
                          f"--skip-{engine})")  # fmt: skip
@@ -266,8 +267,7 @@ def run_foreign(engine: str, requests: list[Request], model: models.Transformer)
                      length=r.sampling.max_new_tokens) for r in requests]  # fmt: skip
         (Path(tmp) / "requests.json").write_text(json.dumps(spec))
         if engine == "tunix":
-            export_weights(model, Path(tmp) / "weights.npz")
-            source = ["--weights", f"{tmp}/weights.npz"]
+            source = ["--weights", str(weights)]
         else:
             source = ["--gguf", str(smollm2_path())]
         cmd = [str(BENCH_PYTHON), str(HERE / "foreign_engines.py"), engine, *source,
@@ -307,6 +307,10 @@ def main() -> None:
     loads = dict(wave=(workload(SLOTS, (10, 28), vocab, seed=0), 28),
                  queue=(workload(args.queue, (16, 64), vocab, seed=1), 64))  # fmt: skip
     results: dict = {}
+    scratch = tempfile.TemporaryDirectory()  # the exported weights, written once for both loads
+    weights = Path(scratch.name) / "weights.npz"
+    if not args.skip_tunix:
+        export_weights(model, weights)
     for name, (requests, max_prompt) in loads.items():
         batches = waves(requests, 1 if name == "wave" else args.baseline_waves)
         res = {"engine": run_engine(model, requests, max_prompt),
@@ -315,9 +319,9 @@ def main() -> None:
             for dtype in ("float32", "bfloat16"):
                 res[f"HF {dtype}"] = run_hf(model, batches, dtype)
         if not args.skip_tunix:
-            res["Tunix f32"] = run_foreign("tunix", [r for b in batches for r in b], model)
+            res["Tunix f32"] = run_foreign("tunix", [r for b in batches for r in b], weights)
         if not args.skip_llama_cpp:
-            res["llama.cpp Q4_1"] = run_foreign("llama-cpp", requests, model)
+            res["llama.cpp Q4_1"] = run_foreign("llama-cpp", requests, weights)
         reference = res["plain JAX"]["outputs"]
         for r in res.values():
             r["agreement"] = agreement(r.pop("outputs"), reference)
