@@ -111,7 +111,10 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, cache = cache.attend(self.layer, q, k, v, positions)
-        y = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(self.compute_dtype))
+        # (h, d) contracted in storage order: jnp.einsum emits (d, h), for which XLA:CPU copies
+        # o_proj and the attention output transposed on every call.
+        w = self.o_proj[...].astype(self.compute_dtype)
+        y = jax.lax.dot_general(out, w, (((2, 3), (0, 1)), ((), ())))
         if self.o_bias is not None:
             y = y + self.o_bias[...].astype(self.compute_dtype)
         return y, cache
