@@ -51,6 +51,37 @@ inline float ExpNonPositive(float x) {
   return p;
 }
 
+#if defined(__AVX512F__)
+// Sixteen f32 lanes: one AVX-512 register. Only where the CPU has them: split into halves on
+// AVX2, the shuffles below cost more than the per-key sums they replace (measured).
+typedef float V16 __attribute__((vector_size(64)));
+
+// out[u] = the sum of v[u]'s 16 lanes, for u < 16: 15 adds over lane shuffles instead of 16
+// separate horizontal sums, in one fixed order (lane l + lane l + 8, then + 4, + 2, + 1).
+inline V16 LaneSums(const V16 v[16]) {
+  V16 t8[8], t4[4], t2[2];
+  for (int i = 0; i < 8; ++i)
+    t8[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                    19, 20, 21, 22, 23) +
+            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                    26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    t4[i] = __builtin_shufflevector(t8[2 * i], t8[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                    18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(t8[2 * i], t8[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                    22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    t2[i] = __builtin_shufflevector(t4[2 * i], t4[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                    20, 21, 24, 25, 28, 29) +
+            __builtin_shufflevector(t4[2 * i], t4[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                    22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(t2[0], t2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(t2[0], t2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+#endif
+
 // One (row, KV head): its G query heads over positions 0..span-1 of the row's pages.
 // q [B, H, D], out [B, H, D]; pages [L, Hkv, P, page, D]; tables [B, M]; positions [B].
 template <int64_t D, int64_t G>
@@ -74,7 +105,30 @@ void AttendItem(const Shapes& s, int64_t item, const float* q, const float* k_pa
   const int32_t* row_table = tables + b * s.table_width;
   scores.resize(G * span);
   float* sc = scores.data();  // [G, span]
-  for (int64_t j = 0; j < span; ++j) {  // one pass over the keys
+  int64_t j0 = 0;
+#if defined(__AVX512F__)
+  V16 qv[G][D / 16];
+  std::memcpy(qv, qs, sizeof(qv));
+  for (; j0 + 16 <= span; j0 += 16) {  // 16 keys at a time: lane partials, then one tree
+    V16 part[G][16];
+    for (int64_t u = 0; u < 16; ++u) {
+      const int64_t j = j0 + u;
+      const float* kj = k_pages + head_base + (row_table[j / s.page] * s.page + j % s.page) * D;
+      V16 kc[D / 16];
+      std::memcpy(kc, kj, D * 4);
+      for (int64_t h = 0; h < G; ++h) {
+        V16 a = qv[h][0] * kc[0];
+        for (int64_t c = 1; c < D / 16; ++c) a += qv[h][c] * kc[c];
+        part[h][u] = a;
+      }
+    }
+    for (int64_t h = 0; h < G; ++h) {
+      const V16 total = LaneSums(part[h]);
+      std::memcpy(sc + h * span + j0, &total, sizeof(total));
+    }
+  }
+#endif
+  for (int64_t j = j0; j < span; ++j) {  // one key at a time (the rest, or every key)
     const float* kj = k_pages + head_base + (row_table[j / s.page] * s.page + j % s.page) * D;
     for (int64_t h = 0; h < G; ++h) {
       float acc = 0.0f;
