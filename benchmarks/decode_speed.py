@@ -3,7 +3,7 @@ dense decode and HF transformers, on one wave and on a queue, in one run (issue 
 
     make bench-decode BENCH_ARGS="..."   (the benchmark venv for llama.cpp, then this script)
     .venv/bin/python benchmarks/decode_speed.py [--queue 256] [--baseline-waves 1] [--skip-hf]
-        [--skip-llama-cpp] [--skip-tunix]
+        [--skip-llama-cpp] [--skip-tunix] [--engine-variant prefill_rows=0 ...]
 
 Workloads (seeded, greedy, so every engine's tokens can be checked against the reference):
   wave   64 requests submitted at once: prompts of U[10, 28] random tokens, output lengths
@@ -23,6 +23,8 @@ Engines:
                static engines' batches;
   llama.cpp    batched, continuous, over 64 slots, on the whole queue, the GGUF's Q4_1 weights.
                Both run in ``.venv-bench`` (``make bench-venv``) by ``foreign_engines.py``.
+  engine (k=v) the engine again with those InferenceConfig fields changed (``--engine-variant``,
+               repeatable; comma-separated k=v pairs), e.g. ``prefill_rows=0``.
 Only useful tokens count (a request's own length). Static engines run the first
 ``--baseline-waves`` waves of the queue (i.i.d. waves: the same rate). The engine's decode step
 is also timed alone at 64 rows (``decode_profile``'s measurement) and reported as a fraction of the
@@ -84,14 +86,29 @@ def useful(batch: list[Request]) -> int:
 # -- the engine -------------------------------------------------------------------------------
 
 
-def engine_config(max_prompt: int) -> InferenceConfig:
-    """The defaults, sized for the workload (slots, prompt and output budget)."""
+def engine_config(max_prompt: int, **changes: int | float | str) -> InferenceConfig:
+    """The defaults, sized for the workload (slots, prompt and output budget), with ``changes``."""
     return InferenceConfig(max_concurrent_seqs=SLOTS, max_prompt_len=max_prompt,
-                           max_new_tokens=OUTPUT[1])  # fmt: skip
+                           max_new_tokens=OUTPUT[1], **changes)  # fmt: skip
 
 
-def run_engine(model: models.Transformer, requests: list[Request], max_prompt: int) -> dict:
-    cfg = engine_config(max_prompt)
+def variant(text: str) -> dict[str, int | float | str]:
+    """'prefill_rows=0,page_size=32' -> InferenceConfig field changes (values typed as the
+    field's default); an unknown field is an error."""
+    defaults = InferenceConfig()
+    out: dict[str, int | float | str] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not hasattr(defaults, key):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected field=value, field one of "
+                                             "InferenceConfig's")  # fmt: skip
+        out[key] = type(getattr(defaults, key))(value)
+    return out
+
+
+def run_engine(model: models.Transformer, requests: list[Request], max_prompt: int,
+               **changes: int | float | str) -> dict:  # fmt: skip
+    cfg = engine_config(max_prompt, **changes)
     warm = Engine(model, cfg)  # compiles the programs outside the timed run (process-wide cache)
     first = requests[0]
     warm.submit(dataclasses.replace(first, sampling=dataclasses.replace(first.sampling,
@@ -299,6 +316,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--skip-tunix", action="store_true")
+    ap.add_argument("--engine-variant", type=variant, action="append", default=[],
+                    help="also run the engine with these InferenceConfig changes, e.g. "
+                    "prefill_rows=0 (repeatable)")  # fmt: skip
     ap.add_argument("--out", default=str(HERE / "decode_speed.json"))
     args = ap.parse_args()
     model = smollm2()
@@ -313,8 +333,11 @@ def main() -> None:
         export_weights(model, weights)
     for name, (requests, max_prompt) in loads.items():
         batches = waves(requests, 1 if name == "wave" else args.baseline_waves)
-        res = {"engine": run_engine(model, requests, max_prompt),
-               "plain JAX": run_static(model, batches)}
+        res = {"engine": run_engine(model, requests, max_prompt)}
+        for changes in args.engine_variant:
+            label = ",".join(f"{k}={v}" for k, v in changes.items())
+            res[f"engine ({label})"] = run_engine(model, requests, max_prompt, **changes)
+        res["plain JAX"] = run_static(model, batches)
         if not args.skip_hf:
             for dtype in ("float32", "bfloat16"):
                 res[f"HF {dtype}"] = run_hf(model, batches, dtype)
