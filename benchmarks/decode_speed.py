@@ -35,6 +35,7 @@ jitted ``jnp.dot`` peak measured in the same run. Prints a markdown table; write
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import subprocess
@@ -51,7 +52,7 @@ from decode_profile import model_flops
 from flax import nnx
 
 from rlax_tpu import models
-from rlax_tpu.config import InferenceConfig
+from rlax_tpu.config import ConfigError, InferenceConfig, from_dict
 from rlax_tpu.inference.engine import Engine
 from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
@@ -93,16 +94,21 @@ def engine_config(max_prompt: int, **changes: int | float | str) -> InferenceCon
 
 
 def variant(text: str) -> dict[str, int | float | str]:
-    """'prefill_rows=0,page_size=32' -> InferenceConfig field changes (values typed as the
-    field's default); an unknown field is an error."""
-    defaults = InferenceConfig()
+    """'prefill_rows=0,attention_kernel=xla' -> InferenceConfig field changes: values are Python
+    literals (a bare word is a string), checked by the config's own ``from_dict``."""
     out: dict[str, int | float | str] = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")
-        if not sep or not hasattr(defaults, key):
-            raise argparse.ArgumentTypeError(f"{item!r}: expected field=value, field one of "
-                                             "InferenceConfig's")  # fmt: skip
-        out[key] = type(getattr(defaults, key))(value)
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected field=value")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    try:
+        from_dict(InferenceConfig, out, "inference")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return out
 
 

@@ -201,7 +201,7 @@ def verdicts(service):
         # The probes walk the sandbox's files: on a loaded 2-core host that outlasted the
         # default 5 s (wall 11 s) once, a false failure: they get the longest limit allowed.
         UnitTestTask(code=textwrap.dedent(PROBES[n]), test=PROBE_TEST, entry_point="probe",
-                     time_limit_s=20.0)
+                     time_limit_s=service.config.max_time_limit_s)
         for n in sorted(PROBES)
     ]
     tasks.append(UnitTestTask(code=WRONG.replace("-", "+"), test=TEST, entry_point="add"))
