@@ -184,8 +184,11 @@ class ModelConfig:
     qkv_bias: bool = False  # qwen2: q, k, v biases; llama / qwen3 (HF attention_bias): q, k, v, o
     qk_norm: bool = False  # RMSNorm on queries and keys per head (qwen3)
     tie_embeddings: bool = True  # the output projection is the embedding matrix
-    param_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype parameters are stored in
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of activations and matmuls
+    # Storage dtype: the weights as loaded or initialized, as inference workers hold them and as
+    # the trainer's frozen reference copy keeps them. The trainer's own copy is trainer.master_dtype.
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Compute dtype: activations and matmul inputs; weights are cast to it where used (bf16 on TPU).
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # Where the initial weights come from: random init (seeded), HF safetensors dir, or a GGUF file.
     weights_format: Literal["init", "safetensors", "gguf"] = "init"
     weights_path: str = ""  # the safetensors directory or GGUF file of weights_format
@@ -342,8 +345,13 @@ class TrainerConfig:
     # per micro-batch on the trainer's mesh through the engine's paged-attention backend (the
     # ragged kernel on TPU; RLAX §5.1), to round-off. "auto": replay on CPU, prefill elsewhere.
     old_logprobs: Literal["auto", "replay", "prefill"] = "auto"
-    # Dtype of the weights published to the parameter server.
+    # Publish dtype: the weights pushed to the parameter server (what inference workers pull).
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Master dtype: the trainer's trainable weights, AdamW moments and gradient accumulator,
+    # whatever model.param_dtype is (mixed precision: float32 masters, model.compute_dtype
+    # forward and backward). bfloat16 masters are refused when most AdamW steps of about
+    # learning_rate would round to nothing (trainer/precision.py).
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
     checkpoint_every: int = 1  # save an Orbax checkpoint every N versions
     # At least controller.snapshot_keep / checkpoint_every, so every kept snapshot has its
     # checkpoint (or an older one a resume falls back to).

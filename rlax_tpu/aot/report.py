@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 
 from rlax_tpu import cli
-from rlax_tpu.aot.check import FAILED, FITS, TOO_BIG, ProgramReport, compile_all
+from rlax_tpu.aot.check import FAILED, FITS, HEADROOM, TOO_BIG, ProgramReport, compile_all
 from rlax_tpu.aot.chips import DeviceSpec, chip_of, device_spec
 from rlax_tpu.config import RunConfig
 from rlax_tpu.models.aot import AbstractProgram
@@ -115,8 +115,15 @@ def format_table(reports: list[ProgramReport], specs: dict[str, DeviceSpec]) -> 
         )
     notes = {r.name: r.note for r in reports if r.note}
     lines += [f"  {name}: {note}" for name, note in notes.items()]
-    lines.append("peak = arguments + outputs - donated + temporaries + state held outside the "
-                 "program; FLOPs of Pallas kernels count only if the kernel declares them")  # fmt: skip
+    lines.append("held beside each program (GiB per device; resident state and the transients "
+                 "of its moment):")  # fmt: skip
+    for r in reports:
+        if r.held:
+            parts = ", ".join(f"{k} {_gib(v)}" for k, v in r.held.items())
+            lines.append(f"  {r.name}: {parts}")
+    lines.append(f"peak = arguments + outputs - donated + temporaries + held; fits = peak <= "
+                 f"{100 * (1 - HEADROOM):.0f}% of the usable HBM ({100 * HEADROOM:.0f}% headroom); "
+                 "FLOPs of Pallas kernels count only if the kernel declares them")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -169,8 +176,9 @@ def run_check(
     for r in bad:
         if r.status == TOO_BIG and r.argument_bytes:
             why = (f"needs {_gib(r.peak_bytes)} GiB per device ({_gib(r.footprint_bytes)} GiB "
-                   f"program + {_gib(r.resident_bytes)} GiB resident) of "
-                   f"{_gib(r.hbm_bytes)} GiB HBM")  # fmt: skip
+                   f"program + {_gib(r.resident_bytes)} GiB held beside it) of "
+                   f"{_gib(r.limit_bytes)} GiB ({_gib(r.hbm_bytes)} GiB usable HBM less "
+                   f"{100 * HEADROOM:.0f}% headroom)")  # fmt: skip
         else:
             why = r.error
         print(f"rlax_tpu.aot: {r.name} {r.status} on {r.topology}: {why}", file=sys.stderr)

@@ -101,8 +101,12 @@ def supervised_warmup(
     inputs, targets, mask = _pack(examples, pad_id, width)
     lengths = np.array([len(p) + len(c) - 1 for p, c in examples])
 
-    graphdef, params = nnx.split(model)
-    params = jax.tree.map(jnp.copy, params)  # the step donates its buffers; keep the caller's
+    graphdef, stored = nnx.split(model)
+    # Trained on float32 masters whatever the storage dtype (a bf16 weight would round most
+    # small updates away: trainer/precision.py), returned in the storage dtype. The copy also
+    # keeps the caller's buffers, which the step donates.
+    params = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
+                          else jnp.copy(x), stored)  # fmt: skip
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=learning_rate, warmup_steps=max(1, steps // 10),
         decay_steps=steps, end_value=learning_rate / 10,
@@ -127,4 +131,5 @@ def supervised_warmup(
         )  # fmt: skip
         if on_step is not None:
             on_step(step, float(loss))
-    return nnx.merge(graphdef, params)
+    cast = lambda p, s: p if p.dtype == s.dtype else p.astype(s.dtype)  # noqa: E731
+    return nnx.merge(graphdef, jax.tree.map(cast, params, stored))

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from rlax_tpu import models
 from rlax_tpu.config import MeshConfig, RunConfig
 from rlax_tpu.inference.engine import engine_mesh
-from rlax_tpu.models.aot import AbstractProgram, abstract, engine_programs
+from rlax_tpu.models.aot import AbstractProgram, abstract, device_bytes, engine_programs
 from rlax_tpu.models.paged_cache import cache_shardings
 
 
@@ -43,7 +43,12 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
         cache_sharding = cache_shardings(cache, mesh)
         io = NamedSharding(mesh, PartitionSpec())
         note = f"inference.mesh {dict(mesh.shape)} over {mesh.size} of {len(devices)} chips"
+    # A reload places the new version beside the one being served (engine.load_weights), so
+    # decode and prefill are checked with a second copy of the weights held: an upper bound of
+    # the reload's own peak (two copies + the cache), which runs no program.
+    weights = device_bytes(state)
     return engine_programs(
         "inference", config.model, shape, graphdef=graphdef, state=state,
         cache_sharding=cache_sharding, io_sharding=io, mesh=mesh, note=note,
+        held={"next version's weights (reload)": weights}, copy_held={"weights": weights},
     )  # fmt: skip

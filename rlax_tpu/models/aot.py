@@ -29,9 +29,11 @@ class AbstractProgram:
     """``fn`` (a ``jax.jit`` object) with abstract ``args``/``kwargs``; lowered under
     ``jax.set_mesh(mesh)`` when a mesh is given (activation constraints read it).
 
-    ``resident_bytes``: per device, state that stays allocated while the program runs but is
-    not one of its arguments (the optimizer state during the gradient step, say), so the
-    program's peak is its own footprint plus this.
+    ``held``: per device, what stays allocated while the program runs without being one of its
+    arguments, by name: the component's resident state (the optimizer state during the gradient
+    step, say) and the transients of the moment it runs in (the other micro-batches of the
+    step, a second copy of the weights during a reload). The program's peak is its own
+    footprint plus their sum, ``resident_bytes``.
     """
 
     name: str
@@ -39,8 +41,12 @@ class AbstractProgram:
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     mesh: Mesh | None = None
-    resident_bytes: int = 0
+    held: dict[str, int] = dataclasses.field(default_factory=dict)
     note: str = ""
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self.held.values())
 
 
 def abstract(tree: Any, sharding: Sharding | Any) -> Any:
@@ -71,17 +77,20 @@ def device_bytes(tree: Any) -> int:
 def engine_programs(
     prefix: str, model_cfg: ModelConfig, shape: ReplayShape, *, graphdef: nnx.GraphDef,
     state: nnx.State, cache_sharding: Sharding, io_sharding: Sharding, mesh: Mesh | None = None,
-    resident_bytes: int = 0, note: str = "",
+    held: dict[str, int] | None = None, note: str = "", copy_held: dict[str, int] | None = None,
 ) -> list[AbstractProgram]:  # fmt: skip
     """The engine's decode, prefill and page-copy programs (``models.programs``) at ``shape``,
     on abstract ``state`` (the model's parameters with their shardings), the paged cache with
-    ``cache_sharding`` and small host-fed arrays with ``io_sharding``."""
+    ``cache_sharding`` and small host-fed arrays with ``io_sharding``. ``held`` is what stays
+    allocated beside decode and prefill, ``copy_held`` beside the page copy (which takes no
+    weights); default: ``held``."""
     cache: PagedKVCache = jax.eval_shape(lambda: shape.make_cache(model_cfg))
     cache = abstract(cache, cache_sharding)
     n, m = shape.slots, shape.pages_per_seq
     i32 = jnp.int32
     sampling = abstract(idle_sampling(n), io_sharding)
-    common = dict(mesh=mesh, resident_bytes=resident_bytes, note=note)
+    held = dict(held or {})
+    common = dict(mesh=mesh, held=held, note=note)
     programs = [
         AbstractProgram(
             f"{prefix}.decode", decode_program,
@@ -105,7 +114,8 @@ def engine_programs(
     programs.append(
         AbstractProgram(
             f"{prefix}.copy_pages", copy_program,
-            (cache, spec((k,), i32, io_sharding), spec((k,), i32, io_sharding)), **common,
+            (cache, spec((k,), i32, io_sharding), spec((k,), i32, io_sharding)),
+            **(common | dict(held=held if copy_held is None else dict(copy_held))),
         )
     )  # fmt: skip
     return programs

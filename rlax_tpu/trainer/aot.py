@@ -29,6 +29,7 @@ from rlax_tpu.models.aot import (
 )
 from rlax_tpu.trainer import mesh as mesh_lib
 from rlax_tpu.trainer.batching import possible_shapes
+from rlax_tpu.trainer.precision import to_master
 from rlax_tpu.trainer.step import make_step_functions, old_logprobs_mode
 
 
@@ -56,15 +57,8 @@ def abstract_programs(
     spec_ = fns.objective.spec
     rep = mesh_lib.replicated(mesh)
     opt = abstract(jax.eval_shape(fns.tx.init, trainable), fns.opt_shardings)
-    ref = trainable["model"] if spec_.needs_reference else None
-    sizes = {
-        "trainable": device_bytes(trainable), "opt": device_bytes(opt),
-        "ref": device_bytes(ref) if ref is not None else 0,
-    }  # fmt: skip
-
-    def held_outside(*args: str) -> int:
-        return sum(v for k, v in sizes.items() if k not in args)
-
+    # The frozen reference stays in the storage dtype; the trainable copy is the master.
+    ref = to_master(trainable["model"], config.model.param_dtype) if spec_.needs_reference else None
     i32, f32 = jnp.int32, jnp.float32
     arrays = {
         "tokens": spec((b, length), i32, mesh_lib.batch_sharding(mesh, 2)),
@@ -82,24 +76,50 @@ def abstract_programs(
     )  # fmt: skip
     step = spec((), i32, rep)
     full = jax.eval_shape(lambda r, s: fns.objective.prepare(r, step=s), rollout, step)
+    full_abs = abstract(full, rep)  # prepare's output is replicated
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b, *x.shape[1:]) if x.ndim else (), x.dtype),
                          full)  # fmt: skip
     micro = abstract(micro, fns.inputs_shardings(micro))
     where = f"micro-batch [{b} rows, {length} tokens, {width} completion]"
 
+    # What train_step keeps on device beside each program (trainer/trainer.py): the resident
+    # state, and until the update is applied every micro-batch's arrays and the full batch's
+    # objective inputs (freed before publish).
+    n_micro = -(-big // b)
+    sizes = {
+        f"trainable ({config.trainer.master_dtype} master)": device_bytes(trainable),
+        "optimizer state": device_bytes(opt),
+        f"reference ({config.model.param_dtype})": device_bytes(ref) if ref is not None else 0,
+        "micro-batch arrays": device_bytes(arrays), "objective inputs": device_bytes(full_abs),
+    }  # fmt: skip
+    trainable_k, opt_k, ref_k, arrays_k, inputs_k = sizes
+    resident = {k: sizes[k] for k in (trainable_k, opt_k, ref_k) if sizes[k]}
+
+    def held(*args: str, batches: int = 0, inputs: bool = False) -> dict[str, int]:
+        """Resident state not among ``args``, ``batches`` micro-batches' arrays (the others of
+        the step), the objective inputs."""
+        out = {k: v for k, v in resident.items() if k not in args}
+        if batches > 0:
+            out[f"micro-batch arrays x{batches}"] = batches * sizes[arrays_k]
+        if inputs:
+            out[inputs_k] = sizes[inputs_k]
+        return out
+
     programs: list[AbstractProgram] = [
         AbstractProgram(
             "trainer.accumulate", fns.accumulate_jit(micro),
             (trainable, trainable, arrays, micro, scalar, scalar), mesh=mesh,
-            resident_bytes=held_outside("trainable"), note=f"loss + gradient of one {where}",
+            held=held(trainable_k, batches=n_micro - 1, inputs=True),
+            note=f"loss + gradient of one {where}",
         ),
         AbstractProgram(
             "trainer.apply", fns.apply_jit(), (trainable, opt, trainable, scalar), mesh=mesh,
-            resident_bytes=held_outside("trainable", "opt"), note="clip + AdamW update",
+            held=held(trainable_k, opt_k, batches=n_micro, inputs=True),
+            note="clip + AdamW update",
         ),
         AbstractProgram(
             "trainer.prepare", fns.prepare_jit(), (rollout,), dict(step=step), mesh=mesh,
-            resident_bytes=held_outside(), note=f"objective inputs of {big} rollouts",
+            held=held(batches=n_micro), note=f"objective inputs of {big} rollouts",
         ),
     ]  # fmt: skip
     scored = f"log-probs of one {where}"
@@ -110,8 +130,10 @@ def abstract_programs(
         )
         programs += engine_programs(
             "trainer.replay", config.model, shape, graphdef=graphdef,
-            state=abstract(state, models.param_shardings(state, mesh)), cache_sharding=rep,
-            io_sharding=rep, mesh=mesh, resident_bytes=held_outside("trainable"),
+            state=to_master(abstract(state, models.param_shardings(state, mesh)),
+                            config.trainer.master_dtype),  # replayed on the master weights
+            cache_sharding=rep,
+            io_sharding=rep, mesh=mesh, held=held(trainable_k, batches=n_micro),
             note="π_old replay through the engine's programs; cache replicated on the mesh",
         )  # fmt: skip
     else:
@@ -119,24 +141,24 @@ def abstract_programs(
         programs.append(AbstractProgram(
             "trainer.prefill_old" if prefill else "trainer.score_old",
             fns.score_jit(False, prefill), (trainable["model"], None, arrays, scalar),
-            mesh=mesh, resident_bytes=held_outside("trainable"),
+            mesh=mesh, held=held(trainable_k, batches=n_micro - 1),
             note=f"π_old {scored}" + (f" through the engine's {fns.prefill.backend} paged "
                                       "attention (prefill-shaped)" if prefill else ""),
         ))  # fmt: skip
     if ref is not None:
         programs.append(AbstractProgram(
             "trainer.score_ref", fns.score_jit(False), (ref, None, arrays, scalar), mesh=mesh,
-            resident_bytes=held_outside("ref"), note=f"π_ref {scored}",
+            held=held(ref_k, batches=n_micro - 1), note=f"π_ref {scored}",
         ))  # fmt: skip
     if "value_head" in trainable:
         programs.append(AbstractProgram(
             "trainer.values", fns.score_jit(True),
             (trainable["model"], trainable["value_head"], arrays, scalar), mesh=mesh,
-            resident_bytes=held_outside("trainable"), note=f"values of one {where}",
+            held=held(trainable_k, batches=n_micro - 1), note=f"values of one {where}",
         ))  # fmt: skip
     programs.append(AbstractProgram(
         "trainer.publish", fns.publish_jit(config.trainer.publish_dtype), (trainable["model"],),
-        mesh=mesh, resident_bytes=held_outside("trainable"),
+        mesh=mesh, held=held(trainable_k),
         note=f"params cast to {config.trainer.publish_dtype} for the parameter server",
     ))  # fmt: skip
     return programs

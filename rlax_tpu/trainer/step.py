@@ -35,6 +35,7 @@ from rlax_tpu.models.paged_cache import SequencePagedCache
 from rlax_tpu.trainer.logprobs import completion_logprobs
 from rlax_tpu.trainer.mesh import batch_sharding, replicated
 from rlax_tpu.trainer.optimizer import make_optimizer
+from rlax_tpu.trainer.precision import to_master
 
 Params = dict[str, Any]
 
@@ -210,12 +211,16 @@ def make_step_functions(
     config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, model_state: nnx.State
 ) -> tuple[StepFunctions, Params]:
     """The step functions for ``config`` on ``mesh``, and the abstract trainable tree
-    (ShapeDtypeStructs with their shardings). ``model_state`` may be abstract: only shapes and
-    logical-axis metadata are read."""
+    (ShapeDtypeStructs with their shardings; the model's in ``trainer.master_dtype``, so the
+    optimizer state and the accumulator are too). ``model_state`` may be abstract: only shapes
+    and logical-axis metadata are read."""
     objective = make_objective(config.algorithm, max_length=config.inference.max_new_tokens)
     model_shardings = nnx.to_pure_dict(param_shardings(model_state, mesh))
     shapes = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-    trainable: Params = {"model": shapes(nnx.to_pure_dict(model_state))}
+    # The trainable copy is the master copy (trainer.master_dtype; trainer/precision.py).
+    trainable: Params = {
+        "model": to_master(shapes(nnx.to_pure_dict(model_state)), config.trainer.master_dtype)
+    }
     shardings: Params = {"model": model_shardings}
     if objective.spec.advantage == "gae":
         rep = replicated(mesh)

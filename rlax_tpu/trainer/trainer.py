@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,6 +61,7 @@ from rlax_tpu.trainer.checkpoint import (
     signature_with,
 )
 from rlax_tpu.trainer.optimizer import make_schedule
+from rlax_tpu.trainer.precision import check_master_dtype, to_master
 from rlax_tpu.types import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -127,10 +129,16 @@ class Trainer:
         self.sink = sink
         shardings = self._fns.trainable_shardings
         params = jax.device_put(nnx.to_pure_dict(state), shardings["model"])
+        if tcfg.master_dtype != "float32":
+            check_master_dtype(params, master_dtype=tcfg.master_dtype,
+                               learning_rate=tcfg.learning_rate)  # fmt: skip
         copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings["model"])
-        # The reference stays frozen while the policy's buffers are donated step after step.
+        master = jax.jit(partial(to_master, dtype=tcfg.master_dtype),
+                         out_shardings=shardings["model"])  # fmt: skip
+        # The reference stays frozen (in model.param_dtype) while the policy's buffers are
+        # donated step after step; the policy is the master copy (trainer/precision.py).
         self._ref_params = copy(params) if spec.needs_reference else None
-        trainable: dict[str, Any] = {"model": copy(params)}
+        trainable: dict[str, Any] = {"model": master(params)}
         if "value_head" in abstract:
             trainable["value_head"] = jax.tree.map(
                 lambda x: mesh_lib.put(np.zeros(x.shape, x.dtype), x.sharding),
@@ -264,6 +272,9 @@ class Trainer:
             self._trainable, self._opt_state, acc, mesh_lib.put(np.float32(loss_total), rep)
         )
         self._trainable, self._opt_state = new_trainable, new_opt
+        # The step's device arrays go before publish casts a copy of the weights (the AOT
+        # check counts them up to the update: trainer/aot.py).
+        del micro, inputs, acc, arrays, mb_inputs
         ok = bool(stats["update_ok"])
         t_update = time.perf_counter() - t_update
 

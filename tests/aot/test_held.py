@@ -1,0 +1,79 @@
+"""What the AOT check holds beside each program (resident state and the transients of its
+moment) and the headroom it keeps, on CPU devices (no libtpu compile needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from rlax_tpu import models
+from rlax_tpu.aot.check import FITS, HEADROOM, TOO_BIG, compile_program
+from rlax_tpu.aot.chips import CHIPS, DeviceSpec
+from rlax_tpu.config import AlgorithmConfig
+from rlax_tpu.inference.aot import abstract_programs as inference_programs
+from rlax_tpu.models.aot import AbstractProgram
+from rlax_tpu.trainer.aot import abstract_programs as trainer_programs
+
+from ..trainer.helpers import ROWS, run_config
+
+
+def _params(cfg) -> int:  # noqa: ANN001
+    state = models.abstract_model(cfg.model)
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(state))
+
+
+def test_trainer_holds_float32_masters_moments_and_the_steps_batches():
+    # bf16 storage and compute, a KL term (so a frozen bf16 reference), 2 micro-batches.
+    cfg = run_config(model=models.preset("tiny", num_layers=2, param_dtype="bfloat16",
+                                         compute_dtype="bfloat16"))  # fmt: skip
+    cfg = dataclasses.replace(cfg, algorithm=AlgorithmConfig(name="grpo", group_size=4,
+                                                             kl_estimator="k3"))  # fmt: skip
+    programs = {p.name: p for p in trainer_programs(cfg, jax.devices()[:1])}
+    n = _params(cfg)
+    acc = programs["trainer.accumulate"].held
+    # AdamW's two moments in float32 (and its step count), the reference in bf16.
+    assert 8 * n <= acc["optimizer state"] <= 8 * n + 64
+    assert acc["reference (bfloat16)"] == 2 * n
+    micro = ROWS // cfg.trainer.micro_batch_size
+    assert micro == 2 and "micro-batch arrays x1" in acc and "objective inputs" in acc
+    apply = programs["trainer.apply"].held
+    assert f"micro-batch arrays x{micro}" in apply and "optimizer state" not in apply
+    assert apply[f"micro-batch arrays x{micro}"] == micro * acc["micro-batch arrays x1"]
+    # The master copy is an argument of the update and the publish cast: float32.
+    trainable = programs["trainer.apply"].args[0]["model"]
+    assert {x.dtype for x in jax.tree.leaves(trainable)} == {jnp.dtype(jnp.float32)}
+    assert programs["trainer.score_ref"].held["trainable (float32 master)"] == 4 * n
+    # The step's arrays are freed before publish (trainer.train_step).
+    assert set(programs["trainer.publish"].held) == {"optimizer state", "reference (bfloat16)"}
+
+
+def test_inference_holds_a_second_copy_of_the_weights_during_a_reload():
+    cfg = run_config(model=models.preset("tiny", num_layers=2, param_dtype="bfloat16"))
+    programs = {p.name: p for p in inference_programs(cfg, jax.devices()[:1])}
+    weights = 2 * _params(cfg)
+    assert programs["inference.decode"].held == {"next version's weights (reload)": weights}
+    assert programs["inference.prefill"].resident_bytes == weights
+    assert programs["inference.copy_pages"].held == {"weights": weights}
+
+
+@pytest.mark.parametrize(("spare", "status"), [(0.06, FITS), (0.04, TOO_BIG)])
+def test_a_program_fits_only_with_the_headroom_left(spare, status):
+    """The same program and held bytes fit or not by whether 5% of the HBM stays free."""
+    x = jax.ShapeDtypeStruct((1024,), jnp.float32)
+    probe = compile_program(AbstractProgram("probe", jax.jit(lambda a: a * 2), (x,)),
+                            component="test", topology="cpu", device=_device(2**30))  # fmt: skip
+    usable = 2**30
+    held = int(usable * (1 - spare)) - probe.footprint_bytes
+    program = AbstractProgram("p", jax.jit(lambda a: a * 2), (x,), held={"state": held})
+    report = compile_program(program, component="test", topology="cpu", device=_device(usable))
+    assert report.status == status, (report.peak_bytes / usable, HEADROOM)
+    assert report.limit_bytes == int(usable * (1 - HEADROOM))
+    assert report.to_dict()["held"] == {"state": held}
+
+
+def _device(usable: int) -> DeviceSpec:
+    return DeviceSpec(CHIPS["v5e"], 1, usable, "table")
