@@ -105,8 +105,11 @@ def supervised_warmup(
     # Trained on float32 masters whatever the storage dtype (a bf16 weight would round most
     # small updates away: trainer/precision.py), returned in the storage dtype. The copy also
     # keeps the caller's buffers, which the step donates.
-    params = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
-                          else jnp.copy(x), stored)  # fmt: skip
+    params = jax.tree.map(
+        lambda x: jnp.array(x, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
+                            copy=True),
+        stored,
+    )  # fmt: skip
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=learning_rate, warmup_steps=max(1, steps // 10),
         decay_steps=steps, end_value=learning_rate / 10,

@@ -4,9 +4,11 @@
 prefill-shaped recompute through the engine's paged attention), on the mesh the
 config builds over a topology's devices, at the largest micro-batch the config allows.
 
-Resident state (per device, held through every program): the trainable parameters, the
-optimizer state, the frozen reference parameters when the objective has a KL or reference term.
-Each program's ``resident_bytes`` is the part of it that is not among its arguments.
+What each program holds beside it (``AbstractProgram.held``, per device): the resident state
+(the trainable master parameters, the optimizer state, the frozen reference in the storage
+dtype when the objective has a KL or reference term) less its own arguments, and the transients
+``Trainer.train_step`` keeps at that moment (every micro-batch's arrays from π_old until the
+update is applied, the full batch's objective inputs from ``prepare`` on; freed before publish).
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ from rlax_tpu.models.aot import (
 from rlax_tpu.trainer import mesh as mesh_lib
 from rlax_tpu.trainer.batching import possible_shapes
 from rlax_tpu.trainer.precision import to_master
-from rlax_tpu.trainer.step import make_step_functions, old_logprobs_mode
+from rlax_tpu.trainer.step import (
+    make_step_functions,
+    old_logprobs_mode,
+    old_policy_on_published,
+)
 
 
 def micro_batch_shape(config: RunConfig) -> tuple[int, int, int]:
@@ -124,24 +130,28 @@ def abstract_programs(
     ]  # fmt: skip
     scored = f"log-probs of one {where}"
     mode = old_logprobs_mode(config, devices[0].platform)
+    # π_old on the published cast where the masters would not give the engine's values.
+    on_published = old_policy_on_published(config)
+    old_dtype = config.trainer.publish_dtype if on_published else config.trainer.master_dtype
+    old_model = to_master(trainable["model"], old_dtype)
+    old_args = () if on_published else (trainable_k,)  # the masters, unless the cast is used
     if mode == "replay":
         shape = models.ReplayShape.of_engine(
             config.inference, config.model, platform=devices[0].platform
         )
         programs += engine_programs(
             "trainer.replay", config.model, shape, graphdef=graphdef,
-            state=to_master(abstract(state, models.param_shardings(state, mesh)),
-                            config.trainer.master_dtype),  # replayed on the master weights
-            cache_sharding=rep,
-            io_sharding=rep, mesh=mesh, held=held(trainable_k, batches=n_micro),
+            state=to_master(abstract(state, models.param_shardings(state, mesh)), old_dtype),
+            cache_sharding=rep, io_sharding=rep, mesh=mesh,
+            held=held(*old_args, batches=n_micro), copy_held=held(batches=n_micro),
             note="π_old replay through the engine's programs; cache replicated on the mesh",
         )  # fmt: skip
     else:
         prefill = mode == "prefill"
         programs.append(AbstractProgram(
             "trainer.prefill_old" if prefill else "trainer.score_old",
-            fns.score_jit(False, prefill), (trainable["model"], None, arrays, scalar),
-            mesh=mesh, held=held(trainable_k, batches=n_micro - 1),
+            fns.score_jit(False, prefill), (old_model, None, arrays, scalar),
+            mesh=mesh, held=held(*old_args, batches=n_micro - 1),
             note=f"π_old {scored}" + (f" through the engine's {fns.prefill.backend} paged "
                                       "attention (prefill-shaped)" if prefill else ""),
         ))  # fmt: skip

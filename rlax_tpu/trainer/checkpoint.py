@@ -83,6 +83,24 @@ def checksums(state: Any) -> dict[str, list[int]]:
             for path, v in jax.tree_util.tree_flatten_with_path(values)[0]}  # fmt: skip
 
 
+def dtypes(state: Any) -> dict[str, str]:
+    """{leaf path: dtype name} of a pytree of arrays (the paths ``checksums`` uses)."""
+    return {jax.tree_util.keystr(path): jnp.dtype(x.dtype).name
+            for path, x in jax.tree_util.tree_flatten_with_path(state)[0]}  # fmt: skip
+
+
+def _with_dtypes(abstract: Any, names: dict[str, str]) -> Any:
+    """``abstract`` (ShapeDtypeStructs) with each leaf's dtype from ``names`` where it has one."""
+
+    def one(path: Any, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        name = names.get(jax.tree_util.keystr(path))
+        if name is None or name == jnp.dtype(x.dtype).name:
+            return x
+        return jax.ShapeDtypeStruct(x.shape, jnp.dtype(name), sharding=x.sharding)
+
+    return jax.tree_util.tree_map_with_path(one, abstract)
+
+
 def model_signature(cfg: ModelConfig) -> dict[str, Any]:
     """The architecture fields a checkpoint must match (resolved, run-only fields dropped)."""
     fields = to_dict(cfg)
@@ -106,7 +124,8 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Starts an asynchronous save of ``state`` (a pytree of jax arrays) as ``step``."""
-        meta = {"step": step, "signature": self.signature, "checksums": checksums(state)}
+        meta = {"step": step, "signature": self.signature, "checksums": checksums(state),
+                "dtypes": dtypes(state)}  # fmt: skip
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -149,9 +168,13 @@ class Checkpointer:
                 step, f"checkpoint {step} in {self.directory}: its metadata does not read: {e}"
             ) from e
         self._check_signature(step, meta["signature"])
+        # Read as saved (the checksums are over the saved bits), then cast to the trainer's
+        # dtypes: a checkpoint of bf16 masters restores into float32 ones and back.
+        # (Checkpoints from before "dtypes" were recorded restore in the target's dtypes.)
+        saved_as = _with_dtypes(abstract_state, meta.get("dtypes", {}))
         try:
             restored = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(saved_as))
             )["state"]
         except (ValueError, KeyError) as e:
             raise CheckpointMismatchError(
@@ -170,7 +193,8 @@ class Checkpointer:
                     step, f"checkpoint {step} in {self.directory} is corrupt: {len(bad)} array(s) "
                     f"differ from their recorded checksums ({', '.join(bad[:3])})"
                 )
-        return step, restored
+        cast = lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype)  # noqa: E731
+        return step, jax.tree.map(cast, restored, abstract_state)
 
     def _check_signature(self, step: int, saved: dict[str, Any]) -> None:
         diffs = [

@@ -263,6 +263,16 @@ def old_logprobs_mode(config: RunConfig, platform: str) -> str:
     return "replay" if platform == "cpu" else "prefill"
 
 
+def old_policy_on_published(config: RunConfig) -> bool:
+    """Whether the aligned π_old must run on the published weights rather than the masters:
+    when the engine's weights (publish dtype) differ from the master's cast to the compute
+    dtype at use (e.g. bf16 published, float32 compute). With compute = publish dtype (the
+    presets' bf16) the masters give the engine's values exactly, with no extra copy."""
+    tcfg, mcfg = config.trainer, config.model
+    return (tcfg.align_logprobs and tcfg.publish_dtype != tcfg.master_dtype
+            and mcfg.compute_dtype != tcfg.publish_dtype)  # fmt: skip
+
+
 def prefill_recompute(config: RunConfig, mesh: Mesh) -> SequencePagedCache | None:
     """The prefill-shaped π_old recompute's cache for ``mesh``: the engine's page size and its
     attention backend on this platform; None when π_old is computed otherwise."""

@@ -9,7 +9,8 @@ One ``train_step``:
   2. π_old: with ``trainer.align_logprobs`` the engine's computation is replayed
      (``trainer.old_logprobs`` "replay", ``models.scoring.replay_logprobs``: chunked prefill +
      token-by-token decode, the engine's shapes) or recomputed as one prefill per micro-batch
-     through the engine's paged attention ("prefill", RLAX §5.1), else one full-sequence
+     through the engine's paged attention ("prefill", RLAX §5.1), on the weights as the engine
+     sees them (``step.old_policy_on_published``), else one full-sequence
      forward; |log π_old − log μ| is reported either way;
      π_ref (frozen reference params, same shardings, no optimizer state) and values (PPO's value
      head) come from forwards of the same micro-batches;
@@ -223,14 +224,18 @@ class Trainer:
         micro = [(mb, self._put_arrays(micro_arrays(batch, mb))) for mb in plan.micro_batches]
 
         t_old = time.perf_counter()
+        old_params = self._trainable["model"]
+        if step_lib.old_policy_on_published(self.config):
+            old_params = self._fns.publish_cast(old_params, tcfg.publish_dtype)
         if self.old_logprobs == "replay":
             logp_old = replay_logprobs(
-                self.model(), batch.tokens, batch.prompt_lengths, completion,
-                shape=self.replay_shape, temperature=batch.temperature, width=width,
+                nnx.merge(self._graphdef, old_params), batch.tokens, batch.prompt_lengths,
+                completion, shape=self.replay_shape, temperature=batch.temperature, width=width,
             )  # fmt: skip
         else:
-            logp_old = self._score_all(self._trainable["model"], None, micro, width, temperature,
+            logp_old = self._score_all(old_params, None, micro, width, temperature,
                                        prefill=self.old_logprobs == "prefill")[0]  # fmt: skip
+        del old_params
         t_old = time.perf_counter() - t_old
         logp_ref = values = None
         if spec.needs_reference:
@@ -251,7 +256,7 @@ class Trainer:
             jax.tree.map(lambda x: mesh_lib.put(x, rep), rollout),
             mesh_lib.put(np.int32(self._step), rep),
         )
-        inputs_host = jax.tree.map(np.asarray, inputs)
+        inputs_host = jax.tree.map(np.array, inputs)  # a copy: a view would keep the device buffers
 
         t_update = time.perf_counter()
         scale = 1.0 if spec.kind == "eq3" else 1.0 / plan.num_micro_batches

@@ -77,3 +77,20 @@ def test_a_program_fits_only_with_the_headroom_left(spare, status):
 
 def _device(usable: int) -> DeviceSpec:
     return DeviceSpec(CHIPS["v5e"], 1, usable, "table")
+
+
+def test_pi_old_is_checked_on_the_published_cast_where_the_engine_sees_other_values():
+    """bf16 published, float32 compute: π_old runs on the bf16 cast (the engine's values), so
+    that copy is the program's argument and the float32 masters are held beside it."""
+    model = models.preset("tiny", num_layers=2, param_dtype="bfloat16")
+    cfg = run_config(model=model, align_logprobs=True, publish_dtype="bfloat16")
+    programs = {p.name: p for p in trainer_programs(cfg, jax.devices()[:1])}
+    decode = programs["trainer.replay.decode"]  # CPU: the token-by-token replay
+    assert {x.dtype for x in jax.tree.leaves(decode.args[0])} == {jnp.dtype(jnp.bfloat16)}
+    assert decode.held["trainable (float32 master)"] == 4 * _params(cfg)
+    # With bf16 compute the masters cast at use are the engine's values: no copy.
+    same = run_config(model=dataclasses.replace(model, compute_dtype="bfloat16"),
+                      align_logprobs=True, publish_dtype="bfloat16")  # fmt: skip
+    decode = {p.name: p for p in trainer_programs(same, jax.devices()[:1])}["trainer.replay.decode"]
+    assert {x.dtype for x in jax.tree.leaves(decode.args[0])} == {jnp.dtype(jnp.float32)}
+    assert "trainable (float32 master)" not in decode.held

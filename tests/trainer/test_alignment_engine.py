@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlax_tpu import models
@@ -69,3 +70,54 @@ def test_aligned_recompute_is_bitwise_the_engine(tmp_path):
     # even whether any, depends on the host).
     assert off["aligned_logprobs"] == 0.0
     assert 0.0 <= off["logp_old_behaviour_diff_max"] < 1e-4
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.versions: dict[int, object] = {}
+
+    def push(self, params, version):  # noqa: ANN001, ANN201
+        self.versions[version] = jax.tree.map(np.asarray, params)
+
+
+def test_bf16_published_float32_compute_recompute_is_the_engines_after_an_update(tmp_path):
+    """Weights stored and published in bf16, computed in float32: the engine runs on the
+    published bf16 values, the trainer holds float32 masters. After an update the aligned π_old
+    runs on the published cast (step.old_policy_on_published), so it is still the engine's."""
+    cfg_model = models.preset("tiny", num_layers=2, param_dtype="bfloat16")
+    model = models.init_model(cfg_model, seed=3)
+    icfg = InferenceConfig(max_concurrent_seqs=4, max_prompt_len=16, max_new_tokens=12,
+                           page_size=4, prefill_chunk=4, kv_cache_bytes=2**22)  # fmt: skip
+    cfg = run_config(align_logprobs=True, micro_batch_size=2, model=cfg_model,
+                     publish_dtype="bfloat16", learning_rate=1e-3)  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg, inference=icfg, controller=dataclasses.replace(cfg.controller, prompts_per_step=2),
+        algorithm=dataclasses.replace(cfg.algorithm, group_size=GROUP),
+    )  # fmt: skip
+    sink = _Sink()
+    trainer = Trainer(cfg, model=model, devices=jax.devices()[:1], checkpoint_dir=tmp_path,
+                      sink=sink)  # fmt: skip
+    engine = Engine(models.init_model(cfg_model, seed=3), icfg)
+
+    def rollouts(seed: int) -> TrainBatch:
+        rng = np.random.default_rng(seed)
+        for i in range(2):
+            prompt = tuple(int(x) for x in rng.integers(1, 500, size=5 + 3 * i))
+            engine.submit(Request(prompt_id=f"p{seed}-{i}", prompt_tokens=prompt,
+                                  num_samples=GROUP,
+                                  sampling=SamplingParams(temperature=1.0, seed=seed + i)))  # fmt: skip
+        got = sorted(engine.run(), key=lambda r: (r.prompt_id, r.sample_index))
+        return TrainBatch.from_rollouts(got, np.asarray([1.0, 0.0] * 2, np.float32),
+                                        group_size=GROUP, temperature=1.0)  # fmt: skip
+
+    trainer.train_step(rollouts(0))
+    engine.load_weights(1, sink.versions[1])
+    masters = jax.tree.leaves(trainer.params())
+    assert any(np.any(np.asarray(m) != np.asarray(m.astype(jnp.bfloat16), np.float32))
+               for m in masters)  # the masters hold more than the published bf16  # fmt: skip
+    metrics = trainer.train_step(rollouts(1))
+    trainer.close()
+    if engine.rows_bitwise:
+        assert metrics["logp_old_behaviour_diff_max"] == 0.0
+    else:
+        assert metrics["logp_old_behaviour_diff_max"] < 1e-5

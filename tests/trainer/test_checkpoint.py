@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -165,3 +166,23 @@ def test_a_flipped_byte_in_a_checkpoint_is_caught(tmp_path):
         _assert_trees_equal(again.params(), want)
     finally:
         again.close()
+
+
+def test_a_checkpoint_restores_into_other_master_dtypes_verified(tmp_path):
+    """Checksums are over the saved bits: a state saved with bf16 masters is read as saved,
+    verified, then cast to the trainer's float32 (and back), never taken for a corrupt one."""
+    bf16 = dataclasses.replace(run_config().trainer, master_dtype="bfloat16", learning_rate=1e-2)
+    cfg_bf16 = dataclasses.replace(run_config(), trainer=bf16)
+    a = Trainer(cfg_bf16, devices=jax.devices()[:1], checkpoint_dir=tmp_path)
+    a.train_step(random_batch(0))
+    a.save(wait=True)
+    saved = host(a.params())
+    assert {x.dtype for x in jax.tree.leaves(saved)} == {np.dtype(jnp.bfloat16)}
+    a.close()
+    b = Trainer(run_config(), devices=jax.devices()[:1], checkpoint_dir=tmp_path)
+    assert b.restore() == 1
+    for x, y in zip(jax.tree.leaves(host(b.params())), jax.tree.leaves(saved), strict=True):
+        assert x.dtype == np.float32
+        np.testing.assert_array_equal(x, y.astype(np.float32))
+    b.train_step(random_batch(1))  # and it trains on from there
+    b.close()

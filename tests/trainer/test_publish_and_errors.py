@@ -91,3 +91,34 @@ def test_batches_that_do_not_fit_are_refused(tmp_path):
     with pytest.raises(ValueError, match="group_size 2 differs from algorithm.group_size 4"):
         trainer.train_step(dataclasses.replace(random_batch(0), group_size=2))
     trainer.close()
+
+
+def test_at_publish_the_device_holds_the_state_and_the_published_copy_only(tmp_path):
+    """train_step frees the step's micro-batches and objective inputs before publish, as the AOT
+    check assumes (trainer/aot.py): the arrays made during the step that are still alive when the
+    sink gets the weights are the new params, optimizer state, the published copy and scalars."""
+
+    class Probe:
+        def push(self, params, version):  # noqa: ANN001, ANN202
+            self.live = jax.live_arrays()
+            self.pushed = params
+
+    probe = Probe()
+    cfg = run_config(publish_dtype="bfloat16")
+    cfg = dataclasses.replace(  # no checkpoint during the step
+        cfg, trainer=dataclasses.replace(cfg.trainer, checkpoint_every=50),
+        controller=dataclasses.replace(cfg.controller, snapshot_keep=51),
+    )  # fmt: skip
+    trainer = Trainer(cfg, sink=probe, devices=jax.devices()[:1], checkpoint_dir=tmp_path)
+    keep = jax.live_arrays()  # held, so no later array reuses their ids
+    before = {id(x) for x in keep}
+    metrics = trainer.train_step(random_batch(0))
+    assert metrics["micro_batches"] == 2.0
+    made = [x for x in probe.live if id(x) not in before]
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+    state = nbytes(trainer._trainable) + nbytes(trainer._opt_state) + nbytes(probe.pushed)
+    extra = sum(x.nbytes for x in made) - state
+    # Scalars only (loss, norms, temperature); one micro-batch's tokens alone are 2 KiB.
+    assert 0 <= extra < 512, extra
+    trainer.close()
+    del keep
