@@ -36,6 +36,12 @@ CASES: dict[str, list[str]] = {
     # min); FLOPs and bytes of scanned programs are counted by depth (aot/report.cost_by_depth).
     "v5p-trainer-v5p_8x8x4": ["--config=configs/codeforces.py:v5p", "--topology=v5p:8x8x4",
                               "--component=trainer"],  # fmt: skip
+    # One TPU VM of 8 chips split in two halves (trainer, one worker): each half is a v5e:2x2.
+    "tpu_vm-v5e_2x2": ["--config=configs/codeforces.py:tpu_vm", "--topology=v5e:2x2"],
+    "v5p_small-trainer-v5p_2x2x2": ["--config=configs/codeforces.py:v5p_small",
+                                    "--topology=v5p:2x2x2", "--component=trainer"],  # fmt: skip
+    "v5p_small-inference-v5p_2x2x1": ["--config=configs/codeforces.py:v5p_small",
+                                      "--topology=v5p:2x2x1", "--component=inference"],  # fmt: skip
 }
 def run_case(name: str, args: list[str]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
@@ -59,19 +65,26 @@ def table(name: str) -> str:
     rows = [
         f"`{report['command']}`",
         "",
-        "| program | topology | status | args GiB | temp GiB | resident GiB | peak GiB | % HBM | TFLOP | GB accessed | roofline ms |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| program | topology | status | args GiB | temp GiB | held GiB | peak GiB | % HBM | limit GiB | TFLOP | GB accessed | roofline ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
+    held = []
     for p in report["programs"]:
         if p["argument_bytes"]:
             rows.append(
                 f"| {p['name']} | {p['topology']} | {p['status']} | {_gib(p['argument_bytes'])} | "
                 f"{_gib(p['temp_bytes'])} | {_gib(p['resident_bytes'])} | {_gib(p['peak_bytes'])} | "
-                f"{100 * p['hbm_fraction']:.1f} | {p['flops'] / 1e12:.3f} | "
-                f"{p['bytes_accessed'] / 1e9:.2f} | {1e3 * p['roofline_s']:.2f} |"
+                f"{100 * p['hbm_fraction']:.1f} | {_gib(p.get('limit_bytes', p['hbm_bytes']))} | "
+                f"{p['flops'] / 1e12:.3f} | {p['bytes_accessed'] / 1e9:.2f} | "
+                f"{1e3 * p['roofline_s']:.2f} |"
             )
         else:
-            rows.append(f"| {p['name']} | {p['topology']} | {p['status']} | {p['error']} |||||||")
+            rows.append(f"| {p['name']} | {p['topology']} | {p['status']} | {p['error']} ||||||||")
+        if p.get("held"):
+            parts = ", ".join(f"{k} {_gib(v)}" for k, v in p["held"].items())
+            held.append(f"- {p['name']}: {parts}")
+    if held:
+        rows += ["", "Held beside each program (GiB per device):", *held]
     return "\n".join(rows)
 
 
