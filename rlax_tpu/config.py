@@ -1227,8 +1227,3 @@ def base_config_dict() -> ml_collections.ConfigDict:
     cfg.lock()
     return cfg
 
-
-def to_config_dict(cfg: RunConfig) -> ml_collections.ConfigDict:
-    out = ml_collections.ConfigDict(to_dict(cfg))
-    out.lock()
-    return out

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 if TYPE_CHECKING:
-    from rlax_tpu.algorithms.registry import ObjectiveSpec
+    from rlax_tpu.algorithms.spec import ObjectiveSpec
 
 Array = jax.Array
 

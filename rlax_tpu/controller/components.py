@@ -45,13 +45,6 @@ class Components:
         _close_all(self._closers)
 
 
-def params_sha256(params: Any) -> str:
-    """SHA-256 over a parameter tree's paths, dtypes, shapes and bytes (bitwise identity)."""
-    from rlax_tpu.trainer.checkpoint import tree_sha256
-
-    return tree_sha256(params)
-
-
 def _close_all(closers: list[Callable[[], None]]) -> None:
     """Calls every closer, newest first; a failure is logged, never raised (closing must not
     hide the run's own error), and the list is emptied."""
@@ -177,7 +170,9 @@ def placed(component: Any) -> str:
 
 
 def _trainer_digest(trainer: Any) -> str:
-    return params_sha256(trainer.params())
+    from rlax_tpu.trainer.checkpoint import tree_sha256
+
+    return tree_sha256(trainer.params())
 
 
 def build_distributed(config: RunConfig) -> Components:

@@ -23,7 +23,8 @@ import concurrent.futures as cf
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlax_tpu.controller.ledger import GroupState
 from rlax_tpu.data.mixture import PromptRef
@@ -31,9 +32,46 @@ from rlax_tpu.observability.metrics import MetricsWriter
 from rlax_tpu.observability.progress import Progress
 
 if TYPE_CHECKING:
-    from rlax_tpu.config import RunConfig
+    import concurrent.futures as cf
+
+    from rlax_tpu.algorithms import Objective
+    from rlax_tpu.config import ControllerConfig, RunConfig
     from rlax_tpu.controller.groups import GroupResult
-    from rlax_tpu.controller.loop import Controller
+    from rlax_tpu.controller.ledger import Ledger
+    from rlax_tpu.controller.pool import WorkerPool
+    from rlax_tpu.controller.staleness import StalenessPolicy
+
+
+class Controller(Protocol):
+    """What the throughput schedule reads and drives of the controller (``loop.Controller``,
+    which dispatches here; declared here so this module does not import the loop back)."""
+
+    config: RunConfig
+    cc: ControllerConfig
+    objective: Objective
+    ledger: Ledger
+    buffered: dict[str, GroupResult]
+    refs: dict[str, PromptRef]
+    counters: Any  # loop.Counters
+    pool: WorkerPool
+    policy: StalenessPolicy
+    step: int
+    version: int
+
+    def snapshot(self) -> None: ...
+    def train(self, results: Sequence[GroupResult]) -> dict[str, float] | None: ...
+    def step_metrics(self, results: Sequence[GroupResult]) -> tuple[dict, dict]: ...
+    def lease(self, versions: Iterable[int]) -> None: ...
+    def learnable(self, result: GroupResult) -> bool: ...
+    def issue(self, n: int, *, step: int = -1) -> list[PromptRef]: ...
+    def ensure_versions(self, versions: Sequence[int]) -> None: ...
+    def _eval_due(self) -> bool: ...
+    def _log_eval(self, metrics: MetricsWriter, progress: Progress) -> None: ...
+    def _log(self, metrics: MetricsWriter, progress: Progress, scalars: dict, hist: dict) -> None: ...
+    def _skip(self, groups: int) -> None: ...
+    def _launch(self, refs: Sequence[PromptRef], version: int, *, issued_version: int = 0
+                ) -> cf.Future[list[GroupResult]]: ...  # fmt: skip
+    def _collect(self, job: cf.Future[list[GroupResult]]) -> Any: ...
 
 
 def throughput_queue_cap(config: RunConfig) -> int:

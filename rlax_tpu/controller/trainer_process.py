@@ -65,7 +65,7 @@ def _serve(
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         raise
-    from rlax_tpu.controller.components import params_sha256
+    from rlax_tpu.trainer.checkpoint import tree_sha256
 
     conn.send(("port", port))
     while True:
@@ -75,7 +75,7 @@ def _serve(
             break
         if message != _DIGEST:
             break
-        conn.send(params_sha256(trainer.params()))
+        conn.send(tree_sha256(trainer.params()))
     server.stop(grace=5).wait()
     trainer.close()
     sink.close()
@@ -119,7 +119,7 @@ class TrainerProcess:
         self.client.wait_ready(start_timeout_s)
 
     def params_sha256(self) -> str:
-        """``components.params_sha256`` of the child trainer's current parameters."""
+        """``trainer.checkpoint.tree_sha256`` of the child trainer's current parameters."""
         self._conn.send(_DIGEST)
         return self._conn.recv()
 

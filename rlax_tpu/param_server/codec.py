@@ -29,6 +29,21 @@ DTYPES = frozenset(
 )  # fmt: skip
 # Chunks of the zarr arrays stay near this size: big enough for throughput, small enough that a
 # sliced pull does not decode much more than it needs.
+# Per-dimension [lo, hi) of a box of an array.
+Bounds = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VersionInfo:
+    """A stored version as the server reports it."""
+
+    version: int
+    step: int
+    nbytes: int
+    persisted: bool = False
+    leased_by: tuple[str, ...] = ()
+
+
 TARGET_CHUNK_BYTES = 16 * 2**20
 # The most dimensions an array may have (TensorStore's limit).
 MAX_RANK = 32

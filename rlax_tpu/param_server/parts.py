@@ -21,19 +21,37 @@ import math
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from rlax_tpu.param_server import errors
-from rlax_tpu.param_server.codec import ArraySpec, VersionManifest, check_bounds, checksum, np_dtype
-
-if TYPE_CHECKING:
-    from rlax_tpu.param_server.server import Bounds, ParamServer, VersionInfo
+from rlax_tpu.param_server.codec import (
+    ArraySpec,
+    Bounds,
+    VersionInfo,
+    VersionManifest,
+    check_bounds,
+    checksum,
+    np_dtype,
+)
 
 log = logging.getLogger(__name__)
 
-Box = tuple[int, "Bounds"]
+Box = tuple[int, Bounds]
+
+
+class PartsServer(Protocol):
+    """What an assembly needs of the server that holds it (``server.ParamServer``)."""
+
+    _hot: Any  # the hot ArrayStore
+
+    def _finish_part(
+        self, assembly: Assembly | None, part: int, boxes: list[Box], values: list[np.ndarray],
+        crcs: list[int],
+    ) -> tuple[VersionInfo, bool, bool]: ...  # fmt: skip
+
+    def _commit(self, manifest: VersionManifest, prefix: str) -> list[str]: ...
 
 
 def _volume(bounds: Bounds) -> int:
@@ -99,7 +117,7 @@ class PartSession:
     """Receives one part's boxes (see the module docstring); ``finish`` returns
     (info, already_present, complete)."""
 
-    def __init__(self, server: ParamServer, assembly: Assembly | None, part: int,
+    def __init__(self, server: PartsServer, assembly: Assembly | None, part: int,
                  boxes: Sequence[Box], *, committed: tuple[VersionManifest, str] | None,
                  arrays: Sequence[ArraySpec]):  # fmt: skip
         self._server, self._assembly, self.part = server, assembly, part
@@ -154,8 +172,6 @@ class PartSession:
         return self._server._finish_part(self._assembly, self.part, self.boxes, values, self._crcs)
 
     def _compare_committed(self, values: list[np.ndarray]) -> tuple[VersionInfo, bool, bool]:
-        from rlax_tpu.param_server.server import VersionInfo
-
         manifest, prefix = self._committed
         for (i, bounds), value in zip(self.boxes, values, strict=True):
             stored = self._server._hot.read_array(prefix, i, manifest.arrays[i], bounds).result()
@@ -168,10 +184,8 @@ class PartSession:
         return info, True, True
 
 
-def commit_assembly(server: ParamServer, assembly: Assembly) -> VersionInfo:
+def commit_assembly(server: PartsServer, assembly: Assembly) -> VersionInfo:
     """Writes a complete assembly to the hot store and commits it (the caller holds no lock)."""
-    from rlax_tpu.param_server.server import VersionInfo
-
     crcs = [checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in assembly.data]
     manifest = VersionManifest(
         version=assembly.version, step=assembly.step,

@@ -26,6 +26,8 @@ from rlax_tpu.config import ParamServerConfig
 from rlax_tpu.param_server import buffers, errors
 from rlax_tpu.param_server.codec import (
     ArraySpec,
+    Bounds,
+    VersionInfo,
     VersionManifest,
     check_bounds,
     checksum,
@@ -39,18 +41,6 @@ from rlax_tpu.param_server.store import ArrayStore
 log = logging.getLogger(__name__)
 
 LATEST = -1
-Bounds = tuple[tuple[int, int], ...]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class VersionInfo:
-    version: int
-    step: int
-    nbytes: int
-    persisted: bool = False
-    leased_by: tuple[str, ...] = ()
-
-
 class ParamServer:
     """Versioned weight store. Thread-safe. ``persist_location`` "" disables persistence."""
 

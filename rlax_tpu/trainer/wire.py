@@ -34,13 +34,6 @@ def array_from_pb(msg: pb.TrainerArray, field: str) -> np.ndarray:
     return np.frombuffer(msg.data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
 
-def batch_to_pb(batch: TrainBatch) -> pb.TrainBatchMessage:
-    arrays = {name: array_to_pb(np.asarray(getattr(batch, name))) for name in _ARRAYS}
-    return pb.TrainBatchMessage(
-        **arrays, group_size=batch.group_size, temperature=batch.temperature
-    )
-
-
 def batch_to_chunks(batch: TrainBatch, chunk_bytes: int = 4 * 2**20) -> Iterator[pb.TrainBatchMessage]:
     """The batch as messages of consecutive row slices of about ``chunk_bytes`` each (at least
     one row per message)."""
@@ -71,8 +64,3 @@ def batch_from_chunks(messages: Iterable[pb.TrainBatchMessage]) -> TrainBatch:
     joined = {name: np.concatenate([arrays[name] for _, arrays in parts]) for name in _ARRAYS}
     return TrainBatch(**joined, group_size=first.group_size, temperature=first.temperature)
 
-
-def batch_from_pb(msg: pb.TrainBatchMessage) -> TrainBatch:
-    """Raises ValueError for malformed arrays or an inconsistent batch."""
-    arrays = {name: array_from_pb(getattr(msg, name), name) for name in _ARRAYS}
-    return TrainBatch(**arrays, group_size=msg.group_size, temperature=msg.temperature)
