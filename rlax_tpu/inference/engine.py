@@ -150,6 +150,13 @@ class Engine:
             # One device that is not the default (a host's devices split between components):
             # a mesh of one places the engine there.
             self.mesh = models.make_mesh(cfg.mesh, list(devices[:1]))
+        if cfg.attention_kernel == "native" and self.mesh is not None and self.mesh.size > 1:
+            # The native kernel is one device's custom call: on a mesh the programs skip it.
+            raise ValueError(
+                f"inference.attention_kernel = 'native' runs on one device; this engine's "
+                f"inference.mesh spans {self.mesh.size} ({dict(self.mesh.shape)}): use 'auto' "
+                "(native where it can run, XLA here) or 'xla'"
+            )
         # The shapes every program is compiled for: a replay at them reproduces the log-probs.
         self.replay_shape = models.ReplayShape.of_engine(cfg, model.cfg)
         self.graphdef, state = nnx.split(model)

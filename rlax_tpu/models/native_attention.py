@@ -66,6 +66,10 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
+# A build takes seconds; a compiler stuck longer than this falls back to XLA ("auto").
+BUILD_TIMEOUT_S = float(os.environ.get("RLAX_TPU_NATIVE_BUILD_TIMEOUT_S", "600"))
+
+
 def cache_dir() -> Path:
     """Where built kernels are kept: ``$RLAX_TPU_NATIVE_DIR``, else ~/.cache/rlax_tpu/native."""
     env = os.environ.get("RLAX_TPU_NATIVE_DIR")
@@ -94,7 +98,11 @@ def build() -> Path:
     os.close(fd)
     cmd = [compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise NativeUnavailable(f"building the native decode kernels took over "
+                                    f"{BUILD_TIMEOUT_S} s: {' '.join(cmd)}") from None  # fmt: skip
         if done.returncode != 0:
             raise NativeUnavailable(f"building the native decode kernels failed:\n"
                                     f"{' '.join(cmd)}\n{done.stderr[-4000:]}")  # fmt: skip

@@ -15,14 +15,13 @@ import functools
 import logging
 import pwd
 import shutil
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 from rlax_tpu.config import VerifierConfig
 from rlax_tpu.types import Verdict, VerdictKind
-from rlax_tpu.verifiers import languages
+from rlax_tpu.verifiers import languages, scratch
 from rlax_tpu.verifiers.api import (
     CodeTask,
     MathTask,
@@ -48,8 +47,12 @@ class VerifierService:
     def __init__(self, config: VerifierConfig, *, scratch_dir: Path | None = None):
         self.config = config
         self._own_scratch = scratch_dir is None
-        self._scratch = Path(scratch_dir or tempfile.mkdtemp(prefix="rlax-verifier-"))
-        self._scratch.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self._own_scratch:
+            scratch.sweep_dead()  # what SIGKILLed verifiers left behind
+            self._scratch = scratch.make_owned()
+        else:
+            self._scratch = Path(scratch_dir)
+            self._scratch.mkdir(parents=True, exist_ok=True, mode=0o700)
         wanted = tuple(dict.fromkeys((*config.languages, *languages.CHECKER_LANGUAGES)))
         self.toolchains = languages.detect(wanted)
         for name, why in self.toolchains.missing.items():

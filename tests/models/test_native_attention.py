@@ -152,3 +152,29 @@ def test_the_config_chooses_the_kernel():
         native_kernel(InferenceConfig(attention_kernel="native"), wide)
     with pytest.raises(ValueError, match="attention_kernel"):
         InferenceConfig(attention_kernel="fast")
+
+
+def test_a_hung_build_is_unavailable_not_an_error(tmp_path, monkeypatch):
+    """A compiler that never finishes: the build gives up after its timeout, NativeUnavailable
+    says so, and 'auto' would fall back to XLA."""
+    hung = tmp_path / "hung-cxx"
+    hung.write_text("#!/bin/sh\nexec sleep 60\n")
+    hung.chmod(0o755)
+    monkeypatch.setenv("RLAX_TPU_NATIVE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(hung))
+    monkeypatch.setattr(native_attention, "BUILD_TIMEOUT_S", 1.0)
+    with pytest.raises(native_attention.NativeUnavailable, match="took over 1.0 s"):
+        native_attention.build()
+    assert not list((tmp_path / "cache").iterdir())  # no half-built library left
+
+
+def test_native_on_a_mesh_of_several_devices_is_refused():
+    from rlax_tpu import models
+    from rlax_tpu.config import MeshConfig
+    from rlax_tpu.inference.engine import Engine
+
+    model = models.init_model(models.preset("tiny", num_layers=1), seed=0)
+    cfg = InferenceConfig(attention_kernel="native", mesh=MeshConfig(data=1, fsdp=1, tensor=2),
+                          kv_cache_bytes=2**22)  # fmt: skip
+    with pytest.raises(ValueError, match="'native' runs on one device; .* spans 2"):
+        Engine(model, cfg, devices=jax.devices()[:2])
