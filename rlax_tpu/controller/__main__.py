@@ -10,10 +10,14 @@ holds snapshots is resumed; a finished run is left as it is.
 runs only the supervised warm-up (controller.warmup_steps) and writes the warmed-up model to DIR
 (HF safetensors + tokenizer), for services started apart that load it
 (model.weights_format=safetensors, model.weights_path=DIR); `python -m rlax_tpu.launch` does this.
+
+Exit codes: 0 the run finished (or had), 1 a clear error, 2 bad flags or config, 143 stopped by
+SIGTERM (the same command resumes it).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from absl import flags
@@ -24,6 +28,29 @@ from rlax_tpu.config import RunConfig
 WARMUP_OUT = flags.DEFINE_string(
     "warmup_out", None, "Run only the supervised warm-up and write its weights to this folder."
 )
+
+
+# SIGTERM (a drained node, `kubectl delete`, deploy/tpu_vm/stop.sh) stops the run with this code.
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(BaseException):  # noqa: N818 - like KeyboardInterrupt: no `except Exception` stops it
+    """Raised in the main thread by SIGTERM."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated
+
+
+def _finished(config: RunConfig) -> bool:
+    from rlax_tpu import storage
+    from rlax_tpu.controller.snapshots import SnapshotStore
+
+    cc = config.controller
+    store = SnapshotStore(storage.path(cc.run_dir) / "snapshots", keep=cc.snapshot_keep)
+    latest = store.latest_step()
+    return latest is not None and latest >= cc.num_steps
 
 
 def run(config: RunConfig, args: list[str]) -> int:
@@ -38,6 +65,10 @@ def run(config: RunConfig, args: list[str]) -> int:
     if args:
         print(f"rlax_tpu.controller: unexpected arguments {args}", file=sys.stderr)
         return cli.EXIT_USAGE
+    # SIGTERM abandons the step in flight (the newest snapshot says what to re-issue, so nothing
+    # is lost or trained twice), closes the components as an error would, and exits
+    # EXIT_TERMINATED, or 0 if the run had finished.
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         if WARMUP_OUT.value:
             if not config.controller.warmup_steps:
@@ -53,6 +84,15 @@ def run(config: RunConfig, args: list[str]) -> int:
             ComponentFailed) as e:
         print(f"rlax_tpu.controller: error: {e}", file=sys.stderr)
         return 1
+    except Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if not WARMUP_OUT.value and _finished(config):
+            print("rlax_tpu.controller: stopped by SIGTERM after the run finished",
+                  file=sys.stderr)  # fmt: skip
+            return 0
+        print("rlax_tpu.controller: stopped by SIGTERM; the same command resumes the run from "
+              f"its newest snapshot in {config.controller.run_dir}", file=sys.stderr)  # fmt: skip
+        return EXIT_TERMINATED
     return 0
 
 

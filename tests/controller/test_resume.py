@@ -318,6 +318,35 @@ def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emula
     assert not (REPO / "gs:").exists()
 
 
+def test_sigterm_stops_cleanly_and_the_same_command_resumes_bitwise(env, reference, tmp_path):
+    """SIGTERM mid-run (a drained node, kubectl delete): the step in flight is abandoned, the
+    components close, the process exits 143 with a message saying how to resume; the same
+    command then finishes with the uninterrupted run's weights."""
+    run_dir = tmp_path / "term"
+    extra = ("--config.controller.num_steps=4",)
+    proc = subprocess.Popen(command(run_dir, *extra), cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    watchdog = threading.Timer(600, proc.kill)
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 1/"):
+                break
+        assert proc.poll() is None, "the run ended before its first step"
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stdout.read()
+        proc.wait(timeout=120)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert proc.returncode == 143, rest[-3000:]
+    assert "stopped by SIGTERM; the same command resumes the run" in rest, rest[-3000:]
+    assert "Traceback" not in rest and not (run_dir / "report.md").exists()
+    out = run(env, run_dir, *extra)
+    assert "resuming" in out and "run finished: 4 updates" in out, out[-3000:]
+    assert sha(out) == reference[1]
+
+
 def test_an_algorithm_of_the_users_own_trains_from_the_main_command(env, tmp_path):
     """The open registry end to end: a plugin module named in the config registers an algorithm
     with its own advantage estimator (tests/algorithms/plugin_rank.py), and the main command
