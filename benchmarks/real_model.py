@@ -125,18 +125,7 @@ def trainer_fraction() -> dict:
     import jax
     import numpy as np
     from common import dot_peak
-    from trainer_step import Case, batch
-
-    from rlax_tpu import models
-    from rlax_tpu.config import (
-        AlgorithmConfig,
-        ControllerConfig,
-        InferenceConfig,
-        MeshConfig,
-        RunConfig,
-        TrainerConfig,
-    )  # fmt: skip
-    from rlax_tpu.trainer import Trainer
+    from trainer_step import Case, timed_steps
 
     case = Case("smollm2-135m", rows=64, micro=16, prompt=(40, 56), completion=(16, 64), slots=64)
     settings = {
@@ -146,31 +135,14 @@ def trainer_fraction() -> dict:
             remat=False, micro_batch_size=16, old_logprobs="prefill"),
     }  # fmt: skip
     peak = dot_peak()
-    model = models.preset("smollm2-135m")
     rows = []
     for name, kw in settings.items():
-        cfg = RunConfig(
-            model=model, mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
-            trainer=TrainerConfig(learning_rate=1e-5, checkpoint_every=1000, keep_checkpoints=2,
-                                  **kw),
-            inference=InferenceConfig(max_prompt_len=64, max_new_tokens=64,
-                                      max_concurrent_seqs=64),
-            controller=ControllerConfig(prompts_per_step=8, num_steps=100, snapshot_keep=1001),
-            algorithm=AlgorithmConfig(name="grpo", group_size=GROUP),
-        )  # fmt: skip
-        with tempfile.TemporaryDirectory() as tmp:
-            trainer = Trainer(cfg, checkpoint_dir=tmp)
-            n = sum(x.size for x in jax.tree.leaves(trainer.params()))
-            for s in range(2):  # compiles the shapes the timed batches use
-                trainer.train_step(batch(case, s, model.vocab_size, GROUP))
-            ms = [trainer.train_step(batch(case, s, model.vocab_size, GROUP)) for s in range(2)]
-            trainer.close()
-        step = float(np.mean([m["time_step_s"] for m in ms]))
-        tokens = float(np.mean([m["sequence_tokens"] for m in ms]))
-        update = float(np.mean([m["time_update_s"] for m in ms]))
+        n, ms = timed_steps(case, steps=2, group=GROUP, **kw)
+        mean = lambda key, ms=ms: float(np.mean([m[key] for m in ms]))  # noqa: E731
+        step, tokens, update = mean("time_step_s"), mean("sequence_tokens"), mean("time_update_s")
         rows.append(dict(
-            name=name, step_s=step, logp_old_s=float(np.mean([m["time_logp_old_s"] for m in ms])),
-            update_s=update, tokens=tokens, fraction_of_peak=6 * n * tokens / step / peak,
+            name=name, step_s=step, logp_old_s=mean("time_logp_old_s"), update_s=update,
+            tokens=tokens, fraction_of_peak=6 * n * tokens / step / peak,
             update_fraction_of_peak=6 * n * tokens / update / peak,
         ))  # fmt: skip
         print(rows[-1], flush=True)

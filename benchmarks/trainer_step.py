@@ -70,39 +70,43 @@ def batch(case: Case, seed: int, vocab: int, group: int = GROUP) -> TrainBatch:
     )  # fmt: skip
 
 
-def run_case(case: Case, align: bool, steps: int, peak: float) -> dict:
+def timed_steps(case: Case, *, steps: int, group: int = GROUP,
+                **trainer: object) -> tuple[int, list[dict[str, float]]]:  # fmt: skip
+    """(parameter count, the metrics of ``steps`` timed updates) of a trainer on ``case``'s
+    model with ``trainer`` settings, after two updates that compile the shapes they use."""
     model_cfg = models.preset(case.model)
     cfg = RunConfig(
         model=model_cfg, mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
-        trainer=TrainerConfig(learning_rate=1e-5, micro_batch_size=case.micro, length_bucket=64,
-                              align_logprobs=align),
+        trainer=TrainerConfig(**{"learning_rate": 1e-5, "checkpoint_every": 1000,
+                                 "keep_checkpoints": 2, **trainer}),
         inference=InferenceConfig(max_prompt_len=case.prompt[1], max_new_tokens=case.completion[1],
                                   max_concurrent_seqs=case.slots),
-        controller=ControllerConfig(prompts_per_step=case.rows // GROUP, num_steps=100),
-        algorithm=AlgorithmConfig(name="grpo", group_size=GROUP),
+        controller=ControllerConfig(prompts_per_step=case.rows // group, num_steps=100,
+                                    snapshot_keep=1001),
+        algorithm=AlgorithmConfig(name="grpo", group_size=group),
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(cfg, checkpoint_dir=tmp)
-        n_params = sum(x.size for x in jax.tree.leaves(trainer.params()))
+        trainer_ = Trainer(cfg, checkpoint_dir=tmp)
+        n_params = sum(x.size for x in jax.tree.leaves(trainer_.params()))
         for s in range(2):  # compile the length buckets these batches use
-            trainer.train_step(batch(case, 100 + s, model_cfg.vocab_size))
-        times, old, tokens, pad, pad_unsorted = [], [], [], [], []
-        for s in range(steps):
-            m = trainer.train_step(batch(case, s + 1, model_cfg.vocab_size))
-            times.append(m["time_step_s"])
-            old.append(m["time_logp_old_s"])
-            tokens.append(m["sequence_tokens"])
-            pad.append(m["padding_fraction"])
-            pad_unsorted.append(m["padding_fraction_unsorted"])
-        trainer.close()
-    step_s = float(np.mean(times))
-    tok = float(np.mean(tokens))
+            trainer_.train_step(batch(case, 100 + s, model_cfg.vocab_size, group))
+        metrics = [trainer_.train_step(batch(case, s + 1, model_cfg.vocab_size, group))
+                   for s in range(steps)]  # fmt: skip
+        trainer_.close()
+    return int(n_params), metrics
+
+
+def run_case(case: Case, align: bool, steps: int, peak: float) -> dict:
+    n_params, ms = timed_steps(case, steps=steps, micro_batch_size=case.micro, length_bucket=64,
+                               align_logprobs=align)  # fmt: skip
+    mean = lambda key: float(np.mean([m[key] for m in ms]))  # noqa: E731
+    step_s, tok = mean("time_step_s"), mean("sequence_tokens")
     model_flops = 6 * n_params * tok / step_s
     return dict(
-        model=case.model, params=int(n_params), rows=case.rows, micro_batch=case.micro,
-        aligned=align, step_s=step_s, logp_old_s=float(np.mean(old)), tokens_per_step=tok,
-        tokens_per_s=tok / step_s, padding_fraction=float(np.mean(pad)),
-        padding_fraction_unsorted=float(np.mean(pad_unsorted)),
+        model=case.model, params=n_params, rows=case.rows, micro_batch=case.micro,
+        aligned=align, step_s=step_s, logp_old_s=mean("time_logp_old_s"), tokens_per_step=tok,
+        tokens_per_s=tok / step_s, padding_fraction=mean("padding_fraction"),
+        padding_fraction_unsorted=mean("padding_fraction_unsorted"),
         model_flops_per_s=model_flops, fraction_of_peak=model_flops / peak,
     )  # fmt: skip
 
