@@ -23,6 +23,7 @@ docs: setup
 
 lint: setup
 	$(VENV)/bin/ruff check rlax_tpu tests configs benchmarks
+	$(VENV)/bin/ruff format --check rlax_tpu tests configs benchmarks
 	$(VENV)/bin/lint-imports
 
 setup: sysdeps $(STAMP) $(KUSTOMIZE)

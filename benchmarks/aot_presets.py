@@ -29,20 +29,34 @@ CASES: dict[str, list[str]] = {
     "smollm2-v5e_2x2": ["--config=configs/smollm2_math.py:tpu", "--topology=v5e:2x2"],
     "smollm2-v5p_2x2x1": ["--config=configs/smollm2_math.py:tpu", "--topology=v5p:2x2x1"],
     # RLAX's layout: the trainer on a v5p-512 slice, each inference worker on its own slice.
-    "v5p-inference-v5p_2x2x1": ["--config=configs/codeforces.py:v5p", "--topology=v5p:2x2x1",
-                                "--component=inference"],  # fmt: skip
+    "v5p-inference-v5p_2x2x1": [
+        "--config=configs/codeforces.py:v5p",
+        "--topology=v5p:2x2x1",
+        "--component=inference",
+    ],
     # The trainer's 64 layers are scanned (trainer.scan_layers): one layer body whatever the depth,
     # so the full step compiles on this 24 GiB host (unrolled, XLA was killed at 22 GB after 14
     # min); FLOPs and bytes of scanned programs are counted by depth (aot/report.cost_by_depth).
-    "v5p-trainer-v5p_8x8x4": ["--config=configs/codeforces.py:v5p", "--topology=v5p:8x8x4",
-                              "--component=trainer"],  # fmt: skip
+    "v5p-trainer-v5p_8x8x4": [
+        "--config=configs/codeforces.py:v5p",
+        "--topology=v5p:8x8x4",
+        "--component=trainer",
+    ],
     # One TPU VM of 8 chips split in two halves (trainer, one worker): each half is a v5e:2x2.
     "tpu_vm-v5e_2x2": ["--config=configs/codeforces.py:tpu_vm", "--topology=v5e:2x2"],
-    "v5p_small-trainer-v5p_2x2x2": ["--config=configs/codeforces.py:v5p_small",
-                                    "--topology=v5p:2x2x2", "--component=trainer"],  # fmt: skip
-    "v5p_small-inference-v5p_2x2x1": ["--config=configs/codeforces.py:v5p_small",
-                                      "--topology=v5p:2x2x1", "--component=inference"],  # fmt: skip
+    "v5p_small-trainer-v5p_2x2x2": [
+        "--config=configs/codeforces.py:v5p_small",
+        "--topology=v5p:2x2x2",
+        "--component=trainer",
+    ],
+    "v5p_small-inference-v5p_2x2x1": [
+        "--config=configs/codeforces.py:v5p_small",
+        "--topology=v5p:2x2x1",
+        "--component=inference",
+    ],
 }
+
+
 def run_case(name: str, args: list[str]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.json"
@@ -67,7 +81,7 @@ def table(name: str) -> str:
         "",
         "| program | topology | status | args GiB | temp GiB | held GiB | peak GiB | % HBM | limit GiB | TFLOP | GB accessed | roofline ms |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]  # fmt: skip
+    ]
     held = []
     for p in report["programs"]:
         if p["argument_bytes"]:

@@ -79,9 +79,14 @@ def build_config(args: argparse.Namespace, mode: str, run_dir: str):
 
     cfg = get_config("local")
     cfg.controller.update(
-        run_dir=run_dir, num_steps=args.steps, prompts_per_step=args.prompts, mode="deterministic",
-        warmup_steps=args.warmup_steps, seed=args.seed, **MODES[mode],
-    )  # fmt: skip
+        run_dir=run_dir,
+        num_steps=args.steps,
+        prompts_per_step=args.prompts,
+        mode="deterministic",
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+        **MODES[mode],
+    )
     cfg.algorithm.group_size = args.group_size
     cfg.inference.max_new_tokens = args.max_new_tokens
     cfg.trainer.micro_batch_size = args.micro_batch
@@ -107,7 +112,7 @@ def child(args: argparse.Namespace) -> None:
     (Path(args.run_dir) / "summary.json").write_text(
         json.dumps(
             {"wall_s": summary.wall_s, "steps": summary.steps_done, "counters": summary.counters}
-        )  # fmt: skip
+        )
     )
 
 
@@ -166,19 +171,36 @@ def main() -> None:
     parser.add_argument("--verifier-workers", type=int, default=1)
     parser.add_argument("--warmup-steps", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trainer-process", type=int, choices=(0, 1), default=1,
-                        help="1: controller.trainer_process (the trainer in a child process)")
-    parser.add_argument("--precompile", type=int, choices=(0, 1), default=1,
-                        help="1: trainer.precompile (every micro-batch shape compiled in step 1)")
+    parser.add_argument(
+        "--trainer-process",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="1: controller.trainer_process (the trainer in a child process)",
+    )
+    parser.add_argument(
+        "--precompile",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="1: trainer.precompile (every micro-batch shape compiled in step 1)",
+    )
     parser.add_argument("--sandbox-uid", type=int, default=2_800_000)
     parser.add_argument("--modes", default="lock-step,off-policy")
-    parser.add_argument("--pin", type=int, choices=(0, 1), default=int((os.cpu_count() or 1) >= 2),
-                        help="1: the controller process (engine, verifier, sandboxes) on CPU 0 and "
-                        "the trainer child on CPU 1 (needs --trainer-process 1 and 2+ CPUs)")
     parser.add_argument(
-        "--xla-threads", choices=("default", "1"), default="1",
+        "--pin",
+        type=int,
+        choices=(0, 1),
+        default=int((os.cpu_count() or 1) >= 2),
+        help="1: the controller process (engine, verifier, sandboxes) on CPU 0 and "
+        "the trainer child on CPU 1 (needs --trainer-process 1 and 2+ CPUs)",
+    )
+    parser.add_argument(
+        "--xla-threads",
+        choices=("default", "1"),
+        default="1",
         help="1: single-threaded XLA:CPU ops in both runs (appended to XLA_FLAGS of both children)",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", default=str(HERE / "async_speedup.json"))
     parser.add_argument("--keep", help="copy the run directories and logs here")
     parser.add_argument("--child", choices=sorted(MODES), help=argparse.SUPPRESS)
@@ -196,11 +218,24 @@ def main() -> None:
     if args.steps <= args.skip:
         parser.error(f"--steps must be > --skip ({args.skip})")
 
-    workload = {k: getattr(args, k) for k in ("steps", "prompts", "group_size", "max_new_tokens",
-                                              "micro_batch", "length_bucket", "verifier_workers",
-                                              "warmup_steps", "trainer_process", "pin",
-                                              "precompile",
-                                              "seed", "skip")}  # fmt: skip
+    workload = {
+        k: getattr(args, k)
+        for k in (
+            "steps",
+            "prompts",
+            "group_size",
+            "max_new_tokens",
+            "micro_batch",
+            "length_bucket",
+            "verifier_workers",
+            "warmup_steps",
+            "trainer_process",
+            "pin",
+            "precompile",
+            "seed",
+            "skip",
+        )
+    }
     env = dict(os.environ)
     if args.xla_threads == "1":
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + SINGLE_THREAD).strip()
@@ -213,8 +248,9 @@ def main() -> None:
         for mode in args.modes.split(","):
             run_dir = Path(tmp) / mode
             argv = [sys.executable, __file__, "--child", mode, "--run-dir", str(run_dir)]
-            argv += [f"--{k.replace('_', '-')}={v}" for k, v in workload.items()
-                     if k not in ("skip",)]  # fmt: skip
+            argv += [
+                f"--{k.replace('_', '-')}={v}" for k, v in workload.items() if k not in ("skip",)
+            ]
             t0 = time.perf_counter()
             pin = (lambda: os.sched_setaffinity(0, {0})) if args.pin else None
             proc = subprocess.run(argv, cwd=REPO, env=env, preexec_fn=pin)
@@ -226,9 +262,11 @@ def main() -> None:
             results[mode] = analyse(run_dir, args.skip, wall)
             load[f"after {mode}"] = load_avg()
             r = results[mode]
-            print(f"{mode}: {r['steps']} steps, {r['total_wall_s']:.1f} s, steady "
-                  f"{r['s_per_step']:.2f} s/step; load average {load[f'after {mode}']}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{mode}: {r['steps']} steps, {r['total_wall_s']:.1f} s, steady "
+                f"{r['s_per_step']:.2f} s/step; load average {load[f'after {mode}']}",
+                flush=True,
+            )
         if args.keep:
             shutil.copytree(tmp, args.keep, dirs_exist_ok=True)
     report(results, workload, load, env_note, args.out)
@@ -237,23 +275,31 @@ def main() -> None:
 def report(results: dict, workload: dict, load: dict, env_note: dict, out: str) -> None:
     lock, off = results.get("lock-step"), results.get("off-policy")
     rows = []
-    header = ("| mode | steps | total wall s | mean s/step (steady) | median s/step | generate s/step "
-              "| verify s/step | train s/step | wait s/step | compiles (steady) | final reward "
-              "| reward curve |")  # fmt: skip
+    header = (
+        "| mode | steps | total wall s | mean s/step (steady) | median s/step | generate s/step "
+        "| verify s/step | train s/step | wait s/step | compiles (steady) | final reward "
+        "| reward curve |"
+    )
     rows += [header, "|" + "---|" * 12]
     for mode, r in results.items():
         curve = ", ".join(f"{x:.3f}" for x in r["reward_curve"])
-        rows.append(f"| {mode} | {r['steps']} | {r['total_wall_s']:.1f} | {r['s_per_step']:.2f} "
-                    f"| {r['s_per_step_median']:.2f} | {r['generate_s']:.2f} | {r['verify_s']:.2f} | {r['train_s']:.2f} "
-                    f"| {r['wait_s']:.2f} | {r['steady_compilations']:.0f} "
-                    f"| {r['reward_curve'][-1]:.3f} | [{curve}] |")  # fmt: skip
+        rows.append(
+            f"| {mode} | {r['steps']} | {r['total_wall_s']:.1f} | {r['s_per_step']:.2f} "
+            f"| {r['s_per_step_median']:.2f} | {r['generate_s']:.2f} | {r['verify_s']:.2f} | {r['train_s']:.2f} "
+            f"| {r['wait_s']:.2f} | {r['steady_compilations']:.0f} "
+            f"| {r['reward_curve'][-1]:.3f} | [{curve}] |"
+        )
     summary: dict = {}
     if lock:
         rollout = lock["generate_s"] + lock["verify_s"]
         train = lock["train_s"]
         bound = (rollout + train) / max(rollout, train)
-        summary |= {"lockstep_rollout_s": rollout, "lockstep_train_s": train,
-                    "gen_train_ratio": rollout / train, "overlap_bound": bound}  # fmt: skip
+        summary |= {
+            "lockstep_rollout_s": rollout,
+            "lockstep_train_s": train,
+            "gen_train_ratio": rollout / train,
+            "overlap_bound": bound,
+        }
     if lock and off:
         speedup = lock["s_per_step"] / off["s_per_step"]
         summary |= {
@@ -261,8 +307,9 @@ def report(results: dict, workload: dict, load: dict, env_note: dict, out: str) 
             "speedup_median": lock["s_per_step_median"] / off["s_per_step_median"],
             "speedup_total": lock["total_wall_s"] / off["total_wall_s"],
             "fraction_of_bound": (speedup - 1) / (summary["overlap_bound"] - 1)
-            if summary["overlap_bound"] > 1 else float("nan"),
-        }  # fmt: skip
+            if summary["overlap_bound"] > 1
+            else float("nan"),
+        }
     print()
     print("\n".join(rows))
     print()
@@ -279,11 +326,20 @@ def report(results: dict, workload: dict, load: dict, env_note: dict, out: str) 
         )
         print(f"| speedup, median step interval | {summary['speedup_median']:.2f}x |")
         print(f"| speedup, total wall (incl. compile, eval) | {summary['speedup_total']:.2f}x |")
-        print(f"| fraction of the bound's gain: (speedup - 1) / (bound - 1) "
-              f"| {100 * summary['fraction_of_bound']:.0f}% |")  # fmt: skip
+        print(
+            f"| fraction of the bound's gain: (speedup - 1) / (bound - 1) "
+            f"| {100 * summary['fraction_of_bound']:.0f}% |"
+        )
     print(f"\nload average (1, 5, 15 min): {' -> '.join(f'{k}: {v}' for k, v in load.items())}")
-    payload = {"workload": workload, "env": env_note, "load_average": load, "summary": summary,
-               "results": results, "platform": platform.platform(), "cpus": os.cpu_count()}  # fmt: skip
+    payload = {
+        "workload": workload,
+        "env": env_note,
+        "load_average": load,
+        "summary": summary,
+        "results": results,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
     if out != os.devnull:
         Path(out).write_text(json.dumps(payload, indent=1) + "\n")
         print(f"wrote {out}")

@@ -79,12 +79,24 @@ def hf_generate(hf: Any, batch: list, *, sample: bool) -> tuple[float, dict[str,
         ids[b, width - len(r.prompt_tokens) :] = torch.tensor(r.prompt_tokens)
         mask[b, width - len(r.prompt_tokens) :] = 1
     steps = max(r.sampling.max_new_tokens for r in batch)
-    how = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(
-        do_sample=False)  # fmt: skip
+    how = (
+        dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+        if sample
+        else dict(do_sample=False)
+    )
     start = time.perf_counter()
     with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
-                          min_new_tokens=steps, pad_token_id=0, eos_token_id=None, **how)  # fmt: skip
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            pad_token_id=0,
+            eos_token_id=None,
+            **how,
+        )
     seconds = time.perf_counter() - start
-    return seconds, {r.prompt_id: out[b, width : width + r.sampling.max_new_tokens].numpy()
-                     for b, r in enumerate(batch)}  # fmt: skip
+    return seconds, {
+        r.prompt_id: out[b, width : width + r.sampling.max_new_tokens].numpy()
+        for b, r in enumerate(batch)
+    }

@@ -71,8 +71,9 @@ def workload(n: int, prompt: tuple[int, int], vocab: int, seed: int) -> list[Req
         tokens = rng.integers(0, vocab, size=int(rng.integers(prompt[0], prompt[1] + 1)))
         length = int(rng.integers(OUTPUT[0], OUTPUT[1] + 1))
         params = SamplingParams(temperature=0.0, max_new_tokens=length, ignore_eos=True, seed=i)
-        out.append(Request(prompt_id=f"q{i}", prompt_tokens=tuple(int(t) for t in tokens),
-                           sampling=params))  # fmt: skip
+        out.append(
+            Request(prompt_id=f"q{i}", prompt_tokens=tuple(int(t) for t in tokens), sampling=params)
+        )
     return out
 
 
@@ -89,8 +90,9 @@ def useful(batch: list[Request]) -> int:
 
 def engine_config(max_prompt: int, **changes: int | float | str) -> InferenceConfig:
     """The defaults, sized for the workload (slots, prompt and output budget), with ``changes``."""
-    return InferenceConfig(max_concurrent_seqs=SLOTS, max_prompt_len=max_prompt,
-                           max_new_tokens=OUTPUT[1], **changes)  # fmt: skip
+    return InferenceConfig(
+        max_concurrent_seqs=SLOTS, max_prompt_len=max_prompt, max_new_tokens=OUTPUT[1], **changes
+    )
 
 
 def variant(text: str) -> dict[str, int | float | str]:
@@ -112,13 +114,18 @@ def variant(text: str) -> dict[str, int | float | str]:
     return out
 
 
-def run_engine(model: models.Transformer, requests: list[Request], max_prompt: int,
-               **changes: int | float | str) -> dict:  # fmt: skip
+def run_engine(
+    model: models.Transformer,
+    requests: list[Request],
+    max_prompt: int,
+    **changes: int | float | str,
+) -> dict:
     cfg = engine_config(max_prompt, **changes)
     warm = Engine(model, cfg)  # compiles the programs outside the timed run (process-wide cache)
     first = requests[0]
-    warm.submit(dataclasses.replace(first, sampling=dataclasses.replace(first.sampling,
-                                                                        max_new_tokens=2)))
+    warm.submit(
+        dataclasses.replace(first, sampling=dataclasses.replace(first.sampling, max_new_tokens=2))
+    )
     warm.run()
     del warm
     engine = Engine(model, cfg)
@@ -130,25 +137,40 @@ def run_engine(model: models.Transformer, requests: list[Request], max_prompt: i
     tokens = {r.prompt_id: np.asarray(r.tokens) for r in rollouts}
     total = sum(len(t) for t in tokens.values())
     assert total == useful(requests), "the engine did not produce every requested token"
-    return dict(tokens=total, seconds=wall, tokens_per_s=total / wall, steps=engine.steps,
-                compilations=engine.compilations, rows_bitwise=engine.rows_bitwise,
-                native_attention=engine.cache.native, outputs=tokens)  # fmt: skip
+    return dict(
+        tokens=total,
+        seconds=wall,
+        tokens_per_s=total / wall,
+        steps=engine.steps,
+        compilations=engine.compilations,
+        rows_bitwise=engine.rows_bitwise,
+        native_attention=engine.cache.native,
+        outputs=tokens,
+    )
 
 
 def engine_step(model: models.Transformer, context: int, repeats: int = 7) -> float:
     """Seconds of the engine's decode program at 64 rows, every row at ``context``."""
     engine = Engine(model, engine_config(64))
     n, m = SLOTS, engine.pages_per_seq
-    tables = jnp.asarray(1 + np.arange(n * m).reshape(n, m) % (engine.cache.num_pages - 1),
-                         jnp.int32)  # fmt: skip
+    tables = jnp.asarray(
+        1 + np.arange(n * m).reshape(n, m) % (engine.cache.num_pages - 1), jnp.int32
+    )
     tokens = jnp.asarray(np.arange(n) * 7 % model.cfg.vocab_size, jnp.int32)
     positions = jnp.full((n,), context, jnp.int32)
     sampling = {k: jnp.asarray(v) for k, v in idle_sampling(n).items()}
     sampling["temperature"] = jnp.zeros(n, jnp.float32)  # greedy, as the workloads
 
     def run():  # noqa: ANN202
-        out, engine.cache = decode_program(engine.state, engine.cache, tokens, positions, tables,
-                                           sampling, graphdef=engine.graphdef)  # fmt: skip
+        out, engine.cache = decode_program(
+            engine.state,
+            engine.cache,
+            tokens,
+            positions,
+            tables,
+            sampling,
+            graphdef=engine.graphdef,
+        )
         return out
 
     return median_time(run, repeats)
@@ -193,8 +215,10 @@ class PlainCache:
             seen = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
             scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
             out = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(scores, axis=-1), v_layer)
-        cache = PlainCache(k=self.k[:layer] + (k_layer,) + self.k[layer + 1 :],
-                           v=self.v[:layer] + (v_layer,) + self.v[layer + 1 :])  # fmt: skip
+        cache = PlainCache(
+            k=self.k[:layer] + (k_layer,) + self.k[layer + 1 :],
+            v=self.v[:layer] + (v_layer,) + self.v[layer + 1 :],
+        )
         return out.reshape(q.shape), cache
 
 
@@ -215,8 +239,9 @@ def _static_generate(model, prompt, positions, lengths, steps, cache_len):  # no
     nxt, cache = _plain_step(state, prompt, positions, cache, lengths - 1, graphdef=graphdef)
     out, zero = [nxt], jnp.zeros_like(lengths)
     for t in range(1, steps):
-        nxt, cache = _plain_step(state, nxt[:, None], (lengths + t - 1)[:, None], cache, zero,
-                                 graphdef=graphdef)  # fmt: skip
+        nxt, cache = _plain_step(
+            state, nxt[:, None], (lengths + t - 1)[:, None], cache, zero, graphdef=graphdef
+        )
         out.append(nxt)
     return jnp.stack(out, axis=1)
 
@@ -241,8 +266,9 @@ def run_static(model: models.Transformer, batches: list[list[Request]]) -> dict:
         total += useful(batch)
         for b, r in enumerate(batch):
             outputs[r.prompt_id] = out[b, : r.sampling.max_new_tokens]
-    return dict(tokens=total, seconds=wall, tokens_per_s=total / wall, waves=len(batches),
-                outputs=outputs)  # fmt: skip
+    return dict(
+        tokens=total, seconds=wall, tokens_per_s=total / wall, waves=len(batches), outputs=outputs
+    )
 
 
 # -- HF transformers --------------------------------------------------------------------------
@@ -259,8 +285,14 @@ def run_hf(model: models.Transformer, batches: list[list[Request]], dtype: str) 
         wall += seconds
         total += useful(batch)
         outputs.update(tokens)
-    return dict(tokens=total, seconds=wall, tokens_per_s=total / wall, waves=len(batches),
-                torch_threads=torch.get_num_threads(), outputs=outputs)  # fmt: skip
+    return dict(
+        tokens=total,
+        seconds=wall,
+        tokens_per_s=total / wall,
+        waves=len(batches),
+        torch_threads=torch.get_num_threads(),
+        outputs=outputs,
+    )
 
 
 # -- engines in the benchmark venv ------------------------------------------------------------
@@ -272,30 +304,52 @@ def export_weights(model: models.Transformer, path: Path) -> None:
     flat = nnx.to_flat_state(nnx.state(model))
     np.savez(path, **{".".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat})
     c = model.cfg
-    path.with_suffix(".json").write_text(json.dumps(dict(
-        num_layers=c.num_layers, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads, head_dim=c.resolved_head_dim, rope_theta=c.rope_theta,
-        rms_norm_eps=c.rms_norm_eps)))  # fmt: skip
+    path.with_suffix(".json").write_text(
+        json.dumps(
+            dict(
+                num_layers=c.num_layers,
+                vocab_size=c.vocab_size,
+                hidden_size=c.hidden_size,
+                intermediate_size=c.intermediate_size,
+                num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads,
+                head_dim=c.resolved_head_dim,
+                rope_theta=c.rope_theta,
+                rms_norm_eps=c.rms_norm_eps,
+            )
+        )
+    )
 
 
 def run_foreign(engine: str, requests: list[Request], weights: Path) -> dict:
     """``foreign_engines.py <engine>`` on ``requests`` in the benchmark venv (a subprocess);
     ``weights``: :func:`export_weights`' file (Tunix reads it; llama.cpp reads the GGUF)."""
     if not BENCH_PYTHON.exists():
-        raise SystemExit(f"{BENCH_PYTHON} is missing: run `make bench-venv` (or pass "
-                         f"--skip-{engine})")  # fmt: skip
+        raise SystemExit(
+            f"{BENCH_PYTHON} is missing: run `make bench-venv` (or pass --skip-{engine})"
+        )
     with tempfile.TemporaryDirectory() as tmp:
-        spec = [dict(id=r.prompt_id, prompt=list(r.prompt_tokens),
-                     length=r.sampling.max_new_tokens) for r in requests]  # fmt: skip
+        spec = [
+            dict(id=r.prompt_id, prompt=list(r.prompt_tokens), length=r.sampling.max_new_tokens)
+            for r in requests
+        ]
         (Path(tmp) / "requests.json").write_text(json.dumps(spec))
         if engine == "tunix":
             source = ["--weights", str(weights)]
         else:
             source = ["--gguf", str(smollm2_path())]
-        cmd = [str(BENCH_PYTHON), str(HERE / "foreign_engines.py"), engine, *source,
-               "--requests", f"{tmp}/requests.json", "--slots", str(SLOTS),
-               "--out", f"{tmp}/out.json"]  # fmt: skip
+        cmd = [
+            str(BENCH_PYTHON),
+            str(HERE / "foreign_engines.py"),
+            engine,
+            *source,
+            "--requests",
+            f"{tmp}/requests.json",
+            "--slots",
+            str(SLOTS),
+            "--out",
+            f"{tmp}/out.json",
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"{engine} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -317,21 +371,29 @@ def agreement(got: dict, want: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--queue", type=int, default=256, help="requests in the queued workload")
-    ap.add_argument("--baseline-waves", type=int, default=1, help="queue waves the static "
-                    "engines run")  # fmt: skip
+    ap.add_argument(
+        "--baseline-waves", type=int, default=1, help="queue waves the static engines run"
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--skip-tunix", action="store_true")
-    ap.add_argument("--engine-variant", type=variant, action="append", default=[],
-                    help="also run the engine with these InferenceConfig changes, e.g. "
-                    "prefill_rows=0 (repeatable)")  # fmt: skip
+    ap.add_argument(
+        "--engine-variant",
+        type=variant,
+        action="append",
+        default=[],
+        help="also run the engine with these InferenceConfig changes, e.g. "
+        "prefill_rows=0 (repeatable)",
+    )
     ap.add_argument("--out", default=str(HERE / "decode_speed.json"))
     args = ap.parse_args()
     model = smollm2()
     vocab = model.cfg.vocab_size
     peaks = [dot_peak()]
-    loads = dict(wave=(workload(SLOTS, (10, 28), vocab, seed=0), 28),
-                 queue=(workload(args.queue, (16, 64), vocab, seed=1), 64))  # fmt: skip
+    loads = dict(
+        wave=(workload(SLOTS, (10, 28), vocab, seed=0), 28),
+        queue=(workload(args.queue, (16, 64), vocab, seed=1), 64),
+    )
     results: dict = {}
     scratch = tempfile.TemporaryDirectory()  # the exported weights, written once for both loads
     weights = Path(scratch.name) / "weights.npz"
@@ -355,34 +417,49 @@ def main() -> None:
         for r in res.values():
             r["agreement"] = agreement(r.pop("outputs"), reference)
         results[name] = res
-        print(f"{name}: " + ", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s" for k, v in res.items()),
-              flush=True)  # fmt: skip
+        print(
+            f"{name}: " + ", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s" for k, v in res.items()),
+            flush=True,
+        )
     context = 160
     step = engine_step(model, context)
     peaks.append(dot_peak())
     flops = model_flops(model.cfg, SLOTS, context)
-    results["decode_step"] = dict(rows=SLOTS, context=context, seconds=step, model_flops=flops,
-                                  peak_flops=peaks, fraction_of_peak=flops / step / max(peaks))  # fmt: skip
+    results["decode_step"] = dict(
+        rows=SLOTS,
+        context=context,
+        seconds=step,
+        model_flops=flops,
+        peak_flops=peaks,
+        fraction_of_peak=flops / step / max(peaks),
+    )
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(table(results))
 
 
 def table(results: dict) -> str:
-    lines = ["| workload | engine | tokens | seconds | tokens/s | engine / this | equal to the "
-             "plain JAX reference |", "|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines = [
+        "| workload | engine | tokens | seconds | tokens/s | engine / this | equal to the "
+        "plain JAX reference |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
     for name in ("wave", "queue"):
         ours = results[name]["engine"]["tokens_per_s"]
         for key, r in results[name].items():
             a = r["agreement"]
-            lines.append(f"| {name} | {key} | {r['tokens']} | {r['seconds']:.1f} | "
-                         f"{r['tokens_per_s']:.1f} | {ours / r['tokens_per_s']:.2f}x | "
-                         f"{a['equal']}/{a['requests']} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {key} | {r['tokens']} | {r['seconds']:.1f} | "
+                f"{r['tokens_per_s']:.1f} | {ours / r['tokens_per_s']:.2f}x | "
+                f"{a['equal']}/{a['requests']} |"
+            )
     d = results["decode_step"]
-    lines.append(f"\nengine decode step, {d['rows']} rows at position {d['context']}: "
-                 f"{d['seconds'] * 1e3:.1f} ms = {d['model_flops'] / d['seconds'] / 1e9:.0f} "
-                 f"GFLOP/s = {d['fraction_of_peak']:.1%} of the jnp.dot peak (best of "
-                 f"{', '.join(f'{p / 1e9:.0f}' for p in d['peak_flops'])} GFLOP/s, start and end "
-                 "of the run)")  # fmt: skip
+    lines.append(
+        f"\nengine decode step, {d['rows']} rows at position {d['context']}: "
+        f"{d['seconds'] * 1e3:.1f} ms = {d['model_flops'] / d['seconds'] / 1e9:.0f} "
+        f"GFLOP/s = {d['fraction_of_peak']:.1%} of the jnp.dot peak (best of "
+        f"{', '.join(f'{p / 1e9:.0f}' for p in d['peak_flops'])} GFLOP/s, start and end "
+        "of the run)"
+    )
     return "\n".join(lines)
 
 

@@ -50,8 +50,10 @@ def run_llama_cpp(gguf: str, requests: list[dict], slots: int, threads: int) -> 
     if not model:
         raise SystemExit(f"llama.cpp could not load {gguf}")
     if max(len(r["prompt"]) for r in requests) > BATCH - slots:
-        raise SystemExit(f"llama-cpp: prompts must fit one batch beside the decode tokens "
-                         f"(<= {BATCH - slots} tokens)")  # fmt: skip
+        raise SystemExit(
+            f"llama-cpp: prompts must fit one batch beside the decode tokens "
+            f"(<= {BATCH - slots} tokens)"
+        )
     per_seq = max(len(r["prompt"]) + r["length"] for r in requests)
     per_seq = -(-per_seq // 256) * 256
     cparams = L.llama_context_default_params()
@@ -107,8 +109,13 @@ def run_llama_cpp(gguf: str, requests: list[dict], slots: int, threads: int) -> 
     L.llama_batch_free(batch)
     L.llama_free(ctx)
     L.llama_model_free(model)
-    return dict(tokens=sum(len(v) for v in outputs.values()), seconds=seconds, outputs=outputs,
-                threads=threads, version=getattr(L, "__version__", "?"))  # fmt: skip
+    return dict(
+        tokens=sum(len(v) for v in outputs.values()),
+        seconds=seconds,
+        outputs=outputs,
+        threads=threads,
+        version=getattr(L, "__version__", "?"),
+    )
 
 
 class IdsTokenizer:
@@ -140,11 +147,17 @@ def tunix_model(weights: str):  # noqa: ANN201
     cfg = json.loads(Path(weights).with_suffix(".json").read_text())
     w = np.load(weights)
     config = llama3.ModelConfig(
-        num_layers=cfg["num_layers"], vocab_size=cfg["vocab_size"], embed_dim=cfg["hidden_size"],
-        hidden_dim=cfg["intermediate_size"], num_heads=cfg["num_heads"],
-        head_dim=cfg["head_dim"], num_kv_heads=cfg["num_kv_heads"],
-        rope_theta=int(cfg["rope_theta"]), norm_eps=cfg["rms_norm_eps"], weight_tying=True,
-    )  # fmt: skip
+        num_layers=cfg["num_layers"],
+        vocab_size=cfg["vocab_size"],
+        embed_dim=cfg["hidden_size"],
+        hidden_dim=cfg["intermediate_size"],
+        num_heads=cfg["num_heads"],
+        head_dim=cfg["head_dim"],
+        num_kv_heads=cfg["num_kv_heads"],
+        rope_theta=int(cfg["rope_theta"]),
+        norm_eps=cfg["rms_norm_eps"],
+        weight_tying=True,
+    )
     # Tunix 0.1.7's attention calls apply_rope without the config's rope_theta (its default,
     # 1e6, is used whatever the model): bind SmolLM2's base so that the model is SmolLM2.
     llama3.apply_rope = functools.partial(llama3.apply_rope, rope_theta=config.rope_theta)
@@ -173,11 +186,15 @@ def run_tunix(weights: str, requests: list[dict], slots: int) -> dict:
     cache = 1 << (longest_prompt - 1).bit_length()  # Tunix pads prompts to a power of two
     cache += max(r["length"] for r in requests)
     sampler = sampler_lib.Sampler(
-        transformer=model, tokenizer=IdsTokenizer(pad),
-        cache_config=sampler_lib.CacheConfig(cache_size=cache, num_layers=config.num_layers,
-                                             num_kv_heads=config.num_kv_heads,
-                                             head_dim=config.head_dim),
-    )  # fmt: skip
+        transformer=model,
+        tokenizer=IdsTokenizer(pad),
+        cache_config=sampler_lib.CacheConfig(
+            cache_size=cache,
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+        ),
+    )
     outputs: dict[str, list[int]] = {}
     seconds = 0.0
     for w in range(0, len(requests), slots):
@@ -186,8 +203,9 @@ def run_tunix(weights: str, requests: list[dict], slots: int) -> dict:
         steps = max(r["length"] for r in batch)
 
         def call(texts=texts, steps=steps):  # noqa: ANN001, ANN202
-            out = sampler(input_strings=texts, max_generation_steps=steps, temperature=0.0,
-                          eos_tokens=[-1])  # fmt: skip
+            out = sampler(
+                input_strings=texts, max_generation_steps=steps, temperature=0.0, eos_tokens=[-1]
+            )
             return jax.block_until_ready(out.tokens)
 
         call()  # compiles
@@ -196,8 +214,12 @@ def run_tunix(weights: str, requests: list[dict], slots: int) -> dict:
         seconds += time.perf_counter() - start
         for r, t in zip(batch, tokens, strict=True):
             outputs[r["id"]] = [int(x) for x in np.asarray(t)[: r["length"]]]
-    return dict(tokens=sum(len(v) for v in outputs.values()), seconds=seconds, outputs=outputs,
-                waves=-(-len(requests) // slots))  # fmt: skip
+    return dict(
+        tokens=sum(len(v) for v in outputs.values()),
+        seconds=seconds,
+        outputs=outputs,
+        waves=-(-len(requests) // slots),
+    )
 
 
 def main() -> None:

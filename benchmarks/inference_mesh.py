@@ -41,9 +41,15 @@ from rlax_tpu.inference.scheduler import Request  # noqa: E402
 HERE = Path(__file__).resolve().parent
 # A Llama shape whose 8 query / 4 KV heads split 1, 2 and 4 ways.
 MODEL = models.preset(
-    "tiny", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
-    num_kv_heads=4, max_position_embeddings=256,
-)  # fmt: skip
+    "tiny",
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    max_position_embeddings=256,
+)
 MESHES = {
     "1 device": MeshConfig(data=1, fsdp=1, tensor=1),
     "tensor 2": MeshConfig(data=1, fsdp=1, tensor=2),
@@ -51,9 +57,12 @@ MESHES = {
     "data 2 x tensor 2": MeshConfig(data=2, fsdp=1, tensor=2),
 }
 CFG = InferenceConfig(
-    max_concurrent_seqs=32, page_size=16, kv_cache_bytes=64 * 2**20, max_prompt_len=32,
+    max_concurrent_seqs=32,
+    page_size=16,
+    kv_cache_bytes=64 * 2**20,
+    max_prompt_len=32,
     max_new_tokens=96,
-)  # fmt: skip
+)
 
 
 def workload(n: int, seed: int = 0) -> list[Request]:
@@ -61,10 +70,13 @@ def workload(n: int, seed: int = 0) -> list[Request]:
     return [
         Request(
             prompt_id=f"r{i}",
-            prompt_tokens=tuple(int(t) for t in rng.integers(0, MODEL.vocab_size, rng.integers(8, 33))),
-            sampling=SamplingParams(temperature=0.0, ignore_eos=True,
-                                    max_new_tokens=int(rng.integers(16, 97))),
-        )  # fmt: skip
+            prompt_tokens=tuple(
+                int(t) for t in rng.integers(0, MODEL.vocab_size, rng.integers(8, 33))
+            ),
+            sampling=SamplingParams(
+                temperature=0.0, ignore_eos=True, max_new_tokens=int(rng.integers(16, 97))
+            ),
+        )
         for i in range(n)
     ]
 
@@ -81,8 +93,12 @@ def run(model: models.Transformer, mesh: MeshConfig, requests: list[Request]) ->
     done = engine.run()
     elapsed = time.perf_counter() - start
     tokens = sum(len(r.tokens) for r in done)
-    return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed,
-            "outputs": {r.prompt_id: r.tokens.tolist() for r in done}}  # fmt: skip
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "tokens": tokens,
+        "seconds": elapsed,
+        "outputs": {r.prompt_id: r.tokens.tolist() for r in done},
+    }
 
 
 def main() -> None:
@@ -95,19 +111,26 @@ def main() -> None:
     peak = dot_peak()
     results = {name: run(model, mesh, requests) for name, mesh in MESHES.items()}
     base = results["1 device"]
-    rows = ["| mesh | tokens/s | vs 1 device | same tokens | fraction of jnp.dot peak |",
-            "|---|---:|---:|---|---:|"]  # fmt: skip
+    rows = [
+        "| mesh | tokens/s | vs 1 device | same tokens | fraction of jnp.dot peak |",
+        "|---|---:|---:|---|---:|",
+    ]
     for name, r in results.items():
         same = r["outputs"] == base["outputs"]
         frac = 2 * params * r["tokens_per_s"] / peak
-        rows.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
-                    f"| {'yes' if same else 'no'} | {frac:.3f} |")  # fmt: skip
-    print(f"model: {params / 1e6:.1f}M parameters (f32); jnp.dot peak {peak / 1e9:.0f} GFLOP/s "
-          f"(one device); {args.requests} requests, {base['tokens']} tokens")  # fmt: skip
+        rows.append(
+            f"| {name} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+            f"| {'yes' if same else 'no'} | {frac:.3f} |"
+        )
+    print(
+        f"model: {params / 1e6:.1f}M parameters (f32); jnp.dot peak {peak / 1e9:.0f} GFLOP/s "
+        f"(one device); {args.requests} requests, {base['tokens']} tokens"
+    )
     print("\n".join(rows))
     summary = {name: {k: v for k, v in r.items() if k != "outputs"} for name, r in results.items()}
-    (HERE / "inference_mesh.json").write_text(json.dumps(
-        {"peak_flops": peak, "params": params, "results": summary}, indent=2))  # fmt: skip
+    (HERE / "inference_mesh.json").write_text(
+        json.dumps({"peak_flops": peak, "params": params, "results": summary}, indent=2)
+    )
 
 
 if __name__ == "__main__":

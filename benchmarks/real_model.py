@@ -37,22 +37,33 @@ EVAL_EVERY = 5
 SAMPLES_SHOWN = 6
 GROUP = 8  # the preset's algorithm.group_size
 TRAIN_KEYS = {  # metrics.jsonl scalar -> curve field
-    "reward/mean": "reward", "rollout/length_mean": "length",
+    "reward/mean": "reward",
+    "rollout/length_mean": "length",
     "trainer/logp_old_behaviour_diff_mean": "dlogp_mean",
     "trainer/logp_old_behaviour_diff_p95": "dlogp_p95",
     "trainer/logp_old_behaviour_diff_max": "dlogp_max",
-    "trainer/staleness_max": "staleness", "time/generate": "generate_s",
-    "time/verify": "verify_s", "time/train": "train_s",
-    "trainer/time_logp_old_s": "logp_old_s", "trainer/time_update_s": "update_s",
-    "trainer/time_step_s": "trainer_step_s", "trainer/sequence_tokens": "tokens",
-}  # fmt: skip
+    "trainer/staleness_max": "staleness",
+    "time/generate": "generate_s",
+    "time/verify": "verify_s",
+    "time/train": "train_s",
+    "trainer/time_logp_old_s": "logp_old_s",
+    "trainer/time_update_s": "update_s",
+    "trainer/time_step_s": "trainer_step_s",
+    "trainer/sequence_tokens": "tokens",
+}
 
 
 def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
     run_dir = run_root / f"seed{seed}"
-    cmd = [sys.executable, "-m", "rlax_tpu.controller", f"--config={CONFIG}",
-           f"--config.controller.seed={seed}", f"--config.controller.run_dir={run_dir}",
-           f"--config.data.eval_every={EVAL_EVERY}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlax_tpu.controller",
+        f"--config={CONFIG}",
+        f"--config.controller.seed={seed}",
+        f"--config.controller.run_dir={run_dir}",
+        f"--config.data.eval_every={EVAL_EVERY}",
+    ]
     print("$", " ".join(cmd), flush=True)
     t0 = time.time()
     log = (run_root / f"seed{seed}.log").open("w")
@@ -71,50 +82,74 @@ def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
     log.close()
     if not (run_dir / "metrics.jsonl").exists():
         tail = (run_root / f"seed{seed}.log").read_text().splitlines()[-20:]
-        raise SystemExit(f"seed {seed}: the run wrote no metrics (exit {proc.returncode}):\n"
-                         + "\n".join(tail))
+        raise SystemExit(
+            f"seed {seed}: the run wrote no metrics (exit {proc.returncode}):\n" + "\n".join(tail)
+        )
     return _summarize(seed, run_dir, t0, minutes, stopped, proc.returncode)
 
 
-def _summarize(seed: int, run_dir: Path, t0: float, minutes: float, stopped: bool,
-               code: int) -> dict:  # fmt: skip
+def _summarize(
+    seed: int, run_dir: Path, t0: float, minutes: float, stopped: bool, code: int
+) -> dict:
     evals, steps = [], []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         s, minute = rec["scalars"], (rec["wall_time"] - t0) / 60
         if "eval/pass@1" in s:
             k = next(n for n in s if n.startswith("eval/pass@") and n != "eval/pass@1")
-            evals.append(dict(version=rec["step"], minutes=minute, pass1=s["eval/pass@1"],
-                              passk=s[k], k=int(k.split("@")[1]), eval_s=s["time/eval"]))  # fmt: skip
+            evals.append(
+                dict(
+                    version=rec["step"],
+                    minutes=minute,
+                    pass1=s["eval/pass@1"],
+                    passk=s[k],
+                    k=int(k.split("@")[1]),
+                    eval_s=s["time/eval"],
+                )
+            )
         if "reward/mean" in s:
-            steps.append({"step": rec["step"], "minutes": minute}
-                         | {v: s[m] for m, v in TRAIN_KEYS.items() if m in s})  # fmt: skip
+            steps.append(
+                {"step": rec["step"], "minutes": minute}
+                | {v: s[m] for m, v in TRAIN_KEYS.items() if m in s}
+            )
     evals = [e for e in evals if e["minutes"] <= minutes]
     base = evals[0]["pass1"]
     best = max(evals, key=lambda e: e["pass1"])
     first = next((e for e in evals if e["pass1"] - base >= 0.10), None)
     return dict(
-        seed=seed, command=f"{CONFIG} --config.controller.seed={seed} --config.data.eval_every={EVAL_EVERY}",
-        stopped_at_minutes=minutes if stopped else None, exit_code=code,
-        evals=evals, steps=steps, gain=best["pass1"] - base, best=best,
-        first_plus_10=first, answers=_answers(run_dir, evals[0]["version"], best["version"]),
+        seed=seed,
+        command=f"{CONFIG} --config.controller.seed={seed} --config.data.eval_every={EVAL_EVERY}",
+        stopped_at_minutes=minutes if stopped else None,
+        exit_code=code,
+        evals=evals,
+        steps=steps,
+        gain=best["pass1"] - base,
+        best=best,
+        first_plus_10=first,
+        answers=_answers(run_dir, evals[0]["version"], best["version"]),
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-    )  # fmt: skip
+    )
 
 
 def _answers(run_dir: Path, before: int, after: int) -> dict:
     """The first sample of the first SAMPLES_SHOWN held-out problems at both versions."""
     out = {}
     for name, v in (("before", before), ("after", after)):
-        rows = [json.loads(x) for x in
-                (run_dir / "eval" / f"version_{v:06d}.jsonl").read_text().splitlines()]  # fmt: skip
+        rows = [
+            json.loads(x)
+            for x in (run_dir / "eval" / f"version_{v:06d}.jsonl").read_text().splitlines()
+        ]
         seen, shown = set(), []
         for r in rows:
             if r["problem"] not in seen and len(shown) < SAMPLES_SHOWN:
                 seen.add(r["problem"])
                 shown.append(r)
-        out[name] = dict(version=v, samples=shown,
-                         accepted=sum(r["verdict"] == "accepted" for r in rows), total=len(rows))
+        out[name] = dict(
+            version=v,
+            samples=shown,
+            accepted=sum(r["verdict"] == "accepted" for r in rows),
+            total=len(rows),
+        )
     return out
 
 
@@ -129,40 +164,57 @@ def trainer_fraction() -> dict:
 
     case = Case("smollm2-135m", rows=64, micro=16, prompt=(40, 56), completion=(16, 64), slots=64)
     settings = {
-        "before (remat, micro 8, π_old replay)": dict(remat=True, micro_batch_size=8,
-                                                     old_logprobs="replay"),
+        "before (remat, micro 8, π_old replay)": dict(
+            remat=True, micro_batch_size=8, old_logprobs="replay"
+        ),
         "after (the preset: no remat, micro 16, π_old prefill)": dict(
-            remat=False, micro_batch_size=16, old_logprobs="prefill"),
-    }  # fmt: skip
+            remat=False, micro_batch_size=16, old_logprobs="prefill"
+        ),
+    }
     peak = dot_peak()
     rows = []
     for name, kw in settings.items():
         n, ms = timed_steps(case, steps=2, group=GROUP, **kw)
         mean = lambda key, ms=ms: float(np.mean([m[key] for m in ms]))  # noqa: E731
         step, tokens, update = mean("time_step_s"), mean("sequence_tokens"), mean("time_update_s")
-        rows.append(dict(
-            name=name, step_s=step, logp_old_s=mean("time_logp_old_s"), update_s=update,
-            tokens=tokens, fraction_of_peak=6 * n * tokens / step / peak,
-            update_fraction_of_peak=6 * n * tokens / update / peak,
-        ))  # fmt: skip
+        rows.append(
+            dict(
+                name=name,
+                step_s=step,
+                logp_old_s=mean("time_logp_old_s"),
+                update_s=update,
+                tokens=tokens,
+                fraction_of_peak=6 * n * tokens / step / peak,
+                update_fraction_of_peak=6 * n * tokens / update / peak,
+            )
+        )
         print(rows[-1], flush=True)
-    return dict(peak_flops_per_s=peak, params=int(n), rows=rows, jax=jax.__version__,
-                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")  # fmt: skip
+    return dict(
+        peak_flops_per_s=peak,
+        params=int(n),
+        rows=rows,
+        jax=jax.__version__,
+        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+    )
 
 
 def report(steps: bool = False) -> None:
     seeds = sorted(OUT.glob("seed*.json"))
-    print("| seed | pass@1 at v0 | last pass@1 (version, minutes) | best (version) | gain (best) "
-          "| first +10 points (version, minutes) | steps in budget |")  # fmt: skip
+    print(
+        "| seed | pass@1 at v0 | last pass@1 (version, minutes) | best (version) | gain (best) "
+        "| first +10 points (version, minutes) | steps in budget |"
+    )
     print("|---|---:|---|---|---:|---|---:|")
     for path in seeds:
         r = json.loads(path.read_text())
         b, f = r["best"], r["first_plus_10"]
         first = f"v{f['version']}, {f['minutes']:.0f} min" if f else "not reached"
         last = r["evals"][-1]
-        print(f"| {r['seed']} | {r['evals'][0]['pass1']:.3f} | {last['pass1']:.3f} "
-              f"(v{last['version']}, {last['minutes']:.0f} min) | {b['pass1']:.3f} (v{b['version']}) "
-              f"| {r['gain'] * 100:+.1f} | {first} | {len(r['steps'])} |")
+        print(
+            f"| {r['seed']} | {r['evals'][0]['pass1']:.3f} | {last['pass1']:.3f} "
+            f"(v{last['version']}, {last['minutes']:.0f} min) | {b['pass1']:.3f} (v{b['version']}) "
+            f"| {r['gain'] * 100:+.1f} | {first} | {len(r['steps'])} |"
+        )
     for path in seeds:
         r = json.loads(path.read_text())
         print(f"\nseed {r['seed']}: held-out pass@1 (pass@{r['evals'][0]['k']}) by version")
@@ -171,35 +223,54 @@ def report(steps: bool = False) -> None:
             print(f"| {e['version']} | {e['minutes']:.1f} | {e['pass1']:.3f} | {e['passk']:.3f} |")
         st = r["steps"]
         print("\nreward by step: " + " ".join(f"{x['reward']:.2f}" for x in st))
-        mean = {k: sum(x.get(k, 0) for x in st[1:]) / max(len(st) - 1, 1)
-                for k in ("generate_s", "logp_old_s", "update_s", "train_s", "dlogp_mean",
-                          "dlogp_p95", "tokens")}  # fmt: skip
-        print(f"steps 2-{len(st)} mean: generate {mean['generate_s']:.1f} s, π_old "
-              f"{mean['logp_old_s']:.1f} s, update {mean['update_s']:.1f} s, train "
-              f"{mean['train_s']:.1f} s, {mean['tokens']:.0f} sequence tokens; |Δlogp| mean "
-              f"{mean['dlogp_mean']:.2e}, p95 {mean['dlogp_p95']:.2e}, max over steps "
-              f"{max(x.get('dlogp_max', 0) for x in st[1:]):.2f}")
+        mean = {
+            k: sum(x.get(k, 0) for x in st[1:]) / max(len(st) - 1, 1)
+            for k in (
+                "generate_s",
+                "logp_old_s",
+                "update_s",
+                "train_s",
+                "dlogp_mean",
+                "dlogp_p95",
+                "tokens",
+            )
+        }
+        print(
+            f"steps 2-{len(st)} mean: generate {mean['generate_s']:.1f} s, π_old "
+            f"{mean['logp_old_s']:.1f} s, update {mean['update_s']:.1f} s, train "
+            f"{mean['train_s']:.1f} s, {mean['tokens']:.0f} sequence tokens; |Δlogp| mean "
+            f"{mean['dlogp_mean']:.2e}, p95 {mean['dlogp_p95']:.2e}, max over steps "
+            f"{max(x.get('dlogp_max', 0) for x in st[1:]):.2f}"
+        )
         if not steps:
             continue
-        print("| step | minutes | reward | length | stale | \\|Δlogp\\| mean / p95 / max | generate s "
-              "| π_old s | update s | train s |")  # fmt: skip
+        print(
+            "| step | minutes | reward | length | stale | \\|Δlogp\\| mean / p95 / max | generate s "
+            "| π_old s | update s | train s |"
+        )
         print("|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
         for s in r["steps"]:
-            print(f"| {s['step']} | {s['minutes']:.1f} | {s['reward']:.3f} | {s['length']:.0f} "
-                  f"| {s.get('staleness', 0):.0f} | {s.get('dlogp_mean', 0):.2e} / "
-                  f"{s.get('dlogp_p95', 0):.2e} / {s.get('dlogp_max', 0):.2e} "
-                  f"| {s.get('generate_s', 0):.1f} | {s.get('logp_old_s', 0):.1f} "
-                  f"| {s.get('update_s', 0):.1f} | {s.get('train_s', 0):.1f} |")
+            print(
+                f"| {s['step']} | {s['minutes']:.1f} | {s['reward']:.3f} | {s['length']:.0f} "
+                f"| {s.get('staleness', 0):.0f} | {s.get('dlogp_mean', 0):.2e} / "
+                f"{s.get('dlogp_p95', 0):.2e} / {s.get('dlogp_max', 0):.2e} "
+                f"| {s.get('generate_s', 0):.1f} | {s.get('logp_old_s', 0):.1f} "
+                f"| {s.get('update_s', 0):.1f} | {s.get('train_s', 0):.1f} |"
+            )
     trainer = OUT / "trainer.json"
     if trainer.exists():
         t = json.loads(trainer.read_text())
-        print(f"\ntrainer step, 64 rollouts; jnp.dot peak {t['peak_flops_per_s'] / 1e9:.0f} GFLOP/s")
+        print(
+            f"\ntrainer step, 64 rollouts; jnp.dot peak {t['peak_flops_per_s'] / 1e9:.0f} GFLOP/s"
+        )
         print("| settings | step s | π_old s | update s | tokens | step of peak | update of peak |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         for r in t["rows"]:
-            print(f"| {r['name']} | {r['step_s']:.1f} | {r['logp_old_s']:.1f} | {r['update_s']:.1f} "
-                  f"| {r['tokens']:.0f} | {r['fraction_of_peak']:.1%} "
-                  f"| {r['update_fraction_of_peak']:.1%} |")
+            print(
+                f"| {r['name']} | {r['step_s']:.1f} | {r['logp_old_s']:.1f} | {r['update_s']:.1f} "
+                f"| {r['tokens']:.0f} | {r['fraction_of_peak']:.1%} "
+                f"| {r['update_fraction_of_peak']:.1%} |"
+            )
 
 
 def main() -> None:
@@ -220,8 +291,11 @@ def main() -> None:
         for seed in args.seeds:
             result = _run_seed(seed, args.minutes, root)
             (OUT / f"seed{seed}.json").write_text(json.dumps(result, indent=2))
-            print(f"seed {seed}: pass@1 {result['evals'][0]['pass1']:.3f} -> "
-                  f"{result['best']['pass1']:.3f} ({result['gain'] * 100:+.1f} points)", flush=True)
+            print(
+                f"seed {seed}: pass@1 {result['evals'][0]['pass1']:.3f} -> "
+                f"{result['best']['pass1']:.3f} ({result['gain'] * 100:+.1f} points)",
+                flush=True,
+            )
     elif args.command == "trainer":
         (OUT / "trainer.json").write_text(json.dumps(trainer_fraction(), indent=2))
     report(steps=getattr(args, "steps", False))

@@ -42,9 +42,15 @@ sys.path.insert(0, str(HERE))
 from param_server_throughput import RawStream  # noqa: E402
 
 MODEL = models.preset(
-    "tiny", vocab_size=32_000, hidden_size=1024, intermediate_size=2816, num_layers=12,
-    num_heads=16, num_kv_heads=8, max_position_embeddings=4096,
-)  # fmt: skip
+    "tiny",
+    vocab_size=32_000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_layers=12,
+    num_heads=16,
+    num_kv_heads=8,
+    max_position_embeddings=4096,
+)
 # (mesh, devices per host): the mesh over all 8 devices, hosts taking consecutive devices.
 LAYOUTS = {
     "tensor 4 over 2 hosts x 2": (MeshConfig(data=1, fsdp=1, tensor=4), 2),
@@ -110,22 +116,36 @@ def main() -> None:
     store.close()
     limit_bps = whole / statistics.median(raw_s)
     whole_bps = whole / statistics.median(whole_s)
-    print(f"model: {whole / 2**20:.0f} MiB of bf16 weights ({MODEL.num_heads} q / "
-          f"{MODEL.num_kv_heads} KV heads); loopback gRPC limit {limit_bps / 2**30:.2f} GiB/s; "
-          f"whole pull {statistics.median(whole_s):.3f} s ({whole_bps / limit_bps:.2f} of the limit)")
-    rows = ["| layout | bytes per host (max) | vs whole pull | pull time per host (max) | "
-            "vs whole pull | fraction of loopback limit |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    print(
+        f"model: {whole / 2**20:.0f} MiB of bf16 weights ({MODEL.num_heads} q / "
+        f"{MODEL.num_kv_heads} KV heads); loopback gRPC limit {limit_bps / 2**30:.2f} GiB/s; "
+        f"whole pull {statistics.median(whole_s):.3f} s ({whole_bps / limit_bps:.2f} of the limit)"
+    )
+    rows = [
+        "| layout | bytes per host (max) | vs whole pull | pull time per host (max) | "
+        "vs whole pull | fraction of loopback limit |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
         nbytes = max(h["bytes"] for h in r["per_host"])
         seconds = max(h["seconds"] for h in r["per_host"])
         frac = nbytes / seconds / limit_bps
-        rows.append(f"| {name} | {nbytes / 2**20:.0f} MiB | {nbytes / whole:.2f} | {seconds:.3f} s "
-                    f"| {seconds / statistics.median(whole_s):.2f} | {frac:.2f} |")  # fmt: skip
+        rows.append(
+            f"| {name} | {nbytes / 2**20:.0f} MiB | {nbytes / whole:.2f} | {seconds:.3f} s "
+            f"| {seconds / statistics.median(whole_s):.2f} | {frac:.2f} |"
+        )
     print("\n".join(rows))
-    (HERE / "sharded_pull.json").write_text(json.dumps({
-        "whole_bytes": whole, "loopback_limit_bytes_per_s": limit_bps,
-        "whole_pull_s": statistics.median(whole_s), "layouts": results,
-    }, indent=2))  # fmt: skip
+    (HERE / "sharded_pull.json").write_text(
+        json.dumps(
+            {
+                "whole_bytes": whole,
+                "loopback_limit_bytes_per_s": limit_bps,
+                "whole_pull_s": statistics.median(whole_s),
+                "layouts": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -63,52 +63,73 @@ def batch(case: Case, seed: int, vocab: int, group: int = GROUP) -> TrainBatch:
     c = r.integers(case.completion[0], case.completion[1] + 1, case.rows).astype(np.int32)
     tokens = r.integers(0, vocab, (case.rows, int((p + c).max()))).astype(np.int32)
     return TrainBatch(
-        tokens=tokens, prompt_lengths=p, completion_lengths=c,
+        tokens=tokens,
+        prompt_lengths=p,
+        completion_lengths=c,
         behaviour_logprobs=-r.uniform(5, 8, (case.rows, case.completion[1])).astype(np.float32),
         rewards=r.integers(0, 2, case.rows).astype(np.float32),
-        versions=np.zeros(case.rows, np.int64), group_size=group,
-    )  # fmt: skip
+        versions=np.zeros(case.rows, np.int64),
+        group_size=group,
+    )
 
 
-def timed_steps(case: Case, *, steps: int, group: int = GROUP,
-                **trainer: object) -> tuple[int, list[dict[str, float]]]:  # fmt: skip
+def timed_steps(
+    case: Case, *, steps: int, group: int = GROUP, **trainer: object
+) -> tuple[int, list[dict[str, float]]]:
     """(parameter count, the metrics of ``steps`` timed updates) of a trainer on ``case``'s
     model with ``trainer`` settings, after two updates that compile the shapes they use."""
     model_cfg = models.preset(case.model)
     cfg = RunConfig(
-        model=model_cfg, mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
-        trainer=TrainerConfig(**{"learning_rate": 1e-5, "checkpoint_every": 1000,
-                                 "keep_checkpoints": 2, **trainer}),
-        inference=InferenceConfig(max_prompt_len=case.prompt[1], max_new_tokens=case.completion[1],
-                                  max_concurrent_seqs=case.slots),
-        controller=ControllerConfig(prompts_per_step=case.rows // group, num_steps=100,
-                                    snapshot_keep=1001),
+        model=model_cfg,
+        mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
+        trainer=TrainerConfig(
+            **{"learning_rate": 1e-5, "checkpoint_every": 1000, "keep_checkpoints": 2, **trainer}
+        ),
+        inference=InferenceConfig(
+            max_prompt_len=case.prompt[1],
+            max_new_tokens=case.completion[1],
+            max_concurrent_seqs=case.slots,
+        ),
+        controller=ControllerConfig(
+            prompts_per_step=case.rows // group, num_steps=100, snapshot_keep=1001
+        ),
         algorithm=AlgorithmConfig(name="grpo", group_size=group),
-    )  # fmt: skip
+    )
     with tempfile.TemporaryDirectory() as tmp:
         trainer_ = Trainer(cfg, checkpoint_dir=tmp)
         n_params = sum(x.size for x in jax.tree.leaves(trainer_.params()))
         for s in range(2):  # compile the length buckets these batches use
             trainer_.train_step(batch(case, 100 + s, model_cfg.vocab_size, group))
-        metrics = [trainer_.train_step(batch(case, s + 1, model_cfg.vocab_size, group))
-                   for s in range(steps)]  # fmt: skip
+        metrics = [
+            trainer_.train_step(batch(case, s + 1, model_cfg.vocab_size, group))
+            for s in range(steps)
+        ]
         trainer_.close()
     return int(n_params), metrics
 
 
 def run_case(case: Case, align: bool, steps: int, peak: float) -> dict:
-    n_params, ms = timed_steps(case, steps=steps, micro_batch_size=case.micro, length_bucket=64,
-                               align_logprobs=align)  # fmt: skip
+    n_params, ms = timed_steps(
+        case, steps=steps, micro_batch_size=case.micro, length_bucket=64, align_logprobs=align
+    )
     mean = lambda key: float(np.mean([m[key] for m in ms]))  # noqa: E731
     step_s, tok = mean("time_step_s"), mean("sequence_tokens")
     model_flops = 6 * n_params * tok / step_s
     return dict(
-        model=case.model, params=n_params, rows=case.rows, micro_batch=case.micro,
-        aligned=align, step_s=step_s, logp_old_s=mean("time_logp_old_s"), tokens_per_step=tok,
-        tokens_per_s=tok / step_s, padding_fraction=mean("padding_fraction"),
+        model=case.model,
+        params=n_params,
+        rows=case.rows,
+        micro_batch=case.micro,
+        aligned=align,
+        step_s=step_s,
+        logp_old_s=mean("time_logp_old_s"),
+        tokens_per_step=tok,
+        tokens_per_s=tok / step_s,
+        padding_fraction=mean("padding_fraction"),
         padding_fraction_unsorted=mean("padding_fraction_unsorted"),
-        model_flops_per_s=model_flops, fraction_of_peak=model_flops / peak,
-    )  # fmt: skip
+        model_flops_per_s=model_flops,
+        fraction_of_peak=model_flops / peak,
+    )
 
 
 def main() -> None:
@@ -120,13 +141,17 @@ def main() -> None:
     rows = [run_case(c, a, args.steps, peak) for c in CASES for a in (False, True)]
     result = dict(
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        jax=jax.__version__, devices=[str(d) for d in jax.devices()],
-        peak_matmul_flops_per_s=peak, rows=rows,
-    )  # fmt: skip
+        jax=jax.__version__,
+        devices=[str(d) for d in jax.devices()],
+        peak_matmul_flops_per_s=peak,
+        rows=rows,
+    )
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"peak f32 matmul (jitted jnp.dot 2048^2): {peak / 1e9:.1f} GFLOP/s\n")
-    print("| model | params | π_old | step s | tokens/s | π_old s | padding (sorted / unsorted) "
-          "| model GFLOP/s | of peak |")  # fmt: skip
+    print(
+        "| model | params | π_old | step s | tokens/s | π_old s | padding (sorted / unsorted) "
+        "| model GFLOP/s | of peak |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(

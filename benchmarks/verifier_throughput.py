@@ -78,20 +78,30 @@ def main() -> None:
             probe, time_limit_s=2, memory_mb=256, output_bytes=1 << 20, disk_bytes=64 << 20
         )
         py_bare = median_ms(
-            lambda: subprocess.run([probe.argv(256)[0].replace("/opt/python", _prefix(svc)),
-                                    "-I", "-S", "-c", "print(1)"], check=True,
-                                   stdout=subprocess.DEVNULL),
+            lambda: subprocess.run(
+                [
+                    probe.argv(256)[0].replace("/opt/python", _prefix(svc)),
+                    "-I",
+                    "-S",
+                    "-c",
+                    "print(1)",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            ),
             args.runs,
-        )  # fmt: skip
+        )
         py_boxed = median_ms(
             lambda: svc.sandbox.run(probe.argv(256), limits=py_limits, mounts=probe.mounts),
             args.runs,
         )
 
         counter = iter(range(10**9))
-        compile_ms = {"helper": median_ms(
-            lambda: svc.compiler.compile("python", f"print({next(counter)})\n"), args.runs
-        )}  # fmt: skip
+        compile_ms = {
+            "helper": median_ms(
+                lambda: svc.compiler.compile("python", f"print({next(counter)})\n"), args.runs
+            )
+        }
         boxed_config = dataclasses.replace(
             config, python_check="sandbox", sandbox_uid=args.sandbox_uid + args.workers
         )
@@ -151,7 +161,9 @@ def main() -> None:
         f"| {elapsed:.2f} s, {accepted}/{args.rollouts} accepted |"
     )
     print(f"| **verifications/s** | **{args.rollouts / elapsed:.2f}** |")
-    print(f"| sandbox runs/s (tests; syntax checks run in the helper) | {result['sandbox_runs_per_s']} |")
+    print(
+        f"| sandbox runs/s (tests; syntax checks run in the helper) | {result['sandbox_runs_per_s']} |"
+    )
 
 
 def _prefix(svc: VerifierService) -> str:

@@ -44,32 +44,57 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
 
 def _local(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     cfg.model.update(
-        arch="llama", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4,
-        num_heads=4, num_kv_heads=2, max_position_embeddings=512, tie_embeddings=True,
-    )  # fmt: skip
+        arch="llama",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=512,
+        tie_embeddings=True,
+    )
     cfg.mesh.update(data=1, fsdp=-1, tensor=1)
     cfg.trainer.update(
         learning_rate=1e-4, schedule="constant", micro_batch_size=16, grad_clip_norm=1.0
     )
     cfg.inference.update(
-        num_workers=1, max_concurrent_seqs=64, page_size=16, kv_cache_bytes=32 * 2**20,
-        max_prompt_len=256, max_new_tokens=48, temperature=1.0,
-    )  # fmt: skip
+        num_workers=1,
+        max_concurrent_seqs=64,
+        page_size=16,
+        kv_cache_bytes=32 * 2**20,
+        max_prompt_len=256,
+        max_new_tokens=48,
+        temperature=1.0,
+    )
     cfg.verifiers.update(languages=("python",), workers=2, time_limit_s=2.0, memory_limit_mb=256)
-    cfg.data.update(datasets=("procedural", "bundled"), weights=(0.9, 0.1), eval_problems=48,
-                    eval_samples=8, eval_every=10)  # fmt: skip
+    cfg.data.update(
+        datasets=("procedural", "bundled"),
+        weights=(0.9, 0.1),
+        eval_problems=48,
+        eval_samples=8,
+        eval_every=10,
+    )
     cfg.controller.update(
-        run_dir="runs/local", num_steps=60, prompts_per_step=8, mode="deterministic",
-        reload_staleness=1, acceptance_staleness=1, pipeline_depth=1, transport="local",
+        run_dir="runs/local",
+        num_steps=60,
+        prompts_per_step=8,
+        mode="deterministic",
+        reload_staleness=1,
+        acceptance_staleness=1,
+        pipeline_depth=1,
+        transport="local",
         # A random tiny model never passes a test, so a supervised warm-up runs first (the report
         # says so). Its demonstrations are unverified: half are the problem's known-wrong program
         # (the plausible bug), so the warmed-up policy writes the right program about half the
         # time and only the verifier's reward can tell RL which. A warm-up on references alone
         # leaves the constant's first digit as the only uncertainty, which this tiny model cannot
         # tie to its context under RL (benchmarks/RESULTS.md, "Why RL did not lift ...").
-        warmup_steps=1200, warmup_batch_size=32, warmup_learning_rate=3e-3,
+        warmup_steps=1200,
+        warmup_batch_size=32,
+        warmup_learning_rate=3e-3,
         warmup_wrong_fraction=0.5,
-    )  # fmt: skip
+    )
     # KL off: the tiny demo has no reference-model budget (grpo's default is k3, β 0.04).
     cfg.algorithm.update(name="grpo", group_size=8, kl_estimator="none")
     return cfg
@@ -87,39 +112,74 @@ def _host_chips() -> int:
 def _tpu_vm(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # Qwen2.5-Coder-1.5B-Instruct (Qwen2 architecture: 12 q / 2 KV heads, tied embeddings).
     cfg.model.update(
-        arch="qwen2", vocab_size=151_936, hidden_size=1536, intermediate_size=8960, num_layers=28,
-        num_heads=12, num_kv_heads=2, rope_theta=1_000_000.0, max_position_embeddings=32_768,
-        rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=True, param_dtype="bfloat16",
-        compute_dtype="bfloat16", weights_format="safetensors",
+        arch="qwen2",
+        vocab_size=151_936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=32_768,
+        rms_norm_eps=1e-6,
+        qkv_bias=True,
+        tie_embeddings=True,
+        param_dtype="bfloat16",
+        compute_dtype="bfloat16",
+        weights_format="safetensors",
         weights_path="{bucket}/Qwen2.5-Coder-1.5B-Instruct",
-    )  # fmt: skip
+    )
     half = _host_chips() // 2
     # Half the chips train (fsdp over them), the other half hold one worker split over heads.
     cfg.topology.trainer_devices = half
     cfg.mesh.update(data=1, fsdp=-1, tensor=1)
     cfg.inference.mesh.update(data=1, fsdp=1, tensor=half)
     cfg.trainer.update(
-        learning_rate=1e-6, schedule="warmup_cosine", warmup_steps=10, weight_decay=0.1,
+        learning_rate=1e-6,
+        schedule="warmup_cosine",
+        warmup_steps=10,
+        weight_decay=0.1,
         # 4 rollouts (one per trainer chip) per micro-batch: with float32 masters and moments
         # (5.0 GiB a chip) 8 needed 18.7 GiB of v5e's 16 (logits of 4,096 completion tokens over
         # a 152k vocab); 4 fit with the AOT check's headroom (benchmarks/RESULTS.md).
-        grad_clip_norm=1.0, micro_batch_size=4, publish_dtype="bfloat16", checkpoint_every=10,
+        grad_clip_norm=1.0,
+        micro_batch_size=4,
+        publish_dtype="bfloat16",
+        checkpoint_every=10,
         scan_layers=True,
-    )  # fmt: skip
+    )
     cfg.inference.update(
-        num_workers=1, backend="tpu", max_concurrent_seqs=64, page_size=64,
-        kv_cache_bytes=8 * 2**30, prefill_chunk=1024, max_prompt_len=2048, max_new_tokens=4096,
+        num_workers=1,
+        backend="tpu",
+        max_concurrent_seqs=64,
+        page_size=64,
+        kv_cache_bytes=8 * 2**30,
+        prefill_chunk=1024,
+        max_prompt_len=2048,
+        max_new_tokens=4096,
         temperature=1.0,
-    )  # fmt: skip
+    )
     cfg.param_server.update(in_memory_versions=4)
     cfg.verifiers.update(workers=8, time_limit_s=2.0, memory_limit_mb=256)
-    cfg.data.update(datasets=("codeforces",), weights=(1.0,), data_dir="{bucket}/codeforces",
-                    eval_samples=8, eval_problems=64, eval_every=20)  # fmt: skip
+    cfg.data.update(
+        datasets=("codeforces",),
+        weights=(1.0,),
+        data_dir="{bucket}/codeforces",
+        eval_samples=8,
+        eval_problems=64,
+        eval_every=20,
+    )
     cfg.controller.update(
-        run_dir="{bucket}/runs/codeforces-tpu-vm", num_steps=200, prompts_per_step=8,
-        mode="deterministic", reload_staleness=1, acceptance_staleness=1, pipeline_depth=1,
-        transport="local", snapshot_keep=12,
-    )  # fmt: skip
+        run_dir="{bucket}/runs/codeforces-tpu-vm",
+        num_steps=200,
+        prompts_per_step=8,
+        mode="deterministic",
+        reload_staleness=1,
+        acceptance_staleness=1,
+        pipeline_depth=1,
+        transport="local",
+        snapshot_keep=12,
+    )
     cfg.algorithm.update(name="grpo", group_size=8, eps_low=0.2, eps_high=0.28)
     return cfg
 
@@ -127,41 +187,79 @@ def _tpu_vm(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # QwQ-32B (Qwen2 architecture); weights are read from a GCS bucket of HF safetensors.
     cfg.model.update(
-        arch="qwen2", vocab_size=152_064, hidden_size=5120, intermediate_size=27_648, num_layers=64,
-        num_heads=40, num_kv_heads=8, rope_theta=1_000_000.0, max_position_embeddings=40_960,
-        rms_norm_eps=1e-5, qkv_bias=True, tie_embeddings=False, param_dtype="bfloat16",
-        compute_dtype="bfloat16", weights_format="safetensors", weights_path="{bucket}/QwQ-32B",
-    )  # fmt: skip
+        arch="qwen2",
+        vocab_size=152_064,
+        hidden_size=5120,
+        intermediate_size=27_648,
+        num_layers=64,
+        num_heads=40,
+        num_kv_heads=8,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40_960,
+        rms_norm_eps=1e-5,
+        qkv_bias=True,
+        tie_embeddings=False,
+        param_dtype="bfloat16",
+        compute_dtype="bfloat16",
+        weights_format="safetensors",
+        weights_path="{bucket}/QwQ-32B",
+    )
     cfg.mesh.update(data=1, fsdp=-1, tensor=8)
     cfg.trainer.update(
-        learning_rate=1e-6, schedule="warmup_cosine", warmup_steps=10, weight_decay=0.1,
+        learning_rate=1e-6,
+        schedule="warmup_cosine",
+        warmup_steps=10,
+        weight_decay=0.1,
         # A micro-batch splits over the batch shards: 32 on v5p:8x8x4 (256 chips / tensor 8).
-        grad_clip_norm=1.0, micro_batch_size=32, publish_dtype="bfloat16", checkpoint_every=10,
+        grad_clip_norm=1.0,
+        micro_batch_size=32,
+        publish_dtype="bfloat16",
+        checkpoint_every=10,
         # 64 layers as one scanned body: compile time and program size independent of depth.
         scan_layers=True,
-    )  # fmt: skip
+    )
     cfg.trainer.distributed.update(coordinator_address="auto", num_processes=64)
     # Each worker a v5p:2x2x1 slice: weights and KV pages split 4 ways over heads (40 q, 8 KV).
     cfg.inference.mesh.update(data=1, fsdp=1, tensor=4)
     cfg.inference.update(
-        num_workers=32, backend="tpu", max_concurrent_seqs=256, page_size=64,
-        kv_cache_bytes=48 * 2**30, prefill_chunk=2048, max_prompt_len=2048, max_new_tokens=14_336,
+        num_workers=32,
+        backend="tpu",
+        max_concurrent_seqs=256,
+        page_size=64,
+        kv_cache_bytes=48 * 2**30,
+        prefill_chunk=2048,
+        max_prompt_len=2048,
+        max_new_tokens=14_336,
         temperature=1.0,
-    )  # fmt: skip
+    )
     # Workers pull only at reloads (every 16th version) and hold what they pull by a lease, so a
     # few hot versions suffice; each is 66 GB in bf16, and a replica's pod is sized for them.
     cfg.param_server.update(
-        in_memory_versions=4, persist_every=16, persist_path="{bucket}/runs/codeforces/ps",
+        in_memory_versions=4,
+        persist_every=16,
+        persist_path="{bucket}/runs/codeforces/ps",
         replicas=4,
-    )  # fmt: skip
+    )
     cfg.verifiers.update(workers=64, time_limit_s=2.0, memory_limit_mb=256)
-    cfg.data.update(datasets=("codeforces",), weights=(1.0,), data_dir="{bucket}/codeforces",
-                    eval_samples=32, eval_problems=256, eval_every=20)  # fmt: skip
+    cfg.data.update(
+        datasets=("codeforces",),
+        weights=(1.0,),
+        data_dir="{bucket}/codeforces",
+        eval_samples=32,
+        eval_problems=256,
+        eval_every=20,
+    )
     cfg.controller.update(
-        run_dir="{bucket}/runs/codeforces", num_steps=1000, prompts_per_step=64,
-        mode="throughput", reload_staleness=16, acceptance_staleness=32, pipeline_depth=1,
-        consume_order="freshest_first", snapshot_keep=12,
-    )  # fmt: skip
+        run_dir="{bucket}/runs/codeforces",
+        num_steps=1000,
+        prompts_per_step=64,
+        mode="throughput",
+        reload_staleness=16,
+        acceptance_staleness=32,
+        pipeline_depth=1,
+        consume_order="freshest_first",
+        snapshot_keep=12,
+    )
     cfg.algorithm.update(name="grpo", group_size=16, eps_low=0.2, eps_high=0.28)
     cfg.topology.update(trainer_tpu="v5p:8x8x4", inference_tpu="v5p:2x2x1", verifier_replicas=4)
     return _on_gke(cfg)
@@ -170,36 +268,71 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 def _v5p_small(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # Qwen2.5-Coder-7B-Instruct (Qwen2 architecture, 28 q / 4 KV heads) from HF safetensors.
     cfg.model.update(
-        arch="qwen2", vocab_size=152_064, hidden_size=3584, intermediate_size=18_944, num_layers=28,
-        num_heads=28, num_kv_heads=4, rope_theta=1_000_000.0, max_position_embeddings=32_768,
-        rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=False, param_dtype="bfloat16",
-        compute_dtype="bfloat16", weights_format="safetensors",
+        arch="qwen2",
+        vocab_size=152_064,
+        hidden_size=3584,
+        intermediate_size=18_944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=32_768,
+        rms_norm_eps=1e-6,
+        qkv_bias=True,
+        tie_embeddings=False,
+        param_dtype="bfloat16",
+        compute_dtype="bfloat16",
+        weights_format="safetensors",
         weights_path="{bucket}/Qwen2.5-Coder-7B-Instruct",
-    )  # fmt: skip
+    )
     cfg.mesh.update(data=1, fsdp=-1, tensor=4)  # 8 chips: fsdp 2 x tensor 4
     cfg.trainer.update(
-        learning_rate=1e-6, schedule="warmup_cosine", warmup_steps=10, weight_decay=0.1,
-        grad_clip_norm=1.0, micro_batch_size=16, publish_dtype="bfloat16", checkpoint_every=10,
+        learning_rate=1e-6,
+        schedule="warmup_cosine",
+        warmup_steps=10,
+        weight_decay=0.1,
+        grad_clip_norm=1.0,
+        micro_batch_size=16,
+        publish_dtype="bfloat16",
+        checkpoint_every=10,
         scan_layers=True,
-    )  # fmt: skip
+    )
     cfg.trainer.distributed.update(coordinator_address="auto", num_processes=2)
     cfg.inference.mesh.update(data=1, fsdp=1, tensor=4)
     cfg.inference.update(
-        num_workers=2, backend="tpu", max_concurrent_seqs=128, page_size=64,
-        kv_cache_bytes=32 * 2**30, prefill_chunk=2048, max_prompt_len=2048, max_new_tokens=8192,
+        num_workers=2,
+        backend="tpu",
+        max_concurrent_seqs=128,
+        page_size=64,
+        kv_cache_bytes=32 * 2**30,
+        prefill_chunk=2048,
+        max_prompt_len=2048,
+        max_new_tokens=8192,
         temperature=1.0,
-    )  # fmt: skip
+    )
     cfg.param_server.update(
         in_memory_versions=4, persist_every=4, persist_path="{bucket}/runs/codeforces-small/ps"
     )
     cfg.verifiers.update(workers=16, time_limit_s=2.0, memory_limit_mb=256)
-    cfg.data.update(datasets=("codeforces",), weights=(1.0,), data_dir="{bucket}/codeforces",
-                    eval_samples=8, eval_problems=128, eval_every=20)  # fmt: skip
+    cfg.data.update(
+        datasets=("codeforces",),
+        weights=(1.0,),
+        data_dir="{bucket}/codeforces",
+        eval_samples=8,
+        eval_problems=128,
+        eval_every=20,
+    )
     cfg.controller.update(
-        run_dir="{bucket}/runs/codeforces-small", num_steps=200, prompts_per_step=16,
-        mode="throughput", reload_staleness=4, acceptance_staleness=8, pipeline_depth=1,
-        consume_order="freshest_first", snapshot_keep=12,
-    )  # fmt: skip
+        run_dir="{bucket}/runs/codeforces-small",
+        num_steps=200,
+        prompts_per_step=16,
+        mode="throughput",
+        reload_staleness=4,
+        acceptance_staleness=8,
+        pipeline_depth=1,
+        consume_order="freshest_first",
+        snapshot_keep=12,
+    )
     cfg.algorithm.update(name="grpo", group_size=8, eps_low=0.2, eps_high=0.28)
     cfg.topology.update(trainer_tpu="v5p:2x2x2", inference_tpu="v5p:2x2x1", verifier_replicas=2)
     return _on_gke(cfg)
@@ -222,12 +355,17 @@ def _on_gke(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         return f"{name}-{component}{suffix}.{ns}.svc"
 
     cfg.controller.update(
-        transport="distributed", auth_token_file=token, tls_cert_file=cert,
-        inference_endpoints=tuple(f"{host('inference', i)}:{PORTS['inference']}"
-                                  for i in range(cfg.inference.num_workers)),
-        param_server_endpoints=tuple(f"{host('param-server', r)}:{PORTS['param_server']}"
-                                     for r in range(cfg.param_server.replicas)),
+        transport="distributed",
+        auth_token_file=token,
+        tls_cert_file=cert,
+        inference_endpoints=tuple(
+            f"{host('inference', i)}:{PORTS['inference']}" for i in range(cfg.inference.num_workers)
+        ),
+        param_server_endpoints=tuple(
+            f"{host('param-server', r)}:{PORTS['param_server']}"
+            for r in range(cfg.param_server.replicas)
+        ),
         trainer_endpoint=f"{host('trainer')}:{PORTS['trainer']}",
         verifier_endpoint=f"{host('verifiers')}:{PORTS['verifiers']}",
-    )  # fmt: skip
+    )
     return cfg

@@ -52,15 +52,28 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     cfg = base_config_dict()
     cfg.preset = preset
     cfg.model.update(
-        arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-        num_heads=9, num_kv_heads=3, rope_theta=100_000.0, max_position_embeddings=8192,
-        rms_norm_eps=1e-5, tie_embeddings=True, weights_format="gguf", weights_path=smollm2_gguf(),
+        arch="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        rope_theta=100_000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_embeddings=True,
+        weights_format="gguf",
+        weights_path=smollm2_gguf(),
         compute_dtype="bfloat16" if accel else "float32",
-    )  # fmt: skip
+    )
     cfg.mesh.update(data=1, fsdp=-1, tensor=1)
     cfg.trainer.update(
-        learning_rate=2e-6 if accel else 1e-5, schedule="constant", grad_clip_norm=1.0,
-        micro_batch_size=16, checkpoint_every=1 if accel else 5,
+        learning_rate=2e-6 if accel else 1e-5,
+        schedule="constant",
+        grad_clip_norm=1.0,
+        micro_batch_size=16,
+        checkpoint_every=1 if accel else 5,
         # CPU memory holds every layer's activations at 16 rows: no recompute (the loss + grad
         # alone at 8 x 128 tokens: 5.6 s against 6.6 s with nothing_saveable remat).
         remat=accel,
@@ -68,24 +81,36 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         # instead of the CPU default's token-by-token replay (bitwise): 7.6-9.9 s against 25 s
         # a step of 64 rollouts here; at staleness 1 π_old is a version past μ regardless.
         old_logprobs="prefill",
-    )  # fmt: skip
+    )
     cfg.inference.update(
-        backend="auto", max_concurrent_seqs=128 if accel else 64, page_size=16,
-        kv_cache_bytes=(4 if accel else 1) * 2**30, max_prompt_len=192,
-        max_new_tokens=256 if accel else 64, temperature=1.0,
-    )  # fmt: skip
+        backend="auto",
+        max_concurrent_seqs=128 if accel else 64,
+        page_size=16,
+        kv_cache_bytes=(4 if accel else 1) * 2**30,
+        max_prompt_len=192,
+        max_new_tokens=256 if accel else 64,
+        temperature=1.0,
+    )
     # Math answers need no sandbox runs, but the verifier service is the same one.
     cfg.verifiers.update(languages=("python",), workers=2)
     cfg.data.update(
-        datasets=(TWO_TERM_SUMS,), weights=(1.0,), prompt_style="chat",
-        eval_problems=64, eval_samples=4, eval_every=20 if accel else 10,
-    )  # fmt: skip
+        datasets=(TWO_TERM_SUMS,),
+        weights=(1.0,),
+        prompt_style="chat",
+        eval_problems=64,
+        eval_samples=4,
+        eval_every=20 if accel else 10,
+    )
     cfg.controller.update(
-        run_dir="runs/smollm2_math", num_steps=200 if accel else 60,
-        prompts_per_step=16 if accel else 8, mode="deterministic", reload_staleness=1,
-        acceptance_staleness=1, pipeline_depth=1, transport="local",
+        run_dir="runs/smollm2_math",
+        num_steps=200 if accel else 60,
+        prompts_per_step=16 if accel else 8,
+        mode="deterministic",
+        reload_staleness=1,
+        acceptance_staleness=1,
+        pipeline_depth=1,
+        transport="local",
         snapshot_keep=3 if accel else 6,  # a resume needs a checkpointed snapshot: every + 1
-    )  # fmt: skip
-    cfg.algorithm.update(name="grpo", group_size=8,
-                         kl_estimator="default" if accel else "none")  # fmt: skip
+    )
+    cfg.algorithm.update(name="grpo", group_size=8, kl_estimator="default" if accel else "none")
     return cfg

@@ -29,8 +29,9 @@ def main() -> None:
         sys.exit(0 if len(sys.argv) >= 2 else 2)
     name = sys.argv[1]
     if name not in COMPONENTS:
-        print(f"rlax_tpu: unknown component {name!r}; one of {', '.join(COMPONENTS)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"rlax_tpu: unknown component {name!r}; one of {', '.join(COMPONENTS)}", file=sys.stderr
+        )
         sys.exit(2)
     sys.argv = [f"python -m {COMPONENTS[name]}", *sys.argv[2:]]
     runpy.run_module(COMPONENTS[name], run_name="__main__", alter_sys=True)

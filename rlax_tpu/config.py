@@ -27,13 +27,37 @@ import ml_collections
 UNBOUNDED = -1
 
 ALGORITHMS = (
-    "grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce", "rloo", "reinforce_pp", "ppo",
-    "aipo", "tb", "online_dpo", "sapo", "luspo", "vespo",
-)  # fmt: skip
+    "grpo",
+    "dapo",
+    "dr_grpo",
+    "gspo",
+    "cispo",
+    "reinforce",
+    "rloo",
+    "reinforce_pp",
+    "ppo",
+    "aipo",
+    "tb",
+    "online_dpo",
+    "sapo",
+    "luspo",
+    "vespo",
+)
 # Algorithms whose advantage or loss is defined over a group of samples of one prompt.
 GROUP_ALGORITHMS = frozenset(
-    {"grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "tb", "online_dpo", "sapo", "luspo",
-     "vespo"}
+    {
+        "grpo",
+        "dapo",
+        "dr_grpo",
+        "gspo",
+        "cispo",
+        "rloo",
+        "tb",
+        "online_dpo",
+        "sapo",
+        "luspo",
+        "vespo",
+    }
 )
 LANGUAGES = ("python", "cpp", "rust", "java")
 # Algorithms user code registered (rlax_tpu.algorithms.register_algorithm): name -> whether it is
@@ -197,9 +221,17 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _positive(
-            self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-            "num_kv_heads", "rope_theta", "max_position_embeddings", "rms_norm_eps",
-        )  # fmt: skip
+            self,
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "rope_theta",
+            "max_position_embeddings",
+            "rms_norm_eps",
+        )
         _non_negative(self, "head_dim")
         if self.num_heads % self.num_kv_heads:
             raise _bad(
@@ -299,7 +331,9 @@ class DistributedConfig:
             if not sep or not host or not port.isdigit():
                 raise _bad(self, "coordinator_address", "must be '', 'auto' or 'host:port'")
             if not 0 <= self.process_id < self.num_processes:
-                raise _bad(self, "process_id", f"must be in [0, num_processes={self.num_processes})")
+                raise _bad(
+                    self, "process_id", f"must be in [0, num_processes={self.num_processes})"
+                )
         elif self.coordinator_address == "" and self.num_processes != 1:
             raise _bad(self, "num_processes", "needs a coordinator_address ('auto' or 'host:port')")
 
@@ -328,9 +362,11 @@ class TrainerConfig:
     remat: bool = True  # each layer of the training forward under jax.checkpoint(remat_policy)
     # "nothing_saveable" keeps only layer inputs, so the forward fuses as at inference (RLAX §5).
     remat_policy: Literal[
-        "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+        "nothing_saveable",
+        "dots_saveable",
+        "dots_with_no_batch_dims_saveable",
         "everything_saveable",
-    ] = "nothing_saveable"  # fmt: skip
+    ] = "nothing_saveable"
     # The trainer's forwards as one lax.scan over stacked layer parameters: one compiled layer
     # body whatever the depth (compile time and program size stay flat), at the price of one
     # copy of the layer parameters per call. Off: layers unrolled.
@@ -445,29 +481,42 @@ class InferenceConfig:
 
     def __post_init__(self) -> None:
         _positive(
-            self, "num_workers", "max_concurrent_seqs", "page_size", "kv_cache_bytes",
-            "prefill_chunk", "prefill_len", "max_prompt_len", "max_new_tokens", "temperature",
-        )  # fmt: skip
-        _non_negative(self, "top_k", "step_tokens", "prefill_rows", "span_groups",
-                      "attention_block_pages")
+            self,
+            "num_workers",
+            "max_concurrent_seqs",
+            "page_size",
+            "kv_cache_bytes",
+            "prefill_chunk",
+            "prefill_len",
+            "max_prompt_len",
+            "max_new_tokens",
+            "temperature",
+        )
+        _non_negative(
+            self, "top_k", "step_tokens", "prefill_rows", "span_groups", "attention_block_pages"
+        )
         _positive(self, "span_bucket_pages")
         if self.attention_kernel not in ("auto", "native", "xla"):
             raise _bad(self, "attention_kernel", "must be 'auto', 'native' or 'xla'")
         if self.param_server_replica < -1:
             raise _bad(self, "param_server_replica", "must be >= 0, or -1 for automatic")
         if not -1 <= self.worker_index < self.num_workers:
-            raise _bad(self, "worker_index", f"must be in [0, num_workers={self.num_workers}), or -1")
+            raise _bad(
+                self, "worker_index", f"must be in [0, num_workers={self.num_workers}), or -1"
+            )
         if self.span_groups > self.max_concurrent_seqs:
-            raise _bad(self, "span_groups",
-                       f"must be <= max_concurrent_seqs ({self.max_concurrent_seqs})")  # fmt: skip
+            raise _bad(
+                self, "span_groups", f"must be <= max_concurrent_seqs ({self.max_concurrent_seqs})"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise _bad(self, "top_p", "must be in (0, 1]")
         if self.step_tokens and self.step_tokens < self.max_concurrent_seqs:
             raise _bad(
-                self, "step_tokens",
+                self,
+                "step_tokens",
                 f"must be 0 or >= max_concurrent_seqs ({self.max_concurrent_seqs}): every running "
                 "sequence decodes one token per step",
-            )  # fmt: skip
+            )
         _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
 
 
@@ -542,10 +591,19 @@ class VerifierConfig:
 
     def __post_init__(self) -> None:
         _positive(
-            self, "workers", "max_pending", "time_limit_s", "memory_limit_mb", "compile_time_limit_s",
-            "max_output_bytes", "request_deadline_s", "compile_memory_limit_mb", "disk_limit_mb",
-            "max_time_limit_s", "max_memory_limit_mb",
-        )  # fmt: skip
+            self,
+            "workers",
+            "max_pending",
+            "time_limit_s",
+            "memory_limit_mb",
+            "compile_time_limit_s",
+            "max_output_bytes",
+            "request_deadline_s",
+            "compile_memory_limit_mb",
+            "disk_limit_mb",
+            "max_time_limit_s",
+            "max_memory_limit_mb",
+        )
         if not math.isfinite(self.max_time_limit_s) or self.max_time_limit_s < self.time_limit_s:
             raise _bad(
                 self,
@@ -569,17 +627,19 @@ class VerifierConfig:
             raise _bad(self, "sandbox_uid", "must not be 0: untrusted code never runs as root")
         if not 0 < self.sandbox_uid <= 2**31 - 1 - self.workers:
             raise _bad(
-                self, "sandbox_uid",
+                self,
+                "sandbox_uid",
                 "must be > 0 and leave room for one uid per worker (sandbox_uid + workers < 2^31)",
-            )  # fmt: skip
+            )
         if self.sandbox_uid < 1000:
             raise _bad(self, "sandbox_uid", "must be >= 1000 (below are system users and daemons)")
         if self.sandbox_uid <= 65535 and self.sandbox_uid + self.workers > 65534:
             raise _bad(
-                self, "sandbox_uid",
+                self,
+                "sandbox_uid",
                 f"uids {self.sandbox_uid}..{self.sandbox_uid + self.workers - 1} (one per worker) "
                 "must not include 65534 (nobody) or 65535 (-1 as a 16-bit uid)",
-            )  # fmt: skip
+            )
         _check_address(self, "address", self.auth_token_file, self.tls_cert_file)
 
 
@@ -633,14 +693,23 @@ class DataConfig:
         if self.language not in LANGUAGES:
             raise _bad(self, "language", f"must be one of {', '.join(LANGUAGES)}")
         _positive(
-            self, "eval_samples", "eval_problems", "replay_recent_versions", "replay_temperature",
-            "replay_per_prompt", "replay_max_items",
-        )  # fmt: skip
+            self,
+            "eval_samples",
+            "eval_problems",
+            "replay_recent_versions",
+            "replay_temperature",
+            "replay_per_prompt",
+            "replay_max_items",
+        )
         _in_range(self, "replay_recency_prob", 0.0, 1.0)
         _non_negative(self, "prefilter_samples", "prefilter_problems")
         if not 0.0 <= self.prefilter_low < self.prefilter_high <= 1.0:
-            raise _bad(self, "prefilter_low", f"need 0 <= prefilter_low < prefilter_high <= 1 "
-                       f"(prefilter_high = {self.prefilter_high})")  # fmt: skip
+            raise _bad(
+                self,
+                "prefilter_low",
+                f"need 0 <= prefilter_low < prefilter_high <= 1 "
+                f"(prefilter_high = {self.prefilter_high})",
+            )
 
 
 @_frozen
@@ -717,28 +786,47 @@ class AlgorithmConfig:
             try:
                 importlib.import_module(module)
             except Exception as e:  # noqa: BLE001 - any failure of user code, named
-                raise _bad(self, "plugins",
-                           f"cannot import {module!r}: {type(e).__name__}: {e}") from None  # fmt: skip
+                raise _bad(
+                    self, "plugins", f"cannot import {module!r}: {type(e).__name__}: {e}"
+                ) from None
         known = known_algorithms()
         if self.name not in known:
             close = difflib.get_close_matches(self.name, known, n=1)
-            hint = (f"; did you mean {close[0]!r}?" if close else
-                    f"; built-in: {', '.join(ALGORITHMS)} (an algorithm of your own: name the "
-                    "module that registers it in algorithm.plugins)")  # fmt: skip
+            hint = (
+                f"; did you mean {close[0]!r}?"
+                if close
+                else f"; built-in: {', '.join(ALGORITHMS)} (an algorithm of your own: name the "
+                "module that registers it in algorithm.plugins)"
+            )
             raise _bad(self, "name", f"unknown algorithm{hint}")
         if self.reward not in known_rewards():
-            raise _bad(self, "reward", f"unknown reward function; built-in: {', '.join(REWARDS)} "
-                       "(one of your own: name the module that registers it in "
-                       "algorithm.plugins)")  # fmt: skip
+            raise _bad(
+                self,
+                "reward",
+                f"unknown reward function; built-in: {', '.join(REWARDS)} "
+                "(one of your own: name the module that registers it in "
+                "algorithm.plugins)",
+            )
         _positive(
-            self, "group_size", "behaviour_cap", "overlong_penalty", "tb_beta", "tb_beta_final",
+            self,
+            "group_size",
+            "behaviour_cap",
+            "overlong_penalty",
+            "tb_beta",
+            "tb_beta_final",
             "dpo_beta",
-        )  # fmt: skip
+        )
         _in_range(self, "eps_low", 0.0, 1.0, hi_open=True)
         _non_negative(self, "eps_high", "kl_coef", "is_cap", "overlong_buffer", "value_clip")
         _non_negative(self, "reward_kl_coef", "value_coef", "tb_beta_decay_steps")
-        _positive(self, "group_std_eps", "sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos",
-                  "vespo_lambda_neg")
+        _positive(
+            self,
+            "group_std_eps",
+            "sapo_tau_pos",
+            "sapo_tau_neg",
+            "vespo_lambda_pos",
+            "vespo_lambda_neg",
+        )
         _non_negative(self, "vespo_k_pos", "vespo_k_neg", "delta")
         if self.delta and self.delta <= 1.0:
             raise _bad(self, "delta", "caps the ratio from above: must be > 1 (or 0: off)")
@@ -767,11 +855,17 @@ class AlgorithmConfig:
             }[self.name]
             raise _bad(self, "behaviour_correction", f"must be 'none': {why}")
         if self.behaviour_floor and not self.behaviour_correction.endswith("_mask"):
-            raise _bad(self, "behaviour_floor", "is the lower edge of a mask band: needs "
-                       f"behaviour_correction token_mask or seq_mask, not "
-                       f"{self.behaviour_correction!r}")  # fmt: skip
+            raise _bad(
+                self,
+                "behaviour_floor",
+                "is the lower edge of a mask band: needs "
+                f"behaviour_correction token_mask or seq_mask, not "
+                f"{self.behaviour_correction!r}",
+            )
         if not 0.0 <= self.behaviour_floor < self.behaviour_cap:
-            raise _bad(self, "behaviour_floor", f"must be in [0, behaviour_cap = {self.behaviour_cap})")
+            raise _bad(
+                self, "behaviour_floor", f"must be in [0, behaviour_cap = {self.behaviour_cap})"
+            )
 
 
 @_frozen
@@ -843,10 +937,23 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if not self.run_dir:
             raise _bad(self, "run_dir", "must be set")
-        _positive(self, "num_steps", "prompts_per_step", "reload_staleness", "rpc_timeout_s",
-                  "snapshot_keep", "log_every")  # fmt: skip
-        _non_negative(self, "pipeline_depth", "warmup_steps", "recovery_timeout_s",
-                      "refill_rounds", "max_skipped_updates")
+        _positive(
+            self,
+            "num_steps",
+            "prompts_per_step",
+            "reload_staleness",
+            "rpc_timeout_s",
+            "snapshot_keep",
+            "log_every",
+        )
+        _non_negative(
+            self,
+            "pipeline_depth",
+            "warmup_steps",
+            "recovery_timeout_s",
+            "refill_rounds",
+            "max_skipped_updates",
+        )
         _positive(self, "warmup_batch_size", "warmup_learning_rate")
         _in_range(self, "warmup_wrong_fraction", 0.0, 1.0, hi_open=True)
         if self.acceptance_staleness < UNBOUNDED:
@@ -869,12 +976,20 @@ class ControllerConfig:
                 self.pipeline_depth,
             )
         if self.transport == "distributed":
-            for n in ("verifier_endpoint", "trainer_endpoint", "param_server_endpoints",
-                      "inference_endpoints"):  # fmt: skip
+            for n in (
+                "verifier_endpoint",
+                "trainer_endpoint",
+                "param_server_endpoints",
+                "inference_endpoints",
+            ):
                 if not getattr(self, n):
                     raise _bad(self, n, "required when transport is 'distributed'")
-            endpoints = [*self.inference_endpoints, self.verifier_endpoint, self.trainer_endpoint,
-                         *self.param_server_endpoints]  # fmt: skip
+            endpoints = [
+                *self.inference_endpoints,
+                self.verifier_endpoint,
+                self.trainer_endpoint,
+                *self.param_server_endpoints,
+            ]
             remote = [e for e in endpoints if not _is_loopback(e.rpartition(":")[0])]
             if remote and not self.auth_token_file:
                 raise ConfigError(
@@ -883,15 +998,23 @@ class ControllerConfig:
                     self.auth_token_file,
                 )
         if self.transport == "distributed" and self.trainer_process:
-            raise _bad(self, "trainer_process", "applies to the local transport only (the "
-                       "distributed one reaches the trainer at trainer_endpoint)")  # fmt: skip
+            raise _bad(
+                self,
+                "trainer_process",
+                "applies to the local transport only (the "
+                "distributed one reaches the trainer at trainer_endpoint)",
+            )
         if self.trainer_cpus and not self.trainer_process:
             raise _bad(self, "trainer_cpus", "needs trainer_process = True")
         if any(c < 0 for c in self.trainer_cpus):
             raise _bad(self, "trainer_cpus", "CPU numbers must be >= 0")
         if self.transport == "distributed" and self.warmup_steps:
-            raise _bad(self, "warmup_steps", "needs the local transport (a remote trainer "
-                       "starts from model.weights_path); set it to 0")  # fmt: skip
+            raise _bad(
+                self,
+                "warmup_steps",
+                "needs the local transport (a remote trainer "
+                "starts from model.weights_path); set it to 0",
+            )
 
     @property
     def acceptance_bound(self) -> float:
@@ -1226,4 +1349,3 @@ def base_config_dict() -> ml_collections.ConfigDict:
     cfg = ml_collections.ConfigDict(to_dict(RunConfig()))
     cfg.lock()
     return cfg
-

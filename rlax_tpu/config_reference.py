@@ -62,8 +62,14 @@ def reference() -> str:
         rows.setdefault(section, []).append(f"| `{flag}` | `{default!r}` | {text} |")
     parts = [BEGIN]
     for section, lines in rows.items():
-        parts += ["", f"**{section}**", "", "| flag | default | what it does |", "|---|---|---|",
-                  *lines]  # fmt: skip
+        parts += [
+            "",
+            f"**{section}**",
+            "",
+            "| flag | default | what it does |",
+            "|---|---|---|",
+            *lines,
+        ]
     return "\n".join([*parts, "", END])
 
 

@@ -30,12 +30,18 @@ def initialize(cfg: DistributedConfig) -> bool:
         jax.distributed.initialize(initialization_timeout=cfg.initialization_timeout_s)
     else:
         jax.distributed.initialize(
-            cfg.coordinator_address, num_processes=cfg.num_processes, process_id=cfg.process_id,
+            cfg.coordinator_address,
+            num_processes=cfg.num_processes,
+            process_id=cfg.process_id,
             initialization_timeout=cfg.initialization_timeout_s,
-        )  # fmt: skip
-    log.info("joined jax.distributed as process %d of %d (%d local of %d devices)",
-             jax.process_index(), jax.process_count(), jax.local_device_count(),
-             jax.device_count())  # fmt: skip
+        )
+    log.info(
+        "joined jax.distributed as process %d of %d (%d local of %d devices)",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
     return jax.process_index() == 0
 
 

@@ -185,9 +185,13 @@ class TrainBatch:
 
     @classmethod
     def from_rollouts(
-        cls, rollouts: list[Rollout], rewards: np.ndarray, *, group_size: int,
+        cls,
+        rollouts: list[Rollout],
+        rewards: np.ndarray,
+        *,
+        group_size: int,
         temperature: float = 1.0,
-    ) -> TrainBatch:  # fmt: skip
+    ) -> TrainBatch:
         """Packs group-major rollouts (right padding) into a TrainBatch."""
         if not rollouts:
             raise ValueError("TrainBatch.from_rollouts: no rollouts")

@@ -54,8 +54,9 @@ def gcs_emulator():  # noqa: ANN201 - a fixture generator
     server = os.path.join(os.path.dirname(__file__), "gcs_server.py")
     proc = subprocess.Popen(
         [sys.executable, server, f"--port={port}", f"--bucket={GCS_BUCKET}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -79,4 +80,3 @@ def gcs_emulator():  # noqa: ANN201 - a fixture generator
                 os.environ[k] = v
         proc.terminate()
         proc.wait(timeout=30)
-

@@ -39,10 +39,14 @@ def _ls_with_offsets(request, response, storage, *args, **kwargs):  # noqa: ANN0
 
     def in_range(payload):  # noqa: ANN001, ANN202
         if isinstance(payload, dict) and "items" in payload:
-            payload = dict(payload, items=[
-                o for o in payload["items"]
-                if (start is None or o["name"] >= start) and (end is None or o["name"] < end)
-            ])  # fmt: skip
+            payload = dict(
+                payload,
+                items=[
+                    o
+                    for o in payload["items"]
+                    if (start is None or o["name"] >= start) and (end is None or o["name"] < end)
+                ],
+            )
         return send(payload)
 
     response.json = in_range

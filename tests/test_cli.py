@@ -19,8 +19,11 @@ LOCAL = "--config=configs/codeforces.py:local"
 def run(component: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", f"rlax_tpu.{component}", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
@@ -71,8 +74,13 @@ def test_bad_preset_and_missing_file():
 
 
 def test_overrides_reach_the_validated_config():
-    out = run("controller", LOCAL, "--config.trainer.learning_rate=3e-6",
-              "--config.verifiers.languages=('python','cpp')", "--print_config")  # fmt: skip
+    out = run(
+        "controller",
+        LOCAL,
+        "--config.trainer.learning_rate=3e-6",
+        "--config.verifiers.languages=('python','cpp')",
+        "--print_config",
+    )
     assert out.returncode == 0, out.stderr
     cfg = json.loads(out.stdout)
     assert cfg["preset"] == "local"

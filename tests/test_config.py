@@ -67,8 +67,11 @@ def test_presets_validate():
     mod = _codeforces()
     local = from_dict(RunConfig, mod.get_config("local"))
     raw = mod.get_config("v5p")
-    with pytest.raises(ConfigError, match=r"controller.bucket = '': required by .*model.weights_path "
-                       r"= '\{bucket\}/QwQ-32B'.*--config.controller.bucket=gs://my-bucket"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"controller.bucket = '': required by .*model.weights_path "
+        r"= '\{bucket\}/QwQ-32B'.*--config.controller.bucket=gs://my-bucket",
+    ):
         from_dict(RunConfig, raw)
     raw.controller.bucket = "gs://rl-runs/"
     v5p = from_dict(RunConfig, raw)
@@ -188,21 +191,63 @@ def test_error_carries_the_field_path():
 # Ranges: every field that must be > 0 or >= 0.
 
 POSITIVE = {
-    "model": ["vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-              "num_kv_heads", "rope_theta", "max_position_embeddings", "rms_norm_eps"],
-    "trainer": ["learning_rate", "micro_batch_size", "checkpoint_every", "keep_checkpoints", "adam_eps"],
-    "inference": ["num_workers", "max_concurrent_seqs", "page_size", "kv_cache_bytes",
-                  "prefill_chunk", "prefill_len", "max_prompt_len", "max_new_tokens",
-                  "temperature"],
+    "model": [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "rope_theta",
+        "max_position_embeddings",
+        "rms_norm_eps",
+    ],
+    "trainer": [
+        "learning_rate",
+        "micro_batch_size",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "adam_eps",
+    ],
+    "inference": [
+        "num_workers",
+        "max_concurrent_seqs",
+        "page_size",
+        "kv_cache_bytes",
+        "prefill_chunk",
+        "prefill_len",
+        "max_prompt_len",
+        "max_new_tokens",
+        "temperature",
+    ],
     "param_server": ["chunk_bytes", "max_message_bytes", "replicas"],
-    "verifiers": ["workers", "max_pending", "time_limit_s", "memory_limit_mb",
-                  "compile_time_limit_s", "max_output_bytes", "request_deadline_s"],
-    "data": ["eval_samples", "eval_problems", "replay_recent_versions", "replay_temperature",
-             "replay_per_prompt", "replay_max_items"],
+    "verifiers": [
+        "workers",
+        "max_pending",
+        "time_limit_s",
+        "memory_limit_mb",
+        "compile_time_limit_s",
+        "max_output_bytes",
+        "request_deadline_s",
+    ],
+    "data": [
+        "eval_samples",
+        "eval_problems",
+        "replay_recent_versions",
+        "replay_temperature",
+        "replay_per_prompt",
+        "replay_max_items",
+    ],
     "algorithm": ["group_size", "behaviour_cap", "overlong_penalty", "tb_beta", "dpo_beta"],
-    "controller": ["num_steps", "prompts_per_step", "reload_staleness", "rpc_timeout_s",
-                   "snapshot_keep", "log_every"],
-}  # fmt: skip
+    "controller": [
+        "num_steps",
+        "prompts_per_step",
+        "reload_staleness",
+        "rpc_timeout_s",
+        "snapshot_keep",
+        "log_every",
+    ],
+}
 NON_NEGATIVE = {
     "model": ["head_dim"],
     "trainer": ["warmup_steps", "decay_steps", "weight_decay", "grad_clip_norm"],
@@ -244,37 +289,52 @@ def test_must_be_non_negative(section, name):
         ("algorithm.eps_low", 1.0, "algorithm.eps_low = 1.0: must be in [0.0, 1.0)"),
         ("algorithm.gamma", 1.1, "algorithm.gamma = 1.1: must be in [0.0, 1.0]"),
         ("algorithm.gae_lambda", -0.5, "algorithm.gae_lambda = -0.5: must be in [0.0, 1.0]"),
-        ("controller.warmup_wrong_fraction", 1.0,
-         "controller.warmup_wrong_fraction = 1.0: must be in [0.0, 1.0)"),
+        (
+            "controller.warmup_wrong_fraction",
+            1.0,
+            "controller.warmup_wrong_fraction = 1.0: must be in [0.0, 1.0)",
+        ),
         ("model.rope_scaling_factor", 0.5, "model.rope_scaling_factor = 0.5: must be >= 1"),
         ("mesh.data", 0, "mesh.data = 0: must be >= 1, or -1 for 'the remaining devices'"),
         ("mesh.tensor", -2, "mesh.tensor = -2: must be >= 1, or -1 for 'the remaining devices'"),
         (
-            "controller.acceptance_staleness", -2,
+            "controller.acceptance_staleness",
+            -2,
             "controller.acceptance_staleness = -2: must be >= 0, or -1 for unbounded",
         ),
         ("controller.run_dir", "", "controller.run_dir = '': must be set"),
-        ("verifiers.sandbox_uid", 0, "verifiers.sandbox_uid = 0: must not be 0: untrusted code never runs as root"),
+        (
+            "verifiers.sandbox_uid",
+            0,
+            "verifiers.sandbox_uid = 0: must not be 0: untrusted code never runs as root",
+        ),
         ("verifiers.languages", (), "verifiers.languages = (): must name at least one language"),
         (
-            "verifiers.languages", ("python", "go"),
+            "verifiers.languages",
+            ("python", "go"),
             "verifiers.languages = ('python', 'go'): unknown language 'go'; supported: python, cpp, rust, java",
         ),
         ("data.weights", (1.0,), "data.weights = (1.0,): needs one weight per dataset (2), got 1"),
         ("data.weights", (1.0, 0.0), "data.weights = (1.0, 0.0): every mixture weight must be > 0"),
         (
-            "param_server.in_memory_versions", 1,
+            "param_server.in_memory_versions",
+            1,
             "param_server.in_memory_versions = 1: must be >= 2 (a new version is written while the previous is read)",
         ),
-        ("algorithm.name", "grop", "algorithm.name = 'grop': unknown algorithm; did you mean 'grpo'?"),
         (
-            "algorithm.name", "zzz",
+            "algorithm.name",
+            "grop",
+            "algorithm.name = 'grop': unknown algorithm; did you mean 'grpo'?",
+        ),
+        (
+            "algorithm.name",
+            "zzz",
             "algorithm.name = 'zzz': unknown algorithm; built-in: grpo, dapo, dr_grpo, gspo, "
             "cispo, reinforce, rloo, reinforce_pp, ppo, aipo, tb, online_dpo, sapo, luspo, vespo "
             "(an algorithm of your own: name the module that registers it in algorithm.plugins)",
         ),
     ],
-)  # fmt: skip
+)
 def test_value_rules(path, value, message):
     expect_error({path: value}, message)
 
@@ -377,38 +437,63 @@ def test_empty_datasets():
             "distributed one reaches the trainer at trainer_endpoint)",
         ),
     ],
-)  # fmt: skip
+)
 def test_component_combinations(overrides, message):
     expect_error(overrides, message)
 
 
 def test_trainer_cpus_need_the_trainer_process():
-    expect_error({"controller.trainer_cpus": (1,)},
-                 "controller.trainer_cpus = (1,): needs trainer_process = True")  # fmt: skip
-    expect_error({"controller.trainer_process": True, "controller.trainer_cpus": (-1,)},
-                 "controller.trainer_cpus = (-1,): CPU numbers must be >= 0")  # fmt: skip
+    expect_error(
+        {"controller.trainer_cpus": (1,)},
+        "controller.trainer_cpus = (1,): needs trainer_process = True",
+    )
+    expect_error(
+        {"controller.trainer_process": True, "controller.trainer_cpus": (-1,)},
+        "controller.trainer_cpus = (-1,): CPU numbers must be >= 0",
+    )
     ok = build({"controller.trainer_process": True, "controller.trainer_cpus": (1,)})
     assert ok.controller.trainer_cpus == (1,)
 
 
 def test_resume_needs_snapshots_and_checkpoints_that_meet():
-    with pytest.raises(ConfigError, match=r"controller.snapshot_keep = 2: .* at least "
-                       r"trainer.checkpoint_every \+ 1 = 3"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"controller.snapshot_keep = 2: .* at least "
+        r"trainer.checkpoint_every \+ 1 = 3",
+    ):
         build({"trainer.checkpoint_every": 2, "controller.snapshot_keep": 2})
-    with pytest.raises(ConfigError, match=r"trainer.keep_checkpoints = 2: .* republishes .* "
-                       r"pipeline_depth \+ reload_staleness = 3"):  # fmt: skip
-        build({"controller.reload_staleness": 2, "controller.acceptance_staleness": 4,
-               "trainer.keep_checkpoints": 2, "controller.snapshot_keep": 2})  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.keep_checkpoints = 2: .* republishes .* "
+        r"pipeline_depth \+ reload_staleness = 3",
+    ):
+        build(
+            {
+                "controller.reload_staleness": 2,
+                "controller.acceptance_staleness": 4,
+                "trainer.keep_checkpoints": 2,
+                "controller.snapshot_keep": 2,
+            }
+        )
     # Every kept snapshot has a kept checkpoint at or before it.
-    with pytest.raises(ConfigError, match=r"controller.snapshot_keep = 4: the oldest of 4 "
-                       r"snapshots .* 3 x checkpoint_every 1 = 3 steps"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"controller.snapshot_keep = 4: the oldest of 4 "
+        r"snapshots .* 3 x checkpoint_every 1 = 3 steps",
+    ):
         build({"controller.snapshot_keep": 4})
     build({"controller.snapshot_keep": 6, "trainer.keep_checkpoints": 6})
     with pytest.raises(ConfigError, match=r"controller.warmup_steps = \d+: needs the local"):
-        build({"controller.transport": "distributed", "controller.trainer_endpoint": "h:1",
-               "controller.verifier_endpoint": "h:1", "controller.param_server_endpoints": ("h:1",),
-               "controller.inference_endpoints": ("h:1",),
-               "controller.auth_token_file": "/t"})  # fmt: skip
+        build(
+            {
+                "controller.transport": "distributed",
+                "controller.trainer_endpoint": "h:1",
+                "controller.verifier_endpoint": "h:1",
+                "controller.param_server_endpoints": ("h:1",),
+                "controller.inference_endpoints": ("h:1",),
+                "controller.auth_token_file": "/t",
+            }
+        )
     with pytest.raises(ConfigError, match=r"data.language = 'java': the verifiers do not run it"):
         build({"data.language": "java", "verifiers.languages": ("python",)})
 
@@ -416,13 +501,21 @@ def test_resume_needs_snapshots_and_checkpoints_that_meet():
 def test_staleness_settings_that_can_progress():
     on_policy = build({"controller.acceptance_staleness": 0, "controller.pipeline_depth": 0})
     assert on_policy.controller.acceptance_bound == 0
-    paper = build({"controller.reload_staleness": 16, "controller.acceptance_staleness": 32,
-                   "trainer.keep_checkpoints": 17})  # fmt: skip
+    paper = build(
+        {
+            "controller.reload_staleness": 16,
+            "controller.acceptance_staleness": 32,
+            "trainer.keep_checkpoints": 17,
+        }
+    )
     assert paper.controller.acceptance_bound == 32
     unbounded = build(
-        {"controller.acceptance_staleness": C.UNBOUNDED, "controller.pipeline_depth": 5,
-         "trainer.keep_checkpoints": 6}
-    )  # fmt: skip
+        {
+            "controller.acceptance_staleness": C.UNBOUNDED,
+            "controller.pipeline_depth": 5,
+            "trainer.keep_checkpoints": 6,
+        }
+    )
     assert unbounded.controller.acceptance_bound == float("inf")
     # Throughput mode has no pipeline formula to satisfy.
     build({"controller.acceptance_staleness": 0, "controller.mode": "throughput"})
@@ -440,8 +533,13 @@ def test_non_loopback_address_needs_credentials(section):
         "set auth_token_file (TLS alone does not authenticate clients)",
     )
     assert build({f"{section}.address": "0.0.0.0:50051", f"{section}.auth_token_file": "/t"})
-    assert build({f"{section}.address": "10.1.2.3:1", f"{section}.auth_token_file": "/t",
-                  f"{section}.tls_cert_file": "/c"})  # fmt: skip
+    assert build(
+        {
+            f"{section}.address": "10.1.2.3:1",
+            f"{section}.auth_token_file": "/t",
+            f"{section}.tls_cert_file": "/c",
+        }
+    )
     with pytest.raises(ConfigError, match="TLS alone does not authenticate clients"):
         build({f"{section}.address": "10.1.2.3:1", f"{section}.tls_cert_file": "/c"})
     for loopback in ("127.0.0.1:0", "localhost:9000", "[::1]:9000", "127.0.0.2:80"):
@@ -523,14 +621,22 @@ def test_mesh_shape():
     "overrides, message",
     [
         (
-            {"model.rope_scaling": "llama3", "model.rope_scaling_factor": 8.0,
-             "model.rope_low_freq_factor": 4.0, "model.rope_high_freq_factor": 1.0},
+            {
+                "model.rope_scaling": "llama3",
+                "model.rope_scaling_factor": 8.0,
+                "model.rope_low_freq_factor": 4.0,
+                "model.rope_high_freq_factor": 1.0,
+            },
             "model.rope_high_freq_factor = 1.0: must be > rope_low_freq_factor (4.0) > 0 for "
             "llama3 RoPE",
         ),
         (
-            {"model.rope_scaling": "yarn", "model.rope_scaling_factor": 4.0,
-             "model.rope_beta_fast": 1.0, "model.rope_beta_slow": 2.0},
+            {
+                "model.rope_scaling": "yarn",
+                "model.rope_scaling_factor": 4.0,
+                "model.rope_beta_fast": 1.0,
+                "model.rope_beta_slow": 2.0,
+            },
             "model.rope_beta_fast = 1.0: must be > rope_beta_slow (2.0) > 0 for yarn RoPE",
         ),
         (
@@ -542,7 +648,7 @@ def test_mesh_shape():
             "model.rope_attention_factor = -0.5: must be >= 0",
         ),
     ],
-)  # fmt: skip
+)
 def test_model_rope_scaling_rules(overrides, message):
     expect_error(overrides, message)
 
@@ -569,7 +675,10 @@ def test_model_rope_original_context_defaults_to_max_positions():
             {"algorithm.name": "aipo", "algorithm.group_size": 1, "trainer.micro_batch_size": 8},
             "algorithm.group_size = 1: aipo compares samples within a group: needs >= 2",
         ),
-        ({"algorithm.is_cap": 2.0}, "algorithm.is_cap = 2.0: only aipo truncates at a cap; grpo has none"),
+        (
+            {"algorithm.is_cap": 2.0},
+            "algorithm.is_cap = 2.0: only aipo truncates at a cap; grpo has none",
+        ),
         (
             {"algorithm.reward_kl_coef": 0.1},
             "algorithm.reward_kl_coef = 0.1: only ppo and reinforce_pp fold a KL term into the reward",
@@ -603,7 +712,7 @@ def test_model_rope_original_context_defaults_to_max_positions():
             "algorithm.dynamic_sampling = True: must be one of 'default', 'on', 'off'",
         ),
     ],
-)  # fmt: skip
+)
 def test_algorithm_rules(overrides, message):
     expect_error(overrides, message)
 

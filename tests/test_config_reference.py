@@ -30,8 +30,14 @@ def test_the_readme_reference_is_current():
 def test_every_flag_is_read_outside_the_config_module():
     # A flag no code reads is accepted and ignored. (By name: a field named like another
     # section's passes on the other's use, so this catches a flag whose last reader went.)
-    code = "\n".join(p.read_text() for p in (REPO / "rlax_tpu").rglob("*.py")
-                     if p.name not in ("config.py", "config_reference.py"))  # fmt: skip
-    unread = [flag for flag, _, _ in config_reference.fields()
-              if not re.search(rf"\b{flag.rsplit('.', 1)[-1]}\b", code)]  # fmt: skip
+    code = "\n".join(
+        p.read_text()
+        for p in (REPO / "rlax_tpu").rglob("*.py")
+        if p.name not in ("config.py", "config_reference.py")
+    )
+    unread = [
+        flag
+        for flag, _, _ in config_reference.fields()
+        if not re.search(rf"\b{flag.rsplit('.', 1)[-1]}\b", code)
+    ]
     assert unread == []

@@ -65,8 +65,9 @@ def test_tensorstore_and_gcsfs_see_one_bucket(gs):
     gcsfs lists (both pointed at the emulator)."""
     import tensorstore as ts
 
-    arr = ts.open({"driver": "zarr3", "kvstore": f"{gs}/arr/"}, create=True, dtype=ts.float32,
-                  shape=[5]).result()  # fmt: skip
+    arr = ts.open(
+        {"driver": "zarr3", "kvstore": f"{gs}/arr/"}, create=True, dtype=ts.float32, shape=[5]
+    ).result()
     arr.write(np.arange(5, dtype=np.float32)).result()
     assert (storage.path(gs) / "arr" / "zarr.json").exists()
     again = ts.open({"driver": "zarr3", "kvstore": f"{gs}/arr/"}).result()

@@ -42,8 +42,9 @@ def sequence_ratio(logp: jax.Array, logp_old: jax.Array, mask: jax.Array) -> jax
     return jnp.exp(masked_log_ratio(logp, logp_old, mask).sum(axis=1) / lengths)
 
 
-def sapo_gate(ratio: jax.Array, advantages: jax.Array, tau_pos: float, tau_neg: float
-              ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def sapo_gate(
+    ratio: jax.Array, advantages: jax.Array, tau_pos: float, tau_neg: float
+) -> tuple[jax.Array, jax.Array]:
     """SAPO's soft gate f(ρ) = (4/τ)·σ(τ(ρ − 1)), τ by the advantage's sign: (f, df/dlog ρ =
     4·σ·(1 − σ)·ρ), both [B, T]. f replaces PPO's hard clip: its slope peaks at ρ = 1 (the
     on-policy gradient) and fades smoothly off-policy."""
@@ -52,8 +53,14 @@ def sapo_gate(ratio: jax.Array, advantages: jax.Array, tau_pos: float, tau_neg: 
     return 4.0 / tau * sig, 4.0 * sig * (1.0 - sig) * ratio
 
 
-def vespo_weight(logp: jax.Array, logp_old: jax.Array, mask: jax.Array, positive: jax.Array,
-                 k: tuple[float, float], lam: tuple[float, float]) -> jax.Array:  # fmt: skip
+def vespo_weight(
+    logp: jax.Array,
+    logp_old: jax.Array,
+    mask: jax.Array,
+    positive: jax.Array,
+    k: tuple[float, float],
+    lam: tuple[float, float],
+) -> jax.Array:
     """VESPO's Gamma weight φ(w) = e^λ·w^k·e^{−λw} (φ(1) = 1) of the sequence ratio w =
     Π_t π_θ/π_old (log-ratios clamped to ±20, log w to [log 1e-8, 20]); (k, λ) = k[0], lam[0]
     where ``positive`` [B] (advantage >= 0), else k[1], lam[1]. Returns [B]."""

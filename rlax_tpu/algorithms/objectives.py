@@ -79,7 +79,7 @@ def prepare(spec: ObjectiveSpec, batch: RolloutBatch, step: int | jax.Array = 0)
             spec.behaviour_correction,
             spec.behaviour_cap,
             spec.behaviour_floor,
-        ),  # fmt: skip
+        ),
         values_old=batch.values,
         returns=returns,
         beta=beta.astype(dtype),

@@ -30,7 +30,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         eps_high=0.28,
         dynamic_sampling=True,
         overlong_shaping=True,
-    ),  # fmt: skip
+    ),
     # Dr.GRPO: no std normalization, no length normalization (constant L_max).
     "dr_grpo": dict(advantage="group_center", aggregation="max_length"),
     # GSPO: length-normalized sequence ratio, per-sequence clipping with ε = (3e-4, 4e-4).
@@ -40,7 +40,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         importance="sequence_ratio",
         eps_low=3e-4,
         eps_high=4e-4,
-    ),  # fmt: skip
+    ),
     # CISPO (MiniMax-M1): sg(clipped ρ) weight, no mask, token mean. The paper sets no lower
     # bound (ε_low = 1) and does not publish its tuned ε_high; 0.28 follows DAPO's clip-higher.
     "cispo": dict(
@@ -50,7 +50,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         clip_mask=False,
         eps_low=1.0,
         eps_high=0.28,
-    ),  # fmt: skip
+    ),
     # Token-level REINFORCE (RLAX Eq. 9): ω = 1, A = r, w = 1/(G·L_max).
     "reinforce": dict(
         advantage="reward", aggregation="max_length", importance="one", clip_mask=False
@@ -74,17 +74,22 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         importance="truncated",
         clip_mask=False,
         is_cap=5.0,
-    ),  # fmt: skip
+    ),
     # SAPO (Qwen): SAPO's soft gate instead of the hard clip, per token, GRPO's aggregation.
     "sapo": dict(
-        advantage="group_norm", aggregation="seq_mean_token_mean", importance="sapo",
+        advantage="group_norm",
+        aggregation="seq_mean_token_mean",
+        importance="sapo",
         clip_mask=False,
-    ),  # fmt: skip
+    ),
     # LUSPO: GSPO (sequence ratio and clipping) with each sequence's loss scaled by its length.
     "luspo": dict(
-        advantage="group_norm", aggregation="seq_mean_token_sum", importance="sequence_ratio",
-        eps_low=3e-4, eps_high=4e-4,
-    ),  # fmt: skip
+        advantage="group_norm",
+        aggregation="seq_mean_token_sum",
+        importance="sequence_ratio",
+        eps_low=3e-4,
+        eps_high=4e-4,
+    ),
     # VESPO: a Gamma weight of the sequence ratio (no clip), token mean.
     "vespo": dict(
         advantage="group_norm", aggregation="token_mean", importance="vespo", clip_mask=False
@@ -168,8 +173,10 @@ def register_algorithm(name: str, *, base: str = "grpo", **components: Any) -> N
         raise ValueError(f"register_algorithm({name!r}): not ObjectiveSpec components: {unknown}")
     advantage = components.get("advantage", DEFAULTS[base].get("advantage"))
     if not objectives.known_advantage(advantage):
-        raise ValueError(f"register_algorithm({name!r}): unknown advantage {advantage!r}; "
-                         "register it first with register_advantage")  # fmt: skip
+        raise ValueError(
+            f"register_algorithm({name!r}): unknown advantage {advantage!r}; "
+            "register it first with register_advantage"
+        )
     register_algorithm_name(name, group=advantage in objectives.GROUP_ESTIMATORS)
     components = dict(components)
     # The KL regularizer's defaults live in their own tables (kl_estimator "default").
@@ -212,22 +219,26 @@ def make_objective(cfg: AlgorithmConfig, *, max_length: int) -> Objective:
         value_clip=cfg.value_clip,
         dynamic_sampling={"on": True, "off": False, "default": dynamic}[cfg.dynamic_sampling],
         overlong_penalty=cfg.overlong_penalty,
-        sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg,
+        sapo_tau_pos=cfg.sapo_tau_pos,
+        sapo_tau_neg=cfg.sapo_tau_neg,
         vespo_k=(cfg.vespo_k_pos, cfg.vespo_k_neg),
         vespo_lambda=(cfg.vespo_lambda_pos, cfg.vespo_lambda_neg),
-    )  # fmt: skip
+    )
     fields |= d
     if cfg.reward_scaling != "default":
         if fields.get("advantage") not in _SCALED_FROM:
             raise ConfigError(
-                "reward_scaling", f"{cfg.name}'s advantage {fields.get('advantage')!r} is not a "
-                "group-relative one it can rescale", cfg.reward_scaling,
-            )  # fmt: skip
+                "reward_scaling",
+                f"{cfg.name}'s advantage {fields.get('advantage')!r} is not a "
+                "group-relative one it can rescale",
+                cfg.reward_scaling,
+            )
         fields["advantage"] = _SCALED[cfg.reward_scaling]
     if cfg.delta:
         if not fields.get("clip_mask", True) or fields.get("kind", "eq3") != "eq3":
-            raise ConfigError("delta", f"caps the PPO-clipped ratio; {cfg.name} has no such "
-                              "clipping", cfg.delta)  # fmt: skip
+            raise ConfigError(
+                "delta", f"caps the PPO-clipped ratio; {cfg.name} has no such clipping", cfg.delta
+            )
         fields["delta"] = cfg.delta
     for name in ("eps_low", "eps_high", "is_cap", "reward_kl_coef", "value_coef"):
         if getattr(cfg, name):
@@ -239,25 +250,32 @@ def make_objective(cfg: AlgorithmConfig, *, max_length: int) -> Objective:
         estimator = DEFAULT_KL_ESTIMATOR.get(cfg.name, "none")
         if estimator == "none" and cfg.kl_coef:
             raise ConfigError(
-                "kl_coef", f"{cfg.name}'s default has no KL regularizer; set kl_estimator to "
-                "k1, k2 or k3 to use kl_coef", cfg.kl_coef,
-            )  # fmt: skip
+                "kl_coef",
+                f"{cfg.name}'s default has no KL regularizer; set kl_estimator to "
+                "k1, k2 or k3 to use kl_coef",
+                cfg.kl_coef,
+            )
     if estimator != "none":
         if d.get("kind", "eq3") != "eq3":
             raise ConfigError(
-                "kl_estimator", f"must be 'none': {cfg.name} already measures itself against π_ref",
+                "kl_estimator",
+                f"must be 'none': {cfg.name} already measures itself against π_ref",
                 cfg.kl_estimator,
-            )  # fmt: skip
+            )
         coef = cfg.kl_coef or DEFAULT_KL_COEF.get(cfg.name)
         if not coef:
             raise ConfigError(
                 "kl_coef", f"{cfg.name} has no default KL coefficient; set kl_coef", 0.0
             )
-        fields |= dict(kl_estimator=estimator, kl_coef=coef,
-                       kl_bias_correction=cfg.kl_bias_correction)  # fmt: skip
+        fields |= dict(
+            kl_estimator=estimator, kl_coef=coef, kl_bias_correction=cfg.kl_bias_correction
+        )
     elif cfg.kl_bias_correction:
-        raise ConfigError("kl_bias_correction", f"{cfg.name} runs without a KL regularizer here; "
-                          "set kl_estimator (and kl_coef)", True)  # fmt: skip
+        raise ConfigError(
+            "kl_bias_correction",
+            f"{cfg.name} runs without a KL regularizer here; set kl_estimator (and kl_coef)",
+            True,
+        )
     if {"on": True, "off": False, "default": overlong}[cfg.overlong_shaping]:
         buffer = cfg.overlong_buffer or max(1, max_length // OVERLONG_BUFFER_FRACTION)
         if buffer > max_length:

@@ -86,6 +86,8 @@ def score(fn: RewardFn, x: RewardInput, *, name: str = "") -> float | None:
     value = fn(x)
     out = float(value) if isinstance(value, int | float | np.number) else math.nan
     if not math.isfinite(out):
-        raise ValueError(f"reward function {name or fn!r} returned {value!r} for "
-                         f"{x.verdict.kind.value}: it must return a finite number")  # fmt: skip
+        raise ValueError(
+            f"reward function {name or fn!r} returned {value!r} for "
+            f"{x.verdict.kind.value}: it must return a finite number"
+        )
     return out

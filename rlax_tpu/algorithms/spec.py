@@ -10,10 +10,18 @@ from rlax_tpu.algorithms.importance import BehaviourCorrection
 
 Kind = Literal["eq3", "tb", "online_dpo"]
 Advantage = Literal[
-    "group_norm", "group_center", "leave_one_out", "batch_scaled", "reward",
-    "batch_norm_kl_reward", "gae", "none",
-]  # fmt: skip
-Importance = Literal["ratio", "clipped_ratio", "truncated", "sequence_ratio", "one", "sapo", "vespo"]
+    "group_norm",
+    "group_center",
+    "leave_one_out",
+    "batch_scaled",
+    "reward",
+    "batch_norm_kl_reward",
+    "gae",
+    "none",
+]
+Importance = Literal[
+    "ratio", "clipped_ratio", "truncated", "sequence_ratio", "one", "sapo", "vespo"
+]
 GROUP_ADVANTAGES = ("group_norm", "group_center", "leave_one_out", "batch_scaled")
 
 

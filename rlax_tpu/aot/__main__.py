@@ -33,7 +33,9 @@ from rlax_tpu.config import RunConfig
 
 COMPONENTS = ("trainer", "inference", "all")
 flags.DEFINE_string("topology", None, "TPU topology to compile for, e.g. v5e:2x2, v5p:8x8x4.")
-flags.DEFINE_string("inference_topology", None, "The inference workers' slice (default: --topology).")
+flags.DEFINE_string(
+    "inference_topology", None, "The inference workers' slice (default: --topology)."
+)
 flags.DEFINE_enum("component", "all", COMPONENTS, "Which component's programs to compile.")
 flags.DEFINE_string("json", None, "Write the reports to this JSON file.")
 FLAGS = flags.FLAGS
@@ -46,14 +48,18 @@ def run(config: RunConfig, args: list[str]) -> int:
         print(f"rlax_tpu.aot: unexpected arguments {args}", file=sys.stderr)
         return cli.EXIT_USAGE
     if not FLAGS.topology:
-        print("rlax_tpu.aot: error: --topology is required (e.g. --topology=v5e:2x2)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "rlax_tpu.aot: error: --topology is required (e.g. --topology=v5e:2x2)", file=sys.stderr
+        )
         return cli.EXIT_USAGE
     return run_check(
-        config, topology=FLAGS.topology, inference_topology=FLAGS.inference_topology or FLAGS.topology,
-        component=FLAGS.component, json_path=Path(FLAGS.json) if FLAGS.json else None,
+        config,
+        topology=FLAGS.topology,
+        inference_topology=FLAGS.inference_topology or FLAGS.topology,
+        component=FLAGS.component,
+        json_path=Path(FLAGS.json) if FLAGS.json else None,
         command="python -m rlax_tpu.aot " + " ".join(_COMMAND),
-    )  # fmt: skip
+    )
 
 
 _COMMAND = sys.argv[1:]  # as the user typed it (for the report)

@@ -68,28 +68,46 @@ class ProgramReport:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out.update(footprint_bytes=self.footprint_bytes, peak_bytes=self.peak_bytes,
-                   hbm_fraction=self.hbm_fraction, limit_bytes=self.limit_bytes,
-                   headroom=HEADROOM)  # fmt: skip
+        out.update(
+            footprint_bytes=self.footprint_bytes,
+            peak_bytes=self.peak_bytes,
+            hbm_fraction=self.hbm_fraction,
+            limit_bytes=self.limit_bytes,
+            headroom=HEADROOM,
+        )
         return out
 
 
 def _first_line(message: str) -> str:
     lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
     for ln in lines:  # XLA puts the reason after a status code on some line
-        if any(k in ln for k in ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNIMPLEMENTED",
-                                 "INTERNAL", "Error", "error")):  # fmt: skip
+        if any(
+            k in ln
+            for k in (
+                "RESOURCE_EXHAUSTED",
+                "INVALID_ARGUMENT",
+                "UNIMPLEMENTED",
+                "INTERNAL",
+                "Error",
+                "error",
+            )
+        ):
             return ln[:400]
     return (lines[0] if lines else "unknown error")[:400]
 
 
 def compile_program(
-    program: AbstractProgram, *, component: str, topology: str, device: DeviceSpec,
-) -> ProgramReport:  # fmt: skip
+    program: AbstractProgram,
+    *,
+    component: str,
+    topology: str,
+    device: DeviceSpec,
+) -> ProgramReport:
     """Lowers and compiles one program for the topology and measures it (never raises for a
     program that does not compile or fit: the report says so)."""
-    base = dict(name=program.name, component=component, topology=topology,
-                hbm_bytes=device.usable_hbm_bytes)  # fmt: skip
+    base = dict(
+        name=program.name, component=component, topology=topology, hbm_bytes=device.usable_hbm_bytes
+    )
     base.update(note=program.note, resident_bytes=program.resident_bytes, held=dict(program.held))
     start = time.perf_counter()
     mesh = jax.set_mesh(program.mesh) if program.mesh is not None else contextlib.nullcontext()
@@ -100,10 +118,15 @@ def compile_program(
         message = str(e)
         elapsed = time.perf_counter() - start
         if "RESOURCE_EXHAUSTED" in message or hbm_limit_from_error(message) is not None:
-            return ProgramReport(status=TOO_BIG, error=_first_line(message), compile_s=elapsed,
-                                 **base)  # fmt: skip
-        return ProgramReport(status=FAILED, error=f"{type(e).__name__}: {_first_line(message)}",
-                             compile_s=elapsed, **base)  # fmt: skip
+            return ProgramReport(
+                status=TOO_BIG, error=_first_line(message), compile_s=elapsed, **base
+            )
+        return ProgramReport(
+            status=FAILED,
+            error=f"{type(e).__name__}: {_first_line(message)}",
+            compile_s=elapsed,
+            **base,
+        )
     elapsed = time.perf_counter() - start
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -113,20 +136,29 @@ def compile_program(
     traffic = float(cost.get("bytes accessed", 0.0))
     report = ProgramReport(
         status=FITS,
-        argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
-        alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
-        flops=flops, bytes_accessed=traffic, roofline_s=device.roofline_s(flops, traffic),
-        compile_s=elapsed, **base,
-    )  # fmt: skip
+        argument_bytes=int(mem.argument_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        temp_bytes=int(mem.temp_size_in_bytes),
+        flops=flops,
+        bytes_accessed=traffic,
+        roofline_s=device.roofline_s(flops, traffic),
+        compile_s=elapsed,
+        **base,
+    )
     if report.peak_bytes > report.limit_bytes:
         report = dataclasses.replace(report, status=TOO_BIG)
     return report
 
 
 def compile_all(
-    programs: list[AbstractProgram], *, component: str, topology: str,
-    device: DeviceSpec, progress: Callable[[str], None] = lambda _: None,
-) -> list[ProgramReport]:  # fmt: skip
+    programs: list[AbstractProgram],
+    *,
+    component: str,
+    topology: str,
+    device: DeviceSpec,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[ProgramReport]:
     reports = []
     for program in programs:
         progress(f"compiling {program.name} for {topology} ...")

@@ -66,7 +66,9 @@ def chip_of(topology: str) -> ChipSpec:
     """The chip of a topology name like ``v5p:8x8x4``; KeyError naming the known chips."""
     name = topology.split(":", 1)[0].strip().lower()
     if name not in CHIPS:
-        raise KeyError(f"no chip specs for {name!r} (topology {topology!r}); known: {', '.join(CHIPS)}")
+        raise KeyError(
+            f"no chip specs for {name!r} (topology {topology!r}); known: {', '.join(CHIPS)}"
+        )
     return CHIPS[name]
 
 

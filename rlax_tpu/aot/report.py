@@ -50,10 +50,16 @@ def _builders(component: str) -> dict[str, Builder]:
 
 
 def cost_by_depth(
-    config: RunConfig, build: Builder, devices: Sequence[jax.Device],
-    reports: list[ProgramReport], *, component: str, topology: str, device: DeviceSpec,
+    config: RunConfig,
+    build: Builder,
+    devices: Sequence[jax.Device],
+    reports: list[ProgramReport],
+    *,
+    component: str,
+    topology: str,
+    device: DeviceSpec,
     progress: Callable[[str], None],
-) -> list[ProgramReport]:  # fmt: skip
+) -> list[ProgramReport]:
     """FLOPs and bytes of scanned programs. XLA's cost analysis counts a loop body once, so the
     same programs are compiled unrolled at 1 and 2 layers and their cost extrapolated to the
     config's depth: cost(L) = cost(1) + (L - 1) * (cost(2) - cost(1)), exact when every layer
@@ -62,12 +68,19 @@ def cost_by_depth(
     costs = []
     for n in (1, 2):
         shallow = dataclasses.replace(
-            config, model=dataclasses.replace(config.model, num_layers=n),
+            config,
+            model=dataclasses.replace(config.model, num_layers=n),
             trainer=dataclasses.replace(config.trainer, scan_layers=False),
-        )  # fmt: skip
+        )
         progress(f"counting FLOPs of the scanned programs: unrolled at {n} layer(s) ...")
-        costs.append({r.name: r for r in compile_all(build(shallow, devices), component=component,
-                                                     topology=topology, device=device)})  # fmt: skip
+        costs.append(
+            {
+                r.name: r
+                for r in compile_all(
+                    build(shallow, devices), component=component, topology=topology, device=device
+                )
+            }
+        )
     out = []
     for r in reports:
         one, two = costs[0].get(r.name), costs[1].get(r.name)
@@ -76,11 +89,16 @@ def cost_by_depth(
             continue
         flops = one.flops + (depth - 1) * (two.flops - one.flops)
         traffic = one.bytes_accessed + (depth - 1) * (two.bytes_accessed - one.bytes_accessed)
-        out.append(dataclasses.replace(
-            r, flops=flops, bytes_accessed=traffic, roofline_s=device.roofline_s(flops, traffic),
-            note=f"{r.note} (FLOPs, bytes: unrolled 1- and 2-layer compiles, extrapolated to "
-                 f"{depth} layers)",
-        ))  # fmt: skip
+        out.append(
+            dataclasses.replace(
+                r,
+                flops=flops,
+                bytes_accessed=traffic,
+                roofline_s=device.roofline_s(flops, traffic),
+                note=f"{r.note} (FLOPs, bytes: unrolled 1- and 2-layer compiles, extrapolated to "
+                f"{depth} layers)",
+            )
+        )
     return out
 
 
@@ -89,10 +107,12 @@ def _gib(n: float) -> str:
 
 
 def format_table(reports: list[ProgramReport], specs: dict[str, DeviceSpec]) -> str:
-    head = (f"{'program':<24} {'topology':<11} {'status':<16} {'args GiB':>9} {'out GiB':>8} "
-            f"{'temp GiB':>9} "
-            f"{'peak GiB':>9} {'% HBM':>6} {'TFLOP':>9} {'GB moved':>9} {'roofline ms':>11} "
-            f"{'compile s':>9}")  # fmt: skip
+    head = (
+        f"{'program':<24} {'topology':<11} {'status':<16} {'args GiB':>9} {'out GiB':>8} "
+        f"{'temp GiB':>9} "
+        f"{'peak GiB':>9} {'% HBM':>6} {'TFLOP':>9} {'GB moved':>9} {'roofline ms':>11} "
+        f"{'compile s':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in reports:
         if r.status in (FITS, TOO_BIG) and r.argument_bytes:
@@ -115,22 +135,31 @@ def format_table(reports: list[ProgramReport], specs: dict[str, DeviceSpec]) -> 
         )
     notes = {r.name: r.note for r in reports if r.note}
     lines += [f"  {name}: {note}" for name, note in notes.items()]
-    lines.append("held beside each program (GiB per device; resident state and the transients "
-                 "of its moment):")  # fmt: skip
+    lines.append(
+        "held beside each program (GiB per device; resident state and the transients "
+        "of its moment):"
+    )
     for r in reports:
         if r.held:
             parts = ", ".join(f"{k} {_gib(v)}" for k, v in r.held.items())
             lines.append(f"  {r.name}: {parts}")
-    lines.append(f"peak = arguments + outputs - donated + temporaries + held; fits = peak <= "
-                 f"{100 * (1 - HEADROOM):.0f}% of the usable HBM ({100 * HEADROOM:.0f}% headroom); "
-                 "FLOPs of Pallas kernels count only if the kernel declares them")  # fmt: skip
+    lines.append(
+        f"peak = arguments + outputs - donated + temporaries + held; fits = peak <= "
+        f"{100 * (1 - HEADROOM):.0f}% of the usable HBM ({100 * HEADROOM:.0f}% headroom); "
+        "FLOPs of Pallas kernels count only if the kernel declares them"
+    )
     return "\n".join(lines)
 
 
 def run_check(
-    config: RunConfig, *, topology: str, inference_topology: str, component: str,
-    json_path: Path | None, command: str,
-) -> int:  # fmt: skip
+    config: RunConfig,
+    *,
+    topology: str,
+    inference_topology: str,
+    component: str,
+    json_path: Path | None,
+    command: str,
+) -> int:
     """Runs the check; returns the exit code (messages go to stdout/stderr)."""
 
     def progress(msg: str) -> None:
@@ -153,32 +182,58 @@ def run_check(
         try:
             programs = build(config, devices)
         except ValueError as e:  # ConfigError (mesh), BatchShapeError (micro-batch rows)
-            return fail(f"the config's {name} does not fit topology {topo} ({len(devices)} "
-                        f"devices): {e}")  # fmt: skip
-        compiled = compile_all(programs, component=name, topology=topo, device=specs[topo],
-                               progress=progress)  # fmt: skip
+            return fail(
+                f"the config's {name} does not fit topology {topo} ({len(devices)} devices): {e}"
+            )
+        compiled = compile_all(
+            programs, component=name, topology=topo, device=specs[topo], progress=progress
+        )
         if name == "trainer" and config.trainer.scan_layers:
-            compiled = cost_by_depth(config, build, devices, compiled, component=name,
-                                     topology=topo, device=specs[topo], progress=progress)  # fmt: skip
+            compiled = cost_by_depth(
+                config,
+                build,
+                devices,
+                compiled,
+                component=name,
+                topology=topo,
+                device=specs[topo],
+                progress=progress,
+            )
         reports += compiled
     print(format_table(reports, specs))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({
-            "command": command, "preset": config.preset,
-            "devices": {t: {"chip": s.chip.name, "devices_per_chip": s.devices_per_chip,
-                            "hbm_bytes": s.hbm_bytes, "usable_hbm_bytes": s.usable_hbm_bytes,
-                            "bf16_flops": s.bf16_flops, "hbm_bandwidth": s.hbm_bandwidth,
-                            "source": s.chip.source} for t, s in specs.items()},
-            "programs": [r.to_dict() for r in reports],
-        }, indent=2))  # fmt: skip
+        json_path.write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "preset": config.preset,
+                    "devices": {
+                        t: {
+                            "chip": s.chip.name,
+                            "devices_per_chip": s.devices_per_chip,
+                            "hbm_bytes": s.hbm_bytes,
+                            "usable_hbm_bytes": s.usable_hbm_bytes,
+                            "bf16_flops": s.bf16_flops,
+                            "hbm_bandwidth": s.hbm_bandwidth,
+                            "source": s.chip.source,
+                        }
+                        for t, s in specs.items()
+                    },
+                    "programs": [r.to_dict() for r in reports],
+                },
+                indent=2,
+            )
+        )
     bad = [r for r in reports if r.status != FITS]
     for r in bad:
         if r.status == TOO_BIG and r.argument_bytes:
-            why = (f"needs {_gib(r.peak_bytes)} GiB per device ({_gib(r.footprint_bytes)} GiB "
-                   f"program + {_gib(r.resident_bytes)} GiB held beside it) of "
-                   f"{_gib(r.limit_bytes)} GiB ({_gib(r.hbm_bytes)} GiB usable HBM less "
-                   f"{100 * HEADROOM:.0f}% headroom)")  # fmt: skip
+            why = (
+                f"needs {_gib(r.peak_bytes)} GiB per device ({_gib(r.footprint_bytes)} GiB "
+                f"program + {_gib(r.resident_bytes)} GiB held beside it) of "
+                f"{_gib(r.limit_bytes)} GiB ({_gib(r.hbm_bytes)} GiB usable HBM less "
+                f"{100 * HEADROOM:.0f}% headroom)"
+            )
         else:
             why = r.error
         print(f"rlax_tpu.aot: {r.name} {r.status} on {r.topology}: {why}", file=sys.stderr)

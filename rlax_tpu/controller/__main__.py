@@ -72,26 +72,35 @@ def run(config: RunConfig, args: list[str]) -> int:
     try:
         if WARMUP_OUT.value:
             if not config.controller.warmup_steps:
-                print("rlax_tpu.controller: error: --warmup_out needs controller.warmup_steps > 0",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    "rlax_tpu.controller: error: --warmup_out needs controller.warmup_steps > 0",
+                    file=sys.stderr,
+                )
                 return cli.EXIT_USAGE
             from rlax_tpu.controller.app import export_warmup
 
             export_warmup(config, WARMUP_OUT.value)
             return 0
         run_job(config, command="python -m rlax_tpu.controller " + " ".join(sys.argv[1:]))
-    except (IncompatibleResume, NothingToLearn, DataError, ComponentUnreachable,
-            ComponentFailed) as e:
+    except (
+        IncompatibleResume,
+        NothingToLearn,
+        DataError,
+        ComponentUnreachable,
+        ComponentFailed,
+    ) as e:
         print(f"rlax_tpu.controller: error: {e}", file=sys.stderr)
         return 1
     except Terminated:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if not WARMUP_OUT.value and _finished(config):
-            print("rlax_tpu.controller: stopped by SIGTERM after the run finished",
-                  file=sys.stderr)  # fmt: skip
+            print("rlax_tpu.controller: stopped by SIGTERM after the run finished", file=sys.stderr)
             return 0
-        print("rlax_tpu.controller: stopped by SIGTERM; the same command resumes the run from "
-              f"its newest snapshot in {config.controller.run_dir}", file=sys.stderr)  # fmt: skip
+        print(
+            "rlax_tpu.controller: stopped by SIGTERM; the same command resumes the run from "
+            f"its newest snapshot in {config.controller.run_dir}",
+            file=sys.stderr,
+        )
         return EXIT_TERMINATED
     return 0
 

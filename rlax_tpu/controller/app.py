@@ -76,8 +76,9 @@ def warmup_demonstration(problem: Problem, config: RunConfig) -> tuple[str | Non
     return reference_text(problem, language=language), False
 
 
-def prepare_tokenizer(config: RunConfig, datasets: Datasets,
-                      run_dir: storage.epath.Path) -> models.Tokenizer:  # fmt: skip
+def prepare_tokenizer(
+    config: RunConfig, datasets: Datasets, run_dir: storage.epath.Path
+) -> models.Tokenizer:
     """The model's tokenizer; a randomly initialized model without one gets a BPE trained on the
     task's text (saved in the run directory, so a resumed run uses the same one)."""
     if config.model.tokenizer_path or config.model.weights_format != "init":
@@ -99,8 +100,9 @@ def prepare_tokenizer(config: RunConfig, datasets: Datasets,
     return tokenizer
 
 
-def warm_up(config: RunConfig, model: models.Transformer, prompter: Prompter,
-            log: TextIO) -> tuple[models.Transformer, str]:  # fmt: skip
+def warm_up(
+    config: RunConfig, model: models.Transformer, prompter: Prompter, log: TextIO
+) -> tuple[models.Transformer, str]:
     """Supervised warm-up on the training problems' reference solutions; (model, report note)."""
     from rlax_tpu.controller.warmup import supervised_warmup
 
@@ -120,8 +122,10 @@ def warm_up(config: RunConfig, model: models.Transformer, prompter: Prompter,
                 examples.append((list(prompter.prompt_tokens(p)), completion))
                 num_wrong += wrong
     if not examples:
-        raise ValueError("controller.warmup_steps > 0 but no training problem has a reference "
-                         f"solution in {config.data.language}")  # fmt: skip
+        raise ValueError(
+            "controller.warmup_steps > 0 but no training problem has a reference "
+            f"solution in {config.data.language}"
+        )
     t0 = time.perf_counter()
     every = max(1, cc.warmup_steps // 5)
 
@@ -130,14 +134,21 @@ def warm_up(config: RunConfig, model: models.Transformer, prompter: Prompter,
             print(f"warm-up step {step}/{cc.warmup_steps}: loss {loss:.3f}", file=log, flush=True)
 
     model = supervised_warmup(
-        model, examples, steps=cc.warmup_steps, batch_size=cc.warmup_batch_size,
-        learning_rate=cc.warmup_learning_rate, seed=cc.seed, on_step=on_step,
-    )  # fmt: skip
-    note = (f"a supervised warm-up of {cc.warmup_steps} steps (batch {cc.warmup_batch_size}, lr "
-            f"{cc.warmup_learning_rate:g}) on {len(examples)} demonstrations "
-            f"({num_wrong} of them known-wrong programs) ran before RL "
-            f"({time.perf_counter() - t0:.0f} s); pass@1 at version 0 is after warm-up, "
-            "before RL")  # fmt: skip
+        model,
+        examples,
+        steps=cc.warmup_steps,
+        batch_size=cc.warmup_batch_size,
+        learning_rate=cc.warmup_learning_rate,
+        seed=cc.seed,
+        on_step=on_step,
+    )
+    note = (
+        f"a supervised warm-up of {cc.warmup_steps} steps (batch {cc.warmup_batch_size}, lr "
+        f"{cc.warmup_learning_rate:g}) on {len(examples)} demonstrations "
+        f"({num_wrong} of them known-wrong programs) ran before RL "
+        f"({time.perf_counter() - t0:.0f} s); pass@1 at version 0 is after warm-up, "
+        "before RL"
+    )
     return model, note
 
 
@@ -146,11 +157,15 @@ def build_prompter(config: RunConfig, run_dir: storage.epath.Path) -> Prompter:
     datasets = load_datasets(config.data, seed=config.controller.seed)
     tokenizer = prepare_tokenizer(config, datasets, run_dir)
     return Prompter(
-        datasets, tokenizer, style=config.prompt_style, language=config.data.language,
-        group_size=config.algorithm.group_size, seed=config.controller.seed,
+        datasets,
+        tokenizer,
+        style=config.prompt_style,
+        language=config.data.language,
+        group_size=config.algorithm.group_size,
+        seed=config.controller.seed,
         max_prompt_len=config.inference.max_prompt_len,
         stop_token_ids=sorted(tokenizer.stop_ids),  # remote workers may not have the tokenizer
-    )  # fmt: skip
+    )
 
 
 def export_warmup(config: RunConfig, out_dir: str, *, stream: TextIO | None = None) -> None:
@@ -188,22 +203,29 @@ def export_warmup(config: RunConfig, out_dir: str, *, stream: TextIO | None = No
 
 def _commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, cwd=Path(__file__).parent)  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).parent,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
-def run_job(config: RunConfig, *, stream: TextIO | None = None,
-            command: str = "") -> RunSummary:  # fmt: skip
+def run_job(config: RunConfig, *, stream: TextIO | None = None, command: str = "") -> RunSummary:
     """Runs (or resumes) the job of ``config``; writes ``<run_dir>/report.md``."""
     out = stream or sys.stdout
     cc = config.controller
     run_dir = storage.path(cc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"rlax_tpu.controller: run directory {run_dir} ({cc.mode} mode, {cc.transport} "
-          f"transport)", file=out, flush=True)  # fmt: skip
+    print(
+        f"rlax_tpu.controller: run directory {run_dir} ({cc.mode} mode, {cc.transport} transport)",
+        file=out,
+        flush=True,
+    )
     prompter = build_prompter(config, run_dir)
     tokenizer = prompter.tokenizer
     fresh = SnapshotStore(run_dir / "snapshots", keep=cc.snapshot_keep).latest_step() is None
@@ -217,12 +239,16 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
     if cc.transport == "local":
         if not (fresh and cc.warmup_steps):
             model = models.load_model(config.model)
-        comps = components_lib.build_local(config, model=model, eos_ids=tokenizer.stop_ids,
-                                           run_dir=run_dir)  # fmt: skip
+        comps = components_lib.build_local(
+            config, model=model, eos_ids=tokenizer.stop_ids, run_dir=run_dir
+        )
     else:
         comps = components_lib.build_distributed(config)
-    print("components: " + ", ".join(f"{k} {v}" for k, v in comps.endpoints.items()),
-          file=out, flush=True)  # fmt: skip
+    print(
+        "components: " + ", ".join(f"{k} {v}" for k, v in comps.endpoints.items()),
+        file=out,
+        flush=True,
+    )
     holder = [comps]
     try:
         summary = _run_recovering(config, holder, prompter, run_dir, out)
@@ -231,22 +257,37 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None,
     finally:
         holder[0].close()
     if summary.already_finished:
-        print(f"rlax_tpu.controller: {run_dir} already finished {summary.steps_done} steps; "
-              "nothing to do (raise controller.num_steps to train further)", file=out)  # fmt: skip
+        print(
+            f"rlax_tpu.controller: {run_dir} already finished {summary.steps_done} steps; "
+            "nothing to do (raise controller.num_steps to train further)",
+            file=out,
+        )
         if (run_dir / "report.md").exists():
             return summary
         # The process that finished was stopped after its last snapshot, before its report.
-        notes.append("the report was written by a later invocation on the finished run (the "
-                     "one that finished it stopped first); wall time is not the run's")  # fmt: skip
-    info = RunInfo(command=command or "python -m rlax_tpu.controller", config=to_dict(config),
-                   model=_describe(config), commit=_commit(), notes=notes)  # fmt: skip
+        notes.append(
+            "the report was written by a later invocation on the finished run (the "
+            "one that finished it stopped first); wall time is not the run's"
+        )
+    info = RunInfo(
+        command=command or "python -m rlax_tpu.controller",
+        config=to_dict(config),
+        model=_describe(config),
+        commit=_commit(),
+        notes=notes,
+    )
     report = write_report(run_dir, info, summary=_summary_dict(summary))
     print_summary(summary, report, out)
     return summary
 
 
-def _run_recovering(config: RunConfig, comps: list[components_lib.Components],
-                    prompter: Prompter, run_dir: Path, out: TextIO) -> RunSummary:  # fmt: skip
+def _run_recovering(
+    config: RunConfig,
+    comps: list[components_lib.Components],
+    prompter: Prompter,
+    run_dir: Path,
+    out: TextIO,
+) -> RunSummary:
     """Runs the controller. With the distributed transport a component that stops answering is
     waited for (``controller.recovery_timeout_s``, counted from the last failure after which no
     step was completed) and the run resumes from its newest snapshot with fresh channels, as a
@@ -254,8 +295,14 @@ def _run_recovering(config: RunConfig, comps: list[components_lib.Components],
     cc = config.controller
     streak_start, best_step = 0.0, -1
     while True:
-        controller = Controller(config, comps[0], prompter, run_dir=run_dir, progress_stream=out,
-                                on_event=lambda t: print(t, file=out, flush=True))  # fmt: skip
+        controller = Controller(
+            config,
+            comps[0],
+            prompter,
+            run_dir=run_dir,
+            progress_stream=out,
+            on_event=lambda t: print(t, file=out, flush=True),
+        )
         try:
             return controller.run()
         except (ComponentFailed, NoWorkers) as e:
@@ -268,20 +315,26 @@ def _run_recovering(config: RunConfig, comps: list[components_lib.Components],
             left = cc.recovery_timeout_s - (now - streak_start)
             if left <= 0:
                 raise
-            print(f"rlax_tpu.controller: {e}; waiting up to {left:.0f} s for it to serve again",
-                  file=out, flush=True)  # fmt: skip
+            print(
+                f"rlax_tpu.controller: {e}; waiting up to {left:.0f} s for it to serve again",
+                file=out,
+                flush=True,
+            )
             comps[0].close()
             components_lib.wait_until_serving(config, left)
             comps[0] = components_lib.build_distributed(config)
-            print("rlax_tpu.controller: every component serves again; resuming from the newest "
-                  "snapshot", file=out, flush=True)  # fmt: skip
+            print(
+                "rlax_tpu.controller: every component serves again; resuming from the newest "
+                "snapshot",
+                file=out,
+                flush=True,
+            )
 
 
 def _describe(config: RunConfig) -> str:
     m = config.model
     src = "random init" if m.weights_format == "init" else f"{m.weights_format} {m.weights_path}"
-    return (f"{m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size} "
-            f"({src})")  # fmt: skip
+    return f"{m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size} ({src})"
 
 
 def _summary_dict(s: RunSummary) -> dict[str, Any]:
@@ -290,22 +343,31 @@ def _summary_dict(s: RunSummary) -> dict[str, Any]:
 
 def print_summary(s: RunSummary, report: Path, out: TextIO) -> None:
     c = s.counters
-    lines = ["", "=" * 72, f"run finished: {s.steps_done} updates (version {s.version}) in "
-             f"{format_duration(s.wall_s)}",
-             f"prompt groups: {c['groups_trained']} trained, {c['groups_filtered']} filtered, "
-             f"{c['groups_discarded_stale']} discarded as stale, "
-             f"{c['groups_verifier_failed']} dropped on verifier errors",
-             f"tokens generated: {c['tokens_generated']}"]  # fmt: skip
+    lines = [
+        "",
+        "=" * 72,
+        f"run finished: {s.steps_done} updates (version {s.version}) in "
+        f"{format_duration(s.wall_s)}",
+        f"prompt groups: {c['groups_trained']} trained, {c['groups_filtered']} filtered, "
+        f"{c['groups_discarded_stale']} discarded as stale, "
+        f"{c['groups_verifier_failed']} dropped on verifier errors",
+        f"tokens generated: {c['tokens_generated']}",
+    ]
     if c.get("groups_refilled") or c.get("updates_skipped"):
-        lines.insert(4, f"dynamic sampling: {c['groups_refilled']} groups drawn to refill "
-                     f"batches, {c['groups_surplus']} surplus, {c['updates_skipped']} updates "
-                     "skipped with nothing to learn")  # fmt: skip
+        lines.insert(
+            4,
+            f"dynamic sampling: {c['groups_refilled']} groups drawn to refill "
+            f"batches, {c['groups_surplus']} surplus, {c['updates_skipped']} updates "
+            "skipped with nothing to learn",
+        )
     if s.evals:
         first, last = min(s.evals), max(s.evals)
         p0, p1 = s.evals[first].get("eval/pass@1"), s.evals[last].get("eval/pass@1")
         if p0 is not None and p1 is not None:
-            lines.append(f"held-out pass@1: {p0:.3f} at version {first} -> {p1:.3f} at version "
-                         f"{last} ({100 * (p1 - p0):+.1f} points)")  # fmt: skip
+            lines.append(
+                f"held-out pass@1: {p0:.3f} at version {first} -> {p1:.3f} at version "
+                f"{last} ({100 * (p1 - p0):+.1f} points)"
+            )
     if s.weights_sha256:
         lines.append(f"final weights sha256: {s.weights_sha256}")
     lines += [f"report: {report}", f"run directory: {s.run_dir}", "=" * 72]

@@ -77,16 +77,21 @@ class DeviceSplit:
                 f"({config.inference.num_workers}) x inference.mesh ({per_worker} devices) = "
                 f"{need} devices; this host has {len(devices)}"
             )
-        workers = [devices[k + i * per_worker : k + (i + 1) * per_worker]
-                   for i in range(config.inference.num_workers)]  # fmt: skip
+        workers = [
+            devices[k + i * per_worker : k + (i + 1) * per_worker]
+            for i in range(config.inference.num_workers)
+        ]
         return cls(trainer=devices[:k], workers=workers)
 
 
 def build_local(
-    config: RunConfig, *, model: models.Transformer, eos_ids: Collection[int],
+    config: RunConfig,
+    *,
+    model: models.Transformer,
+    eos_ids: Collection[int],
     run_dir: storage.epath.Path,
     trainer_devices: list[jax.Device] | None = None,
-) -> Components:  # fmt: skip
+) -> Components:
     """Every component in this process (the trainer in a child process with
     ``controller.trainer_process``); the parameter server on a loopback port. The trainer's mesh
     spans ``trainer_devices`` (default: every device; the child's own with trainer_process)."""
@@ -119,21 +124,34 @@ def build_local(
         if config.controller.trainer_process:
             from rlax_tpu.controller.trainer_process import TrainerProcess
 
-            child = TrainerProcess(config, model=model, checkpoint_dir=run_dir / "trainer",
-                                   param_server_endpoints=replicas)  # fmt: skip
+            child = TrainerProcess(
+                config,
+                model=model,
+                checkpoint_dir=run_dir / "trainer",
+                param_server_endpoints=replicas,
+            )
             closers.append(child.close)
             trainer: TrainerPort = Named(child.client, "trainer", child.endpoint)
             digest = child.params_sha256
             trainer_where = f"{child.endpoint} (child process {child.process.pid})"
         else:
-            trainer = Trainer(config, sink=ps_client, model=model, devices=trainer_devices,
-                              checkpoint_dir=run_dir / "trainer")  # fmt: skip
+            trainer = Trainer(
+                config,
+                sink=ps_client,
+                model=model,
+                devices=trainer_devices,
+                checkpoint_dir=run_dir / "trainer",
+            )
             closers.append(trainer.close)
             digest = partial(_trainer_digest, trainer)
         workers = []
         for i in range(config.inference.num_workers):
-            worker = InferenceWorker(model, config.inference, eos_ids=eos_ids,
-                                     devices=split.workers[i] if split else None)  # fmt: skip
+            worker = InferenceWorker(
+                model,
+                config.inference,
+                eos_ids=eos_ids,
+                devices=split.workers[i] if split else None,
+            )
             closers.append(worker.shutdown)
             workers.append(worker)
             replica = config.inference.param_server_replica
@@ -146,15 +164,20 @@ def build_local(
         _close_all(closers)
         raise
     return Components(
-        workers=workers, verifier=verifier, trainer=trainer, param_server=ps_client,
+        workers=workers,
+        verifier=verifier,
+        trainer=trainer,
+        param_server=ps_client,
         params_digest=digest,
-        endpoints={"param_server": endpoint,
-                   "trainer": trainer_where + (placed(trainer) if split else ""),
-                   "verifiers": "in-process",
-                   "inference": f"in-process x{len(workers)}"
-                                + (",".join(placed(w.engine) for w in workers) if split else "")},
+        endpoints={
+            "param_server": endpoint,
+            "trainer": trainer_where + (placed(trainer) if split else ""),
+            "verifiers": "in-process",
+            "inference": f"in-process x{len(workers)}"
+            + (",".join(placed(w.engine) for w in workers) if split else ""),
+        },
         _closers=closers,
-    )  # fmt: skip
+    )
 
 
 def _stop(server: Any) -> None:
@@ -162,7 +185,7 @@ def _stop(server: Any) -> None:
 
 
 def placed(component: Any) -> str:
-    """" on devices [...]" of a component's mesh ("" without one)."""
+    """ " on devices [...]" of a component's mesh ("" without one)."""
     mesh = getattr(component, "mesh", None)
     if mesh is None or not isinstance(mesh, jax.sharding.Mesh):
         return ""
@@ -186,9 +209,12 @@ def build_distributed(config: RunConfig) -> Components:
     timeout = c.rpc_timeout_s
     closers: list[Callable[[], None]] = []
     try:
-        ps = ParamServerClient(c.param_server_endpoints, credentials=creds,
-                               chunk_bytes=config.param_server.chunk_bytes,
-                               max_message_bytes=config.param_server.max_message_bytes)  # fmt: skip
+        ps = ParamServerClient(
+            c.param_server_endpoints,
+            credentials=creds,
+            chunk_bytes=config.param_server.chunk_bytes,
+            max_message_bytes=config.param_server.max_message_bytes,
+        )
         closers.append(ps.close)
         ps.wait_ready(timeout)
         trainer = TrainerClient(c.trainer_endpoint, credentials=creds)
@@ -206,14 +232,18 @@ def build_distributed(config: RunConfig) -> Components:
         _close_all(closers)
         raise
     return Components(
-        workers=workers, verifier=Named(verifier, "verifiers", c.verifier_endpoint),
+        workers=workers,
+        verifier=Named(verifier, "verifiers", c.verifier_endpoint),
         trainer=Named(trainer, "trainer", c.trainer_endpoint),
         param_server=Named(ps, "param_server", ", ".join(c.param_server_endpoints)),
-        endpoints={"param_server": ", ".join(c.param_server_endpoints), "trainer": c.trainer_endpoint,
-                   "verifiers": c.verifier_endpoint,
-                   "inference": ", ".join(c.inference_endpoints)},
+        endpoints={
+            "param_server": ", ".join(c.param_server_endpoints),
+            "trainer": c.trainer_endpoint,
+            "verifiers": c.verifier_endpoint,
+            "inference": ", ".join(c.inference_endpoints),
+        },
         _closers=closers,
-    )  # fmt: skip
+    )
 
 
 def wait_until_serving(config: RunConfig, timeout_s: float) -> None:
@@ -227,11 +257,17 @@ def wait_until_serving(config: RunConfig, timeout_s: float) -> None:
 
     c = config.controller
     creds = Credentials(auth_token_file=c.auth_token_file, tls_cert_file=c.tls_cert_file)
-    required = [("ParamServer", f"param_server replica {r}", e)
-                for r, e in enumerate(c.param_server_endpoints)]  # fmt: skip
-    required += [("Trainer", "trainer", c.trainer_endpoint),
-                 ("Verifier", "verifiers", c.verifier_endpoint)]  # fmt: skip
-    workers = [("Inference", f"inference worker {i}", e) for i, e in enumerate(c.inference_endpoints)]
+    required = [
+        ("ParamServer", f"param_server replica {r}", e)
+        for r, e in enumerate(c.param_server_endpoints)
+    ]
+    required += [
+        ("Trainer", "trainer", c.trainer_endpoint),
+        ("Verifier", "verifiers", c.verifier_endpoint),
+    ]
+    workers = [
+        ("Inference", f"inference worker {i}", e) for i, e in enumerate(c.inference_endpoints)
+    ]
     deadline = time.monotonic() + timeout_s
     delay = 0.25
 

@@ -65,16 +65,24 @@ class GroupResult:
         """(JSON-able fields, arrays): snapshots keep the arrays out of their JSON. Per rollout
         arrays are concatenated over the group ([sum of lengths]) with their lengths."""
         rollouts, arrays = split_rollouts(self.rollouts)
-        meta = {"ref": dataclasses.asdict(self.ref), "verdicts": list(self.verdicts),
-                "issued_version": self.issued_version, "rollouts": rollouts}  # fmt: skip
+        meta = {
+            "ref": dataclasses.asdict(self.ref),
+            "verdicts": list(self.verdicts),
+            "issued_version": self.issued_version,
+            "rollouts": rollouts,
+        }
         return meta, arrays | {"rewards": np.asarray(self.rewards, np.float64)}
 
     @classmethod
     def from_split(cls, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> GroupResult:
         rollouts = join_rollouts(meta["rollouts"], arrays)
-        return cls(ref=PromptRef(**meta["ref"]), rollouts=rollouts,
-                   rewards=np.asarray(arrays["rewards"], np.float64).copy(),
-                   verdicts=list(meta["verdicts"]), issued_version=int(meta["issued_version"]))  # fmt: skip
+        return cls(
+            ref=PromptRef(**meta["ref"]),
+            rollouts=rollouts,
+            rewards=np.asarray(arrays["rewards"], np.float64).copy(),
+            verdicts=list(meta["verdicts"]),
+            issued_version=int(meta["issued_version"]),
+        )
 
     # Snapshots before split_state held buffered groups as JSON (arrays as base64): still read.
     def state(self) -> dict[str, Any]:
@@ -108,12 +116,20 @@ def _unpack(d: dict[str, str]) -> np.ndarray:
     return np.frombuffer(base64.b64decode(d["data"]), dtype=np.dtype(d["dtype"])).copy()
 
 
-def split_rollouts(rollouts: Sequence[Rollout]) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+def split_rollouts(
+    rollouts: Sequence[Rollout],
+) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
     """(JSON-able fields per rollout, arrays): each per-token array concatenated over the
     rollouts ([sum of lengths]) with its lengths ([R]), for msgpack."""
-    meta = [{"prompt_id": r.prompt_id, "sample_index": r.sample_index,
-             "finish_reason": r.finish_reason.value, "logprob_policy": r.logprob_policy}
-            for r in rollouts]  # fmt: skip
+    meta = [
+        {
+            "prompt_id": r.prompt_id,
+            "sample_index": r.sample_index,
+            "finish_reason": r.finish_reason.value,
+            "logprob_policy": r.logprob_policy,
+        }
+        for r in rollouts
+    ]
     arrays = {}
     for k, t in _ARRAYS.items():
         parts = [np.asarray(getattr(r, k), t) for r in rollouts]
@@ -124,13 +140,20 @@ def split_rollouts(rollouts: Sequence[Rollout]) -> tuple[list[dict[str, Any]], d
 
 def join_rollouts(meta: Sequence[dict[str, Any]], arrays: dict[str, np.ndarray]) -> list[Rollout]:
     """The inverse of :func:`split_rollouts`."""
-    split = {k: np.split(np.asarray(arrays[k], t), np.cumsum(arrays[f"{k}_lengths"])[:-1])
-             for k, t in _ARRAYS.items()}  # fmt: skip
+    split = {
+        k: np.split(np.asarray(arrays[k], t), np.cumsum(arrays[f"{k}_lengths"])[:-1])
+        for k, t in _ARRAYS.items()
+    }
     return [
-        Rollout(**(r | {k: split[k][i].copy() for k in _ARRAYS}
-                   | {"finish_reason": FinishReason(r["finish_reason"])}))
+        Rollout(
+            **(
+                r
+                | {k: split[k][i].copy() for k in _ARRAYS}
+                | {"finish_reason": FinishReason(r["finish_reason"])}
+            )
+        )
         for i, r in enumerate(meta)
-    ]  # fmt: skip
+    ]
 
 
 _ARRAYS = {
@@ -143,8 +166,12 @@ _ARRAYS = {
 
 def _rollout_state(r: Rollout) -> dict[str, Any]:
     arrays = {k: _pack(np.asarray(getattr(r, k), t)) for k, t in _ARRAYS.items()}
-    return arrays | {"prompt_id": r.prompt_id, "sample_index": r.sample_index,
-                     "finish_reason": r.finish_reason.value, "logprob_policy": r.logprob_policy}  # fmt: skip
+    return arrays | {
+        "prompt_id": r.prompt_id,
+        "sample_index": r.sample_index,
+        "finish_reason": r.finish_reason.value,
+        "logprob_policy": r.logprob_policy,
+    }
 
 
 def _rollout_from_state(s: dict[str, Any]) -> Rollout:
@@ -156,9 +183,17 @@ class Prompter:
     """Problem lookup, prompt tokens and sampling seeds for prompt groups."""
 
     def __init__(
-        self, datasets: Datasets, tokenizer: Any, *, style: tasks_lib.PromptStyle, language: str,
-        group_size: int, seed: int, max_prompt_len: int, stop_token_ids: Sequence[int] = (),
-    ):  # fmt: skip
+        self,
+        datasets: Datasets,
+        tokenizer: Any,
+        *,
+        style: tasks_lib.PromptStyle,
+        language: str,
+        group_size: int,
+        seed: int,
+        max_prompt_len: int,
+        stop_token_ids: Sequence[int] = (),
+    ):
         self.datasets, self.tokenizer = datasets, tokenizer
         self.style, self.language = style, language
         self.group_size, self.seed = group_size, seed
@@ -171,8 +206,9 @@ class Prompter:
 
     def prompt_tokens(self, problem: Problem) -> np.ndarray:
         if problem.id not in self._tokens:
-            text = tasks_lib.prompt_text(problem, style=self.style, language=self.language,
-                                         tokenizer=self.tokenizer)  # fmt: skip
+            text = tasks_lib.prompt_text(
+                problem, style=self.style, language=self.language, tokenizer=self.tokenizer
+            )
             ids = self.tokenizer.encode(text)
             self._tokens[problem.id] = np.asarray(ids, np.int32)
         return self._tokens[problem.id]
@@ -180,14 +216,16 @@ class Prompter:
     def fits(self, problem: Problem) -> bool:
         return 0 < len(self.prompt_tokens(problem)) <= self.max_prompt_len
 
-    def request(self, key: str, problem: Problem, *, num_samples: int | None = None,
-                stream: str = "sample") -> Request:  # fmt: skip
+    def request(
+        self, key: str, problem: Problem, *, num_samples: int | None = None, stream: str = "sample"
+    ) -> Request:
         seed = stream_seed(self.seed, stream, key) & 0xFFFFFFFF
         return Request(
-            prompt_id=key, prompt_tokens=self.prompt_tokens(problem),
+            prompt_id=key,
+            prompt_tokens=self.prompt_tokens(problem),
             num_samples=num_samples or self.group_size,
             sampling=SamplingParams(seed=seed, stop_token_ids=self.stop_token_ids),
-        )  # fmt: skip
+        )
 
     def completion(self, rollout: Rollout) -> str:
         return self.decode(rollout.tokens)
@@ -197,9 +235,11 @@ class Prompter:
 
 
 def verify(
-    verifier: VerifierPort, specs: tasks_lib.SpecCache, prompter: Prompter,
+    verifier: VerifierPort,
+    specs: tasks_lib.SpecCache,
+    prompter: Prompter,
     items: Sequence[tuple[Problem, Rollout]],
-) -> list[Verdict]:  # fmt: skip
+) -> list[Verdict]:
     """One verdict per (problem, rollout); completions without a program are not run.
 
     Identical programs for the same problem are run once and share the verdict: a sharpened
@@ -211,8 +251,13 @@ def verify(
     slot: dict[tuple[str, ...], int] = {}  # task identity -> index in batch
     where: list[int] = []  # item -> index in batch, or -1 (no program)
     for problem, rollout in items:
-        task = tasks_lib.make_task(problem, prompter.completion(rollout), style=prompter.style,
-                                   specs=specs, language=prompter.language)  # fmt: skip
+        task = tasks_lib.make_task(
+            problem,
+            prompter.completion(rollout),
+            style=prompter.style,
+            specs=specs,
+            language=prompter.language,
+        )
         if task is None:
             where.append(-1)
             continue
@@ -233,23 +278,37 @@ def _task_key(problem: Problem, task: Any) -> tuple[str, ...]:
 
 
 def rewards_of(
-    reward: str, prompter: Prompter, items: Sequence[tuple[Problem, Rollout]],
+    reward: str,
+    prompter: Prompter,
+    items: Sequence[tuple[Problem, Rollout]],
     verdicts: Sequence[Verdict],
-) -> list[float | None]:  # fmt: skip
+) -> list[float | None]:
     """The reward function ``reward``'s value per (problem, rollout); None: internal error."""
     fn = rewards_lib.reward_fn(reward)
     return [
-        rewards_lib.score(fn, rewards_lib.RewardInput(
-            verdict=v, tokens=ro.tokens, problem=problem, decode=prompter.decode,
-            finished=ro.finish_reason is not FinishReason.LENGTH), name=reward)
+        rewards_lib.score(
+            fn,
+            rewards_lib.RewardInput(
+                verdict=v,
+                tokens=ro.tokens,
+                problem=problem,
+                decode=prompter.decode,
+                finished=ro.finish_reason is not FinishReason.LENGTH,
+            ),
+            name=reward,
+        )
         for (problem, ro), v in zip(items, verdicts, strict=True)
-    ]  # fmt: skip
+    ]
 
 
 def results_from(
-    refs: Sequence[PromptRef], rollouts: Sequence[Rollout], verdicts: Sequence[Verdict],
-    rewards: Sequence[float | None], *, issued_version: int = 0,
-) -> list[GroupResult]:  # fmt: skip
+    refs: Sequence[PromptRef],
+    rollouts: Sequence[Rollout],
+    verdicts: Sequence[Verdict],
+    rewards: Sequence[float | None],
+    *,
+    issued_version: int = 0,
+) -> list[GroupResult]:
     """Groups rollouts (prompt_id = group key), their verdicts and rewards (None: the verifier
     failed) into GroupResults (refs' order)."""
     by_key: dict[str, list[tuple[Rollout, Verdict, float | None]]] = {r.key: [] for r in refs}
@@ -258,11 +317,15 @@ def results_from(
     out = []
     for ref in refs:
         triples = sorted(by_key[ref.key], key=lambda p: p[0].sample_index)
-        out.append(GroupResult(
-            ref=ref, rollouts=[t[0] for t in triples],
-            rewards=np.array([np.nan if t[2] is None else t[2] for t in triples], np.float64),
-            verdicts=[t[1].kind.value for t in triples], issued_version=issued_version,
-        ))  # fmt: skip
+        out.append(
+            GroupResult(
+                ref=ref,
+                rollouts=[t[0] for t in triples],
+                rewards=np.array([np.nan if t[2] is None else t[2] for t in triples], np.float64),
+                verdicts=[t[1].kind.value for t in triples],
+                issued_version=issued_version,
+            )
+        )
     return out
 
 
@@ -276,9 +339,13 @@ class BatchPlan:
 
 
 def plan_batch(
-    results: Sequence[GroupResult], objective: Objective, *, group_size: int, temperature: float,
+    results: Sequence[GroupResult],
+    objective: Objective,
+    *,
+    group_size: int,
+    temperature: float,
     max_groups: int | None = None,
-) -> BatchPlan:  # fmt: skip
+) -> BatchPlan:
     """The TrainBatch of a step: verifier failures dropped, dynamic sampling, at most
     ``max_groups`` kept groups (the first ones; DAPO trims a refilled batch to its size), reward
     shaping."""
@@ -297,8 +364,9 @@ def plan_batch(
     rollouts = [ro for r in kept for ro in r.rollouts]
     lengths = np.array([len(ro.tokens) for ro in rollouts])
     shaped = objective.shape_rewards(np.concatenate([r.rewards for r in kept]), lengths)
-    batch = TrainBatch.from_rollouts(rollouts, shaped, group_size=group_size,
-                                     temperature=temperature)  # fmt: skip
+    batch = TrainBatch.from_rollouts(
+        rollouts, shaped, group_size=group_size, temperature=temperature
+    )
     return BatchPlan(batch, [r.key for r in kept], filtered, failed, surplus)
 
 

@@ -52,17 +52,34 @@ log = logging.getLogger(__name__)
 
 # Fields a resumed run may change; any other difference is an incompatible config.
 RESUMABLE_FIELDS = (
-    "controller.num_steps", "controller.log_every", "controller.rpc_timeout_s",
-    "controller.recovery_timeout_s", "controller.compilation_cache", "controller.snapshot_keep",
+    "controller.num_steps",
+    "controller.log_every",
+    "controller.rpc_timeout_s",
+    "controller.recovery_timeout_s",
+    "controller.compilation_cache",
+    "controller.snapshot_keep",
     "trainer.keep_checkpoints",
-    "controller.transport", "controller.trainer_process", "controller.trainer_cpus",
-    "controller.inference_endpoints", "controller.verifier_endpoint",
-    "controller.trainer_endpoint", "controller.param_server_endpoints",
-    "controller.auth_token_file", "controller.run_dir", "data.eval_every", "data.data_dir",
-    "inference.num_workers", "inference.address", "trainer.address", "trainer.precompile",
-    "verifiers.address", "verifiers.python_check",
-    "param_server.address", "verifiers.workers", "verifiers.sandbox_uid",
-)  # fmt: skip
+    "controller.transport",
+    "controller.trainer_process",
+    "controller.trainer_cpus",
+    "controller.inference_endpoints",
+    "controller.verifier_endpoint",
+    "controller.trainer_endpoint",
+    "controller.param_server_endpoints",
+    "controller.auth_token_file",
+    "controller.run_dir",
+    "data.eval_every",
+    "data.data_dir",
+    "inference.num_workers",
+    "inference.address",
+    "trainer.address",
+    "trainer.precompile",
+    "verifiers.address",
+    "verifiers.python_check",
+    "param_server.address",
+    "verifiers.workers",
+    "verifiers.sandbox_uid",
+)
 
 
 class IncompatibleResume(ValueError):
@@ -109,20 +126,28 @@ class Controller:
     """Drives the components of ``components`` for ``config.controller.num_steps`` updates."""
 
     def __init__(
-        self, config: RunConfig, components: Components, prompter: groups_lib.Prompter, *,
-        run_dir: str | Path, progress_stream: Any = None, on_event: Callable[[str], None] | None = None,
-    ):  # fmt: skip
+        self,
+        config: RunConfig,
+        components: Components,
+        prompter: groups_lib.Prompter,
+        *,
+        run_dir: str | Path,
+        progress_stream: Any = None,
+        on_event: Callable[[str], None] | None = None,
+    ):
         self.config, self.c = config, components
         cc = config.controller
         self.cc = cc
         self.run_dir = storage.path(run_dir)
         self.prompter = prompter
-        self.objective: Objective = make_objective(config.algorithm,
-                                                   max_length=config.inference.max_new_tokens)  # fmt: skip
+        self.objective: Objective = make_objective(
+            config.algorithm, max_length=config.inference.max_new_tokens
+        )
         self.policy = StalenessPolicy(
-            reload_staleness=cc.reload_staleness, acceptance_staleness=cc.acceptance_bound,
+            reload_staleness=cc.reload_staleness,
+            acceptance_staleness=cc.acceptance_bound,
             pipeline_depth=cc.pipeline_depth if cc.mode == "deterministic" else 0,
-        )  # fmt: skip
+        )
         self.group_size = config.algorithm.group_size
         self.mixture = self._mixture(self._prefiltered())
         self.ledger = Ledger()
@@ -135,9 +160,13 @@ class Controller:
         self._split: dict[str, tuple[dict, dict]] = {}
         self.specs = SpecCache(components.verifier)
         self._event = on_event or (lambda text: print(text, flush=True))
-        self.pool = WorkerPool(components.workers, retry_s=cc.rpc_timeout_s, on_event=self._warn,
-                               exclusive_jobs=cc.mode == "deterministic",
-                               continue_on_reload=config.inference.continue_on_reload)  # fmt: skip
+        self.pool = WorkerPool(
+            components.workers,
+            retry_s=cc.rpc_timeout_s,
+            on_event=self._warn,
+            exclusive_jobs=cc.mode == "deterministic",
+            continue_on_reload=config.inference.continue_on_reload,
+        )
         self.version = 0
         self.step = 0
         self.evals: dict[int, dict[str, float]] = {}
@@ -146,9 +175,13 @@ class Controller:
         self._verify_pool = cf.ThreadPoolExecutor(2, "verify")
         self.replay = None
         if config.data.replay:
-            self.replay = ReplayFeed(config.data, seed=cc.seed, group_size=self.group_size,
-                                     max_staleness=cc.acceptance_bound,
-                                     directory=self.run_dir / REPLAY_DIR)  # fmt: skip
+            self.replay = ReplayFeed(
+                config.data,
+                seed=cc.seed,
+                group_size=self.group_size,
+                max_staleness=cc.acceptance_bound,
+                directory=self.run_dir / REPLAY_DIR,
+            )
 
     def _warn(self, text: str) -> None:
         # Shown once, in the run's output; the log keeps it below the terminal's WARNING level
@@ -159,8 +192,10 @@ class Controller:
     # ------------------------------------------------------------------ training problems
     def _mixture(self, keep: set[str] | None) -> PromptMixture:
         """The prompt mixture over the training problems (``keep``: "dataset/id" keys only)."""
-        train = {n: [p.id for p in ps if keep is None or f"{n}/{p.id}" in keep]
-                 for n, ps in self.prompter.datasets.train.items()}  # fmt: skip
+        train = {
+            n: [p.id for p in ps if keep is None or f"{n}/{p.id}" in keep]
+            for n, ps in self.prompter.datasets.train.items()
+        }
         train = {n: ids for n, ids in train.items() if ids}
         weights = dict(zip(self.config.data.datasets, self.config.data.weights, strict=True))
         return PromptMixture(train, {n: weights[n] for n in train}, seed=self.cc.seed)
@@ -177,10 +212,16 @@ class Controller:
         ``<run_dir>/prefilter.json`` and the mixture draws from the kept problems only."""
         d = self.config.data
         k, cap = d.prefilter_samples, d.prefilter_problems
-        problems = [(f"{n}/{p.id}", p) for n, ps in self.prompter.datasets.train.items()
-                    for p in (ps[:cap] if cap else ps) if self.prompter.fits(p)]  # fmt: skip
-        self._event(f"pre-filtering {len(problems)} training problems: {k} samples each at "
-                    f"version {self.version}")  # fmt: skip
+        problems = [
+            (f"{n}/{p.id}", p)
+            for n, ps in self.prompter.datasets.train.items()
+            for p in (ps[:cap] if cap else ps)
+            if self.prompter.fits(p)
+        ]
+        self._event(
+            f"pre-filtering {len(problems)} training problems: {k} samples each at "
+            f"version {self.version}"
+        )
         self.ensure_versions([self.version])
         counts: dict[str, int] = {}
         chunk = max(1, 256 // k)
@@ -189,26 +230,49 @@ class Controller:
             self._event(f"pre-filtering: {min(i + chunk, len(problems))}/{len(problems)} problems")
         rates = {key: c / k for key, c in counts.items()}
         result = prefilter(rates, low=d.prefilter_low, high=d.prefilter_high)
-        summary = (f"{len(result.kept)} of {len(rates)} problems kept, "
-                   f"{len(result.dropped_solved)} solved at rate >= {d.prefilter_high}, "
-                   f"{len(result.dropped_unsolved)} at rate <= {d.prefilter_low}")  # fmt: skip
+        summary = (
+            f"{len(result.kept)} of {len(rates)} problems kept, "
+            f"{len(result.dropped_solved)} solved at rate >= {d.prefilter_high}, "
+            f"{len(result.dropped_unsolved)} at rate <= {d.prefilter_low}"
+        )
         if not result.kept:
-            raise NothingToLearn(f"pre-filtering kept no training problem ({summary}); widen "
-                                 "data.prefilter_low/prefilter_high or turn it off")  # fmt: skip
-        storage.write_atomic(self.run_dir / PREFILTER_FILE, json.dumps({
-            "version": self.version, "samples": k, "low": d.prefilter_low,
-            "high": d.prefilter_high, "pass_rates": rates, "kept": list(result.kept),
-            "dropped_solved": list(result.dropped_solved),
-            "dropped_unsolved": list(result.dropped_unsolved)}, indent=1))  # fmt: skip
+            raise NothingToLearn(
+                f"pre-filtering kept no training problem ({summary}); widen "
+                "data.prefilter_low/prefilter_high or turn it off"
+            )
+        storage.write_atomic(
+            self.run_dir / PREFILTER_FILE,
+            json.dumps(
+                {
+                    "version": self.version,
+                    "samples": k,
+                    "low": d.prefilter_low,
+                    "high": d.prefilter_high,
+                    "pass_rates": rates,
+                    "kept": list(result.kept),
+                    "dropped_solved": list(result.dropped_solved),
+                    "dropped_unsolved": list(result.dropped_unsolved),
+                },
+                indent=1,
+            ),
+        )
         self._event(f"pre-filtering: {summary}")
         self.mixture = self._mixture(set(result.kept))
 
-    def _pass_counts(self, problems: Sequence[tuple[str, Any]], k: int, *, stream: str,
-                     answers: list[dict[str, Any]] | None = None) -> dict[str, int]:  # fmt: skip
+    def _pass_counts(
+        self,
+        problems: Sequence[tuple[str, Any]],
+        k: int,
+        *,
+        stream: str,
+        answers: list[dict[str, Any]] | None = None,
+    ) -> dict[str, int]:
         """Samples accepted of ``k`` per (key, problem), generated with the current version;
         each sample's text and verdict are appended to ``answers`` if given."""
-        requests = [self.prompter.request(f"{stream}/{key}", p, num_samples=k, stream=stream)
-                    for key, p in problems]  # fmt: skip
+        requests = [
+            self.prompter.request(f"{stream}/{key}", p, num_samples=k, stream=stream)
+            for key, p in problems
+        ]
         by_key = {f"{stream}/{key}": (key, p) for key, p in problems}
         rollouts = self.pool.submit(self.version, requests).result()
         items = [(by_key[ro.prompt_id][1], ro) for ro in rollouts]
@@ -218,11 +282,15 @@ class Controller:
             key, problem = by_key[ro.prompt_id]
             correct[key] += int(v.accepted)
             if answers is not None:
-                answers.append({
-                    "problem": key, "question": getattr(problem, "question", ""),
-                    "answer": self.prompter.completion(ro), "verdict": v.kind.value,
-                    "detail": v.detail,
-                })  # fmt: skip
+                answers.append(
+                    {
+                        "problem": key,
+                        "question": getattr(problem, "question", ""),
+                        "answer": self.prompter.completion(ro),
+                        "verdict": v.kind.value,
+                        "detail": v.detail,
+                    }
+                )
         return correct
 
     # ------------------------------------------------------------------ state and snapshots
@@ -253,8 +321,13 @@ class Controller:
             replay = self.replay.state()
         # The state as JSON (the mixture's RNG state holds 128-bit ints msgpack cannot carry),
         # the buffered rollouts as arrays beside it.
-        self.snapshots.save(self.step, {"json": json.dumps(self._payload(replay)),
-                                        "rollouts": {k: a for k, (_, a) in self._split.items()}})
+        self.snapshots.save(
+            self.step,
+            {
+                "json": json.dumps(self._payload(replay)),
+                "rollouts": {k: a for k, (_, a) in self._split.items()},
+            },
+        )
         if self.replay is not None:
             self.replay.collect(self.step, self.snapshots.steps(), replay)
 
@@ -264,10 +337,11 @@ class Controller:
         if differing:
             raise IncompatibleResume(
                 f"{self.run_dir} holds a run with a different config: "
-                + ", ".join(f"{f} (run: {_get(old, f)!r}, now: {_get(self.config, f)!r})"
-                            for f in differing)
+                + ", ".join(
+                    f"{f} (run: {_get(old, f)!r}, now: {_get(self.config, f)!r})" for f in differing
+                )
                 + "; use another controller.run_dir or the run's config"
-            )  # fmt: skip
+            )
 
     def restore(self) -> bool:
         """Loads the newest snapshot that has a trainer checkpoint; False for a fresh run."""
@@ -290,14 +364,18 @@ class Controller:
                 self._load(payload)
                 return True
             if int(payload["version"]) not in checkpoints:
-                self._warn(f"snapshot {step} needs trainer checkpoint {payload['version']}, which "
-                           "is missing or incomplete; trying an older snapshot")  # fmt: skip
+                self._warn(
+                    f"snapshot {step} needs trainer checkpoint {payload['version']}, which "
+                    "is missing or incomplete; trying an older snapshot"
+                )
                 continue
             try:
                 self.c.trainer.restore(int(payload["version"]))
             except CorruptCheckpointError as e:
-                self._warn(f"snapshot {step} needs trainer checkpoint {payload['version']}, which "
-                           f"is corrupt and was removed ({e}); trying an older snapshot")  # fmt: skip
+                self._warn(
+                    f"snapshot {step} needs trainer checkpoint {payload['version']}, which "
+                    f"is corrupt and was removed ({e}); trying an older snapshot"
+                )
                 continue
             self._load(payload)
             return True
@@ -311,9 +389,12 @@ class Controller:
         self.ledger = Ledger.from_state(p["ledger"])
         self.refs = {k: PromptRef(**v) for k, v in p["refs"].items()}
         arrays = p.get("_arrays", {})
-        self.buffered = {k: groups_lib.GroupResult.from_split(v, arrays[k]) if k in arrays
-                         else groups_lib.GroupResult.from_state(v)  # a snapshot from before
-                         for k, v in p["buffered"].items()}  # fmt: skip
+        self.buffered = {
+            k: groups_lib.GroupResult.from_split(v, arrays[k])
+            if k in arrays
+            else groups_lib.GroupResult.from_state(v)  # a snapshot from before
+            for k, v in p["buffered"].items()
+        }
         self.ledger_segments = int(p.get("ledger_segments", 0))
         self.ledger_log.truncate(self.ledger_segments)
         if "ledger_segments" not in p:  # a snapshot from before segments: its finished groups
@@ -356,8 +437,9 @@ class Controller:
             self._warn(f"leasing versions {sorted(set(versions))} failed: {e}")
 
     # ------------------------------------------------------------------ generation
-    def _launch(self, refs: Sequence[PromptRef], version: int, *, issued_version: int = 0
-                ) -> cf.Future[list[groups_lib.GroupResult]]:  # fmt: skip
+    def _launch(
+        self, refs: Sequence[PromptRef], version: int, *, issued_version: int = 0
+    ) -> cf.Future[list[groups_lib.GroupResult]]:
         for ref in refs:
             self.ledger.start(ref.key)
         requests = [self.prompter.request(r.key, self.prompter.problem(r)) for r in refs]
@@ -371,18 +453,21 @@ class Controller:
             items = [(self.prompter.problem(by_key[ro.prompt_id]), ro) for ro in rollouts]
             verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
             timing["verified"] = time.perf_counter()
-            rewards = groups_lib.rewards_of(self.config.algorithm.reward, self.prompter, items,
-                                            verdicts)  # fmt: skip
-            results = groups_lib.results_from(refs, rollouts, verdicts, rewards,
-                                              issued_version=issued_version)  # fmt: skip
+            rewards = groups_lib.rewards_of(
+                self.config.algorithm.reward, self.prompter, items, verdicts
+            )
+            results = groups_lib.results_from(
+                refs, rollouts, verdicts, rewards, issued_version=issued_version
+            )
             for r in results:
                 r.timing = dict(timing)
             return results
 
         return self._verify_pool.submit(verify)
 
-    def _collect(self, job: cf.Future[list[groups_lib.GroupResult]]
-                 ) -> list[groups_lib.GroupResult]:  # fmt: skip
+    def _collect(
+        self, job: cf.Future[list[groups_lib.GroupResult]]
+    ) -> list[groups_lib.GroupResult]:
         results = job.result()
         for r in results:
             self.ledger.finish(r.key, version=r.version)
@@ -396,8 +481,9 @@ class Controller:
         keep, _ = self.objective.filter_groups(result.rewards[None])
         return bool(keep[0])
 
-    def _refill(self, s: int, results: list[groups_lib.GroupResult]
-                ) -> list[groups_lib.GroupResult]:  # fmt: skip
+    def _refill(
+        self, s: int, results: list[groups_lib.GroupResult]
+    ) -> list[groups_lib.GroupResult]:
         """DAPO's dynamic sampling: while fewer than prompts_per_step groups of step ``s`` are
         learnable, draw more prompts for it (generated with the step's version), at most
         controller.refill_rounds times. A round draws the shortfall over the rate kept so far
@@ -448,10 +534,12 @@ class Controller:
             self.run_dir / EVAL_DIR / f"version_{self.version:06d}.jsonl",
             "".join(json.dumps(a) + "\n" for a in answers),
         )
-        metrics = {"eval/pass@1": mean_pass_at_k(counts, k, 1),
-                   f"eval/pass@{k}": mean_pass_at_k(counts, k, k),
-                   "eval/problems": float(len(counts)),
-                   "time/eval": time.perf_counter() - t0}  # fmt: skip
+        metrics = {
+            "eval/pass@1": mean_pass_at_k(counts, k, 1),
+            f"eval/pass@{k}": mean_pass_at_k(counts, k, k),
+            "eval/problems": float(len(counts)),
+            "time/eval": time.perf_counter() - t0,
+        }
         self.evals[self.version] = metrics
         self.counters.last_eval_version = self.version
         return metrics
@@ -479,13 +567,20 @@ class Controller:
             batch_groups = self._draw(results, extra)
         else:
             batch_groups = results
-        plan = groups_lib.plan_batch(batch_groups, self.objective, group_size=self.group_size,
-                                     temperature=self.config.inference.temperature,
-                                     max_groups=self.cc.prompts_per_step)  # fmt: skip
+        plan = groups_lib.plan_batch(
+            batch_groups,
+            self.objective,
+            group_size=self.group_size,
+            temperature=self.config.inference.temperature,
+            max_groups=self.cc.prompts_per_step,
+        )
         if self.replay is None:
             consumed = plan.trained
-            for keys, reason in ((plan.filtered, "filtered"), (plan.failed, "verifier_failed"),
-                                 (plan.surplus, "surplus")):  # fmt: skip
+            for keys, reason in (
+                (plan.filtered, "filtered"),
+                (plan.failed, "verifier_failed"),
+                (plan.surplus, "surplus"),
+            ):
                 for key in keys:
                     self.ledger.discard(key, reason=reason)
         else:
@@ -511,22 +606,28 @@ class Controller:
         self._mark_trained(consumed)  # only once the update happened
         self.version += 1
         self.step += 1
-        return {f"trainer/{k}": float(v) for k, v in metrics.items()} | extra | {
-            "time/train": train_s, "groups/trained": float(len(plan.trained))}  # fmt: skip
+        return (
+            {f"trainer/{k}": float(v) for k, v in metrics.items()}
+            | extra
+            | {"time/train": train_s, "groups/trained": float(len(plan.trained))}
+        )
 
-    def _draw(self, results: Sequence[groups_lib.GroupResult], metrics: dict[str, float]
-              ) -> list[groups_lib.GroupResult]:  # fmt: skip
+    def _draw(
+        self, results: Sequence[groups_lib.GroupResult], metrics: dict[str, float]
+    ) -> list[groups_lib.GroupResult]:
         """data.replay: adds the step's groups to the buffer, draws the update's groups."""
         new = self.replay.add(results)
         drawn = self.replay.draw(self.cc.prompts_per_step, self.version)
         ages = [self.version - ro.version for g in drawn for ro in g.rollouts]
         metrics |= {
-            "replay/items": float(len(self.replay.buffer)), "replay/added": float(new),
+            "replay/items": float(len(self.replay.buffer)),
+            "replay/added": float(new),
             "replay/recent_fraction": float(np.mean([g.replayed == "recent" for g in drawn]))
-            if drawn else 0.0,
+            if drawn
+            else 0.0,
             "replay/staleness_mean": float(np.mean(ages)) if ages else 0.0,
             "replay/staleness_max": float(max(ages, default=0)),
-        }  # fmt: skip
+        }
         return drawn
 
     def _mark_trained(self, keys: Sequence[str]) -> None:
@@ -538,16 +639,18 @@ class Controller:
         c = self.counters
         c.updates_skipped += 1
         c.skipped_in_a_row += 1
-        self._warn(f"step {self.step}: nothing to learn from its {groups} groups (every one "
-                   f"filtered or failed); update skipped, the step is drawn again "
-                   f"({c.skipped_in_a_row} in a row)")  # fmt: skip
+        self._warn(
+            f"step {self.step}: nothing to learn from its {groups} groups (every one "
+            f"filtered or failed); update skipped, the step is drawn again "
+            f"({c.skipped_in_a_row} in a row)"
+        )
         if c.skipped_in_a_row > self.cc.max_skipped_updates:
             raise NothingToLearn(
                 f"{c.skipped_in_a_row} updates in a row had nothing to learn (every group's "
                 "rewards equal, or the verifier failed): the data is too hard or too easy for the "
                 "model, or the verifier is broken. controller.max_skipped_updates = "
                 f"{self.cc.max_skipped_updates}; a resume continues from the newest snapshot"
-            )  # fmt: skip
+            )
 
     def step_metrics(self, results: Sequence[groups_lib.GroupResult]) -> tuple[dict, dict]:
         rewards = np.concatenate([np.nan_to_num(r.rewards, nan=0.0) for r in results])
@@ -561,15 +664,17 @@ class Controller:
             "reward/pass_rate": float((rewards > 0).mean()) if rewards.size else 0.0,
             "throughput/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
             "rollout/length_mean": float(np.mean(lengths)) if lengths else 0.0,
-            "time/generate": gen_s, "time/verify": ver_s,
+            "time/generate": gen_s,
+            "time/verify": ver_s,
             "groups/discarded_stale": float(self.counters.groups_discarded_stale),
             "groups/filtered": float(self.counters.groups_filtered),
             "groups/refilled": float(self.counters.groups_refilled),
             "updates/skipped": float(self.counters.updates_skipped),
             "groups/verifier_failed": float(self.counters.groups_verifier_failed),
-        }  # fmt: skip
-        scalars |= {f"verdict/{k}": float(v)
-                    for k, v in groups_lib.verdict_counts(results).items() if v}  # fmt: skip
+        }
+        scalars |= {
+            f"verdict/{k}": float(v) for k, v in groups_lib.verdict_counts(results).items() if v
+        }
         hist = {"staleness": [float(self.version - r.version) for r in results]}
         return scalars, hist
 
@@ -604,8 +709,11 @@ class Controller:
                     self._jobs[t] = self._launch(self.issue(self.cc.prompts_per_step, step=t), g)
             # Versions still to generate with (a resumed step whose rollouts are buffered needs
             # none: its version may be gone from the parameter server, and that is fine).
-            self.lease(self.policy.generation_version(t) for t in range(s, launch_until + 1)
-                       if t not in buffered_by_step)  # fmt: skip
+            self.lease(
+                self.policy.generation_version(t)
+                for t in range(s, launch_until + 1)
+                if t not in buffered_by_step
+            )
             if s in self._jobs:
                 results = self._refill(s, self._collect(self._jobs.pop(s)))
             else:  # a snapshot's, refilled before it was taken
@@ -625,12 +733,15 @@ class Controller:
     def _log(self, metrics: MetricsWriter, progress: Progress, scalars: dict, hist: dict) -> None:
         metrics.write(self.step, scalars, hist)
         if self.step % self.cc.log_every == 0 or self.step == self.cc.num_steps:
-            progress.update(self.step, {
-                "reward": scalars.get("reward/mean", float("nan")),
-                "tok/s": scalars.get("throughput/tokens_per_s", float("nan")),
-                "stale": max(hist.get("staleness", [0.0]), default=0.0),
-                "train s": scalars.get("time/train", float("nan")),
-            })  # fmt: skip
+            progress.update(
+                self.step,
+                {
+                    "reward": scalars.get("reward/mean", float("nan")),
+                    "tok/s": scalars.get("throughput/tokens_per_s", float("nan")),
+                    "stale": max(hist.get("staleness", [0.0]), default=0.0),
+                    "train s": scalars.get("time/train", float("nan")),
+                },
+            )
 
     def _log_eval(self, metrics: MetricsWriter, progress: Progress) -> None:
         m = self.evaluate()
@@ -655,9 +766,12 @@ class Controller:
                 self.prefilter()
         else:
             self._event(f"resuming {self.run_dir} at step {self.step} (version {self.version})")
-        progress = Progress(self.cc.num_steps, start_step=self.step, stream=self._progress_stream,
-                            fields={"reward": ".3f", "tok/s": ".0f", "stale": ".0f",
-                                    "train s": ".2f"})  # fmt: skip
+        progress = Progress(
+            self.cc.num_steps,
+            start_step=self.step,
+            stream=self._progress_stream,
+            fields={"reward": ".3f", "tok/s": ".0f", "stale": ".0f", "train s": ".2f"},
+        )
         metrics = MetricsWriter(self.run_dir, resume_after_step=self.step if resumed else None)
         try:
             if self.cc.mode == "deterministic":
@@ -681,10 +795,14 @@ class Controller:
 
     def _summary(self, t0: float, *, already_finished: bool) -> RunSummary:
         return RunSummary(
-            run_dir=str(self.run_dir), steps_done=self.step, version=self.version,
-            already_finished=already_finished, counters=dataclasses.asdict(self.counters),
-            evals=dict(self.evals), wall_s=time.perf_counter() - t0,
-        )  # fmt: skip
+            run_dir=str(self.run_dir),
+            steps_done=self.step,
+            version=self.version,
+            already_finished=already_finished,
+            counters=dataclasses.asdict(self.counters),
+            evals=dict(self.evals),
+            wall_s=time.perf_counter() - t0,
+        )
 
 
 def _get(cfg: Any, dotted: str) -> Any:

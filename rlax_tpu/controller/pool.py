@@ -38,10 +38,15 @@ class NoWorkers(RuntimeError):
 
 class WorkerPool:
     def __init__(
-        self, workers: Sequence[InferencePort], *, names: Sequence[str] | None = None,
-        retry_s: float = 60.0, on_event: Callable[[str], None] | None = None,
-        exclusive_jobs: bool = False, continue_on_reload: bool = False,
-    ):  # fmt: skip
+        self,
+        workers: Sequence[InferencePort],
+        *,
+        names: Sequence[str] | None = None,
+        retry_s: float = 60.0,
+        on_event: Callable[[str], None] | None = None,
+        exclusive_jobs: bool = False,
+        continue_on_reload: bool = False,
+    ):
         """``exclusive_jobs``: a worker runs one job at a time, so the engine's batches (and with
         them its scheduling, preemptions and sampled tokens) depend on the job alone, never on
         timing: deterministic mode needs this; throughput mode shares the engine."""
@@ -81,8 +86,9 @@ class WorkerPool:
         ticket = self._epochs[i].join(version)
         return self._threads.submit(self._run_in_epoch, i, ticket, version, requests)
 
-    def _run_continuing(self, i: int, version: int, requests: list[Request]
-                        ) -> tuple[list[Request], list[Rollout], Exception | None]:  # fmt: skip
+    def _run_continuing(
+        self, i: int, version: int, requests: list[Request]
+    ) -> tuple[list[Request], list[Rollout], Exception | None]:
         with self._epochs[i].load_lock:
             held = self._held[i]
             if held is None or held < version:
@@ -95,8 +101,9 @@ class WorkerPool:
         # No version pinned: a newer job may reload the worker while this one runs.
         return self._run(i, None, requests)
 
-    def _run_in_epoch(self, i: int, ticket: int, version: int, requests: list[Request]
-                      ) -> tuple[list[Request], list[Rollout], Exception | None]:  # fmt: skip
+    def _run_in_epoch(
+        self, i: int, ticket: int, version: int, requests: list[Request]
+    ) -> tuple[list[Request], list[Rollout], Exception | None]:
         epochs = self._epochs[i]
         epochs.wait_turn(ticket)
         try:
@@ -131,13 +138,15 @@ class WorkerPool:
                 live = self.live
             j = live[zlib.crc32(reqs[0].prompt_id.encode()) % len(live)]
             if j != i:
-                self._on_event(f"reassigning {len(reqs)} prompt groups from {self.names[i]} "
-                               f"to {self.names[j]}")  # fmt: skip
+                self._on_event(
+                    f"reassigning {len(reqs)} prompt groups from {self.names[i]} to {self.names[j]}"
+                )
             pending.append((j, self._start(j, version, reqs)))
         return out
 
-    def _run(self, i: int, version: int | None, requests: list[Request]
-             ) -> tuple[list[Request], list[Rollout], Exception | None]:  # fmt: skip
+    def _run(
+        self, i: int, version: int | None, requests: list[Request]
+    ) -> tuple[list[Request], list[Rollout], Exception | None]:
         """(requests not finished, rollouts of the finished ones, the error if the worker failed)."""
         worker = self.workers[i]
         done: list[Rollout] = []
@@ -163,8 +172,9 @@ class WorkerPool:
         except Exception as e:  # any failure takes the worker out until it answers again
             return self._fail(i, todo, done, e)
 
-    def _fail(self, i: int, todo: list[Request], done: list[Rollout], e: Exception
-              ) -> tuple[list[Request], list[Rollout], Exception]:  # fmt: skip
+    def _fail(
+        self, i: int, todo: list[Request], done: list[Rollout], e: Exception
+    ) -> tuple[list[Request], list[Rollout], Exception]:
         with self._lock:
             self._down.add(i)
         self._held[i] = None

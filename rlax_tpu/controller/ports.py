@@ -37,8 +37,9 @@ class VerifierPort(Protocol):
 
 
 class TrainerPort(Protocol):
-    def train_step(self, batch: TrainBatch, *, expect_step: int | None = None
-                   ) -> dict[str, float]: ...  # fmt: skip
+    def train_step(
+        self, batch: TrainBatch, *, expect_step: int | None = None
+    ) -> dict[str, float]: ...
 
     def publish(self) -> int: ...
 

@@ -42,14 +42,24 @@ class _Stored:
 
 
 class ReplayFeed:
-    def __init__(self, config: DataConfig, *, seed: int, group_size: int, max_staleness: float,
-                 directory: str | epath.Path):  # fmt: skip
+    def __init__(
+        self,
+        config: DataConfig,
+        *,
+        seed: int,
+        group_size: int,
+        max_staleness: float,
+        directory: str | epath.Path,
+    ):
         self.buffer = ReplayBuffer(
-            per_prompt=config.replay_per_prompt, max_items=config.replay_max_items,
+            per_prompt=config.replay_per_prompt,
+            max_items=config.replay_max_items,
             recency_prob=config.replay_recency_prob,
-            recent_versions=config.replay_recent_versions, priority=config.replay_priority,
-            temperature=config.replay_temperature, seed=seed,
-        )  # fmt: skip
+            recent_versions=config.replay_recent_versions,
+            priority=config.replay_priority,
+            temperature=config.replay_temperature,
+            seed=seed,
+        )
         self.k, self.max_staleness = group_size, max_staleness
         self.dir = storage.path(directory)
         self.segments = 0  # segments written (the next one's index)
@@ -67,8 +77,13 @@ class ReplayFeed:
                 if not len(ro.tokens):
                     continue
                 stored = _Stored(ro, r.ref)
-                item = ReplayItem(prompt_id=_prompt(r.ref), tokens=tuple(int(t) for t in ro.tokens),
-                                  version=ro.version, reward=float(reward), payload=stored)  # fmt: skip
+                item = ReplayItem(
+                    prompt_id=_prompt(r.ref),
+                    tokens=tuple(int(t) for t in ro.tokens),
+                    version=ro.version,
+                    reward=float(reward),
+                    payload=stored,
+                )
                 self._pending.append(stored)
                 new += int(self.buffer.add(item))
         return new
@@ -80,14 +95,19 @@ class ReplayFeed:
             n, self.k, current_version=version, max_staleness=self.max_staleness
         ):
             ref = items[0].payload.ref
-            rollouts = [dataclasses.replace(it.payload.rollout, sample_index=i)
-                        for i, it in enumerate(items)]  # fmt: skip
-            out.append(GroupResult(
-                ref=dataclasses.replace(ref, ordinal=0, retry=0), rollouts=rollouts,
-                rewards=np.array([it.reward for it in items], np.float64),
-                verdicts=["accepted" if it.reward > 0 else "wrong_answer" for it in items],
-                replayed=pool,
-            ))  # fmt: skip
+            rollouts = [
+                dataclasses.replace(it.payload.rollout, sample_index=i)
+                for i, it in enumerate(items)
+            ]
+            out.append(
+                GroupResult(
+                    ref=dataclasses.replace(ref, ordinal=0, retry=0),
+                    rollouts=rollouts,
+                    rewards=np.array([it.reward for it in items], np.float64),
+                    verdicts=["accepted" if it.reward > 0 else "wrong_answer" for it in items],
+                    replayed=pool,
+                )
+            )
         return out
 
     # -- snapshots -----------------------------------------------------------------------------

@@ -38,8 +38,13 @@ class TextTokenizer(Protocol):
     def apply_chat_template(self, messages: Sequence[dict[str, str]], **kwargs: object) -> str: ...
 
 
-def prompt_text(problem: Problem, *, style: PromptStyle, language: str = "python",
-                tokenizer: TextTokenizer | None = None) -> str:  # fmt: skip
+def prompt_text(
+    problem: Problem,
+    *,
+    style: PromptStyle,
+    language: str = "python",
+    tokenizer: TextTokenizer | None = None,
+) -> str:
     """The text the model continues."""
     tag = _LANG_TAGS[language]
     if isinstance(problem, CodeProblem):

@@ -67,10 +67,13 @@ class Controller(Protocol):
     def ensure_versions(self, versions: Sequence[int]) -> None: ...
     def _eval_due(self) -> bool: ...
     def _log_eval(self, metrics: MetricsWriter, progress: Progress) -> None: ...
-    def _log(self, metrics: MetricsWriter, progress: Progress, scalars: dict, hist: dict) -> None: ...
+    def _log(
+        self, metrics: MetricsWriter, progress: Progress, scalars: dict, hist: dict
+    ) -> None: ...
     def _skip(self, groups: int) -> None: ...
-    def _launch(self, refs: Sequence[PromptRef], version: int, *, issued_version: int = 0
-                ) -> cf.Future[list[GroupResult]]: ...  # fmt: skip
+    def _launch(
+        self, refs: Sequence[PromptRef], version: int, *, issued_version: int = 0
+    ) -> cf.Future[list[GroupResult]]: ...
     def _collect(self, job: cf.Future[list[GroupResult]]) -> Any: ...
 
 
@@ -78,7 +81,9 @@ def throughput_queue_cap(config: RunConfig) -> int:
     """Groups queued (in flight + buffered) under unbounded staleness: every worker's sequence
     slots filled with groups, plus one batch waiting for the trainer."""
     inf, g = config.inference, config.algorithm.group_size
-    return inf.num_workers * max(1, inf.max_concurrent_seqs // g) + config.controller.prompts_per_step
+    return (
+        inf.num_workers * max(1, inf.max_concurrent_seqs // g) + config.controller.prompts_per_step
+    )
 
 
 def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) -> None:
@@ -137,12 +142,14 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
             continue
         filtered = 0
         wait_s = time.perf_counter() - t_wait
-        ready.sort(key=lambda r: (r.version if cc.consume_order == "oldest_first" else -r.version,
-                                  finish_seq.get(r.key, 0)))  # fmt: skip
-        chosen = ready[:batch]
-        ctl.counters.tokens_generated = (
-            tokens_before + ctl.pool.generated_tokens - pool_at_start
+        ready.sort(
+            key=lambda r: (
+                r.version if cc.consume_order == "oldest_first" else -r.version,
+                finish_seq.get(r.key, 0),
+            )
         )
+        chosen = ready[:batch]
+        ctl.counters.tokens_generated = tokens_before + ctl.pool.generated_tokens - pool_at_start
         ctl.snapshot()
         scalars, hist = ctl.step_metrics(chosen)
         now = time.perf_counter()

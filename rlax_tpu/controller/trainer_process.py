@@ -44,9 +44,12 @@ def pin(cpus: set[int]) -> None:
 
 
 def _serve(
-    config: RunConfig, params: dict[str, Any], checkpoint_dir: str, endpoints: list[str],
+    config: RunConfig,
+    params: dict[str, Any],
+    checkpoint_dir: str,
+    endpoints: list[str],
     conn: Connection,
-) -> None:  # fmt: skip
+) -> None:
     """The child: builds the trainer on ``params``, sends its port, serves until told to stop
     (or until the parent goes away: its end of the pipe closes)."""
     from rlax_tpu.param_server.client import ParamServerClient
@@ -85,24 +88,33 @@ class TrainerProcess:
     """A trainer in a spawned child process; ``client`` is a TrainerClient connected to it."""
 
     def __init__(
-        self, config: RunConfig, *, model: models.Transformer, checkpoint_dir: str | Path,
-        param_server_endpoints: list[str], start_timeout_s: float = 300.0,
-    ):  # fmt: skip
+        self,
+        config: RunConfig,
+        *,
+        model: models.Transformer,
+        checkpoint_dir: str | Path,
+        param_server_endpoints: list[str],
+        start_timeout_s: float = 300.0,
+    ):
         from rlax_tpu.trainer.client import TrainerClient
 
         params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.split(model)[1]))
         ctx = multiprocessing.get_context("spawn")  # fork would copy this process's XLA threads
         self._conn, child_end = ctx.Pipe()
         self.process = ctx.Process(
-            target=_serve, name="rlax-trainer", daemon=True,
+            target=_serve,
+            name="rlax-trainer",
+            daemon=True,
             args=(config, params, str(checkpoint_dir), list(param_server_endpoints), child_end),
-        )  # fmt: skip
+        )
         self.process.start()
         child_end.close()
         if not self._conn.poll(start_timeout_s):
             self._kill()
-            raise RuntimeError(f"trainer child process (pid {self.process.pid}) did not start "
-                               f"serving within {start_timeout_s:.0f} s")  # fmt: skip
+            raise RuntimeError(
+                f"trainer child process (pid {self.process.pid}) did not start "
+                f"serving within {start_timeout_s:.0f} s"
+            )
         try:
             kind, value = self._conn.recv()
         except EOFError:
@@ -113,8 +125,10 @@ class TrainerProcess:
             raise RuntimeError(f"trainer child process failed to start: {value}")
         self.endpoint = f"127.0.0.1:{value}"
         # The child's server demands what trainer.* names (as `python -m rlax_tpu.trainer` does).
-        creds = Credentials(auth_token_file=config.trainer.auth_token_file,
-                            tls_cert_file=config.trainer.tls_cert_file)  # fmt: skip
+        creds = Credentials(
+            auth_token_file=config.trainer.auth_token_file,
+            tls_cert_file=config.trainer.tls_cert_file,
+        )
         self.client = TrainerClient(self.endpoint, credentials=creds)
         self.client.wait_ready(start_timeout_s)
 

@@ -52,9 +52,12 @@ def _pack(
 
 
 def _loss(
-    graphdef: nnx.GraphDef, params: nnx.State, inputs: jax.Array, targets: jax.Array,
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    inputs: jax.Array,
+    targets: jax.Array,
     mask: jax.Array,
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     logits = models.forward(nnx.merge(graphdef, params), inputs)
     nll = -models.token_logprobs(logits, targets)
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -62,9 +65,14 @@ def _loss(
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
 def _train_step(
-    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, params: nnx.State,
-    opt_state: optax.OptState, inputs: jax.Array, targets: jax.Array, mask: jax.Array,
-):  # fmt: skip
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    params: nnx.State,
+    opt_state: optax.OptState,
+    inputs: jax.Array,
+    targets: jax.Array,
+    mask: jax.Array,
+):
     loss, grads = jax.value_and_grad(_loss, argnums=1)(graphdef, params, inputs, targets, mask)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -106,14 +114,18 @@ def supervised_warmup(
     # small updates away: trainer/precision.py), returned in the storage dtype. The copy also
     # keeps the caller's buffers, which the step donates.
     params = jax.tree.map(
-        lambda x: jnp.array(x, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
-                            copy=True),
+        lambda x: jnp.array(
+            x, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, copy=True
+        ),
         stored,
-    )  # fmt: skip
+    )
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=learning_rate, warmup_steps=max(1, steps // 10),
-        decay_steps=steps, end_value=learning_rate / 10,
-    )  # fmt: skip
+        init_value=0.0,
+        peak_value=learning_rate,
+        warmup_steps=max(1, steps // 10),
+        decay_steps=steps,
+        end_value=learning_rate / 10,
+    )
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
     opt_state = tx.init(params)
 
@@ -129,9 +141,14 @@ def supervised_warmup(
         # shapes instead of padding every batch to the longest example of all.
         w = min(width, -(-int(lengths[picked].max()) // 64) * 64)
         params, opt_state, loss = _train_step(
-            graphdef, tx, params, opt_state, inputs[picked, :w], targets[picked, :w],
+            graphdef,
+            tx,
+            params,
+            opt_state,
+            inputs[picked, :w],
+            targets[picked, :w],
             mask[picked, :w],
-        )  # fmt: skip
+        )
         if on_step is not None:
             on_step(step, float(loss))
     cast = lambda p, s: p if p.dtype == s.dtype else p.astype(s.dtype)  # noqa: E731

@@ -48,8 +48,11 @@ def _read_all(directory: Path) -> list[tuple[CodeProblem, list[tuple[Solution, s
     if not directory.is_dir():
         raise DataError(str(directory), None, "no such directory")
     # Hidden and underscore directories (caches, editors' files) are not problems.
-    return [_read(d) for d in sorted(directory.iterdir())
-            if d.is_dir() and not d.name.startswith((".", "_"))]  # fmt: skip
+    return [
+        _read(d)
+        for d in sorted(directory.iterdir())
+        if d.is_dir() and not d.name.startswith((".", "_"))
+    ]
 
 
 def _read(problem_dir: Path) -> tuple[CodeProblem, list[tuple[Solution, str]]]:
@@ -90,9 +93,11 @@ def _read(problem_dir: Path) -> tuple[CodeProblem, list[tuple[Solution, str]]]:
         if not isinstance(t, dict):
             raise fail(f"tests[{j}] should be an object with 'input' and 'answer'")
         tests.append(
-            TestCase(input=field(t, "input", str, f"tests[{j}]."),
-                     output=field(t, "answer", str, f"tests[{j}]."))
-        )  # fmt: skip
+            TestCase(
+                input=field(t, "input", str, f"tests[{j}]."),
+                output=field(t, "answer", str, f"tests[{j}]."),
+            )
+        )
     checker = None
     spec = field(meta, "checker", (dict, type(None)))
     if spec is not None:
@@ -114,8 +119,10 @@ def _read(problem_dir: Path) -> tuple[CodeProblem, list[tuple[Solution, str]]]:
         verdict = field(s, "verdict", str, f"solutions[{j}].")
         if verdict not in _VERDICTS:
             raise fail(f"solutions[{j}] has an unknown verdict {verdict!r}")
-        solution = Solution(language=field(s, "language", str, f"solutions[{j}]."),
-                            code=field(s, "code", str, f"solutions[{j}]."))  # fmt: skip
+        solution = Solution(
+            language=field(s, "language", str, f"solutions[{j}]."),
+            code=field(s, "code", str, f"solutions[{j}]."),
+        )
         verdicts.append((solution, verdict))
     problem = CodeProblem(
         id=pid,

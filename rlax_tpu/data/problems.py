@@ -105,17 +105,19 @@ def check_problem(problem: Problem, source: str, record: int | str) -> Problem:
             raise DataError(source, record, f"problem {problem.id!r} has no tests")
         if problem.time_limit_s <= 0 or problem.memory_limit_mb <= 0:
             raise DataError(
-                source, record,
+                source,
+                record,
                 f"problem {problem.id!r} has a non-positive time or memory limit "
                 f"({problem.time_limit_s} s, {problem.memory_limit_mb} MB)",
-            )  # fmt: skip
+            )
         if problem.checker is not None:
             if problem.checker.language not in CHECKER_LANGUAGES:
                 raise DataError(
-                    source, record,
+                    source,
+                    record,
                     f"problem {problem.id!r}: checker language {problem.checker.language!r} is not "
                     f"one of {CHECKER_LANGUAGES}",
-                )  # fmt: skip
+                )
             if not problem.checker.source.strip():
                 raise DataError(source, record, f"problem {problem.id!r} has an empty checker")
     elif isinstance(problem, UnitTestProblem):

@@ -135,14 +135,19 @@ class ReplayBuffer:
         """
         pools: dict[str, list[ReplayItem]] = {}
         for prompt in sorted(self._items):
-            items = [it for _, it in self._items[prompt].values()
-                     if current_version - it.version <= max_staleness]  # fmt: skip
+            items = [
+                it
+                for _, it in self._items[prompt].values()
+                if current_version - it.version <= max_staleness
+            ]
             if items:
                 pools[prompt] = items
         if not pools:
             return []
-        recent = {p: [it for it in items if current_version - it.version < self.recent_versions]
-                  for p, items in pools.items()}  # fmt: skip
+        recent = {
+            p: [it for it in items if current_version - it.version < self.recent_versions]
+            for p, items in pools.items()
+        }
         recent = {p: items for p, items in recent.items() if items}
         recent_prompts, prompts = list(recent), list(pools)
         uniform = self.priority == "uniform"
@@ -184,7 +189,7 @@ class ReplayBuffer:
                 )
                 for bucket in self._items.values()
                 for order, item in bucket.values()
-            ],  # fmt: skip
+            ],
         }
 
     def restore(self, state: dict[str, Any]) -> None:

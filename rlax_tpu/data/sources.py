@@ -31,8 +31,14 @@ from rlax_tpu.data.bundled import load_bundled
 from rlax_tpu.data.mixture import stream_seed
 from rlax_tpu.data.problems import DataError, Problem
 
-KNOWN = ("procedural", "bundled", "human_eval", "reasoning_gym:<task>", "codeforces",
-         "code_contests")  # fmt: skip
+KNOWN = (
+    "procedural",
+    "bundled",
+    "human_eval",
+    "reasoning_gym:<task>",
+    "codeforces",
+    "code_contests",
+)
 _TRAIN_SIZE = 2000  # reasoning-gym problems per training set
 # reasoning-gym draws problem i of seed s from Random(s + i): seed + 1 would hold out the training
 # problems shifted by one. Held-out problems come from seeds no training set reaches.
@@ -60,8 +66,11 @@ def _files(directory: str, name: str) -> list[storage.epath.Path]:
     root = storage.path(directory) if directory else None
     files = sorted([*root.glob("*.jsonl"), *root.glob("*.parquet")]) if root else []
     if not files:
-        raise DataError(f"data.data_dir={directory!r}", None,
-                        f"dataset {name!r} needs .jsonl or .parquet files there")  # fmt: skip
+        raise DataError(
+            f"data.data_dir={directory!r}",
+            None,
+            f"dataset {name!r} needs .jsonl or .parquet files there",
+        )
     return files
 
 
@@ -76,10 +85,11 @@ def _code_contests_split(files: list[Path], directory: str) -> tuple[list[Proble
         split = next((v for k, v in _CC_SPLITS.items() if f.name.startswith(k)), None)
         if split is None:
             raise DataError(
-                f"data.data_dir={directory!r}", None,
+                f"data.data_dir={directory!r}",
+                None,
                 f"code_contests file {f.name!r} is not in a split: names must start with train, valid or test "
                 "(the dataset's own split; its records carry no date)",
-            )  # fmt: skip
+            )
         parts[split] += loaders.load_code_contests(f)
     return parts["train"], parts["held_out"]
 
@@ -97,7 +107,9 @@ def _one(name: str, cfg: DataConfig, seed: int) -> tuple[list[Problem], list[Pro
         held_out_seed = seed + _HELD_OUT_SEED_OFFSET
         return list(train), _unseen(task, options, cfg.eval_problems, held_out_seed, train, name)
     if name == "codeforces":
-        problems = [p for f in _files(cfg.data_dir, name) for p in loaders.load_open_r1_codeforces(f)]
+        problems = [
+            p for f in _files(cfg.data_dir, name) for p in loaders.load_open_r1_codeforces(f)
+        ]
         train, test = loaders.date_split(problems, cfg.train_until_year)
         return list(train), list(test)
     if name == "code_contests":
@@ -114,13 +126,15 @@ def _task_options(name: str) -> tuple[str, dict[str, Any]]:
     try:
         options = json.loads(brace + rest)
     except json.JSONDecodeError as e:
-        raise DataError("data.datasets", name,
-                        f"the options after the task name are not JSON: {e}") from e  # fmt: skip
+        raise DataError(
+            "data.datasets", name, f"the options after the task name are not JSON: {e}"
+        ) from e
     return task, options
 
 
-def _unseen(task: str, options: dict[str, Any], n: int, seed: int, train: list[Problem],
-            name: str) -> list[Problem]:  # fmt: skip
+def _unseen(
+    task: str, options: dict[str, Any], n: int, seed: int, train: list[Problem], name: str
+) -> list[Problem]:
     """Up to ``n`` problems of another seed whose question no training problem asks: a small task
     space (single-digit sums) would otherwise put training questions in the held-out set."""
     asked = {p.question for p in train}
@@ -134,9 +148,12 @@ def _unseen(task: str, options: dict[str, Any], n: int, seed: int, train: list[P
             break
         size *= 4
     if not fresh:
-        raise DataError("data.datasets", name,
-                        f"every held-out question is also a training question ({_TRAIN_SIZE} "
-                        "drawn): the task's space is too small for a held-out split")  # fmt: skip
+        raise DataError(
+            "data.datasets",
+            name,
+            f"every held-out question is also a training question ({_TRAIN_SIZE} "
+            "drawn): the task's space is too small for a held-out split",
+        )
     return list(fresh.values())[:n]
 
 

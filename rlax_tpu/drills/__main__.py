@@ -42,8 +42,12 @@ CHECK = flags.DEFINE_string("check", None, "Only run the checks on this finished
 REFERENCE = flags.DEFINE_string(
     "reference", None, "With --check: an uninterrupted run's directory, for the bitwise checks."
 )
-MODE = flags.DEFINE_enum("mode", None, ["deterministic", "throughput"],
-                         "The controller mode to drill (default: the config's).")  # fmt: skip
+MODE = flags.DEFINE_enum(
+    "mode",
+    None,
+    ["deterministic", "throughput"],
+    "The controller mode to drill (default: the config's).",
+)
 
 
 def run(config: RunConfig, args: list[str]) -> int:
@@ -75,13 +79,17 @@ def run(config: RunConfig, args: list[str]) -> int:
         config = _with(config, mode=mode_flag)
     config = _with(config, run_dir=str(base / "drill"))
     if config.controller.num_steps < 2 * kills_n + 1:
-        raise cli.UsageError(f"controller.num_steps ({config.controller.num_steps}) must be >= "
-                             f"2 x --kills + 1 = {2 * kills_n + 1}: kills come one at a time, "
-                             "a step apart")  # fmt: skip
+        raise cli.UsageError(
+            f"controller.num_steps ({config.controller.num_steps}) must be >= "
+            f"2 x --kills + 1 = {2 * kills_n + 1}: kills come one at a time, "
+            "a step apart"
+        )
     drilled = base / "drill"
     if (drilled / "snapshots").exists():
-        raise cli.UsageError(f"{drilled} holds a run already; a drill starts from nothing (remove "
-                             "it or use another controller.run_dir)")  # fmt: skip
+        raise cli.UsageError(
+            f"{drilled} holds a run already; a drill starts from nothing (remove "
+            "it or use another controller.run_dir)"
+        )
     warmup = str(base / "warmup")
     reference = None
     mode = config.controller.mode
@@ -96,24 +104,40 @@ def run(config: RunConfig, args: list[str]) -> int:
             return 1
         reference = read_run(ref_dir, ref_config)
     kills = plan(targets_of(config), kills_n, seed)
-    print(f"rlax_tpu.drills: {len(kills)} kills (seed {seed}, {mode} mode) in {drilled}: "
-          + ", ".join(k.target for k in kills), flush=True)  # fmt: skip
-    launch = DrillLaunch(config, drilled_args, kills, out=sys.stdout, warmup_dir=warmup,
-                         recovery_limit_s=config.controller.recovery_timeout_s + 300)  # fmt: skip
+    print(
+        f"rlax_tpu.drills: {len(kills)} kills (seed {seed}, {mode} mode) in {drilled}: "
+        + ", ".join(k.target for k in kills),
+        flush=True,
+    )
+    launch = DrillLaunch(
+        config,
+        drilled_args,
+        kills,
+        out=sys.stdout,
+        warmup_dir=warmup,
+        recovery_limit_s=config.controller.recovery_timeout_s + 300,
+    )
     code = launch.run()
     checks = check_run(drilled, config, reference)
     done = [k for k in kills if k.recovered_at == k.recovered_at]
-    checks.insert(0, Check("every kill recovered", len(done) == len(kills) and code == 0,
-                           f"{len(done)} of {len(kills)} kills recovered; the run exited {code}; "
-                           f"{len(launch.unplanned)} unplanned exits"))  # fmt: skip
+    checks.insert(
+        0,
+        Check(
+            "every kill recovered",
+            len(done) == len(kills) and code == 0,
+            f"{len(done)} of {len(kills)} kills recovered; the run exited {code}; "
+            f"{len(launch.unplanned)} unplanned exits",
+        ),
+    )
     if launch.unplanned:
         checks.append(Check("no unplanned exits", False, "; ".join(launch.unplanned)))
     summary = _summary(launch, kills, mode, config) | {"seed": seed}
     lines = _report(summary, describe(kills), checks)
     print("\n".join(lines), flush=True)
     (base / "drill.md").write_text("\n".join(lines) + "\n")
-    (base / "drill.json").write_text(json.dumps(summary | {
-        "checks": [c.__dict__ for c in checks]}, indent=2))  # fmt: skip
+    (base / "drill.json").write_text(
+        json.dumps(summary | {"checks": [c.__dict__ for c in checks]}, indent=2)
+    )
     return 0 if all(c.ok for c in checks) else 1
 
 
@@ -131,8 +155,9 @@ def _check_only(config: RunConfig, run_dir: Path, reference: str | None) -> int:
 
 def _with(config: RunConfig, **controller: str) -> RunConfig:
     """``config`` with controller fields replaced (validated again)."""
-    return dataclasses.replace(config, controller=dataclasses.replace(config.controller,
-                                                                      **controller))
+    return dataclasses.replace(
+        config, controller=dataclasses.replace(config.controller, **controller)
+    )
 
 
 def _override(args: list[str], field: str, value: str) -> list[str]:
@@ -145,22 +170,26 @@ def _summary(launch, kills, mode: str, config: RunConfig) -> dict:  # noqa: ANN0
     step_s = launch.median_step_s()
     rec = [k.recover_s for k in kills if k.recovered_at == k.recovered_at]
     return {
-        "mode": mode, "num_steps": config.controller.num_steps,
-        "kills": [dict(k.__dict__, kind=k.kind, recover_s=k.recover_s,
-                       recover_steps=k.recover_s / step_s) for k in kills],  # fmt: skip
+        "mode": mode,
+        "num_steps": config.controller.num_steps,
+        "kills": [
+            dict(k.__dict__, kind=k.kind, recover_s=k.recover_s, recover_steps=k.recover_s / step_s)
+            for k in kills
+        ],
         "median_step_s": step_s,
         "recover_mean_s": statistics.fmean(rec) if rec else float("nan"),
         "recover_max_s": max(rec, default=float("nan")),
         "recover_mean_steps": statistics.fmean(rec) / step_s if rec else float("nan"),
         "recover_max_steps": max(rec, default=float("nan")) / step_s,
         "unplanned": launch.unplanned,
-    }  # fmt: skip
+    }
 
 
 def _report(s: dict, kill_lines: list[str], checks: list) -> list[str]:  # noqa: ANN001
     kinds = sorted({k["kind"] for k in s["kills"]})
     return [
-        "", "=" * 72,
+        "",
+        "=" * 72,
         f"drill: {len(s['kills'])} kills ({', '.join(kinds)}), {s['mode']} mode, seed "
         f"{s['seed']}, {s['num_steps']} steps; median step {s['median_step_s']:.2f} s",
         *kill_lines,
@@ -168,7 +197,7 @@ def _report(s: dict, kill_lines: list[str], checks: list) -> list[str]:  # noqa:
         f"steps), max {s['recover_max_s']:.1f} s ({s['recover_max_steps']:.1f} steps)",
         *[f"[{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}" for c in checks],
         "=" * 72,
-    ]  # fmt: skip
+    ]
 
 
 if __name__ == "__main__":

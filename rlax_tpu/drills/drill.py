@@ -68,15 +68,29 @@ def plan(targets: Sequence[str], kills: int, seed: int) -> list[Kill]:
         round_ = list(kinds)
         rng.shuffle(round_)
         order += round_
-    return [Kill(target=rng.choice(by_kind[k]), fraction=rng.random(),
-                 restart_delay_s=rng.uniform(*RESTART_DELAY_S)) for k in order[:kills]]  # fmt: skip
+    return [
+        Kill(
+            target=rng.choice(by_kind[k]),
+            fraction=rng.random(),
+            restart_delay_s=rng.uniform(*RESTART_DELAY_S),
+        )
+        for k in order[:kills]
+    ]
 
 
 class DrillLaunch(Launch):
     """:class:`Launch` on fixed ports whose controller stage carries out a kill plan."""
 
-    def __init__(self, config: RunConfig, config_args: Sequence[str], kills: list[Kill], *,
-                 out: TextIO, warmup_dir: str = "", recovery_limit_s: float = 900.0):  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        config_args: Sequence[str],
+        kills: list[Kill],
+        *,
+        out: TextIO,
+        warmup_dir: str = "",
+        recovery_limit_s: float = 900.0,
+    ):
         super().__init__(config, config_args, out=out, warmup_dir=warmup_dir)
         self.kills = kills
         self.recovery_limit_s = recovery_limit_s
@@ -118,21 +132,27 @@ class DrillLaunch(Launch):
                 self._say(f"the run ended before kill {i + 1} of {len(self.kills)}")
                 break
             self._kill(kill)
-            self._say(f"kill {i + 1}/{len(self.kills)}: {kill.target} at step {kill.at_step} "
-                      f"(SIGKILL; restart in {kill.restart_delay_s:.1f} s)")  # fmt: skip
+            self._say(
+                f"kill {i + 1}/{len(self.kills)}: {kill.target} at step {kill.at_step} "
+                f"(SIGKILL; restart in {kill.restart_delay_s:.1f} s)"
+            )
             time.sleep(kill.restart_delay_s)
             self._restart(kill.target)
             kill.restarted_at = self._now()
             if self._wait_step_after(kill.restarted_at, limit_s=self.recovery_limit_s):
                 kill.recovered_at, kill.resumed_step = self._first_step_after(kill.restarted_at)
-                self._say(f"{kill.target} recovered: step {kill.resumed_step} completed "
-                          f"{kill.recover_s:.1f} s after the restart")  # fmt: skip
+                self._say(
+                    f"{kill.target} recovered: step {kill.resumed_step} completed "
+                    f"{kill.recover_s:.1f} s after the restart"
+                )
             elif self.controller.proc.poll() == 0:
                 kill.recovered_at, kill.resumed_step = self._now(), kill.at_step
                 self._say(f"{kill.target}: the run had finished")
             else:
-                self._say(f"{kill.target}: no step within {self.recovery_limit_s:.0f} s of the "
-                          "restart; stopping the drill")  # fmt: skip
+                self._say(
+                    f"{kill.target}: no step within {self.recovery_limit_s:.0f} s of the "
+                    "restart; stopping the drill"
+                )
                 return 1
             since = kill.recovered_at
         while True:  # the rest of the run; unplanned exits restarted, as a pod's would be
@@ -181,8 +201,11 @@ class DrillLaunch(Launch):
         with self._cond:
             kill.at_step = max((s for _, s in self.steps), default=0)
         kill.killed_at = self._now()
-        children = ([self.controller] if kill.target == "controller" else
-                    [self.services[i] for i in self._group(kill.target)])  # fmt: skip
+        children = (
+            [self.controller]
+            if kill.target == "controller"
+            else [self.services[i] for i in self._group(kill.target)]
+        )
         for child in children:
             if child is not None:
                 child.signal(signal.SIGKILL)
@@ -228,10 +251,14 @@ def targets_of(config: RunConfig) -> list[str]:
 
 def describe(kills: Sequence[Kill]) -> list[str]:
     """One line per kill (for the drill's report)."""
-    return [f"{i + 1:>3}. {k.target:<16} at step {k.at_step:>3}, t={k.killed_at:7.1f} s; restarted "
-            f"after {k.restart_delay_s:.1f} s; " + (
-                f"recovered in {k.recover_s:.1f} s (step {k.resumed_step})"
-                if k.recovered_at == k.recovered_at else "did not recover")
-            for i, k in enumerate(kills) if k.killed_at == k.killed_at]  # fmt: skip
-
-
+    return [
+        f"{i + 1:>3}. {k.target:<16} at step {k.at_step:>3}, t={k.killed_at:7.1f} s; restarted "
+        f"after {k.restart_delay_s:.1f} s; "
+        + (
+            f"recovered in {k.recover_s:.1f} s (step {k.resumed_step})"
+            if k.recovered_at == k.recovered_at
+            else "did not recover"
+        )
+        for i, k in enumerate(kills)
+        if k.killed_at == k.killed_at
+    ]

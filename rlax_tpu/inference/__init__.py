@@ -31,8 +31,21 @@ from rlax_tpu.inference.worker import (
 )
 
 __all__ = [
-    "LOGPROB_POLICIES", "DictWeightSource", "Engine", "InferenceClient", "InferenceWorker",
-    "InvalidRequest", "InvalidWeights", "Request", "SamplingParams", "UnknownVersion",
-    "VersionMismatch", "WeightSource", "WorkerShutdown", "WorkerStatus", "replay_logits", "serve",
+    "LOGPROB_POLICIES",
+    "DictWeightSource",
+    "Engine",
+    "InferenceClient",
+    "InferenceWorker",
+    "InvalidRequest",
+    "InvalidWeights",
+    "Request",
+    "SamplingParams",
+    "UnknownVersion",
+    "VersionMismatch",
+    "WeightSource",
+    "WorkerShutdown",
+    "WorkerStatus",
+    "replay_logits",
+    "serve",
     "temperature_scaled_logprobs",
-]  # fmt: skip
+]

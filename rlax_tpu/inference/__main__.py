@@ -74,18 +74,23 @@ def run(config: RunConfig, args: list[str]) -> int:
     worker.weight_source, client = _weight_source(config, worker.engine)
     stop = cli.stop_event()
     server, port = serve(
-        worker, cfg.address,
-        credentials=Credentials(auth_token_file=cfg.auth_token_file,
-                                tls_cert_file=cfg.tls_cert_file),
+        worker,
+        cfg.address,
+        credentials=Credentials(
+            auth_token_file=cfg.auth_token_file, tls_cert_file=cfg.tls_cert_file
+        ),
         on_shutdown=stop.set,
-    )  # fmt: skip
+    )
     host = cfg.address.rsplit(":", 1)[0]
     status = worker.status()
     source = ""
     if client is not None:
         source = f", weights from {client.endpoints[client.replica]}"
-    print(f"rlax_tpu.inference: serving on {host}:{port} (backend {status.backend}, "
-          f"version {status.version}, {status.pages_total} KV pages{source})", flush=True)  # fmt: skip
+    print(
+        f"rlax_tpu.inference: serving on {host}:{port} (backend {status.backend}, "
+        f"version {status.version}, {status.pages_total} KV pages{source})",
+        flush=True,
+    )
     cli.wait_for(stop)
     worker.shutdown()
     server.stop(grace=2.0).wait()

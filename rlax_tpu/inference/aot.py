@@ -33,8 +33,9 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
     if mesh is None:
         one = SingleDeviceSharding(devices[0])
         state, cache_sharding, io = abstract(state, one), one, one
-        note = (f"one chip of {len(devices)}: inference.mesh is one device" if len(devices) > 1
-                else "")  # fmt: skip
+        note = (
+            f"one chip of {len(devices)}: inference.mesh is one device" if len(devices) > 1 else ""
+        )
         # Traced under a one-chip mesh all the same: Mosaic reads the target chip from the
         # context mesh, and would otherwise take this host's default device (a CPU).
         mesh = models.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), list(devices[:1]))
@@ -48,7 +49,15 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
     # the reload's own peak (two copies + the cache), which runs no program.
     weights = device_bytes(state)
     return engine_programs(
-        "inference", config.model, shape, graphdef=graphdef, state=state,
-        cache_sharding=cache_sharding, io_sharding=io, mesh=mesh, note=note,
-        held={"next version's weights (reload)": weights}, copy_held={"weights": weights},
-    )  # fmt: skip
+        "inference",
+        config.model,
+        shape,
+        graphdef=graphdef,
+        state=state,
+        cache_sharding=cache_sharding,
+        io_sharding=io,
+        mesh=mesh,
+        note=note,
+        held={"next version's weights (reload)": weights},
+        copy_held={"weights": weights},
+    )

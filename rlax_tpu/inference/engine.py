@@ -138,9 +138,14 @@ class Engine:
     """Single-threaded engine; the worker serializes calls. See the module docstring."""
 
     def __init__(
-        self, model: models.Transformer, cfg: InferenceConfig, *, version: int = 0,
-        eos_ids: Collection[int] = (), devices: list[jax.Device] | None = None,
-    ):  # fmt: skip
+        self,
+        model: models.Transformer,
+        cfg: InferenceConfig,
+        *,
+        version: int = 0,
+        eos_ids: Collection[int] = (),
+        devices: list[jax.Device] | None = None,
+    ):
         """``devices``: where ``inference.mesh`` is laid out (default: ``jax.devices()``)."""
         self.cfg, self.model_cfg = cfg, model.cfg
         self.version = version
@@ -171,17 +176,24 @@ class Engine:
             )
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
-            self.allocator, page_size=cfg.page_size, max_seqs=cfg.max_concurrent_seqs,
-            step_tokens=self.step_tokens, prefill_chunk=cfg.prefill_chunk,
-            prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len,
-        )  # fmt: skip
+            self.allocator,
+            page_size=cfg.page_size,
+            max_seqs=cfg.max_concurrent_seqs,
+            step_tokens=self.step_tokens,
+            prefill_chunk=cfg.prefill_chunk,
+            prefill_rows=cfg.prefill_rows,
+            prefill_len=cfg.prefill_len,
+        )
         self.cache = self._place(self.replay_shape.make_cache(model.cfg))
         self._traces_at_start = TRACES.total()
         with self._on_mesh():
             self.rows_bitwise, self.cache = rows_are_independent(
-                self.state, self.cache, graphdef=self.graphdef, prefill_rows=cfg.prefill_rows,
+                self.state,
+                self.cache,
+                graphdef=self.graphdef,
+                prefill_rows=cfg.prefill_rows,
                 prefill_len=cfg.prefill_len,
-            )  # fmt: skip
+            )
         if not self.rows_bitwise:
             _warn_rows_not_bitwise()
         self.steps = 0
@@ -317,10 +329,15 @@ class Engine:
             # Host arrays straight to the program: jit's dispatch transfers them (faster than
             # a jnp.asarray each).
             out, self.cache = decode_program(
-                self.state, self.cache, tokens, positions, tables,
-                self._sampling_arrays(rows, first), graphdef=self.graphdef,
+                self.state,
+                self.cache,
+                tokens,
+                positions,
+                tables,
+                self._sampling_arrays(rows, first),
+                graphdef=self.graphdef,
                 spans=self._spans(positions // page + 1),
-            )  # fmt: skip
+            )
             out = jax.device_get(out)
         return out, first
 
@@ -362,7 +379,9 @@ class Engine:
         before = TRACES.total()
         n, m = self.step_tokens, self.pages_per_seq
         idle = (
-            np.zeros(n, np.int32), np.full(n, -1, np.int32), np.zeros((n, m), np.int32),
+            np.zeros(n, np.int32),
+            np.full(n, -1, np.int32),
+            np.zeros((n, m), np.int32),
             self._sampling_arrays([], 0),
         )  # positional host arrays, as step() passes them: jit keys its cache on the call
         for spans in self.span_choices():
@@ -372,10 +391,13 @@ class Engine:
         if self.cfg.prefill_rows:
             r, c = self.cfg.prefill_rows, self.cfg.prefill_len
             self.cache = prefill_program(
-                self.state, self.cache, jnp.zeros((r, c), jnp.int32),
-                jnp.full((r, c), -1, jnp.int32), jnp.zeros((r, m), jnp.int32),
+                self.state,
+                self.cache,
+                jnp.zeros((r, c), jnp.int32),
+                jnp.full((r, c), -1, jnp.int32),
+                jnp.zeros((r, m), jnp.int32),
                 graphdef=self.graphdef,
-            )  # fmt: skip
+            )
         return TRACES.total() - before
 
     def _prefill(self, chunks: list[Chunk]) -> None:
@@ -387,9 +409,13 @@ class Engine:
             positions[i, : ch.stop - ch.start] = np.arange(ch.start, ch.stop)
         tables = block_table_rows(chunks, self.pages_per_seq, r)
         self.cache = prefill_program(
-            self.state, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-            jnp.asarray(tables), graphdef=self.graphdef,
-        )  # fmt: skip
+            self.state,
+            self.cache,
+            jnp.asarray(tokens),
+            jnp.asarray(positions),
+            jnp.asarray(tables),
+            graphdef=self.graphdef,
+        )
         self.prefill_calls += 1
 
     def _apply_results(
@@ -434,13 +460,15 @@ class Engine:
     def _rollout(self, seq: Sequence, reason: FinishReason) -> Rollout:
         s = seq.request.sampling
         return Rollout(
-            prompt_id=seq.request.prompt_id, sample_index=seq.sample_index,
+            prompt_id=seq.request.prompt_id,
+            sample_index=seq.sample_index,
             prompt_tokens=np.asarray(seq.request.prompt_tokens, np.int32),
             tokens=np.asarray(seq.generated, np.int32),
             logprobs=np.asarray(seq.logprobs, np.float32),
-            versions=np.asarray(seq.versions, np.int64), finish_reason=reason,
+            versions=np.asarray(seq.versions, np.int64),
+            finish_reason=reason,
             logprob_policy=s.logprob_policy,
-        )  # fmt: skip
+        )
 
     def run(self) -> list[Rollout]:
         """Steps until every submitted request has finished."""
@@ -458,10 +486,12 @@ class Engine:
         for seq in self.scheduler.remove_all():
             if seq.sample_index is None:
                 out += [
-                    self._rollout(dataclasses.replace(seq, sample_index=i, tokens=list(seq.tokens)),
-                                  FinishReason.ABORTED)
+                    self._rollout(
+                        dataclasses.replace(seq, sample_index=i, tokens=list(seq.tokens)),
+                        FinishReason.ABORTED,
+                    )
                     for i in range(seq.request.num_samples)
-                ]  # fmt: skip
+                ]
             else:
                 out.append(self._rollout(seq, FinishReason.ABORTED))
         return out
@@ -485,8 +515,9 @@ class Engine:
         ours = jax.tree.structure(self.state)
         if jax.tree.structure(params) != ours:
             raise InvalidWeights("weights have a different parameter tree than the served model")
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(self.state),
-                                jax.tree.leaves(params), strict=True):  # fmt: skip
+        for (path, a), b in zip(
+            jax.tree_util.tree_leaves_with_path(self.state), jax.tree.leaves(params), strict=True
+        ):
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise InvalidWeights(
                     f"{jax.tree_util.keystr(path)}: expected {a.dtype}{list(a.shape)}, got "
@@ -496,9 +527,15 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            version=self.version, running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting), pages_total=self.allocator.num_pages - 1,
-            pages_free=self.allocator.num_free, compilations=self.compilations, steps=self.steps,
-            generated_tokens=self.generated_tokens, preemptions=self.scheduler.num_preemptions,
-            pages_shared=self.pages_shared, rows_bitwise=self.rows_bitwise,
-        )  # fmt: skip
+            version=self.version,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            pages_total=self.allocator.num_pages - 1,
+            pages_free=self.allocator.num_free,
+            compilations=self.compilations,
+            steps=self.steps,
+            generated_tokens=self.generated_tokens,
+            preemptions=self.scheduler.num_preemptions,
+            pages_shared=self.pages_shared,
+            rows_bitwise=self.rows_bitwise,
+        )

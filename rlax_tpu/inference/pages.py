@@ -101,9 +101,10 @@ class BlockTable:
         new = max(0, -(-stop // self.page_size) - len(self.pages))
         first = start // self.page_size
         shared = sum(
-            1 for i in range(first, min(len(self.pages), -(-stop // self.page_size)))
+            1
+            for i in range(first, min(len(self.pages), -(-stop // self.page_size)))
             if allocator.refcount[self.pages[i]] > 1
-        )  # fmt: skip
+        )
         return new + shared
 
     def prepare_write(

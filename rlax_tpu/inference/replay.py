@@ -18,9 +18,12 @@ from rlax_tpu import models
 
 @partial(jax.jit, static_argnums=0, donate_argnums=4)
 def _dense_step(
-    graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, positions: jax.Array,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens: jax.Array,
+    positions: jax.Array,
     cache: models.DenseKVCache,
-) -> tuple[jax.Array, models.DenseKVCache]:  # fmt: skip
+) -> tuple[jax.Array, models.DenseKVCache]:
     logits, cache = models.step(nnx.merge(graphdef, state), tokens, positions, cache)
     return logits[0], cache
 
@@ -37,8 +40,9 @@ def replay_logits(
     out = []
     if first:
         prefix = jnp.asarray(tokens[:first], jnp.int32)[None]
-        _, cache = _dense_step(graphdef, state, prefix, jnp.arange(first, dtype=jnp.int32)[None],
-                               cache)  # fmt: skip
+        _, cache = _dense_step(
+            graphdef, state, prefix, jnp.arange(first, dtype=jnp.int32)[None], cache
+        )
     for p in range(first, len(tokens)):
         t = jnp.asarray([[tokens[p]]], jnp.int32)
         logits, cache = _dense_step(graphdef, state, t, jnp.asarray([[p]], jnp.int32), cache)

@@ -44,9 +44,10 @@ class SamplingParams:
             temperature=defaults.temperature if self.temperature is None else self.temperature,
             top_k=defaults.top_k if self.top_k is None else self.top_k,
             top_p=defaults.top_p if self.top_p is None else self.top_p,
-            max_new_tokens=(defaults.max_new_tokens if self.max_new_tokens is None
-                            else self.max_new_tokens),
-        )  # fmt: skip
+            max_new_tokens=(
+                defaults.max_new_tokens if self.max_new_tokens is None else self.max_new_tokens
+            ),
+        )
 
     def check(self, *, vocab_size: int, max_new_tokens: int) -> None:
         """Raises InvalidSampling naming the bad field (call on :meth:`resolved` params)."""

@@ -110,14 +110,22 @@ class Plan:
 
 class Scheduler:
     def __init__(
-        self, allocator: PageAllocator, *, page_size: int, max_seqs: int, step_tokens: int,
-        prefill_chunk: int, prefill_rows: int = 0, prefill_len: int = 1,
-    ):  # fmt: skip
+        self,
+        allocator: PageAllocator,
+        *,
+        page_size: int,
+        max_seqs: int,
+        step_tokens: int,
+        prefill_chunk: int,
+        prefill_rows: int = 0,
+        prefill_len: int = 1,
+    ):
         if step_tokens < max_seqs:
             raise ValueError(f"step_tokens ({step_tokens}) must be >= max_seqs ({max_seqs})")
         if prefill_rows < 0 or prefill_len < 1:
-            raise ValueError(f"prefill_rows ({prefill_rows}) must be >= 0 and prefill_len "
-                             f"({prefill_len}) >= 1")  # fmt: skip
+            raise ValueError(
+                f"prefill_rows ({prefill_rows}) must be >= 0 and prefill_len ({prefill_len}) >= 1"
+            )
         self.allocator, self.page_size = allocator, page_size
         self.max_seqs, self.step_tokens, self.prefill_chunk = max_seqs, step_tokens, prefill_chunk
         self.prefill_rows, self.prefill_len = prefill_rows, prefill_len
@@ -232,9 +240,13 @@ class Scheduler:
         children = []
         for i in range(parent.request.num_samples):
             child = Sequence(
-                parent.request, i, list(parent.tokens), parent.table.fork(self.allocator),
-                parent.order, num_computed=parent.num_computed,
-            )  # fmt: skip
+                parent.request,
+                i,
+                list(parent.tokens),
+                parent.table.fork(self.allocator),
+                parent.order,
+                num_computed=parent.num_computed,
+            )
             children.append(child)
         parent.table.release(self.allocator)
         self.running.extend(children)

@@ -62,36 +62,54 @@ def _optional(msg: pb.SamplingParams, name: str) -> float | int | None:
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     """Unset fields stay None: the worker's config defaults."""
     return SamplingParams(
-        temperature=_optional(msg, "temperature"), top_k=_optional(msg, "top_k"),
-        top_p=_optional(msg, "top_p"), max_new_tokens=_optional(msg, "max_new_tokens"),
-        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, seed=msg.seed,
+        temperature=_optional(msg, "temperature"),
+        top_k=_optional(msg, "top_k"),
+        top_p=_optional(msg, "top_p"),
+        max_new_tokens=_optional(msg, "max_new_tokens"),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        seed=msg.seed,
         logprob_policy=msg.logprob_policy or "temperature_scaled",
-    )  # fmt: skip
+    )
 
 
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
-        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        seed=s.seed & 0xFFFFFFFFFFFFFFFF, logprob_policy=s.logprob_policy,
-    )  # fmt: skip
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        max_new_tokens=s.max_new_tokens,
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        seed=s.seed & 0xFFFFFFFFFFFFFFFF,
+        logprob_policy=s.logprob_policy,
+    )
 
 
 def rollout_to_pb(r: Rollout) -> pb.Rollout:
     return pb.Rollout(
-        prompt_id=r.prompt_id, sample_index=r.sample_index, prompt_tokens=r.prompt_tokens.tolist(),
-        tokens=r.tokens.tolist(), logprobs=r.logprobs.tolist(), versions=r.versions.tolist(),
-        finish_reason=r.finish_reason.value, logprob_policy=r.logprob_policy,
-    )  # fmt: skip
+        prompt_id=r.prompt_id,
+        sample_index=r.sample_index,
+        prompt_tokens=r.prompt_tokens.tolist(),
+        tokens=r.tokens.tolist(),
+        logprobs=r.logprobs.tolist(),
+        versions=r.versions.tolist(),
+        finish_reason=r.finish_reason.value,
+        logprob_policy=r.logprob_policy,
+    )
 
 
 def rollout_from_pb(m: pb.Rollout) -> Rollout:
     return Rollout(
-        prompt_id=m.prompt_id, sample_index=m.sample_index,
-        prompt_tokens=np.asarray(m.prompt_tokens, np.int32), tokens=np.asarray(m.tokens, np.int32),
-        logprobs=np.asarray(m.logprobs, np.float32), versions=np.asarray(m.versions, np.int64),
-        finish_reason=FinishReason(m.finish_reason), logprob_policy=m.logprob_policy,
-    )  # fmt: skip
+        prompt_id=m.prompt_id,
+        sample_index=m.sample_index,
+        prompt_tokens=np.asarray(m.prompt_tokens, np.int32),
+        tokens=np.asarray(m.tokens, np.int32),
+        logprobs=np.asarray(m.logprobs, np.float32),
+        versions=np.asarray(m.versions, np.int64),
+        finish_reason=FinishReason(m.finish_reason),
+        logprob_policy=m.logprob_policy,
+    )
 
 
 # -- server -----------------------------------------------------------------------------------
@@ -105,12 +123,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def Generate(self, request: pb.GenerateRequest, context) -> Iterator[pb.Rollout]:  # noqa: ANN001
         requests = [
             Request(
-                prompt_id=p.prompt_id, prompt_tokens=tuple(p.prompt_tokens),
+                prompt_id=p.prompt_id,
+                prompt_tokens=tuple(p.prompt_tokens),
                 num_samples=p.num_samples or 1,
                 sampling=sampling_from_pb(p.sampling),
             )
             for p in request.prompts
-        ]  # fmt: skip
+        ]
         version = request.version if request.HasField("version") else None
         stream = self._worker.generate(requests, version=version)  # validates before streaming
         return (rollout_to_pb(r) for r in stream)
@@ -136,24 +155,36 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
 def status_to_pb(s: WorkerStatus) -> pb.StatusReply:
     return pb.StatusReply(
-        version=s.version, running=s.running, waiting=s.waiting, pages_total=s.pages_total,
-        pages_free=s.pages_free, compilations=s.compilations, steps=s.steps,
-        generated_tokens=s.generated_tokens, preemptions=s.preemptions,
-        pages_shared=s.pages_shared, backend=s.backend, serving=s.serving,
+        version=s.version,
+        running=s.running,
+        waiting=s.waiting,
+        pages_total=s.pages_total,
+        pages_free=s.pages_free,
+        compilations=s.compilations,
+        steps=s.steps,
+        generated_tokens=s.generated_tokens,
+        preemptions=s.preemptions,
+        pages_shared=s.pages_shared,
+        backend=s.backend,
+        serving=s.serving,
         rows_bitwise=s.rows_bitwise,
-    )  # fmt: skip
+    )
 
 
 def serve(
-    worker: InferenceWorker, address: str, *, credentials: Credentials = NO_CREDENTIALS,
+    worker: InferenceWorker,
+    address: str,
+    *,
+    credentials: Credentials = NO_CREDENTIALS,
     on_shutdown: Callable[[], None] = lambda: None,
-) -> tuple[grpc.Server, int]:  # fmt: skip
+) -> tuple[grpc.Server, int]:
     """Starts the service on ``address``; returns (server, bound port)."""
     service = InferenceService(worker, on_shutdown=on_shutdown)
     return make_server(
-        address, lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s),
+        address,
+        lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s),
         credentials=credentials,
-    )  # fmt: skip
+    )
 
 
 # -- client -----------------------------------------------------------------------------------
@@ -185,12 +216,16 @@ class InferenceClient:
     ) -> Iterator[Rollout]:
         msg = pb.GenerateRequest(
             prompts=[
-                pb.PromptRequest(prompt_id=r.prompt_id, prompt_tokens=list(r.prompt_tokens),
-                                 num_samples=r.num_samples, sampling=sampling_to_pb(r.sampling))
+                pb.PromptRequest(
+                    prompt_id=r.prompt_id,
+                    prompt_tokens=list(r.prompt_tokens),
+                    num_samples=r.num_samples,
+                    sampling=sampling_to_pb(r.sampling),
+                )
                 for r in requests
             ],
             version=version,
-        )  # fmt: skip
+        )
         stream = self._stub.Generate(msg)
         try:
             first = next(stream, None)  # surfaces validation errors at call time

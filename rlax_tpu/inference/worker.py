@@ -90,10 +90,15 @@ class _Load:
 
 class InferenceWorker:
     def __init__(
-        self, model: models.Transformer, cfg: InferenceConfig, *, version: int = 0,
-        eos_ids: Collection[int] = (), weight_source: WeightSource | None = None,
+        self,
+        model: models.Transformer,
+        cfg: InferenceConfig,
+        *,
+        version: int = 0,
+        eos_ids: Collection[int] = (),
+        weight_source: WeightSource | None = None,
         devices: list[Any] | None = None,
-    ):  # fmt: skip
+    ):
         """``devices``: the jax devices its engine lays ``cfg.mesh`` out on (default: all)."""
         self.cfg = cfg
         self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids, devices=devices)
@@ -190,8 +195,9 @@ class InferenceWorker:
     def status(self) -> WorkerStatus:
         with self._cond:
             stats = self.engine.stats()
-        return WorkerStatus(**dataclasses.asdict(stats), backend=self.engine.backend,
-                            serving=not self._stopped)  # fmt: skip
+        return WorkerStatus(
+            **dataclasses.asdict(stats), backend=self.engine.backend, serving=not self._stopped
+        )
 
     def shutdown(self) -> None:
         """Aborts everything in flight (returned as ABORTED) and stops the engine thread."""
@@ -276,9 +282,14 @@ class Follower:
     """
 
     def __init__(
-        self, model: models.Transformer, cfg: InferenceConfig, *, version: int = 0,
-        eos_ids: Collection[int] = (), weight_source: WeightSource | None = None,
-    ):  # fmt: skip
+        self,
+        model: models.Transformer,
+        cfg: InferenceConfig,
+        *,
+        version: int = 0,
+        eos_ids: Collection[int] = (),
+        weight_source: WeightSource | None = None,
+    ):
         self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids)
         self.weight_source = weight_source
 
@@ -298,6 +309,14 @@ class Follower:
 
 
 __all__ = [
-    "DictWeightSource", "Follower", "InferenceWorker", "InvalidRequest", "Request",
-    "UnknownVersion", "VersionMismatch", "WeightSource", "WorkerShutdown", "WorkerStatus",
-]  # fmt: skip
+    "DictWeightSource",
+    "Follower",
+    "InferenceWorker",
+    "InvalidRequest",
+    "Request",
+    "UnknownVersion",
+    "VersionMismatch",
+    "WeightSource",
+    "WorkerShutdown",
+    "WorkerStatus",
+]

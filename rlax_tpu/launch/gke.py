@@ -75,8 +75,12 @@ def endpoints(config: RunConfig) -> list[Endpoint]:
     """The Services the render deploys, one per endpoint the controller must dial."""
     t = config.topology
     found = []
-    plan = [("param-server", config.param_server.replicas), ("verifiers", 1), ("trainer", 1),
-            ("inference", config.inference.num_workers)]  # fmt: skip
+    plan = [
+        ("param-server", config.param_server.replicas),
+        ("verifiers", 1),
+        ("trainer", 1),
+        ("inference", config.inference.num_workers),
+    ]
     for component, count in plan:
         port = _port(config, component)
         for i in range(count):
@@ -122,52 +126,69 @@ def check(config: RunConfig, config_args: Sequence[str]) -> None:
         for field, key in (("auth_token_file", TOKEN_KEY), ("tls_cert_file", TLS_KEY)):
             want = posixpath.join(secret_dir, key)
             if getattr(sec, field) != want:
-                problems.append(f"{section}.{field} must be {want!r} (the Secret "
-                                f"{t.credentials_secret}'s {key!r}), got {getattr(sec, field)!r}")  # fmt: skip
+                problems.append(
+                    f"{section}.{field} must be {want!r} (the Secret "
+                    f"{t.credentials_secret}'s {key!r}), got {getattr(sec, field)!r}"
+                )
     for field, key in (("auth_token_file", TOKEN_KEY), ("tls_cert_file", TLS_KEY)):
         want = posixpath.join(secret_dir, key)
         if getattr(cc, field) != want:
             problems.append(f"controller.{field} must be {want!r}, got {getattr(cc, field)!r}")
     want = posixpath.join(secret_dir, PUBLISH_KEY)
     if config.param_server.publish_token_file != want:
-        problems.append(f"param_server.publish_token_file must be {want!r} (only the trainer "
-                        f"and the parameter server get it), got "
-                        f"{config.param_server.publish_token_file!r}")  # fmt: skip
+        problems.append(
+            f"param_server.publish_token_file must be {want!r} (only the trainer "
+            f"and the parameter server get it), got "
+            f"{config.param_server.publish_token_file!r}"
+        )
     # Process counts and meshes against the slices.
     for section, tpu in (("trainer", t.trainer_tpu), ("inference", t.inference_tpu)):
         sec = getattr(config, section)
         hosts = parse_slice(tpu).hosts if tpu else 1
         if sec.distributed.num_processes != hosts:
-            problems.append(f"{section}.distributed.num_processes is "
-                            f"{sec.distributed.num_processes}, but {tpu or 'a CPU pod'} has "
-                            f"{hosts} host(s)")  # fmt: skip
+            problems.append(
+                f"{section}.distributed.num_processes is "
+                f"{sec.distributed.num_processes}, but {tpu or 'a CPU pod'} has "
+                f"{hosts} host(s)"
+            )
         mesh = config.mesh if section == "trainer" else config.inference.mesh
         if tpu:
             problems += mesh_problems(mesh, parse_slice(tpu), section)
     # Everything a restarted pod resumes from must outlive the pod.
-    for field, value in (("controller.run_dir", cc.run_dir),
-                         ("param_server.persist_path", config.param_server.persist_path)):  # fmt: skip
+    for field, value in (
+        ("controller.run_dir", cc.run_dir),
+        ("param_server.persist_path", config.param_server.persist_path),
+    ):
         if value and not storage.is_remote(value):
             problems.append(f"{field} must be on GCS (gs://...) to survive a pod, got {value!r}")
     if config.param_server.persist_every == 0:
-        problems.append("param_server.persist_every must be > 0: a restarted parameter server "
-                        "serves its persisted versions")  # fmt: skip
+        problems.append(
+            "param_server.persist_every must be > 0: a restarted parameter server "
+            "serves its persisted versions"
+        )
     if config.verifiers.repository_dir and storage.is_remote(config.verifiers.repository_dir):
         problems.append("verifiers.repository_dir must be local: verifier pods have no network")
     v = config.verifiers
     if v.sandbox_uid + v.workers > 65534:
-        problems.append(f"verifiers.sandbox_uid + workers = {v.sandbox_uid + v.workers} must be "
-                        "<= 65534: verifier pods run in a user namespace of 65536 ids")  # fmt: skip
+        problems.append(
+            f"verifiers.sandbox_uid + workers = {v.sandbox_uid + v.workers} must be "
+            "<= 65534: verifier pods run in a user namespace of 65536 ids"
+        )
     if cc.warmup_steps:
-        problems.append("controller.warmup_steps must be 0 (a cluster run starts from "
-                        "model.weights_path; warm up with the local launch)")  # fmt: skip
+        problems.append(
+            "controller.warmup_steps must be 0 (a cluster run starts from "
+            "model.weights_path; warm up with the local launch)"
+        )
     config_file = _config_file(config_args)
     if config_file.startswith("/") or config_file.startswith(".."):
-        problems.append(f"--config={config_file}: the config file must be a path inside the "
-                        "repository (the image holds it under /app)")  # fmt: skip
+        problems.append(
+            f"--config={config_file}: the config file must be a path inside the "
+            "repository (the image holds it under /app)"
+        )
     if problems:
-        raise RenderError("the config does not match its GKE deployment:\n  - "
-                          + "\n  - ".join(problems))  # fmt: skip
+        raise RenderError(
+            "the config does not match its GKE deployment:\n  - " + "\n  - ".join(problems)
+        )
 
 
 def mesh_problems(mesh: MeshConfig, tpu: TpuSlice, section: str) -> list[str]:
@@ -242,14 +263,22 @@ def render(config: RunConfig, config_args: Sequence[str]) -> dict[str, list[dict
 def _jobset(config: RunConfig, args: list[str]) -> dict[str, Any]:
     t = config.topology
     jobs = {
-        "param-server": _replicated(config, "param-server", config.param_server.replicas, None, args),
+        "param-server": _replicated(
+            config, "param-server", config.param_server.replicas, None, args
+        ),
         "verifiers": _replicated(config, "verifiers", t.verifier_replicas, None, args),
-        "trainer": _replicated(config, "trainer", 1,
-                               parse_slice(t.trainer_tpu) if t.trainer_tpu else None, args),
-        "inference": _replicated(config, "inference", config.inference.num_workers,
-                                 parse_slice(t.inference_tpu) if t.inference_tpu else None, args),
+        "trainer": _replicated(
+            config, "trainer", 1, parse_slice(t.trainer_tpu) if t.trainer_tpu else None, args
+        ),
+        "inference": _replicated(
+            config,
+            "inference",
+            config.inference.num_workers,
+            parse_slice(t.inference_tpu) if t.inference_tpu else None,
+            args,
+        ),
         "controller": _replicated(config, "controller", 1, None, args),
-    }  # fmt: skip
+    }
     return {
         "apiVersion": JOBSET_API,
         "kind": "JobSet",
@@ -264,8 +293,9 @@ def _jobset(config: RunConfig, args: list[str]) -> dict[str, Any]:
     }
 
 
-def _replicated(config: RunConfig, component: str, replicas: int, tpu: TpuSlice | None,
-                args: list[str]) -> dict[str, Any]:  # fmt: skip
+def _replicated(
+    config: RunConfig, component: str, replicas: int, tpu: TpuSlice | None, args: list[str]
+) -> dict[str, Any]:
     hosts = tpu.hosts if tpu else 1
     pod = _pod(config, component, tpu, args)
     job_meta: dict[str, Any] = {}
@@ -290,8 +320,9 @@ def _replicated(config: RunConfig, component: str, replicas: int, tpu: TpuSlice 
     }
 
 
-def _pod(config: RunConfig, component: str, tpu: TpuSlice | None,
-         args: list[str]) -> dict[str, Any]:  # fmt: skip
+def _pod(
+    config: RunConfig, component: str, tpu: TpuSlice | None, args: list[str]
+) -> dict[str, Any]:
     t = config.topology
     module = COMPONENTS[component][0] if component in COMPONENTS else "controller"
     container: dict[str, Any] = {
@@ -303,9 +334,11 @@ def _pod(config: RunConfig, component: str, tpu: TpuSlice | None,
         "args": [*args, *_pod_args(config, component, tpu)],
         "env": [
             {"name": "PYTHONUNBUFFERED", "value": "1"},
-            {"name": "JOB_INDEX",
-             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_JOB_INDEX}']"}}},
-        ],  # fmt: skip
+            {
+                "name": "JOB_INDEX",
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_JOB_INDEX}']"}},
+            },
+        ],
         "volumeMounts": [
             {"name": "credentials", "mountPath": _secret_dir(config), "readOnly": True},
             {"name": "scratch", "mountPath": "/tmp"},
@@ -322,22 +355,34 @@ def _pod(config: RunConfig, component: str, tpu: TpuSlice | None,
         container["startupProbe"] = probe | {"periodSeconds": 10, "failureThreshold": 180}
         container["livenessProbe"] = probe | {"periodSeconds": 30, "failureThreshold": 5}
     if tpu is not None:
-        container["ports"] = [*container.get("ports", []),
-                              {"name": "coordinator", "containerPort": COORDINATOR_PORT}]  # fmt: skip
+        container["ports"] = [
+            *container.get("ports", []),
+            {"name": "coordinator", "containerPort": COORDINATOR_PORT},
+        ]
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "serviceAccountName": t.service_account,
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
         "volumes": [
-            {"name": "credentials", "secret": {
-                "secretName": t.credentials_secret, "defaultMode": 0o440,
-                # The publish token only where weights are written.
-                "items": [{"key": k, "path": k} for k in (
-                    TOKEN_KEY, TLS_KEY, *([PUBLISH_KEY] if component in PUBLISHERS else []))],
-            }},
+            {
+                "name": "credentials",
+                "secret": {
+                    "secretName": t.credentials_secret,
+                    "defaultMode": 0o440,
+                    # The publish token only where weights are written.
+                    "items": [
+                        {"key": k, "path": k}
+                        for k in (
+                            TOKEN_KEY,
+                            TLS_KEY,
+                            *([PUBLISH_KEY] if component in PUBLISHERS else []),
+                        )
+                    ],
+                },
+            },
             {"name": "scratch", "emptyDir": {}},
-        ],  # fmt: skip
+        ],
     }
     if component in NON_ROOT:
         spec["securityContext"] = {"fsGroup": 1000}  # the Secret's files readable by uid 1000
@@ -363,8 +408,10 @@ def _pod_args(config: RunConfig, component: str, tpu: TpuSlice | None) -> list[s
         out.append("--config.inference.worker_index=$(JOB_INDEX)")
     if component in ("trainer", "inference") and tpu is not None and tpu.hosts > 1:
         lead = f"{t.name}-{component}-$(JOB_INDEX)-0.{t.name}:{COORDINATOR_PORT}"
-        out += [f"--config.{component}.distributed.coordinator_address={lead}",
-                f"--config.{component}.distributed.process_id=$(JOB_COMPLETION_INDEX)"]  # fmt: skip
+        out += [
+            f"--config.{component}.distributed.coordinator_address={lead}",
+            f"--config.{component}.distributed.process_id=$(JOB_COMPLETION_INDEX)",
+        ]
     return out
 
 
@@ -376,13 +423,21 @@ def _probe(config: RunConfig, component: str, port: int) -> dict[str, Any]:
     d, service = _secret_dir(config), COMPONENTS[component][2]
     name = next(e.host for e in endpoints(config) if e.component == component)
     return {
-        "exec": {"command": [
-            "python", "-m", "rlax_tpu.rpc.probe", service, f"127.0.0.1:{port}",
-            f"--token_file={d}/{TOKEN_KEY}", f"--tls_cert_file={d}/{TLS_KEY}",
-            f"--server_name={name}", "--lead_only",
-        ]},
+        "exec": {
+            "command": [
+                "python",
+                "-m",
+                "rlax_tpu.rpc.probe",
+                service,
+                f"127.0.0.1:{port}",
+                f"--token_file={d}/{TOKEN_KEY}",
+                f"--tls_cert_file={d}/{TLS_KEY}",
+                f"--server_name={name}",
+                "--lead_only",
+            ]
+        },
         "timeoutSeconds": 10,
-    }  # fmt: skip
+    }
 
 
 def _resources(config: RunConfig, component: str, tpu: TpuSlice | None) -> dict[str, Any]:
@@ -475,24 +530,34 @@ def network_policies(config: RunConfig) -> list[dict[str, Any]]:
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
             "metadata": {"name": f"{t.name}-{name}"},
-            "spec": {"podSelector": pods(component), "policyTypes": ["Ingress", "Egress"],
-                     "ingress": ingress, "egress": egress},
-        }  # fmt: skip
+            "spec": {
+                "podSelector": pods(component),
+                "policyTypes": ["Ingress", "Egress"],
+                "ingress": ingress,
+                "egress": egress,
+            },
+        }
 
     dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
     gcs = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"protocol": "TCP", "port": 443}]}
     out = []
     for component in (*COMPONENTS, "controller"):
         ingress = [
-            {"from": [{"podSelector": pods(src)}],
-             "ports": [{"protocol": "TCP", "port": _port(config, dst)}]}
-            for src, dst in EDGES if dst == component
-        ]  # fmt: skip
+            {
+                "from": [{"podSelector": pods(src)}],
+                "ports": [{"protocol": "TCP", "port": _port(config, dst)}],
+            }
+            for src, dst in EDGES
+            if dst == component
+        ]
         egress = [
-            {"to": [{"podSelector": pods(dst)}],
-             "ports": [{"protocol": "TCP", "port": _port(config, dst)}]}
-            for src, dst in EDGES if src == component
-        ]  # fmt: skip
+            {
+                "to": [{"podSelector": pods(dst)}],
+                "ports": [{"protocol": "TCP", "port": _port(config, dst)}],
+            }
+            for src, dst in EDGES
+            if src == component
+        ]
         if component in PEERS:
             ingress.append({"from": [{"podSelector": pods(component)}]})
             egress.append({"to": [{"podSelector": pods(component)}]})

@@ -61,9 +61,17 @@ class Child:
     """One process of the launch: its merged output goes to a log file, to ``echo`` prefixed
     with its name, and to a queue that :meth:`wait_for` reads."""
 
-    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log_dir: Path,
-                 echo: TextIO, *, prefix: bool = True,
-                 watch: Callable[[str], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        log_dir: Path,
+        echo: TextIO,
+        *,
+        prefix: bool = True,
+        watch: Callable[[str], None] | None = None,
+    ):
         """``watch``: called with every line of output (on the reader thread)."""
         self.name, self.argv, self.env, self.log_dir = name, list(argv), env, log_dir
         self._watch = watch
@@ -75,9 +83,13 @@ class Child:
         # Its own session: signals to this launcher's terminal do not reach it twice, and
         # stop() can signal the whole group (anything it started).
         self.proc = subprocess.Popen(
-            list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            list(argv),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         self._reader = threading.Thread(target=self._read, name=f"launch-{name}", daemon=True)
         self._reader.start()
 
@@ -100,11 +112,15 @@ class Child:
             try:
                 line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise LaunchError(f"{self.name} did not start within {READY_TIMEOUT_S:.0f} s "
-                                  f"(log: {self.log_path})") from None  # fmt: skip
+                raise LaunchError(
+                    f"{self.name} did not start within {READY_TIMEOUT_S:.0f} s "
+                    f"(log: {self.log_path})"
+                ) from None
             if line is None:
-                raise LaunchError(f"{self.name} exited with status {self.proc.wait()} before it "
-                                  f"served (log: {self.log_path}):\n{self.last_lines()}")  # fmt: skip
+                raise LaunchError(
+                    f"{self.name} exited with status {self.proc.wait()} before it "
+                    f"served (log: {self.log_path}):\n{self.last_lines()}"
+                )
             if marker in line and (m := _ADDRESS.match(line.split(marker, 1)[1])):
                 return m.group(1)
 
@@ -121,15 +137,28 @@ class Child:
 
     def respawn(self) -> Child:
         """The same command started again (as a restarted pod), logging to the same file."""
-        return Child(self.name, self.argv, self.env, self.log_dir, self._echo,
-                     prefix=bool(self._prefix), watch=self._watch)  # fmt: skip
+        return Child(
+            self.name,
+            self.argv,
+            self.env,
+            self.log_dir,
+            self._echo,
+            prefix=bool(self._prefix),
+            watch=self._watch,
+        )
 
 
 class Launch:
     """Starts and stops the processes of one run (see the module docstring)."""
 
-    def __init__(self, config: RunConfig, config_args: Sequence[str], *, out: TextIO = sys.stdout,
-                 warmup_dir: str = ""):  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        config_args: Sequence[str],
+        *,
+        out: TextIO = sys.stdout,
+        warmup_dir: str = "",
+    ):
         """``config_args``: the ``--config=...`` and ``--config.a.b=v`` flags ``config`` was
         parsed from; every process gets them, then the launch's own overrides. ``warmup_dir``:
         where the warm-up's weights are (made if missing); default ``<run_dir>/warmup``."""
@@ -145,8 +174,12 @@ class Launch:
     def run(self) -> int:
         """Runs the topology until the controller exits; its exit status (1 if a service died
         or failed to start)."""
-        print(f"rlax_tpu.launch: {', '.join(self._plan())} (launch id {self.launch_id}); logs "
-              f"in {self.log_dir}", file=self.out, flush=True)  # fmt: skip
+        print(
+            f"rlax_tpu.launch: {', '.join(self._plan())} (launch id {self.launch_id}); logs "
+            f"in {self.log_dir}",
+            file=self.out,
+            flush=True,
+        )
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             common = self._warm_up()
@@ -184,28 +217,41 @@ class Launch:
             return []
         out_dir = self.warmup_dir
         if not storage.path(storage.join(out_dir, "config.json")).exists():
-            child = self._start("warmup", "controller", [
-                "--config.controller.transport=local", f"--warmup_out={out_dir}"], service=False)  # fmt: skip
+            child = self._start(
+                "warmup",
+                "controller",
+                ["--config.controller.transport=local", f"--warmup_out={out_dir}"],
+                service=False,
+            )
             while child.proc.poll() is None:  # polls: a bare wait() can miss a signal
                 time.sleep(0.5)
             if child.proc.returncode != 0:
-                raise LaunchError(f"the warm-up exited with status {child.proc.returncode} (log: "
-                                  f"{child.log_path}):\n{child.last_lines()}")  # fmt: skip
+                raise LaunchError(
+                    f"the warm-up exited with status {child.proc.returncode} (log: "
+                    f"{child.log_path}):\n{child.last_lines()}"
+                )
         else:
             print(f"rlax_tpu.launch: reusing the warm-up in {out_dir}", file=self.out, flush=True)
         return [
-            "--config.model.weights_format=safetensors", f"--config.model.weights_path={out_dir}",
+            "--config.model.weights_format=safetensors",
+            f"--config.model.weights_path={out_dir}",
             # The warmed-up model keeps the prompt format it was trained on.
             f"--config.data.prompt_style={self.config.prompt_style}",
             "--config.controller.warmup_steps=0",
-        ]  # fmt: skip
+        ]
 
     def _start_param_servers(self, common: list[str]) -> list[str]:
         replicas = self.config.param_server.replicas
         children = [
-            self._start(f"param_server-{r}", "param_server", [
-                *common, f"--config.param_server.address={self._address(f'param_server-{r}')}",
-                f"--config.param_server.replica_index={r}"])  # fmt: skip
+            self._start(
+                f"param_server-{r}",
+                "param_server",
+                [
+                    *common,
+                    f"--config.param_server.address={self._address(f'param_server-{r}')}",
+                    f"--config.param_server.replica_index={r}",
+                ],
+            )
             for r in range(replicas)
         ]
         endpoints = [self._ready(c, READY["param_server"]) for c in children]
@@ -221,7 +267,9 @@ class Launch:
             procs = _group(f"inference-{i}", cfg.inference.distributed.num_processes)
             workers.append(self._start_group(procs, "inference", "inference", [*wired, *extra]))
         verifiers = self._start(
-            "verifiers", "verifiers", [*wired, f"--config.verifiers.address={self._address('verifiers')}"]
+            "verifiers",
+            "verifiers",
+            [*wired, f"--config.verifiers.address={self._address('verifiers')}"],
         )
         trainer = self._ready(trainer_lead, READY["trainer"])
         inference = [self._ready(w, READY["inference"]) for w in workers]
@@ -232,8 +280,7 @@ class Launch:
             f"--config.controller.verifier_endpoint={verifier}",
         ]
 
-    def _start_group(self, names: list[str], module: str, section: str,
-                     args: list[str]) -> Child:  # fmt: skip
+    def _start_group(self, names: list[str], module: str, section: str, args: list[str]) -> Child:
         """The processes of one jax.distributed job (one, or a coordinator on a free local port
         and a process id each); returns process 0, the one that serves."""
         args = [*args, f"--config.{section}.address={self._address(names[0].split('.')[0])}"]
@@ -241,10 +288,16 @@ class Launch:
             return self._start(names[0], module, args)
         coordinator = f"127.0.0.1:{free_port()}"
         children = [
-            self._start(name, module, [
-                *args, f"--config.{section}.distributed.coordinator_address={coordinator}",
-                f"--config.{section}.distributed.num_processes={len(names)}",
-                f"--config.{section}.distributed.process_id={pid}"])  # fmt: skip
+            self._start(
+                name,
+                module,
+                [
+                    *args,
+                    f"--config.{section}.distributed.coordinator_address={coordinator}",
+                    f"--config.{section}.distributed.num_processes={len(names)}",
+                    f"--config.{section}.distributed.process_id={pid}",
+                ],
+            )
             for pid, name in enumerate(names)
         ]
         return children[0]
@@ -259,25 +312,42 @@ class Launch:
         while self.controller.proc.poll() is None:
             dead = next((s for s in self.services if s.proc.poll() is not None), None)
             if dead is not None and not self._stopping.is_set():
-                print(f"rlax_tpu.launch: error: {dead.name} exited with status "
-                      f"{dead.proc.returncode} during the run (log: {dead.log_path}); stopping",
-                      file=self.out, flush=True)  # fmt: skip
+                print(
+                    f"rlax_tpu.launch: error: {dead.name} exited with status "
+                    f"{dead.proc.returncode} during the run (log: {dead.log_path}); stopping",
+                    file=self.out,
+                    flush=True,
+                )
                 self.controller.signal(signal.SIGTERM)
                 self.controller.proc.wait()
                 return 1
             time.sleep(0.5)
         return self.controller.proc.returncode
 
-    def _start_controller(self, args: list[str], watch: Callable[[str], None] | None = None
-                          ) -> Child:  # fmt: skip
-        return self._start("controller", "controller",
-                           [*args, "--config.controller.transport=distributed"], service=False,
-                           prefix=False, watch=watch)  # fmt: skip
+    def _start_controller(
+        self, args: list[str], watch: Callable[[str], None] | None = None
+    ) -> Child:
+        return self._start(
+            "controller",
+            "controller",
+            [*args, "--config.controller.transport=distributed"],
+            service=False,
+            prefix=False,
+            watch=watch,
+        )
 
     # -- processes ------------------------------------------------------------------------------
 
-    def _start(self, name: str, module: str, args: list[str], *, service: bool = True,
-               prefix: bool = True, watch: Callable[[str], None] | None = None) -> Child:  # fmt: skip
+    def _start(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        *,
+        service: bool = True,
+        prefix: bool = True,
+        watch: Callable[[str], None] | None = None,
+    ) -> Child:
         argv = [sys.executable, "-m", f"rlax_tpu.{module}", *self.args, *args]
         child = Child(name, argv, self.env, self.log_dir, self.out, prefix=prefix, watch=watch)
         if service:
@@ -290,8 +360,11 @@ class Launch:
         return address
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        print(f"rlax_tpu.launch: {signal.Signals(signum).name}: stopping every process",
-              file=self.out, flush=True)  # fmt: skip
+        print(
+            f"rlax_tpu.launch: {signal.Signals(signum).name}: stopping every process",
+            file=self.out,
+            flush=True,
+        )
         self._stopping.set()
         if self.controller is not None:
             self.controller.signal(signal.SIGTERM)
@@ -307,15 +380,21 @@ class Launch:
             try:
                 child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"rlax_tpu.launch: {child.name} did not stop within {GRACE_S:.0f} s; killed",
-                      file=self.out, flush=True)  # fmt: skip
+                print(
+                    f"rlax_tpu.launch: {child.name} did not stop within {GRACE_S:.0f} s; killed",
+                    file=self.out,
+                    flush=True,
+                )
                 child.signal(signal.SIGKILL)
                 child.proc.wait()
             child.join()
         left = kill_launched(self.launch_id)
         if left:
-            print(f"rlax_tpu.launch: killed {len(left)} leftover processes {left}", file=self.out,
-                  flush=True)  # fmt: skip
+            print(
+                f"rlax_tpu.launch: killed {len(left)} leftover processes {left}",
+                file=self.out,
+                flush=True,
+            )
 
 
 def launched_pids(launch_id: str) -> list[int]:

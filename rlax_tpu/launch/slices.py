@@ -50,23 +50,26 @@ def parse_slice(name: str) -> TpuSlice:
     the generation does not have."""
     generation, _, topology = name.partition(":")
     if generation not in _DIMS:
-        raise ValueError(f"unknown TPU generation {generation!r} in {name!r}; known: "
-                         f"{', '.join(_DIMS)}")  # fmt: skip
+        raise ValueError(
+            f"unknown TPU generation {generation!r} in {name!r}; known: {', '.join(_DIMS)}"
+        )
     try:
         dims = [int(d) for d in topology.split("x")]
     except ValueError:
         raise ValueError(f"bad TPU topology {topology!r} in {name!r}") from None
     if len(dims) != _DIMS[generation] or min(dims) < 1:
-        raise ValueError(f"{generation} topologies have {_DIMS[generation]} dimensions, got "
-                         f"{topology!r}")  # fmt: skip
+        raise ValueError(
+            f"{generation} topologies have {_DIMS[generation]} dimensions, got {topology!r}"
+        )
     chips = math.prod(dims)
     if _DIMS[generation] == 2 and chips <= 8:
         per_host = chips  # v5e / v6e single-host slices: 1x1, 2x2, 2x4
     else:
         per_host = 4
         if chips % 4:
-            raise ValueError(f"a multi-host {generation} slice has a multiple of 4 chips; "
-                             f"{name} has {chips}")  # fmt: skip
+            raise ValueError(
+                f"a multi-host {generation} slice has a multiple of 4 chips; {name} has {chips}"
+            )
     return TpuSlice(generation, topology, chips, chips // per_host, per_host)
 
 

@@ -52,12 +52,12 @@ class Process:
         cmd = " ".join(shlex.quote(a) for a in self.argv)
         if self.name.startswith("wait-"):
             return f"cd rlax_tpu && {cmd}"
-        return (f"cd rlax_tpu && mkdir -p logs && nohup {cmd} > logs/{self.name}.log 2>&1 "
-                "< /dev/null &")  # fmt: skip
+        return (
+            f"cd rlax_tpu && mkdir -p logs && nohup {cmd} > logs/{self.name}.log 2>&1 < /dev/null &"
+        )
 
 
-def vms(config: RunConfig, name: str, *,
-        one_vm: str = "v5litepod-8") -> list[tuple[str, str, int]]:  # fmt: skip
+def vms(config: RunConfig, name: str, *, one_vm: str = "v5litepod-8") -> list[tuple[str, str, int]]:
     """(VM name, accelerator type, hosts) of every TPU VM the run needs; a run in one process
     (local transport) takes one VM of accelerator ``one_vm`` (one host)."""
     t = config.topology
@@ -72,8 +72,15 @@ def vms(config: RunConfig, name: str, *,
     ]
 
 
-def plan(config: RunConfig, config_args: Sequence[str], *, name: str, trainer_ips: Sequence[str],
-         inference_ips: Sequence[Sequence[str]], secrets: str = SECRETS) -> list[Process]:  # fmt: skip
+def plan(
+    config: RunConfig,
+    config_args: Sequence[str],
+    *,
+    name: str,
+    trainer_ips: Sequence[str],
+    inference_ips: Sequence[Sequence[str]],
+    secrets: str = SECRETS,
+) -> list[Process]:
     """Every process of the run, in start order (see the module docstring)."""
     args = list(config_args)
     py = (".venv/bin/python", "-m")
@@ -81,77 +88,150 @@ def plan(config: RunConfig, config_args: Sequence[str], *, name: str, trainer_ip
         # Root: its verifiers run untrusted code under their own sandbox uids.
         return [Process(name, 0, "controller", ("sudo", *py, "rlax_tpu.controller", *args))]
     _check(config, trainer_ips, inference_ips)
-    ports = {s: int(getattr(config, s).address.rpartition(":")[2])
-             for s in ("param_server", "trainer", "inference", "verifiers")}  # fmt: skip
+    ports = {
+        s: int(getattr(config, s).address.rpartition(":")[2])
+        for s in ("param_server", "trainer", "inference", "verifiers")
+    }
     lead = trainer_ips[0]
     creds = []
     for section in ("param_server", "trainer", "inference", "verifiers"):
-        creds += [f"--config.{section}.auth_token_file={secrets}/token",
-                  f"--config.{section}.tls_cert_file={secrets}/tls.pem"]  # fmt: skip
-    creds += [f"--config.controller.auth_token_file={secrets}/token",
-              f"--config.controller.tls_cert_file={secrets}/tls.pem",
-              f"--config.param_server.publish_token_file={secrets}/publish-token"]  # fmt: skip
+        creds += [
+            f"--config.{section}.auth_token_file={secrets}/token",
+            f"--config.{section}.tls_cert_file={secrets}/tls.pem",
+        ]
+    creds += [
+        f"--config.controller.auth_token_file={secrets}/token",
+        f"--config.controller.tls_cert_file={secrets}/tls.pem",
+        f"--config.param_server.publish_token_file={secrets}/publish-token",
+    ]
     replicas = config.param_server.replicas
     ps_endpoints = [f"{lead}:{ports['param_server'] + r}" for r in range(replicas)]
-    wired = [*args, *creds, f"--config.controller.param_server_endpoints={tuple_value(ps_endpoints)}"]
+    wired = [
+        *args,
+        *creds,
+        f"--config.controller.param_server_endpoints={tuple_value(ps_endpoints)}",
+    ]
     out = [
-        Process(name, 0, f"param_server-{r}", (*py, "rlax_tpu.param_server", *wired,
+        Process(
+            name,
+            0,
+            f"param_server-{r}",
+            (
+                *py,
+                "rlax_tpu.param_server",
+                *wired,
                 f"--config.param_server.address=0.0.0.0:{ports['param_server'] + r}",
-                f"--config.param_server.replica_index={r}"))  # fmt: skip
+                f"--config.param_server.replica_index={r}",
+            ),
+        )
         for r in range(replicas)
     ]
     verifier = f"127.0.0.1:{ports['verifiers']}"
-    out.append(Process(name, 0, "verifiers", ("sudo", *py, "rlax_tpu.verifiers", *wired,
-                                              f"--config.verifiers.address={verifier}")))  # fmt: skip
+    out.append(
+        Process(
+            name,
+            0,
+            "verifiers",
+            ("sudo", *py, "rlax_tpu.verifiers", *wired, f"--config.verifiers.address={verifier}"),
+        )
+    )
     out += _group(name, "trainer", trainer_ips, ports["trainer"], wired)
     for i, ips in enumerate(inference_ips):
-        out += _group(f"{name}-inference-{i}", "inference", ips, ports["inference"],
-                      [*wired, f"--config.inference.worker_index={i}"])  # fmt: skip
+        out += _group(
+            f"{name}-inference-{i}",
+            "inference",
+            ips,
+            ports["inference"],
+            [*wired, f"--config.inference.worker_index={i}"],
+        )
     workers = [f"{ips[0]}:{ports['inference']}" for ips in inference_ips]
     endpoints = {
         "trainer_endpoint": f"{lead}:{ports['trainer']}",
         "verifier_endpoint": verifier,
         "inference_endpoints": tuple_value(workers),
     }
-    wait = [*(("ParamServer", p) for p in ps_endpoints), ("Verifier", verifier),
-            ("Trainer", endpoints["trainer_endpoint"]), *(("Inference", w) for w in workers)]
+    wait = [
+        *(("ParamServer", p) for p in ps_endpoints),
+        ("Verifier", verifier),
+        ("Trainer", endpoints["trainer_endpoint"]),
+        *(("Inference", w) for w in workers),
+    ]
     for service, endpoint in wait:
-        out.append(Process(name, 0, f"wait-{service}-{endpoint}", (
-            *py, "rlax_tpu.rpc.probe", service, endpoint, f"--token_file={secrets}/token",
-            f"--tls_cert_file={secrets}/tls.pem", f"--wait_s={PROBE_WAIT_S}")))  # fmt: skip
-    out.append(Process(name, 0, "controller", (
-        *py, "rlax_tpu.controller", *wired, "--config.controller.transport=distributed",
-        *(f"--config.controller.{k}={v}" for k, v in endpoints.items()))))  # fmt: skip
+        out.append(
+            Process(
+                name,
+                0,
+                f"wait-{service}-{endpoint}",
+                (
+                    *py,
+                    "rlax_tpu.rpc.probe",
+                    service,
+                    endpoint,
+                    f"--token_file={secrets}/token",
+                    f"--tls_cert_file={secrets}/tls.pem",
+                    f"--wait_s={PROBE_WAIT_S}",
+                ),
+            )
+        )
+    out.append(
+        Process(
+            name,
+            0,
+            "controller",
+            (
+                *py,
+                "rlax_tpu.controller",
+                *wired,
+                "--config.controller.transport=distributed",
+                *(f"--config.controller.{k}={v}" for k, v in endpoints.items()),
+            ),
+        )
+    )
     return out
 
 
-def _group(vm: str, section: str, ips: Sequence[str], port: int,
-           args: list[str]) -> list[Process]:  # fmt: skip
+def _group(vm: str, section: str, ips: Sequence[str], port: int, args: list[str]) -> list[Process]:
     """One process per host of a VM; several form one jax.distributed job."""
     base = [*args, f"--config.{section}.address=0.0.0.0:{port}"]
     if len(ips) == 1:
         return [Process(vm, 0, section, (".venv/bin/python", "-m", f"rlax_tpu.{section}", *base))]
     return [
-        Process(vm, w, f"{section}.{w}", (".venv/bin/python", "-m", f"rlax_tpu.{section}", *base,
+        Process(
+            vm,
+            w,
+            f"{section}.{w}",
+            (
+                ".venv/bin/python",
+                "-m",
+                f"rlax_tpu.{section}",
+                *base,
                 f"--config.{section}.distributed.coordinator_address={ips[0]}:{COORDINATOR_PORT}",
-                f"--config.{section}.distributed.process_id={w}"))  # fmt: skip
+                f"--config.{section}.distributed.process_id={w}",
+            ),
+        )
         for w in range(len(ips))
     ]
 
 
-def _check(config: RunConfig, trainer_ips: Sequence[str],
-           inference_ips: Sequence[Sequence[str]]) -> None:  # fmt: skip
+def _check(
+    config: RunConfig, trainer_ips: Sequence[str], inference_ips: Sequence[Sequence[str]]
+) -> None:
     t, problems = config.topology, []
     trainer_hosts = parse_slice(t.trainer_tpu).hosts if t.trainer_tpu else 1
     if len(trainer_ips) != trainer_hosts:
-        problems.append(f"the trainer's VM has {len(trainer_ips)} hosts, {t.trainer_tpu} has "
-                        f"{trainer_hosts}")  # fmt: skip
+        problems.append(
+            f"the trainer's VM has {len(trainer_ips)} hosts, {t.trainer_tpu} has {trainer_hosts}"
+        )
     if config.trainer.distributed.num_processes != trainer_hosts:
-        problems.append(f"trainer.distributed.num_processes is "
-                        f"{config.trainer.distributed.num_processes}, {trainer_hosts} hosts")  # fmt: skip
+        problems.append(
+            f"trainer.distributed.num_processes is "
+            f"{config.trainer.distributed.num_processes}, {trainer_hosts} hosts"
+        )
     if len(inference_ips) != config.inference.num_workers:
-        problems.append(f"{len(inference_ips)} inference VMs for inference.num_workers "
-                        f"{config.inference.num_workers}")  # fmt: skip
+        problems.append(
+            f"{len(inference_ips)} inference VMs for inference.num_workers "
+            f"{config.inference.num_workers}"
+        )
     hosts = parse_slice(t.inference_tpu).hosts if t.inference_tpu else 1
     for i, ips in enumerate(inference_ips):
         if len(ips) != hosts:
@@ -180,10 +260,17 @@ def run(config: RunConfig, args: list[str]) -> int:
                 print(vm, accelerator, hosts)
             return 0
         trainer_ips = [ip for ip in f.trainer_ips.split(",") if ip]
-        inference_ips = [[ip for ip in vm.split(",") if ip] for vm in f.inference_ips.split(";")
-                         if vm]  # fmt: skip
-        for p in plan(config, config_args, name=f.name, trainer_ips=trainer_ips,
-                      inference_ips=inference_ips, secrets=f.secrets):  # fmt: skip
+        inference_ips = [
+            [ip for ip in vm.split(",") if ip] for vm in f.inference_ips.split(";") if vm
+        ]
+        for p in plan(
+            config,
+            config_args,
+            name=f.name,
+            trainer_ips=trainer_ips,
+            inference_ips=inference_ips,
+            secrets=f.secrets,
+        ):
             print(p.vm, p.worker, p.name, p.shell())
     except PlanError as e:
         print(f"rlax_tpu.launch.tpu_vm: error: {e}", file=sys.stderr)
@@ -197,8 +284,12 @@ if __name__ == "__main__":
     from rlax_tpu import cli
 
     flags.DEFINE_string("name", "rlax", "The TPU VMs' name (inference VMs get -inference-<i>).")
-    flags.DEFINE_string("trainer_ips", "", "plan: the trainer VM's hosts' internal IPs, worker order.")
+    flags.DEFINE_string(
+        "trainer_ips", "", "plan: the trainer VM's hosts' internal IPs, worker order."
+    )
     flags.DEFINE_string("inference_ips", "", "plan: each inference VM's hosts' IPs ('a,b;c,d').")
     flags.DEFINE_string("accelerator", "v5litepod-8", "vms: the one VM of a one-process run.")
-    flags.DEFINE_string("secrets", SECRETS, "plan: the folder holding token, publish-token, tls.pem.")
+    flags.DEFINE_string(
+        "secrets", SECRETS, "plan: the folder holding token, publish-token, tls.pem."
+    )
     cli.main("launch.tpu_vm", run)

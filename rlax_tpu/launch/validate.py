@@ -44,8 +44,9 @@ def kustomize_binary() -> str:
 
 def build(overlay: Path) -> list[dict[str, Any]]:
     """The objects ``kustomize build overlay`` renders."""
-    done = subprocess.run([kustomize_binary(), "build", str(overlay)], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [kustomize_binary(), "build", str(overlay)], capture_output=True, text=True, timeout=120
+    )
     if done.returncode != 0:
         raise ValueError(f"kustomize build {overlay} failed: {done.stderr.strip()}")
     return [o for o in yaml.safe_load_all(done.stdout) if o]
@@ -73,10 +74,15 @@ def schema_problems(objects: Iterable[dict[str, Any]]) -> list[str]:
                 problems.append(f"{where}: {'/'.join(map(str, err.path))}: {err.message}")
             for rjob in obj.get("spec", {}).get("replicatedJobs", []):
                 template = rjob.get("template", {})
-                job = {"apiVersion": "batch/v1", "kind": "Job",
-                       "metadata": {"name": rjob.get("name", "job"),
-                                    **(template.get("metadata") or {})},
-                       "spec": template.get("spec", {})}  # fmt: skip
+                job = {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "metadata": {
+                        "name": rjob.get("name", "job"),
+                        **(template.get("metadata") or {}),
+                    },
+                    "spec": template.get("spec", {}),
+                }
                 core(job, f"{where} replicatedJob {rjob.get('name')}")
         else:
             core(obj, where)
@@ -94,8 +100,9 @@ def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -
     for o in objects:
         ns = o["metadata"].get("namespace")
         if o["kind"] != "Namespace" and ns != t.namespace:
-            problems.append(f"{o['kind']}/{o['metadata']['name']} is in namespace {ns!r}, "
-                            f"not {t.namespace!r}")  # fmt: skip
+            problems.append(
+                f"{o['kind']}/{o['metadata']['name']} is in namespace {ns!r}, not {t.namespace!r}"
+            )
     jobsets = list(_by_kind(objects, "JobSet").values())
     if len(jobsets) != 1:
         return [*problems, f"expected one JobSet, found {len(jobsets)}"]
@@ -104,8 +111,12 @@ def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -
 
     # Endpoints -> Services -> pods.
     cc = config.controller
-    dialed = [*cc.param_server_endpoints, cc.verifier_endpoint, cc.trainer_endpoint,
-              *cc.inference_endpoints]  # fmt: skip
+    dialed = [
+        *cc.param_server_endpoints,
+        cc.verifier_endpoint,
+        cc.trainer_endpoint,
+        *cc.inference_endpoints,
+    ]
     for endpoint in dialed:
         host, _, port = endpoint.rpartition(":")
         name, _, rest = host.partition(".")
@@ -125,15 +136,21 @@ def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -
             problems.append(f"Service {name} is not an endpoint of the config")
 
     # Counts, slices and meshes.
-    want_replicas = {"param-server": config.param_server.replicas, "trainer": 1,
-                     "inference": config.inference.num_workers,
-                     "verifiers": t.verifier_replicas, "controller": 1}  # fmt: skip
+    want_replicas = {
+        "param-server": config.param_server.replicas,
+        "trainer": 1,
+        "inference": config.inference.num_workers,
+        "verifiers": t.verifier_replicas,
+        "controller": 1,
+    }
     for name, want in want_replicas.items():
         got = rjobs.get(name, {}).get("replicas")
         if got != want:
             problems.append(f"replicatedJob {name} has {got} replicas, the config {want}")
-    for name, tpu, section in (("trainer", t.trainer_tpu, config.trainer),
-                               ("inference", t.inference_tpu, config.inference)):  # fmt: skip
+    for name, tpu, section in (
+        ("trainer", t.trainer_tpu, config.trainer),
+        ("inference", t.inference_tpu, config.inference),
+    ):
         if name not in rjobs:
             continue
         spec = rjobs[name]["template"]["spec"]
@@ -142,25 +159,32 @@ def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -
         if spec["parallelism"] != hosts or spec["completions"] != hosts:
             problems.append(f"{name} runs {spec['parallelism']} pods, its slice has {hosts} hosts")
         if section.distributed.num_processes != hosts:
-            problems.append(f"{name}.distributed.num_processes {section.distributed.num_processes}"
-                            f" != {hosts} hosts")  # fmt: skip
+            problems.append(
+                f"{name}.distributed.num_processes {section.distributed.num_processes}"
+                f" != {hosts} hosts"
+            )
         selector = pod.get("nodeSelector", {})
         if tpu:
             s = parse_slice(tpu)
-            if selector.get("cloud.google.com/gke-tpu-topology") != s.topology or selector.get(
-                "cloud.google.com/gke-tpu-accelerator") != s.gke_accelerator:  # fmt: skip
+            if (
+                selector.get("cloud.google.com/gke-tpu-topology") != s.topology
+                or selector.get("cloud.google.com/gke-tpu-accelerator") != s.gke_accelerator
+            ):
                 problems.append(f"{name}'s node selector {selector} is not {s.name}")
             chips = pod["containers"][0]["resources"]["limits"].get("google.com/tpu")
             if chips != str(s.chips_per_host):
-                problems.append(f"{name} asks for {chips} chips per pod, a {s.name} host has "
-                                f"{s.chips_per_host}")  # fmt: skip
+                problems.append(
+                    f"{name} asks for {chips} chips per pod, a {s.name} host has {s.chips_per_host}"
+                )
             mesh = config.mesh if name == "trainer" else config.inference.mesh
             problems += gke.mesh_problems(mesh, s, name)
     accounts = _by_kind(objects, "ServiceAccount")
     for name, r in rjobs.items():
         account = r["template"]["spec"]["template"]["spec"].get("serviceAccountName")
         if account and account not in accounts:
-            problems.append(f"replicatedJob {name} runs as ServiceAccount {account!r}, not deployed")
+            problems.append(
+                f"replicatedJob {name} runs as ServiceAccount {account!r}, not deployed"
+            )
     problems += network_problems(config, objects)
     return problems
 
@@ -174,7 +198,10 @@ def _selector_problems(svc: dict[str, Any], rjobs: dict[str, Any], port: int) ->
     problems = []
     if gke.L_JOB_INDEX in sel and int(sel[gke.L_JOB_INDEX]) >= rjob["replicas"]:
         problems.append(f"Service {name} selects job {sel[gke.L_JOB_INDEX]} of {rjob['replicas']}")
-    if gke.L_POD_INDEX in sel and int(sel[gke.L_POD_INDEX]) >= rjob["template"]["spec"]["parallelism"]:
+    if (
+        gke.L_POD_INDEX in sel
+        and int(sel[gke.L_POD_INDEX]) >= rjob["template"]["spec"]["parallelism"]
+    ):
         problems.append(f"Service {name} selects a pod index its job does not have")
     container = rjob["template"]["spec"]["template"]["spec"]["containers"][0]
     listening = [p["containerPort"] for p in container.get("ports", [])]
@@ -205,8 +232,12 @@ def allowed_edges(config: RunConfig, objects: Sequence[dict[str, Any]]) -> set[t
         return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
 
     def rules(component: str, direction: str) -> list[dict[str, Any]] | None:
-        mine = [p for p in policies if selects(p["spec"]["podSelector"], component)
-                and direction.capitalize() in p["spec"].get("policyTypes", [])]  # fmt: skip
+        mine = [
+            p
+            for p in policies
+            if selects(p["spec"]["podSelector"], component)
+            and direction.capitalize() in p["spec"].get("policyTypes", [])
+        ]
         return None if not mine else [r for p in mine for r in p["spec"].get(direction, [])]
 
     def admits(rule_list: list[dict[str, Any]] | None, peer: str, key: str, port: int) -> bool:
@@ -243,10 +274,12 @@ def _jobset(objects: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def network_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -> list[str]:
     want = set(gke.EDGES) | {(c, c) for c in gke.PEERS}
     got = allowed_edges(config, objects)
-    problems = [f"NetworkPolicies allow {s} -> {d}, which the design forbids" for s, d in
-                sorted(got - want)]  # fmt: skip
-    problems += [f"NetworkPolicies block {s} -> {d}, which the run needs" for s, d in
-                 sorted(want - got)]  # fmt: skip
+    problems = [
+        f"NetworkPolicies allow {s} -> {d}, which the design forbids" for s, d in sorted(got - want)
+    ]
+    problems += [
+        f"NetworkPolicies block {s} -> {d}, which the run needs" for s, d in sorted(want - got)
+    ]
     for policy in _by_kind(objects, "NetworkPolicy").values():
         selector = policy["spec"]["podSelector"].get("matchLabels", {})
         if selector.get(gke.L_RJOB) == "verifiers" and policy["spec"].get("egress"):
@@ -268,8 +301,10 @@ def run(config: RunConfig, args: list[str]) -> int:
     problems = schema_problems(objects) + consistency_problems(config, objects)
     for p in problems:
         print(f"- {p}")
-    print(f"{args[0]}: {len(objects)} objects, "
-          f"{'valid' if not problems else f'{len(problems)} problems'}")  # fmt: skip
+    print(
+        f"{args[0]}: {len(objects)} objects, "
+        f"{'valid' if not problems else f'{len(problems)} problems'}"
+    )
     return 1 if problems else 0
 
 

@@ -53,7 +53,9 @@ def abstract(tree: Any, sharding: Sharding | Any) -> Any:
     """``tree``'s leaves as ShapeDtypeStructs with ``sharding``: one Sharding for every leaf, or
     a tree of Shardings shaped like ``tree``."""
     if isinstance(sharding, Sharding):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
+        )
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding
     )
@@ -75,10 +77,19 @@ def device_bytes(tree: Any) -> int:
 
 
 def engine_programs(
-    prefix: str, model_cfg: ModelConfig, shape: ReplayShape, *, graphdef: nnx.GraphDef,
-    state: nnx.State, cache_sharding: Sharding, io_sharding: Sharding, mesh: Mesh | None = None,
-    held: dict[str, int] | None = None, note: str = "", copy_held: dict[str, int] | None = None,
-) -> list[AbstractProgram]:  # fmt: skip
+    prefix: str,
+    model_cfg: ModelConfig,
+    shape: ReplayShape,
+    *,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache_sharding: Sharding,
+    io_sharding: Sharding,
+    mesh: Mesh | None = None,
+    held: dict[str, int] | None = None,
+    note: str = "",
+    copy_held: dict[str, int] | None = None,
+) -> list[AbstractProgram]:
     """The engine's decode, prefill and page-copy programs (``models.programs``) at ``shape``,
     on abstract ``state`` (the model's parameters with their shardings), the paged cache with
     ``cache_sharding`` and small host-fed arrays with ``io_sharding``. ``held`` is what stays
@@ -93,29 +104,45 @@ def engine_programs(
     common = dict(mesh=mesh, held=held, note=note)
     programs = [
         AbstractProgram(
-            f"{prefix}.decode", decode_program,
-            (state, cache, spec((n,), i32, io_sharding), spec((n,), i32, io_sharding),
-             spec((n, m), i32, io_sharding), sampling),
-            dict(graphdef=graphdef), **common,
+            f"{prefix}.decode",
+            decode_program,
+            (
+                state,
+                cache,
+                spec((n,), i32, io_sharding),
+                spec((n,), i32, io_sharding),
+                spec((n, m), i32, io_sharding),
+                sampling,
+            ),
+            dict(graphdef=graphdef),
+            **common,
         ),
-    ]  # fmt: skip
+    ]
     if shape.prefill_rows:
         r, c = shape.prefill_rows, shape.prefill_len
         programs.append(
             AbstractProgram(
-                f"{prefix}.prefill", prefill_program,
-                (state, cache, spec((r, c), i32, io_sharding), spec((r, c), i32, io_sharding),
-                 spec((r, m), i32, io_sharding)),
-                dict(graphdef=graphdef), **common,
+                f"{prefix}.prefill",
+                prefill_program,
+                (
+                    state,
+                    cache,
+                    spec((r, c), i32, io_sharding),
+                    spec((r, c), i32, io_sharding),
+                    spec((r, m), i32, io_sharding),
+                ),
+                dict(graphdef=graphdef),
+                **common,
             )
-        )  # fmt: skip
+        )
     # One sequence's worth of copy-on-write pages (copy_pages pads to a power of two).
     k = 1 << (m - 1).bit_length()
     programs.append(
         AbstractProgram(
-            f"{prefix}.copy_pages", copy_program,
+            f"{prefix}.copy_pages",
+            copy_program,
             (cache, spec((k,), i32, io_sharding), spec((k,), i32, io_sharding)),
             **(common | dict(held=held if copy_held is None else dict(copy_held))),
         )
-    )  # fmt: skip
+    )
     return programs

@@ -116,9 +116,15 @@ class DenseKVCache:
 
     @classmethod
     def create(
-        cls, *, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+        cls,
+        *,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
         dtype: jnp.dtype,
-    ) -> DenseKVCache:  # fmt: skip
+    ) -> DenseKVCache:
         shape = (num_layers, batch, max_len, kv_heads, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 

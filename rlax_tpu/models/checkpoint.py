@@ -38,9 +38,13 @@ def abstract_model(cfg: ModelConfig) -> Transformer:
 
 
 def build_model(
-    cfg: ModelConfig, get: TensorGetter, source: str, mesh: Mesh | None = None, *,
+    cfg: ModelConfig,
+    get: TensorGetter,
+    source: str,
+    mesh: Mesh | None = None,
+    *,
     names: Collection[str] | None = None,
-) -> Transformer:  # fmt: skip
+) -> Transformer:
     """A model whose every parameter comes from ``get`` (HF names and layouts).
 
     ``names``: every tensor name in the checkpoint; one the config does not map is an error (a
@@ -179,9 +183,12 @@ def read_hf_config(directory: str | Path, **overrides: object) -> ModelConfig:
 
 
 def load_safetensors(
-    directory: str | Path, *, mesh: Mesh | None = None, cfg: ModelConfig | None = None,
+    directory: str | Path,
+    *,
+    mesh: Mesh | None = None,
+    cfg: ModelConfig | None = None,
     **overrides: object,
-) -> tuple[ModelConfig, Transformer]:  # fmt: skip
+) -> tuple[ModelConfig, Transformer]:
     """Load an HF checkpoint directory (config.json + *.safetensors [+ index]).
 
     ``cfg`` replaces the directory's config.json; else ``overrides`` adjust it (e.g.

@@ -43,9 +43,12 @@ def _step(
 
 
 def greedy_generate(
-    model: Transformer, prompt: Sequence[int], *, max_new_tokens: int,
+    model: Transformer,
+    prompt: Sequence[int],
+    *,
+    max_new_tokens: int,
     stop_ids: Collection[int] = (),
-) -> tuple[list[int], np.ndarray]:  # fmt: skip
+) -> tuple[list[int], np.ndarray]:
     """Greedy continuation of one prompt.
 
     Returns the generated ids (ending with a stop id if one was produced) and the f32 logits

@@ -88,19 +88,24 @@ def config_from_gguf(f: GGUFFile, **overrides: Any) -> ModelConfig:
             f.path, f"field '{arch}.rope.scaling.type' = {rope_kind!r} is not supported"
         )
     kw: dict[str, Any] = dict(
-        arch=arch, vocab_size=int(f.field(f"{arch}.vocab_size", len(tokens or ()))),
-        hidden_size=hidden, intermediate_size=int(f.require(f"{arch}.feed_forward_length")),
-        num_layers=int(f.require(f"{arch}.block_count")), num_heads=heads,
+        arch=arch,
+        vocab_size=int(f.field(f"{arch}.vocab_size", len(tokens or ()))),
+        hidden_size=hidden,
+        intermediate_size=int(f.require(f"{arch}.feed_forward_length")),
+        num_layers=int(f.require(f"{arch}.block_count")),
+        num_heads=heads,
         num_kv_heads=int(f.field(f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(f.field(f"{arch}.attention.key_length", 0)),
         rope_theta=float(f.field(f"{arch}.rope.freq_base", 10_000.0)),
         rope_scaling=_GGUF_ROPE[rope_kind],
         max_position_embeddings=int(f.field(f"{arch}.context_length", 2048)),
         rms_norm_eps=float(f.require(f"{arch}.attention.layer_norm_rms_epsilon")),
-        qkv_bias="blk.0.attn_q.bias" in f.tensors, qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+        qkv_bias="blk.0.attn_q.bias" in f.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
         tie_embeddings="output.weight" not in f.tensors,
-        weights_format="gguf", weights_path=f.path,
-    )  # fmt: skip
+        weights_format="gguf",
+        weights_path=f.path,
+    )
     if rope_kind != "none":
         kw["rope_scaling_factor"] = float(f.require(f"{arch}.rope.scaling.factor"))
         orig = f.field(f"{arch}.rope.scaling.original_context_length")

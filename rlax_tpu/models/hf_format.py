@@ -71,28 +71,59 @@ def tensor_mappings(cfg: ModelConfig) -> list[TensorMapping]:
         p, layer = f"model.layers.{i}.", ("layers", i)
         attn = layer + ("attn",)
         out += [
-            TensorMapping(p + "input_layernorm.weight", layer + ("input_norm", "weight"), (e,), _same, _same),
-            TensorMapping(p + "post_attention_layernorm.weight", layer + ("post_attn_norm", "weight"), (e,), _same, _same),
-            TensorMapping(p + "self_attn.q_proj.weight", attn + ("q_proj",), (h * d, e), *qkv(h)),
-            TensorMapping(p + "self_attn.k_proj.weight", attn + ("k_proj",), (hkv * d, e), *qkv(hkv)),
-            TensorMapping(p + "self_attn.v_proj.weight", attn + ("v_proj",), (hkv * d, e), *qkv(hkv)),
             TensorMapping(
-                p + "self_attn.o_proj.weight", attn + ("o_proj",), (e, h * d),
+                p + "input_layernorm.weight", layer + ("input_norm", "weight"), (e,), _same, _same
+            ),
+            TensorMapping(
+                p + "post_attention_layernorm.weight",
+                layer + ("post_attn_norm", "weight"),
+                (e,),
+                _same,
+                _same,
+            ),
+            TensorMapping(p + "self_attn.q_proj.weight", attn + ("q_proj",), (h * d, e), *qkv(h)),
+            TensorMapping(
+                p + "self_attn.k_proj.weight", attn + ("k_proj",), (hkv * d, e), *qkv(hkv)
+            ),
+            TensorMapping(
+                p + "self_attn.v_proj.weight", attn + ("v_proj",), (hkv * d, e), *qkv(hkv)
+            ),
+            TensorMapping(
+                p + "self_attn.o_proj.weight",
+                attn + ("o_proj",),
+                (e, h * d),
                 lambda w: np.ascontiguousarray(w.T.reshape(h, d, e)),
                 lambda w: np.ascontiguousarray(w.reshape(h * d, e).T),
             ),
-            TensorMapping(p + "mlp.gate_proj.weight", layer + ("mlp", "gate_proj"), (f, e), _transpose, _transpose),
-            TensorMapping(p + "mlp.up_proj.weight", layer + ("mlp", "up_proj"), (f, e), _transpose, _transpose),
-            TensorMapping(p + "mlp.down_proj.weight", layer + ("mlp", "down_proj"), (e, f), _transpose, _transpose),
-        ]  # fmt: skip
+            TensorMapping(
+                p + "mlp.gate_proj.weight",
+                layer + ("mlp", "gate_proj"),
+                (f, e),
+                _transpose,
+                _transpose,
+            ),
+            TensorMapping(
+                p + "mlp.up_proj.weight", layer + ("mlp", "up_proj"), (f, e), _transpose, _transpose
+            ),
+            TensorMapping(
+                p + "mlp.down_proj.weight",
+                layer + ("mlp", "down_proj"),
+                (e, f),
+                _transpose,
+                _transpose,
+            ),
+        ]
         if cfg.qkv_bias:
             for name, heads in (("q", h), ("k", hkv), ("v", hkv)):
                 out.append(
                     TensorMapping(
-                        f"{p}self_attn.{name}_proj.bias", attn + (f"{name}_bias",), (heads * d,),
-                        lambda b, heads=heads: b.reshape(heads, d), lambda b: b.reshape(-1),
+                        f"{p}self_attn.{name}_proj.bias",
+                        attn + (f"{name}_bias",),
+                        (heads * d,),
+                        lambda b, heads=heads: b.reshape(heads, d),
+                        lambda b: b.reshape(-1),
                     )
-                )  # fmt: skip
+                )
         if has_o_bias(cfg):
             out.append(
                 TensorMapping(p + "self_attn.o_proj.bias", attn + ("o_bias",), (e,), _same, _same)
@@ -101,10 +132,13 @@ def tensor_mappings(cfg: ModelConfig) -> list[TensorMapping]:
             for name in ("q", "k"):
                 out.append(
                     TensorMapping(
-                        f"{p}self_attn.{name}_norm.weight", attn + (f"{name}_norm", "weight"), (d,),
-                        _same, _same,
+                        f"{p}self_attn.{name}_norm.weight",
+                        attn + (f"{name}_norm", "weight"),
+                        (d,),
+                        _same,
+                        _same,
                     )
-                )  # fmt: skip
+                )
     return out
 
 
@@ -131,14 +165,20 @@ def config_from_hf(hf: Mapping[str, Any], source: str, **overrides: Any) -> Mode
     try:
         heads = hf["num_attention_heads"]
         kw: dict[str, Any] = dict(
-            arch=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or 0, max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            arch=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or 0,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        )  # fmt: skip
+            qk_norm=model_type == "qwen3",
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
     except KeyError as e:
         raise ModelLoadError(source, f"required field {e.args[0]!r} is missing") from None
     kw.update(_rope_from_hf(hf, source))
@@ -165,10 +205,12 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         out["rope_scaling_factor"] = float(rope.get("factor", 1.0))
     for hf_key, key in (
         ("original_max_position_embeddings", "rope_original_max_position_embeddings"),
-        ("low_freq_factor", "rope_low_freq_factor"), ("high_freq_factor", "rope_high_freq_factor"),
-        ("beta_fast", "rope_beta_fast"), ("beta_slow", "rope_beta_slow"),
+        ("low_freq_factor", "rope_low_freq_factor"),
+        ("high_freq_factor", "rope_high_freq_factor"),
+        ("beta_fast", "rope_beta_fast"),
+        ("beta_slow", "rope_beta_slow"),
         ("attention_factor", "rope_attention_factor"),
-    ):  # fmt: skip
+    ):
         if rope.get(hf_key) is not None:
             cast = int if hf_key == "original_max_position_embeddings" else float
             out[key] = cast(rope[hf_key])
@@ -193,15 +235,23 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         if cfg.rope_attention_factor:
             rope["attention_factor"] = cfg.rope_attention_factor
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[cfg.arch]], "model_type": cfg.arch,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings, "rope_parameters": rope,
-        "rope_theta": cfg.rope_theta, "dtype": cfg.param_dtype,
-    }  # fmt: skip
+        "architectures": [ARCHITECTURES[cfg.arch]],
+        "model_type": cfg.arch,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": rope,
+        "rope_theta": cfg.rope_theta,
+        "dtype": cfg.param_dtype,
+    }
     if cfg.arch != "qwen2":
         out["attention_bias"] = cfg.qkv_bias  # q, k, v and o_proj biases (see has_o_bias)
     if cfg.arch == "qwen2" and not cfg.qkv_bias:

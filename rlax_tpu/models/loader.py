@@ -62,9 +62,10 @@ def load_model(cfg: ModelConfig, *, mesh: Mesh | None = None) -> Transformer:
 
 def _resolved(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(
-        cfg, head_dim=cfg.resolved_head_dim,
+        cfg,
+        head_dim=cfg.resolved_head_dim,
         rope_original_max_position_embeddings=cfg.resolved_rope_original_max_position_embeddings,
-    )  # fmt: skip
+    )
 
 
 def _check_same_architecture(cfg: ModelConfig, found: ModelConfig) -> None:

@@ -38,8 +38,15 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "native" / "decode_kernels.cpp"
 TARGET = "rlax_tpu_paged_decode_attention"
 STATS_TARGET = "rlax_tpu_logit_stats"
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-std=c++17",
-         "-shared", "-fPIC")  # fmt: skip
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fopenmp-simd",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+)
 # Head dims and query heads per KV head the kernel is instantiated for (its Dispatch).
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_GROUP = 8
@@ -52,8 +59,12 @@ class NativeUnavailable(RuntimeError):
 
 def supports(head_dim: int, heads: int, kv_heads: int, dtype: jnp.dtype) -> bool:
     """Whether the kernel is instantiated for this attention shape (f32 pages only)."""
-    return (jnp.dtype(dtype) == jnp.float32 and head_dim in HEAD_DIMS and heads % kv_heads == 0
-            and heads // kv_heads <= MAX_GROUP)  # fmt: skip
+    return (
+        jnp.dtype(dtype) == jnp.float32
+        and head_dim in HEAD_DIMS
+        and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_GROUP
+    )
 
 
 def _cpu_identity() -> str:
@@ -81,12 +92,19 @@ def build() -> Path:
     Raises NativeUnavailable when no compiler is found or the build fails."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
-        raise NativeUnavailable("no C++ compiler (g++ or $CXX) to build the native decode "
-                                "attention; set inference.attention_kernel = 'xla'")  # fmt: skip
+        raise NativeUnavailable(
+            "no C++ compiler (g++ or $CXX) to build the native decode "
+            "attention; set inference.attention_kernel = 'xla'"
+        )
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jax.lib.__version__.encode(),
-                 _cpu_identity().encode(), compiler.encode()):  # fmt: skip
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(FLAGS).encode(),
+        jax.lib.__version__.encode(),
+        _cpu_identity().encode(),
+        compiler.encode(),
+    ):
         key.update(part)
         key.update(b"\0")
     out = cache_dir() / f"decode_kernels-{key.hexdigest()[:16]}.so"
@@ -101,11 +119,14 @@ def build() -> Path:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise NativeUnavailable(f"building the native decode kernels took over "
-                                    f"{BUILD_TIMEOUT_S} s: {' '.join(cmd)}") from None  # fmt: skip
+            raise NativeUnavailable(
+                f"building the native decode kernels took over {BUILD_TIMEOUT_S} s: {' '.join(cmd)}"
+            ) from None
         if done.returncode != 0:
-            raise NativeUnavailable(f"building the native decode kernels failed:\n"
-                                    f"{' '.join(cmd)}\n{done.stderr[-4000:]}")  # fmt: skip
+            raise NativeUnavailable(
+                f"building the native decode kernels failed:\n"
+                f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
+            )
         os.replace(tmp, out)  # atomic: concurrent builders each install a complete library
     finally:
         if os.path.exists(tmp):
@@ -118,10 +139,12 @@ def _register() -> None:
     import ctypes
 
     library = ctypes.cdll.LoadLibrary(str(build()))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.RlaxPagedDecodeAttention),
-                                platform="cpu")  # fmt: skip
-    jax.ffi.register_ffi_target(STATS_TARGET, jax.ffi.pycapsule(library.RlaxLogitStats),
-                                platform="cpu")  # fmt: skip
+    jax.ffi.register_ffi_target(
+        TARGET, jax.ffi.pycapsule(library.RlaxPagedDecodeAttention), platform="cpu"
+    )
+    jax.ffi.register_ffi_target(
+        STATS_TARGET, jax.ffi.pycapsule(library.RlaxLogitStats), platform="cpu"
+    )
 
 
 @functools.cache
@@ -130,7 +153,9 @@ def available() -> bool:
     try:
         _register()
     except (NativeUnavailable, OSError, AttributeError) as e:
-        log.warning("native decode kernels unavailable, using XLA (block attention, XLA sampler): %s", e)
+        log.warning(
+            "native decode kernels unavailable, using XLA (block attention, XLA sampler): %s", e
+        )
         return False
     return True
 
@@ -148,9 +173,16 @@ def resolve(kernel: str) -> bool:
 
 
 def decode_attention(
-    q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-    block_tables: jax.Array, positions: jax.Array, *, layer: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    positions: jax.Array,
+    *,
+    layer: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes row b's new key/value at ``positions[b]`` of ``layer`` (rows with p < 0 or past
     their table write nothing), then attends each row over positions 0..p of its pages.
 
@@ -159,18 +191,29 @@ def decode_attention(
     _register()
     call = jax.ffi.ffi_call(
         TARGET,
-        (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-         jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-         jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+        (
+            jax.ShapeDtypeStruct(q.shape, jnp.float32),
+            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
+        ),
         input_output_aliases={3: 1, 4: 2},
-    )  # fmt: skip
+    )
     f32 = jnp.float32
-    return call(q.astype(f32), k_new.astype(f32), v_new.astype(f32), k_pages, v_pages,
-                block_tables.astype(jnp.int32), positions.astype(jnp.int32),
-                layer=np.int64(layer))  # fmt: skip
+    return call(
+        q.astype(f32),
+        k_new.astype(f32),
+        v_new.astype(f32),
+        k_pages,
+        v_pages,
+        block_tables.astype(jnp.int32),
+        positions.astype(jnp.int32),
+        layer=np.int64(layer),
+    )
 
 
-def logit_stats(logits: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def logit_stats(
+    logits: jax.Array, temperature: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per row of ``y = logits / temperature``: (top, log_sum, best), where top = max y (0 when
     that max is not finite), log_sum = log(sum(exp(y - top))) and best = the first index with
     y == top (0 when none): what the sampler needs of a row without materializing y.
@@ -180,7 +223,10 @@ def logit_stats(logits: jax.Array, temperature: jax.Array) -> tuple[jax.Array, j
     n = logits.shape[0]
     call = jax.ffi.ffi_call(
         STATS_TARGET,
-        (jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32),
-         jax.ShapeDtypeStruct((n,), jnp.int32)),
-    )  # fmt: skip
+        (
+            jax.ShapeDtypeStruct((n,), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.int32),
+        ),
+    )
     return call(logits.astype(jnp.float32), temperature.astype(jnp.float32))

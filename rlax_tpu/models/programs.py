@@ -50,25 +50,35 @@ def idle_sampling(n: int) -> dict[str, np.ndarray]:
     """Sampling arrays [n] for rows that sample nothing: temperature 1, no filter, no forcing.
     ``decode_program`` takes them (as jax arrays) with any row filled in."""
     return dict(
-        temperature=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
-        top_p=np.ones(n, np.float32), seeds=np.zeros(n, np.uint32),
-        sample_index=np.zeros(n, np.int32), token_index=np.zeros(n, np.int32),
+        temperature=np.ones(n, np.float32),
+        top_k=np.zeros(n, np.int32),
+        top_p=np.ones(n, np.float32),
+        seeds=np.zeros(n, np.uint32),
+        sample_index=np.zeros(n, np.int32),
+        token_index=np.zeros(n, np.int32),
         forced=np.full(n, -1, np.int32),
-    )  # fmt: skip
+    )
 
 
 @partial(jax.jit, static_argnames=("graphdef", "spans"), donate_argnames="cache")
 def decode_program(
-    state: nnx.State, cache: PagedKVCache, tokens: jax.Array, positions: jax.Array,
-    tables: jax.Array, sampling: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache: PagedKVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    tables: jax.Array,
+    sampling: dict[str, jax.Array],
+    *,
+    graphdef: nnx.GraphDef,
     spans: tuple[tuple[int, int], ...] = (),
-) -> tuple[dict[str, jax.Array], PagedKVCache]:  # fmt: skip
+) -> tuple[dict[str, jax.Array], PagedKVCache]:
     """tokens, positions [N]; tables [N, M]; sampling: :func:`idle_sampling`'s arrays [N]
     -> ({tokens, logprob_temperature_scaled, logprob_sampler} [N], cache)."""
     TRACES["step"] += 1
     model = nnx.merge(graphdef, state)
-    logits, cache = step(model, tokens[:, None], positions[:, None],
-                         cache.with_tables(tables, spans))  # fmt: skip
+    logits, cache = step(
+        model, tokens[:, None], positions[:, None], cache.with_tables(tables, spans)
+    )
     out = sample(logits[:, 0], **sampling, native=cache.native and one_device())
     # Replicated under a mesh, so every process of a multi-host engine reads every row's token
     # (a no-op on one device).
@@ -78,9 +88,14 @@ def decode_program(
 
 @partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
 def prefill_program(
-    state: nnx.State, cache: PagedKVCache, tokens: jax.Array, positions: jax.Array,
-    tables: jax.Array, *, graphdef: nnx.GraphDef,
-) -> PagedKVCache:  # fmt: skip
+    state: nnx.State,
+    cache: PagedKVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    tables: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+) -> PagedKVCache:
     """tokens, positions [R, C]; tables [R, M] -> the cache with the chunks' keys/values."""
     TRACES["prefill"] += 1
     model = nnx.merge(graphdef, state)
@@ -114,9 +129,13 @@ def host_copy(x: jax.Array) -> np.ndarray:
 
 
 def rows_are_independent(
-    state: nnx.State, cache: PagedKVCache, *, graphdef: nnx.GraphDef, prefill_rows: int = 0,
+    state: nnx.State,
+    cache: PagedKVCache,
+    *,
+    graphdef: nnx.GraphDef,
+    prefill_rows: int = 0,
     prefill_len: int = 1,
-) -> tuple[bool, PagedKVCache]:  # fmt: skip
+) -> tuple[bool, PagedKVCache]:
     """Whether the compiled decode (and prefill) programs give a row bits that depend only on
     the row's inputs: the same token in every row, in the last row alone, and beside a row at the
     cache's last position must give the same log-probs; a prompt chunk in the first and in the
@@ -136,9 +155,14 @@ def rows_are_independent(
     def decode(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         nonlocal cache
         out, cache = decode_program(
-            state, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
-            tables, sampling, graphdef=graphdef,
-        )  # fmt: skip
+            state,
+            cache,
+            jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(positions, jnp.int32),
+            tables,
+            sampling,
+            graphdef=graphdef,
+        )
         return np.stack([np.asarray(out[k]).view(np.int32) for k in sorted(out)], axis=1)
 
     every = decode(np.full(n, 2), np.zeros(n))  # position 0, then 1: attention over 2 keys
@@ -161,9 +185,13 @@ def rows_are_independent(
             tokens[row, :c] = np.arange(c) % 7 + 2
             positions[row, :c] = np.arange(c)
             cache = prefill_program(
-                state, cache, jnp.asarray(tokens), jnp.asarray(positions), tables[:prefill_rows],
+                state,
+                cache,
+                jnp.asarray(tokens),
+                jnp.asarray(positions),
+                tables[:prefill_rows],
                 graphdef=graphdef,
-            )  # fmt: skip
+            )
             written.append([host_copy(x) for x in cache.read_pages(pages)])
         ok &= all(np.array_equal(a, b) for a, b in zip(written[0], written[1], strict=True))
     return ok, cache

@@ -66,7 +66,9 @@ def _log_normalizer(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return top, jnp.log(jnp.sum(jnp.exp(x - top[:, None]), axis=-1))
 
 
-def _picked_logprob(x: jax.Array, top: jax.Array, log_sum: jax.Array, tokens: jax.Array) -> jax.Array:
+def _picked_logprob(
+    x: jax.Array, top: jax.Array, log_sum: jax.Array, tokens: jax.Array
+) -> jax.Array:
     picked = jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0]
     return (picked - top) - log_sum
 
@@ -93,8 +95,10 @@ def inverse_cdf(x: jax.Array, top: jax.Array, u: jax.Array) -> jax.Array:
     target = u * ends[:, -1]
     last_block = blocks - 1 - jnp.argmax((block_mass > 0)[:, ::-1], axis=-1)
     block = jnp.minimum(jnp.sum(ends <= target[:, None], axis=-1), last_block)
-    before = jnp.take_along_axis(ends, block[:, None], axis=-1)[:, 0] - jnp.take_along_axis(
-        block_mass, block[:, None], axis=-1)[:, 0]  # fmt: skip
+    before = (
+        jnp.take_along_axis(ends, block[:, None], axis=-1)[:, 0]
+        - jnp.take_along_axis(block_mass, block[:, None], axis=-1)[:, 0]
+    )
     inner = jnp.take_along_axis(p, block[:, None, None], axis=1)[:, 0]  # [N, BLOCK]
     inner_ends = jnp.cumsum(inner, axis=-1)
     last = BLOCK - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)
@@ -103,10 +107,17 @@ def inverse_cdf(x: jax.Array, top: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def sample(
-    logits: jax.Array, *, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-    seeds: jax.Array, sample_index: jax.Array, token_index: jax.Array, forced: jax.Array,
+    logits: jax.Array,
+    *,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seeds: jax.Array,
+    sample_index: jax.Array,
+    token_index: jax.Array,
+    forced: jax.Array,
     native: bool = False,
-) -> SampleOut:  # fmt: skip
+) -> SampleOut:
     """logits [N, V] f32; temperature, top_p [N] f32; top_k, seeds, sample_index, token_index,
     forced [N] int32 (forced < 0: sample). ``native`` (static; CPU, one device): each row's max,
     log-normalizer and first argmax from the native kernel
@@ -148,8 +159,9 @@ def sample(
         return jax.vmap(one)(seeds.astype(jnp.uint32), sample_index, token_index)
 
     def choose(x: jax.Array, x_top: jax.Array) -> jax.Array:
-        drawn = jax.lax.cond(jnp.any(samples), lambda: inverse_cdf(x, x_top, uniform()),
-                             lambda: zeros)  # fmt: skip
+        drawn = jax.lax.cond(
+            jnp.any(samples), lambda: inverse_cdf(x, x_top, uniform()), lambda: zeros
+        )
         tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
         return jnp.where(forced >= 0, forced, tokens)
 
@@ -162,8 +174,11 @@ def sample(
         narrowed = top_k_top_p(scaled(), top_k, top_p)
         narrowed_top, narrowed_log_sum = _log_normalizer(narrowed)
         tokens = choose(narrowed, narrowed_top)
-        return (tokens, picked(tokens),
-                _picked_logprob(narrowed, narrowed_top, narrowed_log_sum, tokens))  # fmt: skip
+        return (
+            tokens,
+            picked(tokens),
+            _picked_logprob(narrowed, narrowed_top, narrowed_log_sum, tokens),
+        )
 
     # No [N, V] array leaves a branch: a cond's outputs are materialized.
     tokens, lp_scaled, lp_sampler = jax.lax.cond(wants_filter, filtered, plain)

@@ -72,13 +72,16 @@ class ReplayShape:
         ``platform`` (default: the one JAX runs on; it resolves ``backend = "auto"``)."""
         backend = resolve_backend(cfg.backend, platform)
         return cls(
-            slots=cfg.step_tokens or cfg.max_concurrent_seqs, page_size=cfg.page_size,
+            slots=cfg.step_tokens or cfg.max_concurrent_seqs,
+            page_size=cfg.page_size,
             pages_per_seq=-(-(cfg.max_prompt_len + cfg.max_new_tokens) // cfg.page_size),
             num_pages=cfg.kv_cache_bytes // page_bytes(model, cfg.page_size, backend),
-            prefill_rows=cfg.prefill_rows, prefill_len=cfg.prefill_len, backend=backend,
+            prefill_rows=cfg.prefill_rows,
+            prefill_len=cfg.prefill_len,
+            backend=backend,
             block_pages=cfg.attention_block_pages if backend == "cpu" else 0,
             native=backend == "cpu" and native_kernel(cfg, model),
-        )  # fmt: skip
+        )
 
     @property
     def cache_len(self) -> int:
@@ -91,10 +94,15 @@ class ReplayShape:
 
     def make_cache(self, model: ModelConfig) -> PagedKVCache:
         return PagedKVCache.create(
-            model, num_pages=self.num_pages, page_size=self.page_size, batch=self.slots,
-            pages_per_seq=self.pages_per_seq, backend=self.backend, block_pages=self.block_pages,
+            model,
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            batch=self.slots,
+            pages_per_seq=self.pages_per_seq,
+            backend=self.backend,
+            block_pages=self.block_pages,
             native=self.native,
-        )  # fmt: skip
+        )
 
 
 def native_kernel(cfg: InferenceConfig, model: ModelConfig) -> bool:
@@ -102,8 +110,9 @@ def native_kernel(cfg: InferenceConfig, model: ModelConfig) -> bool:
     (``auto``: where it builds) and the model's attention shape one it is built for."""
     if cfg.attention_kernel == "xla":
         return False
-    fits = native_attention.supports(model.resolved_head_dim, model.num_heads,
-                                     model.num_kv_heads, jnp.dtype(model.compute_dtype))  # fmt: skip
+    fits = native_attention.supports(
+        model.resolved_head_dim, model.num_heads, model.num_kv_heads, jnp.dtype(model.compute_dtype)
+    )
     if not fits:
         if cfg.attention_kernel == "native":
             raise ValueError(
@@ -121,9 +130,12 @@ def rows_bitwise(model: Transformer, shape: ReplayShape) -> bool:
     replay matches the engine, and itself in another row order, only to f32 round-off."""
     graphdef, state = nnx.split(model)
     ok, _ = rows_are_independent(
-        state, shape.make_cache(model.cfg), graphdef=graphdef, prefill_rows=shape.prefill_rows,
+        state,
+        shape.make_cache(model.cfg),
+        graphdef=graphdef,
+        prefill_rows=shape.prefill_rows,
         prefill_len=shape.prefill_len,
-    )  # fmt: skip
+    )
     return ok
 
 
@@ -174,8 +186,18 @@ def replay_logprobs(
     for rows in _groups(total, shape):
         tables = _tables(total[rows], shape)
         cache = _prefill(graphdef, state, cache, tokens[rows], prompt[rows], tables, shape)
-        logp, cache = _decode(graphdef, state, cache, tokens[rows], prompt[rows], total[rows],
-                              tables, shape, temperature, width)  # fmt: skip
+        logp, cache = _decode(
+            graphdef,
+            state,
+            cache,
+            tokens[rows],
+            prompt[rows],
+            total[rows],
+            tables,
+            shape,
+            temperature,
+            width,
+        )
         out[rows] = logp
     return out
 
@@ -237,13 +259,20 @@ def _prefill(graphdef, state, cache, tokens, prompt, tables, shape):  # noqa: AN
                 if stop > a:
                     chunk[j, : stop - a] = tokens[i, a:stop]
                     positions[j, : stop - a] = np.arange(a, stop)
-            cache = prefill_program(state, cache, jnp.asarray(chunk), jnp.asarray(positions),
-                                    jnp.asarray(call_tables), graphdef=graphdef)  # fmt: skip
+            cache = prefill_program(
+                state,
+                cache,
+                jnp.asarray(chunk),
+                jnp.asarray(positions),
+                jnp.asarray(call_tables),
+                graphdef=graphdef,
+            )
     copies = []
     for rows in distinct:
         used = _pages(shape.prefix(int(prompt[rows[0]])), shape.page_size)
-        copies += [(int(tables[rows[0], p]), int(tables[i, p])) for i in rows[1:]
-                   for p in range(used)]  # fmt: skip
+        copies += [
+            (int(tables[rows[0], p]), int(tables[i, p])) for i in rows[1:] for p in range(used)
+        ]
     return copy_pages(cache, copies)
 
 
@@ -272,9 +301,14 @@ def _decode(graphdef, state, cache, tokens, prompt, total, tables, shape, temper
         positions = np.where(live, q, -1)
         sampling["forced"] = jnp.asarray(targets.astype(np.int32))
         result, cache = decode_program(
-            state, cache, jnp.asarray(fed.astype(np.int32)), jnp.asarray(positions, jnp.int32),
-            tables, sampling, graphdef=graphdef,
-        )  # fmt: skip
+            state,
+            cache,
+            jnp.asarray(fed.astype(np.int32)),
+            jnp.asarray(positions, jnp.int32),
+            tables,
+            sampling,
+            graphdef=graphdef,
+        )
         t = q + 1 - prompt
         hit = live & (t >= 0) & (t < width)
         out[hit, t[hit]] = np.asarray(result["logprob_temperature_scaled"])[hit]

@@ -105,9 +105,12 @@ def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
 
 
 def kernel_axes(
-    mesh: jax.sharding.AbstractMesh, rows: int, heads: int, kv_heads: int,
+    mesh: jax.sharding.AbstractMesh,
+    rows: int,
+    heads: int,
+    kv_heads: int,
     heads_fit: Callable[[int], bool] = lambda tp: True,
-) -> tuple[str | tuple[str, ...] | None, str | None]:  # fmt: skip
+) -> tuple[str | tuple[str, ...] | None, str | None]:
     """(mesh axes of the rows, of the heads) for a Pallas kernel in shard_map (Mosaic kernels are
     not partitioned automatically): rows over the batch axes that divide them, heads over the
     tensor axis when it divides the q and the KV heads (each device keeps whole GQA groups) and

@@ -36,8 +36,9 @@ def splash_attention(
     if not mesh.empty and mesh.size > 1:
         rows, heads = kernel_axes(mesh, q.shape[0], q.shape[2], k.shape[2])
         spec = P(rows, None, heads, None)
-        call = jax.shard_map(call, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                             check_vma=False)  # fmt: skip
+        call = jax.shard_map(
+            call, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
+        )
     return call(q, k, v)
 
 
@@ -69,13 +70,17 @@ def _kernel(length: int, group: int, block: int, interpret: bool):  # noqa: ANN2
 
     mask = masks.MultiHeadMask([masks.CausalMask((length, length))] * group)
     sizes = kernel_lib.BlockSizes(
-        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
-    )  # fmt: skip
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
     # Built in the trace that calls it (its mask tables are arrays of that trace; a kernel kept
     # across traces would leak them): a few numpy block tables per layer, at trace time only.
     return kernel_lib.make_splash_mqa_single_device(
         mask=mask, block_sizes=sizes, interpret=interpret
     )
-
-

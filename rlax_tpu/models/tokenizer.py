@@ -68,9 +68,15 @@ class Tokenizer:
     """
 
     def __init__(
-        self, backend: HFTokenizer, *, bos: str | None = None, eos: str | None = None,
-        pad: str | None = None, add_bos: bool = False, chat_template: str | None = None,
-    ):  # fmt: skip
+        self,
+        backend: HFTokenizer,
+        *,
+        bos: str | None = None,
+        eos: str | None = None,
+        pad: str | None = None,
+        add_bos: bool = False,
+        chat_template: str | None = None,
+    ):
         self.backend = backend
         self.add_bos = add_bos
         self.chat_template = chat_template or None
@@ -103,7 +109,10 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True,
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
         **options: object,
     ) -> str:
         """The conversation as the model was trained to read it: its own chat template rendered
@@ -113,10 +122,13 @@ class Tokenizer:
         ``<|im_start|>assistant`` newline when ``add_generation_prompt``."""
         if self.chat_template is not None:
             return render_chat_template(
-                self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self._token_text(self.bos_id), eos_token=self._token_text(self.eos_id),
+                self.chat_template,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self.bos_id),
+                eos_token=self._token_text(self.eos_id),
                 **options,
-            )  # fmt: skip
+            )
         for tok in (IM_START, IM_END):
             if self.backend.token_to_id(tok) is None:
                 raise ValueError(f"this vocabulary has no {tok} token, so no ChatML template")
@@ -182,16 +194,23 @@ class Tokenizer:
             return None if i is None else tokens[int(i)]
 
         return cls(
-            backend, bos=token("tokenizer.ggml.bos_token_id"), eos=token("tokenizer.ggml.eos_token_id"),
-            pad=token("tokenizer.ggml.padding_token_id"), add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
+            backend,
+            bos=token("tokenizer.ggml.bos_token_id"),
+            eos=token("tokenizer.ggml.eos_token_id"),
+            pad=token("tokenizer.ggml.padding_token_id"),
+            add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
             chat_template=f.field("tokenizer.chat_template"),
-        )  # fmt: skip
+        )
 
     @classmethod
     def train_bpe(
-        cls, texts: Iterable[str], vocab_size: int = 512, specials: Sequence[str] = TRAINED_SPECIALS,
-        *, split_digits: bool = False,
-    ) -> Tokenizer:  # fmt: skip
+        cls,
+        texts: Iterable[str],
+        vocab_size: int = 512,
+        specials: Sequence[str] = TRAINED_SPECIALS,
+        *,
+        split_digits: bool = False,
+    ) -> Tokenizer:
         """A byte-level BPE trained on ``texts`` (deterministic; any text encodes, no unknowns).
 
         Specials take the first ids; eos = bos = <|endoftext|>, pad = <|pad|> when present.
@@ -202,15 +221,19 @@ class Tokenizer:
         backend.pre_tokenizer = _byte_level(_QWEN2_PATTERN if split_digits else _GPT2_PATTERN)
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
+            vocab_size=vocab_size,
+            special_tokens=list(specials),
+            show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        )  # fmt: skip
+        )
         backend.train_from_iterator(texts, trainer=trainer)
         has = set(specials).__contains__
         return cls(
-            backend, bos=ENDOFTEXT if has(ENDOFTEXT) else None,
-            eos=ENDOFTEXT if has(ENDOFTEXT) else None, pad=PAD if has(PAD) else None,
-        )  # fmt: skip
+            backend,
+            bos=ENDOFTEXT if has(ENDOFTEXT) else None,
+            eos=ENDOFTEXT if has(ENDOFTEXT) else None,
+            pad=PAD if has(PAD) else None,
+        )
 
     def save(self, directory: str | Path) -> Path:
         """Write tokenizer.json + tokenizer_config.json (readable by ``from_file`` and HF); the
@@ -248,16 +271,21 @@ def _specials_from_config(path: Path | storage.epath.Path) -> dict[str, object]:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return {
-        "bos": content("bos_token"), "eos": content("eos_token"), "pad": content("pad_token"),
+        "bos": content("bos_token"),
+        "eos": content("eos_token"),
+        "pad": content("pad_token"),
         "add_bos": bool(cfg.get("add_bos_token", False)),
         "chat_template": template if isinstance(template, str) else None,
-    }  # fmt: skip
+    }
 
 
 def render_chat_template(
-    template: str, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
+    template: str,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    add_generation_prompt: bool,
     **variables: object,
-) -> str:  # fmt: skip
+) -> str:
     """A Jinja chat template rendered the way HF transformers does: a sandboxed environment
     (templates come with downloaded models) with trim_blocks and lstrip_blocks, loop controls,
     and ``raise_exception`` for a template's own checks."""
@@ -268,12 +296,14 @@ def render_chat_template(
     def raise_exception(message: str) -> None:
         raise ValueError(f"the chat template refused these messages: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])  # fmt: skip
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.globals["raise_exception"] = raise_exception
     try:
         compiled = env.from_string(template)
     except jinja2.TemplateError as e:
         raise ModelLoadError("chat template", f"not a valid Jinja template ({e})") from None
-    return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                           **variables)  # fmt: skip
+    return compiled.render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
+    )

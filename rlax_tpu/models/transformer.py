@@ -50,7 +50,9 @@ class LayerLoop:
 
     def __post_init__(self) -> None:
         if self.remat is not None and self.remat not in REMAT_POLICIES:
-            raise ValueError(f"unknown remat policy {self.remat!r}; one of {sorted(REMAT_POLICIES)}")
+            raise ValueError(
+                f"unknown remat policy {self.remat!r}; one of {sorted(REMAT_POLICIES)}"
+            )
 
     @property
     def plain(self) -> bool:
@@ -87,9 +89,12 @@ class Transformer(nnx.Module):
             )
 
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
         loop: LayerLoop = UNROLLED,
-    ) -> tuple[jax.Array, KVCache]:  # fmt: skip
+    ) -> tuple[jax.Array, KVCache]:
         """tokens, positions [B, T] int32 -> (final-normed hidden states [B, T, E], cache)."""
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.compute_dtype)
         x = constrain(x, _ACT)
@@ -103,9 +108,14 @@ class Transformer(nnx.Module):
         return self.final_norm(x), cache
 
     def _layer_loop(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
-        cache: KVCache, loop: LayerLoop,
-    ) -> jax.Array:  # fmt: skip
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        loop: LayerLoop,
+    ) -> jax.Array:
         if not getattr(cache, "stateless", False):
             raise ValueError(
                 f"scanned or rematerialized layers need a stateless cache (one that stores "
@@ -212,6 +222,10 @@ def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def make_dense_cache(cfg: ModelConfig, batch: int, max_len: int) -> DenseKVCache:
     """An empty dense cache for ``batch`` sequences of up to ``max_len`` tokens (compute dtype)."""
     return DenseKVCache.create(
-        num_layers=cfg.num_layers, batch=batch, max_len=max_len, kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.resolved_head_dim, dtype=jnp.dtype(cfg.compute_dtype),
-    )  # fmt: skip
+        num_layers=cfg.num_layers,
+        batch=batch,
+        max_len=max_len,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.resolved_head_dim,
+        dtype=jnp.dtype(cfg.compute_dtype),
+    )

@@ -39,8 +39,11 @@ class MetricsWriter:
         self._remote = storage.is_remote(self.run_dir)
         self._lines: list[str] = []  # a remote file's contents, rewritten per write
         if self.path.exists() and (resume_after_step is not None or self._remote):
-            kept = [r for r in read_metrics(self.path)
-                    if resume_after_step is None or r["step"] <= resume_after_step]  # fmt: skip
+            kept = [
+                r
+                for r in read_metrics(self.path)
+                if resume_after_step is None or r["step"] <= resume_after_step
+            ]
             self._lines = [json.dumps(r) + "\n" for r in kept]
             storage.write_atomic(self.path, "".join(self._lines))
         self._jsonl = None if self._remote else open(self.path, "a", encoding="utf-8")  # noqa: SIM115
@@ -103,10 +106,14 @@ def _histogram(values: Sequence[float]) -> summary_pb2.HistogramProto:
     edges = np.histogram_bin_edges(v, bins=min(30, max(1, len(np.unique(v)))))
     counts, edges = np.histogram(v, bins=edges)
     return summary_pb2.HistogramProto(
-        min=float(v.min()), max=float(v.max()), num=float(v.size), sum=float(v.sum()),
-        sum_squares=float((v * v).sum()), bucket_limit=[float(e) for e in edges[1:]],
+        min=float(v.min()),
+        max=float(v.max()),
+        num=float(v.size),
+        sum=float(v.sum()),
+        sum_squares=float((v * v).sum()),
+        bucket_limit=[float(e) for e in edges[1:]],
         bucket=[float(c) for c in counts],
-    )  # fmt: skip
+    )
 
 
 def read_metrics(path: str | Path) -> Iterator[dict[str, Any]]:

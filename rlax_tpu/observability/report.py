@@ -48,8 +48,11 @@ class RunInfo:
 
 
 def _series(records: Sequence[dict], name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    rows = [(r["step"], r["wall_time"], r["scalars"][name]) for r in records
-            if r["scalars"].get(name) is not None]  # fmt: skip
+    rows = [
+        (r["step"], r["wall_time"], r["scalars"][name])
+        for r in records
+        if r["scalars"].get(name) is not None
+    ]
     if not rows:
         return np.array([]), np.array([]), np.array([])
     steps, times, values = map(np.asarray, zip(*rows, strict=True))
@@ -185,8 +188,14 @@ def write_report(
         "Step-time breakdown": ("step_time.png", lambda p: _plot_step_time(records, p)),
     }
     lines = ["# Run report", "", f"Run directory: `{run_dir}`", ""]
-    lines += ["## What was run", "", f"- command: `{info.command}`", f"- model: {info.model}",
-              f"- commit: `{info.commit}`", f"- steps logged: {len(records)}"]  # fmt: skip
+    lines += [
+        "## What was run",
+        "",
+        f"- command: `{info.command}`",
+        f"- model: {info.model}",
+        f"- commit: `{info.commit}`",
+        f"- steps logged: {len(records)}",
+    ]
     lines += [f"- note: {n}" for n in info.notes]
     lines += [""]
     results = []

@@ -77,32 +77,51 @@ class ParamServerClient:
             raise ValueError(f"replica {replica} is not one of {len(self.endpoints)} endpoints")
         self.replica, self.chunk_bytes, self.timeout_s = replica, chunk_bytes, timeout_s
         self.bytes_pulled = 0  # payload bytes received by pulls, for metrics
-        self.bytes_pushed = 0  # payload bytes sent by pushes (counted once per replica), for metrics
+        self.bytes_pushed = (
+            0  # payload bytes sent by pushes (counted once per replica), for metrics
+        )
         # Pulled versions land in slabs, reused once the caller has dropped a version's arrays
         # (jax lets go of an aliased host array at its next call: a caller that drops each
         # version at once alternates between two slabs).
         self._slabs = buffers.SlabPool(max_idle=1)
-        self._channels = [make_channel(e, credentials=credentials, max_message_bytes=max_message_bytes)
-                          for e in self.endpoints]  # fmt: skip
+        self._channels = [
+            make_channel(e, credentials=credentials, max_message_bytes=max_message_bytes)
+            for e in self.endpoints
+        ]
         self._stubs = [param_server_pb2_grpc.ParamServerStub(c) for c in self._channels]
         # Publish and Pull carry chunks with copy-free framing (same bytes on the wire).
-        self._publish = [c.stream_unary(f"/{SERVICE}/Publish", request_serializer=framing.encode,
-                                        response_deserializer=pb.PublishReply.FromString)
-                         for c in self._channels]  # fmt: skip
-        self._pull = [c.unary_stream(f"/{SERVICE}/Pull",
-                                     request_serializer=pb.PullRequest.SerializeToString,
-                                     response_deserializer=framing.decode_pull_reply)
-                      for c in self._channels]  # fmt: skip
+        self._publish = [
+            c.stream_unary(
+                f"/{SERVICE}/Publish",
+                request_serializer=framing.encode,
+                response_deserializer=pb.PublishReply.FromString,
+            )
+            for c in self._channels
+        ]
+        self._pull = [
+            c.unary_stream(
+                f"/{SERVICE}/Pull",
+                request_serializer=pb.PullRequest.SerializeToString,
+                response_deserializer=framing.decode_pull_reply,
+            )
+            for c in self._channels
+        ]
 
     @classmethod
-    def from_config(cls, config: ParamServerConfig, endpoints: str | Sequence[str],
-                    *, replica: int = 0) -> ParamServerClient:  # fmt: skip
+    def from_config(
+        cls, config: ParamServerConfig, endpoints: str | Sequence[str], *, replica: int = 0
+    ) -> ParamServerClient:
         creds = Credentials(
             auth_token_file=config.auth_token_file, tls_cert_file=config.tls_cert_file
         )
-        return cls(endpoints, credentials=creds, chunk_bytes=config.chunk_bytes,
-                   max_message_bytes=config.max_message_bytes, replica=replica,
-                   publish_token_file=config.publish_token_file)  # fmt: skip
+        return cls(
+            endpoints,
+            credentials=creds,
+            chunk_bytes=config.chunk_bytes,
+            max_message_bytes=config.max_message_bytes,
+            replica=replica,
+            publish_token_file=config.publish_token_file,
+        )
 
     def _write(self) -> list[tuple[str, str]]:
         """Metadata of a publishing call (the publish token, if this client has one)."""
@@ -138,17 +157,32 @@ class ParamServerClient:
         paths, leaves, _ = flatten(params)
         if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
             # Arrays over several processes: each process sends the boxes it owns.
-            specs = [ArraySpec(path=p, shape=tuple(x.shape), dtype=np.dtype(x.dtype).name)
-                     for p, x in zip(paths, leaves, strict=True)]  # fmt: skip
+            specs = [
+                ArraySpec(path=p, shape=tuple(x.shape), dtype=np.dtype(x.dtype).name)
+                for p, x in zip(paths, leaves, strict=True)
+            ]
             boxes = [(i, b, d) for i, x in enumerate(leaves) for b, d in owned_boxes(x)]
-            return self.push_part(specs, boxes, version, step=step, part=jax.process_index(),
-                                  parts=jax.process_count())[0]  # fmt: skip
+            return self.push_part(
+                specs,
+                boxes,
+                version,
+                step=step,
+                part=jax.process_index(),
+                parts=jax.process_count(),
+            )[0]
         specs, hosts = [], []
         for path, leaf in zip(paths, leaves, strict=True):
             sharding, block = describe_sharding(leaf)
             host = np.asarray(leaf)  # gathers a sharded jax.Array
-            specs.append(ArraySpec(path=path, shape=tuple(host.shape), dtype=host.dtype.name,
-                                   sharding=sharding, shard_shape=block))  # fmt: skip
+            specs.append(
+                ArraySpec(
+                    path=path,
+                    shape=tuple(host.shape),
+                    dtype=host.dtype.name,
+                    sharding=sharding,
+                    shard_shape=block,
+                )
+            )
             hosts.append(host)
         header = wire.header_to_pb(
             VersionManifest(
@@ -158,8 +192,11 @@ class ParamServerClient:
 
         def one(publish: Any) -> pb.PublishReply:
             try:
-                return publish(self._publish_stream(header, hosts), timeout=self.timeout_s,
-                               metadata=self._write())
+                return publish(
+                    self._publish_stream(header, hosts),
+                    timeout=self.timeout_s,
+                    metadata=self._write(),
+                )
             except grpc.RpcError as e:
                 _raise(e)
 
@@ -169,8 +206,9 @@ class ParamServerClient:
             self.report_progress(r, version)
         return wire.info_from_pb(replies[self.replica].info)
 
-    def _publish_stream(self, header: pb.VersionHeader,
-                        hosts: list[np.ndarray]) -> Iterator[pb.PublishRequest | bytes]:  # fmt: skip
+    def _publish_stream(
+        self, header: pb.VersionHeader, hosts: list[np.ndarray]
+    ) -> Iterator[pb.PublishRequest | bytes]:
         yield pb.PublishRequest(header=header)
         crcs = []
         for index, host in enumerate(hosts):
@@ -185,27 +223,41 @@ class ParamServerClient:
         yield pb.PublishRequest(trailer=pb.PublishTrailer(crc32=crcs))
 
     def push_part(
-        self, specs: Sequence[ArraySpec], boxes: Sequence[tuple[int, Bounds, np.ndarray]],
-        version: int, *, step: int | None = None, part: int, parts: int,
-    ) -> tuple[VersionInfo, bool]:  # fmt: skip
+        self,
+        specs: Sequence[ArraySpec],
+        boxes: Sequence[tuple[int, Bounds, np.ndarray]],
+        version: int,
+        *,
+        step: int | None = None,
+        part: int,
+        parts: int,
+    ) -> tuple[VersionInfo, bool]:
         """Publishes part ``part`` of ``parts`` of ``version`` to every replica: ``specs`` are the
         whole version's arrays, ``boxes`` (array index, bounds, data) this part's share, disjoint
         from the other parts'. Returns (info, complete): complete when the version is committed
         (this part was its last, or it was already). Whoever completes a replica's version tells
         every replica, so GC learns of it as with a whole push. Idempotent like ``push``."""
-        header = wire.header_to_pb(VersionManifest(
-            version=version, step=version if step is None else step, arrays=tuple(specs),
-        ))  # fmt: skip
+        header = wire.header_to_pb(
+            VersionManifest(
+                version=version,
+                step=version if step is None else step,
+                arrays=tuple(specs),
+            )
+        )
         header.part.index, header.part.count = part, parts
         for i, bounds, _ in boxes:
-            header.part.boxes.add(array=i, start=[lo for lo, _ in bounds],
-                                  stop=[hi for _, hi in bounds])  # fmt: skip
+            header.part.boxes.add(
+                array=i, start=[lo for lo, _ in bounds], stop=[hi for _, hi in bounds]
+            )
         datas = [np.ascontiguousarray(d) for _, _, d in boxes]
 
         def one(publish: Any) -> pb.PublishReply:
             try:
-                return publish(self._publish_stream(header, datas), timeout=self.timeout_s,
-                               metadata=self._write())
+                return publish(
+                    self._publish_stream(header, datas),
+                    timeout=self.timeout_s,
+                    metadata=self._write(),
+                )
             except grpc.RpcError as e:
                 _raise(e)
 
@@ -274,8 +326,10 @@ class ParamServerClient:
         sizes = [math.prod(shape) * d.itemsize for shape, d in zip(shapes, dtypes, strict=True)]
         offsets, total = buffers.layout(sizes)
         slab = self._slabs.take(total)
-        return [slab[o : o + n].view(d).reshape(shape)
-                for o, n, d, shape in zip(offsets, sizes, dtypes, shapes, strict=True)]  # fmt: skip
+        return [
+            slab[o : o + n].view(d).reshape(shape)
+            for o, n, d, shape in zip(offsets, sizes, dtypes, shapes, strict=True)
+        ]
 
     def pull(self, version: int = LATEST, shardings: Any = None) -> Any:
         """A version as a pytree of jax.Arrays.
@@ -300,9 +354,13 @@ class ParamServerClient:
         for path, sharding in zip(paths, leaf_shardings, strict=True):
             i = position[path]
             shape = manifest.arrays[i].shape
-            leaves.append(jax.make_array_from_callback(
-                shape, sharding, lambda idx, i=i, shape=shape: _cut(held[i], normalize_index(idx, shape))
-            ))  # fmt: skip
+            leaves.append(
+                jax.make_array_from_callback(
+                    shape,
+                    sharding,
+                    lambda idx, i=i, shape=shape: _cut(held[i], normalize_index(idx, shape)),
+                )
+            )
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def _manifest(self, version: int) -> VersionManifest:
@@ -339,8 +397,11 @@ class ParamServerClient:
         """Tells every replica that replica ``replica`` has committed ``version``."""
         request = pb.ProgressRequest(replica=replica, version=version)
         try:
-            self._on_all(lambda stub: stub.ReportProgress(request, timeout=self.timeout_s,
-                                                          metadata=self._write()))
+            self._on_all(
+                lambda stub: stub.ReportProgress(
+                    request, timeout=self.timeout_s, metadata=self._write()
+                )
+            )
         except grpc.RpcError as e:
             _raise(e)
 
@@ -411,7 +472,9 @@ def _cut(held: list[tuple[Bounds, np.ndarray]], want: Bounds) -> np.ndarray:
     """The part ``want`` of whichever pulled box contains it."""
     for bounds, array in held:
         if all(lo <= a and b <= hi for (a, b), (lo, hi) in zip(want, bounds, strict=True)):
-            return array[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(want, bounds, strict=True))]
+            return array[
+                tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(want, bounds, strict=True))
+            ]
     raise errors.DataLoss(f"no pulled slice holds {want}")  # needed_slices covers every device
 
 

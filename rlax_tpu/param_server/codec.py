@@ -24,9 +24,22 @@ import numpy as np
 from rlax_tpu.param_server.errors import InvalidArgument
 
 DTYPES = frozenset(
-    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-     "float16", "bfloat16", "float32", "float64"}
-)  # fmt: skip
+    {
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+    }
+)
 # Chunks of the zarr arrays stay near this size: big enough for throughput, small enough that a
 # sliced pull does not decode much more than it needs.
 # Per-dimension [lo, hi) of a box of an array.
@@ -114,12 +127,15 @@ class VersionManifest:
         legacy = any("crc32" in a for a in raw["arrays"])  # zlib crc32, before CRC32C
         arrays = tuple(
             ArraySpec(
-                path=a["path"], shape=tuple(a["shape"]), dtype=a["dtype"],
-                crc32c=a["crc32" if legacy else "crc32c"], sharding=a["sharding"],
+                path=a["path"],
+                shape=tuple(a["shape"]),
+                dtype=a["dtype"],
+                crc32c=a["crc32" if legacy else "crc32c"],
+                sharding=a["sharding"],
                 shard_shape=tuple(a["shard_shape"]),
             )
             for a in raw["arrays"]
-        )  # fmt: skip
+        )
         checksum = "crc32" if legacy else raw.get("checksum", "crc32c")
         return cls(version=raw["version"], step=raw["step"], arrays=arrays, checksum=checksum)
 

@@ -39,8 +39,17 @@ class FailedPrecondition(ParamServerError):
     status = "FAILED_PRECONDITION"
 
 
-BY_STATUS = {c.status: c for c in (InvalidArgument, NotFound, AlreadyExists, DataLoss,
-                                  ResourceExhausted, FailedPrecondition)}  # fmt: skip
+BY_STATUS = {
+    c.status: c
+    for c in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        DataLoss,
+        ResourceExhausted,
+        FailedPrecondition,
+    )
+}
 
 
 class Aborted(ParamServerError):

@@ -47,9 +47,13 @@ class PartsServer(Protocol):
     _hot: Any  # the hot ArrayStore
 
     def _finish_part(
-        self, assembly: Assembly | None, part: int, boxes: list[Box], values: list[np.ndarray],
+        self,
+        assembly: Assembly | None,
+        part: int,
+        boxes: list[Box],
+        values: list[np.ndarray],
         crcs: list[int],
-    ) -> tuple[VersionInfo, bool, bool]: ...  # fmt: skip
+    ) -> tuple[VersionInfo, bool, bool]: ...
 
     def _commit(self, manifest: VersionManifest, prefix: str) -> list[str]: ...
 
@@ -109,23 +113,35 @@ class Assembly:
         for boxes in self.claimed.values():
             for i, bounds in boxes:
                 covered[i] += _volume(bounds)
-        return [f"{a.path} ({c} of {math.prod(a.shape)} elements)"
-                for a, c in zip(self.arrays, covered, strict=True) if c != math.prod(a.shape)]  # fmt: skip
+        return [
+            f"{a.path} ({c} of {math.prod(a.shape)} elements)"
+            for a, c in zip(self.arrays, covered, strict=True)
+            if c != math.prod(a.shape)
+        ]
 
 
 class PartSession:
     """Receives one part's boxes (see the module docstring); ``finish`` returns
     (info, already_present, complete)."""
 
-    def __init__(self, server: PartsServer, assembly: Assembly | None, part: int,
-                 boxes: Sequence[Box], *, committed: tuple[VersionManifest, str] | None,
-                 arrays: Sequence[ArraySpec]):  # fmt: skip
+    def __init__(
+        self,
+        server: PartsServer,
+        assembly: Assembly | None,
+        part: int,
+        boxes: Sequence[Box],
+        *,
+        committed: tuple[VersionManifest, str] | None,
+        arrays: Sequence[ArraySpec],
+    ):
         self._server, self._assembly, self.part = server, assembly, part
         self._committed = committed  # a retry after commit: compared with the stored arrays
         self._arrays = tuple(arrays)
         self.boxes = list(boxes)
-        self._buffers = [np.empty(_volume(b) * np_dtype(self._arrays[i].dtype).itemsize, np.uint8)
-                         for i, b in self.boxes]  # fmt: skip
+        self._buffers = [
+            np.empty(_volume(b) * np_dtype(self._arrays[i].dtype).itemsize, np.uint8)
+            for i, b in self.boxes
+        ]
         self._current, self._received, self._crcs, self._crc = 0, 0, [], 0
         self._lock = threading.Lock()
 
@@ -165,8 +181,10 @@ class PartSession:
         if list(crcs) != self._crcs:
             bad = [k for k, (a, b) in enumerate(zip(crcs, self._crcs, strict=False)) if a != b]
             raise errors.DataLoss(f"part {self.part}: checksum mismatch in boxes {bad or 'count'}")
-        values = [buf.view(np_dtype(self._arrays[i].dtype)).reshape([hi - lo for lo, hi in b])
-                  for buf, (i, b) in zip(self._buffers, self.boxes, strict=True)]  # fmt: skip
+        values = [
+            buf.view(np_dtype(self._arrays[i].dtype)).reshape([hi - lo for lo, hi in b])
+            for buf, (i, b) in zip(self._buffers, self.boxes, strict=True)
+        ]
         if self._committed is not None:
             return self._compare_committed(values)
         return self._server._finish_part(self._assembly, self.part, self.boxes, values, self._crcs)
@@ -188,13 +206,18 @@ def commit_assembly(server: PartsServer, assembly: Assembly) -> VersionInfo:
     """Writes a complete assembly to the hot store and commits it (the caller holds no lock)."""
     crcs = [checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in assembly.data]
     manifest = VersionManifest(
-        version=assembly.version, step=assembly.step,
-        arrays=tuple(dataclasses.replace(s, crc32c=c) for s, c in zip(assembly.arrays, crcs, strict=True)),
-    )  # fmt: skip
+        version=assembly.version,
+        step=assembly.step,
+        arrays=tuple(
+            dataclasses.replace(s, crc32c=c) for s, c in zip(assembly.arrays, crcs, strict=True)
+        ),
+    )
     prefix = f"v{assembly.version}-{uuid.uuid4().hex[:8]}"
     try:
-        writes = [server._hot.write_array(prefix, i, s, a)
-                  for i, (s, a) in enumerate(zip(manifest.arrays, assembly.data, strict=True))]  # fmt: skip
+        writes = [
+            server._hot.write_array(prefix, i, s, a)
+            for i, (s, a) in enumerate(zip(manifest.arrays, assembly.data, strict=True))
+        ]
         for w in writes:
             w.result()
         doomed = server._commit(manifest, prefix)

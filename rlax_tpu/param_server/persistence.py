@@ -161,22 +161,30 @@ class Persister:
                 candidates.append((manifest.version, prefix, manifest))
         for version, prefix, manifest in sorted(candidates, reverse=True):
             try:
-                arrays = [self._store.read_array(prefix, i, s).result()
-                          for i, s in enumerate(manifest.arrays)]  # fmt: skip
+                arrays = [
+                    self._store.read_array(prefix, i, s).result()
+                    for i, s in enumerate(manifest.arrays)
+                ]
             except (OSError, ValueError) as e:
                 log.warning("skipping persisted version %d: %s", version, e)
                 continue
             legacy = manifest.checksum == "crc32"  # persisted before CRC32C: zlib's crc32
             check = (lambda a: zlib.crc32(as_bytes(a))) if legacy else checksum
-            bad = [s.path for s, a in zip(manifest.arrays, arrays, strict=True)
-                   if check(a) != s.crc32c]  # fmt: skip
+            bad = [
+                s.path for s, a in zip(manifest.arrays, arrays, strict=True) if check(a) != s.crc32c
+            ]
             if bad:
                 log.warning("skipping persisted version %d: checksum mismatch in %s", version, bad)
                 continue
             if legacy:  # verified; from here on it is served with CRC32C like every version
-                manifest = dataclasses.replace(manifest, checksum="crc32c", arrays=tuple(
-                    dataclasses.replace(s, crc32c=checksum(a))
-                    for s, a in zip(manifest.arrays, arrays, strict=True)))  # fmt: skip
+                manifest = dataclasses.replace(
+                    manifest,
+                    checksum="crc32c",
+                    arrays=tuple(
+                        dataclasses.replace(s, crc32c=checksum(a))
+                        for s, a in zip(manifest.arrays, arrays, strict=True)
+                    ),
+                )
             out.append((manifest, arrays))
             if len(out) == limit:
                 break

@@ -41,6 +41,8 @@ from rlax_tpu.param_server.store import ArrayStore
 log = logging.getLogger(__name__)
 
 LATEST = -1
+
+
 class ParamServer:
     """Versioned weight store. Thread-safe. ``persist_location`` "" disables persistence."""
 
@@ -107,9 +109,15 @@ class ParamServer:
         return existing
 
     def begin_part(
-        self, version: int, step: int, arrays: Sequence[ArraySpec], *, part: int, parts: int,
+        self,
+        version: int,
+        step: int,
+        arrays: Sequence[ArraySpec],
+        *,
+        part: int,
+        parts: int,
         boxes: Sequence[tuple[int, Bounds]],
-    ) -> PartSession:  # fmt: skip
+    ) -> PartSession:
         """Opens part ``part`` of ``parts`` of a version published in parts (parts.py)."""
         _check_declaration(version, step, arrays)
         if not 0 <= part < parts:
@@ -124,8 +132,11 @@ class ParamServer:
             if assembly is None:
                 self._collectible_locked(need_room=True)  # fail early, collect at commit
                 for old in [v for v in self._assemblies if v < version]:
-                    log.warning("dropping unfinished version %d: version %d is being published",
-                                old, version)  # fmt: skip
+                    log.warning(
+                        "dropping unfinished version %d: version %d is being published",
+                        old,
+                        version,
+                    )
                     del self._assemblies[old]
                 assembly = Assembly.create(version, step, arrays, parts)
                 self._assemblies[version] = assembly
@@ -141,11 +152,15 @@ class ParamServer:
             assembly.claim(part, boxes)
         return PartSession(self, assembly, part, boxes, committed=None, arrays=arrays)
 
-    def _finish_part(self, assembly: Assembly, part: int, boxes: list, values: list,
-                     crcs: list[int]) -> tuple[VersionInfo, bool, bool]:  # fmt: skip
+    def _finish_part(
+        self, assembly: Assembly, part: int, boxes: list, values: list, crcs: list[int]
+    ) -> tuple[VersionInfo, bool, bool]:
         """A part's checked boxes into its version; the part completing it commits it."""
-        info = VersionInfo(version=assembly.version, step=assembly.step,
-                           nbytes=sum(a.nbytes for a in assembly.arrays))  # fmt: skip
+        info = VersionInfo(
+            version=assembly.version,
+            step=assembly.step,
+            nbytes=sum(a.nbytes for a in assembly.arrays),
+        )
         with self._lock:
             if self._assemblies.get(assembly.version) is not assembly:
                 raise errors.Aborted(f"version {assembly.version} was dropped or committed")
@@ -178,11 +193,14 @@ class ParamServer:
                 self._assemblies.pop(assembly.version, None)
         return info, False, True
 
-    def publish(self, version: int, step: int, paths: Sequence[str],
-                arrays: Sequence[np.ndarray]) -> tuple[VersionInfo, bool]:  # fmt: skip
+    def publish(
+        self, version: int, step: int, paths: Sequence[str], arrays: Sequence[np.ndarray]
+    ) -> tuple[VersionInfo, bool]:
         """In-process publish of host arrays. Returns (info, already_present)."""
-        specs = [ArraySpec(path=p, shape=tuple(a.shape), dtype=np.dtype(a.dtype).name)
-                 for p, a in zip(paths, arrays, strict=True)]  # fmt: skip
+        specs = [
+            ArraySpec(path=p, shape=tuple(a.shape), dtype=np.dtype(a.dtype).name)
+            for p, a in zip(paths, arrays, strict=True)
+        ]
         session = self.begin_publish(version, step, specs)
         try:
             crcs = []
@@ -228,8 +246,9 @@ class ParamServer:
             if ok and manifest.version in self._index:
                 self._persisted.add(manifest.version)
 
-    def _check_new_number_locked(self, version: int, manifest: VersionManifest | None = None
-                                 ) -> None:  # fmt: skip
+    def _check_new_number_locked(
+        self, version: int, manifest: VersionManifest | None = None
+    ) -> None:
         """Refuses a version number that is not hot but was already used (or skipped) here; a
         number whose persisted copy was torn is taken again with the same content (checked on
         commit, ``manifest`` given, against its intent record)."""
@@ -306,7 +325,7 @@ class ParamServer:
                     nbytes=m.nbytes,
                     persisted=v in self._persisted,
                     leased_by=tuple(self._retention.holders(v)),
-                )  # fmt: skip
+                )
                 for v, (m, _) in sorted(self._index.items())
             ]
 
@@ -386,8 +405,11 @@ class ParamServer:
         self._high_water = max(used, default=-1)
         self._torn = self._persister.torn_versions()
         for v in sorted(self._torn):
-            log.info("version %d was cut short while persisting; it may be published again "
-                     "with the content its intent record names", v)  # fmt: skip
+            log.info(
+                "version %d was cut short while persisting; it may be published again "
+                "with the content its intent record names",
+                v,
+            )
         # The newest complete versions that fit in memory: a resumed controller may still need
         # the older ones (rollouts generated with them are re-issued).
         keep = self.config.in_memory_versions
@@ -399,8 +421,10 @@ class ParamServer:
             return
         for manifest, arrays in reversed(found):
             prefix = f"v{manifest.version}-{uuid.uuid4().hex[:8]}"
-            pending = [self._hot.write_array(prefix, i, s, a)
-                       for i, (s, a) in enumerate(zip(manifest.arrays, arrays, strict=True))]  # fmt: skip
+            pending = [
+                self._hot.write_array(prefix, i, s, a)
+                for i, (s, a) in enumerate(zip(manifest.arrays, arrays, strict=True))
+            ]
             for f in pending:
                 f.result()
             with self._lock:
@@ -482,8 +506,14 @@ class VersionReader(Iterator[tuple[int, int, np.ndarray]]):
 _READ_AHEAD = 2  # pieces being read while the one before them is consumed
 
 
-def _read(hot: ArrayStore, manifest: VersionManifest, prefix: str, boxes: list[tuple[int, Bounds]],
-          piece_bytes: int, reuse: bool) -> Iterator[tuple[int, int, np.ndarray]]:  # fmt: skip
+def _read(
+    hot: ArrayStore,
+    manifest: VersionManifest,
+    prefix: str,
+    boxes: list[tuple[int, Bounds]],
+    piece_bytes: int,
+    reuse: bool,
+) -> Iterator[tuple[int, int, np.ndarray]]:
     pending = collections.deque()  # a few reads in flight while earlier pieces are sent
     # With ``reuse``, piece p is read into ring[p % len(ring)]: when it is started, the piece
     # that used that buffer before (p - len(ring)) has been handed out and its consumer has
@@ -563,8 +593,15 @@ class PublishSession:
     the store; checksums are computed chunk by chunk. Nothing is visible until ``finish`` commits.
     """
 
-    def __init__(self, server: ParamServer, version: int, step: int, arrays: tuple[ArraySpec, ...],
-                 *, existing: tuple[VersionManifest, str] | None):  # fmt: skip
+    def __init__(
+        self,
+        server: ParamServer,
+        version: int,
+        step: int,
+        arrays: tuple[ArraySpec, ...],
+        *,
+        existing: tuple[VersionManifest, str] | None,
+    ):
         self._server, self.version, self.step, self.arrays = server, version, step, arrays
         self._existing = existing  # a retry of a committed version: only checksums are compared
         self._prefix = f"v{version}-{uuid.uuid4().hex[:8]}"
@@ -673,9 +710,12 @@ class PublishSession:
         for w in self._writes:
             w.result()
         manifest = VersionManifest(
-            version=self.version, step=self.step,
-            arrays=tuple(dataclasses.replace(s, crc32c=c) for s, c in zip(self.arrays, got, strict=True)),
-        )  # fmt: skip
+            version=self.version,
+            step=self.step,
+            arrays=tuple(
+                dataclasses.replace(s, crc32c=c) for s, c in zip(self.arrays, got, strict=True)
+            ),
+        )
         info = VersionInfo(version=self.version, step=self.step, nbytes=manifest.nbytes)
         if self._existing is not None:
             if [a.crc32c for a in self._existing[0].arrays] != got or self._existing[

@@ -52,21 +52,30 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
         try:
             crcs = _receive(session, request_iterator, header.version)
             info, present = session.finish(crcs)
-            return pb.PublishReply(info=wire.info_to_pb(info), already_present=present,
-                                   complete=True)  # fmt: skip
+            return pb.PublishReply(
+                info=wire.info_to_pb(info), already_present=present, complete=True
+            )
         finally:
             session.abort()
 
-    def _publish_part(self, raw: pb.VersionHeader, header: VersionManifest,
-                      request_iterator: Iterator) -> pb.PublishReply:  # fmt: skip
+    def _publish_part(
+        self, raw: pb.VersionHeader, header: VersionManifest, request_iterator: Iterator
+    ) -> pb.PublishReply:
         boxes = [(b.array, _bounds(b)) for b in raw.part.boxes]
         session = self._server.begin_part(
-            header.version, header.step, header.arrays, part=raw.part.index,
-            parts=raw.part.count, boxes=boxes,
-        )  # fmt: skip
-        info, present, complete = session.finish(_receive(session, request_iterator, header.version))
-        return pb.PublishReply(info=wire.info_to_pb(info), already_present=present,
-                               complete=complete)  # fmt: skip
+            header.version,
+            header.step,
+            header.arrays,
+            part=raw.part.index,
+            parts=raw.part.count,
+            boxes=boxes,
+        )
+        info, present, complete = session.finish(
+            _receive(session, request_iterator, header.version)
+        )
+        return pb.PublishReply(
+            info=wire.info_to_pb(info), already_present=present, complete=complete
+        )
 
     @_statuses
     def Pull(self, request: pb.PullRequest, context) -> Iterator[pb.PullReply]:  # noqa: ANN001
@@ -99,8 +108,10 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
     @_statuses
     def ListVersions(self, request: common_pb2.Empty, context) -> pb.VersionList:  # noqa: ANN001
         latest = self._server.latest()
-        return pb.VersionList(versions=[wire.info_to_pb(i) for i in self._server.list_versions()],
-                              latest=-1 if latest is None else latest)  # fmt: skip
+        return pb.VersionList(
+            versions=[wire.info_to_pb(i) for i in self._server.list_versions()],
+            latest=-1 if latest is None else latest,
+        )
 
     @_statuses
     def ReportProgress(self, request: pb.ProgressRequest, context) -> common_pb2.Empty:  # noqa: ANN001
@@ -150,14 +161,15 @@ def add_to_server(service: ParamServerService, server: grpc.Server) -> None:
             response_serializer=_serialize,
         ),
         "Pull": grpc.unary_stream_rpc_method_handler(
-            service.Pull, request_deserializer=pb.PullRequest.FromString,
+            service.Pull,
+            request_deserializer=pb.PullRequest.FromString,
             response_serializer=framing.encode,
         ),
         "ListVersions": unary(service.ListVersions, common_pb2.Empty),
         "ReportProgress": unary(service.ReportProgress, pb.ProgressRequest),
         "Lease": unary(service.Lease, pb.LeaseRequest),
         "Health": unary(service.Health, common_pb2.Empty),
-    }  # fmt: skip
+    }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 

@@ -114,8 +114,9 @@ class ArrayStore:
         source = self._view(prefix, i, spec, bounds)
         return ts.array(out, copy=False, write=True).write(source)
 
-    def write_manifest(self, prefix: str, manifest: VersionManifest, *, name: str = MANIFEST
-                       ) -> None:  # fmt: skip
+    def write_manifest(
+        self, prefix: str, manifest: VersionManifest, *, name: str = MANIFEST
+    ) -> None:
         self._kv.write(f"{prefix}/{name}", manifest.to_json()).result()
 
     def read_manifest(self, prefix: str, *, name: str = MANIFEST) -> VersionManifest | None:

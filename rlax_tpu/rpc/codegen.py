@@ -46,8 +46,11 @@ def stale_stubs() -> list[str]:
     """Names of stubs that differ from (or are missing next to) what the protos generate."""
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
-        bad = [f.name for f in fresh if not (RPC_DIR / f.name).is_file()
-               or (RPC_DIR / f.name).read_bytes() != f.read_bytes()]  # fmt: skip
+        bad = [
+            f.name
+            for f in fresh
+            if not (RPC_DIR / f.name).is_file() or (RPC_DIR / f.name).read_bytes() != f.read_bytes()
+        ]
         expected = {f.name for f in fresh}
     bad += [
         p.name for p in RPC_DIR.iterdir() if p.name.endswith(SUFFIXES) and p.name not in expected

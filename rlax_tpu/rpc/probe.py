@@ -25,8 +25,14 @@ from rlax_tpu.rpc.transport import Credentials, CredentialsError, make_channel
 SERVICES = ("Trainer", "Inference", "ParamServer", "Verifier")
 
 
-def probe(service: str, endpoint: str, credentials: Credentials, *, server_name: str = "",
-          timeout_s: float = 5.0) -> common_pb2.HealthReply:  # fmt: skip
+def probe(
+    service: str,
+    endpoint: str,
+    credentials: Credentials,
+    *,
+    server_name: str = "",
+    timeout_s: float = 5.0,
+) -> common_pb2.HealthReply:
     """The service's HealthReply; raises grpc.RpcError if it does not answer in time."""
     if service not in SERVICES:
         raise ValueError(f"unknown service {service!r}; one of {', '.join(SERVICES)}")
@@ -43,18 +49,28 @@ def probe(service: str, endpoint: str, credentials: Credentials, *, server_name:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlax_tpu.rpc.probe", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m rlax_tpu.rpc.probe",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("service", choices=SERVICES)
     parser.add_argument("endpoint", help="host:port")
     parser.add_argument("--token_file", default="")
     parser.add_argument("--tls_cert_file", default="")
     parser.add_argument("--server_name", default="", help="name on the server's certificate")
     parser.add_argument("--timeout_s", type=float, default=5.0)
-    parser.add_argument("--wait_s", type=float, default=0.0,
-                        help="retry every 5 s until it serves or this many seconds pass")  # fmt: skip
-    parser.add_argument("--lead_only", action="store_true",
-                        help="pass on pods other than process 0 of an Indexed job")  # fmt: skip
+    parser.add_argument(
+        "--wait_s",
+        type=float,
+        default=0.0,
+        help="retry every 5 s until it serves or this many seconds pass",
+    )
+    parser.add_argument(
+        "--lead_only",
+        action="store_true",
+        help="pass on pods other than process 0 of an Indexed job",
+    )
     args = parser.parse_args(argv)
     if args.lead_only and os.environ.get("JOB_COMPLETION_INDEX", "0") != "0":
         print(f"{args.service}: a follower process; nothing to probe")
@@ -63,8 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.wait_s
     while True:
         try:
-            reply = probe(args.service, args.endpoint, creds, server_name=args.server_name,
-                          timeout_s=args.timeout_s)  # fmt: skip
+            reply = probe(
+                args.service,
+                args.endpoint,
+                creds,
+                server_name=args.server_name,
+                timeout_s=args.timeout_s,
+            )
             problem = None if reply.serving else f"not serving: {reply.detail}"
         except CredentialsError as e:
             problem = f"unhealthy: {e}"

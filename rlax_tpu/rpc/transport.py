@@ -62,8 +62,9 @@ class Named:
             except grpc.RpcError as e:
                 if e.code() not in _GONE:
                     raise
-                raise ComponentFailed(self._component, self._endpoint, e.code().name,
-                                      e.details() or "") from None  # fmt: skip
+                raise ComponentFailed(
+                    self._component, self._endpoint, e.code().name, e.details() or ""
+                ) from None
 
         return call
 
@@ -180,8 +181,10 @@ class _WriteTokenCheck(grpc.ServerInterceptor):
             return handler
 
         def deny(_request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"{handler_call_details.method} needs the write token")  # fmt: skip
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{handler_call_details.method} needs the write token",
+            )
 
         if handler.request_streaming:
             return grpc.stream_unary_rpc_method_handler(deny)
@@ -277,8 +280,12 @@ def make_channel(
     """
     # A restarted peer (a rescheduled pod) is found again within ~2 s, not after gRPC's default
     # reconnect backoff of up to 120 s.
-    options = [*_channel_options(max_message_bytes), ("grpc.initial_reconnect_backoff_ms", 250),
-               ("grpc.min_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]  # fmt: skip
+    options = [
+        *_channel_options(max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.min_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     tls = credentials.channel_tls()

@@ -43,16 +43,17 @@ def micro_batch_shape(config: RunConfig) -> tuple[int, int, int]:
     """(rows b, token columns L, completion columns T) of the largest micro-batch."""
     tcfg, icfg = config.trainer, config.inference
     rows = min(tcfg.micro_batch_size, config.rollouts_per_step)
-    shapes = possible_shapes(bucket=tcfg.length_bucket, max_prompt_len=icfg.max_prompt_len,
-                             max_new_tokens=icfg.max_new_tokens)  # fmt: skip
+    shapes = possible_shapes(
+        bucket=tcfg.length_bucket,
+        max_prompt_len=icfg.max_prompt_len,
+        max_new_tokens=icfg.max_new_tokens,
+    )
     length = max(length for length, _ in shapes)
     width = max(width for _, width in shapes)
     return rows, length, width
 
 
-def abstract_programs(
-    config: RunConfig, devices: Sequence[jax.Device]
-) -> list[AbstractProgram]:
+def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[AbstractProgram]:
     """The trainer's programs for ``config`` on ``devices``. Raises ConfigError when the mesh
     does not fit the devices and BatchShapeError when a micro-batch does not split over it."""
     mesh = mesh_lib.build_mesh(config.mesh, devices)
@@ -76,15 +77,19 @@ def abstract_programs(
     big = config.rollouts_per_step
     per_token = spec((big, width), f32, rep)
     rollout = RolloutBatch(
-        logp_old=per_token, logp_behaviour=per_token, mask=per_token, rewards=spec((big,), f32, rep),
+        logp_old=per_token,
+        logp_behaviour=per_token,
+        mask=per_token,
+        rewards=spec((big,), f32, rep),
         logp_ref=per_token if spec_.needs_reference else None,
         values=per_token if spec_.advantage == "gae" else None,
-    )  # fmt: skip
+    )
     step = spec((), i32, rep)
     full = jax.eval_shape(lambda r, s: fns.objective.prepare(r, step=s), rollout, step)
     full_abs = abstract(full, rep)  # prepare's output is replicated
-    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b, *x.shape[1:]) if x.ndim else (), x.dtype),
-                         full)  # fmt: skip
+    micro = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((b, *x.shape[1:]) if x.ndim else (), x.dtype), full
+    )
     micro = abstract(micro, fns.inputs_shardings(micro))
     where = f"micro-batch [{b} rows, {length} tokens, {width} completion]"
 
@@ -96,8 +101,9 @@ def abstract_programs(
         f"trainable ({config.trainer.master_dtype} master)": device_bytes(trainable),
         "optimizer state": device_bytes(opt),
         f"reference ({config.model.param_dtype})": device_bytes(ref) if ref is not None else 0,
-        "micro-batch arrays": device_bytes(arrays), "objective inputs": device_bytes(full_abs),
-    }  # fmt: skip
+        "micro-batch arrays": device_bytes(arrays),
+        "objective inputs": device_bytes(full_abs),
+    }
     trainable_k, opt_k, ref_k, arrays_k, inputs_k = sizes
     resident = {k: sizes[k] for k in (trainable_k, opt_k, ref_k) if sizes[k]}
 
@@ -113,21 +119,31 @@ def abstract_programs(
 
     programs: list[AbstractProgram] = [
         AbstractProgram(
-            "trainer.accumulate", fns.accumulate_jit(micro),
-            (trainable, trainable, arrays, micro, scalar, scalar), mesh=mesh,
+            "trainer.accumulate",
+            fns.accumulate_jit(micro),
+            (trainable, trainable, arrays, micro, scalar, scalar),
+            mesh=mesh,
             held=held(trainable_k, batches=n_micro - 1, inputs=True),
             note=f"loss + gradient of one {where}",
         ),
         AbstractProgram(
-            "trainer.apply", fns.apply_jit(), (trainable, opt, trainable, scalar), mesh=mesh,
+            "trainer.apply",
+            fns.apply_jit(),
+            (trainable, opt, trainable, scalar),
+            mesh=mesh,
             held=held(trainable_k, opt_k, batches=n_micro, inputs=True),
             note="clip + AdamW update",
         ),
         AbstractProgram(
-            "trainer.prepare", fns.prepare_jit(), (rollout,), dict(step=step), mesh=mesh,
-            held=held(batches=n_micro), note=f"objective inputs of {big} rollouts",
+            "trainer.prepare",
+            fns.prepare_jit(),
+            (rollout,),
+            dict(step=step),
+            mesh=mesh,
+            held=held(batches=n_micro),
+            note=f"objective inputs of {big} rollouts",
         ),
-    ]  # fmt: skip
+    ]
     scored = f"log-probs of one {where}"
     mode = old_logprobs_mode(config, devices[0].platform)
     # π_old on the published cast where the masters would not give the engine's values.
@@ -140,35 +156,65 @@ def abstract_programs(
             config.inference, config.model, platform=devices[0].platform
         )
         programs += engine_programs(
-            "trainer.replay", config.model, shape, graphdef=graphdef,
+            "trainer.replay",
+            config.model,
+            shape,
+            graphdef=graphdef,
             state=to_master(abstract(state, models.param_shardings(state, mesh)), old_dtype),
-            cache_sharding=rep, io_sharding=rep, mesh=mesh,
-            held=held(*old_args, batches=n_micro), copy_held=held(batches=n_micro),
+            cache_sharding=rep,
+            io_sharding=rep,
+            mesh=mesh,
+            held=held(*old_args, batches=n_micro),
+            copy_held=held(batches=n_micro),
             note="π_old replay through the engine's programs; cache replicated on the mesh",
-        )  # fmt: skip
+        )
     else:
         prefill = mode == "prefill"
-        programs.append(AbstractProgram(
-            "trainer.prefill_old" if prefill else "trainer.score_old",
-            fns.score_jit(False, prefill), (old_model, None, arrays, scalar),
-            mesh=mesh, held=held(*old_args, batches=n_micro - 1),
-            note=f"π_old {scored}" + (f" through the engine's {fns.prefill.backend} paged "
-                                      "attention (prefill-shaped)" if prefill else ""),
-        ))  # fmt: skip
+        programs.append(
+            AbstractProgram(
+                "trainer.prefill_old" if prefill else "trainer.score_old",
+                fns.score_jit(False, prefill),
+                (old_model, None, arrays, scalar),
+                mesh=mesh,
+                held=held(*old_args, batches=n_micro - 1),
+                note=f"π_old {scored}"
+                + (
+                    f" through the engine's {fns.prefill.backend} paged attention (prefill-shaped)"
+                    if prefill
+                    else ""
+                ),
+            )
+        )
     if ref is not None:
-        programs.append(AbstractProgram(
-            "trainer.score_ref", fns.score_jit(False), (ref, None, arrays, scalar), mesh=mesh,
-            held=held(ref_k, batches=n_micro - 1), note=f"π_ref {scored}",
-        ))  # fmt: skip
+        programs.append(
+            AbstractProgram(
+                "trainer.score_ref",
+                fns.score_jit(False),
+                (ref, None, arrays, scalar),
+                mesh=mesh,
+                held=held(ref_k, batches=n_micro - 1),
+                note=f"π_ref {scored}",
+            )
+        )
     if "value_head" in trainable:
-        programs.append(AbstractProgram(
-            "trainer.values", fns.score_jit(True),
-            (trainable["model"], trainable["value_head"], arrays, scalar), mesh=mesh,
-            held=held(trainable_k, batches=n_micro - 1), note=f"values of one {where}",
-        ))  # fmt: skip
-    programs.append(AbstractProgram(
-        "trainer.publish", fns.publish_jit(config.trainer.publish_dtype), (trainable["model"],),
-        mesh=mesh, held=held(trainable_k),
-        note=f"params cast to {config.trainer.publish_dtype} for the parameter server",
-    ))  # fmt: skip
+        programs.append(
+            AbstractProgram(
+                "trainer.values",
+                fns.score_jit(True),
+                (trainable["model"], trainable["value_head"], arrays, scalar),
+                mesh=mesh,
+                held=held(trainable_k, batches=n_micro - 1),
+                note=f"values of one {where}",
+            )
+        )
+    programs.append(
+        AbstractProgram(
+            "trainer.publish",
+            fns.publish_jit(config.trainer.publish_dtype),
+            (trainable["model"],),
+            mesh=mesh,
+            held=held(trainable_k),
+            note=f"params cast to {config.trainer.publish_dtype} for the parameter server",
+        )
+    )
     return programs

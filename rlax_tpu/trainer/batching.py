@@ -21,12 +21,17 @@ def _round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def possible_shapes(*, bucket: int, max_prompt_len: int, max_new_tokens: int) -> list[tuple[int, int]]:
+def possible_shapes(
+    *, bucket: int, max_prompt_len: int, max_new_tokens: int
+) -> list[tuple[int, int]]:
     """Every (length L, width T) a micro-batch can take under these limits (T <= L)."""
     longest = _round_up(max_prompt_len + max_new_tokens, bucket)
     widest = _round_up(max_new_tokens, bucket)
-    return [(length, width) for length in range(bucket, longest + 1, bucket)
-            for width in range(bucket, min(length, widest) + 1, bucket)]  # fmt: skip
+    return [
+        (length, width)
+        for length in range(bucket, longest + 1, bucket)
+        for width in range(bucket, min(length, widest) + 1, bucket)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +110,7 @@ def plan_micro_batches(
         sum(
             len(total[lo : lo + mbs]) * _round_up(int(total[lo : lo + mbs].max()), bucket)
             for lo in range(0, b, mbs)
-        )  # fmt: skip
+        )
     )
     return Plan(mbatches, 1.0 - real / slots, 1.0 - real / unsorted)
 

@@ -79,14 +79,18 @@ def _checksums(tree: Any) -> Any:
 def checksums(state: Any) -> dict[str, list[int]]:
     """{leaf path: [sum, position-weighted sum]} (uint32) of a pytree of arrays."""
     values = jax.device_get(_checksums(state))
-    return {jax.tree_util.keystr(path): [int(v[0]), int(v[1])]
-            for path, v in jax.tree_util.tree_flatten_with_path(values)[0]}  # fmt: skip
+    return {
+        jax.tree_util.keystr(path): [int(v[0]), int(v[1])]
+        for path, v in jax.tree_util.tree_flatten_with_path(values)[0]
+    }
 
 
 def dtypes(state: Any) -> dict[str, str]:
     """{leaf path: dtype name} of a pytree of arrays (the paths ``checksums`` uses)."""
-    return {jax.tree_util.keystr(path): jnp.dtype(x.dtype).name
-            for path, x in jax.tree_util.tree_flatten_with_path(state)[0]}  # fmt: skip
+    return {
+        jax.tree_util.keystr(path): jnp.dtype(x.dtype).name
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+    }
 
 
 def _with_dtypes(abstract: Any, names: dict[str, str]) -> Any:
@@ -124,8 +128,12 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Starts an asynchronous save of ``state`` (a pytree of jax arrays) as ``step``."""
-        meta = {"step": step, "signature": self.signature, "checksums": checksums(state),
-                "dtypes": dtypes(state)}  # fmt: skip
+        meta = {
+            "step": step,
+            "signature": self.signature,
+            "checksums": checksums(state),
+            "dtypes": dtypes(state),
+        }
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -190,8 +198,9 @@ class Checkpointer:
             bad = sorted(k for k, v in meta["checksums"].items() if got.get(k) != v)
             if bad:
                 raise CorruptCheckpointError(
-                    step, f"checkpoint {step} in {self.directory} is corrupt: {len(bad)} array(s) "
-                    f"differ from their recorded checksums ({', '.join(bad[:3])})"
+                    step,
+                    f"checkpoint {step} in {self.directory} is corrupt: {len(bad)} array(s) "
+                    f"differ from their recorded checksums ({', '.join(bad[:3])})",
                 )
         cast = lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype)  # noqa: E731
         return step, jax.tree.map(cast, restored, abstract_state)
@@ -245,16 +254,21 @@ def inspect_checkpoints(directory: str | os.PathLike) -> list[CheckpointReport]:
             found.append(_inspect_one(manager, step))
     finally:
         manager.close()
-    leftovers = sorted(int(p.name.split(".")[0]) for p in root.iterdir()
-                       if p.name.split(".")[0].isdigit() and int(p.name.split(".")[0]) not in committed)  # fmt: skip
+    leftovers = sorted(
+        int(p.name.split(".")[0])
+        for p in root.iterdir()
+        if p.name.split(".")[0].isdigit() and int(p.name.split(".")[0]) not in committed
+    )
     found += [CheckpointReport(s, False, "not committed (a save cut short)", "") for s in leftovers]
     return sorted(found, key=lambda r: r.step)
 
 
 def _inspect_one(manager: ocp.CheckpointManager, step: int) -> CheckpointReport:
     try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))  # fmt: skip
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
+        )
     except Exception as e:
         return CheckpointReport(step, False, f"does not read: {e}", "")
     state, meta = restored["state"], restored["meta"]
@@ -271,8 +285,9 @@ def tree_sha256(tree: Any) -> str:
     """SHA-256 over a pytree's paths, dtypes, shapes and bytes (bitwise identity; arrays are
     fetched to the host)."""
     digest = hashlib.sha256()
-    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(tree),
-                             key=lambda kv: jax.tree_util.keystr(kv[0])):  # fmt: skip
+    for path, leaf in sorted(
+        jax.tree_util.tree_leaves_with_path(tree), key=lambda kv: jax.tree_util.keystr(kv[0])
+    ):
         a = np.asarray(jax.device_get(leaf))
         digest.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}".encode())
         digest.update(np.ascontiguousarray(a).tobytes())

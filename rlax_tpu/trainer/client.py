@@ -16,8 +16,14 @@ _NO_CREDENTIALS = Credentials()
 
 
 class TrainerClient:
-    def __init__(self, endpoint: str, *, credentials: Credentials = _NO_CREDENTIALS,
-                 timeout_s: float = 3600.0, chunk_bytes: int = 4 * 2**20):  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        credentials: Credentials = _NO_CREDENTIALS,
+        timeout_s: float = 3600.0,
+        chunk_bytes: int = 4 * 2**20,
+    ):
         self.endpoint, self.timeout_s, self.chunk_bytes = endpoint, timeout_s, chunk_bytes
         self._channel = make_channel(endpoint, credentials=credentials)
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
@@ -52,10 +58,14 @@ class TrainerClient:
     def status(self) -> TrainerStatus:
         s = self._stub.Status(common_pb2.Empty(), timeout=self.timeout_s)
         return TrainerStatus(
-            step=s.step, published_version=s.published_version, mesh=dict(s.mesh),
-            process_count=s.process_count, halted=s.halted,
-            checkpoint_steps=tuple(s.checkpoint_steps), last_metrics=dict(s.last_metrics),
-        )  # fmt: skip
+            step=s.step,
+            published_version=s.published_version,
+            mesh=dict(s.mesh),
+            process_count=s.process_count,
+            halted=s.halted,
+            checkpoint_steps=tuple(s.checkpoint_steps),
+            last_metrics=dict(s.last_metrics),
+        )
 
     def health(self) -> common_pb2.HealthReply:
         return self._stub.Health(common_pb2.Empty(), timeout=self.timeout_s)

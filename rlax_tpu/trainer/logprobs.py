@@ -23,9 +23,13 @@ from rlax_tpu.trainer.mesh import BATCH_AXES, TENSOR_AXIS
 
 
 def hidden_states(
-    model: models.Transformer, tokens: jax.Array, positions: jax.Array, *,
-    loop: models.LayerLoop = models.UNROLLED, attention: str | models.KVCache = "dense",
-) -> jax.Array:  # fmt: skip
+    model: models.Transformer,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    loop: models.LayerLoop = models.UNROLLED,
+    attention: str | models.KVCache = "dense",
+) -> jax.Array:
     """tokens, positions [B, L] -> final-normed hidden states [B, L, E]; ``attention`` is the
     kernel of ``models.NoCache`` (splash needs each row's tokens first, as batching lays them)
     or a stateless cache (the prefill-shaped π_old recompute), ``loop`` how the layers run

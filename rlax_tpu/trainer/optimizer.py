@@ -44,9 +44,13 @@ def _matrices(params: optax.Params) -> optax.Params:
 def make_optimizer(cfg: TrainerConfig, total_steps: int) -> optax.GradientTransformation:
     """clip_by_global_norm (unless grad_clip_norm = 0), then AdamW with the schedule."""
     adamw = optax.adamw(
-        make_schedule(cfg, total_steps), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-        weight_decay=cfg.weight_decay, mask=_matrices,
-    )  # fmt: skip
+        make_schedule(cfg, total_steps),
+        b1=cfg.adam_b1,
+        b2=cfg.adam_b2,
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        mask=_matrices,
+    )
     if cfg.grad_clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)
     return adamw

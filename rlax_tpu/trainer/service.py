@@ -49,8 +49,10 @@ def _serialized(method: Callable) -> Callable:
             except grpc.RpcError as e:  # from the weight sink: a parameter server is gone
                 if e.code() not in _GONE:
                     raise
-                context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"a parameter server did not answer ({e.code().name}: {e.details()})")
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"a parameter server did not answer ({e.code().name}: {e.details()})",
+                )
             except Exception as e:
                 for cls, code in _STATUS:
                     if isinstance(e, cls):
@@ -69,8 +71,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
     def TrainStep(self, requests: Iterator[pb.TrainBatchMessage], context) -> pb.TrainStepReply:  # noqa: ANN001
         expect = dict(context.invocation_metadata()).get(EXPECT_STEP_KEY)
         try:
-            metrics = self._trainer.train_step(batch_from_chunks(requests),
-                                               expect_step=None if expect is None else int(expect))  # fmt: skip
+            metrics = self._trainer.train_step(
+                batch_from_chunks(requests), expect_step=None if expect is None else int(expect)
+            )
         except TrainerStateLost as e:  # as gone as a dead trainer: the caller must restore it
             context.abort(grpc.StatusCode.UNAVAILABLE, f"TrainerStateLost: {e}")
         return pb.TrainStepReply(metrics=metrics)
@@ -91,10 +94,14 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
     def Status(self, request: common_pb2.Empty, context) -> pb.TrainerStatusReply:  # noqa: ANN001
         s = self._trainer.status()
         return pb.TrainerStatusReply(
-            step=s.step, published_version=s.published_version, mesh=s.mesh,
-            process_count=s.process_count, halted=s.halted,
-            checkpoint_steps=list(s.checkpoint_steps), last_metrics=s.last_metrics,
-        )  # fmt: skip
+            step=s.step,
+            published_version=s.published_version,
+            mesh=s.mesh,
+            process_count=s.process_count,
+            halted=s.halted,
+            checkpoint_steps=list(s.checkpoint_steps),
+            last_metrics=s.last_metrics,
+        )
 
     def Health(self, request: common_pb2.Empty, context) -> common_pb2.HealthReply:  # noqa: ANN001
         s = self._trainer.status()

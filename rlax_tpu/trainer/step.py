@@ -89,9 +89,13 @@ class StepFunctions:
             self,
             f"score:{with_value_head}:{prefill}",
             lambda: jax.jit(
-                partial(_score, self.graphdef, self.mesh,
-                        self.prefill if prefill else self.attention,
-                        LayerLoop(scan=self.loop.scan)),
+                partial(
+                    _score,
+                    self.graphdef,
+                    self.mesh,
+                    self.prefill if prefill else self.attention,
+                    LayerLoop(scan=self.loop.scan),
+                ),
                 in_shardings=(
                     self.trainable_shardings["model"],
                     self.trainable_shardings["value_head"] if with_value_head else None,
@@ -105,9 +109,10 @@ class StepFunctions:
     def prepare_jit(self) -> Any:
         """(RolloutBatch, step) -> LossInputs of the full batch, replicated."""
         return _jit_cached(
-            self, "prepare",
+            self,
+            "prepare",
             lambda: jax.jit(self.objective.prepare, out_shardings=replicated(self.mesh)),
-        )  # fmt: skip
+        )
 
     def zeros_jit(self) -> Any:
         return _jit_cached(
@@ -127,8 +132,9 @@ class StepFunctions:
             self,
             "accumulate",
             lambda: jax.jit(
-                partial(_accumulate, self.graphdef, self.objective, self.mesh, self.loop,
-                        self.attention),
+                partial(
+                    _accumulate, self.graphdef, self.objective, self.mesh, self.loop, self.attention
+                ),
                 in_shardings=(
                     self.trainable_shardings,
                     self.trainable_shardings,
@@ -136,7 +142,7 @@ class StepFunctions:
                     self.inputs_shardings(inputs),
                     rep,
                     rep,
-                ),  # fmt: skip
+                ),
                 out_shardings=(self.trainable_shardings, rep, rep),
                 donate_argnums=(1,),
             ),
@@ -156,7 +162,7 @@ class StepFunctions:
                     self.opt_shardings,
                     self.trainable_shardings,
                     rep,
-                ),  # fmt: skip
+                ),
                 out_shardings=(self.trainable_shardings, self.opt_shardings, rep),
                 donate_argnums=(0, 1),
             ),
@@ -175,9 +181,13 @@ class StepFunctions:
 
     # ------------------------------------------------------------------ calls
     def score(
-        self, model_params: Params, value_head: Params | None, arrays: dict[str, jax.Array],
-        temperature: jax.Array, prefill: bool = False,
-    ) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+        self,
+        model_params: Params,
+        value_head: Params | None,
+        arrays: dict[str, jax.Array],
+        temperature: jax.Array,
+        prefill: bool = False,
+    ) -> tuple[jax.Array, jax.Array | None]:
         with jax.set_mesh(self.mesh):
             return self.score_jit(value_head is not None, prefill)(
                 model_params, value_head, arrays, temperature
@@ -191,9 +201,14 @@ class StepFunctions:
         return self.zeros_jit()(trainable)
 
     def accumulate(
-        self, trainable: Params, acc: Params, arrays: dict[str, jax.Array], inputs: LossInputs,
-        temperature: jax.Array, scale: jax.Array,
-    ) -> tuple[Params, jax.Array, dict[str, jax.Array]]:  # fmt: skip
+        self,
+        trainable: Params,
+        acc: Params,
+        arrays: dict[str, jax.Array],
+        inputs: LossInputs,
+        temperature: jax.Array,
+        scale: jax.Array,
+    ) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
         with jax.set_mesh(self.mesh):
             return self.accumulate_jit(inputs)(trainable, acc, arrays, inputs, temperature, scale)
 
@@ -235,15 +250,23 @@ def make_step_functions(
     )
     tx = make_optimizer(config.trainer, config.controller.num_steps)
     opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, trainable), shardings,
+        tx,
+        lambda _, s: s,
+        jax.eval_shape(tx.init, trainable),
+        shardings,
         transform_non_params=lambda _: replicated(mesh),
-    )  # fmt: skip
+    )
     fns = StepFunctions(
-        graphdef=graphdef, objective=objective, mesh=mesh, trainable_shardings=shardings,
-        opt_shardings=opt_shardings, tx=tx, loop=training_loop(config.trainer),
+        graphdef=graphdef,
+        objective=objective,
+        mesh=mesh,
+        trainable_shardings=shardings,
+        opt_shardings=opt_shardings,
+        tx=tx,
+        loop=training_loop(config.trainer),
         attention=training_attention(config.trainer.attention, mesh),
         prefill=prefill_recompute(config, mesh),
-    )  # fmt: skip
+    )
     return fns, trainable
 
 
@@ -269,8 +292,11 @@ def old_policy_on_published(config: RunConfig) -> bool:
     dtype at use (e.g. bf16 published, float32 compute). With compute = publish dtype (the
     presets' bf16) the masters give the engine's values exactly, with no extra copy."""
     tcfg, mcfg = config.trainer, config.model
-    return (tcfg.align_logprobs and tcfg.publish_dtype != tcfg.master_dtype
-            and mcfg.compute_dtype != tcfg.publish_dtype)  # fmt: skip
+    return (
+        tcfg.align_logprobs
+        and tcfg.publish_dtype != tcfg.master_dtype
+        and mcfg.compute_dtype != tcfg.publish_dtype
+    )
 
 
 def prefill_recompute(config: RunConfig, mesh: Mesh) -> SequencePagedCache | None:
@@ -301,22 +327,38 @@ def _jit_cached(owner: StepFunctions, name: str, build: Any) -> Any:
 def _score(graphdef, mesh, attention, loop, model_params, value_head, arrays, temperature):  # noqa: ANN001, ANN202
     model = nnx.merge(graphdef, model_params)
     return completion_logprobs(
-        model, arrays["tokens"], arrays["positions"], arrays["prompt_lengths"],
-        arrays["targets"], temperature, loop=loop, mesh=mesh, value_head=value_head,
+        model,
+        arrays["tokens"],
+        arrays["positions"],
+        arrays["prompt_lengths"],
+        arrays["targets"],
+        temperature,
+        loop=loop,
+        mesh=mesh,
+        value_head=value_head,
         attention=attention,
-    )  # fmt: skip
+    )
 
 
-def _accumulate(graphdef, objective, mesh, loop, attention, trainable, acc, arrays, inputs,
-                temperature, scale):  # noqa: ANN001, ANN202  # fmt: skip
+def _accumulate(
+    graphdef, objective, mesh, loop, attention, trainable, acc, arrays, inputs, temperature, scale
+):  # noqa: ANN001, ANN202
     TRACES["accumulate"] += 1  # runs once per trace
+
     def loss_fn(trainable):  # noqa: ANN001, ANN202
         model = nnx.merge(graphdef, trainable["model"])
         logp, values = completion_logprobs(
-            model, arrays["tokens"], arrays["positions"], arrays["prompt_lengths"],
-            arrays["targets"], temperature, loop=loop, mesh=mesh,
-            value_head=trainable.get("value_head"), attention=attention,
-        )  # fmt: skip
+            model,
+            arrays["tokens"],
+            arrays["positions"],
+            arrays["prompt_lengths"],
+            arrays["targets"],
+            temperature,
+            loop=loop,
+            mesh=mesh,
+            value_head=trainable.get("value_head"),
+            attention=attention,
+        )
         loss, metrics = objective.loss(logp, inputs, values=values)
         return loss * scale, (loss, metrics)
 

@@ -131,11 +131,13 @@ class Trainer:
         shardings = self._fns.trainable_shardings
         params = jax.device_put(nnx.to_pure_dict(state), shardings["model"])
         if tcfg.master_dtype != "float32":
-            check_master_dtype(params, master_dtype=tcfg.master_dtype,
-                               learning_rate=tcfg.learning_rate)  # fmt: skip
+            check_master_dtype(
+                params, master_dtype=tcfg.master_dtype, learning_rate=tcfg.learning_rate
+            )
         copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings["model"])
-        master = jax.jit(partial(to_master, dtype=tcfg.master_dtype),
-                         out_shardings=shardings["model"])  # fmt: skip
+        master = jax.jit(
+            partial(to_master, dtype=tcfg.master_dtype), out_shardings=shardings["model"]
+        )
         # The reference stays frozen (in model.param_dtype) while the policy's buffers are
         # donated step after step; the policy is the master copy (trainer/precision.py).
         self._ref_params = copy(params) if spec.needs_reference else None
@@ -160,12 +162,15 @@ class Trainer:
         # "replay", "prefill" or "forward" (trainer.align_logprobs / trainer.old_logprobs).
         self.old_logprobs = step_lib.old_logprobs_mode(config, self.mesh.devices.flat[0].platform)
         directory = (
-            checkpoint_dir or tcfg.checkpoint_dir or storage.join(config.controller.run_dir, "trainer")
+            checkpoint_dir
+            or tcfg.checkpoint_dir
+            or storage.join(config.controller.run_dir, "trainer")
         )
         self._checkpointer = Checkpointer(
-            storage.path(directory), keep=tcfg.keep_checkpoints,
+            storage.path(directory),
+            keep=tcfg.keep_checkpoints,
             signature=signature_with(config.model, value_head=spec.advantage == "gae"),
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------ properties
     @property
@@ -210,9 +215,12 @@ class Trainer:
                 f"{spec.group_size}"
             )
         plan = plan_micro_batches(
-            batch, micro_batch_size=tcfg.micro_batch_size, whole_groups=spec.kind != "eq3",
-            bucket=tcfg.length_bucket, row_multiple=mesh_lib.batch_shards(self.mesh),
-        )  # fmt: skip
+            batch,
+            micro_batch_size=tcfg.micro_batch_size,
+            whole_groups=spec.kind != "eq3",
+            bucket=tcfg.length_bucket,
+            row_multiple=mesh_lib.batch_shards(self.mesh),
+        )
         width = max(m.width for m in plan.micro_batches)
         completion = np.asarray(batch.completion_lengths)
         mask = (np.arange(width)[None, :] < completion[:, None]).astype(np.float32)
@@ -229,12 +237,18 @@ class Trainer:
             old_params = self._fns.publish_cast(old_params, tcfg.publish_dtype)
         if self.old_logprobs == "replay":
             logp_old = replay_logprobs(
-                nnx.merge(self._graphdef, old_params), batch.tokens, batch.prompt_lengths,
-                completion, shape=self.replay_shape, temperature=batch.temperature, width=width,
-            )  # fmt: skip
+                nnx.merge(self._graphdef, old_params),
+                batch.tokens,
+                batch.prompt_lengths,
+                completion,
+                shape=self.replay_shape,
+                temperature=batch.temperature,
+                width=width,
+            )
         else:
-            logp_old = self._score_all(old_params, None, micro, width, temperature,
-                                       prefill=self.old_logprobs == "prefill")[0]  # fmt: skip
+            logp_old = self._score_all(
+                old_params, None, micro, width, temperature, prefill=self.old_logprobs == "prefill"
+            )[0]
         del old_params
         t_old = time.perf_counter() - t_old
         logp_ref = values = None
@@ -245,11 +259,13 @@ class Trainer:
                 self._trainable["model"], self._trainable["value_head"], micro, width, temperature
             )[1]
         rollout = RolloutBatch(
-            logp_old=logp_old * mask, logp_behaviour=behaviour, mask=mask,
+            logp_old=logp_old * mask,
+            logp_behaviour=behaviour,
+            mask=mask,
             rewards=np.asarray(batch.rewards, np.float32),
             logp_ref=None if logp_ref is None else logp_ref * mask,
             values=None if values is None else values * mask,
-        )  # fmt: skip
+        )
         self.objective.validate(rollout)
         rep = mesh_lib.replicated(self.mesh)
         inputs = self._fns.prepare(
@@ -262,8 +278,9 @@ class Trainer:
         scale = 1.0 if spec.kind == "eq3" else 1.0 / plan.num_micro_batches
         scale_arr = mesh_lib.put(np.float32(scale), rep)
         if tcfg.precompile and not self._precompiled:
-            self._precompile(micro[0], _slice_inputs(inputs_host, micro[0][0]), temperature,
-                             scale_arr)  # fmt: skip
+            self._precompile(
+                micro[0], _slice_inputs(inputs_host, micro[0][0]), temperature, scale_arr
+            )
         acc = self._fns.zeros_like_trainable(self._trainable)
         loss_total, parts = 0.0, []
         for mb, arrays in micro:
@@ -331,25 +348,38 @@ class Trainer:
         return metrics
 
     def _precompile(
-        self, template: tuple[MicroBatch, dict[str, jax.Array]], inputs: LossInputs,
-        temperature: jax.Array, scale: jax.Array,
-    ) -> None:  # fmt: skip
+        self,
+        template: tuple[MicroBatch, dict[str, jax.Array]],
+        inputs: LossInputs,
+        temperature: jax.Array,
+        scale: jax.Array,
+    ) -> None:
         """Runs the update once on zeros of every micro-batch shape (trainer.precompile), which
         compiles each; ``template`` and ``inputs`` (one micro-batch's) give rows and dtypes."""
         icfg = self.config.inference
-        shapes = possible_shapes(bucket=self.config.trainer.length_bucket,
-                                 max_prompt_len=icfg.max_prompt_len,
-                                 max_new_tokens=icfg.max_new_tokens)  # fmt: skip
+        shapes = possible_shapes(
+            bucket=self.config.trainer.length_bucket,
+            max_prompt_len=icfg.max_prompt_len,
+            max_new_tokens=icfg.max_new_tokens,
+        )
         t0 = time.perf_counter()
         log.info("trainer: compiling the update for %d micro-batch shapes", len(shapes))
         _, arrays = template
         for length, width in shapes:
-            zeros = {k: _zeros_like(x, length if k in ("tokens", "positions") else width)
-                     for k, x in arrays.items()}  # fmt: skip
+            zeros = {
+                k: _zeros_like(x, length if k in ("tokens", "positions") else width)
+                for k, x in arrays.items()
+            }
             zero_inputs = jax.tree.map(lambda x, w=width: _zeros_like(x, w), inputs)
             acc = self._fns.zeros_like_trainable(self._trainable)
-            out = self._fns.accumulate(self._trainable, acc, self._put_arrays(zeros),
-                                       self._put_inputs(zero_inputs), temperature, scale)  # fmt: skip
+            out = self._fns.accumulate(
+                self._trainable,
+                acc,
+                self._put_arrays(zeros),
+                self._put_inputs(zero_inputs),
+                temperature,
+                scale,
+            )
             jax.block_until_ready(out)
         self._precompiled = True
         log.info("trainer: compiled %d shapes in %.1f s", len(shapes), time.perf_counter() - t0)
@@ -370,9 +400,14 @@ class Trainer:
         )
 
     def _score_all(
-        self, model_params: Any, value_head: Any, micro: list[tuple[MicroBatch, Any]], width: int,
-        temperature: jax.Array, prefill: bool = False,
-    ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+        self,
+        model_params: Any,
+        value_head: Any,
+        micro: list[tuple[MicroBatch, Any]],
+        width: int,
+        temperature: jax.Array,
+        prefill: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """Completion log-probs (and values) [B, width] of every row, by micro-batch (``prefill``:
         through the engine's paged attention, the π_old recompute)."""
         rows = sum(len(mb.rows) for mb, _ in micro)
@@ -435,9 +470,10 @@ class Trainer:
                 raise
         else:
             other = Checkpointer(
-                storage.path(directory), keep=self.config.trainer.keep_checkpoints,
+                storage.path(directory),
+                keep=self.config.trainer.keep_checkpoints,
                 signature=self._checkpointer.signature,
-            )  # fmt: skip
+            )
             try:
                 step, state = other.restore(step, abstract)
             finally:

@@ -10,8 +10,13 @@ from rlax_tpu.rpc import trainer_pb2 as pb
 from rlax_tpu.types import TrainBatch
 
 _ARRAYS = (
-    "tokens", "prompt_lengths", "completion_lengths", "behaviour_logprobs", "rewards", "versions"
-)  # fmt: skip
+    "tokens",
+    "prompt_lengths",
+    "completion_lengths",
+    "behaviour_logprobs",
+    "rewards",
+    "versions",
+)
 
 
 def array_to_pb(x: np.ndarray) -> pb.TrainerArray:
@@ -34,7 +39,9 @@ def array_from_pb(msg: pb.TrainerArray, field: str) -> np.ndarray:
     return np.frombuffer(msg.data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
 
-def batch_to_chunks(batch: TrainBatch, chunk_bytes: int = 4 * 2**20) -> Iterator[pb.TrainBatchMessage]:
+def batch_to_chunks(
+    batch: TrainBatch, chunk_bytes: int = 4 * 2**20
+) -> Iterator[pb.TrainBatchMessage]:
     """The batch as messages of consecutive row slices of about ``chunk_bytes`` each (at least
     one row per message)."""
     arrays = {name: np.asarray(getattr(batch, name)) for name in _ARRAYS}
@@ -43,14 +50,16 @@ def batch_to_chunks(batch: TrainBatch, chunk_bytes: int = 4 * 2**20) -> Iterator
     step = max(1, chunk_bytes // max(row_bytes, 1))
     for start in range(0, max(rows, 1), step):
         part = {name: array_to_pb(a[start : start + step]) for name, a in arrays.items()}
-        yield pb.TrainBatchMessage(**part, group_size=batch.group_size,
-                                   temperature=batch.temperature)  # fmt: skip
+        yield pb.TrainBatchMessage(
+            **part, group_size=batch.group_size, temperature=batch.temperature
+        )
 
 
 def batch_from_chunks(messages: Iterable[pb.TrainBatchMessage]) -> TrainBatch:
     """Joins row slices (``batch_to_chunks``); ValueError for slices that do not fit together."""
-    parts = [(m, {name: array_from_pb(getattr(m, name), name) for name in _ARRAYS})
-             for m in messages]  # fmt: skip
+    parts = [
+        (m, {name: array_from_pb(getattr(m, name), name) for name in _ARRAYS}) for m in messages
+    ]
     if not parts:
         raise ValueError("TrainStep: the stream held no batch")
     first = parts[0][0]
@@ -59,8 +68,9 @@ def batch_from_chunks(messages: Iterable[pb.TrainBatchMessage]) -> TrainBatch:
             raise ValueError("TrainStep: slices disagree on group_size or temperature")
         for name, a in arrays.items():
             if a.shape[1:] != parts[0][1][name].shape[1:]:
-                raise ValueError(f"TrainBatch.{name}: slices of widths {a.shape[1:]} and "
-                                 f"{parts[0][1][name].shape[1:]}")  # fmt: skip
+                raise ValueError(
+                    f"TrainBatch.{name}: slices of widths {a.shape[1:]} and "
+                    f"{parts[0][1][name].shape[1:]}"
+                )
     joined = {name: np.concatenate([arrays[name] for _, arrays in parts]) for name in _ARRAYS}
     return TrainBatch(**joined, group_size=first.group_size, temperature=first.temperature)
-

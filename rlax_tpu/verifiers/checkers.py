@@ -26,9 +26,12 @@ _INCLUDES_TESTLIB = re.compile(rb'#\s*include\s*[<"]testlib\.h[">]')
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _TESTLIB_IN_SANDBOX = "/testlib/testlib.h"
 CHECKER_LIMITS = Limits(
-    cpu_time_s=10.0, wall_time_s=20.0, memory_bytes=1 << 30, output_bytes=1 << 20,
+    cpu_time_s=10.0,
+    wall_time_s=20.0,
+    memory_bytes=1 << 30,
+    output_bytes=1 << 20,
     stack_bytes=256 << 20,
-)  # fmt: skip
+)
 _EXIT_CODES = {
     0: VerdictKind.ACCEPTED,
     1: VerdictKind.WRONG_ANSWER,

@@ -96,9 +96,10 @@ class Compiler:
                 detail=f"source is {len(source)} bytes; the limit is {MAX_SOURCE_BYTES}",
             )
         key = hashlib.sha256(
-            b"\0".join([language.encode(), source, *(f.encode() for f in extra_flags),
-                        cache_salt.encode()])
-        ).hexdigest()  # fmt: skip
+            b"\0".join(
+                [language.encode(), source, *(f.encode() for f in extra_flags), cache_salt.encode()]
+            )
+        ).hexdigest()
         with self._lock:
             fut = self._cache.get(key)
             owner = fut is None
@@ -140,9 +141,10 @@ class Compiler:
             return Executable(language=lang, directory=out, run_argv=run_argv)
         shutil.rmtree(out, ignore_errors=True)
         return Verdict(
-            kind=VerdictKind.COMPILE_ERROR, detail=error.strip()[:_DETAIL_CHARS],
+            kind=VerdictKind.COMPILE_ERROR,
+            detail=error.strip()[:_DETAIL_CHARS],
             time_s=time.perf_counter() - t0,
-        )  # fmt: skip
+        )
 
     def _build(
         self,

@@ -52,10 +52,11 @@ class Grader:
             )
         if task.language not in self._config.languages:  # its toolchain may serve checkers only
             return Verdict(
-                kind=VerdictKind.INTERNAL_ERROR, tests_total=total,
+                kind=VerdictKind.INTERNAL_ERROR,
+                tests_total=total,
                 detail=f"{task.language}: not enabled for submissions (verifiers.languages = "
                 f"{self._config.languages})",
-            )  # fmt: skip
+            )
         missing = self._repository.missing(
             [problem.checker] * bool(problem.checker)
             + [x for t in problem.tests for x in (t.input, t.answer)]
@@ -168,9 +169,13 @@ def _summarize(
     for r in results:
         if r is None:  # tests are skipped only after a failure without points, or on a deadline
             return Verdict(
-                kind=VerdictKind.INTERNAL_ERROR, detail="cancelled (deadline exceeded)",
-                time_s=time_s, memory_bytes=memory, tests_passed=passed, tests_total=total,
-            )  # fmt: skip
+                kind=VerdictKind.INTERNAL_ERROR,
+                detail="cancelled (deadline exceeded)",
+                time_s=time_s,
+                memory_bytes=memory,
+                tests_passed=passed,
+                tests_total=total,
+            )
         test, _, _ = r
         score += test.score
         if test.kind is VerdictKind.ACCEPTED:
@@ -181,10 +186,19 @@ def _summarize(
             break
     if first is not None:
         return Verdict(
-            kind=first.kind, detail=first.detail, time_s=time_s, memory_bytes=memory,
-            tests_passed=passed, tests_total=total, score=score / total,
-        )  # fmt: skip
+            kind=first.kind,
+            detail=first.detail,
+            time_s=time_s,
+            memory_bytes=memory,
+            tests_passed=passed,
+            tests_total=total,
+            score=score / total,
+        )
     return Verdict(
-        kind=VerdictKind.ACCEPTED, time_s=time_s, memory_bytes=memory,
-        tests_passed=total, tests_total=total, score=1.0,
-    )  # fmt: skip
+        kind=VerdictKind.ACCEPTED,
+        time_s=time_s,
+        memory_bytes=memory,
+        tests_passed=total,
+        tests_total=total,
+        score=1.0,
+    )

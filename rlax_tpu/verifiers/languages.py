@@ -94,11 +94,18 @@ def _rust() -> tuple[Language, list[Mount]]:
         name="rust",
         source_file="main.rs",
         compile=(
-            str(root / "bin" / "rustc"), "--edition", "2021", "-O", "-C", "codegen-units=1",
-            "-o", f"{PROG}/main", f"{PROG}/{{src}}",
+            str(root / "bin" / "rustc"),
+            "--edition",
+            "2021",
+            "-O",
+            "-C",
+            "codegen-units=1",
+            "-o",
+            f"{PROG}/main",
+            f"{PROG}/{{src}}",
         ),
         run=(f"{PROG}/main",),
-    ), mounts  # fmt: skip
+    ), mounts
 
 
 def _java() -> tuple[Language, list[Mount]]:
@@ -113,23 +120,38 @@ def _java() -> tuple[Language, list[Mount]]:
         home = Path("/opt/java")
     # Small fixed reservations so that the JVM fits under RLIMIT_AS (its defaults reserve >1 GiB).
     jvm = (
-        "-XX:+UseSerialGC", "-XX:CompressedClassSpaceSize=64m", "-XX:ReservedCodeCacheSize=64m",
+        "-XX:+UseSerialGC",
+        "-XX:CompressedClassSpaceSize=64m",
+        "-XX:ReservedCodeCacheSize=64m",
         "-Xshare:auto",
-    )  # fmt: skip
+    )
     return Language(
         name="java",
         source_file="Main.java",
         compile=(
-            str(home / "bin" / "javac"), "-J-Xmx{mem_mb}m", "-J-XX:TieredStopAtLevel=1",
+            str(home / "bin" / "javac"),
+            "-J-Xmx{mem_mb}m",
+            "-J-XX:TieredStopAtLevel=1",
             *(f"-J{f}" for f in jvm),
-            "-encoding", "UTF-8", "-nowarn", "-d", PROG, f"{PROG}/{{src}}",
+            "-encoding",
+            "UTF-8",
+            "-nowarn",
+            "-d",
+            PROG,
+            f"{PROG}/{{src}}",
         ),
         run=(
-            str(home / "bin" / "java"), "-Xmx{mem_mb}m", "-Xss64m", *jvm, "-cp", PROG, "Main",
+            str(home / "bin" / "java"),
+            "-Xmx{mem_mb}m",
+            "-Xss64m",
+            *jvm,
+            "-cp",
+            PROG,
+            "Main",
         ),
         extra_address_space_mb=JAVA_EXTRA_ADDRESS_SPACE_MB,
         processes=JAVA_PROCESSES,
-    ), mounts  # fmt: skip
+    ), mounts
 
 
 _FINDERS = {"python": _python, "cpp": _cpp, "rust": _rust, "java": _java}

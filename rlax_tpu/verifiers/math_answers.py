@@ -106,9 +106,15 @@ class MathChecker:
                 continue
             try:
                 kind, detail = p.get(timeout=_POOL_TIMEOUT_S)
-                out.append(Verdict(kind=VerdictKind(kind), detail=detail, tests_total=1,
-                                   tests_passed=int(kind == "accepted"),
-                                   score=float(kind == "accepted")))  # fmt: skip
+                out.append(
+                    Verdict(
+                        kind=VerdictKind(kind),
+                        detail=detail,
+                        tests_total=1,
+                        tests_passed=int(kind == "accepted"),
+                        score=float(kind == "accepted"),
+                    )
+                )
             except multiprocessing.TimeoutError:
                 self._reset(pool)
                 broken = True

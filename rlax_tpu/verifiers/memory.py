@@ -115,8 +115,9 @@ class MemoryCgroups:
         """The host's writable memory cgroups (v2 first), or None (runs judged by peak RSS)."""
         found = []
         with contextlib.suppress(OSError):
-            v2 = _v2_parent(Path("/proc/self/mountinfo").read_text(),
-                            Path("/proc/self/cgroup").read_text())  # fmt: skip
+            v2 = _v2_parent(
+                Path("/proc/self/mountinfo").read_text(), Path("/proc/self/cgroup").read_text()
+            )
             if v2 is not None:
                 found.append(cls(v2, version=2))
         v1 = _v1_parent()
@@ -129,8 +130,9 @@ class MemoryCgroups:
                 log.info("verifier: cgroup v%d memory unusable (%s)", groups.version, e)
                 continue
             return groups
-        log.info("verifier: no memory cgroups this process may create; memory is judged by "
-                 "peak RSS")  # fmt: skip
+        log.info(
+            "verifier: no memory cgroups this process may create; memory is judged by peak RSS"
+        )
         return None
 
     def create(self, limit_bytes: int) -> RunCgroup:
@@ -149,9 +151,10 @@ def _v2_parent(mountinfo: str, proc_cgroup: str, *, pid: int | None = None) -> P
     if here is None or not os.access(here, os.W_OK):
         return None
     try:
-        if here.name == f"rlax-verifier-{pid}" and "memory" in (
-            here.parent / "cgroup.subtree_control"
-        ).read_text().split():  # this process set it up already
+        if (
+            here.name == f"rlax-verifier-{pid}"
+            and "memory" in (here.parent / "cgroup.subtree_control").read_text().split()
+        ):  # this process set it up already
             return here.parent
         if "memory" not in (here / "cgroup.controllers").read_text().split():
             return None  # not delegated here (or bound to a v1 hierarchy)
@@ -159,8 +162,12 @@ def _v2_parent(mountinfo: str, proc_cgroup: str, *, pid: int | None = None) -> P
             return here
         others = {int(p) for p in (here / "cgroup.procs").read_text().split()} - {pid}
         if others:
-            log.info("verifier: cgroup v2 %s holds %d other processes; not moving them to "
-                     "enable the memory controller", here, len(others))  # fmt: skip
+            log.info(
+                "verifier: cgroup v2 %s holds %d other processes; not moving them to "
+                "enable the memory controller",
+                here,
+                len(others),
+            )
             return None
         leaf = here / f"rlax-verifier-{pid}"
         if not leaf.exists():
@@ -185,7 +192,7 @@ def _v2_own_dir(mountinfo: str, proc_cgroup: str) -> Path | None:
             continue
         root, mount_point = fields[3], fields[4]
         if path == root or path.startswith(root.rstrip("/") + "/"):
-            return Path(mount_point) / path[len(root.rstrip("/")):].lstrip("/")
+            return Path(mount_point) / path[len(root.rstrip("/")) :].lstrip("/")
     return None
 
 

@@ -10,9 +10,13 @@ from rlax_tpu.verifiers.sandbox import UNLIMITED_STACK, Limits, RunResult, signa
 
 # What runtimes print when an allocation fails under RLIMIT_AS.
 _OUT_OF_MEMORY_MARKERS = (
-    b"MemoryError", b"std::bad_alloc", b"java.lang.OutOfMemoryError", b"memory allocation of",
-    b"Cannot allocate memory", b"out of memory",
-)  # fmt: skip
+    b"MemoryError",
+    b"std::bad_alloc",
+    b"java.lang.OutOfMemoryError",
+    b"memory allocation of",
+    b"Cannot allocate memory",
+    b"out of memory",
+)
 
 
 def program_limits(

@@ -162,8 +162,10 @@ class Sandbox:
         tmp = out.with_suffix(".tmp")
         done = subprocess.run(
             [compiler, "-O2", "-o", str(tmp), str(_LAUNCHER_SOURCE)],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if done.returncode != 0:
             raise SandboxUnavailable(f"building the sandbox launcher failed: {done.stderr[-2000:]}")
         tmp.chmod(0o755)
@@ -172,13 +174,25 @@ class Sandbox:
 
     def _system_args(self, toolchain_mounts: Sequence[Mount]) -> list[str]:
         args = [
-            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-            "--cap-drop", "ALL",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
             # The launcher needs these to drop to the sandbox uid and to kill what it leaves.
-            "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL",
-            "--hostname", "sandbox",
-        ]  # fmt: skip
+            "--cap-add",
+            "CAP_SETUID",
+            "--cap-add",
+            "CAP_SETGID",
+            "--cap-add",
+            "CAP_KILL",
+            "--hostname",
+            "sandbox",
+        ]
         for d in SYSTEM_DIRS:
             if os.path.islink(d):
                 args += ["--symlink", os.readlink(d), d]
@@ -256,8 +270,18 @@ class Sandbox:
             over = usage.oom_kills > 0 or (usage.limit_hits > 0 and result.signal == signal.SIGKILL)
         return dataclasses.replace(result, over_memory=over)
 
-    def _spawn_in(self, group, uid, argv, limits, mounts, stdin, cwd, env, run_dir  # noqa: ANN001
-                  ) -> RunResult:  # fmt: skip
+    def _spawn_in(
+        self,
+        group,
+        uid,
+        argv,
+        limits,
+        mounts,
+        stdin,
+        cwd,
+        env,
+        run_dir,  # noqa: ANN001
+    ) -> RunResult:
         disk = str(limits.disk_bytes)
         args = [self._bwrap, *self._fixed_args]
         args += ["--size", disk, "--perms", "1777", "--tmpfs", "/tmp"]
@@ -278,25 +302,53 @@ class Sandbox:
         factor = CGROUP_ADDRESS_SPACE_FACTOR if group else RSS_ADDRESS_SPACE_FACTOR
         address_space = max(limits.address_space_bytes, limits.memory_bytes * factor)
         args += [
-            _LAUNCHER_IN_SANDBOX, "--status-fd", str(status_w), "--uid", str(uid), "--gid", str(uid),
-            "--wall-ms", str(int(limits.wall_time_s * 1000)), "--cpu-s", str(cpu_s),
-            "--as", str(address_space), "--fsize", str(limits.output_bytes),
-            "--nofile", str(limits.open_files), "--nproc", str(limits.processes),
-            "--stack", _stack_arg(limits), "--cwd", cwd,
-        ]  # fmt: skip
+            _LAUNCHER_IN_SANDBOX,
+            "--status-fd",
+            str(status_w),
+            "--uid",
+            str(uid),
+            "--gid",
+            str(uid),
+            "--wall-ms",
+            str(int(limits.wall_time_s * 1000)),
+            "--cpu-s",
+            str(cpu_s),
+            "--as",
+            str(address_space),
+            "--fsize",
+            str(limits.output_bytes),
+            "--nofile",
+            str(limits.open_files),
+            "--nproc",
+            str(limits.processes),
+            "--stack",
+            _stack_arg(limits),
+            "--cwd",
+            cwd,
+        ]
         if stdin is not None:
             args += ["--stdin", stdin]
         args += ["--", *argv]
         if group is not None:  # joins the run's cgroup, then becomes bwrap: every process is in it
-            args = ["/bin/sh", "-c", 'echo $$ > "$0" || exit 125; exec "$@"', str(group.procs),
-                    *args]  # fmt: skip
+            args = [
+                "/bin/sh",
+                "-c",
+                'echo $$ > "$0" || exit 125; exec "$@"',
+                str(group.procs),
+                *args,
+            ]
         out_path, err_path = run_dir / "stdout", run_dir / "stderr"
         try:
             with open(out_path, "wb") as out, open(err_path, "wb") as err:
                 proc = subprocess.Popen(
-                    args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env={},
-                    pass_fds=fds, start_new_session=True,
-                )  # fmt: skip
+                    args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    env={},
+                    pass_fds=fds,
+                    start_new_session=True,
+                )
         finally:
             os.close(status_w)
             if filter_r is not None:
@@ -314,11 +366,17 @@ class Sandbox:
         stderr = _read_tail(err_path, _STDERR_KEPT)
         if not status_line.strip():
             return RunResult(
-                exit_code=None, signal=0, cpu_time_s=0.0, wall_time_s=0.0, max_rss_bytes=0,
-                timed_out=False, stdout=b"", stderr=stderr,
+                exit_code=None,
+                signal=0,
+                cpu_time_s=0.0,
+                wall_time_s=0.0,
+                max_rss_bytes=0,
+                timed_out=False,
+                stdout=b"",
+                stderr=stderr,
                 error=f"sandbox failed (bwrap exit {proc.returncode}): "
                 f"{stderr.decode(errors='replace').strip()[-300:]}",
-            )  # fmt: skip
+            )
         st = _parse_status(status_line)
         error = ""
         if st["exec_errno"]:

@@ -53,6 +53,7 @@ def sweep_dead(root: str | os.PathLike | None = None) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     if removed:
-        log.info("verifier: removed %d scratch directories of verifiers that no longer run",
-                 len(removed))  # fmt: skip
+        log.info(
+            "verifier: removed %d scratch directories of verifiers that no longer run", len(removed)
+        )
     return removed

@@ -30,7 +30,7 @@ from rlax_tpu.verifiers.api import (
     UnitTestTask,
     UnknownLink,
     check_limits,
-)  # fmt: skip
+)
 from rlax_tpu.verifiers.checkers import Checkers
 from rlax_tpu.verifiers.compiler import Compiler, compile_limits
 from rlax_tpu.verifiers.grading import Grader
@@ -69,9 +69,10 @@ class VerifierService:
         self._python_checker = None
         if config.python_check == "helper" and "python" in self.toolchains.languages:
             self._python_checker = PythonSyntaxChecker(
-                uid=_nobody_uid(), memory_bytes=config.compile_memory_limit_mb << 20,
+                uid=_nobody_uid(),
+                memory_bytes=config.compile_memory_limit_mb << 20,
                 timeout_s=config.compile_time_limit_s,
-            )  # fmt: skip
+            )
         repo_dir = Path(config.repository_dir) if config.repository_dir else self._scratch / "repo"
         self.repository = Repository(repo_dir)
         self.compiler = Compiler(
@@ -89,10 +90,14 @@ class VerifierService:
         self._tasks_pool = cf.ThreadPoolExecutor(config.workers * 4, "verifier-task")
         checkers = Checkers(self.compiler, self.sandbox, self.repository, config.testlib_path)
         self._grader = Grader(
-            config, sandbox=self.sandbox, compiler=self.compiler, checkers=checkers,
-            repository=self.repository, tests_pool=self._tests_pool,
+            config,
+            sandbox=self.sandbox,
+            compiler=self.compiler,
+            checkers=checkers,
+            repository=self.repository,
+            tests_pool=self._tests_pool,
             scratch_dir=self._scratch / "outputs",
-        )  # fmt: skip
+        )
         self._unit_tests = UnitTestRunner(
             config, sandbox=self.sandbox, compiler=self.compiler, scratch_dir=self._scratch / "unit"
         )
@@ -195,8 +200,10 @@ class VerifierService:
         langs = langs or "none"
         groups = self.sandbox.memory_cgroups
         memory = f"per-run cgroups (v{groups.version})" if groups else "peak RSS"
-        return (f"{self.config.workers} workers, {self.pending} tasks pending, languages: {langs}, "
-                f"memory judged by {memory}")  # fmt: skip
+        return (
+            f"{self.config.workers} workers, {self.pending} tasks pending, languages: {langs}, "
+            f"memory judged by {memory}"
+        )
 
     def close(self) -> None:
         with self._lock:

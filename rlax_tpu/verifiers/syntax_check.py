@@ -122,9 +122,13 @@ class PythonSyntaxChecker:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
                 [self._exe, "-I", "-S", "-c", _LOOP, str(self._uid), str(self._memory)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                env={}, cwd="/", start_new_session=True,
-            )  # fmt: skip
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env={},
+                cwd="/",
+                start_new_session=True,
+            )
             self._buffer = b""
             self.started += 1
             ready = self._read_line(self._proc, time.monotonic() + self._start_timeout)

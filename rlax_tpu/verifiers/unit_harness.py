@@ -60,8 +60,10 @@ def encode(x: object) -> object:
         return {"bytes": x.hex()}
     if t is complex:
         return {"complex": [encode(x.real), encode(x.imag)]}
-    raise TypeError(f"a {t.__name__} is not plain data (only None, bool, int, float, str, "
-                    "bytes, complex, list, tuple, dict, set and frozenset can be returned)")  # fmt: skip
+    raise TypeError(
+        f"a {t.__name__} is not plain data (only None, bool, int, float, str, "
+        "bytes, complex, list, tuple, dict, set and frozenset can be returned)"
+    )
 
 
 _FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
@@ -75,7 +77,7 @@ def decode(x: object) -> object:
     if t is list:
         return [decode(v) for v in x]
     if t is dict and len(x) == 1:
-        (tag, v), = x.items()  # fmt: skip
+        ((tag, v),) = x.items()
         if tag == "float" and v in _FLOATS:
             return _FLOATS[v]
         if type(v) is list:

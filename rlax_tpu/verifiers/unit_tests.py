@@ -59,12 +59,17 @@ class UnitTestRunner:
             spec.write_text(json.dumps({"test": task.test, "entry_point": task.entry_point}))
             spec.chmod(0o400)
             result = self._sandbox.run(
-                [built.argv(memory_mb)[0], "-I", "-S", _HARNESS_IN_SANDBOX,
-                 f"{PROG}/{built.language.source_file}"],
+                [
+                    built.argv(memory_mb)[0],
+                    "-I",
+                    "-S",
+                    _HARNESS_IN_SANDBOX,
+                    f"{PROG}/{built.language.source_file}",
+                ],
                 limits=limits,
                 mounts=[*built.mounts, Mount(HARNESS, _HARNESS_IN_SANDBOX), Mount(spec, "/input")],
                 stdin="/input",
-            )  # fmt: skip
+            )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         timing = dict(time_s=result.cpu_time_s, memory_bytes=result.max_rss_bytes, tests_total=1)

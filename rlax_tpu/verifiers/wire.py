@@ -12,7 +12,7 @@ from rlax_tpu.verifiers.api import (
     TestLinks,
     UnitTestTask,
     check_limits,
-)  # fmt: skip
+)
 
 
 def task_to_proto(task: Task) -> pb.Task:
@@ -31,10 +31,12 @@ def task_to_proto(task: Task) -> pb.Task:
     if isinstance(task, UnitTestTask):
         return pb.Task(
             unit_test=pb.UnitTestTask(
-                code=task.code, test=task.test, entry_point=task.entry_point,
+                code=task.code,
+                test=task.test,
+                entry_point=task.entry_point,
                 time_limit_s=task.time_limit_s,
             )
-        )  # fmt: skip
+        )
     if isinstance(task, MathTask):
         return pb.Task(math=pb.MathTask(response=task.response, answer=task.answer))
     raise TypeError(f"not a verifier task: {type(task).__name__}")
@@ -76,14 +78,23 @@ def _task_from_proto(msg: pb.Task) -> Task:
 
 def verdict_to_proto(v: Verdict) -> pb.Verdict:
     return pb.Verdict(
-        kind=v.kind.value, detail=v.detail, time_s=v.time_s, memory_bytes=v.memory_bytes,
-        tests_passed=v.tests_passed, tests_total=v.tests_total, score=v.score,
-    )  # fmt: skip
+        kind=v.kind.value,
+        detail=v.detail,
+        time_s=v.time_s,
+        memory_bytes=v.memory_bytes,
+        tests_passed=v.tests_passed,
+        tests_total=v.tests_total,
+        score=v.score,
+    )
 
 
 def verdict_from_proto(msg: pb.Verdict) -> Verdict:
     return Verdict(
-        kind=VerdictKind(msg.kind), detail=msg.detail, time_s=msg.time_s,
-        memory_bytes=msg.memory_bytes, tests_passed=msg.tests_passed,
-        tests_total=msg.tests_total, score=msg.score,
-    )  # fmt: skip
+        kind=VerdictKind(msg.kind),
+        detail=msg.detail,
+        time_s=msg.time_s,
+        memory_bytes=msg.memory_bytes,
+        tests_passed=msg.tests_passed,
+        tests_total=msg.tests_total,
+        score=msg.score,
+    )

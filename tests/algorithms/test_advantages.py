@@ -92,8 +92,14 @@ def test_group_std_eps_is_configurable_and_reaches_the_objective():
         cfg = AlgorithmConfig(name="grpo", group_size=2, group_std_eps=eps, kl_estimator="none")
         obj = make_objective(cfg, max_length=4)
         mask = jnp.ones((2, 4), jnp.float32)
-        batch = RolloutBatch(logp_old=-mask, logp_behaviour=-mask, mask=mask,
-                             rewards=jnp.asarray(rewards), logp_ref=None, values=None)  # fmt: skip
+        batch = RolloutBatch(
+            logp_old=-mask,
+            logp_behaviour=-mask,
+            mask=mask,
+            rewards=jnp.asarray(rewards),
+            logp_ref=None,
+            values=None,
+        )
         adv = np.asarray(obj.prepare(batch).advantages)[:, 0]
         want = (rewards - rewards.mean()) / (std + eps)
         np.testing.assert_allclose(adv, want, rtol=1e-4)  # f32

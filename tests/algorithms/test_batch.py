@@ -36,14 +36,26 @@ def test_good_batch_passes():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("mask", np.ones((8, 4)), r"RolloutBatch.mask has shape \(8, 4\), expected \(8, 5\) \(as logp_old\)"),
-        ("logp_behaviour", np.ones((7, 5)), r"RolloutBatch.logp_behaviour has shape \(7, 5\), expected \(8, 5\)"),
+        (
+            "mask",
+            np.ones((8, 4)),
+            r"RolloutBatch.mask has shape \(8, 4\), expected \(8, 5\) \(as logp_old\)",
+        ),
+        (
+            "logp_behaviour",
+            np.ones((7, 5)),
+            r"RolloutBatch.logp_behaviour has shape \(7, 5\), expected \(8, 5\)",
+        ),
         ("logp_ref", np.ones((8, 6)), r"RolloutBatch.logp_ref has shape \(8, 6\)"),
-        ("rewards", np.ones(7), r"RolloutBatch.rewards has shape \(7,\), expected \(8,\) \(as one per row of logp_old\)"),
+        (
+            "rewards",
+            np.ones(7),
+            r"RolloutBatch.rewards has shape \(7,\), expected \(8,\) \(as one per row of logp_old\)",
+        ),
         ("rewards", np.ones((8, 1)), r"RolloutBatch.rewards has shape \(8, 1\)"),
         ("logp_old", np.ones(8), r"RolloutBatch.logp_old must be \[B, T\], got shape \(8,\)"),
     ],
-)  # fmt: skip
+)
 def test_mismatched_shapes(field, value, message):
     with pytest.raises(ValueError, match=message):
         _check(dataclasses.replace(_batch(), **{field: value}))
@@ -131,9 +143,14 @@ def test_completion_longer_than_max_length():
 
 @pytest.mark.parametrize(
     "name, overrides, missing",
-    [("tb", {}, "logp_ref"), ("online_dpo", {}, "logp_ref"), ("ppo", {}, "logp_ref"),
-     ("grpo", {"kl_estimator": "k3"}, "logp_ref"), ("ppo", {}, "values")],
-)  # fmt: skip
+    [
+        ("tb", {}, "logp_ref"),
+        ("online_dpo", {}, "logp_ref"),
+        ("ppo", {}, "logp_ref"),
+        ("grpo", {"kl_estimator": "k3"}, "logp_ref"),
+        ("ppo", {}, "values"),
+    ],
+)
 def test_missing_required_input(name, overrides, missing):
     batch = dataclasses.replace(_batch(), **{missing: None})
     cfg = AlgorithmConfig(name=name, group_size=G, **overrides)

@@ -62,6 +62,7 @@ def test_seq_correction_is_length_invariant():
     would be 1.1^200 ≈ 2e8)."""
     for n in (2, 200):
         mask = np.ones((1, n))
-        c = I.behaviour_weights(np.full((1, n), np.log(1.1)), np.zeros((1, n)), mask,
-                                "seq_truncate", cap=10.0)  # fmt: skip
+        c = I.behaviour_weights(
+            np.full((1, n), np.log(1.1)), np.zeros((1, n)), mask, "seq_truncate", cap=10.0
+        )
         np.testing.assert_allclose(np.asarray(c), 1.1, rtol=1e-5)

@@ -51,12 +51,35 @@ def test_eq3_metrics_by_hand():
 
 
 def test_every_objective_reports_the_common_metrics():
-    common = {"ratio_mean", "ratio_max", "behaviour_logp_diff_mean", "behaviour_logp_diff_p95",
-              "tokens", "kl_ref", "entropy"}  # fmt: skip
-    eq3 = {"clip_fraction", "importance_weight_mean", "advantage_mean", "advantage_std",
-           "advantage_min", "advantage_max", "policy_loss"}  # fmt: skip
-    for name in ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "reinforce", "rloo", "reinforce_pp",
-                 "aipo"):  # fmt: skip
+    common = {
+        "ratio_mean",
+        "ratio_max",
+        "behaviour_logp_diff_mean",
+        "behaviour_logp_diff_p95",
+        "tokens",
+        "kl_ref",
+        "entropy",
+    }
+    eq3 = {
+        "clip_fraction",
+        "importance_weight_mean",
+        "advantage_mean",
+        "advantage_std",
+        "advantage_min",
+        "advantage_max",
+        "policy_loss",
+    }
+    for name in (
+        "grpo",
+        "dapo",
+        "dr_grpo",
+        "gspo",
+        "cispo",
+        "reinforce",
+        "rloo",
+        "reinforce_pp",
+        "aipo",
+    ):
         assert common | eq3 <= set(_metrics(name)), name
     assert common | {"tb_log_z_mean", "tb_beta"} <= set(_metrics("tb"))
     assert common | {"dpo_pairs", "dpo_margin_mean", "dpo_accuracy"} <= set(_metrics("online_dpo"))

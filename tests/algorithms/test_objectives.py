@@ -294,8 +294,9 @@ def grpo_kl_is_textbook(batch, lengths, beta=0.04):
             lp, old, _, ref = seqs(batch, lengths, logp, i)
             log_r = ref - lp
             k3 = jnp.exp(log_r) - log_r - 1
-            total = total + jnp.mean(ppo_surrogate(lp, old, adv[i], 0.2, 0.2)
-                                     - beta * jnp.exp(lp - old) * k3)  # fmt: skip
+            total = total + jnp.mean(
+                ppo_surrogate(lp, old, adv[i], 0.2, 0.2) - beta * jnp.exp(lp - old) * k3
+            )
         return -total / len(lengths)
 
     return loss
@@ -310,8 +311,9 @@ def dapo_delta_textbook(batch, lengths, delta):
         for i in range(len(lengths)):
             lp, old, _, _ = seqs(batch, lengths, logp, i)
             rho = jnp.exp(lp - old)
-            total = total + jnp.sum(jnp.minimum(jnp.minimum(rho, delta) * adv[i],
-                                                jnp.clip(rho, 0.8, 1.28) * adv[i]))  # fmt: skip
+            total = total + jnp.sum(
+                jnp.minimum(jnp.minimum(rho, delta) * adv[i], jnp.clip(rho, 0.8, 1.28) * adv[i])
+            )
         return -total / lengths.sum()
 
     return loss
@@ -388,35 +390,127 @@ def seq_mask(cap, floor=0.0):
 
 # (id, config overrides, textbook factory, logp spread, expect some clipping)
 CASES = [
-    ("grpo_k3", dict(name="grpo", kl_estimator="k3"), lambda b, n: grpo_textbook(b, n, beta=0.04), 0.3, True),
-    ("grpo_k2", dict(name="grpo", kl_estimator="k2", kl_coef=0.1), lambda b, n: grpo_textbook(b, n, beta=0.1, kl="k2"), 0.3, True),
-    ("grpo_k1_seq_mask", dict(name="grpo", kl_estimator="k1", behaviour_correction="seq_mask", behaviour_cap=1.5), lambda b, n: grpo_textbook(b, n, beta=0.04, kl="k1", correction=seq_mask(1.5)), 0.3, True),
-    ("grpo_k1_seq_band", dict(name="grpo", kl_estimator="k1", behaviour_correction="seq_mask", behaviour_cap=1.1, behaviour_floor=0.95), lambda b, n: grpo_textbook(b, n, beta=0.04, kl="k1", correction=seq_mask(1.1, 0.95)), 0.3, True),
-    ("dapo_token_band", dict(name="dapo", behaviour_correction="token_mask", behaviour_cap=1.25, behaviour_floor=0.8), lambda b, n: dapo_textbook(b, n, correction=token_mask(1.25, 0.8)), 0.3, True),
+    (
+        "grpo_k3",
+        dict(name="grpo", kl_estimator="k3"),
+        lambda b, n: grpo_textbook(b, n, beta=0.04),
+        0.3,
+        True,
+    ),
+    (
+        "grpo_k2",
+        dict(name="grpo", kl_estimator="k2", kl_coef=0.1),
+        lambda b, n: grpo_textbook(b, n, beta=0.1, kl="k2"),
+        0.3,
+        True,
+    ),
+    (
+        "grpo_k1_seq_mask",
+        dict(name="grpo", kl_estimator="k1", behaviour_correction="seq_mask", behaviour_cap=1.5),
+        lambda b, n: grpo_textbook(b, n, beta=0.04, kl="k1", correction=seq_mask(1.5)),
+        0.3,
+        True,
+    ),
+    (
+        "grpo_k1_seq_band",
+        dict(
+            name="grpo",
+            kl_estimator="k1",
+            behaviour_correction="seq_mask",
+            behaviour_cap=1.1,
+            behaviour_floor=0.95,
+        ),
+        lambda b, n: grpo_textbook(b, n, beta=0.04, kl="k1", correction=seq_mask(1.1, 0.95)),
+        0.3,
+        True,
+    ),
+    (
+        "dapo_token_band",
+        dict(
+            name="dapo", behaviour_correction="token_mask", behaviour_cap=1.25, behaviour_floor=0.8
+        ),
+        lambda b, n: dapo_textbook(b, n, correction=token_mask(1.25, 0.8)),
+        0.3,
+        True,
+    ),
     # kl_estimator 'default' is DeepSeekMath's: k3 with β = 0.04; 'none' turns it off.
     ("grpo_default", dict(name="grpo"), lambda b, n: grpo_textbook(b, n, beta=0.04), 0.3, True),
-    ("grpo_no_kl", dict(name="grpo", kl_estimator="none"), lambda b, n: grpo_textbook(b, n, beta=0.0), 0.3, True),
+    (
+        "grpo_no_kl",
+        dict(name="grpo", kl_estimator="none"),
+        lambda b, n: grpo_textbook(b, n, beta=0.0),
+        0.3,
+        True,
+    ),
     ("dapo", dict(name="dapo"), dapo_textbook, 0.3, True),
-    ("dapo_token_truncate", dict(name="dapo", behaviour_correction="token_truncate", behaviour_cap=1.1), lambda b, n: dapo_textbook(b, n, token_truncate(1.1)), 0.3, True),
+    (
+        "dapo_token_truncate",
+        dict(name="dapo", behaviour_correction="token_truncate", behaviour_cap=1.1),
+        lambda b, n: dapo_textbook(b, n, token_truncate(1.1)),
+        0.3,
+        True,
+    ),
     ("dr_grpo", dict(name="dr_grpo"), dr_grpo_textbook, 0.3, True),
     ("gspo", dict(name="gspo"), gspo_textbook, 1e-3, True),
     ("cispo", dict(name="cispo"), cispo_textbook, 0.3, True),
-    ("reinforce", dict(name="reinforce"), lambda b, n: reinforce_textbook(b, n, b.rewards), 0.3, False),
-    ("rloo", dict(name="rloo"), lambda b, n: reinforce_textbook(b, n, loo_adv(b.rewards)), 0.3, False),
+    (
+        "reinforce",
+        dict(name="reinforce"),
+        lambda b, n: reinforce_textbook(b, n, b.rewards),
+        0.3,
+        False,
+    ),
+    (
+        "rloo",
+        dict(name="rloo"),
+        lambda b, n: reinforce_textbook(b, n, loo_adv(b.rewards)),
+        0.3,
+        False,
+    ),
     ("reinforce_pp", dict(name="reinforce_pp"), reinforce_pp_textbook, 0.3, True),
     ("aipo", dict(name="aipo"), lambda b, n: aipo_textbook(b, n, 5.0), 0.3, False),
     ("aipo_cap", dict(name="aipo", is_cap=1.2), lambda b, n: aipo_textbook(b, n, 1.2), 0.3, True),
-    ("grpo_batch_scaled", dict(name="grpo", kl_estimator="none", reward_scaling="batch"), grpo_batch_scaled_textbook, 0.3, True),
-    ("grpo_kl_bias_corrected", dict(name="grpo", kl_bias_correction=True), grpo_kl_is_textbook, 0.3, True),
-    ("dapo_delta", dict(name="dapo", delta=1.2), lambda b, n: dapo_delta_textbook(b, n, 1.2), 0.3, True),
+    (
+        "grpo_batch_scaled",
+        dict(name="grpo", kl_estimator="none", reward_scaling="batch"),
+        grpo_batch_scaled_textbook,
+        0.3,
+        True,
+    ),
+    (
+        "grpo_kl_bias_corrected",
+        dict(name="grpo", kl_bias_correction=True),
+        grpo_kl_is_textbook,
+        0.3,
+        True,
+    ),
+    (
+        "dapo_delta",
+        dict(name="dapo", delta=1.2),
+        lambda b, n: dapo_delta_textbook(b, n, 1.2),
+        0.3,
+        True,
+    ),
     ("sapo", dict(name="sapo"), sapo_textbook, 0.3, False),
-    ("sapo_tau", dict(name="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5), lambda b, n: sapo_textbook(b, n, 2.0, 0.5), 0.3, False),
+    (
+        "sapo_tau",
+        dict(name="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5),
+        lambda b, n: sapo_textbook(b, n, 2.0, 0.5),
+        0.3,
+        False,
+    ),
     ("luspo", dict(name="luspo"), luspo_textbook, 1e-3, True),
     ("vespo", dict(name="vespo"), vespo_textbook, 0.1, False),
-    ("vespo_k", dict(name="vespo", vespo_k_pos=1.0, vespo_lambda_neg=4.0), lambda b, n: vespo_textbook(b, n, (1.0, 3.0), (3.0, 4.0)), 0.1, False),
+    (
+        "vespo_k",
+        dict(name="vespo", vespo_k_pos=1.0, vespo_lambda_neg=4.0),
+        lambda b, n: vespo_textbook(b, n, (1.0, 3.0), (3.0, 4.0)),
+        0.1,
+        False,
+    ),
     ("tb", dict(name="tb"), lambda b, n: tb_textbook(b, n, 0.012), 0.3, False),
     ("online_dpo", dict(name="online_dpo"), dpo_textbook, 0.3, False),
-]  # fmt: skip
+]
 
 
 def _objective(overrides):
@@ -449,7 +543,10 @@ def test_gradient_matches_textbook(case, seed, x64, make_batch):
     if overrides.get("behaviour_floor"):  # the band's lower edge drops some tokens, not all
         one_sided = _objective({**overrides, "behaviour_floor": 0.0}).prepare(batch)
         real = np.asarray(batch.mask) > 0
-        w, w1 = np.asarray(inputs.behaviour_weight)[real], np.asarray(one_sided.behaviour_weight)[real]
+        w, w1 = (
+            np.asarray(inputs.behaviour_weight)[real],
+            np.asarray(one_sided.behaviour_weight)[real],
+        )
         assert (w == 0).sum() > (w1 == 0).sum() and (w > 0).any()
 
 
@@ -469,8 +566,9 @@ def test_logged_objective_is_the_textbook_value(case, x64, make_batch):
         batch = dataclasses.replace(batch, rewards=rewards)
     obj = _objective(overrides)
     _, metrics = obj.loss(jnp.asarray(logp), obj.prepare(batch))
-    np.testing.assert_allclose(metrics["objective"], textbook(batch, lengths)(jnp.asarray(logp)),
-                               atol=1e-9, rtol=1e-9)  # fmt: skip
+    np.testing.assert_allclose(
+        metrics["objective"], textbook(batch, lengths)(jnp.asarray(logp)), atol=1e-9, rtol=1e-9
+    )
 
 
 def test_ppo_policy_and_value_gradients_match_textbook(x64, make_batch):

@@ -20,14 +20,19 @@ def test_a_plugin_algorithm_from_the_config():
     assert obj.spec.eps_low == 0.2 and obj.spec.aggregation == "seq_mean_token_mean"  # grpo's
     rewards = jnp.asarray([0.0, 1.0, 1.0, 3.0, 2.0, 2.0, 2.0, 2.0], jnp.float32)
     mask = jnp.ones((8, 3), jnp.float32)
-    batch = RolloutBatch(logp_old=-mask, logp_behaviour=-mask, mask=mask, rewards=rewards,
-                         logp_ref=None, values=None)  # fmt: skip
+    batch = RolloutBatch(
+        logp_old=-mask, logp_behaviour=-mask, mask=mask, rewards=rewards, logp_ref=None, values=None
+    )
     adv = np.asarray(obj.prepare(batch).advantages)[:, 0]
     # ranks 0, 1.5, 1.5, 3 of 3 -> -0.5, 0, 0, 0.5; an all-equal group -> 0.
     np.testing.assert_allclose(adv, [-0.5, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0])
     # Overrides apply as to built-ins.
-    assert make_objective(AlgorithmConfig(name="rank_grpo", eps_high=0.3, plugins=(PLUGIN,)),
-                          max_length=3).spec.eps_high == 0.3  # fmt: skip
+    assert (
+        make_objective(
+            AlgorithmConfig(name="rank_grpo", eps_high=0.3, plugins=(PLUGIN,)), max_length=3
+        ).spec.eps_high
+        == 0.3
+    )
 
 
 def test_bad_plugins_and_registrations_are_refused():

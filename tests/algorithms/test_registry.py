@@ -21,28 +21,101 @@ def test_every_configurable_name_is_registered():
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("grpo", dict(aggregation="seq_mean_token_mean", advantage="group_norm", importance="ratio", clip_mask=True, eps_low=0.2, eps_high=0.2, kl_estimator="k3", kl_coef=0.04)),
-        ("dapo", dict(aggregation="token_mean", advantage="group_norm", eps_low=0.2, eps_high=0.28, dynamic_sampling=True, overlong_buffer=20, kl_estimator="none")),
-        ("dr_grpo", dict(aggregation="max_length", advantage="group_center", eps_low=0.2, eps_high=0.2)),
-        ("gspo", dict(importance="sequence_ratio", clip_mask=True, eps_low=3e-4, eps_high=4e-4, advantage="group_norm")),
-        ("cispo", dict(importance="clipped_ratio", clip_mask=False, eps_low=1.0, eps_high=0.28, aggregation="token_mean")),
-        ("reinforce", dict(importance="one", clip_mask=False, advantage="reward", aggregation="max_length")),
+        (
+            "grpo",
+            dict(
+                aggregation="seq_mean_token_mean",
+                advantage="group_norm",
+                importance="ratio",
+                clip_mask=True,
+                eps_low=0.2,
+                eps_high=0.2,
+                kl_estimator="k3",
+                kl_coef=0.04,
+            ),
+        ),
+        (
+            "dapo",
+            dict(
+                aggregation="token_mean",
+                advantage="group_norm",
+                eps_low=0.2,
+                eps_high=0.28,
+                dynamic_sampling=True,
+                overlong_buffer=20,
+                kl_estimator="none",
+            ),
+        ),
+        (
+            "dr_grpo",
+            dict(aggregation="max_length", advantage="group_center", eps_low=0.2, eps_high=0.2),
+        ),
+        (
+            "gspo",
+            dict(
+                importance="sequence_ratio",
+                clip_mask=True,
+                eps_low=3e-4,
+                eps_high=4e-4,
+                advantage="group_norm",
+            ),
+        ),
+        (
+            "cispo",
+            dict(
+                importance="clipped_ratio",
+                clip_mask=False,
+                eps_low=1.0,
+                eps_high=0.28,
+                aggregation="token_mean",
+            ),
+        ),
+        (
+            "reinforce",
+            dict(importance="one", clip_mask=False, advantage="reward", aggregation="max_length"),
+        ),
         ("rloo", dict(importance="one", clip_mask=False, advantage="leave_one_out")),
-        ("reinforce_pp", dict(advantage="batch_norm_kl_reward", reward_kl_coef=0.01, eps_low=0.2, aggregation="token_mean")),
-        ("ppo", dict(advantage="gae", reward_kl_coef=0.05, value_coef=0.1, value_clip=0.2, gamma=1.0, gae_lambda=0.95)),
-        ("aipo", dict(importance="truncated", is_cap=5.0, clip_mask=False, advantage="group_center")),
+        (
+            "reinforce_pp",
+            dict(
+                advantage="batch_norm_kl_reward",
+                reward_kl_coef=0.01,
+                eps_low=0.2,
+                aggregation="token_mean",
+            ),
+        ),
+        (
+            "ppo",
+            dict(
+                advantage="gae",
+                reward_kl_coef=0.05,
+                value_coef=0.1,
+                value_clip=0.2,
+                gamma=1.0,
+                gae_lambda=0.95,
+            ),
+        ),
+        (
+            "aipo",
+            dict(importance="truncated", is_cap=5.0, clip_mask=False, advantage="group_center"),
+        ),
         ("tb", dict(kind="tb", beta=0.012, beta_final=0.004, beta_decay_steps=500)),
         ("online_dpo", dict(kind="online_dpo", beta=0.1, beta_decay_steps=0)),
     ],
-)  # fmt: skip
+)
 def test_paper_defaults(name, expected):
     s = spec(name=name)
     assert {k: getattr(s, k) for k in expected} == expected
 
 
 def test_overrides_win_over_defaults():
-    s = spec(name="dapo", eps_high=0.3, aggregation="seq_mean_token_mean", dynamic_sampling="off",
-             overlong_shaping="off")  # fmt: skip
+    s = spec(
+        name="dapo",
+        eps_high=0.3,
+        aggregation="seq_mean_token_mean",
+        dynamic_sampling="off",
+        overlong_shaping="off",
+    )
     assert (s.eps_low, s.eps_high, s.aggregation) == (0.2, 0.3, "seq_mean_token_mean")
     assert not s.dynamic_sampling and s.overlong_buffer == 0
     assert (

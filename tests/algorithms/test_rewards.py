@@ -16,9 +16,13 @@ from rlax_tpu.types import Verdict, VerdictKind
 
 
 def _input(kind: VerdictKind, score_: float = 0.0) -> RewardInput:
-    return RewardInput(verdict=Verdict(kind=kind, score=score_, tests_passed=1, tests_total=4),
-                       tokens=np.zeros(3, np.int32), problem=None, finished=True,
-                       decode=lambda t: "x")  # fmt: skip
+    return RewardInput(
+        verdict=Verdict(kind=kind, score=score_, tests_passed=1, tests_total=4),
+        tokens=np.zeros(3, np.int32),
+        problem=None,
+        finished=True,
+        decode=lambda t: "x",
+    )
 
 
 def test_builtin_rewards():

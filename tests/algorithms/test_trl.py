@@ -46,16 +46,36 @@ class _OneProcess:
 def trl_loss(loss_type: str, batch, adv: np.ndarray, logp: np.ndarray, **options):
     """(loss value, d loss / d logp [B, T]) of TRL's _compute_loss."""
     trainer = object.__new__(GRPOTrainer)
-    args = dict(delta=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
-                vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
-                use_bias_correction_kl=False, steps_per_generation=1)  # fmt: skip
+    args = dict(
+        delta=None,
+        sapo_temperature_pos=1.0,
+        sapo_temperature_neg=1.05,
+        vespo_k_pos=2.0,
+        vespo_lambda_pos=3.0,
+        vespo_k_neg=3.0,
+        vespo_lambda_neg=2.0,
+        use_bias_correction_kl=False,
+        steps_per_generation=1,
+    )
     args |= {k: options.pop(k) for k in list(options) if k in args}
-    fields = dict(loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
-                  importance_sampling_level="token", top_entropy_quantile=1.0,
-                  off_policy_mask_threshold=None, use_vllm=False,
-                  vllm_importance_sampling_correction=False, max_completion_length=T,
-                  aux_loss_enabled=False, _entropy_bonus_enabled=False,
-                  current_gradient_accumulation_steps=1) | options  # fmt: skip
+    fields = (
+        dict(
+            loss_type=loss_type,
+            epsilon_low=0.2,
+            epsilon_high=0.2,
+            beta=0.0,
+            importance_sampling_level="token",
+            top_entropy_quantile=1.0,
+            off_policy_mask_threshold=None,
+            use_vllm=False,
+            vllm_importance_sampling_correction=False,
+            max_completion_length=T,
+            aux_loss_enabled=False,
+            _entropy_bonus_enabled=False,
+            current_gradient_accumulation_steps=1,
+        )
+        | options
+    )
     for k, v in fields.items():
         setattr(trainer, k, v)
     trainer.args = types.SimpleNamespace(**args)
@@ -85,24 +105,55 @@ def trl_loss(loss_type: str, batch, adv: np.ndarray, logp: np.ndarray, **options
 CASES = [
     ("grpo", dict(name="grpo", kl_estimator="none"), "grpo", {}, 0.3),
     ("grpo_k3", dict(name="grpo", kl_coef=0.04), "grpo", dict(beta=0.04), 0.3),
-    ("grpo_k3_bias_corrected", dict(name="grpo", kl_coef=0.04, kl_bias_correction=True), "grpo",
-     dict(beta=0.04, use_bias_correction_kl=True), 0.3),
-    ("grpo_delta", dict(name="grpo", kl_estimator="none", delta=1.25), "grpo", dict(delta=1.25), 0.3),
+    (
+        "grpo_k3_bias_corrected",
+        dict(name="grpo", kl_coef=0.04, kl_bias_correction=True),
+        "grpo",
+        dict(beta=0.04, use_bias_correction_kl=True),
+        0.3,
+    ),
+    (
+        "grpo_delta",
+        dict(name="grpo", kl_estimator="none", delta=1.25),
+        "grpo",
+        dict(delta=1.25),
+        0.3,
+    ),
     ("dapo", dict(name="dapo"), "dapo", dict(epsilon_high=0.28), 0.3),
     ("dapo_as_bnpo", dict(name="dapo"), "bnpo", dict(epsilon_high=0.28), 0.3),
     ("dr_grpo", dict(name="dr_grpo"), "dr_grpo", {}, 0.3),
-    ("gspo", dict(name="gspo"), "grpo",
-     dict(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4), 1e-3),
+    (
+        "gspo",
+        dict(name="gspo"),
+        "grpo",
+        dict(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4),
+        1e-3,
+    ),
     ("cispo", dict(name="cispo", eps_high=0.5), "cispo", dict(epsilon_high=1.5), 0.3),
     ("sapo", dict(name="sapo"), "sapo", {}, 0.3),
-    ("sapo_tau", dict(name="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5), "sapo",
-     dict(sapo_temperature_pos=2.0, sapo_temperature_neg=0.5), 0.3),
-    ("luspo", dict(name="luspo"), "luspo",
-     dict(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4), 1e-3),
+    (
+        "sapo_tau",
+        dict(name="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5),
+        "sapo",
+        dict(sapo_temperature_pos=2.0, sapo_temperature_neg=0.5),
+        0.3,
+    ),
+    (
+        "luspo",
+        dict(name="luspo"),
+        "luspo",
+        dict(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4),
+        1e-3,
+    ),
     ("vespo", dict(name="vespo"), "vespo", {}, 0.1),
-    ("vespo_k", dict(name="vespo", vespo_k_pos=1.0, vespo_lambda_neg=4.0), "vespo",
-     dict(vespo_k_pos=1.0, vespo_lambda_neg=4.0), 0.1),
-]  # fmt: skip
+    (
+        "vespo_k",
+        dict(name="vespo", vespo_k_pos=1.0, vespo_lambda_neg=4.0),
+        "vespo",
+        dict(vespo_k_pos=1.0, vespo_lambda_neg=4.0),
+        0.1,
+    ),
+]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -116,9 +167,9 @@ def test_value_and_gradient_equal_trls(case, seed, x64, make_batch):
     mask = np.asarray(batch.mask)
     adv = (np.asarray(inputs.advantages) * mask).sum(axis=1) / mask.sum(axis=1)  # one per row
 
-    (_, metrics), ours = jax.value_and_grad(
-        lambda lp: obj.loss(lp, inputs), has_aux=True
-    )(jnp.asarray(logp))  # fmt: skip
+    (_, metrics), ours = jax.value_and_grad(lambda lp: obj.loss(lp, inputs), has_aux=True)(
+        jnp.asarray(logp)
+    )
     value, theirs = trl_loss(loss_type, batch, adv, logp, **options)
 
     real = mask > 0

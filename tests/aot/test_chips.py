@@ -17,8 +17,10 @@ def test_parse_size_reads_xla_binary_units():
 
 
 def test_hbm_limit_is_read_from_both_oom_messages():
-    a = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
-         "temporaries (400.00G) exceeds available HBM (15.75G).")  # fmt: skip
+    a = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (400.00G) exceeds available HBM (15.75G)."
+    )
     b = "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Used 20.5G of 95.74G hbm."
     assert hbm_limit_from_error(a) == int(15.75 * GiB)
     assert hbm_limit_from_error(b) == int(95.74 * GiB)

@@ -42,15 +42,22 @@ def reports(tmp_path_factory):
     procs = {}
     for name, topo in COMPILED:
         path = out / f"{name}-{topo.replace(':', '_')}.json"
-        cmd = _command(f"--config={CONFIGS[name]}", f"--topology={topo}", f"--json={path}",
-                       *FLAGS[name])  # fmt: skip
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)  # fmt: skip
+        cmd = _command(
+            f"--config={CONFIGS[name]}", f"--topology={topo}", f"--json={path}", *FLAGS[name]
+        )
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         procs[name, topo] = (proc, path)
     # The local preset's trainer with scanned layers (FLOPs counted by depth, see below).
     path = out / "local-scan.json"
-    cmd = _command(f"--config={CONFIGS['local']}", "--topology=v5e:2x2", "--component=trainer",
-                   "--config.trainer.scan_layers=true", f"--json={path}")  # fmt: skip
+    cmd = _command(
+        f"--config={CONFIGS['local']}",
+        "--topology=v5e:2x2",
+        "--component=trainer",
+        "--config.trainer.scan_layers=true",
+        f"--json={path}",
+    )
     procs["local-scan", "v5e:2x2"] = (
         subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
         path,
@@ -58,15 +65,25 @@ def reports(tmp_path_factory):
     results = {}
     for key, (proc, path) in procs.items():
         _, err = proc.communicate(timeout=900)
-        results[key] = (proc.returncode, err, json.loads(path.read_text()) if path.exists() else None)
+        results[key] = (
+            proc.returncode,
+            err,
+            json.loads(path.read_text()) if path.exists() else None,
+        )
     return results
 
 
 # On TPU the aligned π_old is the prefill-shaped recompute (trainer.old_logprobs "auto").
 EXPECTED = {
-    "trainer.accumulate", "trainer.apply", "trainer.prepare", "trainer.prefill_old",
-    "trainer.publish", "inference.decode", "inference.prefill", "inference.copy_pages",
-}  # fmt: skip
+    "trainer.accumulate",
+    "trainer.apply",
+    "trainer.prepare",
+    "trainer.prefill_old",
+    "trainer.publish",
+    "inference.decode",
+    "inference.prefill",
+    "inference.copy_pages",
+}
 
 
 def test_scanned_layers_compile_and_count_every_layer(reports):
@@ -130,8 +147,12 @@ def test_smollm2_step_matches_a_textbook_count(reports):
 
 
 def test_an_oversized_cache_is_refused_with_one_line_per_program():
-    out = run("--config=configs/codeforces.py:local", "--topology=v5e:2x2", "--component=inference",
-              f"--config.inference.kv_cache_bytes={40 * 2**30}")  # fmt: skip
+    out = run(
+        "--config=configs/codeforces.py:local",
+        "--topology=v5e:2x2",
+        "--component=inference",
+        f"--config.inference.kv_cache_bytes={40 * 2**30}",
+    )
     assert out.returncode == 1, out.stderr[-2000:]
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("rlax_tpu.aot: ")]
     assert lines and lines[0].startswith("rlax_tpu.aot: inference.decode does not fit on v5e:2x2: ")
@@ -141,10 +162,17 @@ def test_an_oversized_cache_is_refused_with_one_line_per_program():
 
 
 def test_a_mesh_that_does_not_fit_the_topology_is_refused():
-    out = run("--config=configs/codeforces.py:local", "--topology=v5e:2x2", "--component=trainer",
-              "--config.mesh.data=8")  # fmt: skip
+    out = run(
+        "--config=configs/codeforces.py:local",
+        "--topology=v5e:2x2",
+        "--component=trainer",
+        "--config.mesh.data=8",
+    )
     assert out.returncode == EXIT_USAGE
-    assert "rlax_tpu.aot: error: the config's trainer does not fit topology v5e:2x2 (4 devices)" in out.stderr
+    assert (
+        "rlax_tpu.aot: error: the config's trainer does not fit topology v5e:2x2 (4 devices)"
+        in out.stderr
+    )
     out = run("--config=configs/codeforces.py:local", "--topology=v9x:2x2")
     assert out.returncode == EXIT_USAGE and "no chip specs for 'v9x'" in out.stderr
     out = run("--config=configs/codeforces.py:local")
@@ -157,9 +185,13 @@ def test_the_engine_compiles_on_its_mesh(tmp_path):
     reports = {}
     for tensor in (1, 2):
         path = tmp_path / f"t{tensor}.json"
-        out = run("--config=configs/codeforces.py:local", "--topology=v5e:2x2",
-                  "--component=inference", f"--config.inference.mesh.tensor={tensor}",
-                  f"--json={path}")  # fmt: skip
+        out = run(
+            "--config=configs/codeforces.py:local",
+            "--topology=v5e:2x2",
+            "--component=inference",
+            f"--config.inference.mesh.tensor={tensor}",
+            f"--json={path}",
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         reports[tensor] = {p["name"]: p for p in json.loads(path.read_text())["programs"]}
     one, two = reports[1]["inference.decode"], reports[2]["inference.decode"]

@@ -28,10 +28,12 @@ def _params(cfg) -> int:  # noqa: ANN001
 
 def test_trainer_holds_float32_masters_moments_and_the_steps_batches():
     # bf16 storage and compute, a KL term (so a frozen bf16 reference), 2 micro-batches.
-    cfg = run_config(model=models.preset("tiny", num_layers=2, param_dtype="bfloat16",
-                                         compute_dtype="bfloat16"))  # fmt: skip
-    cfg = dataclasses.replace(cfg, algorithm=AlgorithmConfig(name="grpo", group_size=4,
-                                                             kl_estimator="k3"))  # fmt: skip
+    cfg = run_config(
+        model=models.preset("tiny", num_layers=2, param_dtype="bfloat16", compute_dtype="bfloat16")
+    )
+    cfg = dataclasses.replace(
+        cfg, algorithm=AlgorithmConfig(name="grpo", group_size=4, kl_estimator="k3")
+    )
     programs = {p.name: p for p in trainer_programs(cfg, jax.devices()[:1])}
     n = _params(cfg)
     acc = programs["trainer.accumulate"].held
@@ -64,8 +66,12 @@ def test_inference_holds_a_second_copy_of_the_weights_during_a_reload():
 def test_a_program_fits_only_with_the_headroom_left(spare, status):
     """The same program and held bytes fit or not by whether 5% of the HBM stays free."""
     x = jax.ShapeDtypeStruct((1024,), jnp.float32)
-    probe = compile_program(AbstractProgram("probe", jax.jit(lambda a: a * 2), (x,)),
-                            component="test", topology="cpu", device=_device(2**30))  # fmt: skip
+    probe = compile_program(
+        AbstractProgram("probe", jax.jit(lambda a: a * 2), (x,)),
+        component="test",
+        topology="cpu",
+        device=_device(2**30),
+    )
     usable = 2**30
     held = int(usable * (1 - spare)) - probe.footprint_bytes
     program = AbstractProgram("p", jax.jit(lambda a: a * 2), (x,), held={"state": held})
@@ -89,8 +95,11 @@ def test_pi_old_is_checked_on_the_published_cast_where_the_engine_sees_other_val
     assert {x.dtype for x in jax.tree.leaves(decode.args[0])} == {jnp.dtype(jnp.bfloat16)}
     assert decode.held["trainable (float32 master)"] == 4 * _params(cfg)
     # With bf16 compute the masters cast at use are the engine's values: no copy.
-    same = run_config(model=dataclasses.replace(model, compute_dtype="bfloat16"),
-                      align_logprobs=True, publish_dtype="bfloat16")  # fmt: skip
+    same = run_config(
+        model=dataclasses.replace(model, compute_dtype="bfloat16"),
+        align_logprobs=True,
+        publish_dtype="bfloat16",
+    )
     decode = {p.name: p for p in trainer_programs(same, jax.devices()[:1])}["trainer.replay.decode"]
     assert {x.dtype for x in jax.tree.leaves(decode.args[0])} == {jnp.dtype(jnp.float32)}
     assert "trainable (float32 master)" not in decode.held

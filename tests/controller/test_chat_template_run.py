@@ -20,23 +20,32 @@ class _Transformers:
     """transformers' own rendering, in the shape prompt_text calls."""
 
     def __init__(self, directory):
-        self.hf = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"),
-                                          bos_token="<|im_start|>", eos_token="<|im_end|>")  # fmt: skip
+        self.hf = PreTrainedTokenizerFast(
+            tokenizer_file=str(directory / "tokenizer.json"),
+            bos_token="<|im_start|>",
+            eos_token="<|im_end|>",
+        )
 
     def apply_chat_template(self, messages, *, add_generation_prompt=True):
-        return self.hf.apply_chat_template(messages, chat_template=LLAMA3_STYLE, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)  # fmt: skip
+        return self.hf.apply_chat_template(
+            messages,
+            chat_template=LLAMA3_STYLE,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
 
 
 def test_the_models_own_chat_template_renders_the_prompts(tmp_path):
     smollm2 = Tokenizer.from_gguf(str(smollm2_gguf_path()))
     tokenizer_dir = tmp_path / "tokenizer"
-    Tokenizer(smollm2.backend, bos="<|im_start|>", eos="<|im_end|>",
-              chat_template=LLAMA3_STYLE).save(tokenizer_dir)  # fmt: skip
+    Tokenizer(
+        smollm2.backend, bos="<|im_start|>", eos="<|im_end|>", chat_template=LLAMA3_STYLE
+    ).save(tokenizer_dir)
     d = to_dict(make_config(tmp_path / "run", num_steps=1, prompts_per_step=2))
     # A tiny random model over SmolLM2's vocabulary, with that tokenizer and template.
-    d["model"] |= dict(vocab_size=49152, tokenizer_path=str(tokenizer_dir),
-                       max_position_embeddings=1024)  # fmt: skip
+    d["model"] |= dict(
+        vocab_size=49152, tokenizer_path=str(tokenizer_dir), max_position_embeddings=1024
+    )
     d["inference"] |= dict(max_prompt_len=512)
     d["data"] |= dict(prompt_style="chat")
     rollouts = []

@@ -13,20 +13,38 @@ UID = 1_450_000 + (os.getpid() % 100_000) * 8
 
 
 def test_the_trainer_and_two_workers_run_on_their_own_devices(tmp_path):
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-                        "JAX_PLATFORMS": "cpu"}  # fmt: skip
+    env = os.environ | {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "rlax_tpu.controller", "--config=configs/codeforces.py:local",
-         f"--config.controller.run_dir={tmp_path / 'run'}", "--config.controller.num_steps=2",
-         "--config.controller.prompts_per_step=2", "--config.algorithm.group_size=2",
-         "--config.trainer.micro_batch_size=4", "--config.model.num_layers=1",
-         "--config.inference.max_new_tokens=16", "--config.inference.max_concurrent_seqs=8",
-         "--config.data.eval_problems=4", "--config.data.eval_samples=2",
-         "--config.controller.warmup_steps=0", f"--config.verifiers.sandbox_uid={UID}",
-         "--config.topology.trainer_devices=4", "--config.inference.num_workers=2",
-         "--config.inference.mesh.tensor=2"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu.controller",
+            "--config=configs/codeforces.py:local",
+            f"--config.controller.run_dir={tmp_path / 'run'}",
+            "--config.controller.num_steps=2",
+            "--config.controller.prompts_per_step=2",
+            "--config.algorithm.group_size=2",
+            "--config.trainer.micro_batch_size=4",
+            "--config.model.num_layers=1",
+            "--config.inference.max_new_tokens=16",
+            "--config.inference.max_concurrent_seqs=8",
+            "--config.data.eval_problems=4",
+            "--config.data.eval_samples=2",
+            "--config.controller.warmup_steps=0",
+            f"--config.verifiers.sandbox_uid={UID}",
+            "--config.topology.trainer_devices=4",
+            "--config.inference.num_workers=2",
+            "--config.inference.mesh.tensor=2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "run finished: 2 updates" in done.stdout
     line = next(x for x in done.stdout.splitlines() if x.startswith("components:"))
@@ -35,14 +53,29 @@ def test_the_trainer_and_two_workers_run_on_their_own_devices(tmp_path):
 
 
 def test_a_split_that_does_not_fit_is_refused(tmp_path):
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-                        "JAX_PLATFORMS": "cpu"}  # fmt: skip
+    env = os.environ | {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "rlax_tpu.controller", "--config=configs/codeforces.py:local",
-         f"--config.controller.run_dir={tmp_path / 'run'}", "--config.controller.warmup_steps=0",
-         "--config.topology.trainer_devices=4", "--config.inference.mesh.tensor=2"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu.controller",
+            "--config=configs/codeforces.py:local",
+            f"--config.controller.run_dir={tmp_path / 'run'}",
+            "--config.controller.warmup_steps=0",
+            "--config.topology.trainer_devices=4",
+            "--config.inference.mesh.tensor=2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode != 0
-    assert "topology.trainer_devices (4) + inference.num_workers (1) x inference.mesh (2 " \
-           "devices) = 6 devices; this host has 4" in done.stderr + done.stdout
+    assert (
+        "topology.trainer_devices (4) + inference.num_workers (1) x inference.mesh (2 "
+        "devices) = 6 devices; this host has 4" in done.stderr + done.stdout
+    )

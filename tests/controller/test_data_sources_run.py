@@ -13,12 +13,15 @@ from tests.data.test_loaders import code_contests_record, write_jsonl
 def test_code_contests_trains_on_its_train_files_through_the_controller(tmp_path):
     data = tmp_path / "code_contests"
     data.mkdir()
-    write_jsonl(data / "train-00000-of-00001.jsonl",
-                [code_contests_record(f"{i}_A. sum {i}") for i in range(3)])  # fmt: skip
+    write_jsonl(
+        data / "train-00000-of-00001.jsonl",
+        [code_contests_record(f"{i}_A. sum {i}") for i in range(3)],
+    )
     write_jsonl(data / "valid-00000-of-00001.jsonl", [code_contests_record("9_V. held out")])
     d = to_dict(make_config(tmp_path / "run", num_steps=2, prompts_per_step=2))
-    d["data"] |= dict(datasets=("code_contests",), weights=(1.0,), data_dir=str(data),
-                      eval_problems=1)  # fmt: skip
+    d["data"] |= dict(
+        datasets=("code_contests",), weights=(1.0,), data_dir=str(data), eval_problems=1
+    )
     ctl = run_controller(from_dict(RunConfig, d), lambda comps: None)
     assert ctl.version == 2
     drawn = {k.split("#")[0] for s in GroupState for k in ctl.ledger.keys(s)}

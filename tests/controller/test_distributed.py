@@ -47,8 +47,12 @@ class Service:
         self.module = module
         self.proc = subprocess.Popen(
             [sys.executable, "-m", f"rlax_tpu.{module}", CONFIG, *args],
-            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            cwd=REPO,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self._terminated = False
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -72,11 +76,14 @@ class Service:
             try:
                 line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"{self.module}: no {marker!r} line within {timeout_s} s:\n"
-                                     f"{self.output()}") from None  # fmt: skip
+                raise AssertionError(
+                    f"{self.module}: no {marker!r} line within {timeout_s} s:\n{self.output()}"
+                ) from None
             if line is None:
-                raise AssertionError(f"{self.module} exited ({self.proc.wait()}) before "
-                                     f"printing {marker!r}:\n{self.output()}")  # fmt: skip
+                raise AssertionError(
+                    f"{self.module} exited ({self.proc.wait()}) before "
+                    f"printing {marker!r}:\n{self.output()}"
+                )
             if marker in line and (m := ADDRESS.search(line)):
                 return m.group(1)
 
@@ -116,14 +123,25 @@ def _workload(run_dir: Path) -> list[str]:
     ]
 
 
-def _controller(args: list[str], timeout_s: float, transport: str = "distributed"
-                ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def _controller(
+    args: list[str], timeout_s: float, transport: str = "distributed"
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rlax_tpu.controller", CONFIG,
-         f"--config.controller.transport={transport}", "--config.controller.warmup_steps=0",
-         *args],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout_s,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu.controller",
+            CONFIG,
+            f"--config.controller.transport={transport}",
+            "--config.controller.warmup_steps=0",
+            *args,
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def test_distributed_run_against_separate_processes(tmp_path):
@@ -138,10 +156,15 @@ def test_distributed_run_against_separate_processes(tmp_path):
         uid = 1_800_000 + (os.getpid() % 100_000) * 8
         trainer = Service("trainer", [*wired, "--config.trainer.address=127.0.0.1:0"])
         services.append(trainer)
-        verifiers = Service("verifiers", [
-            *wired, "--config.verifiers.address=127.0.0.1:0", f"--config.verifiers.sandbox_uid={uid}",
-            "--config.verifiers.workers=2",
-        ])  # fmt: skip
+        verifiers = Service(
+            "verifiers",
+            [
+                *wired,
+                "--config.verifiers.address=127.0.0.1:0",
+                f"--config.verifiers.sandbox_uid={uid}",
+                "--config.verifiers.workers=2",
+            ],
+        )
         services.append(verifiers)
         inference = Service("inference", [*wired, "--config.inference.address=127.0.0.1:0"])
         services.append(inference)
@@ -150,12 +173,15 @@ def test_distributed_run_against_separate_processes(tmp_path):
             "verifier": verifiers.wait_for("verifiers serving on"),
             "inference": inference.wait_for("rlax_tpu.inference: serving on"),
         }
-        done = _controller([
-            *wired,
-            f"--config.controller.trainer_endpoint={endpoints['trainer']}",
-            f"--config.controller.verifier_endpoint={endpoints['verifier']}",
-            f"--config.controller.inference_endpoints=('{endpoints['inference']}',)",
-        ], timeout_s=300)  # fmt: skip
+        done = _controller(
+            [
+                *wired,
+                f"--config.controller.trainer_endpoint={endpoints['trainer']}",
+                f"--config.controller.verifier_endpoint={endpoints['verifier']}",
+                f"--config.controller.inference_endpoints=('{endpoints['inference']}',)",
+            ],
+            timeout_s=300,
+        )
         logs = "\n".join(f"--- {s.module}:\n{s.output()}" for s in services)
         assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}\n{logs}"
         assert "run finished: 2 updates" in done.stdout, done.stdout[-4000:]
@@ -175,8 +201,15 @@ def test_distributed_run_against_separate_processes(tmp_path):
             worker.close()
         # The local transport, same workload (deterministic mode): the same run, step by step.
         local_dir = tmp_path / "local"
-        done = _controller([*_workload(local_dir), f"--config.verifiers.sandbox_uid={uid + 4}",
-                            "--config.verifiers.workers=2"], timeout_s=300, transport="local")  # fmt: skip
+        done = _controller(
+            [
+                *_workload(local_dir),
+                f"--config.verifiers.sandbox_uid={uid + 4}",
+                "--config.verifiers.workers=2",
+            ],
+            timeout_s=300,
+            transport="local",
+        )
         assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
         steps = _step_record(run_dir)
         assert [s[0] for s in steps] == [1, 2] and _step_record(local_dir) == steps
@@ -187,23 +220,36 @@ def test_distributed_run_against_separate_processes(tmp_path):
         for s in services:
             s.stop()
     for s in services:  # every service stops cleanly on SIGTERM (the verifiers were killed)
-        assert s.proc.returncode == (-signal.SIGKILL if s is verifiers else 0), f"{s.module} exited {s.proc.returncode}:\n{s.output()}"
+        assert s.proc.returncode == (-signal.SIGKILL if s is verifiers else 0), (
+            f"{s.module} exited {s.proc.returncode}:\n{s.output()}"
+        )
 
 
 def _a_component_that_stays_away_ends_the_run_in_one_line(
     run_dir: Path, wired: list[str], endpoints: dict[str, str], verifiers: Service
-) -> None:  # fmt: skip
+) -> None:
     """The run resumed for more steps; its verifier service is SIGKILLed and not restarted: the
     controller waits controller.recovery_timeout_s for it, then stops with one line naming it."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlax_tpu.controller", CONFIG, *wired,
-         "--config.controller.transport=distributed", "--config.controller.num_steps=12",
-         "--config.controller.recovery_timeout_s=3",
-         f"--config.controller.trainer_endpoint={endpoints['trainer']}",
-         f"--config.controller.verifier_endpoint={endpoints['verifier']}",
-         f"--config.controller.inference_endpoints=('{endpoints['inference']}',)"],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu.controller",
+            CONFIG,
+            *wired,
+            "--config.controller.transport=distributed",
+            "--config.controller.num_steps=12",
+            "--config.controller.recovery_timeout_s=3",
+            f"--config.controller.trainer_endpoint={endpoints['trainer']}",
+            f"--config.controller.verifier_endpoint={endpoints['verifier']}",
+            f"--config.controller.inference_endpoints=('{endpoints['inference']}',)",
+        ],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         head = []
@@ -220,19 +266,30 @@ def _a_component_that_stays_away_ends_the_run_in_one_line(
     assert f"verifiers at {endpoints['verifier']} stopped answering" in out, out[-3000:]
     assert "waiting up to 3 s for it to serve again" in out, out[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    assert err.rstrip().endswith(f"rlax_tpu.controller: error: verifiers at "
-                                 f"{endpoints['verifier']} did not answer within 3 s"), err[-3000:]  # fmt: skip
+    assert err.rstrip().endswith(
+        f"rlax_tpu.controller: error: verifiers at "
+        f"{endpoints['verifier']} did not answer within 3 s"
+    ), err[-3000:]
 
 
 def _step_record(run_dir: Path) -> list[tuple]:
     """Per update: what the prompts, the sampled programs, their verdicts and the trainer's
     numerics determine (without a warm-up every program fails, so rewards and losses are 0)."""
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    keys = ("reward/mean", "trainer/sequence_tokens", "trainer/completion_tokens",
-            "trainer/ratio_max", "trainer/param_norm", "trainer/logp_old_behaviour_diff_max")
+    keys = (
+        "reward/mean",
+        "trainer/sequence_tokens",
+        "trainer/completion_tokens",
+        "trainer/ratio_max",
+        "trainer/param_norm",
+        "trainer/logp_old_behaviour_diff_max",
+    )
     verdicts = lambda sc: sorted((k, v) for k, v in sc.items() if k.startswith("verdict/"))  # noqa: E731
-    return [(r["step"], *(r["scalars"][k] for k in keys), verdicts(r["scalars"]))
-            for r in records if "reward/mean" in r["scalars"]]  # fmt: skip
+    return [
+        (r["step"], *(r["scalars"][k] for k in keys), verdicts(r["scalars"]))
+        for r in records
+        if "reward/mean" in r["scalars"]
+    ]
 
 
 def test_unreachable_trainer_is_named(tmp_path):
@@ -243,14 +300,17 @@ def test_unreachable_trainer_is_named(tmp_path):
     server.start()
     try:
         t0 = time.monotonic()
-        done = _controller([
-            f"--config.controller.run_dir={tmp_path / 'run'}",
-            "--config.controller.rpc_timeout_s=3",
-            f"--config.controller.param_server_endpoints=('{answering}',)",
-            f"--config.controller.trainer_endpoint={closed}",
-            f"--config.controller.verifier_endpoint={closed}",
-            f"--config.controller.inference_endpoints=('{closed}',)",
-        ], timeout_s=120)  # fmt: skip
+        done = _controller(
+            [
+                f"--config.controller.run_dir={tmp_path / 'run'}",
+                "--config.controller.rpc_timeout_s=3",
+                f"--config.controller.param_server_endpoints=('{answering}',)",
+                f"--config.controller.trainer_endpoint={closed}",
+                f"--config.controller.verifier_endpoint={closed}",
+                f"--config.controller.inference_endpoints=('{closed}',)",
+            ],
+            timeout_s=120,
+        )
         elapsed = time.monotonic() - t0
     finally:
         server.stop(None)

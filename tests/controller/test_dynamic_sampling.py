@@ -85,7 +85,9 @@ def check_finished(ctl, cfg):
     """Every issued group is trained or discarded with a reason; none lost."""
     originals = [k for s in GroupState for k in ctl.ledger.keys(s) if "~" not in k]
     assert len(originals) + ctl.counters.prompts_too_long == ctl.mixture.issued
-    reasons = collections.Counter(ctl.ledger[k].reason for k in ctl.ledger.keys(GroupState.DISCARDED))
+    reasons = collections.Counter(
+        ctl.ledger[k].reason for k in ctl.ledger.keys(GroupState.DISCARDED)
+    )
     assert set(reasons) <= {"filtered", "surplus", "stale", "verifier_failed"}
     assert reasons["filtered"] == ctl.counters.groups_filtered
     assert reasons["surplus"] == ctl.counters.groups_surplus
@@ -99,8 +101,9 @@ def check_finished(ctl, cfg):
 @pytest.mark.parametrize("mode", ["deterministic", "throughput"])
 def test_refill_rounds_fill_the_batch_with_groups_that_have_something_to_learn(tmp_path, mode):
     target = 2
-    cfg = dapo_config(tmp_path / "a", num_steps=3, prompts_per_step=target, refill_rounds=4,
-                      mode=mode)  # fmt: skip
+    cfg = dapo_config(
+        tmp_path / "a", num_steps=3, prompts_per_step=target, refill_rounds=4, mode=mode
+    )
     ctl, updates = run(cfg)
     assert ctl.version == 3 and len(updates) == 3
     assert ctl.counters.groups_filtered > 0
@@ -113,12 +116,16 @@ def test_refill_rounds_fill_the_batch_with_groups_that_have_something_to_learn(t
     assert full >= 2, [len(r) for r in updates]  # 4 rounds fill a batch of 2 at a 4/9 keep rate
     check_finished(ctl, cfg)
     if mode == "deterministic":  # refills are drawn at fixed points: a rerun trains the same
-        ctl2, updates2 = run(dapo_config(tmp_path / "b", num_steps=3, prompts_per_step=target,
-                                         refill_rounds=4, mode=mode))  # fmt: skip
+        ctl2, updates2 = run(
+            dapo_config(
+                tmp_path / "b", num_steps=3, prompts_per_step=target, refill_rounds=4, mode=mode
+            )
+        )
         assert ctl2.counters == ctl.counters
         assert all(np.array_equal(a, b) for a, b in zip(updates, updates2, strict=True))
         assert sorted(ctl2.ledger.keys(GroupState.TRAINED)) == sorted(
-            ctl.ledger.keys(GroupState.TRAINED))
+            ctl.ledger.keys(GroupState.TRAINED)
+        )
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "throughput"])
@@ -138,7 +145,13 @@ def test_an_update_with_nothing_to_learn_is_skipped_and_its_step_drawn_again(tmp
 
 
 def test_too_many_skipped_updates_stop_the_run_with_an_error(tmp_path):
-    cfg = dapo_config(tmp_path, num_steps=2, prompts_per_step=2, refill_rounds=1,
-                      max_skipped_updates=1, pipeline_depth=0)  # fmt: skip
+    cfg = dapo_config(
+        tmp_path,
+        num_steps=2,
+        prompts_per_step=2,
+        refill_rounds=1,
+        max_skipped_updates=1,
+        pipeline_depth=0,
+    )
     with pytest.raises(NothingToLearn, match="2 updates in a row had nothing to learn"):
         run(cfg, open_=False)

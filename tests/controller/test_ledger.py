@@ -43,7 +43,7 @@ def test_life_cycle_and_counts():
                 g.train("a#0", at_version=1),
             ),
             "trained -> trained is not allowed",
-        ),  # fmt: skip
+        ),
         (lambda g: g.start("zz#0"), "unknown group 'zz#0'"),
     ],
 )

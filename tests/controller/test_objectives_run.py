@@ -36,8 +36,10 @@ def test_the_objective_trains_through_the_controller(tmp_path, algorithm):
 
     ctl = run_controller(cfg, wrap)
     assert ctl.version == 2 and ctl.objective.spec.name == algorithm["name"]
-    updates = [json.loads(line)["scalars"] for line in
-               (tmp_path / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
+    updates = [
+        json.loads(line)["scalars"]
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
     logged = [u for u in updates if "trainer/objective" in u]
     assert len(logged) == 2
     for u in logged:
@@ -79,4 +81,3 @@ def test_a_reward_function_of_the_users_own_scores_every_rollout(tmp_path):
     # Rewards follow the lengths the trainer was given, row by row.
     accepted = np.asarray(batch.rewards) > 0.5
     np.testing.assert_allclose(batch.rewards, accepted - 0.01 * batch.completion_lengths, rtol=1e-6)
-

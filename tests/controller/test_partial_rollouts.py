@@ -49,8 +49,9 @@ class Recorded:
 
 
 def test_workers_reload_under_running_jobs_and_staleness_counts_the_oldest_token(tmp_path):
-    cfg = partial_config(tmp_path, mode="throughput", num_steps=4, prompts_per_step=2,
-                         acceptance_staleness=3)  # fmt: skip
+    cfg = partial_config(
+        tmp_path, mode="throughput", num_steps=4, prompts_per_step=2, acceptance_staleness=3
+    )
     rollouts = []
 
     def wrap(comps):

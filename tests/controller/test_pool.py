@@ -14,8 +14,14 @@ from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.inference.worker import DictWeightSource, InferenceWorker
 
-CFG = InferenceConfig(max_concurrent_seqs=8, page_size=4, kv_cache_bytes=2**20, prefill_chunk=8,
-                      max_prompt_len=16, max_new_tokens=8)  # fmt: skip
+CFG = InferenceConfig(
+    max_concurrent_seqs=8,
+    page_size=4,
+    kv_cache_bytes=2**20,
+    prefill_chunk=8,
+    max_prompt_len=16,
+    max_new_tokens=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +67,15 @@ class Flaky:
 
 def requests(n: int) -> list[Request]:
     rng = np.random.default_rng(0)
-    return [Request(prompt_id=f"g{i}", prompt_tokens=rng.integers(0, 512, 6).astype(np.int32),
-                    num_samples=2, sampling=SamplingParams(seed=100 + i))
-            for i in range(n)]  # fmt: skip
+    return [
+        Request(
+            prompt_id=f"g{i}",
+            prompt_tokens=rng.integers(0, 512, 6).astype(np.int32),
+            num_samples=2,
+            sampling=SamplingParams(seed=100 + i),
+        )
+        for i in range(n)
+    ]
 
 
 def tokens(rollouts) -> dict:

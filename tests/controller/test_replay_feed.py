@@ -16,11 +16,19 @@ from tests.controller.test_scheduling import make_config, run_controller
 
 
 def replay_config(run_dir, num_steps: int) -> RunConfig:
-    d = to_dict(make_config(run_dir, num_steps=num_steps, prompts_per_step=2,
-                            acceptance_staleness=2, snapshot_keep=2))  # fmt: skip
+    d = to_dict(
+        make_config(
+            run_dir,
+            num_steps=num_steps,
+            prompts_per_step=2,
+            acceptance_staleness=2,
+            snapshot_keep=2,
+        )
+    )
     d["trainer"] |= dict(keep_checkpoints=4)
-    d["data"] |= dict(replay=True, replay_recency_prob=0.5, replay_recent_versions=1,
-                      replay_priority="uniform")  # fmt: skip
+    d["data"] |= dict(
+        replay=True, replay_recency_prob=0.5, replay_recent_versions=1, replay_priority="uniform"
+    )
     return from_dict(RunConfig, d)
 
 

@@ -26,16 +26,24 @@ REPO = Path(__file__).resolve().parents[2]
 UID = 1_400_000 + (os.getpid() % 100_000) * 8
 SMALL = [
     "--config=configs/codeforces.py:local",
-    "--config.model.hidden_size=64", "--config.model.intermediate_size=128",
-    "--config.model.num_layers=2", "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
-    "--config.controller.prompts_per_step=2", "--config.algorithm.group_size=2",
-    "--config.inference.max_new_tokens=16", "--config.inference.max_concurrent_seqs=8",
-    "--config.trainer.micro_batch_size=4", "--config.data.eval_problems=2",
-    "--config.data.eval_samples=2", "--config.verifiers.workers=1",
-    f"--config.verifiers.sandbox_uid={UID}", "--config.controller.warmup_steps=3",
+    "--config.model.hidden_size=64",
+    "--config.model.intermediate_size=128",
+    "--config.model.num_layers=2",
+    "--config.model.num_heads=2",
+    "--config.model.num_kv_heads=1",
+    "--config.controller.prompts_per_step=2",
+    "--config.algorithm.group_size=2",
+    "--config.inference.max_new_tokens=16",
+    "--config.inference.max_concurrent_seqs=8",
+    "--config.trainer.micro_batch_size=4",
+    "--config.data.eval_problems=2",
+    "--config.data.eval_samples=2",
+    "--config.verifiers.workers=1",
+    f"--config.verifiers.sandbox_uid={UID}",
+    "--config.controller.warmup_steps=3",
     "--config.controller.warmup_batch_size=4",
     "--config.trainer.learning_rate=1e-4",  # pinned: a test below names it
-]  # fmt: skip
+]
 SHA = re.compile(r"final weights sha256: ([0-9a-f]{64})")
 
 
@@ -49,21 +57,34 @@ def env() -> dict[str, str]:
 
 
 def command(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "rlax_tpu.controller", *SMALL,
-            f"--config.controller.run_dir={run_dir}", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "rlax_tpu.controller",
+        *SMALL,
+        f"--config.controller.run_dir={run_dir}",
+        *extra,
+    ]
 
 
 def run(env, run_dir: Path, *extra: str) -> str:
-    out = subprocess.run(command(run_dir, *extra), cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        command(run_dir, *extra), cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
 
 def killed_at_random(env, run_dir: Path, *extra: str, after_step: int, seed: int) -> None:
     """Starts a run and SIGKILLs it at a random moment after ``after_step`` steps are logged."""
-    proc = subprocess.Popen(command(run_dir, *extra), cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        command(run_dir, *extra),
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         for line in proc.stdout:
             if line.startswith(f"step {after_step}/"):
@@ -106,8 +127,13 @@ def test_deterministic_mode_is_bitwise_reproducible(env, reference, tmp_path):
     """Also with two parameter-server replicas feeding two workers (worker i reads replica i):
     where weights travel and how the work is split changes no bit."""
     _, digest = reference
-    out = run(env, tmp_path / "b", "--config.controller.num_steps=4",
-              "--config.param_server.replicas=2", "--config.inference.num_workers=2")  # fmt: skip
+    out = run(
+        env,
+        tmp_path / "b",
+        "--config.controller.num_steps=4",
+        "--config.param_server.replicas=2",
+        "--config.inference.num_workers=2",
+    )
     assert re.search(r"param_server 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+,", out), out[-2000:]
     assert sha(out) == digest
 
@@ -115,8 +141,12 @@ def test_deterministic_mode_is_bitwise_reproducible(env, reference, tmp_path):
 def test_a_trainer_in_a_child_process_gives_the_same_weights(env, reference, tmp_path):
     """controller.trainer_process: the trainer runs in a spawned child behind gRPC; the run's
     bits do not depend on where it runs, and the child is gone when the command returns."""
-    out = run(env, tmp_path / "c", "--config.controller.num_steps=4",
-              "--config.controller.trainer_process=true")  # fmt: skip
+    out = run(
+        env,
+        tmp_path / "c",
+        "--config.controller.num_steps=4",
+        "--config.controller.trainer_process=true",
+    )
     assert re.search(r"trainer 127\.0\.0\.1:\d+ \(child process \d+\)", out), out[-2000:]
     assert sha(out) == reference[1]
 
@@ -181,10 +211,17 @@ def test_a_dead_trainer_ends_the_run_with_one_line_naming_it(env, tmp_path):
     errors = tmp_path / "stderr.txt"
     with errors.open("w") as err:
         proc = subprocess.Popen(
-            command(tmp_path / "run", "--config.controller.trainer_process=true",
-                    "--config.controller.num_steps=1000"),
-            cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=err,
-        )  # fmt: skip
+            command(
+                tmp_path / "run",
+                "--config.controller.trainer_process=true",
+                "--config.controller.num_steps=1000",
+            ),
+            cwd=REPO,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
         try:
             endpoint = pid = None
             for line in proc.stdout:
@@ -208,9 +245,14 @@ def test_a_dead_trainer_ends_the_run_with_one_line_naming_it(env, tmp_path):
 
 def test_an_incompatible_config_is_refused_naming_the_field(env, reference):
     run_dir, _ = reference
-    out = subprocess.run(command(run_dir, "--config.controller.num_steps=4",
-                                 "--config.trainer.learning_rate=0.5"),
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        command(run_dir, "--config.controller.num_steps=4", "--config.trainer.learning_rate=0.5"),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1
     assert "trainer.learning_rate (run: 0.0001, now: 0.5)" in out.stderr
 
@@ -230,8 +272,11 @@ def test_a_truncated_newest_snapshot_is_skipped_with_a_warning(env, reference, t
 
 def test_throughput_mode_killed_and_resumed_loses_and_duplicates_nothing(env, tmp_path):
     run_dir = tmp_path / "tp"
-    extra = ("--config.controller.mode=throughput", "--config.controller.num_steps=5",
-             "--config.controller.acceptance_staleness=1")  # fmt: skip
+    extra = (
+        "--config.controller.mode=throughput",
+        "--config.controller.num_steps=5",
+        "--config.controller.acceptance_staleness=1",
+    )
     killed_at_random(env, run_dir, *extra, after_step=2, seed=3)
     before = final_payload(run_dir)["counters"]["tokens_generated"]
     out = run(env, run_dir, *extra)
@@ -269,22 +314,33 @@ def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emula
     base = f"gs://{GCS_BUCKET}/resume-{uuid.uuid4().hex[:8]}"
     local_data = tmp_path / "data"
     local_data.mkdir()
-    files = {"train-00000-of-00001.jsonl": [code_contests_record(f"{i}_A. s{i}") for i in range(4)],
-             "valid-00000-of-00001.jsonl": [code_contests_record("9_B. v")]}  # fmt: skip
+    files = {
+        "train-00000-of-00001.jsonl": [code_contests_record(f"{i}_A. s{i}") for i in range(4)],
+        "valid-00000-of-00001.jsonl": [code_contests_record("9_B. v")],
+    }
     for name, records in files.items():
         text = "".join(json.dumps(r) + "\n" for r in records)
         (local_data / name).write_text(text)
         storage.write_atomic(f"{base}/data/{name}", text)
-    common = ("--config.controller.num_steps=3", "--config.data.datasets=('procedural','code_contests')",
-              "--config.data.weights=(0.5,0.5)")  # fmt: skip
+    common = (
+        "--config.controller.num_steps=3",
+        "--config.data.datasets=('procedural','code_contests')",
+        "--config.data.weights=(0.5,0.5)",
+    )
     local = run(env, tmp_path / "local", *common, f"--config.data.data_dir={local_data}")
     genv = env | {"STORAGE_EMULATOR_HOST": gcs_emulator, "TENSORSTORE_GCS_HTTP_URL": gcs_emulator}
     run_dir = f"{base}/run"
     extra = (*common, f"--config.data.data_dir={base}/data")
     remote = storage.path(run_dir)
     # Killed at a random moment once a snapshot is on GCS (uploads there take a while).
-    proc = subprocess.Popen(command(run_dir, *extra), cwd=REPO, env=genv, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        command(run_dir, *extra),
+        cwd=REPO,
+        env=genv,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     watchdog = threading.Timer(600, proc.kill)  # a hung run fails the test instead of CI
     watchdog.start()
     try:
@@ -309,6 +365,7 @@ def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emula
     assert sha(out) == sha(local)
     for name in ("report.md", "metrics.jsonl", "plots/learning.png", "tokenizer/tokenizer.json"):
         assert (remote / name).exists(), name
+
     def steps(path) -> list[int]:  # noqa: ANN001
         return [json.loads(ln)["step"] for ln in path.read_text().splitlines()]
 
@@ -324,8 +381,14 @@ def test_sigterm_stops_cleanly_and_the_same_command_resumes_bitwise(env, referen
     command then finishes with the uninterrupted run's weights."""
     run_dir = tmp_path / "term"
     extra = ("--config.controller.num_steps=4",)
-    proc = subprocess.Popen(command(run_dir, *extra), cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        command(run_dir, *extra),
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     watchdog = threading.Timer(600, proc.kill)
     watchdog.start()
     try:
@@ -352,8 +415,13 @@ def test_an_algorithm_of_the_users_own_trains_from_the_main_command(env, tmp_pat
     with its own advantage estimator (tests/algorithms/plugin_rank.py), and the main command
     trains with it."""
     run_dir = tmp_path / "plugin"
-    out = run(env, run_dir, "--config.controller.num_steps=2", "--config.algorithm.name=rank_grpo",
-              "--config.algorithm.plugins=('tests.algorithms.plugin_rank',)")  # fmt: skip
+    out = run(
+        env,
+        run_dir,
+        "--config.controller.num_steps=2",
+        "--config.algorithm.name=rank_grpo",
+        "--config.algorithm.plugins=('tests.algorithms.plugin_rank',)",
+    )
     assert "run finished: 2 updates" in out, out[-2000:]
     report = (run_dir / "report.md").read_text()
     assert '"name": "rank_grpo"' in report and "tests.algorithms.plugin_rank" in report

@@ -41,15 +41,17 @@ def make_config(run_dir: Path, **controller) -> RunConfig:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     cfg = module.get_config("local").to_dict()
-    cfg["model"] |= dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                         num_kv_heads=1)  # fmt: skip
+    cfg["model"] |= dict(
+        hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1
+    )
     cfg["inference"] |= dict(max_new_tokens=12, max_concurrent_seqs=8)
     cfg["trainer"] |= dict(micro_batch_size=4)
     cfg["algorithm"] |= dict(group_size=2)
     cfg["data"] |= dict(eval_problems=1, eval_samples=1, eval_every=0)
     cfg["verifiers"] |= dict(workers=1, sandbox_uid=UID)
-    cfg["controller"] |= dict(run_dir=str(run_dir), num_steps=3, prompts_per_step=2,
-                              warmup_steps=0) | controller  # fmt: skip
+    cfg["controller"] |= (
+        dict(run_dir=str(run_dir), num_steps=3, prompts_per_step=2, warmup_steps=0) | controller
+    )
     return from_dict(RunConfig, cfg)
 
 
@@ -86,8 +88,15 @@ class VaryingLengths:
         return self.lengths[sum(key.encode()) % len(self.lengths)]
 
     def generate(self, requests, *, version=None):
-        capped = [dataclasses.replace(r, sampling=dataclasses.replace(
-            r.sampling, max_new_tokens=self.cap(r.prompt_id), ignore_eos=True)) for r in requests]  # fmt: skip
+        capped = [
+            dataclasses.replace(
+                r,
+                sampling=dataclasses.replace(
+                    r.sampling, max_new_tokens=self.cap(r.prompt_id), ignore_eos=True
+                ),
+            )
+            for r in requests
+        ]
         out = list(self._inner.generate(capped, version=version))
         time.sleep(self.spt * max((len(ro.tokens) for ro in out), default=0))
         return iter(out)
@@ -98,12 +107,18 @@ def run_controller(config: RunConfig, wrap, on_event=None) -> Controller:
     run_dir.mkdir(parents=True, exist_ok=True)
     prompter = build_prompter(config, run_dir)  # datasets, tokenizer, prompt format
     tokenizer = prompter.tokenizer
-    comps = build_local(config, model=models.load_model(config.model), eos_ids=tokenizer.stop_ids,
-                        run_dir=run_dir, trainer_devices=jax.devices()[:1])  # fmt: skip
+    comps = build_local(
+        config,
+        model=models.load_model(config.model),
+        eos_ids=tokenizer.stop_ids,
+        run_dir=run_dir,
+        trainer_devices=jax.devices()[:1],
+    )
     try:
         wrap(comps)
-        controller = Controller(config, comps, prompter, run_dir=run_dir,
-                                on_event=on_event or (lambda text: None))  # fmt: skip
+        controller = Controller(
+            config, comps, prompter, run_dir=run_dir, on_event=on_event or (lambda text: None)
+        )
         controller.run()
     finally:
         comps.close()
@@ -117,8 +132,9 @@ def check_ledger(ctl: Controller, *, eta_a: int, steps: int, batch: int) -> None
         assert 0 <= rec.trained_at - rec.version <= eta_a
     for key in ctl.ledger.keys(GroupState.DISCARDED):
         rec = ctl.ledger[key]
-        assert rec.reason != "stale" or rec.replaced_by in {k for s in GroupState
-                                                            for k in ctl.ledger.keys(s)}  # fmt: skip
+        assert rec.reason != "stale" or rec.replaced_by in {
+            k for s in GroupState for k in ctl.ledger.keys(s)
+        }
     originals = [k for s in GroupState for k in ctl.ledger.keys(s) if "~" not in k]
     assert len(originals) + ctl.counters.prompts_too_long == ctl.mixture.issued  # none lost
 
@@ -127,8 +143,12 @@ delays = st.lists(st.sampled_from([0.0, 0.05, 0.3, 1.0]), min_size=1, max_size=4
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "throughput"])
-@settings(max_examples=2, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=2,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(gen=delays, verify=delays, train=delays)
 def test_staleness_bound_and_ledger_hold_under_random_timings(
     tmp_path_factory, mode, gen, verify, train
@@ -148,10 +168,17 @@ def test_staleness_bound_and_ledger_hold_under_random_timings(
 def test_freshest_first_consumption_keeps_the_bound_and_the_ledger(tmp_path):
     """controller.consume_order = freshest_first (RLAX's order), with training slowed so that
     several versions' groups wait at once."""
-    config = make_config(tmp_path, mode="throughput", acceptance_staleness=1, num_steps=3,
-                         prompts_per_step=2, consume_order="freshest_first")  # fmt: skip
-    ctl = run_controller(config, lambda c: setattr(c, "trainer",
-                                                   Slow(c.trainer, {"train_step": [0.5]})))  # fmt: skip
+    config = make_config(
+        tmp_path,
+        mode="throughput",
+        acceptance_staleness=1,
+        num_steps=3,
+        prompts_per_step=2,
+        consume_order="freshest_first",
+    )
+    ctl = run_controller(
+        config, lambda c: setattr(c, "trainer", Slow(c.trainer, {"train_step": [0.5]}))
+    )
     check_ledger(ctl, eta_a=1, steps=3, batch=2)
 
 
@@ -159,10 +186,12 @@ def test_throughput_mode_trains_long_and_short_rollouts_alike(tmp_path):
     """Lengths vary 10x and long rollouts finish late; admission control keeps the trained length
     distribution that of the generated one (discard-and-requeue alone would favour short ones)."""
     steps, batch = 6, 2
-    config = make_config(tmp_path, mode="throughput", acceptance_staleness=1, num_steps=steps,
-                         prompts_per_step=batch)  # fmt: skip
-    ctl = run_controller(config, lambda c: setattr(c, "workers",
-                                                   [VaryingLengths(w) for w in c.workers]))  # fmt: skip
+    config = make_config(
+        tmp_path, mode="throughput", acceptance_staleness=1, num_steps=steps, prompts_per_step=batch
+    )
+    ctl = run_controller(
+        config, lambda c: setattr(c, "workers", [VaryingLengths(w) for w in c.workers])
+    )
     check_ledger(ctl, eta_a=1, steps=steps, batch=batch)
     import json
 
@@ -172,8 +201,11 @@ def test_throughput_mode_trains_long_and_short_rollouts_alike(tmp_path):
     assert trained.min() <= 2 and trained.max() >= 10  # both kinds are trained
     # Two-sample KS test: the trained lengths are a sample of the generated ones (α = 0.01).
     assert stats.ks_2samp(trained, generated).pvalue > 0.01
-    logged = [r["scalars"]["groups/discarded_stale"] for r in records
-              if "groups/discarded_stale" in r["scalars"]]  # fmt: skip
+    logged = [
+        r["scalars"]["groups/discarded_stale"]
+        for r in records
+        if "groups/discarded_stale" in r["scalars"]
+    ]
     assert len(logged) == steps and logged[-1] == ctl.counters.groups_discarded_stale
 
 
@@ -181,8 +213,13 @@ def test_throughput_mode_with_unbounded_staleness_runs_with_a_bounded_queue(tmp_
     """acceptance_staleness = -1 (η_a = ∞): no rollout is ever too stale, and admission is capped
     by what the workers can hold plus one buffered batch instead of the (infinite) budget."""
     steps, batch = 3, 2
-    config = make_config(tmp_path, mode="throughput", acceptance_staleness=-1, num_steps=steps,
-                         prompts_per_step=batch)  # fmt: skip
+    config = make_config(
+        tmp_path,
+        mode="throughput",
+        acceptance_staleness=-1,
+        num_steps=steps,
+        prompts_per_step=batch,
+    )
     ctl = run_controller(config, lambda c: None)
     check_ledger(ctl, eta_a=steps, steps=steps, batch=batch)
     assert ctl.counters.groups_discarded_stale == 0

@@ -10,8 +10,14 @@ from rlax_tpu.controller.snapshots import SnapshotError, SnapshotStore
 
 
 def payload(step: int) -> dict:
-    return {"step": step, "mixture": {"rng": {"state": 2**63 + step}}, "ledger": [{"key": "a#0", "version": -1}],
-            "array": np.arange(4, dtype=np.int32) * step, "name": "x", "none": None}  # fmt: skip
+    return {
+        "step": step,
+        "mixture": {"rng": {"state": 2**63 + step}},
+        "ledger": [{"key": "a#0", "version": -1}],
+        "array": np.arange(4, dtype=np.int32) * step,
+        "name": "x",
+        "none": None,
+    }
 
 
 def test_save_load_and_keep_newest(tmp_path: Path):
@@ -75,14 +81,25 @@ def test_a_buffered_group_round_trips_through_its_array_form():
     from rlax_tpu.types import FinishReason, Rollout
 
     rng = np.random.default_rng(0)
-    rollouts = [Rollout(prompt_id="d/p#0", sample_index=i, prompt_tokens=np.arange(5, dtype=np.int32),
-                        tokens=rng.integers(0, 99, n).astype(np.int32),
-                        logprobs=rng.normal(size=n).astype(np.float32),
-                        versions=np.full(n, 3, np.int64), finish_reason=FinishReason.EOS)
-                for i, n in enumerate((4, 0, 7))]  # fmt: skip
-    group = GroupResult(ref=PromptRef(dataset="d", index=1, problem_id="p", epoch=0, ordinal=0), rollouts=rollouts,
-                        rewards=np.array([1.0, np.nan, 0.0]), verdicts=["accepted", "x", "y"],
-                        issued_version=2)  # fmt: skip
+    rollouts = [
+        Rollout(
+            prompt_id="d/p#0",
+            sample_index=i,
+            prompt_tokens=np.arange(5, dtype=np.int32),
+            tokens=rng.integers(0, 99, n).astype(np.int32),
+            logprobs=rng.normal(size=n).astype(np.float32),
+            versions=np.full(n, 3, np.int64),
+            finish_reason=FinishReason.EOS,
+        )
+        for i, n in enumerate((4, 0, 7))
+    ]
+    group = GroupResult(
+        ref=PromptRef(dataset="d", index=1, problem_id="p", epoch=0, ordinal=0),
+        rollouts=rollouts,
+        rewards=np.array([1.0, np.nan, 0.0]),
+        verdicts=["accepted", "x", "y"],
+        issued_version=2,
+    )
     meta, arrays = group.split_state()
     assert all(isinstance(a, np.ndarray) for a in arrays.values())
     assert "tokens" not in str(meta)  # no array inside the JSON part

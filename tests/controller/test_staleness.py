@@ -33,8 +33,9 @@ def test_generation_version_hand_computed(eta_r, depth, expected):
     step=st.integers(0, 500),
 )
 def test_deterministic_schedule_respects_acceptance(eta_r, depth, slack, step):
-    policy = StalenessPolicy(reload_staleness=eta_r, acceptance_staleness=depth + eta_r - 1 + slack,
-                             pipeline_depth=depth)  # fmt: skip
+    policy = StalenessPolicy(
+        reload_staleness=eta_r, acceptance_staleness=depth + eta_r - 1 + slack, pipeline_depth=depth
+    )
     g = policy.generation_version(step)
     assert g % eta_r == 0  # a reload point
     assert g <= max(0, step - depth)  # the version exists when generation starts

@@ -26,9 +26,16 @@ from rlax_tpu.verifiers.service import VerifierService
 
 def reward(verdict: Verdict) -> float | None:
     """The default reward (algorithm.reward = "verdict") of a rollout with this verdict."""
-    return score(reward_fn("verdict"), RewardInput(
-        verdict=verdict, tokens=np.zeros(0, np.int32), problem=None, finished=True,
-        decode=lambda t: ""))
+    return score(
+        reward_fn("verdict"),
+        RewardInput(
+            verdict=verdict,
+            tokens=np.zeros(0, np.int32),
+            problem=None,
+            finished=True,
+            decode=lambda t: "",
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +148,23 @@ def test_identical_programs_run_once(verifier):
 
     def rollout(i, text):
         ids = np.array([ord(c) for c in text], np.int32)
-        return Rollout(prompt_id="p", sample_index=i, prompt_tokens=np.array([1], np.int32),
-                       tokens=ids, logprobs=np.zeros(len(ids), np.float32),
-                       versions=np.zeros(len(ids), np.int64), finish_reason=FinishReason.EOS)  # fmt: skip
+        return Rollout(
+            prompt_id="p",
+            sample_index=i,
+            prompt_tokens=np.array([1], np.int32),
+            tokens=ids,
+            logprobs=np.zeros(len(ids), np.float32),
+            versions=np.zeros(len(ids), np.int64),
+            finish_reason=FinishReason.EOS,
+        )
 
     counting = _Counting(verifier)
-    verdicts = verify(counting, SpecCache(verifier), _CharPrompter(),
-                      [(problem, rollout(i, t)) for i, t in enumerate(texts)])  # fmt: skip
+    verdicts = verify(
+        counting,
+        SpecCache(verifier),
+        _CharPrompter(),
+        [(problem, rollout(i, t)) for i, t in enumerate(texts)],
+    )
     assert [reward(v) for v in verdicts] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
     assert verdicts[3].detail == "no program in the completion"
     assert counting.sent == 2  # one run per distinct program

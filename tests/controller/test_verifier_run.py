@@ -43,12 +43,15 @@ class ScriptedPolicy:
             tokens = np.asarray(self._prompter.tokenizer.encode(PROLOGUE + code), np.int32)
             self.scripted += 1
             yield type(ro)(
-                prompt_id=ro.prompt_id, sample_index=ro.sample_index,
-                prompt_tokens=ro.prompt_tokens, tokens=tokens,
+                prompt_id=ro.prompt_id,
+                sample_index=ro.sample_index,
+                prompt_tokens=ro.prompt_tokens,
+                tokens=tokens,
                 logprobs=np.full(len(tokens), -0.5, np.float32),
                 versions=np.full(len(tokens), ro.version, np.int64),
-                finish_reason=ro.finish_reason, logprob_policy=ro.logprob_policy,
-            )  # fmt: skip
+                finish_reason=ro.finish_reason,
+                logprob_policy=ro.logprob_policy,
+            )
 
 
 def test_threaded_programs_that_reserve_memory_are_accepted_through_the_controller(tmp_path):
@@ -64,14 +67,18 @@ def test_threaded_programs_that_reserve_memory_are_accepted_through_the_controll
 
     ctl = run_controller(cfg, wrap)
     assert held["policy"].scripted > 0
-    steps = [json.loads(line)["scalars"] for line in
-             (tmp_path / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
+    steps = [
+        json.loads(line)["scalars"]
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
     train = [s for s in steps if "reward/mean" in s]
     assert len(train) == 1 and all(s["reward/mean"] == 1.0 for s in train), train
     assert ctl.evals[0]["eval/pass@1"] == 1.0
     # The eval's samples are kept as text beside their verdicts (run_dir/eval/version_<v>.jsonl).
-    answers = [json.loads(line) for line in
-               (tmp_path / "eval" / "version_000000.jsonl").read_text().splitlines()]  # fmt: skip
+    answers = [
+        json.loads(line)
+        for line in (tmp_path / "eval" / "version_000000.jsonl").read_text().splitlines()
+    ]
     k = cfg.data.eval_samples
     assert len(answers) == k * ctl.evals[0]["eval/problems"]
     assert {a["verdict"] for a in answers} == {"accepted"}

@@ -59,9 +59,14 @@ def test_warmup_learns_is_deterministic_and_leaves_the_input_alone(problems, tok
     for _ in range(2):
         losses: list[float] = []
         trained = supervised_warmup(
-            model, examples, steps=60, batch_size=8, learning_rate=3e-3, seed=1,
+            model,
+            examples,
+            steps=60,
+            batch_size=8,
+            learning_rate=3e-3,
+            seed=1,
             on_step=lambda _, loss, losses=losses: losses.append(loss),
-        )  # fmt: skip
+        )
         runs.append((trained, losses))
     (a, losses), (b, losses_b) = runs
     assert len(losses) == 60 and losses == losses_b
@@ -117,8 +122,9 @@ def test_warmup_demonstrations_mix_in_wrong_programs_at_the_configured_rate():
     n, k = len(problems), sum(w for _, w in picks)
     # Binomial(n, 0.5): 4 standard deviations either side (a false failure ~6e-5).
     assert abs(k - n / 2) <= 4 * (n * 0.25) ** 0.5, (k, n)
-    other_seed = [warmup_demonstration(p, _config(warmup_wrong_fraction=0.5, seed=4))[1]
-                  for p in problems]  # fmt: skip
+    other_seed = [
+        warmup_demonstration(p, _config(warmup_wrong_fraction=0.5, seed=4))[1] for p in problems
+    ]
     assert other_seed != [w for _, w in picks]
 
 
@@ -131,9 +137,14 @@ def test_warmup_of_a_bfloat16_model_trains_float32_masters(problems, tokenizer):
     before = _params(model)
     losses: list[float] = []
     trained = supervised_warmup(
-        model, _examples(problems[:8], tokenizer), steps=30, batch_size=8, learning_rate=1e-5,
-        seed=1, on_step=lambda _, loss: losses.append(loss),
-    )  # fmt: skip
+        model,
+        _examples(problems[:8], tokenizer),
+        steps=30,
+        batch_size=8,
+        learning_rate=1e-5,
+        seed=1,
+        on_step=lambda _, loss: losses.append(loss),
+    )
     after = _params(trained)
     assert {x.dtype for x in after} == {np.dtype(jnp.bfloat16)}
     moved = np.mean(np.concatenate([(a != b).ravel() for a, b in zip(after, before, strict=True)]))

@@ -59,11 +59,18 @@ def test_every_file_is_used_and_ships_with_the_package():
 
 def _minimal(pid: str = "tiny") -> dict:
     return {
-        "id": pid, "title": "Tiny", "statement": "Print 1.", "time_limit_s": 1.0,
-        "memory_limit_mb": 256, "checker": None, "tests": [{"input": "\n", "answer": "1\n"}],
-        "solutions": [{"language": "python", "code": "print(1)\n", "verdict": "accepted"},
-                      {"language": "python", "code": "print(2)\n", "verdict": "wrong_answer"}],
-    }  # fmt: skip
+        "id": pid,
+        "title": "Tiny",
+        "statement": "Print 1.",
+        "time_limit_s": 1.0,
+        "memory_limit_mb": 256,
+        "checker": None,
+        "tests": [{"input": "\n", "answer": "1\n"}],
+        "solutions": [
+            {"language": "python", "code": "print(1)\n", "verdict": "accepted"},
+            {"language": "python", "code": "print(2)\n", "verdict": "wrong_answer"},
+        ],
+    }
 
 
 def _write(root: Path, meta: dict | str, pid: str = "tiny") -> Path:
@@ -196,8 +203,13 @@ def test_the_real_set_loads_from_a_copy(tmp_path):
 def verifier(tmp_path_factory):
     # A uid block of its own (offset 2 of this process's block of 8; tests/verifiers use 0, 4, 6).
     uid = 300_000 + (os.getpid() % 100_000) * 8 + 2
-    config = VerifierConfig(sandbox_uid=uid, workers=2, time_limit_s=1.0,
-                            compile_time_limit_s=20.0, languages=("python", "cpp"))  # fmt: skip
+    config = VerifierConfig(
+        sandbox_uid=uid,
+        workers=2,
+        time_limit_s=1.0,
+        compile_time_limit_s=20.0,
+        languages=("python", "cpp"),
+    )
     with VerifierService(config, scratch_dir=tmp_path_factory.mktemp("verifier")) as service:
         yield service
 
@@ -230,8 +242,13 @@ def test_checkers_run_when_submissions_are_python_only(tmp_path, problems):
     """The local preset accepts Python submissions only; problems' C++ checkers must still run
     (they once came back as internal errors, and their groups were dropped from training)."""
     uid = 1_900_000 + (os.getpid() % 100_000) * 8  # a uid block of its own
-    config = VerifierConfig(sandbox_uid=uid, workers=2, time_limit_s=1.0,
-                            compile_time_limit_s=20.0, languages=("python",))  # fmt: skip
+    config = VerifierConfig(
+        sandbox_uid=uid,
+        workers=2,
+        time_limit_s=1.0,
+        compile_time_limit_s=20.0,
+        languages=("python",),
+    )
     with_checker = [p for p in problems if p.checker is not None]
     assert len(with_checker) >= 5
     tasks = []
@@ -239,10 +256,14 @@ def test_checkers_run_when_submissions_are_python_only(tmp_path, problems):
         assert "languages: python" in service.health()
         for p in with_checker:
             spec = upload_problem(
-                service, problem_id=p.id, tests=[(t.input, t.output) for t in p.tests],
-                checker_source=p.checker.source, checker_language=p.checker.language,
-                time_limit_s=p.time_limit_s, memory_limit_mb=p.memory_limit_mb,
-            )  # fmt: skip
+                service,
+                problem_id=p.id,
+                tests=[(t.input, t.output) for t in p.tests],
+                checker_source=p.checker.source,
+                checker_language=p.checker.language,
+                time_limit_s=p.time_limit_s,
+                memory_limit_mb=p.memory_limit_mb,
+            )
             [ref] = [s for s in p.reference_solutions if s.language == "python"][:1]
             tasks.append(CodeTask(problem=spec, language="python", code=ref.code))
         cpp = CodeTask(problem=tasks[0].problem, language="cpp", code="int main() {}\n")

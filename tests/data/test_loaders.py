@@ -27,34 +27,67 @@ def _ts(year: int) -> int:
 
 def open_r1_record(pid: str, year: int, **extra) -> dict:
     record = {
-        "id": pid, "aliases": [pid], "contest_id": pid[:-1], "contest_name": "Round", "contest_type": "CF",
-        "contest_start": _ts(year), "contest_start_year": year, "index": pid[-1], "time_limit": 1.0,
-        "memory_limit": 256.0, "title": f"Problem {pid}", "description": "Print the sum of a and b.",
-        "input_format": "Two integers a and b.", "output_format": "One integer.",
-        "interaction_format": None, "note": "Easy.", "examples": [{"input": "1 2\n", "output": "3\n"}],
-        "editorial": None, "rating": 800, "tags": ["math"], "testset_size": 2,
-        "official_tests": [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10\n"}],
-        "official_tests_complete": True, "input_mode": "stdio", "generated_checker": None,
-        "executable": True, "generated_tests": 0,
-    }  # fmt: skip
+        "id": pid,
+        "aliases": [pid],
+        "contest_id": pid[:-1],
+        "contest_name": "Round",
+        "contest_type": "CF",
+        "contest_start": _ts(year),
+        "contest_start_year": year,
+        "index": pid[-1],
+        "time_limit": 1.0,
+        "memory_limit": 256.0,
+        "title": f"Problem {pid}",
+        "description": "Print the sum of a and b.",
+        "input_format": "Two integers a and b.",
+        "output_format": "One integer.",
+        "interaction_format": None,
+        "note": "Easy.",
+        "examples": [{"input": "1 2\n", "output": "3\n"}],
+        "editorial": None,
+        "rating": 800,
+        "tags": ["math"],
+        "testset_size": 2,
+        "official_tests": [
+            {"input": "1 2\n", "output": "3\n"},
+            {"input": "5 5\n", "output": "10\n"},
+        ],
+        "official_tests_complete": True,
+        "input_mode": "stdio",
+        "generated_checker": None,
+        "executable": True,
+        "generated_tests": 0,
+    }
     record.update(extra)
     return record
 
 
 def code_contests_record(name: str, **extra) -> dict:
     record = {
-        "name": name, "description": "Sum two numbers.",
+        "name": name,
+        "description": "Sum two numbers.",
         "public_tests": {"input": ["1 2\n"], "output": ["3\n"]},
         "private_tests": {"input": ["2 2\n"], "output": ["4\n"]},
         "generated_tests": {"input": ["0 0\n"], "output": ["0\n"]},
-        "source": 2, "difficulty": 7,
-        "solutions": {"language": [3, 2], "solution": ["print(sum(map(int,input().split())))", "int main(){}"]},
+        "source": 2,
+        "difficulty": 7,
+        "solutions": {
+            "language": [3, 2],
+            "solution": ["print(sum(map(int,input().split())))", "int main(){}"],
+        },
         "incorrect_solutions": {"language": [3], "solution": ["print(0)"]},
-        "cf_contest_id": 1, "cf_index": "A", "cf_points": 500.0, "cf_rating": 800, "cf_tags": ["math"],
-        "is_description_translated": False, "untranslated_description": "",
-        "time_limit": {"seconds": 2, "nanos": 500000000}, "memory_limit_bytes": 268435456,
-        "input_file": "", "output_file": "",
-    }  # fmt: skip
+        "cf_contest_id": 1,
+        "cf_index": "A",
+        "cf_points": 500.0,
+        "cf_rating": 800,
+        "cf_tags": ["math"],
+        "is_description_translated": False,
+        "untranslated_description": "",
+        "time_limit": {"seconds": 2, "nanos": 500000000},
+        "memory_limit_bytes": 268435456,
+        "input_file": "",
+        "output_file": "",
+    }
     record.update(extra)
     return record
 

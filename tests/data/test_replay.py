@@ -10,8 +10,15 @@ from rlax_tpu.data.replay import ReplayBuffer, ReplayItem
 
 
 def buffer(**kw) -> ReplayBuffer:
-    args = dict(per_prompt=4, max_items=100, recency_prob=0.5, recent_versions=2, priority="reward",
-                temperature=1.0, seed=0)  # fmt: skip
+    args = dict(
+        per_prompt=4,
+        max_items=100,
+        recency_prob=0.5,
+        recent_versions=2,
+        priority="reward",
+        temperature=1.0,
+        seed=0,
+    )
     args.update(kw)
     return ReplayBuffer(**args)
 
@@ -151,8 +158,9 @@ def test_sample_groups_prioritizes_reward_by_softmax():
     for i, r in enumerate([0.0, 0.0, 0.0, 1.0]):
         b.add(item("p", [i], reward=r))
     n = 4000
-    hits = sum(it.reward == 1.0 for _, items, _ in b.sample_groups(n, 1, current_version=0)
-               for it in items)  # fmt: skip
+    hits = sum(
+        it.reward == 1.0 for _, items, _ in b.sample_groups(n, 1, current_version=0) for it in items
+    )
     p = math.exp(2) / (math.exp(2) + 3)  # softmax(r / 0.5)
     assert abs(hits - n * p) < 5 * math.sqrt(n * p * (1 - p))
 
@@ -170,4 +178,5 @@ def test_a_restored_buffer_draws_the_same_groups():
     a1 = b.sample_groups(30, 2, current_version=4)
     a2 = c.sample_groups(30, 2, current_version=4)
     assert [(p, [it.tokens for it in its], pool) for p, its, pool in a1] == [
-        (p, [it.tokens for it in its], pool) for p, its, pool in a2]
+        (p, [it.tokens for it in its], pool) for p, its, pool in a2
+    ]

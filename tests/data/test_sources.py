@@ -15,8 +15,9 @@ from .test_loaders import code_contests_record, write_jsonl
 
 
 def _config(directory: Path) -> DataConfig:
-    return DataConfig(datasets=("code_contests",), weights=(1.0,), data_dir=str(directory),
-                      eval_problems=8)  # fmt: skip
+    return DataConfig(
+        datasets=("code_contests",), weights=(1.0,), data_dir=str(directory), eval_problems=8
+    )
 
 
 def test_code_contests_trains_on_its_train_files_and_holds_out_valid_and_test(tmp_path):
@@ -36,8 +37,10 @@ def test_code_contests_file_outside_a_split_is_named(tmp_path):
         load_datasets(_config(tmp_path), seed=0)
 
 
-TWO_TERM_SUMS = ('reasoning_gym:basic_arithmetic{"min_terms": 2, "max_terms": 2, "max_digits": 2, '
-                 '"operators": ["+"], "allow_parentheses": false, "allow_negation": false}')  # fmt: skip
+TWO_TERM_SUMS = (
+    'reasoning_gym:basic_arithmetic{"min_terms": 2, "max_terms": 2, "max_digits": 2, '
+    '"operators": ["+"], "allow_parentheses": false, "allow_negation": false}'
+)
 
 
 def _math(name: str, eval_problems: int = 24) -> DataConfig:
@@ -63,16 +66,21 @@ def test_reasoning_gym_options_shape_the_problems_and_held_out_questions_are_nev
 
 @pytest.mark.parametrize(
     ("options", "error"),
-    [('{"max_digits": 2', "not JSON"), ("[1, 2]", "not registered"),
-     ('{"no_such_field": 1}', "cannot make the dataset with options")],
-)  # fmt: skip
+    [
+        ('{"max_digits": 2', "not JSON"),
+        ("[1, 2]", "not registered"),
+        ('{"no_such_field": 1}', "cannot make the dataset with options"),
+    ],
+)
 def test_reasoning_gym_bad_options_are_named(options, error):
     with pytest.raises(DataError, match=error):
         load_datasets(_math("reasoning_gym:basic_arithmetic" + options), seed=0)
 
 
 def test_a_task_too_small_for_a_held_out_split_is_an_error():
-    single_digit = ('reasoning_gym:basic_arithmetic{"min_terms": 2, "max_terms": 2, "max_digits": 1,'
-                    ' "operators": ["+"], "allow_parentheses": false, "allow_negation": false}')  # fmt: skip
+    single_digit = (
+        'reasoning_gym:basic_arithmetic{"min_terms": 2, "max_terms": 2, "max_digits": 1,'
+        ' "operators": ["+"], "allow_parentheses": false, "allow_negation": false}'
+    )
     with pytest.raises(DataError, match="too small for a held-out split"):
         load_datasets(_math(single_digit), seed=0)

@@ -14,9 +14,13 @@ from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
 
 SMALL = InferenceConfig(
-    max_concurrent_seqs=8, page_size=4, kv_cache_bytes=2**20, prefill_chunk=8, max_prompt_len=24,
+    max_concurrent_seqs=8,
+    page_size=4,
+    kv_cache_bytes=2**20,
+    prefill_chunk=8,
+    max_prompt_len=24,
     max_new_tokens=24,
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="session")
@@ -30,19 +34,28 @@ def make_engine(model: models.Transformer, **overrides) -> Engine:
 
 
 def random_requests(
-    n: int, *, seed: int = 0, num_samples: int = 1, max_prompt: int = 24, max_new: int = 24,
+    n: int,
+    *,
+    seed: int = 0,
+    num_samples: int = 1,
+    max_prompt: int = 24,
+    max_new: int = 24,
     **sampling,
-) -> list[Request]:  # fmt: skip
+) -> list[Request]:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
         prompt = tuple(
             int(t) for t in rng.integers(0, 512, size=int(rng.integers(1, max_prompt + 1)))
         )
-        params = SamplingParams(max_new_tokens=int(rng.integers(1, max_new + 1)), seed=1000 + i,
-                                **sampling)  # fmt: skip
-        out.append(Request(prompt_id=f"r{i}", prompt_tokens=prompt, num_samples=num_samples,
-                           sampling=params))  # fmt: skip
+        params = SamplingParams(
+            max_new_tokens=int(rng.integers(1, max_new + 1)), seed=1000 + i, **sampling
+        )
+        out.append(
+            Request(
+                prompt_id=f"r{i}", prompt_tokens=prompt, num_samples=num_samples, sampling=params
+            )
+        )
     return out
 
 

@@ -35,8 +35,10 @@ def main() -> None:
     assert {d.process_index for d in engine.mesh.devices.flat} == {0, 1}
     for r in random_requests(8, seed=5, temperature=0.0):
         engine.submit(r)
-    done = {r.prompt_id: {"tokens": r.tokens.tolist(), "logprobs": r.logprobs.tolist()}
-            for r in engine.run()}  # fmt: skip
+    done = {
+        r.prompt_id: {"tokens": r.tokens.tolist(), "logprobs": r.logprobs.tolist()}
+        for r in engine.run()
+    }
     if pid == 0:
         out.write_text(json.dumps(done))
     jax.distributed.shutdown()

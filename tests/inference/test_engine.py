@@ -44,10 +44,14 @@ def _run_checked(engine: Engine) -> list:
 
 
 @pytest.mark.parametrize(
-    "prefill", [dict(prefill_rows=0), dict(prefill_rows=4, prefill_len=16),
-                dict(prefill_rows=2, prefill_len=3)],
+    "prefill",
+    [
+        dict(prefill_rows=0),
+        dict(prefill_rows=4, prefill_len=16),
+        dict(prefill_rows=2, prefill_len=3),
+    ],
     ids=["rows-only", "prefill-4x16", "prefill-2x3"],
-)  # fmt: skip
+)
 def test_logprobs_are_bitwise_the_replay_and_close_to_a_dense_reference(tiny_model, prefill):
     engine = make_engine(tiny_model, **prefill)
     requests = random_requests(5, num_samples=2, temperature=0.8)
@@ -66,8 +70,9 @@ def test_logprobs_are_bitwise_the_replay_and_close_to_a_dense_reference(tiny_mod
         tokens[i, : len(seq)] = seq
     prompt = np.array([len(ro.prompt_tokens) for ro in rollouts])
     completion = np.array([len(ro.tokens) for ro in rollouts])
-    replay = models.replay_logprobs(tiny_model, tokens, prompt, completion,
-                                    shape=engine.replay_shape, temperature=0.8)  # fmt: skip
+    replay = models.replay_logprobs(
+        tiny_model, tokens, prompt, completion, shape=engine.replay_shape, temperature=0.8
+    )
     for i, ro in enumerate(rollouts):
         if engine.rows_bitwise:
             np.testing.assert_array_equal(ro.logprobs, replay[i, : len(ro.tokens)])
@@ -155,29 +160,37 @@ def test_prefix_sharing_and_copy_on_write_do_not_change_samples(tiny_model):
     assert len({tuple(r.tokens) for r in got.values()}) > 1  # samples do differ
     for i in (0, 5):
         single = make_engine(tiny_model)
-        single.submit(Request(prompt_id="g", prompt_tokens=prompt, num_samples=i + 1,
-                              sampling=sampling))  # fmt: skip
+        single.submit(
+            Request(prompt_id="g", prompt_tokens=prompt, num_samples=i + 1, sampling=sampling)
+        )
         assert_same_samples(by_key(single.run())["g", i], got["g", i], bitwise=single.rows_bitwise)
 
 
 def test_stop_tokens_and_eos_end_a_sample(tiny_model):
     base = make_engine(tiny_model)
-    probe = Request(prompt_id="s", prompt_tokens=(5, 6, 7),
-                    sampling=SamplingParams(temperature=0.0, max_new_tokens=10))  # fmt: skip
+    probe = Request(
+        prompt_id="s",
+        prompt_tokens=(5, 6, 7),
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=10),
+    )
     base.submit(probe)
     tokens = base.run()[0].tokens.tolist()
     stop = tokens[3]
     first = tokens.index(stop)
     stopped = make_engine(tiny_model)
-    stopped.submit(dataclasses.replace(
-        probe, sampling=dataclasses.replace(probe.sampling, stop_token_ids=(stop,))))  # fmt: skip
+    stopped.submit(
+        dataclasses.replace(
+            probe, sampling=dataclasses.replace(probe.sampling, stop_token_ids=(stop,))
+        )
+    )
     (ro,) = stopped.run()
     assert ro.tokens.tolist() == tokens[: first + 1] and ro.finish_reason is FinishReason.EOS
     eos = make_engine(tiny_model, eos_ids=(stop,))
     eos.submit(probe)
     assert eos.run()[0].finish_reason is FinishReason.EOS
-    eos.submit(dataclasses.replace(
-        probe, sampling=dataclasses.replace(probe.sampling, ignore_eos=True)))  # fmt: skip
+    eos.submit(
+        dataclasses.replace(probe, sampling=dataclasses.replace(probe.sampling, ignore_eos=True))
+    )
     assert eos.run()[0].tokens.tolist() == tokens
 
 
@@ -251,8 +264,14 @@ def test_reload_aborts_in_flight_requests_and_returns_them(tiny_model):
 
 def test_continue_on_reload_records_per_token_versions(tiny_model):
     engine = make_engine(tiny_model, continue_on_reload=True)
-    engine.submit(Request(prompt_id="c", prompt_tokens=(1, 2, 3), num_samples=2,
-                          sampling=SamplingParams(max_new_tokens=12)))  # fmt: skip
+    engine.submit(
+        Request(
+            prompt_id="c",
+            prompt_tokens=(1, 2, 3),
+            num_samples=2,
+            sampling=SamplingParams(max_new_tokens=12),
+        )
+    )
     for _ in range(5):
         engine.step()
     assert engine.load_weights(7, engine.state) == []
@@ -272,19 +291,28 @@ def test_prompt_prefixes_are_cut_at_fixed_boundaries(tiny_model):
     engine.submit(Request(prompt_id="b", prompt_tokens=tuple(range(1, 7)), num_samples=2))
     plan = engine.scheduler.plan()
     assert [(c.seq.request.prompt_id, c.start, c.stop) for c in plan.chunks] == [
-        ("a", 0, 4), ("a", 4, 8), ("a", 8, 10)]  # a's prefix is 10 tokens: 3 chunks, the budget
+        ("a", 0, 4),
+        ("a", 4, 8),
+        ("a", 8, 10),
+    ]  # a's prefix is 10 tokens: 3 chunks, the budget
     assert plan.rows == []
     engine.scheduler.remove_all()
     engine = make_engine(tiny_model, prefill_rows=3, prefill_len=4)
-    for r in (Request(prompt_id="a", prompt_tokens=tuple(range(1, 12)), num_samples=2),
-              Request(prompt_id="b", prompt_tokens=tuple(range(1, 7)), num_samples=2)):
+    for r in (
+        Request(prompt_id="a", prompt_tokens=tuple(range(1, 12)), num_samples=2),
+        Request(prompt_id="b", prompt_tokens=tuple(range(1, 7)), num_samples=2),
+    ):
         engine.submit(r)
     engine.step()  # a's three chunks
     plan = engine.scheduler.plan()  # a forked: its samples feed token 10; b's 5-token prefix
     assert [(c.seq.request.prompt_id, c.start, c.stop) for c in plan.chunks] == [
-        ("b", 0, 4), ("b", 4, 5)]
+        ("b", 0, 4),
+        ("b", 4, 5),
+    ]
     assert [(r.seq.request.prompt_id, r.seq.sample_index, r.position) for r in plan.rows] == [
-        ("a", 0, 10), ("a", 1, 10)]
+        ("a", 0, 10),
+        ("a", 1, 10),
+    ]
 
 
 def test_the_tpu_layout_serves_the_cpu_engines_tokens():
@@ -294,9 +322,15 @@ def test_the_tpu_layout_serves_the_cpu_engines_tokens():
     stand-in for the Mosaic kernel. Greedy tokens equal the CPU engine's (tiny page budget: both
     preempt), log-probs to f32 round-off (a different summation order)."""
     model = models.init_model(models.preset("tiny", num_heads=6, num_kv_heads=3, hidden_size=192))
-    requests = [*random_requests(12, seed=11, temperature=0.0),
-                Request(prompt_id="group", prompt_tokens=tuple(range(1, 19)), num_samples=4,
-                        sampling=SamplingParams(temperature=0.0, max_new_tokens=8))]  # fmt: skip
+    requests = [
+        *random_requests(12, seed=11, temperature=0.0),
+        Request(
+            prompt_id="group",
+            prompt_tokens=tuple(range(1, 19)),
+            num_samples=4,
+            sampling=SamplingParams(temperature=0.0, max_new_tokens=8),
+        ),
+    ]
     runs = {}
     for backend in ("cpu", "tpu_emulated"):
         budget = 16 * page_bytes(model.cfg, 4, backend)  # one max-length sequence + spares

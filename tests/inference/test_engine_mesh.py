@@ -63,11 +63,19 @@ def test_preemption_prefix_sharing_and_seeded_sampling_on_a_mesh(tiny_model):
     samples shares its prompt's pages (copy-on-write), sequences are preempted and recomputed,
     and seeded temperature-1 samples are the single-device engine's (log-probs to f32 round-off,
     up to a near-tie drawn the other way); greedy rows give the same tokens."""
-    requests = [*random_requests(10, seed=21, num_samples=2, temperature=1.0),
-                *(dataclasses.replace(r, prompt_id=f"greedy{i}") for i, r in
-                  enumerate(random_requests(4, seed=22, temperature=0.0))),
-                Request(prompt_id="group", prompt_tokens=tuple(range(1, 19)), num_samples=4,
-                        sampling=SamplingParams(temperature=1.0, max_new_tokens=8, seed=7))]  # fmt: skip
+    requests = [
+        *random_requests(10, seed=21, num_samples=2, temperature=1.0),
+        *(
+            dataclasses.replace(r, prompt_id=f"greedy{i}")
+            for i, r in enumerate(random_requests(4, seed=22, temperature=0.0))
+        ),
+        Request(
+            prompt_id="group",
+            prompt_tokens=tuple(range(1, 19)),
+            num_samples=4,
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=8, seed=7),
+        ),
+    ]
     budget = 16 * page_bytes(tiny_model.cfg, CFG.page_size)
     runs = []
     for mesh in (None, MESHES["data2xtensor2"]):
@@ -125,7 +133,9 @@ def test_a_pull_lands_in_the_engines_shardings(tiny_model):
         want = jax.tree.leaves(engine.weight_shardings())
         assert [x.sharding for x in jax.tree.leaves(pulled)] == want
         engine.load_weights(1, pulled)
-        for got, fetched in zip(jax.tree.leaves(engine.state), jax.tree.leaves(pulled), strict=True):
+        for got, fetched in zip(
+            jax.tree.leaves(engine.state), jax.tree.leaves(pulled), strict=True
+        ):
             assert got is fetched  # placed as pulled: no copy, no resharding
     finally:
         client.close()
@@ -162,10 +172,15 @@ def test_an_engine_spanning_two_processes_gives_the_same_tokens(tiny_model, tmp_
     coordinator, out = f"127.0.0.1:{free_port()}", tmp_path / "tokens.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
-        subprocess.Popen([sys.executable, str(worker), coordinator, str(pid), str(out)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, str(worker), coordinator, str(pid), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for pid in (0, 1)
-    ]  # fmt: skip
+    ]
     engine = Engine(tiny_model, SMALL)
     for r in random_requests(8, seed=5, temperature=0.0):
         engine.submit(r)

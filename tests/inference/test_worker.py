@@ -93,9 +93,12 @@ def test_versions_unknown_or_mismatched_are_errors(worker):
 
 def test_generate_streams_every_sample_and_reload_hands_back_in_flight_ones(worker, tiny_model):
     requests = random_requests(4, seed=21, num_samples=2)
-    slow = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_new_tokens=24,
-                                                                  ignore_eos=True))
-            for r in requests]  # fmt: skip
+    slow = [
+        dataclasses.replace(
+            r, sampling=dataclasses.replace(r.sampling, max_new_tokens=24, ignore_eos=True)
+        )
+        for r in requests
+    ]
     first = list(worker.generate(requests[:1], version=0))
     assert sorted(r.sample_index for r in first) == [0, 1] and first[0].prompt_id == "r0"
     stream = worker.generate(slow)
@@ -155,18 +158,34 @@ def test_grpc_round_trip_on_loopback(worker):
 def test_python_m_rlax_tpu_inference_serves_and_stops(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlax_tpu.inference", "--config=configs/codeforces.py:local",
-         "--config.inference.address=127.0.0.1:0"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu.inference",
+            "--config=configs/codeforces.py:local",
+            "--config.inference.address=127.0.0.1:0",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert "serving on 127.0.0.1:" in line, proc.stderr.read() if proc.poll() else line
         endpoint = line.split("serving on ", 1)[1].split()[0]
         client = InferenceClient(endpoint)
         client.wait_ready(30)
-        (ro,) = client.generate([Request(prompt_id="p", prompt_tokens=(1, 2, 3),
-                                         sampling=SamplingParams(max_new_tokens=4))])  # fmt: skip
+        (ro,) = client.generate(
+            [
+                Request(
+                    prompt_id="p",
+                    prompt_tokens=(1, 2, 3),
+                    sampling=SamplingParams(max_new_tokens=4),
+                )
+            ]
+        )
         assert len(ro.tokens) <= 4 and ro.versions.tolist() == [0] * len(ro.tokens)
         with pytest.raises(UnknownVersion):
             client.load_weights(1)
@@ -181,10 +200,18 @@ def test_python_m_rlax_tpu_inference_serves_and_stops(tmp_path):
 
 def test_sigterm_stops_the_service():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlax_tpu.inference", "--config=configs/codeforces.py:local",
-         "--config.inference.address=127.0.0.1:0"],
-        cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu.inference",
+            "--config=configs/codeforces.py:local",
+            "--config.inference.address=127.0.0.1:0",
+        ],
+        cwd=REPO,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert "serving on" in proc.stdout.readline()
         proc.terminate()
@@ -196,8 +223,14 @@ def test_sigterm_stops_the_service():
 
 
 # A small engine for the multi-process service test (the local preset's model).
-SERVICE_INFERENCE = dict(max_concurrent_seqs=8, page_size=4, kv_cache_bytes=2**20, prefill_chunk=8,
-                         max_prompt_len=24, max_new_tokens=16)  # fmt: skip
+SERVICE_INFERENCE = dict(
+    max_concurrent_seqs=8,
+    page_size=4,
+    kv_cache_bytes=2**20,
+    prefill_chunk=8,
+    max_prompt_len=24,
+    max_new_tokens=16,
+)
 
 
 def _local_config(inference: dict) -> Any:
@@ -220,9 +253,11 @@ def _own_slice_bytes(shardings: Any, shapes: Any, hosts: list[set]) -> int:
     total = 0
     for sharding, shape in zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes), strict=True):
         for devices in hosts:
-            boxes = {tuple((s.start or 0, s.stop or n) for s, n in zip(index, shape.shape, strict=True))
-                     for d, index in sharding.devices_indices_map(shape.shape).items()
-                     if d in devices}  # fmt: skip
+            boxes = {
+                tuple((s.start or 0, s.stop or n) for s, n in zip(index, shape.shape, strict=True))
+                for d, index in sharding.devices_indices_map(shape.shape).items()
+                if d in devices
+            }
             total += sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * shape.dtype.itemsize
     return total
 
@@ -246,17 +281,35 @@ def test_python_m_rlax_tpu_inference_over_two_processes(tmp_path):
     ps = ParamServerClient(f"127.0.0.1:{ps_port}")
     coordinator = f"127.0.0.1:{free_port()}"
     flags = [f"--config.inference.{k}={v}" for k, v in SERVICE_INFERENCE.items()]
-    common = ["--config=configs/codeforces.py:local", *flags, "--config.inference.mesh.tensor=4",
-              f"--config.controller.param_server_endpoints=('127.0.0.1:{ps_port}',)",
-              f"--config.inference.distributed.coordinator_address={coordinator}",
-              "--config.inference.distributed.num_processes=2"]  # fmt: skip
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")  # fmt: skip
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "rlax_tpu.inference", *common,
-         f"--config.inference.distributed.process_id={pid}", "--config.inference.address=127.0.0.1:0"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    ) for pid in (0, 1)]  # fmt: skip
+    common = [
+        "--config=configs/codeforces.py:local",
+        *flags,
+        "--config.inference.mesh.tensor=4",
+        f"--config.controller.param_server_endpoints=('127.0.0.1:{ps_port}',)",
+        f"--config.inference.distributed.coordinator_address={coordinator}",
+        "--config.inference.distributed.num_processes=2",
+    ]
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rlax_tpu.inference",
+                *common,
+                f"--config.inference.distributed.process_id={pid}",
+                "--config.inference.address=127.0.0.1:0",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in (0, 1)
+    ]
     client = None
     try:
         # The reference: the same config on one device, in this process, from the same server.
@@ -265,8 +318,10 @@ def test_python_m_rlax_tpu_inference_over_two_processes(tmp_path):
         other = nnx.to_pure_dict(nnx.state(models.init_model(config.model, seed=1)))
         ps.push(other, 1)
         reference.weight_source = PulledWeights(ps, reference.engine.weight_shardings())
-        batches = [random_requests(6, seed=5, temperature=0.0, max_new=16),
-                   random_requests(6, seed=6, temperature=0.0, max_new=16)]  # fmt: skip
+        batches = [
+            random_requests(6, seed=5, temperature=0.0, max_new=16),
+            random_requests(6, seed=6, temperature=0.0, max_new=16),
+        ]
         want = [by_key(reference.generate(batches[0]))]
         reference.load_weights(1)
         want.append(by_key(reference.generate(batches[1])))
@@ -298,7 +353,9 @@ def test_python_m_rlax_tpu_inference_over_two_processes(tmp_path):
         engine = Engine(models.init_model(config.model), mesh_cfg, devices=jax.devices()[:4])
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), other)
         devs = jax.devices()
-        expected = _own_slice_bytes(engine.weight_shardings(), shapes, [set(devs[:2]), set(devs[2:4])])
+        expected = _own_slice_bytes(
+            engine.weight_shardings(), shapes, [set(devs[:2]), set(devs[2:4])]
+        )
         whole = sum(a.nbytes for a in jax.tree.leaves(other))
         assert pulled == expected < 2 * whole, (pulled, expected, whole)
     finally:

@@ -33,8 +33,9 @@ def _flags(overlay: Path) -> list[str]:
 
 def _config(flags: list[str]) -> RunConfig:
     """The RunConfig the CLI makes of ``flags`` (string overrides only), without absl."""
-    file, _, preset = next(a for a in flags if a.startswith("--config=")).removeprefix(
-        "--config=").partition(":")  # fmt: skip
+    file, _, preset = (
+        next(a for a in flags if a.startswith("--config=")).removeprefix("--config=").partition(":")
+    )
     spec = importlib.util.spec_from_file_location("deployed_config", REPO / file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -155,8 +156,13 @@ def test_network_policies_allow_exactly_the_designed_edges(small):
     policies = {o["metadata"]["name"]: o for o in broken if o["kind"] == "NetworkPolicy"}
     policies["rlax-verifiers"]["spec"]["egress"] = [{"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}]
     policy = policies["rlax-param-server"]
-    policy["spec"]["ingress"].append({"from": [{"podSelector": {"matchLabels": {
-        gke.L_JOBSET: "rlax", gke.L_RJOB: "verifiers"}}}]})  # fmt: skip
+    policy["spec"]["ingress"].append(
+        {
+            "from": [
+                {"podSelector": {"matchLabels": {gke.L_JOBSET: "rlax", gke.L_RJOB: "verifiers"}}}
+            ]
+        }
+    )
     problems = "\n".join(validate.network_problems(config, broken))
     assert "lets verifiers out" in problems
     assert "allow verifiers -> param-server" in problems
@@ -166,8 +172,10 @@ def test_pods_get_their_index_and_coordinator_from_the_jobset(small):
     config, objects = small
     trainer = _pod(objects, "trainer")["containers"][0]
     assert "--config.trainer.distributed.process_id=$(JOB_COMPLETION_INDEX)" in trainer["args"]
-    assert ("--config.trainer.distributed.coordinator_address=rlax-trainer-$(JOB_INDEX)-0.rlax:"
-            f"{gke.COORDINATOR_PORT}") in trainer["args"]  # fmt: skip
+    assert (
+        "--config.trainer.distributed.coordinator_address=rlax-trainer-$(JOB_INDEX)-0.rlax:"
+        f"{gke.COORDINATOR_PORT}"
+    ) in trainer["args"]
     assert trainer["resources"]["limits"]["google.com/tpu"] == "4"
     assert _jobset(objects)["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": "rlax"}
     ps = _pod(objects, "param-server")["containers"][0]
@@ -205,16 +213,20 @@ def _small(*overrides: str) -> RunConfig:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("--config.controller.trainer_endpoint=rlax-trainer.rlax.svc:6000",
-         "controller.trainer_endpoint is 'rlax-trainer.rlax.svc:6000'"),
+        (
+            "--config.controller.trainer_endpoint=rlax-trainer.rlax.svc:6000",
+            "controller.trainer_endpoint is 'rlax-trainer.rlax.svc:6000'",
+        ),
         ("--config.trainer.address=127.0.0.1:50053", "trainer.address must listen on 0.0.0.0"),
-        ("--config.topology.trainer_tpu=v5p:2x2x1",
-         "trainer.distributed.num_processes is 2, but v5p:2x2x1 has 1 host(s)"),
+        (
+            "--config.topology.trainer_tpu=v5p:2x2x1",
+            "trainer.distributed.num_processes is 2, but v5p:2x2x1 has 1 host(s)",
+        ),
         ("--config.topology.inference_tpu=v5p:2x2x2", "inference.mesh does not fit v5p:2x2x2"),
         ("--config.controller.run_dir=/tmp/run", "controller.run_dir must be on GCS"),
         ("--config.verifiers.tls_cert_file=", "verifiers.tls_cert_file must be"),
     ],
-)  # fmt: skip
+)
 def test_the_render_refuses_a_config_it_cannot_deploy(override, message):
     with pytest.raises(gke.RenderError) as e:
         gke.render(_config([*SMALL, override]), SMALL)
@@ -227,11 +239,18 @@ def test_the_render_command_writes_an_overlay_and_refuses_with_every_problem(tmp
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in out.iterdir()) == [
-        "jobset.yaml", "kustomization.yaml", "network-policies.yaml", "services.yaml"]  # fmt: skip
+        "jobset.yaml",
+        "kustomization.yaml",
+        "network-policies.yaml",
+        "services.yaml",
+    ]
     assert validate.build(out)  # its relative path to deploy/gke/base resolves from anywhere
-    bad = subprocess.run([*cmd, "--config.controller.run_dir=/tmp/run",
-                          "--config.verifiers.sandbox_uid=200000"], capture_output=True, text=True,
-                         cwd=REPO)  # fmt: skip
+    bad = subprocess.run(
+        [*cmd, "--config.controller.run_dir=/tmp/run", "--config.verifiers.sandbox_uid=200000"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert bad.returncode == 2
     assert "controller.run_dir must be on GCS" in bad.stderr
     assert "verifiers.sandbox_uid + workers = 200016" in bad.stderr
@@ -247,9 +266,14 @@ def test_param_server_memory_is_sized_from_the_model():
 
 @pytest.mark.parametrize(
     ("name", "chips", "hosts", "per_host"),
-    [("v5p:2x2x1", 4, 1, 4), ("v5p:8x8x4", 256, 64, 4), ("v5e:2x4", 8, 1, 8),
-     ("v6e:4x4", 16, 4, 4), ("v4:2x2x2", 8, 2, 4)],
-)  # fmt: skip
+    [
+        ("v5p:2x2x1", 4, 1, 4),
+        ("v5p:8x8x4", 256, 64, 4),
+        ("v5e:2x4", 8, 1, 8),
+        ("v6e:4x4", 16, 4, 4),
+        ("v4:2x2x2", 8, 2, 4),
+    ],
+)
 def test_slices(name, chips, hosts, per_host):
     s = parse_slice(name)
     assert (s.chips, s.hosts, s.chips_per_host) == (chips, hosts, per_host)

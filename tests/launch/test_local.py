@@ -45,8 +45,14 @@ def _tiny(run_dir: Path, steps: int) -> list[str]:
 
 
 def _launch(args: list[str], timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rlax_tpu.launch", *args], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "rlax_tpu.launch", *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def _launch_id(stdout: str) -> str:
@@ -60,16 +66,26 @@ def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tm
     worker, the verifiers and the controller, each its own process: the warm-up runs first and
     the services start from its weights; a second launch with more steps resumes the run."""
     run_dir = tmp_path / "run"
-    topology = ["--config.param_server.replicas=2",
-                "--config.trainer.distributed.coordinator_address=auto",
-                "--config.trainer.distributed.num_processes=2"]  # fmt: skip
+    topology = [
+        "--config.param_server.replicas=2",
+        "--config.trainer.distributed.coordinator_address=auto",
+        "--config.trainer.distributed.num_processes=2",
+    ]
     done = _launch([*_tiny(run_dir, 2), *topology])
     out = done.stdout
     assert done.returncode == 0, out[-5000:] + done.stderr[-3000:]
     assert "run finished: 2 updates (version 2)" in out, out[-3000:]
     assert launched_pids(_launch_id(out)) == []
-    for name in ("warmup", "param_server-0", "param_server-1", "trainer.0", "trainer.1",
-                 "inference-0", "verifiers", "controller"):  # fmt: skip
+    for name in (
+        "warmup",
+        "param_server-0",
+        "param_server-1",
+        "trainer.0",
+        "trainer.1",
+        "inference-0",
+        "verifiers",
+        "controller",
+    ):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0, name
     # The services ran apart, over gRPC, from the warmed-up weights.
     assert "distributed transport" in out
@@ -95,9 +111,14 @@ def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tm
 
 
 def _start(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "rlax_tpu.launch", *args], cwd=REPO,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlax_tpu.launch", *args],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float = 300) -> str:
@@ -135,8 +156,11 @@ def test_a_service_that_dies_stops_the_run(tmp_path):
     try:
         head = _read_until(proc, "step 1/1000")
         launch_id = _launch_id(head)
-        worker = next(p for p in launched_pids(launch_id)
-                      if b"rlax_tpu.inference" in Path(f"/proc/{p}/cmdline").read_bytes())  # fmt: skip
+        worker = next(
+            p
+            for p in launched_pids(launch_id)
+            if b"rlax_tpu.inference" in Path(f"/proc/{p}/cmdline").read_bytes()
+        )
         os.kill(worker, signal.SIGKILL)
         rest, _ = proc.communicate(timeout=180)
     finally:
@@ -148,8 +172,14 @@ def test_a_service_that_dies_stops_the_run(tmp_path):
 
 
 def test_a_service_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
-    done = _launch([*_tiny(tmp_path / "run", 2), "--config.controller.warmup_steps=0",
-                    "--config.inference.backend=gpu"], timeout_s=300)  # fmt: skip
+    done = _launch(
+        [
+            *_tiny(tmp_path / "run", 2),
+            "--config.controller.warmup_steps=0",
+            "--config.inference.backend=gpu",
+        ],
+        timeout_s=300,
+    )
     assert done.returncode == 1, done.stdout[-3000:]
     assert "inference-0 exited with status" in done.stdout and "before it served" in done.stdout
     assert launched_pids(_launch_id(done.stdout)) == []

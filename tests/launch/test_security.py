@@ -31,12 +31,23 @@ def _env() -> dict[str, str]:
 @pytest.mark.parametrize("section", ["param_server", "trainer", "inference", "verifiers"])
 def test_a_service_off_loopback_without_a_token_refuses_to_start(section):
     done = subprocess.run(
-        [sys.executable, "-m", f"rlax_tpu.{section}", CONFIG,
-         f"--config.{section}.address=0.0.0.0:0"],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            f"rlax_tpu.{section}",
+            CONFIG,
+            f"--config.{section}.address=0.0.0.0:0",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
-    assert f"{section}.address = '0.0.0.0:0': a non-loopback address needs credentials" in done.stderr
+    assert (
+        f"{section}.address = '0.0.0.0:0': a non-loopback address needs credentials" in done.stderr
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +55,11 @@ def secrets(tmp_path_factory) -> Path:
     """What the GKE Secret holds, made by deploy/gke/make-credentials.sh: a token, a publish
     token and a certificate for the namespace's Services (*.rlax.svc) with its key."""
     d = tmp_path_factory.mktemp("secrets")
-    subprocess.run(["bash", str(REPO / "deploy" / "gke" / "make-credentials.sh"), str(d)],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["bash", str(REPO / "deploy" / "gke" / "make-credentials.sh"), str(d)],
+        check=True,
+        capture_output=True,
+    )
     assert sorted(p.name for p in d.iterdir()) == ["publish-token", "tls.pem", "token"]
     return d
 
@@ -55,14 +69,24 @@ def param_server(secrets, tmp_path_factory):
     """`python -m rlax_tpu.param_server` with the GKE credentials, on loopback."""
     run_dir = tmp_path_factory.mktemp("ps")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlax_tpu.param_server", CONFIG,
-         f"--config.controller.run_dir={run_dir}", "--config.param_server.address=127.0.0.1:0",
-         f"--config.param_server.auth_token_file={secrets / 'token'}",
-         f"--config.param_server.tls_cert_file={secrets / 'tls.pem'}",
-         f"--config.param_server.publish_token_file={secrets / 'publish-token'}",
-         "--config.param_server.persist_every=0"],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu.param_server",
+            CONFIG,
+            f"--config.controller.run_dir={run_dir}",
+            "--config.param_server.address=127.0.0.1:0",
+            f"--config.param_server.auth_token_file={secrets / 'token'}",
+            f"--config.param_server.tls_cert_file={secrets / 'tls.pem'}",
+            f"--config.param_server.publish_token_file={secrets / 'publish-token'}",
+            "--config.param_server.persist_every=0",
+        ],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     line = ""
     while "listening on" not in line:
         line = proc.stdout.readline()
@@ -73,14 +97,19 @@ def param_server(secrets, tmp_path_factory):
     proc.wait(timeout=60)
 
 
-def _client(port: int, secrets: Path, *, token: bool = True, publish: bool = True,
-            tls: bool = True) -> ParamServerClient:  # fmt: skip
-    creds = Credentials(auth_token_file=str(secrets / "token") if token else "",
-                        tls_cert_file=str(secrets / "tls.pem") if tls else "")  # fmt: skip
+def _client(
+    port: int, secrets: Path, *, token: bool = True, publish: bool = True, tls: bool = True
+) -> ParamServerClient:
+    creds = Credentials(
+        auth_token_file=str(secrets / "token") if token else "",
+        tls_cert_file=str(secrets / "tls.pem") if tls else "",
+    )
     client = ParamServerClient(
-        f"127.0.0.1:{port}", credentials=creds, timeout_s=20,
+        f"127.0.0.1:{port}",
+        credentials=creds,
+        timeout_s=20,
         publish_token_file=str(secrets / "publish-token") if publish else "",
-    )  # fmt: skip
+    )
     return client
 
 
@@ -142,8 +171,12 @@ def test_plaintext_is_refused(param_server, secrets):
 def _probe(port: int, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "rlax_tpu.rpc.probe", "ParamServer", f"127.0.0.1:{port}", *flags],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_the_pods_health_probe(param_server, secrets):
@@ -156,6 +189,9 @@ def test_the_pods_health_probe(param_server, secrets):
     assert wrong_name.returncode == 1
     follower = subprocess.run(
         [sys.executable, "-m", "rlax_tpu.rpc.probe", "Trainer", "127.0.0.1:1", "--lead_only"],
-        cwd=REPO, env={**_env(), "JOB_COMPLETION_INDEX": "3"}, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        env={**_env(), "JOB_COMPLETION_INDEX": "3"},
+        capture_output=True,
+        text=True,
+    )
     assert follower.returncode == 0 and "follower" in follower.stdout

@@ -14,14 +14,24 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "deploy" / "tpu_vm"
-ENV = {"NAME": "rl", "ZONE": "us-east5-a", "BUCKET": "gs://my-bucket", "DRY_RUN": "1",
-       "REPO_URL": "https://example.com/rlax_tpu.git"}  # fmt: skip
+ENV = {
+    "NAME": "rl",
+    "ZONE": "us-east5-a",
+    "BUCKET": "gs://my-bucket",
+    "DRY_RUN": "1",
+    "REPO_URL": "https://example.com/rlax_tpu.git",
+}
 POD = {"CONFIG": "configs/codeforces.py:v5p_small"}
 
 
 def _script(name: str, **env: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(["bash", str(SCRIPTS / name)], env=os.environ | ENV | env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / name)],
+        env=os.environ | ENV | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return done
 
 
@@ -36,11 +46,15 @@ def _flag(argv: list[str], name: str) -> str:
 def test_create_makes_one_vm_per_slice():
     one = _gcloud(_script("create.sh", ACCELERATOR="v6e-8", SPOT="1").stdout)
     assert [(c[5], _flag(c, "--accelerator-type"), _flag(c, "--version")) for c in one] == [
-        ("rl", "v6e-8", "v2-alpha-tpuv6e")]  # fmt: skip
+        ("rl", "v6e-8", "v2-alpha-tpuv6e")
+    ]
     assert "--spot" in one[0]
     pod = _gcloud(_script("create.sh", **POD).stdout)
     assert [(c[5], _flag(c, "--accelerator-type")) for c in pod] == [
-        ("rl", "v5p-16"), ("rl-inference-0", "v5p-8"), ("rl-inference-1", "v5p-8")]  # fmt: skip
+        ("rl", "v5p-16"),
+        ("rl-inference-0", "v5p-8"),
+        ("rl-inference-1", "v5p-8"),
+    ]
 
 
 def test_setup_installs_everywhere_and_certifies_every_address():
@@ -49,7 +63,10 @@ def test_setup_installs_everywhere_and_certifies_every_address():
     calls = _gcloud(done.stdout)
     installs = [c for c in calls if "make setup" in c[-1]]
     assert [(c[4 + 1], _flag(c, "--worker")) for c in installs] == [
-        ("rl", "all"), ("rl-inference-0", "all"), ("rl-inference-1", "all")]  # fmt: skip
+        ("rl", "all"),
+        ("rl-inference-0", "all"),
+        ("rl-inference-1", "all"),
+    ]
     (make,) = [shlex.split(x[2:]) for x in done.stdout.splitlines() if "make-credentials" in x]
     addresses = make[4:]
     assert addresses[0] == "127.0.0.1" and len(addresses) == 1 + 2 + 1 + 1  # 2 trainer hosts
@@ -73,8 +90,13 @@ def test_start_on_one_vm_runs_the_controller_with_the_tpu_vm_preset():
 
 
 def _print_config(module: str, flags: list[str]) -> dict:
-    done = subprocess.run([sys.executable, "-m", f"rlax_tpu.{module}", *flags, "--print_config"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", f"rlax_tpu.{module}", *flags, "--print_config"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -102,10 +124,13 @@ def pod_plan() -> list[tuple[str, str, list[str]]]:
 def test_start_on_several_vms_starts_every_component_in_order(pod_plan):
     modules = [(vm, w, argv[2]) for vm, w, argv in pod_plan]
     assert modules[:6] == [
-        ("rl", "0", "rlax_tpu.param_server"), ("rl", "0", "rlax_tpu.verifiers"),
-        ("rl", "0", "rlax_tpu.trainer"), ("rl", "1", "rlax_tpu.trainer"),
-        ("rl-inference-0", "0", "rlax_tpu.inference"), ("rl-inference-1", "0", "rlax_tpu.inference"),
-    ]  # fmt: skip
+        ("rl", "0", "rlax_tpu.param_server"),
+        ("rl", "0", "rlax_tpu.verifiers"),
+        ("rl", "0", "rlax_tpu.trainer"),
+        ("rl", "1", "rlax_tpu.trainer"),
+        ("rl-inference-0", "0", "rlax_tpu.inference"),
+        ("rl-inference-1", "0", "rlax_tpu.inference"),
+    ]
     probes = [argv[3] for _, _, argv in pod_plan if argv[2] == "rlax_tpu.rpc.probe"]
     assert probes == ["ParamServer", "Verifier", "Trainer", "Inference", "Inference"]
     assert modules[-1] == ("rl", "0", "rlax_tpu.controller")
@@ -123,7 +148,8 @@ def test_the_pod_plan_wires_each_process_to_the_others(pod_plan):
     lead = controller["trainer_endpoint"].rpartition(":")[0]
     # The trainer: one jax.distributed job over the VM's two hosts, coordinator on worker 0.
     assert trainer0["trainer"]["distributed"] | {"process_id": 0} == trainer1["trainer"][
-        "distributed"] | {"process_id": 0}  # fmt: skip
+        "distributed"
+    ] | {"process_id": 0}
     assert trainer1["trainer"]["distributed"]["process_id"] == 1
     assert trainer0["trainer"]["distributed"]["coordinator_address"] == f"{lead}:8476"
     # Every endpoint the controller dials is where a process listens: worker 0 of the trainer's
@@ -147,11 +173,21 @@ def test_the_pod_plan_wires_each_process_to_the_others(pod_plan):
 
 def test_a_config_that_does_not_fit_the_vms_is_refused():
     done = subprocess.run(
-        [sys.executable, "-m", "rlax_tpu.launch.tpu_vm", "plan",
-         "--config=configs/codeforces.py:v5p_small", "--config.controller.bucket=gs://b",
-         "--trainer_ips=10.0.0.2", "--inference_ips=10.0.1.2"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu.launch.tpu_vm",
+            "plan",
+            "--config=configs/codeforces.py:v5p_small",
+            "--config.controller.bucket=gs://b",
+            "--trainer_ips=10.0.0.2",
+            "--inference_ips=10.0.1.2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "the trainer's VM has 1 hosts, v5p:2x2x2 has 2" in done.stderr
     assert "1 inference VMs for inference.num_workers 2" in done.stderr

@@ -16,10 +16,15 @@ from rlax_tpu.models.tokenizer import Tokenizer
 
 HF_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 TINY_HF = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
     tie_word_embeddings=False,
-)  # fmt: skip
+)
 
 
 def smollm2_gguf_path() -> Path:

@@ -46,7 +46,7 @@ CASES = {
                 "original_max_position_embeddings": 8,
             }
         },
-    ),  # fmt: skip
+    ),
     "rope_yarn": (
         "qwen3",
         {
@@ -57,7 +57,7 @@ CASES = {
                 "rope_theta": 1000.0,
             }
         },
-    ),  # fmt: skip
+    ),
 }
 
 

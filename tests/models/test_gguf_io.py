@@ -20,8 +20,18 @@ from rlax_tpu.models.transformer import forward
 def test_config_from_metadata_is_smollm2(smollm2):
     cfg, _ = smollm2
     expected = preset("smollm2-135m")
-    for field in ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                  "num_heads", "num_kv_heads", "rope_theta", "tie_embeddings", "qkv_bias"):  # fmt: skip
+    for field in (
+        "arch",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "rope_theta",
+        "tie_embeddings",
+        "qkv_bias",
+    ):
         assert getattr(cfg, field) == getattr(expected, field), field
     assert cfg.resolved_head_dim == 64 and abs(cfg.rms_norm_eps - 1e-5) < 1e-9
 
@@ -47,8 +57,9 @@ def test_logits_match_transformers_gguf_reader(smollm2, smollm2_path):
     tensors = load_gguf_checkpoint(str(smollm2_path), return_tensors=True, model_to_load=hf)[
         "tensors"
     ]
-    hf.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False,
-                       assign=True)  # fmt: skip
+    hf.load_state_dict(
+        {k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False, assign=True
+    )
     hf.tie_weights()
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_cfg)  # its buffers, off "meta"
     assert not any(p.is_meta for p in [*hf.parameters(), *hf.buffers()])
@@ -130,12 +141,18 @@ def _write_gguf(path, arch: str, tensors: dict[str, np.ndarray], *, heads: int =
 def _tiny_llama_tensors() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     shapes = {  # numpy (HF) shapes
-        "token_embd.weight": (32, 8), "output_norm.weight": (8,),
-        "blk.0.attn_norm.weight": (8,), "blk.0.ffn_norm.weight": (8,),
-        "blk.0.attn_q.weight": (8, 8), "blk.0.attn_k.weight": (8, 8), "blk.0.attn_v.weight": (8, 8),
-        "blk.0.attn_output.weight": (8, 8), "blk.0.ffn_gate.weight": (16, 8),
-        "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16),
-    }  # fmt: skip
+        "token_embd.weight": (32, 8),
+        "output_norm.weight": (8,),
+        "blk.0.attn_norm.weight": (8,),
+        "blk.0.ffn_norm.weight": (8,),
+        "blk.0.attn_q.weight": (8, 8),
+        "blk.0.attn_k.weight": (8, 8),
+        "blk.0.attn_v.weight": (8, 8),
+        "blk.0.attn_output.weight": (8, 8),
+        "blk.0.ffn_gate.weight": (16, 8),
+        "blk.0.ffn_up.weight": (16, 8),
+        "blk.0.ffn_down.weight": (8, 16),
+    }
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 

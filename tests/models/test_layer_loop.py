@@ -33,9 +33,15 @@ def _loss_and_grads(graphdef, params, loop: models.LayerLoop, mesh=None):  # noq
 
     def f(params):  # noqa: ANN001, ANN202
         logp, _ = completion_logprobs(
-            nnx.merge(graphdef, params), tokens, positions, prompt, targets, jnp.float32(0.9),
-            loop=loop, mesh=mesh,
-        )  # fmt: skip
+            nnx.merge(graphdef, params),
+            tokens,
+            positions,
+            prompt,
+            targets,
+            jnp.float32(0.9),
+            loop=loop,
+            mesh=mesh,
+        )
         return logp.sum(), logp
 
     return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
@@ -50,8 +56,9 @@ def _assert_same(got, want) -> None:  # noqa: ANN001
         lambda a, b: np.testing.assert_allclose(
             np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * float(np.abs(b).max())
         ),
-        grads, grads_ref,
-    )  # fmt: skip
+        grads,
+        grads_ref,
+    )
 
 
 @pytest.mark.parametrize("remat", [None, "nothing_saveable", "dots_saveable"])
@@ -59,12 +66,14 @@ def test_scan_equals_unrolled(remat):
     cfg = models.preset("tiny", num_layers=3, qk_norm=True, qkv_bias=True, tie_embeddings=False)
     graphdef, params = nnx.split(models.init_model(cfg, seed=4))
     unrolled = _loss_and_grads(graphdef, params, models.LayerLoop())
-    _assert_same(_loss_and_grads(graphdef, params, models.LayerLoop(scan=True, remat=remat)),
-                 unrolled)  # fmt: skip
+    _assert_same(
+        _loss_and_grads(graphdef, params, models.LayerLoop(scan=True, remat=remat)), unrolled
+    )
     # Every layer got its own gradient (the stacked gradient was split back per layer).
     (_, _), grads = unrolled
-    norms = [float(jnp.linalg.norm(layer["mlp"]["up_proj"][...]))
-             for layer in grads["layers"].values()]  # fmt: skip
+    norms = [
+        float(jnp.linalg.norm(layer["mlp"]["up_proj"][...])) for layer in grads["layers"].values()
+    ]
     assert len(set(norms)) == 3 and min(norms) > 0
 
 
@@ -87,9 +96,15 @@ def _dots(num_layers: int, scan: bool) -> int:
 
     def f(params):  # noqa: ANN001, ANN202
         logp, _ = completion_logprobs(
-            nnx.merge(graphdef, params), tokens, positions, prompt, targets, jnp.float32(1.0),
-            loop=models.LayerLoop(scan=scan, remat="nothing_saveable"), mesh=None,
-        )  # fmt: skip
+            nnx.merge(graphdef, params),
+            tokens,
+            positions,
+            prompt,
+            targets,
+            jnp.float32(1.0),
+            loop=models.LayerLoop(scan=scan, remat="nothing_saveable"),
+            mesh=None,
+        )
         return logp.sum()
 
     return jax.jit(jax.grad(f)).lower(params).as_text().count("dot_general")

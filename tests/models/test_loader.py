@@ -54,9 +54,12 @@ def test_safetensors_checkpoint_must_match_the_config(tmp_path):
 
 def test_smollm2_preset_loads_from_gguf_in_bf16(smollm2_path):
     cfg = preset(
-        "smollm2-135m", weights_format="gguf", weights_path=str(smollm2_path),
-        param_dtype="bfloat16", compute_dtype="bfloat16",
-    )  # fmt: skip
+        "smollm2-135m",
+        weights_format="gguf",
+        weights_path=str(smollm2_path),
+        param_dtype="bfloat16",
+        compute_dtype="bfloat16",
+    )
     model = load_model(cfg)
     assert model.embed[...].dtype == jnp.bfloat16
     tok = load_tokenizer(cfg)
@@ -90,8 +93,12 @@ def test_weights_and_tokenizer_from_gs(gcs_emulator, tmp_path, monkeypatch):
         storage.write_atomic(f"{base}/model/{f.name}", f.read_bytes())
     trained = Tokenizer.train_bpe(["words for a tiny vocabulary"] * 10, vocab_size=300)
     trained.save(f"{base}/tok")
-    cfg = preset("tiny", weights_format="safetensors", weights_path=f"{base}/model",
-                 tokenizer_path=f"{base}/tok")  # fmt: skip
+    cfg = preset(
+        "tiny",
+        weights_format="safetensors",
+        weights_path=f"{base}/model",
+        tokenizer_path=f"{base}/tok",
+    )
     tokens = jnp.arange(10, dtype=jnp.int32)[None]
     np.testing.assert_array_equal(
         np.asarray(forward(load_model(cfg), tokens)), np.asarray(forward(original, tokens))

@@ -20,9 +20,15 @@ from rlax_tpu.models.paged_cache import PagedKVCache
 
 H, HKV, D = 4, 2, 16
 CFG = ModelConfig(
-    arch="llama", vocab_size=32, hidden_size=H * D, intermediate_size=32, num_layers=2,
-    num_heads=H, num_kv_heads=HKV, max_position_embeddings=128,
-)  # fmt: skip
+    arch="llama",
+    vocab_size=32,
+    hidden_size=H * D,
+    intermediate_size=32,
+    num_layers=2,
+    num_heads=H,
+    num_kv_heads=HKV,
+    max_position_embeddings=128,
+)
 
 
 def _chunks(lengths: list[int], chunk: int):
@@ -37,8 +43,14 @@ def _chunks(lengths: list[int], chunk: int):
         yield pos
 
 
-def _run(backend: str, page_size: int, lengths: list[int], chunk: int, seed: int = 0,
-         block_pages: int = 0):
+def _run(
+    backend: str,
+    page_size: int,
+    lengths: list[int],
+    chunk: int,
+    seed: int = 0,
+    block_pages: int = 0,
+):
     """Feeds random q/k/v through a paged and a dense cache; returns both outputs per chunk."""
     rng = np.random.default_rng(seed)
     b = len(lengths)
@@ -51,9 +63,14 @@ def _run(backend: str, page_size: int, lengths: list[int], chunk: int, seed: int
         t.prepare_write(alloc, 0, n, [])
     rows = np.stack([t.row(pages_per_seq) for t in tables])
     paged = PagedKVCache.create(
-        CFG, num_pages=alloc.num_pages, page_size=page_size, batch=b,
-        pages_per_seq=pages_per_seq, backend=backend, block_pages=block_pages,
-    ).with_tables(jnp.asarray(rows))  # fmt: skip
+        CFG,
+        num_pages=alloc.num_pages,
+        page_size=page_size,
+        batch=b,
+        pages_per_seq=pages_per_seq,
+        backend=backend,
+        block_pages=block_pages,
+    ).with_tables(jnp.asarray(rows))
     dense = DenseKVCache.create(
         num_layers=2, batch=b, max_len=s, kv_heads=HKV, head_dim=D, dtype=jnp.float32
     )
@@ -104,8 +121,10 @@ def test_span_attention_is_the_whole_cache_attention_up_to_round_off(page_size, 
     args = (q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(positions)[:, None])
     want = np.asarray(jax.jit(reference_attention)(*args))
     half = rows // 2
-    need = [max(1, int(positions[s].max()) // page_size + 1) for s in (slice(0, half),
-                                                                       slice(half, rows))]
+    need = [
+        max(1, int(positions[s].max()) // page_size + 1)
+        for s in (slice(0, half), slice(half, rows))
+    ]
     spans = ((half, need[0]), (rows - half, need[1]))
     assert need[0] < pages  # the short group really drops pages
     got = np.asarray(jax.jit(lambda *a: span_attention(*a, spans))(*args))
@@ -185,8 +204,9 @@ def test_tpu_kernel_under_a_mesh_runs_per_shard_and_matches_unsharded():
     kv_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, 2 * HKV, 128)), jnp.float32)
     kv_pages = kv_pages.at[..., D:].set(0.0)  # lane padding
     q = jnp.asarray(rng.standard_normal((rows, chunk, H, D)), jnp.float32)
-    tables = jnp.asarray(rng.permutation(np.arange(1, num_pages))[: rows * pages]
-                         .reshape(rows, pages), jnp.int32)  # fmt: skip
+    tables = jnp.asarray(
+        rng.permutation(np.arange(1, num_pages))[: rows * pages].reshape(rows, pages), jnp.int32
+    )
     starts = rng.integers(0, pages * page_size - chunk, rows)
     lengths = rng.integers(0, chunk + 1, rows)  # some rows empty, some partly padded
     positions = np.full((rows, chunk), -1, np.int32)
@@ -197,7 +217,9 @@ def test_tpu_kernel_under_a_mesh_runs_per_shard_and_matches_unsharded():
     single = np.asarray(call(*args))
     mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2), jax.devices()[:8])
     with jax.set_mesh(mesh):
-        sharded = np.asarray(jax.jit(lambda *a: ragged_attention(*a, kv_heads=HKV, emulated=True))(*args))
+        sharded = np.asarray(
+            jax.jit(lambda *a: ragged_attention(*a, kv_heads=HKV, emulated=True))(*args)
+        )
     np.testing.assert_allclose(sharded, single, rtol=0, atol=1e-6)
     k_pages = kv_pages[..., 0::2, :D].transpose(2, 0, 1, 3)  # the split layout [Hkv, P, page, D]
     v_pages = kv_pages[..., 1::2, :D].transpose(2, 0, 1, 3)
@@ -226,19 +248,30 @@ def test_a_block_attention_row_does_not_depend_on_the_other_rows():
     log-probs bitwise its replay's). Padding rows give zeros."""
     rng = np.random.default_rng(1)
     b, pages, page = 4, 12, 4
-    k_pages, v_pages = (jnp.asarray(rng.standard_normal((HKV, 1 + b * pages, page, D)),
-                                    jnp.float32) for _ in range(2))  # fmt: skip
+    k_pages, v_pages = (
+        jnp.asarray(rng.standard_normal((HKV, 1 + b * pages, page, D)), jnp.float32)
+        for _ in range(2)
+    )
     tables = jnp.asarray(1 + np.arange(b * pages).reshape(b, pages), jnp.int32)
     q = jnp.asarray(rng.standard_normal((b, 1, H, D)), jnp.float32)
     run = jax.jit(block_attention, static_argnames="block_pages")
-    outs = [np.asarray(run(q, k_pages, v_pages, tables, jnp.asarray(p, jnp.int32)[:, None],
-                           block_pages=2))  # fmt: skip
-            for p in ([5, -1, -1, -1], [5, 47, 30, -1], [5, 9, -1, 2])]
+    outs = [
+        np.asarray(
+            run(q, k_pages, v_pages, tables, jnp.asarray(p, jnp.int32)[:, None], block_pages=2)
+        )
+        for p in ([5, -1, -1, -1], [5, 47, 30, -1], [5, 9, -1, 2])
+    ]
     for out in outs[1:]:
         np.testing.assert_array_equal(out[0], outs[0][0])
     assert not outs[0][1:].any() and not outs[1][3].any()
     ref = reference_attention(q, k_pages, v_pages, tables, jnp.asarray([[5], [47], [30], [0]]))
     np.testing.assert_allclose(outs[1][:3], np.asarray(ref)[:3], atol=2e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="T = 1"):
-        block_attention(jnp.zeros((b, 2, H, D)), k_pages, v_pages, tables,
-                        jnp.zeros((b, 2), jnp.int32), block_pages=2)  # fmt: skip
+        block_attention(
+            jnp.zeros((b, 2, H, D)),
+            k_pages,
+            v_pages,
+            tables,
+            jnp.zeros((b, 2), jnp.int32),
+            block_pages=2,
+        )

@@ -22,9 +22,14 @@ from rlax_tpu.models import programs
 from rlax_tpu.models.scoring import rows_bitwise
 
 ICFG = InferenceConfig(
-    max_concurrent_seqs=4, page_size=4, kv_cache_bytes=2**20, max_prompt_len=12,
-    max_new_tokens=4, prefill_rows=2, prefill_len=5,
-)  # fmt: skip
+    max_concurrent_seqs=4,
+    page_size=4,
+    kv_cache_bytes=2**20,
+    max_prompt_len=12,
+    max_new_tokens=4,
+    prefill_rows=2,
+    prefill_len=5,
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +41,12 @@ def _check(model: models.Transformer) -> bool:
     shape = models.ReplayShape.of_engine(ICFG, model.cfg)
     graphdef, state = nnx.split(model)
     ok, cache = programs.rows_are_independent(
-        state, shape.make_cache(model.cfg), graphdef=graphdef, prefill_rows=shape.prefill_rows,
+        state,
+        shape.make_cache(model.cfg),
+        graphdef=graphdef,
+        prefill_rows=shape.prefill_rows,
         prefill_len=shape.prefill_len,
-    )  # fmt: skip
+    )
     assert np.isfinite(np.asarray(cache.k_pages)).all()  # the pages it wrote stay readable
     assert rows_bitwise(model, shape) == ok  # the replay's entry point runs the same check
     return ok

@@ -17,24 +17,35 @@ ROPES = {
     "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0},
     "dynamic": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10_000.0},
     "llama3": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192, "rope_theta": 500_000.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 500_000.0,
     },
     "yarn": {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32_768,
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32_768,
         "rope_theta": 1_000_000.0,
     },
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(ROPES))
 @pytest.mark.parametrize("seq_len", [100, 200_000])
 def test_inverse_frequencies_match_transformers(name, seq_len):
     hf = LlamaConfig(
-        hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=1,
-        vocab_size=32, intermediate_size=64, max_position_embeddings=131_072,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=1,
+        vocab_size=32,
+        intermediate_size=64,
+        max_position_embeddings=131_072,
         rope_parameters=dict(ROPES[name]),
-    )  # fmt: skip
+    )
     cfg = config_from_hf(hf.to_dict(), "test")
     positions = jnp.arange(seq_len, dtype=jnp.int32)[None, -1:]  # only the max matters
     ours = np.asarray(inverse_frequencies(cfg, positions))

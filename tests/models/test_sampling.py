@@ -17,8 +17,10 @@ from rlax_tpu.models.sampling import first_max, inverse_cdf, sample, top_k_top_p
 
 V = 7
 LOGITS = np.array([1.0, 2.5, -1.0, 0.3, 2.5, -np.inf, 0.0], np.float32)
-RUNS = {native: jax.jit(lambda z, s, native=native: sample(z, **s, native=native))
-        for native in (False, True)}  # fmt: skip
+RUNS = {
+    native: jax.jit(lambda z, s, native=native: sample(z, **s, native=native))
+    for native in (False, True)
+}
 BOTH = pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
 
 
@@ -64,11 +66,15 @@ def test_filters_keep_only_their_survivors_and_renormalize(native):
     tokens = _draws(1.0, native=native, top_k=2)  # the tie at 2.5: exactly tokens 1 and 4
     assert set(np.unique(tokens)) == {1, 4}
     assert abs(np.mean(tokens == 1) - 0.5) < 5 * np.sqrt(0.25 / len(tokens))
-    tokens = _draws(1.0, native=native, top_p=0.5)  # 1 and 4 hold 0.39 each: the first rank is not enough
+    tokens = _draws(
+        1.0, native=native, top_p=0.5
+    )  # 1 and 4 hold 0.39 each: the first rank is not enough
     assert set(np.unique(tokens)) <= {1, 4}
     s = _arrays(1, top_k=3)
     narrowed = np.asarray(top_k_top_p(jnp.asarray(LOGITS)[None], s["top_k"], s["top_p"]))[0]
-    assert np.isinf(narrowed[[2, 3, 5, 6]]).all() and (narrowed[[0, 1, 4]] == LOGITS[[0, 1, 4]]).all()
+    assert (
+        np.isinf(narrowed[[2, 3, 5, 6]]).all() and (narrowed[[0, 1, 4]] == LOGITS[[0, 1, 4]]).all()
+    )
 
 
 @BOTH
@@ -94,8 +100,11 @@ def test_log_probs_are_the_textbook_entries(native):
     kept = np.sort(scaled, axis=1)[:, -50:]
     lse_k = np.log(np.exp(kept - kept.max(1, keepdims=True)).sum(1)) + kept.max(1)
     rows = (np.arange(n) % 3 == 0) & ~greedy
-    np.testing.assert_allclose(np.asarray(out.logprob_sampler)[rows],
-                               (scaled[np.arange(n), tokens] - lse_k)[rows], atol=2e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(out.logprob_sampler)[rows],
+        (scaled[np.arange(n), tokens] - lse_k)[rows],
+        atol=2e-5,
+    )
     assert (np.argsort(-scaled, 1)[rows, :50] == tokens[rows, None]).any(1).all()
 
 
@@ -161,6 +170,8 @@ def test_native_logit_stats_are_the_textbook_ones_edges_included():
     assert top[4] == 0 and top[5] == 0 and log_sum[4] == np.inf and np.isnan(log_sum[5])
     assert best[4] == 0 and best[5] == 0
     alone = [np.asarray(a) for a in stats(jnp.asarray(z[3:4]), jnp.asarray(t[3:4]))]
-    shuffled = [np.asarray(a) for a in stats(jnp.asarray(z[::-1]), jnp.asarray(t[::-1]))]  # row 3 stays
+    shuffled = [
+        np.asarray(a) for a in stats(jnp.asarray(z[::-1]), jnp.asarray(t[::-1]))
+    ]  # row 3 stays
     for a, b, c in zip(alone, (top, log_sum, best), shuffled, strict=True):
         assert a[0] == b[3] == c[3]  # bitwise: one fixed order per row

@@ -46,8 +46,9 @@ def test_equals_dense_forward(backend, page):
     want = _logits(model, tokens, positions, models.NoCache())
     got = _logits(model, tokens, positions, SequencePagedCache(page, backend))
     np.testing.assert_allclose(got[real], want[real], rtol=0, atol=2e-5)
-    scanned = _logits(model, tokens, positions, SequencePagedCache(page, backend),
-                      models.LayerLoop(scan=True))  # fmt: skip
+    scanned = _logits(
+        model, tokens, positions, SequencePagedCache(page, backend), models.LayerLoop(scan=True)
+    )
     np.testing.assert_allclose(scanned[real], want[real], rtol=0, atol=2e-5)
 
 
@@ -59,6 +60,11 @@ def test_tpu_layout_under_a_mesh(mesh_shape):
     tokens, positions, real = _rows(b=8, t=19, seed=3)
     want = _logits(model, tokens, positions, models.NoCache())
     with jax.set_mesh(mesh):
-        got = _logits(model, tokens, positions, SequencePagedCache(8, "tpu_emulated"),
-                      models.LayerLoop(scan=True))  # fmt: skip
+        got = _logits(
+            model,
+            tokens,
+            positions,
+            SequencePagedCache(8, "tpu_emulated"),
+            models.LayerLoop(scan=True),
+        )
     np.testing.assert_allclose(got[real], want[real], rtol=0, atol=2e-5)

@@ -30,20 +30,31 @@ def _batch(rows: int = 4, length: int = 40, width: int = 12, seed: int = 0) -> d
     positions = np.where(cols < totals[:, None], cols, -1).astype(np.int32)
     tokens = np.where(positions >= 0, rng.integers(0, CFG.vocab_size, (rows, length)), 0)
     prompts = (totals - width).astype(np.int32)
-    targets = np.take_along_axis(tokens, np.clip(prompts[:, None] + np.arange(width), 0,
-                                                 length - 1), axis=1)  # fmt: skip
-    return {k: jnp.asarray(v, jnp.int32) for k, v in dict(
-        tokens=tokens, positions=positions, prompt_lengths=prompts, targets=targets).items()}
+    targets = np.take_along_axis(
+        tokens, np.clip(prompts[:, None] + np.arange(width), 0, length - 1), axis=1
+    )
+    return {
+        k: jnp.asarray(v, jnp.int32)
+        for k, v in dict(
+            tokens=tokens, positions=positions, prompt_lengths=prompts, targets=targets
+        ).items()
+    }
 
 
 def _loss_and_grads(state, graphdef, batch, attention: str, mesh=None):  # noqa: ANN001, ANN202
     def loss(state):  # noqa: ANN001, ANN202
         model = nnx.merge(graphdef, state)
         logp, _ = completion_logprobs(
-            model, batch["tokens"], batch["positions"], batch["prompt_lengths"],
-            batch["targets"], jnp.float32(1.0), loop=models.LayerLoop(remat="nothing_saveable"),
-            mesh=mesh, attention=attention,
-        )  # fmt: skip
+            model,
+            batch["tokens"],
+            batch["positions"],
+            batch["prompt_lengths"],
+            batch["targets"],
+            jnp.float32(1.0),
+            loop=models.LayerLoop(remat="nothing_saveable"),
+            mesh=mesh,
+            attention=attention,
+        )
         return logp.sum(), logp
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(state)

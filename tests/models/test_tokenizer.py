@@ -136,23 +136,41 @@ def test_the_models_own_template_without_a_system_message(smollm2_tokenizer, ref
     assert ours == theirs and "SmolLM" in ours
 
 
-@pytest.mark.parametrize(("template", "options"), [
-    (LLAMA3_STYLE, {}), (QWEN3_STYLE, {}), (QWEN3_STYLE, {"enable_thinking": False}),
-])  # fmt: skip
-def test_templates_render_as_transformers_renders_them(smollm2_tokenizer, tmp_path, template,
-                                                      options):  # fmt: skip
-    tok = Tokenizer(smollm2_tokenizer.backend, bos="<|im_start|>", eos="<|im_end|>",
-                    chat_template=template)  # fmt: skip
+@pytest.mark.parametrize(
+    ("template", "options"),
+    [
+        (LLAMA3_STYLE, {}),
+        (QWEN3_STYLE, {}),
+        (QWEN3_STYLE, {"enable_thinking": False}),
+    ],
+)
+def test_templates_render_as_transformers_renders_them(
+    smollm2_tokenizer, tmp_path, template, options
+):
+    tok = Tokenizer(
+        smollm2_tokenizer.backend, bos="<|im_start|>", eos="<|im_end|>", chat_template=template
+    )
     tok.save(tmp_path)
     again = Tokenizer.from_file(tmp_path)  # the template travels in tokenizer_config.json
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
-                                 bos_token="<|im_start|>", eos_token="<|im_end|>")  # fmt: skip
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+    )
     for generation in (True, False):
-        want = hf.apply_chat_template(MESSAGES, chat_template=template, tokenize=False,
-                                      add_generation_prompt=generation, **options)  # fmt: skip
-        assert tok.apply_chat_template(MESSAGES, add_generation_prompt=generation, **options) == want
-        assert again.apply_chat_template(MESSAGES, add_generation_prompt=generation,
-                                         **options) == want  # fmt: skip
+        want = hf.apply_chat_template(
+            MESSAGES,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=generation,
+            **options,
+        )
+        assert (
+            tok.apply_chat_template(MESSAGES, add_generation_prompt=generation, **options) == want
+        )
+        assert (
+            again.apply_chat_template(MESSAGES, add_generation_prompt=generation, **options) == want
+        )
     if template is QWEN3_STYLE:
         with pytest.raises(ValueError, match="unknown role tool"):
             tok.apply_chat_template([{"role": "tool", "content": "x"}])

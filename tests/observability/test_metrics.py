@@ -12,8 +12,12 @@ from rlax_tpu.observability.metrics import MetricsWriter, read_metrics
 def test_jsonl_and_tensorboard_agree(tmp_path: Path):
     with MetricsWriter(tmp_path) as w:
         for step in range(3):
-            w.write(step, {"reward/mean": 0.5 + step, "bad": float("nan")}, {"staleness": [0, 1, 1, 2]},
-                    wall_time=100.0 + step)  # fmt: skip
+            w.write(
+                step,
+                {"reward/mean": 0.5 + step, "bad": float("nan")},
+                {"staleness": [0, 1, 1, 2]},
+                wall_time=100.0 + step,
+            )
     records = list(read_metrics(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2]
     assert records[1]["scalars"] == {"reward/mean": 1.5, "bad": None}
@@ -34,8 +38,11 @@ def test_resume_drops_steps_logged_after_the_snapshot(tmp_path: Path):
     with MetricsWriter(tmp_path, resume_after_step=2) as w:
         w.write(3, {"x": 30})
     assert [(r["step"], r["scalars"]["x"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
-        (0, 0), (1, 1), (2, 2), (3, 30),
-    ]  # fmt: skip
+        (0, 0),
+        (1, 1),
+        (2, 2),
+        (3, 30),
+    ]
 
 
 def test_torn_last_line_is_ignored_but_corruption_elsewhere_is_not(tmp_path: Path):

@@ -12,15 +12,23 @@ def test_report_has_every_plot_and_says_what_was_run(tmp_path: Path):
     with MetricsWriter(tmp_path) as w:
         for step in range(6):
             scalars = {
-                "reward/mean": step / 10, "throughput/tokens_per_s": 100 + step,
-                "verdict/accepted": step, "verdict/wrong_answer": 6 - step,
-                "time/generate": 1.0, "time/train": 0.5,
-            }  # fmt: skip
+                "reward/mean": step / 10,
+                "throughput/tokens_per_s": 100 + step,
+                "verdict/accepted": step,
+                "verdict/wrong_answer": 6 - step,
+                "time/generate": 1.0,
+                "time/train": 0.5,
+            }
             if step in (0, 5):
                 scalars["eval/pass@1"] = 0.1 if step == 0 else 0.4
             w.write(step, scalars, {"staleness": [0, 1]}, wall_time=1000.0 + 60 * step)
-    info = RunInfo(command="make run", config={"preset": "local"}, model="tiny llama", commit="abc123",
-                   notes=["a supervised warm-up ran before RL"])  # fmt: skip
+    info = RunInfo(
+        command="make run",
+        config={"preset": "local"},
+        model="tiny llama",
+        commit="abc123",
+        notes=["a supervised warm-up ran before RL"],
+    )
     report = write_report(tmp_path, info, summary={"steps": 6})
     text = report.read_text()
     for png in ("learning", "staleness", "tokens_per_s", "verdicts", "step_time"):

@@ -111,9 +111,10 @@ def test_unsupported_dtype_and_bad_stream_shapes(seeded):
 
 
 @pytest.mark.parametrize(
-    "stream_end", [[], [chunk(0, 0, DATA[:8])], [chunk(0, 0, DATA[:8]), trailer(0)]],
+    "stream_end",
+    [[], [chunk(0, 0, DATA[:8])], [chunk(0, 0, DATA[:8]), trailer(0)]],
     ids=["header only", "no trailer", "missing bytes"],
-)  # fmt: skip
+)
 def test_truncated_stream(ps, stream_end):
     # A fresh server: this tree is the first, so only the truncation is wrong.
     stub = param_server_pb2_grpc.ParamServerStub(make_channel(ps.endpoint))

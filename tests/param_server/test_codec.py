@@ -30,9 +30,13 @@ def test_paths_name_leaves_and_rebuild_nested_trees():
 
 
 def test_manifest_json_round_trip():
-    m = VersionManifest(version=3, step=4, arrays=(
-        ArraySpec(path='["w"]', shape=(2, 3), dtype="bfloat16", crc32c=7, shard_shape=(1, 3)),
-    ))  # fmt: skip
+    m = VersionManifest(
+        version=3,
+        step=4,
+        arrays=(
+            ArraySpec(path='["w"]', shape=(2, 3), dtype="bfloat16", crc32c=7, shard_shape=(1, 3)),
+        ),
+    )
     assert VersionManifest.from_json(m.to_json()) == m
     assert m.nbytes == 12
 

@@ -15,8 +15,14 @@ from rlax_tpu.rpc import param_server_pb2 as pb
 
 @pytest.mark.parametrize(
     "index, offset, data",
-    [(0, 0, b""), (0, 0, b"x"), (3, 0, b"abc"), (0, 2**40, b"\0" * 300), (2**31, 5, bytes(range(256)) * 70)],
-)  # fmt: skip
+    [
+        (0, 0, b""),
+        (0, 0, b"x"),
+        (3, 0, b"abc"),
+        (0, 2**40, b"\0" * 300),
+        (2**31, 5, bytes(range(256)) * 70),
+    ],
+)
 def test_chunks_encode_and_decode_like_protobuf(index, offset, data):
     encoded = encode(ChunkView(index, offset, memoryview(data)))
     assert (

@@ -16,10 +16,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_command_serves_health_and_stops_on_sigterm(tmp_path: Path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlax_tpu.param_server", "--config=configs/codeforces.py:local",
-         f"--config.param_server.persist_path={tmp_path / 'ps'}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu.param_server",
+            "--config=configs/codeforces.py:local",
+            f"--config.param_server.persist_path={tmp_path / 'ps'}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         match = re.fullmatch(r"param_server listening on (127\.0\.0\.1:\d+)\n", line)

@@ -16,8 +16,10 @@ from tests.param_server.conftest import assert_same_tree, make_tree, running
 def halves(tree: dict) -> tuple[list[ArraySpec], list[list]]:
     """The tree's specs, and two parts: the first and second half of every array's rows."""
     paths, leaves, _ = flatten(tree)
-    specs = [ArraySpec(path=p, shape=x.shape, dtype=x.dtype.name)
-             for p, x in zip(paths, leaves, strict=True)]  # fmt: skip
+    specs = [
+        ArraySpec(path=p, shape=x.shape, dtype=x.dtype.name)
+        for p, x in zip(paths, leaves, strict=True)
+    ]
     parts: list[list] = [[], []]
     for i, x in enumerate(leaves):
         mid, rest = x.shape[0] // 2, tuple((0, d) for d in x.shape[1:])
@@ -66,7 +68,9 @@ def test_parts_must_be_disjoint_and_cover_every_array(ps):
     with pytest.raises(errors.InvalidArgument, match="overlaps part 0"):
         ps.client.push_part(specs, overlapping[:1], 0, part=1, parts=2)
     with pytest.raises(errors.DataLoss, match="uncovered"):
-        ps.client.push_part(specs, parts[1][1:], 0, part=1, parts=2)  # the first array's half missing
+        ps.client.push_part(
+            specs, parts[1][1:], 0, part=1, parts=2
+        )  # the first array's half missing
     assert hot(ps.client) == []
     # The failed version's number was never committed: it can be published whole now.
     ps.client.push(tree, 0)
@@ -74,8 +78,10 @@ def test_parts_must_be_disjoint_and_cover_every_array(ps):
 
 
 def test_versions_published_in_parts_are_collected_on_every_replica():
-    configs = [ParamServerConfig(in_memory_versions=2, replicas=2, replica_index=r, persist_every=0)
-               for r in range(2)]  # fmt: skip
+    configs = [
+        ParamServerConfig(in_memory_versions=2, replicas=2, replica_index=r, persist_every=0)
+        for r in range(2)
+    ]
     with running(configs[0]) as r0, running(configs[1]) as r1:
         hosts = [ParamServerClient([r0.endpoint, r1.endpoint]) for _ in range(2)]
         try:

@@ -37,8 +37,11 @@ def test_restart_serves_the_newest_persisted_version(tmp_path: Path):
     publish_five(location)
     # Every 2nd version was written through (3 of them, all within persist_keep); the new server
     # serves them all (a resumed controller may need older ones), the newest as the latest.
-    assert sorted(p.name for p in Path(location).iterdir()) == ["v000000000000", "v000000000002",
-                                                                "v000000000004"]  # fmt: skip
+    assert sorted(p.name for p in Path(location).iterdir()) == [
+        "v000000000000",
+        "v000000000002",
+        "v000000000004",
+    ]
     versions, tree = recovered(location)
     assert versions == [0, 2, 4]
     assert_same_tree(tree, make_tree(4))
@@ -90,12 +93,17 @@ def test_only_the_newest_persist_keep_versions_stay_on_disk(tmp_path: Path):
                 (location / "v000000000003" / "a0").mkdir(parents=True)
                 (location / "v000000000003" / "a0" / "zarr.json").write_text("{")
         assert sorted(p.name for p in location.iterdir()) == [
-            "notes.txt", "v000000000004", "v000000000006"
-        ]  # fmt: skip
+            "notes.txt",
+            "v000000000004",
+            "v000000000006",
+        ]
         listed = ps.client.list_versions()[0]
         assert [(v.version, v.persisted) for v in listed] == [
-            (3, False), (4, True), (5, False), (6, True)
-        ]  # fmt: skip
+            (3, False),
+            (4, True),
+            (5, False),
+            (6, True),
+        ]
     versions, tree = recovered(str(location))  # the newest complete one is never deleted
     assert versions == [4, 6]
     assert_same_tree(tree, make_tree(6))
@@ -155,8 +163,7 @@ def test_persistence_on_gs_survives_a_restart(gcs_emulator):
 
     location = f"gs://{GCS_BUCKET}/ps-{uuid.uuid4().hex[:8]}"
     publish_five(location)
-    assert {p.name for p in storage.path(location).iterdir()} >= {"v000000000002",
-                                                                   "v000000000004"}  # fmt: skip
+    assert {p.name for p in storage.path(location).iterdir()} >= {"v000000000002", "v000000000004"}
     versions, tree = recovered(location)
     assert versions[-2:] == [2, 4]
     assert_same_tree(tree, make_tree(4))

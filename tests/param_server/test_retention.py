@@ -57,8 +57,10 @@ def test_lease_on_a_version_not_held_is_refused():
 
 
 def test_two_replicas_collect_once_both_hold_the_newer_version():
-    configs = [ParamServerConfig(in_memory_versions=2, replicas=2, replica_index=r, persist_every=0)
-               for r in range(2)]  # fmt: skip
+    configs = [
+        ParamServerConfig(in_memory_versions=2, replicas=2, replica_index=r, persist_every=0)
+        for r in range(2)
+    ]
     with running(configs[0]) as r0, running(configs[1]) as r1:
         both = ParamServerClient([r0.endpoint, r1.endpoint], replica=1)
         for v in range(4):  # push reports every replica's progress to every replica
@@ -72,8 +74,10 @@ def test_forty_publishes_to_three_replicas_stay_within_in_memory_versions():
     # One trainer publishes to every replica; readers pull from their own replica, with the
     # version they hold leased (as the controller does); memory stays bounded on every replica.
     k, n = 4, 3
-    configs = [ParamServerConfig(in_memory_versions=k, replicas=n, replica_index=r,
-                                 persist_every=0) for r in range(n)]  # fmt: skip
+    configs = [
+        ParamServerConfig(in_memory_versions=k, replicas=n, replica_index=r, persist_every=0)
+        for r in range(n)
+    ]
     with running(configs[0]) as r0, running(configs[1]) as r1, running(configs[2]) as r2:
         endpoints = [r.endpoint for r in (r0, r1, r2)]
         trainer = ParamServerClient(endpoints)

@@ -64,9 +64,11 @@ def test_sliced_pull_builds_sharded_arrays_from_only_the_needed_slices(ps):
     total = sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
     assert ps.client.bytes_pulled - before == ps.store.bytes_served() - served == total
     for x, s, want in zip(
-        jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(shardings),
-        jax.tree_util.tree_leaves(tree), strict=True,
-    ):  # fmt: skip
+        jax.tree_util.tree_leaves(got),
+        jax.tree_util.tree_leaves(shardings),
+        jax.tree_util.tree_leaves(tree),
+        strict=True,
+    ):
         assert x.sharding == s
         assert same_bits(np.asarray(x), want)
         for shard in x.addressable_shards:

@@ -88,11 +88,27 @@ def test_token_is_required_on_every_call_shape(token_file: Path, tmp_path: Path)
 def test_tls_with_token(token_file: Path, tmp_path: Path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     bundle = tmp_path / "bundle.pem"
     bundle.write_bytes(cert.read_bytes() + key.read_bytes())
     creds = Credentials(auth_token_file=str(token_file), tls_cert_file=str(bundle))
@@ -119,8 +135,10 @@ def test_unreachable_component_is_named_not_a_hang():
     assert str(info.value) == f"param_server at 127.0.0.1:{port} did not answer within 0.5 s"
 
 
-@pytest.mark.parametrize("content, message", [(None, "does not exist"), ("", "one non-empty token"),
-                                              ("a b", "one non-empty token")])  # fmt: skip
+@pytest.mark.parametrize(
+    "content, message",
+    [(None, "does not exist"), ("", "one non-empty token"), ("a b", "one non-empty token")],
+)
 def test_bad_token_file(tmp_path: Path, content: str | None, message: str):
     path = tmp_path / "token"
     if content is not None:

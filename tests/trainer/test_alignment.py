@@ -72,9 +72,13 @@ def engine_like_sample(model, prompts, max_new, seed):
             fed[s], positions[s] = seq[pos[s]], pos[s]
         key, sub = jax.random.split(key)
         sampled, logp, cache = _sample_step(
-            state, jnp.asarray(fed[:, None]), jnp.asarray(positions[:, None]), cache, sub,
+            state,
+            jnp.asarray(fed[:, None]),
+            jnp.asarray(positions[:, None]),
+            cache,
+            sub,
             jnp.float32(TEMPERATURE),
-        )  # fmt: skip
+        )
         sampled, logp = np.asarray(sampled), np.asarray(logp)
         for s, i in enumerate(slot_seq):
             if i < 0:
@@ -105,30 +109,43 @@ def sampled():
         tokens[i, : len(p)], tokens[i, len(p) : len(p) + len(c)] = p, c
         lp[i, : len(c)] = logprobs[i]
     batch = TrainBatch(
-        tokens=tokens, prompt_lengths=np.array([len(p) for p in prompts], np.int32),
-        completion_lengths=np.array(max_new, np.int32), behaviour_logprobs=lp,
-        rewards=r.integers(0, 2, n).astype(np.float32), versions=np.zeros(n, np.int64),
-        group_size=GROUP, temperature=TEMPERATURE,
-    )  # fmt: skip
+        tokens=tokens,
+        prompt_lengths=np.array([len(p) for p in prompts], np.int32),
+        completion_lengths=np.array(max_new, np.int32),
+        behaviour_logprobs=lp,
+        rewards=r.integers(0, 2, n).astype(np.float32),
+        versions=np.zeros(n, np.int64),
+        group_size=GROUP,
+        temperature=TEMPERATURE,
+    )
     return model, batch
 
 
 def test_replay_matches_an_independent_sampler_and_itself_in_any_order(sampled):
     model, batch = sampled
     replay = replay_logprobs(
-        model, batch.tokens, batch.prompt_lengths, batch.completion_lengths,
-        shape=SHAPE, temperature=TEMPERATURE, width=20,
-    )  # fmt: skip
+        model,
+        batch.tokens,
+        batch.prompt_lengths,
+        batch.completion_lengths,
+        shape=SHAPE,
+        temperature=TEMPERATURE,
+        width=20,
+    )
     mask = batch.completion_mask() > 0
     assert mask.sum() > 100
-    np.testing.assert_allclose(replay[mask], batch.behaviour_logprobs[mask], rtol=0,
-                               atol=ROUND_OFF)  # fmt: skip
+    np.testing.assert_allclose(replay[mask], batch.behaviour_logprobs[mask], rtol=0, atol=ROUND_OFF)
     assert (replay[~mask] == 0).all()
     # Rows in reverse order (other rows beside each one): the same bits.
     rev = replay_logprobs(
-        model, batch.tokens[::-1], batch.prompt_lengths[::-1], batch.completion_lengths[::-1],
-        shape=SHAPE, temperature=TEMPERATURE, width=20,
-    )  # fmt: skip
+        model,
+        batch.tokens[::-1],
+        batch.prompt_lengths[::-1],
+        batch.completion_lengths[::-1],
+        shape=SHAPE,
+        temperature=TEMPERATURE,
+        width=20,
+    )
     if rows_bitwise(model, SHAPE):
         np.testing.assert_array_equal(rev[::-1], replay)
     else:  # this host rounds rows by their index (models/programs.py)
@@ -139,10 +156,12 @@ def _trainer_on(model, batch, tmp_path, align, **trainer):
     cfg = run_config(align_logprobs=align, micro_batch_size=4, model=model.cfg, **trainer)
     cfg = dataclasses.replace(
         # prefill_rows 0: the fixture sampled every token as a [SLOTS, 1] row.
-        cfg, inference=dataclasses.replace(cfg.inference, max_concurrent_seqs=SLOTS, page_size=16,
-                                           prefill_rows=0),
+        cfg,
+        inference=dataclasses.replace(
+            cfg.inference, max_concurrent_seqs=SLOTS, page_size=16, prefill_rows=0
+        ),
         controller=dataclasses.replace(cfg.controller, prompts_per_step=len(batch.tokens) // GROUP),
-    )  # fmt: skip
+    )
     return Trainer(cfg, model=model, devices=jax.devices()[:1], checkpoint_dir=tmp_path)
 
 
@@ -165,8 +184,10 @@ def test_trainer_metric_pins_alignment(sampled, tmp_path):
     assert m_off["aligned_logprobs"] == 0.0
     assert 0.0 <= m_off["logp_old_behaviour_diff_max"] < ROUND_OFF
     assert 0.0 <= m_off["logp_old_behaviour_diff_mean"] <= m_off["logp_old_behaviour_diff_p95"]
-    print(f"alignment off: |log pi_old - log mu| mean {m_off['logp_old_behaviour_diff_mean']:.3g}"
-          f" p95 {m_off['logp_old_behaviour_diff_p95']:.3g} max {m_off['logp_old_behaviour_diff_max']:.3g}")  # fmt: skip
+    print(
+        f"alignment off: |log pi_old - log mu| mean {m_off['logp_old_behaviour_diff_mean']:.3g}"
+        f" p95 {m_off['logp_old_behaviour_diff_p95']:.3g} max {m_off['logp_old_behaviour_diff_max']:.3g}"
+    )
 
 
 def test_prefill_recompute_scanned(sampled, tmp_path):
@@ -177,8 +198,9 @@ def test_prefill_recompute_scanned(sampled, tmp_path):
     replay = _trainer_on(model, batch, tmp_path / "r", align=True)
     m_replay = replay.train_step(batch)
     replay.close()
-    prefill = _trainer_on(model, batch, tmp_path / "p", align=True, old_logprobs="prefill",
-                          scan_layers=True)  # fmt: skip
+    prefill = _trainer_on(
+        model, batch, tmp_path / "p", align=True, old_logprobs="prefill", scan_layers=True
+    )
     assert prefill.old_logprobs == "prefill"
     m = prefill.train_step(batch)
     prefill.close()

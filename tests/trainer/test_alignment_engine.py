@@ -28,18 +28,33 @@ def test_aligned_recompute_is_bitwise_the_engine(tmp_path):
     # step_tokens != max_concurrent_seqs: the replay must follow the engine's rows per step;
     # prefill chunks of 3 tokens, 2 per call: prompt prefixes of 4, 7 and 10 tokens take 2, 3
     # and 4 chunks, several in one call, and the replay must cut them the same way.
-    icfg = InferenceConfig(max_concurrent_seqs=4, step_tokens=6, max_prompt_len=16, max_new_tokens=12,
-                           page_size=4, prefill_chunk=4, kv_cache_bytes=2**22, prefill_rows=2,
-                           prefill_len=3)  # fmt: skip
+    icfg = InferenceConfig(
+        max_concurrent_seqs=4,
+        step_tokens=6,
+        max_prompt_len=16,
+        max_new_tokens=12,
+        page_size=4,
+        prefill_chunk=4,
+        kv_cache_bytes=2**22,
+        prefill_rows=2,
+        prefill_len=3,
+    )
     engine = Engine(model, icfg)
     rng = np.random.default_rng(0)
     for i in range(3):
         prompt = tuple(int(x) for x in rng.integers(1, 500, size=5 + 3 * i))
-        engine.submit(Request(prompt_id=f"p{i}", prompt_tokens=prompt, num_samples=GROUP,
-                              sampling=SamplingParams(temperature=0.9, seed=i)))  # fmt: skip
+        engine.submit(
+            Request(
+                prompt_id=f"p{i}",
+                prompt_tokens=prompt,
+                num_samples=GROUP,
+                sampling=SamplingParams(temperature=0.9, seed=i),
+            )
+        )
     rollouts = sorted(engine.run(), key=lambda r: (r.prompt_id, r.sample_index))
-    batch = TrainBatch.from_rollouts(rollouts, rng.random(len(rollouts)).astype(np.float32),
-                                     group_size=GROUP, temperature=0.9)  # fmt: skip
+    batch = TrainBatch.from_rollouts(
+        rollouts, rng.random(len(rollouts)).astype(np.float32), group_size=GROUP, temperature=0.9
+    )
     assert engine_replay_shape(icfg, model.cfg) == engine.replay_shape
     assert engine.replay_shape.slots == engine.step_tokens
     assert engine.prefill_calls >= 5  # 9 chunks, at most 2 per call
@@ -47,10 +62,11 @@ def test_aligned_recompute_is_bitwise_the_engine(tmp_path):
     def trainer(align: bool) -> Trainer:
         cfg = run_config(align_logprobs=align, micro_batch_size=2, model=model.cfg)
         cfg = dataclasses.replace(
-            cfg, inference=icfg,
+            cfg,
+            inference=icfg,
             controller=dataclasses.replace(cfg.controller, prompts_per_step=3),
             algorithm=dataclasses.replace(cfg.algorithm, group_size=GROUP),
-        )  # fmt: skip
+        )
         return Trainer(
             cfg, model=model, devices=jax.devices()[:1], checkpoint_dir=tmp_path / str(align)
         )
@@ -86,35 +102,56 @@ def test_bf16_published_float32_compute_recompute_is_the_engines_after_an_update
     runs on the published cast (step.old_policy_on_published), so it is still the engine's."""
     cfg_model = models.preset("tiny", num_layers=2, param_dtype="bfloat16")
     model = models.init_model(cfg_model, seed=3)
-    icfg = InferenceConfig(max_concurrent_seqs=4, max_prompt_len=16, max_new_tokens=12,
-                           page_size=4, prefill_chunk=4, kv_cache_bytes=2**22)  # fmt: skip
-    cfg = run_config(align_logprobs=True, micro_batch_size=2, model=cfg_model,
-                     publish_dtype="bfloat16", learning_rate=1e-3)  # fmt: skip
+    icfg = InferenceConfig(
+        max_concurrent_seqs=4,
+        max_prompt_len=16,
+        max_new_tokens=12,
+        page_size=4,
+        prefill_chunk=4,
+        kv_cache_bytes=2**22,
+    )
+    cfg = run_config(
+        align_logprobs=True,
+        micro_batch_size=2,
+        model=cfg_model,
+        publish_dtype="bfloat16",
+        learning_rate=1e-3,
+    )
     cfg = dataclasses.replace(
-        cfg, inference=icfg, controller=dataclasses.replace(cfg.controller, prompts_per_step=2),
+        cfg,
+        inference=icfg,
+        controller=dataclasses.replace(cfg.controller, prompts_per_step=2),
         algorithm=dataclasses.replace(cfg.algorithm, group_size=GROUP),
-    )  # fmt: skip
+    )
     sink = _Sink()
-    trainer = Trainer(cfg, model=model, devices=jax.devices()[:1], checkpoint_dir=tmp_path,
-                      sink=sink)  # fmt: skip
+    trainer = Trainer(
+        cfg, model=model, devices=jax.devices()[:1], checkpoint_dir=tmp_path, sink=sink
+    )
     engine = Engine(models.init_model(cfg_model, seed=3), icfg)
 
     def rollouts(seed: int) -> TrainBatch:
         rng = np.random.default_rng(seed)
         for i in range(2):
             prompt = tuple(int(x) for x in rng.integers(1, 500, size=5 + 3 * i))
-            engine.submit(Request(prompt_id=f"p{seed}-{i}", prompt_tokens=prompt,
-                                  num_samples=GROUP,
-                                  sampling=SamplingParams(temperature=1.0, seed=seed + i)))  # fmt: skip
+            engine.submit(
+                Request(
+                    prompt_id=f"p{seed}-{i}",
+                    prompt_tokens=prompt,
+                    num_samples=GROUP,
+                    sampling=SamplingParams(temperature=1.0, seed=seed + i),
+                )
+            )
         got = sorted(engine.run(), key=lambda r: (r.prompt_id, r.sample_index))
-        return TrainBatch.from_rollouts(got, np.asarray([1.0, 0.0] * 2, np.float32),
-                                        group_size=GROUP, temperature=1.0)  # fmt: skip
+        return TrainBatch.from_rollouts(
+            got, np.asarray([1.0, 0.0] * 2, np.float32), group_size=GROUP, temperature=1.0
+        )
 
     trainer.train_step(rollouts(0))
     engine.load_weights(1, sink.versions[1])
     masters = jax.tree.leaves(trainer.params())
-    assert any(np.any(np.asarray(m) != np.asarray(m.astype(jnp.bfloat16), np.float32))
-               for m in masters)  # the masters hold more than the published bf16  # fmt: skip
+    assert any(
+        np.any(np.asarray(m) != np.asarray(m.astype(jnp.bfloat16), np.float32)) for m in masters
+    )  # the masters hold more than the published bf16
     metrics = trainer.train_step(rollouts(1))
     trainer.close()
     if engine.rows_bitwise:

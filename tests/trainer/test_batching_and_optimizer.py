@@ -70,9 +70,11 @@ def test_schedules():
     assert s(0) == 0.0 and s(5) == pytest.approx(0.5) and s(10) == pytest.approx(1.0)
     assert s(60) == pytest.approx(0.5) and s(110) == pytest.approx(0.0, abs=1e-7)
     wsd = make_schedule(
-        TrainerConfig(learning_rate=1.0, schedule="warmup_stable_decay", warmup_steps=10,
-                      decay_steps=20), total_steps=100,
-    )  # fmt: skip
+        TrainerConfig(
+            learning_rate=1.0, schedule="warmup_stable_decay", warmup_steps=10, decay_steps=20
+        ),
+        total_steps=100,
+    )
     assert wsd(5) == pytest.approx(0.5) and wsd(50) == 1.0 and wsd(80) == 1.0
     assert wsd(90) == pytest.approx(0.5) and wsd(100) == pytest.approx(0.0)
     const = make_schedule(TrainerConfig(learning_rate=2.0, warmup_steps=4), total_steps=10)
@@ -91,14 +93,21 @@ def test_possible_shapes_cover_every_plan():
 @pytest.mark.parametrize("precompile", [True, False])
 def test_precompile_leaves_no_compile_for_later_steps(tmp_path, precompile):
     # The first batch is short; the second has the longest rows the limits allow (a new shape).
-    trainer = Trainer(run_config(length_bucket=16, precompile=precompile), checkpoint_dir=tmp_path,
-                      devices=jax.devices()[:1])  # fmt: skip
-    short = random_batch(0, prompt_lengths=np.full(ROWS, 2, np.int32),
-                         completion_lengths=np.full(ROWS, 3, np.int32))  # fmt: skip
+    trainer = Trainer(
+        run_config(length_bucket=16, precompile=precompile),
+        checkpoint_dir=tmp_path,
+        devices=jax.devices()[:1],
+    )
+    short = random_batch(
+        0, prompt_lengths=np.full(ROWS, 2, np.int32), completion_lengths=np.full(ROWS, 3, np.int32)
+    )
     first = trainer.train_step(short)["update_compilations"]
-    long = random_batch(1, prompt_lengths=np.full(ROWS, MAX_PROMPT, np.int32),
-                        completion_lengths=np.full(ROWS, MAX_NEW, np.int32),
-                        tokens=np.ones((ROWS, MAX_PROMPT + MAX_NEW), np.int32))  # fmt: skip
+    long = random_batch(
+        1,
+        prompt_lengths=np.full(ROWS, MAX_PROMPT, np.int32),
+        completion_lengths=np.full(ROWS, MAX_NEW, np.int32),
+        tokens=np.ones((ROWS, MAX_PROMPT + MAX_NEW), np.int32),
+    )
     second = trainer.train_step(long)["update_compilations"]
     assert (second == first) is precompile
 
@@ -108,10 +117,13 @@ def test_loss_terms_of_micro_batches_add_up_to_the_batchs(tmp_path, algorithm="g
     # the step reports the same whatever the micro-batching.
     batch = random_batch(3)
     whole, split = (
-        Trainer(run_config(algorithm=algorithm, micro_batch_size=m), checkpoint_dir=tmp_path / str(m),
-                devices=jax.devices()[:1]).train_step(batch)
+        Trainer(
+            run_config(algorithm=algorithm, micro_batch_size=m),
+            checkpoint_dir=tmp_path / str(m),
+            devices=jax.devices()[:1],
+        ).train_step(batch)
         for m in (ROWS, GROUP)
-    )  # fmt: skip
+    )
     names = ["loss", "objective", "policy_loss", "policy_objective", "kl_loss"]
     for name in names:
         np.testing.assert_allclose(split[name], whole[name], rtol=1e-4, atol=1e-6, err_msg=name)
@@ -121,7 +133,9 @@ def test_loss_terms_of_micro_batches_add_up_to_the_batchs(tmp_path, algorithm="g
 def test_sequence_objectives_average_their_micro_batches():
     # tb / online_dpo normalize per micro-batch (the loss is scaled by 1/n): so are their terms;
     # other metrics stay token-weighted means.
-    parts = [(10.0, {"objective": 2.0, "ratio_mean": 1.0}), (30.0, {"objective": 4.0,
-                                                                     "ratio_mean": 2.0})]  # fmt: skip
+    parts = [
+        (10.0, {"objective": 2.0, "ratio_mean": 1.0}),
+        (30.0, {"objective": 4.0, "ratio_mean": 2.0}),
+    ]
     out = _combine(parts, scale=0.5)
     assert out["objective"] == 3.0 and out["ratio_mean"] == 1.75

@@ -33,8 +33,11 @@ def test_kill_and_restore_on_another_mesh_is_bit_identical(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), str(killed_dir), *map(str, MESH_A)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # Meanwhile, the uninterrupted run of the same two steps on the same mesh, in-process.
         ref = Trainer(run_config(MESH_A), checkpoint_dir=ref_dir)
@@ -87,8 +90,11 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         other.restore()
     other.close()
     # Same model, different objective head (PPO's value head): refused too.
-    ppo = Trainer(dataclasses.replace(run_config(algorithm="ppo")), devices=jax.devices()[:1],
-                  checkpoint_dir=tmp_path)  # fmt: skip
+    ppo = Trainer(
+        dataclasses.replace(run_config(algorithm="ppo")),
+        devices=jax.devices()[:1],
+        checkpoint_dir=tmp_path,
+    )
     with pytest.raises(
         CheckpointMismatchError, match="trainer.value_head: checkpoint False, config True"
     ):
@@ -127,8 +133,9 @@ def test_gs_checkpoints_and_a_killed_saves_leftovers(gcs_emulator):
     ckpt.wait()
     assert ckpt.steps() == [1, 2]
     assert not stray.exists()  # step 2 was written from scratch, not over the dead save
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), state)  # fmt: skip
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
     step, restored = ckpt.restore(None, abstract)
     ckpt.close()
     assert step == 2
@@ -158,7 +165,9 @@ def test_a_flipped_byte_in_a_checkpoint_is_caught(tmp_path):
     _flip_a_byte(tmp_path / "1", seed=0)
     again = Trainer(run_config(), devices=jax.devices()[:1], checkpoint_dir=tmp_path)
     try:
-        with pytest.raises(CorruptCheckpointError, match="checkpoint 1 in .* (is corrupt|does not)"):
+        with pytest.raises(
+            CorruptCheckpointError, match="checkpoint 1 in .* (is corrupt|does not)"
+        ):
             again.restore(1)
         # An intact checkpoint still restores, and equals what was saved.
         again.restore(0)

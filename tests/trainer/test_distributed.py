@@ -35,12 +35,19 @@ def test_two_processes_equal_one(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), coordinator, str(pid), str(tmp_path), f"127.0.0.1:{port}"],
+            [
+                sys.executable,
+                str(WORKER),
+                coordinator,
+                str(pid),
+                str(tmp_path),
+                f"127.0.0.1:{port}",
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for pid in (0, 1)
     ]
     # Meanwhile the one-process reference on this process's 8 devices.

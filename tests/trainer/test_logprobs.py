@@ -63,8 +63,9 @@ def test_vocab_parallel_equals_plain(mesh_shape, tied):
         g_parallel = jax.jit(jax.grad(lambda p: both(p)[1].sum()))(params)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6),
-        g_parallel, g_plain,
-    )  # fmt: skip
+        g_parallel,
+        g_plain,
+    )
 
 
 def test_remat_forward_and_grad_equal_plain():
@@ -78,9 +79,15 @@ def test_remat_forward_and_grad_equal_plain():
 
     def f(params, remat):
         logp, _ = completion_logprobs(
-            nnx.merge(graphdef, params), tokens, positions, prompt, targets, jnp.float32(1.0),
-            loop=models.LayerLoop(remat="nothing_saveable" if remat else None), mesh=None,
-        )  # fmt: skip
+            nnx.merge(graphdef, params),
+            tokens,
+            positions,
+            prompt,
+            targets,
+            jnp.float32(1.0),
+            loop=models.LayerLoop(remat="nothing_saveable" if remat else None),
+            mesh=None,
+        )
         return logp
 
     plain = jax.jit(lambda p: f(p, False))(params)
@@ -97,8 +104,9 @@ def test_remat_forward_and_grad_equal_plain():
     # Recomputation may fuse differently from the saved forward: gradients agree to 1e-5.
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5),
-        g_remat, g_plain,
-    )  # fmt: skip
+        g_remat,
+        g_plain,
+    )
 
     # nothing_saveable: the remat'd gradient program recomputes the layers (more dots in it).
     def dots(fn):

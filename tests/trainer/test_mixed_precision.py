@@ -37,23 +37,41 @@ from .helpers import MAX_NEW, MAX_PROMPT, random_batch
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = [
-    ("codeforces", "local"), ("codeforces", "tpu_vm"), ("codeforces", "v5p_small"),
-    ("codeforces", "v5p"), ("smollm2_math", "cpu"), ("smollm2_math", "tpu"),
-]  # fmt: skip
+    ("codeforces", "local"),
+    ("codeforces", "tpu_vm"),
+    ("codeforces", "v5p_small"),
+    ("codeforces", "v5p"),
+    ("smollm2_math", "cpu"),
+    ("smollm2_math", "tpu"),
+]
 PROMPTS = 2  # prompts per batch; rows = PROMPTS x the preset's group size
 FIRST_UPDATES = 3  # the master weights after these are compared
 MORE_UPDATES = 17  # then the published weights after this many more
 _MODEL_FIELDS = ("arch", "qkv_bias", "qk_norm", "tie_embeddings", "param_dtype", "compute_dtype")
 _TRAINER_FIELDS = (
-    "learning_rate", "schedule", "warmup_steps", "decay_steps", "weight_decay", "adam_b1",
-    "adam_b2", "adam_eps", "grad_clip_norm", "micro_batch_size", "publish_dtype", "master_dtype",
-    "remat", "remat_policy", "scan_layers",
-)  # fmt: skip
+    "learning_rate",
+    "schedule",
+    "warmup_steps",
+    "decay_steps",
+    "weight_decay",
+    "adam_b1",
+    "adam_b2",
+    "adam_eps",
+    "grad_clip_norm",
+    "micro_batch_size",
+    "publish_dtype",
+    "master_dtype",
+    "remat",
+    "remat_policy",
+    "scan_layers",
+)
 _ALGORITHM_FIELDS = ("name", "group_size", "eps_low", "eps_high", "kl_estimator", "kl_coef")
 
 
 def _preset(module: str, preset: str) -> dict:
-    spec = importlib.util.spec_from_file_location(f"{module}_cfg", REPO / "configs" / f"{module}.py")
+    spec = importlib.util.spec_from_file_location(
+        f"{module}_cfg", REPO / "configs" / f"{module}.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.get_config(preset).to_dict()
@@ -65,15 +83,18 @@ def scaled_down(raw: dict, **model: str) -> RunConfig:
     pick = lambda d, names: {k: d[k] for k in names if k in d}  # noqa: E731
     trainer = pick(raw["trainer"], _TRAINER_FIELDS) | dict(
         # π_old from the training forward: this test is about the update, not alignment.
-        align_logprobs=False, length_bucket=64, checkpoint_every=50,
-    )  # fmt: skip
+        align_logprobs=False,
+        length_bucket=64,
+        checkpoint_every=50,
+    )
     algorithm = pick(raw["algorithm"], _ALGORITHM_FIELDS)
     return RunConfig(
         model=models.preset("tiny", num_layers=2, **(pick(raw["model"], _MODEL_FIELDS) | model)),
         mesh=MeshConfig(data=1, fsdp=1, tensor=1),
         trainer=TrainerConfig(**trainer),
-        inference=InferenceConfig(prefill_chunk=8, max_prompt_len=MAX_PROMPT,
-                                  max_new_tokens=MAX_NEW),  # fmt: skip
+        inference=InferenceConfig(
+            prefill_chunk=8, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW
+        ),
         controller=ControllerConfig(
             prompts_per_step=PROMPTS, num_steps=raw["controller"]["num_steps"], snapshot_keep=51
         ),
@@ -112,7 +133,7 @@ def _objective(scorer: Trainer, params: dict, batch) -> float:  # noqa: ANN001
     """J = mean_i A_i mean_t log π(o_i,t) in float32 (GRPO advantages of the batch's rewards),
     scored by the float32 run's graph whatever dtype ``params`` are in."""
     groups = batch.rewards.reshape(-1, batch.group_size)
-    adv = ((groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-6))
+    adv = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-6)
     width = int(batch.completion_lengths.max())
     length = int((batch.prompt_lengths + batch.completion_lengths).max())
     mb = MicroBatch(rows=np.arange(batch.num_rows), length=length, width=width)
@@ -136,8 +157,13 @@ def test_preset_updates_as_float32_does(module, preset, tmp_path):
     ours = ref if cfg == ref_cfg else _trainer(cfg, start, tmp_path, "ours")
     trainers = (ref,) if ours is ref else (ours, ref)
     vocab, rows = cfg.model.vocab_size, PROMPTS * cfg.algorithm.group_size
-    batch = random_batch(0, rows=rows, vocab=vocab, group_size=cfg.algorithm.group_size,
-                         rewards=np.tile([1.0, 0.0], rows // 2).astype(np.float32))  # fmt: skip
+    batch = random_batch(
+        0,
+        rows=rows,
+        vocab=vocab,
+        group_size=cfg.algorithm.group_size,
+        rewards=np.tile([1.0, 0.0], rows // 2).astype(np.float32),
+    )
     w0 = _host(ref.params())
     j0 = _objective(ref, ref.params(), batch)
     pub0 = _published(ref)
@@ -160,13 +186,16 @@ def test_preset_updates_as_float32_does(module, preset, tmp_path):
             assert t.train_step(batch)["skipped"] == 0.0
     # Published weights: ours in the preset's publish dtype, the float32 run's cast to it.
     ours_pub = _published(ours)
-    ref_pub = _host(
-        jax.tree.map(lambda x: x.astype(cfg.trainer.publish_dtype), ref.params())
+    ref_pub = _host(jax.tree.map(lambda x: x.astype(cfg.trainer.publish_dtype), ref.params()))
+    start_pub = _host(
+        jax.tree.map(lambda x: jnp.asarray(x).astype(cfg.trainer.publish_dtype), pub0)
     )
-    start_pub = _host(jax.tree.map(lambda x: jnp.asarray(x).astype(cfg.trainer.publish_dtype),
-                                   pub0))  # fmt: skip
-    ours_changed = np.concatenate([(p != s).ravel() for p, s in zip(ours_pub, start_pub, strict=True)])
-    ref_changed = np.concatenate([(p != s).ravel() for p, s in zip(ref_pub, start_pub, strict=True)])
+    ours_changed = np.concatenate(
+        [(p != s).ravel() for p, s in zip(ours_pub, start_pub, strict=True)]
+    )
+    ref_changed = np.concatenate(
+        [(p != s).ravel() for p, s in zip(ref_pub, start_pub, strict=True)]
+    )
     assert ref_changed.sum() > 0
     agree = (ours_changed & ref_changed).sum() / (ours_changed | ref_changed).sum()
     assert agree > 0.8, (agree, ours_changed.mean(), ref_changed.mean())

@@ -106,9 +106,10 @@ def test_at_publish_the_device_holds_the_state_and_the_published_copy_only(tmp_p
     probe = Probe()
     cfg = run_config(publish_dtype="bfloat16")
     cfg = dataclasses.replace(  # no checkpoint during the step
-        cfg, trainer=dataclasses.replace(cfg.trainer, checkpoint_every=50),
+        cfg,
+        trainer=dataclasses.replace(cfg.trainer, checkpoint_every=50),
         controller=dataclasses.replace(cfg.controller, snapshot_keep=51),
-    )  # fmt: skip
+    )
     trainer = Trainer(cfg, sink=probe, devices=jax.devices()[:1], checkpoint_dir=tmp_path)
     keep = jax.live_arrays()  # held, so no later array reuses their ids
     before = {id(x) for x in keep}

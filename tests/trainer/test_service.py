@@ -35,11 +35,21 @@ def test_module_entry_point_serves_publishes_and_stops(tmp_path):
     )
     ps_server, ps_port, ps_store = serve_param_server(ParamServerConfig())
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlax_tpu.trainer", "--config=configs/codeforces.py:local",
-         f"--config.controller.run_dir={tmp_path}", "--config.model.num_layers=1",
-         f"--config.controller.param_server_endpoints=('127.0.0.1:{ps_port}',)"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu.trainer",
+            "--config=configs/codeforces.py:local",
+            f"--config.controller.run_dir={tmp_path}",
+            "--config.model.num_layers=1",
+            f"--config.controller.param_server_endpoints=('127.0.0.1:{ps_port}',)",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("rlax_tpu.trainer: serving on 127.0.0.1:"), (
@@ -110,9 +120,12 @@ def test_grpc_errors_are_clear(served):
         # trainer were gone, and nothing is trained; the controller names it and recovers.
         step = client.status().step
         named = Named(client, "trainer", endpoint)
-        with pytest.raises(ComponentFailed, match=rf"trainer at {endpoint} stopped answering "
-                           rf"\(UNAVAILABLE: TrainerStateLost: the trainer is at step {step}, "
-                           rf"not {step + 5}"):  # fmt: skip
+        with pytest.raises(
+            ComponentFailed,
+            match=rf"trainer at {endpoint} stopped answering "
+            rf"\(UNAVAILABLE: TrainerStateLost: the trainer is at step {step}, "
+            rf"not {step + 5}",
+        ):
             named.train_step(random_batch(1), expect_step=step + 5)
         assert client.status().step == step
         client.train_step(random_batch(1), expect_step=step)
@@ -129,10 +142,18 @@ def test_wire_roundtrip(chunk_bytes):
     chunks = list(batch_to_chunks(batch, chunk_bytes))
     rows = [len(c.prompt_lengths.shape) and c.prompt_lengths.shape[0] for c in chunks]
     assert sum(rows) == len(batch.tokens)
-    assert all(c.ByteSize() <= chunk_bytes + 1024 or r == 1 for c, r in zip(chunks, rows, strict=True))
+    assert all(
+        c.ByteSize() <= chunk_bytes + 1024 or r == 1 for c, r in zip(chunks, rows, strict=True)
+    )
     back = batch_from_chunks(chunks)
-    for name in ("tokens", "prompt_lengths", "completion_lengths", "behaviour_logprobs", "rewards",
-                 "versions"):  # fmt: skip
+    for name in (
+        "tokens",
+        "prompt_lengths",
+        "completion_lengths",
+        "behaviour_logprobs",
+        "rewards",
+        "versions",
+    ):
         a, b = getattr(batch, name), getattr(back, name)
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
@@ -143,12 +164,21 @@ def test_wire_roundtrip(chunk_bytes):
 
 # The overrides of configs/codeforces.py:local that make helpers.run_config((1, 8, 1)) shapes.
 TWO_HOSTS = {
-    "model.num_layers": 2, "mesh.data": 1, "mesh.fsdp": 8, "mesh.tensor": 1,
-    "trainer.learning_rate": 1e-3, "trainer.micro_batch_size": 8, "trainer.length_bucket": 64,
-    "trainer.align_logprobs": False, "trainer.adam_eps": 1e-5, "inference.prefill_chunk": 8,
-    "inference.max_prompt_len": 16, "inference.max_new_tokens": 24,
-    "controller.prompts_per_step": 4, "algorithm.group_size": 4,
-}  # fmt: skip
+    "model.num_layers": 2,
+    "mesh.data": 1,
+    "mesh.fsdp": 8,
+    "mesh.tensor": 1,
+    "trainer.learning_rate": 1e-3,
+    "trainer.micro_batch_size": 8,
+    "trainer.length_bucket": 64,
+    "trainer.align_logprobs": False,
+    "trainer.adam_eps": 1e-5,
+    "inference.prefill_chunk": 8,
+    "inference.max_prompt_len": 16,
+    "inference.max_new_tokens": 24,
+    "controller.prompts_per_step": 4,
+    "algorithm.group_size": 4,
+}
 
 
 def _local_with(overrides: dict) -> RunConfig:
@@ -175,16 +205,32 @@ def test_a_trainer_over_two_processes_serves_one_endpoint(tmp_path):
     ps_server, ps_port, ps_store = serve_param_server(ParamServerConfig(persist_every=0))
     coordinator = f"127.0.0.1:{free_port()}"
     flags = [f"--config.{k}={v}" for k, v in TWO_HOSTS.items()]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "rlax_tpu.trainer", "--config=configs/codeforces.py:local", *flags,
-         f"--config.controller.run_dir={tmp_path / 'run'}", "--config.trainer.address=127.0.0.1:0",
-         f"--config.controller.param_server_endpoints=('127.0.0.1:{ps_port}',)",
-         f"--config.trainer.distributed.coordinator_address={coordinator}",
-         "--config.trainer.distributed.num_processes=2",
-         f"--config.trainer.distributed.process_id={pid}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    ) for pid in (0, 1)]  # fmt: skip
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4"
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rlax_tpu.trainer",
+                "--config=configs/codeforces.py:local",
+                *flags,
+                f"--config.controller.run_dir={tmp_path / 'run'}",
+                "--config.trainer.address=127.0.0.1:0",
+                f"--config.controller.param_server_endpoints=('127.0.0.1:{ps_port}',)",
+                f"--config.trainer.distributed.coordinator_address={coordinator}",
+                "--config.trainer.distributed.num_processes=2",
+                f"--config.trainer.distributed.process_id={pid}",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in (0, 1)
+    ]
     try:
         reference = Trainer(_local_with(TWO_HOSTS), checkpoint_dir=tmp_path / "one")
         for seed in range(3):

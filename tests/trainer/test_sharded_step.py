@@ -23,8 +23,11 @@ MESHES = [(8, 1, 1), (2, 4, 1), (1, 4, 2)]
 
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory):
-    trainer = Trainer(run_config((1, 1, 1), adam_eps=1e-5), devices=jax.devices()[:1],
-                      checkpoint_dir=tmp_path_factory.mktemp("single"))  # fmt: skip
+    trainer = Trainer(
+        run_config((1, 1, 1), adam_eps=1e-5),
+        devices=jax.devices()[:1],
+        checkpoint_dir=tmp_path_factory.mktemp("single"),
+    )
     before = host(trainer.params())
     metrics = trainer.train_step(random_batch(0))
     after = host(trainer.params())

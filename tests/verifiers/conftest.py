@@ -23,8 +23,9 @@ def session_uid_base() -> int:
 
 
 def make_config(**overrides: object) -> VerifierConfig:
-    fields = dict(sandbox_uid=session_uid_base(), workers=WORKERS, time_limit_s=1.0,
-                  compile_time_limit_s=20.0)  # fmt: skip
+    fields = dict(
+        sandbox_uid=session_uid_base(), workers=WORKERS, time_limit_s=1.0, compile_time_limit_s=20.0
+    )
     fields.update(overrides)
     return VerifierConfig(**fields)
 

@@ -22,10 +22,14 @@ from rlax_tpu.verifiers.memory import MemoryCgroups, RunCgroup
 
 PID = 4242
 KERNEL_FILES = {
-    "cgroup.procs": "", "cgroup.controllers": "memory pids", "cgroup.subtree_control": "",
-    "memory.max": "max", "memory.swap.max": "max", "memory.oom.group": "0",
+    "cgroup.procs": "",
+    "cgroup.controllers": "memory pids",
+    "cgroup.subtree_control": "",
+    "memory.max": "max",
+    "memory.swap.max": "max",
+    "memory.oom.group": "0",
     "memory.events": "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n",
-}  # fmt: skip
+}
 
 
 class FakeCgroupV2:
@@ -38,8 +42,10 @@ class FakeCgroupV2:
         self.pod = root / "pod"
         self.mkdir(self.pod)
         (self.pod / "cgroup.procs").write_text(f"{PID}\n")
-        self.mountinfo = (f"30 25 0:26 / {root} rw,nosuid - cgroup2 cgroup2 rw\n"
-                          "31 25 0:27 / /proc rw - proc proc rw\n")  # fmt: skip
+        self.mountinfo = (
+            f"30 25 0:26 / {root} rw,nosuid - cgroup2 cgroup2 rw\n"
+            "31 25 0:27 / /proc rw - proc proc rw\n"
+        )
 
     @staticmethod
     def mkdir(path: Path) -> None:

@@ -13,8 +13,12 @@ CHILD = "import sys; from rlax_tpu.verifiers import scratch; print(scratch.make_
 
 
 def test_a_killed_verifiers_scratch_is_swept_and_live_ones_kept(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     theirs = tmp_path / os.path.basename(child.stdout.readline().strip())
     (theirs / "program.bin").write_bytes(b"x" * 1000)
     ours = scratch.make_owned(tmp_path)
@@ -29,5 +33,6 @@ def test_a_killed_verifiers_scratch_is_swept_and_live_ones_kept(tmp_path):
     assert scratch.sweep_dead(tmp_path) == [theirs]
     assert sorted(tmp_path.iterdir()) == sorted([ours, foreign])
     assert (ours / scratch.OWNER_FILE).read_text().split() == [
-        str(os.getpid()), scratch.process_start(os.getpid())
+        str(os.getpid()),
+        scratch.process_start(os.getpid()),
     ]

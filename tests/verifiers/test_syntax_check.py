@@ -113,8 +113,9 @@ def test_verdicts_match_a_sandbox_run_per_program(service, verifier_config, tmp_
 
     def verify(svc: VerifierService) -> list:
         problem = upload_problem(svc, problem_id="double", tests=[("21\n", "42\n")])
-        return svc.verify([CodeTask(problem=problem, language="python", code=c)
-                           for c in programs.values()])  # fmt: skip
+        return svc.verify(
+            [CodeTask(problem=problem, language="python", code=c) for c in programs.values()]
+        )
 
     assert service.config.python_check == "helper"
     helper = verify(service)

@@ -344,8 +344,11 @@ CASES = {
 
 # Cases whose verdict must not depend on how fast this (shared, loaded) machine starts a JVM or
 # writes 128 MB: a generous CPU limit (the wall limit is twice that plus one second).
-SLOW_CASES = {"java_huge_output": 10.0, "py_disk_fill_many_files": 10.0,
-              "cpp_disk_fill_one_file": 10.0}  # fmt: skip
+SLOW_CASES = {
+    "java_huge_output": 10.0,
+    "py_disk_fill_many_files": 10.0,
+    "cpp_disk_fill_one_file": 10.0,
+}
 
 
 @pytest.fixture()
@@ -412,9 +415,13 @@ def test_tampering_with_checker_and_answer_files(service, host_guard):
         sys.exit(0 if out == ans else 1)
     """)
     problem = upload_problem(
-        service, problem_id="tamper", tests=[("41\n", "42\n")], checker_source=checker,
-        checker_language="python", time_limit_s=0.5,
-    )  # fmt: skip
+        service,
+        problem_id="tamper",
+        tests=[("41\n", "42\n")],
+        checker_source=checker,
+        checker_language="python",
+        time_limit_s=0.5,
+    )
     hostile = textwrap.dedent("""\
         import glob, os
         found = None
@@ -477,8 +484,11 @@ def test_a_run_holds_few_processes(language, service, host_guard):
         """),
     }[language]
     problem = upload_problem(
-        service, problem_id=f"few_processes_{language}", tests=[(host_guard, "bounded\n")],
-        time_limit_s=2.0, memory_limit_mb=64,
-    )  # fmt: skip
+        service,
+        problem_id=f"few_processes_{language}",
+        tests=[(host_guard, "bounded\n")],
+        time_limit_s=2.0,
+        memory_limit_mb=64,
+    )
     [verdict] = service.verify([CodeTask(problem=problem, language=language, code=code)])
     assert verdict.kind is K.ACCEPTED, verdict

@@ -68,25 +68,33 @@ def test_uploads_are_content_addressed(service):
 
 def test_missing_links_are_an_internal_error_not_a_model_failure(service):
     spec = upload_problem(service, problem_id="p", tests=[("1\n", "1\n")])
-    broken = spec.__class__(problem_id="p", tests=(spec.tests[0].__class__(
-        input="sha256:" + "1" * 64, answer=spec.tests[0].answer),))  # fmt: skip
+    broken = spec.__class__(
+        problem_id="p",
+        tests=(spec.tests[0].__class__(input="sha256:" + "1" * 64, answer=spec.tests[0].answer),),
+    )
     [verdict] = service.verify([CodeTask(problem=broken, language="python", code="print(1)")])
     assert verdict.kind is VerdictKind.INTERNAL_ERROR and not verdict.is_model_failure
 
 
 @pytest.mark.parametrize(
     ("exit_code", "kind", "score"),
-    [(3, VerdictKind.INTERNAL_ERROR, 0.0), (2, VerdictKind.PRESENTATION_ERROR, 0.0),
-     (7, VerdictKind.WRONG_ANSWER, 0.25)],
-)  # fmt: skip
+    [
+        (3, VerdictKind.INTERNAL_ERROR, 0.0),
+        (2, VerdictKind.PRESENTATION_ERROR, 0.0),
+        (7, VerdictKind.WRONG_ANSWER, 0.25),
+    ],
+)
 def test_checker_exit_codes(service, exit_code, kind, score):
     checker = (
         f"import sys\nprint('points 0.25 partly right', file=sys.stderr)\nsys.exit({exit_code})\n"
     )
     spec = upload_problem(
-        service, problem_id="codes", tests=[("1\n", "1\n")], checker_source=checker,
+        service,
+        problem_id="codes",
+        tests=[("1\n", "1\n")],
+        checker_source=checker,
         checker_language="python",
-    )  # fmt: skip
+    )
     [verdict] = service.verify([CodeTask(problem=spec, language="python", code="print(1)")])
     assert verdict.kind is kind
     assert verdict.score == pytest.approx(score)
@@ -104,9 +112,12 @@ def test_testlib_checker_without_testlib_is_a_clear_error(service):
 
 def test_testlib_checker_with_testlib_shipped_by_the_problem(service):
     spec = upload_problem(
-        service, problem_id="ships_testlib", tests=[("1\n", "1\n")],
-        checker_source=TESTLIB_CHECKER, testlib_source=FAKE_TESTLIB.read_text(),
-    )  # fmt: skip
+        service,
+        problem_id="ships_testlib",
+        tests=[("1\n", "1\n")],
+        checker_source=TESTLIB_CHECKER,
+        testlib_source=FAKE_TESTLIB.read_text(),
+    )
     ok, wrong = service.verify(
         [CodeTask(problem=spec, language="python", code=c) for c in ("print(1)", "print(2)")]
     )
@@ -135,10 +146,18 @@ def test_partial_points_add_up_to_the_mean_over_tests(service):
         sys.exit(7)
     """)
     spec = upload_problem(
-        service, problem_id="points", checker_source=checker, checker_language="python",
-        tests=[("half\n", "-\n"), ("full\n", "-\n"), ("half\n", "-\n"), ("none\n", "-\n"),
-               ("full\n", "-\n")],
-    )  # fmt: skip
+        service,
+        problem_id="points",
+        checker_source=checker,
+        checker_language="python",
+        tests=[
+            ("half\n", "-\n"),
+            ("full\n", "-\n"),
+            ("half\n", "-\n"),
+            ("none\n", "-\n"),
+            ("full\n", "-\n"),
+        ],
+    )
     [verdict] = service.verify([CodeTask(problem=spec, language="python", code="print(input())")])
     assert verdict.kind is VerdictKind.WRONG_ANSWER and verdict.detail.startswith("test 1:")
     # 0.5 + 1 + 0.5 + 0 (a failure without points: test 5 is skipped) over 5 tests.
@@ -204,7 +223,7 @@ THREADS = {
 HOGS = {  # 600 MB, over the 256 MB limit
     "python": "x = bytearray(600 * 2**20)\nprint(3)",
     "cpp": "#include <cstdio>\n#include <cstdlib>\n#include <cstring>\nint main(){"
-           "char* p=(char*)malloc(600u<<20); if(!p) return 3; memset(p,1,600u<<20); puts(\"3\");}",
+    'char* p=(char*)malloc(600u<<20); if(!p) return 3; memset(p,1,600u<<20); puts("3");}',
 }
 
 
@@ -214,8 +233,9 @@ def test_programs_that_start_threads_and_recurse_deeply_are_accepted(service, la
     used to equal the memory limit, so each new thread reserved 256 MB of address space and
     failed: Python's "can't start new thread", C++'s SIGABRT), while the main thread may still
     recurse deep (~100 MB in C++); a program over the memory limit still fails."""
-    spec = upload_problem(service, problem_id=f"threads-{language}",
-                          tests=[("1 2\n", "3\n"), ("40 2\n", "42\n")])  # fmt: skip
+    spec = upload_problem(
+        service, problem_id=f"threads-{language}", tests=[("1 2\n", "3\n"), ("40 2\n", "42\n")]
+    )
     [verdict] = service.verify([CodeTask(problem=spec, language=language, code=THREADS[language])])
     assert verdict.kind is VerdictKind.ACCEPTED, verdict
     if language in HOGS:
@@ -259,8 +279,8 @@ TOUCHERS = {
     "python": "x = bytearray(300 * 2**20)\nprint(3)",
     # Volatile stores to every page: the compiler may not drop the allocation.
     "cpp": "#include <cstdio>\n#include <cstdlib>\nint main(){const unsigned long n=300ul<<20;"
-           "volatile char* p=(volatile char*)malloc(n); if(!p)return 3;"
-           "for(unsigned long i=0;i<n;i+=4096)p[i]=1; printf(\"%d\\n\",p[n-4096]+2);}",
+    "volatile char* p=(volatile char*)malloc(n); if(!p)return 3;"
+    'for(unsigned long i=0;i<n;i+=4096)p[i]=1; printf("%d\\n",p[n-4096]+2);}',
 }
 
 
@@ -272,8 +292,11 @@ def test_memory_is_what_a_program_holds_not_what_it_reserves(verifier_config, tm
             pytest.skip("this host lets the verifier create no memory cgroups")
         assert ("per-run cgroups" if cgroups else "peak RSS") in service.health()
         spec = upload_problem(service, problem_id="reserve", tests=[("1 2\n", "3\n")])
-        tasks = [CodeTask(problem=spec, language=lang, code=code)
-                 for progs in (RESERVERS, TOUCHERS) for lang, code in sorted(progs.items())]  # fmt: skip
+        tasks = [
+            CodeTask(problem=spec, language=lang, code=code)
+            for progs in (RESERVERS, TOUCHERS)
+            for lang, code in sorted(progs.items())
+        ]
         verdicts = service.verify(tasks)
     reserved, held = verdicts[: len(RESERVERS)], verdicts[len(RESERVERS) :]
     assert [v.kind for v in reserved] == [VerdictKind.ACCEPTED] * len(RESERVERS), reserved

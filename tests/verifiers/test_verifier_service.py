@@ -49,20 +49,29 @@ def test_grpc_round_trip_with_a_batch(endpoint):
         verdicts = client.verify(
             [
                 CodeTask(problem=problem, language="python", code="print(2 * int(input()))"),
-                CodeTask(problem=problem, language="cpp",
-                         code="#include <cstdio>\nint main(){int n;scanf(\"%d\",&n);printf(\"%d\",n+2);}"),
-                UnitTestTask(code="def sq(x):\n    return x * x\n",
-                             test="def check(f):\n    assert f(3) == 9\n", entry_point="sq"),
+                CodeTask(
+                    problem=problem,
+                    language="cpp",
+                    code='#include <cstdio>\nint main(){int n;scanf("%d",&n);printf("%d",n+2);}',
+                ),
+                UnitTestTask(
+                    code="def sq(x):\n    return x * x\n",
+                    test="def check(f):\n    assert f(3) == 9\n",
+                    entry_point="sq",
+                ),
                 MathTask(response="Thus the result is \\boxed{\\frac{3}{6}}.", answer="0.5"),
                 MathTask(response="The answer is 7.", answer="8"),
             ],
             deadline_s=120,
-        )  # fmt: skip
+        )
     kinds = [v.kind for v in verdicts]
     assert kinds == [
-        VerdictKind.ACCEPTED, VerdictKind.WRONG_ANSWER, VerdictKind.ACCEPTED,
-        VerdictKind.ACCEPTED, VerdictKind.WRONG_ANSWER,
-    ]  # fmt: skip
+        VerdictKind.ACCEPTED,
+        VerdictKind.WRONG_ANSWER,
+        VerdictKind.ACCEPTED,
+        VerdictKind.ACCEPTED,
+        VerdictKind.WRONG_ANSWER,
+    ]
     assert verdicts[0].tests_passed == 2 and verdicts[1].detail.startswith("test 2:")
 
 
@@ -138,9 +147,13 @@ def test_answer_extraction(response, answer):
 
 
 def test_math_equivalence(service):
-    pairs = [("\\boxed{2^{1/2}}", "\\sqrt{2}", True), ("answer: 0.25", "\\frac{1}{4}", True),
-             ("\\boxed{(x+1)^2}", "x^2+2x+1", True), ("\\boxed{3}", "4", False),
-             ("I give up", "4", False)]  # fmt: skip
+    pairs = [
+        ("\\boxed{2^{1/2}}", "\\sqrt{2}", True),
+        ("answer: 0.25", "\\frac{1}{4}", True),
+        ("\\boxed{(x+1)^2}", "x^2+2x+1", True),
+        ("\\boxed{3}", "4", False),
+        ("I give up", "4", False),
+    ]
     verdicts = service.verify([MathTask(response=r, answer=a) for r, a, _ in pairs])
     assert [v.accepted for v in verdicts] == [ok for _, _, ok in pairs]
 
@@ -148,11 +161,19 @@ def test_math_equivalence(service):
 def test_python_m_verifiers_starts_and_answers(verifier_config):
     config = verifier_config(6)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlax_tpu.verifiers", "--config=configs/codeforces.py:local",
-         f"--config.verifiers.sandbox_uid={config.sandbox_uid}",
-         "--config.verifiers.languages=('python',)"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlax_tpu.verifiers",
+            "--config=configs/codeforces.py:local",
+            f"--config.verifiers.sandbox_uid={config.sandbox_uid}",
+            "--config.verifiers.languages=('python',)",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("verifiers serving on 127.0.0.1:"), proc.stderr.read()
@@ -180,9 +201,11 @@ BAD_LIMITS = [
 
 def _code_task(time_limit_s: float = 0.0, memory_limit_mb: int = 0) -> CodeTask:
     problem = ProblemSpec(
-        problem_id="limits", tests=(api.TestLinks(input="sha256:00", answer="sha256:00"),),
-        time_limit_s=time_limit_s, memory_limit_mb=memory_limit_mb,
-    )  # fmt: skip
+        problem_id="limits",
+        tests=(api.TestLinks(input="sha256:00", answer="sha256:00"),),
+        time_limit_s=time_limit_s,
+        memory_limit_mb=memory_limit_mb,
+    )
     return CodeTask(problem=problem, language="python", code="print(1)")
 
 
@@ -201,15 +224,21 @@ def test_non_finite_or_negative_limits_are_invalid(task, service, endpoint):
 
 def test_requested_limits_are_clamped_to_the_config(tmp_path, verifier_config):
     config = verifier_config(
-        6, languages=("python",), max_time_limit_s=1.0, memory_limit_mb=64,
+        6,
+        languages=("python",),
+        max_time_limit_s=1.0,
+        memory_limit_mb=64,
         max_memory_limit_mb=128,
-    )  # fmt: skip
+    )
     hog = "blocks = [bytearray(1 << 20) for _ in range(400)]\nprint(len(blocks))\n"
     with VerifierService(config, scratch_dir=tmp_path) as svc:
         problem = upload_problem(
-            svc, problem_id="greedy", tests=[("", "400\n")], time_limit_s=1e9,
+            svc,
+            problem_id="greedy",
+            tests=[("", "400\n")],
+            time_limit_s=1e9,
             memory_limit_mb=1 << 20,
-        )  # fmt: skip
+        )
         spin = CodeTask(problem=problem, language="python", code="while True:\n    pass\n")
         [slow, big] = svc.verify([spin, CodeTask(problem=problem, language="python", code=hog)])
     assert slow.kind is VerdictKind.TIME_LIMIT and slow.detail.endswith((" 1 s", " 3 s")), slow

@@ -200,8 +200,12 @@ def verdicts(service):
     tasks += [
         # The probes walk the sandbox's files: on a loaded 2-core host that outlasted the
         # default 5 s (wall 11 s) once, a false failure: they get the longest limit allowed.
-        UnitTestTask(code=textwrap.dedent(PROBES[n]), test=PROBE_TEST, entry_point="probe",
-                     time_limit_s=service.config.max_time_limit_s)
+        UnitTestTask(
+            code=textwrap.dedent(PROBES[n]),
+            test=PROBE_TEST,
+            entry_point="probe",
+            time_limit_s=service.config.max_time_limit_s,
+        )
         for n in sorted(PROBES)
     ]
     tasks.append(UnitTestTask(code=WRONG.replace("-", "+"), test=TEST, entry_point="add"))
@@ -277,9 +281,16 @@ def test_candidate_exceptions_reach_the_tests_as_builtin_types(service):
 
 @pytest.mark.parametrize(
     "wire",
-    [{"tuple": 5}, {"tuple": [], "set": []}, {"float": "1e5"}, {"dict": [[1]]}, {"bytes": 5},
-     {"complex": ["1", 2]}, {"object": []}],
-)  # fmt: skip
+    [
+        {"tuple": 5},
+        {"tuple": [], "set": []},
+        {"float": "1e5"},
+        {"dict": [[1]]},
+        {"bytes": 5},
+        {"complex": ["1", 2]},
+        {"object": []},
+    ],
+)
 def test_decode_rejects_malformed_data(wire):
     with pytest.raises(ValueError):
         unit_harness.decode(wire)
