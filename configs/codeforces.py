@@ -9,11 +9,11 @@ Presets:
   v5p_small  the same on a small v5p allocation: Qwen2.5-Coder-7B-Instruct trained on v5p:2x2x2
              (2 hosts), 2 inference workers on v5p:2x2x1.
 The GKE presets take their storage from --config.controller.bucket=gs://NAME (weights, data and
-the run under NAME) and are deployed with `python -m rlax_tpu.launch --render=gke` (README,
-"Deployment"); every endpoint is a Service of that render, every service uses TLS and a token.
+the run under NAME) and are deployed with `python -m rlax_tpu.launch --render=gke`
+(docs/deployment.md); every endpoint is a Service of that render, every service uses TLS and a token.
   tpu_vm     one TPU VM of 8 chips (v5e-8 / v6e-8) or 4 (v5p-8): Qwen2.5-Coder-1.5B-Instruct, half
              the chips train, the other half generate (topology.trainer_devices), all in one
-             process (local transport). Checked to fit with `python -m rlax_tpu.aot` (README).
+             process (local transport). Checked to fit with `python -m rlax_tpu.aot` (docs/aot.md).
 No preset: the preset that fits this machine (tpu_vm on a TPU host, local otherwise).
 
     python -m rlax_tpu.controller --config=configs/codeforces.py:local --config.trainer.learning_rate=3e-4

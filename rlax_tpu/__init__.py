@@ -1,4 +1,4 @@
-"""rlax_tpu: parameter-server RL post-training for LLMs in JAX (see README.md and DESIGN.md)."""
+"""rlax_tpu: parameter-server RL post-training for LLMs in JAX (see README.md, docs/ and DESIGN.md)."""
 
 import os as _os
 

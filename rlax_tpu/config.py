@@ -582,7 +582,7 @@ class VerifierConfig:
     disk_limit_mb: int = 64  # size of each sandbox's private /work and /tmp (tmpfs, in RAM)
     seccomp: bool = True  # deny kernel attack surface (ptrace, mount, namespaces...) on x86_64
     # Bound each run's memory (all its processes) with a memory cgroup where the host allows
-    # it; elsewhere, or False, a run is judged by its peak RSS (README: Verifier sandbox).
+    # it; elsewhere, or False, a run is judged by its peak RSS (docs/configuration.md: Verifier sandbox).
     memory_cgroups: bool = True
     repository_dir: str = ""  # content-addressed test data; "" = a private temporary directory
     # Limits a request may ask for (per test / per unit-test program); larger ones are clamped.
@@ -645,7 +645,9 @@ class VerifierConfig:
 
 @_frozen
 class DataConfig:
-    datasets: tuple[str, ...] = ("procedural",)  # training datasets (see README, Datasets)
+    datasets: tuple[str, ...] = (
+        "procedural",
+    )  # training datasets (docs/configuration.md, Datasets)
     weights: tuple[float, ...] = (1.0,)  # mixture weight of each dataset
     data_dir: str = ""  # local files for file-backed datasets
     train_until_year: int = (  # codeforces: train up to this year, hold out the next
@@ -716,7 +718,7 @@ class DataConfig:
 class AlgorithmConfig:
     """The objective (DESIGN §5). Zero/empty values mean "the named algorithm's paper default"."""
 
-    name: str = "grpo"  # the objective: a built-in (README) or a registered plugin's
+    name: str = "grpo"  # the objective: a built-in (docs/configuration.md) or a registered plugin's
     group_size: int = 8  # G samples per prompt
     eps_low: float = 0.0  # PPO-style clip 1 - ε_low; 0 = algorithm default
     eps_high: float = 0.0  # clip 1 + ε_high; 0 = algorithm default

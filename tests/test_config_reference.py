@@ -1,4 +1,4 @@
-"""The README's configuration reference lists every flag, each with what it does, and is current."""
+"""The docs' configuration reference lists every flag, each with what it does, and is current."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ def test_every_flag_has_a_comment_saying_what_it_does():
     assert [f for f, _, comment in flags if len(comment) < 10] == []
 
 
-def test_the_readme_reference_is_current():
-    text = (REPO / "README.md").read_text()
+def test_the_docs_reference_is_current():
+    text = (REPO / config_reference.PAGE).read_text()
     start = text.index(config_reference.BEGIN)
     end = text.index(config_reference.END) + len(config_reference.END)
     assert text[start:end] == config_reference.reference(), (
-        "README's flag reference is stale: run `python -m rlax_tpu.config_reference`"
+        f"{config_reference.PAGE}'s flag reference is stale: run `python -m rlax_tpu.config_reference`"
     )
     for flag, _, _ in config_reference.fields():
         assert f"| `{flag}` |" in text

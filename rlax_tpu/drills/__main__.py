@@ -20,7 +20,7 @@ The warm-up (if the config has one) runs once, in <run_dir>/warmup.
 
 only runs the checks on a finished run directory (e.g. a GKE run's, copied from GCS).
 
-On GKE the same drill is `kubectl delete pod` on the JobSet's pods (README, "Preemption drills").
+On GKE the same drill is `kubectl delete pod` on the JobSet's pods (docs/drills.md).
 """
 
 from __future__ import annotations
