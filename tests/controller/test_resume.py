@@ -75,8 +75,8 @@ def run(env, run_dir: Path, *extra: str) -> str:
     return out.stdout
 
 
-def killed_at_random(env, run_dir: Path, *extra: str, after_step: int, seed: int) -> None:
-    """Starts a run and SIGKILLs it at a random moment after ``after_step`` steps are logged."""
+def started(env, run_dir: Path, *extra: str, after_step: int) -> subprocess.Popen:
+    """A run started and read until it logged ``after_step`` steps (stdout and stderr joined)."""
     proc = subprocess.Popen(
         command(run_dir, *extra),
         cwd=REPO,
@@ -85,10 +85,16 @@ def killed_at_random(env, run_dir: Path, *extra: str, after_step: int, seed: int
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+    for line in proc.stdout:
+        if line.startswith(f"step {after_step}/"):
+            break
+    return proc
+
+
+def killed_at_random(env, run_dir: Path, *extra: str, after_step: int, seed: int) -> None:
+    """Starts a run and SIGKILLs it at a random moment after ``after_step`` steps are logged."""
+    proc = started(env, run_dir, *extra, after_step=after_step)
     try:
-        for line in proc.stdout:
-            if line.startswith(f"step {after_step}/"):
-                break
         time.sleep(random.Random(seed).uniform(0.0, 1.5))
         proc.send_signal(signal.SIGKILL)
     finally:
@@ -333,20 +339,10 @@ def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emula
     extra = (*common, f"--config.data.data_dir={base}/data")
     remote = storage.path(run_dir)
     # Killed at a random moment once a snapshot is on GCS (uploads there take a while).
-    proc = subprocess.Popen(
-        command(run_dir, *extra),
-        cwd=REPO,
-        env=genv,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    proc = started(genv, run_dir, *extra, after_step=1)
     watchdog = threading.Timer(600, proc.kill)  # a hung run fails the test instead of CI
     watchdog.start()
     try:
-        for line in proc.stdout:
-            if line.startswith("step 1/"):
-                break
         assert proc.poll() is None, "the run ended before its first step"
         deadline = time.monotonic() + 120
         while not ((remote / "snapshots").exists() and any((remote / "snapshots").iterdir())):
@@ -381,20 +377,10 @@ def test_sigterm_stops_cleanly_and_the_same_command_resumes_bitwise(env, referen
     command then finishes with the uninterrupted run's weights."""
     run_dir = tmp_path / "term"
     extra = ("--config.controller.num_steps=4",)
-    proc = subprocess.Popen(
-        command(run_dir, *extra),
-        cwd=REPO,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    proc = started(env, run_dir, *extra, after_step=1)
     watchdog = threading.Timer(600, proc.kill)
     watchdog.start()
     try:
-        for line in proc.stdout:
-            if line.startswith("step 1/"):
-                break
         assert proc.poll() is None, "the run ended before its first step"
         proc.send_signal(signal.SIGTERM)
         rest = proc.stdout.read()

@@ -23,6 +23,36 @@ from .helpers import run_config
 GROUP = 2
 
 
+def _submit(
+    engine: Engine,
+    rng: np.random.Generator,
+    prompts: int,
+    *,
+    temperature: float,
+    tag: str = "p",
+    seed: int = 0,
+) -> None:
+    """``prompts`` random prompts of 5, 8, 11, ... tokens, GROUP samples each."""
+    for i in range(prompts):
+        prompt = tuple(int(x) for x in rng.integers(1, 500, size=5 + 3 * i))
+        sampling = SamplingParams(temperature=temperature, seed=seed + i)
+        engine.submit(
+            Request(
+                prompt_id=f"{tag}{i}", prompt_tokens=prompt, num_samples=GROUP, sampling=sampling
+            )
+        )
+
+
+def _with(cfg, icfg: InferenceConfig, prompts: int):  # noqa: ANN001, ANN202
+    """``cfg`` serving ``icfg``'s engine shapes, ``prompts`` prompts of GROUP a step."""
+    return dataclasses.replace(
+        cfg,
+        inference=icfg,
+        controller=dataclasses.replace(cfg.controller, prompts_per_step=prompts),
+        algorithm=dataclasses.replace(cfg.algorithm, group_size=GROUP),
+    )
+
+
 def test_aligned_recompute_is_bitwise_the_engine(tmp_path):
     model = models.init_model(models.preset("tiny"), seed=3)
     # step_tokens != max_concurrent_seqs: the replay must follow the engine's rows per step;
@@ -41,16 +71,7 @@ def test_aligned_recompute_is_bitwise_the_engine(tmp_path):
     )
     engine = Engine(model, icfg)
     rng = np.random.default_rng(0)
-    for i in range(3):
-        prompt = tuple(int(x) for x in rng.integers(1, 500, size=5 + 3 * i))
-        engine.submit(
-            Request(
-                prompt_id=f"p{i}",
-                prompt_tokens=prompt,
-                num_samples=GROUP,
-                sampling=SamplingParams(temperature=0.9, seed=i),
-            )
-        )
+    _submit(engine, rng, 3, temperature=0.9)
     rollouts = sorted(engine.run(), key=lambda r: (r.prompt_id, r.sample_index))
     batch = TrainBatch.from_rollouts(
         rollouts, rng.random(len(rollouts)).astype(np.float32), group_size=GROUP, temperature=0.9
@@ -60,13 +81,7 @@ def test_aligned_recompute_is_bitwise_the_engine(tmp_path):
     assert engine.prefill_calls >= 5  # 9 chunks, at most 2 per call
 
     def trainer(align: bool) -> Trainer:
-        cfg = run_config(align_logprobs=align, micro_batch_size=2, model=model.cfg)
-        cfg = dataclasses.replace(
-            cfg,
-            inference=icfg,
-            controller=dataclasses.replace(cfg.controller, prompts_per_step=3),
-            algorithm=dataclasses.replace(cfg.algorithm, group_size=GROUP),
-        )
+        cfg = _with(run_config(align_logprobs=align, micro_batch_size=2, model=model.cfg), icfg, 3)
         return Trainer(
             cfg, model=model, devices=jax.devices()[:1], checkpoint_dir=tmp_path / str(align)
         )
@@ -117,12 +132,7 @@ def test_bf16_published_float32_compute_recompute_is_the_engines_after_an_update
         publish_dtype="bfloat16",
         learning_rate=1e-3,
     )
-    cfg = dataclasses.replace(
-        cfg,
-        inference=icfg,
-        controller=dataclasses.replace(cfg.controller, prompts_per_step=2),
-        algorithm=dataclasses.replace(cfg.algorithm, group_size=GROUP),
-    )
+    cfg = _with(cfg, icfg, 2)
     sink = _Sink()
     trainer = Trainer(
         cfg, model=model, devices=jax.devices()[:1], checkpoint_dir=tmp_path, sink=sink
@@ -130,17 +140,7 @@ def test_bf16_published_float32_compute_recompute_is_the_engines_after_an_update
     engine = Engine(models.init_model(cfg_model, seed=3), icfg)
 
     def rollouts(seed: int) -> TrainBatch:
-        rng = np.random.default_rng(seed)
-        for i in range(2):
-            prompt = tuple(int(x) for x in rng.integers(1, 500, size=5 + 3 * i))
-            engine.submit(
-                Request(
-                    prompt_id=f"p{seed}-{i}",
-                    prompt_tokens=prompt,
-                    num_samples=GROUP,
-                    sampling=SamplingParams(temperature=1.0, seed=seed + i),
-                )
-            )
+        _submit(engine, np.random.default_rng(seed), 2, temperature=1.0, tag=f"p{seed}-", seed=seed)
         got = sorted(engine.run(), key=lambda r: (r.prompt_id, r.sample_index))
         return TrainBatch.from_rollouts(
             got, np.asarray([1.0, 0.0] * 2, np.float32), group_size=GROUP, temperature=1.0
