@@ -8,6 +8,8 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+
 from rlax_tpu.drills.drill import KINDS, kind_of, plan
 from tests.launch.test_local import REPO, _env, _tiny
 
@@ -35,6 +37,9 @@ def test_a_plan_hits_every_kind_before_any_twice_and_is_seeded():
     assert plan(targets, 12, seed=4) != kills
 
 
+# The drill's own wait (900 s) sits inside this test's pytest-timeout, so a slow run fails with
+# the drill's output instead of pytest's bare timeout.
+@pytest.mark.timeout(1000)
 def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     """Five SIGKILLs, one of each kind, each restarted: every group trained exactly once, η_a
     held, final trainer state bitwise the uninterrupted run's, no partial version served, every
