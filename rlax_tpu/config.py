@@ -645,9 +645,8 @@ class VerifierConfig:
 
 @_frozen
 class DataConfig:
-    datasets: tuple[str, ...] = (
-        "procedural",
-    )  # training datasets (docs/configuration.md, Datasets)
+    # Training datasets (docs/configuration.md, Datasets).
+    datasets: tuple[str, ...] = ("procedural",)
     weights: tuple[float, ...] = (1.0,)  # mixture weight of each dataset
     data_dir: str = ""  # local files for file-backed datasets
     train_until_year: int = (  # codeforces: train up to this year, hold out the next
