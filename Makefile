@@ -18,7 +18,7 @@ test: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadscope --durations=15
 
 # The docs site into site/ (warnings are errors), its flag reference first regenerated from the
-# comments in rlax_tpu/config.py (make test checks that the committed one is current).
+# comments in rlax_tpu/config/ (make test checks that the committed one is current).
 docs: setup
 	$(PY) -m rlax_tpu.config_reference docs/configuration.md
 	$(VENV)/bin/mkdocs build --strict -q

@@ -224,7 +224,7 @@ flags:
   --config.SECTION.FIELD=VALUE
                            override one field, e.g. --config.trainer.learning_rate=3e-6
                            sections: model, mesh, trainer, inference, param_server, verifiers,
-                           data, controller, algorithm (see rlax_tpu/config.py for every field)
+                           data, controller, algorithm (see rlax_tpu/config/ for every field)
   --print_config           print the validated config as JSON and exit
   --helpfull               every absl flag (logging and more)
 

@@ -1,5 +1,5 @@
 """The configuration reference: every flag of ``RunConfig`` with its default and what it does, from
-the comments beside the fields in ``config.py`` (the one place they are written).
+the comments beside the fields in ``rlax_tpu/config/`` (the one place they are written).
 
 ``python -m rlax_tpu.config_reference`` rewrites the reference block of docs/configuration.md
 (between the ``BEGIN``/``END`` markers); a test checks the page matches and that no field lacks a

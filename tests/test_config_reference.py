@@ -33,7 +33,7 @@ def test_every_flag_is_read_outside_the_config_module():
     code = "\n".join(
         p.read_text()
         for p in (REPO / "rlax_tpu").rglob("*.py")
-        if p.name not in ("config.py", "config_reference.py")
+        if p.parent.name != "config" and p.name != "config_reference.py"
     )
     unread = [
         flag

@@ -12,7 +12,7 @@ import pytest
 from rlax_tpu import config as C
 from rlax_tpu.config import ConfigError, MeshConfig, RunConfig, from_dict
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _codeforces():

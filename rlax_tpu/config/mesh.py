@@ -1,0 +1,73 @@
+"""Device meshes and multi-host jobs (shared by the trainer and inference sections)."""
+
+from __future__ import annotations
+
+import math
+
+from rlax_tpu.config.checks import ConfigError, bad, frozen, positive
+
+
+@frozen
+class MeshConfig:
+    """Device mesh axes. One axis may be -1: it takes the devices the others leave."""
+
+    data: int = 1  # data-parallel axis (batch rows)
+    fsdp: int = -1  # fully sharded axis (parameters and batch)
+    tensor: int = 1  # tensor-parallel axis (heads, MLP width)
+
+    def __post_init__(self) -> None:
+        for n in ("data", "fsdp", "tensor"):
+            if getattr(self, n) == 0 or getattr(self, n) < -1:
+                raise bad(self, n, "must be >= 1, or -1 for 'the remaining devices'")
+        if sum(getattr(self, n) == -1 for n in ("data", "fsdp", "tensor")) > 1:
+            raise ConfigError("", "at most one of data, fsdp, tensor may be -1")
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) for ``num_devices`` devices; raises ConfigError if they don't fit."""
+        sizes = [self.data, self.fsdp, self.tensor]
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % known:
+                raise ConfigError(
+                    "mesh",
+                    f"{num_devices} devices are not divisible by the fixed axes' product {known}",
+                )
+            sizes[sizes.index(-1)] = num_devices // known
+        elif known != num_devices:
+            raise ConfigError("mesh", f"data*fsdp*tensor = {known} but {num_devices} devices exist")
+        return tuple(sizes)  # type: ignore[return-value]
+
+
+@frozen
+class DistributedConfig:
+    """How a component spanning several hosts joins its ``jax.distributed`` job.
+
+    ``coordinator_address`` "": one process, nothing is started. "auto": jax.distributed finds
+    everything in the environment (TPU VM metadata, a GKE JobSet's variables). "host:port":
+    process 0 runs the coordinator there and every process names its own ``process_id``. JAX's
+    coordinator has no credentials: keep it on the job's private network.
+    """
+
+    coordinator_address: str = ""  # "" one process; "auto"; or "host:port" of process 0
+    num_processes: int = 1  # processes in the job (one per host)
+    process_id: int = 0  # this process's index, with a host:port coordinator
+    initialization_timeout_s: int = 300  # how long processes wait for each other to join
+
+    def __post_init__(self) -> None:
+        positive(self, "num_processes", "initialization_timeout_s")
+        if self.coordinator_address not in ("", "auto"):
+            host, sep, port = self.coordinator_address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise bad(self, "coordinator_address", "must be '', 'auto' or 'host:port'")
+            if not 0 <= self.process_id < self.num_processes:
+                raise bad(self, "process_id", f"must be in [0, num_processes={self.num_processes})")
+        elif self.coordinator_address == "" and self.num_processes != 1:
+            raise bad(self, "num_processes", "needs a coordinator_address ('auto' or 'host:port')")
+
+    @property
+    def enabled(self) -> bool:
+        return self.coordinator_address != ""
+
+
+def one_device() -> MeshConfig:
+    return MeshConfig(data=1, fsdp=1, tensor=1)

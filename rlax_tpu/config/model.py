@@ -1,0 +1,108 @@
+"""The model section: architecture, dtypes and where the weights come from."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rlax_tpu.config.checks import bad, frozen, non_negative, positive
+
+
+@frozen
+class ModelConfig:
+    """Decoder-only transformer (Llama / Qwen2 / Qwen3 families)."""
+
+    # Family: tensor names, biases and norms follow it.
+    arch: Literal["llama", "qwen2", "qwen3"] = "llama"
+    vocab_size: int = 512  # tokens in the vocabulary (embedding rows)
+    hidden_size: int = 128  # model width
+    intermediate_size: int = 384  # MLP hidden width
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention)
+    head_dim: int = 0  # per-head width; 0: hidden_size // num_heads
+    rope_theta: float = 10_000.0  # RoPE frequency base
+    # "dynamic" (NTK) picks its base from the longest position of each call, so past
+    # max_position_embeddings cached decoding and the full forward disagree (models/rope.py).
+    # RoPE context scaling.
+    rope_scaling: Literal["none", "linear", "dynamic", "llama3", "yarn"] = "none"
+    rope_scaling_factor: float = 1.0  # context extension factor of rope_scaling
+    # Context length the model was pretrained with, for llama3 / yarn scaling; 0: max_position_embeddings.
+    rope_original_max_position_embeddings: int = 0
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: low-frequency wavelength factor
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: high-frequency wavelength factor
+    rope_beta_fast: float = 32.0  # yarn: rotations where interpolation starts
+    rope_beta_slow: float = 1.0  # yarn: rotations where interpolation is full
+    rope_attention_factor: float = 0.0  # yarn cos/sin scale; 0: 0.1 * ln(factor) + 1
+    max_position_embeddings: int = 2048  # longest sequence (prompt + generation) the model takes
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    qkv_bias: bool = False  # qwen2: q, k, v biases; llama / qwen3 (HF attention_bias): q, k, v, o
+    qk_norm: bool = False  # RMSNorm on queries and keys per head (qwen3)
+    tie_embeddings: bool = True  # the output projection is the embedding matrix
+    # Storage dtype: the weights as loaded or initialized, as inference workers hold them and as
+    # the trainer's frozen reference copy keeps them. The trainer's own copy is trainer.master_dtype.
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Compute dtype: activations and matmul inputs; weights are cast to it where used (bf16 on TPU).
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Where the initial weights come from: random init (seeded), HF safetensors dir, or a GGUF file.
+    weights_format: Literal["init", "safetensors", "gguf"] = "init"
+    weights_path: str = ""  # the safetensors directory or GGUF file of weights_format
+    tokenizer_path: str = ""  # "" means: the tokenizer that comes with the weights / the task
+    seed: int = 0  # seed of the random init (weights_format "init")
+
+    def __post_init__(self) -> None:
+        positive(
+            self,
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "rope_theta",
+            "max_position_embeddings",
+            "rms_norm_eps",
+        )
+        non_negative(self, "head_dim")
+        if self.num_heads % self.num_kv_heads:
+            raise bad(
+                self,
+                "num_kv_heads",
+                f"must divide num_heads ({self.num_heads}) for grouped-query attention",
+            )
+        if self.head_dim == 0 and self.hidden_size % self.num_heads:
+            raise bad(
+                self,
+                "hidden_size",
+                f"must be divisible by num_heads ({self.num_heads}) when head_dim is 0",
+            )
+        if self.rope_scaling_factor < 1.0:
+            raise bad(self, "rope_scaling_factor", "must be >= 1")
+        if self.rope_scaling == "none" and self.rope_scaling_factor != 1.0:
+            raise bad(self, "rope_scaling_factor", "is set but rope_scaling is 'none'")
+        non_negative(self, "rope_original_max_position_embeddings", "rope_attention_factor")
+        if self.rope_scaling == "llama3" and not (
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            raise bad(
+                self,
+                "rope_high_freq_factor",
+                f"must be > rope_low_freq_factor ({self.rope_low_freq_factor}) > 0 for llama3 RoPE",
+            )
+        if self.rope_scaling == "yarn" and not 0 < self.rope_beta_slow < self.rope_beta_fast:
+            raise bad(
+                self,
+                "rope_beta_fast",
+                f"must be > rope_beta_slow ({self.rope_beta_slow}) > 0 for yarn RoPE",
+            )
+        if self.weights_format != "init" and not self.weights_path:
+            raise bad(
+                self, "weights_path", f"required when weights_format is '{self.weights_format}'"
+            )
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def resolved_rope_original_max_position_embeddings(self) -> int:
+        return self.rope_original_max_position_embeddings or self.max_position_embeddings

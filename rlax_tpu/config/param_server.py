@@ -1,0 +1,42 @@
+"""The parameter-server section."""
+
+from __future__ import annotations
+
+from rlax_tpu.config.checks import bad, check_address, frozen, non_negative, positive
+
+
+@frozen
+class ParamServerConfig:
+    address: str = "127.0.0.1:0"  # gRPC address the parameter server serves on
+    auth_token_file: str = ""  # file holding the token callers must present; needed off loopback
+    tls_cert_file: str = ""  # PEM certificate and key to serve TLS with; '' plain
+    # A second token that publishing (Publish, ReportProgress) needs besides auth_token_file:
+    # given to the trainer only, so a worker that may pull weights cannot write them. "": none.
+    publish_token_file: str = ""
+    in_memory_versions: int = 4  # K: versions kept hot in memory (older ones garbage-collected)
+    persist_every: int = 1  # write every N-th version through to persistent storage; 0: never
+    persist_path: str = ""  # local dir or gs:// path; "" means <run_dir>/param_server
+    # Newest complete persisted versions kept; older ones are deleted after each persist. 0: all.
+    persist_keep: int = 3
+    chunk_bytes: int = 4 * 2**20  # weights stream in messages of this size
+    max_message_bytes: int = 64 * 2**20  # largest gRPC message accepted
+    replicas: int = 1  # parameter-server replicas; the trainer publishes to all
+    replica_index: int = 0  # which of the replicas this server is; its commits are its progress
+    lease_ttl_s: float = 600.0  # a consumer's lease lapses unless renewed within this
+
+    def __post_init__(self) -> None:
+        positive(self, "chunk_bytes", "max_message_bytes", "replicas", "lease_ttl_s")
+        non_negative(self, "persist_every", "persist_keep")
+        if not 0 <= self.replica_index < self.replicas:
+            raise bad(self, "replica_index", f"must be in [0, replicas={self.replicas})")
+        if self.in_memory_versions < 2:
+            raise bad(
+                self,
+                "in_memory_versions",
+                "must be >= 2 (a new version is written while the previous is read)",
+            )
+        if self.chunk_bytes > self.max_message_bytes:
+            raise bad(
+                self, "chunk_bytes", f"must be <= max_message_bytes ({self.max_message_bytes})"
+            )
+        check_address(self, "address", self.auth_token_file, self.tls_cert_file)

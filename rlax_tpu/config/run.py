@@ -1,0 +1,160 @@
+"""RunConfig: every section, and the rules that span them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from rlax_tpu.config.algorithm import AlgorithmConfig
+from rlax_tpu.config.checks import UNBOUNDED, ConfigError, frozen
+from rlax_tpu.config.controller import ControllerConfig
+from rlax_tpu.config.data import DataConfig
+from rlax_tpu.config.inference import InferenceConfig
+from rlax_tpu.config.mesh import MeshConfig
+from rlax_tpu.config.model import ModelConfig
+from rlax_tpu.config.param_server import ParamServerConfig
+from rlax_tpu.config.topology import TopologyConfig
+from rlax_tpu.config.trainer import TrainerConfig
+from rlax_tpu.config.verifiers import VerifierConfig
+
+
+@frozen
+class RunConfig:
+    preset: str = "default"  # the config file's preset this config came from (informational)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
+    param_server: ParamServerConfig = dataclasses.field(default_factory=ParamServerConfig)
+    verifiers: VerifierConfig = dataclasses.field(default_factory=VerifierConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    topology: TopologyConfig = dataclasses.field(default_factory=TopologyConfig)
+
+    def __post_init__(self) -> None:
+        """Rules that span components."""
+        inf, model, ctl, alg = self.inference, self.model, self.controller, self.algorithm
+        needed = inf.max_prompt_len + inf.max_new_tokens
+        if needed > model.max_position_embeddings:
+            raise ConfigError(
+                "inference.max_new_tokens",
+                f"max_prompt_len + max_new_tokens = {needed} exceeds "
+                f"model.max_position_embeddings ({model.max_position_embeddings})",
+                inf.max_new_tokens,
+            )
+        batch = ctl.prompts_per_step * alg.group_size
+        if batch % self.trainer.micro_batch_size:
+            raise ConfigError(
+                "trainer.micro_batch_size",
+                "must divide the rollouts per step "
+                f"(controller.prompts_per_step * algorithm.group_size = {batch})",
+                self.trainer.micro_batch_size,
+            )
+        for name, mesh in (("mesh", self.mesh), ("inference.mesh", inf.mesh)):
+            tp, kv = mesh.tensor, model.num_kv_heads
+            if tp != -1 and (model.num_heads % tp or (kv % tp and tp % kv)):
+                raise ConfigError(
+                    f"{name}.tensor",
+                    f"must divide model.num_heads ({model.num_heads}) and divide or be a "
+                    f"multiple of model.num_kv_heads ({kv})",
+                    tp,
+                )
+        replicas = self.param_server.replicas
+        if ctl.param_server_endpoints and len(ctl.param_server_endpoints) != replicas:
+            raise ConfigError(
+                "controller.param_server_endpoints",
+                f"needs one endpoint per replica (param_server.replicas = {replicas}): a replica "
+                "nobody publishes to never confirms progress, so no replica could collect versions",
+                ctl.param_server_endpoints,
+            )
+        if inf.param_server_replica >= replicas:
+            raise ConfigError(
+                "inference.param_server_replica",
+                f"must be < param_server.replicas ({replicas})",
+                inf.param_server_replica,
+            )
+        if ctl.snapshot_keep < self.trainer.checkpoint_every + 1:
+            raise ConfigError(
+                "controller.snapshot_keep",
+                "a resume needs a snapshot whose version has a trainer checkpoint: keep at least "
+                f"trainer.checkpoint_every + 1 = {self.trainer.checkpoint_every + 1}",
+                ctl.snapshot_keep,
+            )
+        span = self.trainer.keep_checkpoints * self.trainer.checkpoint_every
+        if ctl.snapshot_keep > span:
+            raise ConfigError(
+                "controller.snapshot_keep",
+                f"the oldest of {ctl.snapshot_keep} snapshots would be older than every kept "
+                f"trainer checkpoint (trainer.keep_checkpoints {self.trainer.keep_checkpoints} x "
+                f"checkpoint_every {self.trainer.checkpoint_every} = {span} steps), so no resume "
+                f"could use it: keep at most {span} snapshots or more checkpoints",
+                ctl.snapshot_keep,
+            )
+        needed_versions = ctl.pipeline_depth * (ctl.mode == "deterministic") + ctl.reload_staleness
+        if ctl.transport == "local" and self.trainer.keep_checkpoints < needed_versions:
+            raise ConfigError(
+                "trainer.keep_checkpoints",
+                "with the local transport a resumed run republishes the versions its unfinished "
+                "work was generated with from the trainer's checkpoints: keep at least "
+                f"pipeline_depth + reload_staleness = {needed_versions}",
+                self.trainer.keep_checkpoints,
+            )
+        if self.inference.span_groups >= 2 and self.trainer.align_logprobs:
+            raise ConfigError(
+                "inference.span_groups",
+                "span groups change the engine's f32 rounding with the batch, so the trainer's "
+                "replay cannot reproduce its log-probs bitwise; set trainer.align_logprobs = False "
+                "or span_groups = 0",
+                self.inference.span_groups,
+            )
+        if self.topology.trainer_devices:
+            if ctl.transport != "local" or ctl.trainer_process:
+                raise ConfigError(
+                    "topology.trainer_devices",
+                    "splits one process's devices: it needs controller.transport 'local' and "
+                    "trainer_process False",
+                    self.topology.trainer_devices,
+                )
+            if -1 in (inf.mesh.data, inf.mesh.fsdp, inf.mesh.tensor):
+                raise ConfigError(
+                    "inference.mesh",
+                    "needs explicit sizes (no -1) when topology.trainer_devices splits the devices",
+                    (inf.mesh.data, inf.mesh.fsdp, inf.mesh.tensor),
+                )
+        if self.data.language not in self.verifiers.languages:
+            raise ConfigError(
+                "data.language",
+                f"the verifiers do not run it (verifiers.languages = {self.verifiers.languages})",
+                self.data.language,
+            )
+        if (
+            self.data.replay
+            and ctl.acceptance_staleness == UNBOUNDED
+            and ctl.mode == "deterministic"
+        ):
+            raise ConfigError(
+                "data.replay",
+                "replay with unbounded staleness draws from an unbounded past, which "
+                "deterministic mode cannot schedule; use mode 'throughput'",
+                True,
+            )
+        if inf.continue_on_reload and ctl.mode != "throughput":
+            raise ConfigError(
+                "inference.continue_on_reload",
+                "partial rollouts need controller.mode 'throughput': deterministic mode generates "
+                "every step with one version and never reloads a worker under a running job",
+                True,
+            )
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.controller.prompts_per_step * self.algorithm.group_size
+
+    @property
+    def prompt_style(self) -> Literal["raw", "chat"]:
+        """data.prompt_style with "auto" resolved: raw for a randomly initialized model (it has
+        no chat format to follow), chat for pretrained weights."""
+        if self.data.prompt_style != "auto":
+            return self.data.prompt_style
+        return "raw" if self.model.weights_format == "init" else "chat"
