@@ -44,7 +44,7 @@ PRESETS = [
     ("smollm2_math", "cpu"),
     ("smollm2_math", "tpu"),
 ]
-PROMPTS = 2  # prompts per batch; rows = PROMPTS x the preset's group size
+PROMPTS = 1  # prompts per batch; rows = PROMPTS x the preset's group size
 FIRST_UPDATES = 3  # the master weights after these are compared
 MORE_UPDATES = 17  # then the published weights after this many more
 _MODEL_FIELDS = ("arch", "qkv_bias", "qk_norm", "tie_embeddings", "param_dtype", "compute_dtype")
@@ -88,6 +88,9 @@ def scaled_down(raw: dict, **model: str) -> RunConfig:
         checkpoint_every=50,
     )
     algorithm = pick(raw["algorithm"], _ALGORITHM_FIELDS)
+    # A micro-batch is at most the batch (the presets' larger ones only split bigger steps).
+    rows = PROMPTS * algorithm.get("group_size", AlgorithmConfig().group_size)
+    trainer["micro_batch_size"] = min(trainer.get("micro_batch_size", rows), rows)
     return RunConfig(
         model=models.preset("tiny", num_layers=2, **(pick(raw["model"], _MODEL_FIELDS) | model)),
         mesh=MeshConfig(data=1, fsdp=1, tensor=1),
