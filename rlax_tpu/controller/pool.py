@@ -36,6 +36,10 @@ class NoWorkers(RuntimeError):
     """Every inference worker is down."""
 
 
+class PoolClosed(RuntimeError):
+    """The pool was closed while a job waited for a worker to come back."""
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -66,6 +70,9 @@ class WorkerPool:
         self._threads = cf.ThreadPoolExecutor(64, "gen")
         self._coordinator = cf.ThreadPoolExecutor(64, "gen-jobs")
         self.generated_tokens = 0
+        # Set by close(): a job waiting for a worker to come back gives up at once (a stopped
+        # controller must not outlive its SIGTERM by the retry window).
+        self._closing = threading.Event()
 
     @property
     def live(self) -> list[int]:
@@ -133,7 +140,8 @@ class WorkerPool:
             while not live:
                 if time.monotonic() > deadline:
                     raise NoWorkers(f"every inference worker is down (last error: {error})")
-                time.sleep(min(1.0, self.retry_s))
+                if self._closing.wait(min(1.0, self.retry_s)):
+                    raise PoolClosed(f"closed while every worker was down (last error: {error})")
                 self._probe_down()
                 live = self.live
             j = live[zlib.crc32(reqs[0].prompt_id.encode()) % len(live)]
@@ -195,7 +203,9 @@ class WorkerPool:
             self._on_event(f"inference {self.names[i]} answers again and rejoins the pool")
 
     def close(self, *, wait: bool = False) -> None:
-        """Cancels jobs not started; ``wait``: also waits for the calls already running."""
+        """Cancels jobs not started and ends waits for a worker to come back; ``wait``: also
+        waits for the calls already running."""
+        self._closing.set()
         self._coordinator.shutdown(wait=wait, cancel_futures=True)
         self._threads.shutdown(wait=wait, cancel_futures=True)
 

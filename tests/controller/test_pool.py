@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+
 import jax
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ from flax import nnx
 
 from rlax_tpu import models
 from rlax_tpu.config import InferenceConfig
-from rlax_tpu.controller.pool import NoWorkers, WorkerPool
+from rlax_tpu.controller.pool import NoWorkers, PoolClosed, WorkerPool
 from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.inference.worker import DictWeightSource, InferenceWorker
@@ -113,6 +115,20 @@ def test_a_failing_worker_has_its_work_reassigned_and_rejoins(workers):
         assert tokens(got) == expected
     finally:
         pool.close()
+
+
+def test_closing_the_pool_ends_a_wait_for_workers_to_come_back(workers):
+    """A controller stopped (SIGTERM) while every worker is down exits at once, not after the
+    retry window: the job waiting for a worker fails with PoolClosed."""
+    flaky = Flaky(workers[0])
+    flaky.down = True
+    pool = WorkerPool([flaky], retry_s=600.0, on_event=lambda e: None)
+    job = pool.submit(0, requests(2))
+    with pytest.raises(cf.TimeoutError):  # still waiting for the worker (600 s window)
+        job.result(timeout=1.0)
+    pool.close()
+    with pytest.raises(PoolClosed, match="closed while every worker was down"):
+        job.result(timeout=30.0)
 
 
 def test_no_live_worker_is_a_clear_error(workers):
