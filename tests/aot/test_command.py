@@ -100,6 +100,7 @@ def check_fits(report: dict, topology: str) -> dict[str, dict]:
     return programs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(COMPILES))
 def test_every_program_compiles_and_fits(reports, name):
     code, err, report = reports[name]

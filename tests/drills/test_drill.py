@@ -39,6 +39,7 @@ def test_a_plan_hits_every_kind_before_any_twice_and_is_seeded():
 
 # The drill's own wait (900 s) sits inside this test's pytest-timeout, so a slow run fails with
 # the drill's output instead of pytest's bare timeout.
+@pytest.mark.slow
 @pytest.mark.timeout(1000)
 def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     """Five SIGKILLs, one of each kind, each restarted: every group trained exactly once, η_a

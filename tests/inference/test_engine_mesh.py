@@ -163,6 +163,7 @@ def test_a_sharded_engine_keeps_its_layout_and_never_recompiles_in_steady_state(
     assert engine.cache.k_pages.sharding.spec == P(None, "tensor")  # donated and kept
 
 
+@pytest.mark.slow
 def test_an_engine_spanning_two_processes_gives_the_same_tokens(tiny_model, tmp_path):
     """A worker over two hosts: two jax.distributed processes (gloo on 127.0.0.1, 4 CPU devices
     each) run one engine on a data 2 x tensor 4 mesh across both, each following the same calls;

@@ -262,6 +262,7 @@ def _own_slice_bytes(shardings: Any, shapes: Any, hosts: list[set]) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_python_m_rlax_tpu_inference_over_two_processes(tmp_path):
     """One worker over two hosts, as `python -m rlax_tpu.inference` twice (jax.distributed on
     127.0.0.1, gloo, 2 CPU devices each) on a tensor-4 mesh that spans both: process 0 serves,

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rlax_tpu.launch.local import launched_pids
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,6 +63,7 @@ def _launch_id(stdout: str) -> str:
     return m.group(1)
 
 
+@pytest.mark.slow
 def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tmp_path):
     """Two parameter-server replicas, a trainer of two jax.distributed processes, one inference
     worker, the verifiers and the controller, each its own process: the warm-up runs first and

@@ -148,6 +148,7 @@ def _objective(scorer: Trainer, params: dict, batch) -> float:  # noqa: ANN001
     return float((adv.reshape(-1) * per_row).mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("module", "preset"), PRESETS, ids=[f"{m}:{p}" for m, p in PRESETS])
 def test_preset_updates_as_float32_does(module, preset, tmp_path):
     cfg = scaled_down(_preset(module, preset))

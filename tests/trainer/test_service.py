@@ -194,6 +194,7 @@ def _local_with(overrides: dict) -> RunConfig:
     return from_dict(RunConfig, d)
 
 
+@pytest.mark.slow
 def test_a_trainer_over_two_processes_serves_one_endpoint(tmp_path):
     """`python -m rlax_tpu.trainer` as the two processes of one jax.distributed job (gloo, 4 CPU
     devices each, parameters split 8 ways over fsdp): process 0 serves gRPC, process 1 makes every
