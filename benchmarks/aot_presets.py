@@ -37,9 +37,9 @@ CASES: dict[str, list[str]] = {
     # The trainer's 64 layers are scanned (trainer.scan_layers): one layer body whatever the depth,
     # so the full step compiles on this 24 GiB host (unrolled, XLA was killed at 22 GB after 14
     # min); FLOPs and bytes of scanned programs are counted by depth (aot/report.cost_by_depth).
-    "v5p-trainer-v5p_8x8x4": [
+    "v5p-trainer-v5p_4x8x8": [
         "--config=configs/codeforces.py:v5p",
-        "--topology=v5p:8x8x4",
+        "--topology=v5p:4x8x8",
         "--component=trainer",
     ],
     # One TPU VM of 8 chips split in two halves (trainer, one worker): each half is a v5e:2x2.

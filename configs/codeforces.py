@@ -4,7 +4,7 @@ Presets:
   local      CPU, a tiny model, procedural + bundled problems graded in the sandbox (the `make run`
              demo).
   v5p        paper scale on GKE (RLAX's layout): a QwQ-32B-class (Qwen2) model trained on a v5p-512
-             slice (v5p:8x8x4, 64 hosts), 32 inference workers on v5p:2x2x1 slices, η_r = 16,
+             slice (v5p:4x8x8, 64 hosts), 32 inference workers on v5p:2x2x1 slices, η_r = 16,
              η_a = 32, GRPO-style clipping.
   v5p_small  the same on a small v5p allocation: Qwen2.5-Coder-7B-Instruct trained on v5p:2x2x2
              (2 hosts), 2 inference workers on v5p:2x2x1.
@@ -210,7 +210,7 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         schedule="warmup_cosine",
         warmup_steps=10,
         weight_decay=0.1,
-        # A micro-batch splits over the batch shards: 32 on v5p:8x8x4 (256 chips / tensor 8).
+        # A micro-batch splits over the batch shards: 32 on v5p:4x8x8 (256 chips / tensor 8).
         grad_clip_norm=1.0,
         micro_batch_size=32,
         publish_dtype="bfloat16",
@@ -261,7 +261,7 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         snapshot_keep=12,
     )
     cfg.algorithm.update(name="grpo", group_size=16, eps_low=0.2, eps_high=0.28)
-    cfg.topology.update(trainer_tpu="v5p:8x8x4", inference_tpu="v5p:2x2x1", verifier_replicas=4)
+    cfg.topology.update(trainer_tpu="v5p:4x8x8", inference_tpu="v5p:2x2x1", verifier_replicas=4)
     return _on_gke(cfg)
 
 

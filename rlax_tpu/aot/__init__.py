@@ -1,6 +1,6 @@
 """Ahead-of-time checks: compile every program of a config for a TPU topology on any machine.
 
-    python -m rlax_tpu.aot --config=configs/codeforces.py:v5p --topology=v5p:8x8x4
+    python -m rlax_tpu.aot --config=configs/codeforces.py:v5p --topology=v5p:4x8x8
 
 JAX runs on the CPU here (``JAX_PLATFORMS=cpu`` unless set): the TPU programs are compiled by
 libtpu for a described topology (``jax.experimental.topologies``), never run, so no TPU is needed

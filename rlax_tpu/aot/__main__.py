@@ -1,7 +1,7 @@
 """Compile a config's trainer and inference programs for a TPU topology, without a TPU, and
 report per device: memory against HBM, FLOPs, bytes accessed and a roofline time.
 
-    python -m rlax_tpu.aot --config=configs/codeforces.py:v5p --topology=v5p:8x8x4 \\
+    python -m rlax_tpu.aot --config=configs/codeforces.py:v5p --topology=v5p:4x8x8 \\
         --inference_topology=v5p:2x2x1
     python -m rlax_tpu.aot --config=configs/codeforces.py:local --topology=v5e:2x2 --component=trainer
 
@@ -32,7 +32,7 @@ from rlax_tpu import cli
 from rlax_tpu.config import RunConfig
 
 COMPONENTS = ("trainer", "inference", "all")
-flags.DEFINE_string("topology", None, "TPU topology to compile for, e.g. v5e:2x2, v5p:8x8x4.")
+flags.DEFINE_string("topology", None, "TPU topology to compile for, e.g. v5e:2x2, v5p:4x8x8.")
 flags.DEFINE_string(
     "inference_topology", None, "The inference workers' slice (default: --topology)."
 )

@@ -63,7 +63,7 @@ class DeviceSpec:
 
 
 def chip_of(topology: str) -> ChipSpec:
-    """The chip of a topology name like ``v5p:8x8x4``; KeyError naming the known chips."""
+    """The chip of a topology name like ``v5p:4x8x8``; KeyError naming the known chips."""
     name = topology.split(":", 1)[0].strip().lower()
     if name not in CHIPS:
         raise KeyError(

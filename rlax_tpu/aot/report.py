@@ -15,6 +15,7 @@ from rlax_tpu import cli
 from rlax_tpu.aot.check import FAILED, FITS, HEADROOM, TOO_BIG, ProgramReport, compile_all
 from rlax_tpu.aot.chips import DeviceSpec, chip_of, device_spec
 from rlax_tpu.config import RunConfig
+from rlax_tpu.config.slices import parse_slice
 from rlax_tpu.models.aot import AbstractProgram
 
 Builder = Callable[[RunConfig, Sequence[jax.Device]], list[AbstractProgram]]
@@ -25,13 +26,17 @@ class TopologyError(ValueError):
 
 
 def topology_devices(name: str) -> list[jax.Device]:
-    """The devices of a TPU topology such as ``v5p:8x8x4`` (compile-only; needs libtpu)."""
+    """The devices of a TPU topology such as ``v5p:4x8x8`` (compile-only; needs libtpu)."""
     from jax.experimental import topologies
 
     try:
         chip_of(name)
     except KeyError as e:
         raise TopologyError(str(e.args[0])) from None
+    try:
+        parse_slice(name)  # a shape no node pool carries compiles, but could never run
+    except ValueError as e:
+        raise TopologyError(str(e)) from None
     try:
         return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
     except Exception as e:  # noqa: BLE001 - libtpu's errors vary; say what to do

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 from rlax_tpu.config.checks import bad, frozen, non_negative, positive
+from rlax_tpu.config.slices import parse_slice
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-_TPU_SLICE = re.compile(r"(v4|v5e|v5p|v6e):\d+(x\d+){1,2}")
 
 
 @frozen
@@ -26,7 +26,7 @@ class TopologyConfig:
     namespace: str = "rlax"  # Kubernetes namespace of every object
     image: str = "rlax-tpu:latest"  # one image for every component (deploy/docker/Containerfile)
     # A TPU slice as "<generation>:<topology>" (the names `python -m rlax_tpu.aot` compiles for),
-    # e.g. "v5p:8x8x4"; "" runs the component on CPU nodes.
+    # e.g. "v5p:4x8x8" (config/slices.py); "" runs the component on CPU nodes.
     trainer_tpu: str = ""
     inference_tpu: str = ""  # each worker's slice
     verifier_replicas: int = 1  # verifier pods behind the verifier Service
@@ -51,8 +51,13 @@ class TopologyConfig:
             if not _DNS_LABEL.fullmatch(getattr(self, n)) or len(getattr(self, n)) > 40:
                 raise bad(self, n, "must be a DNS label (a-z, 0-9, '-'; at most 40 characters)")
         for n in ("trainer_tpu", "inference_tpu"):
-            if getattr(self, n) and not _TPU_SLICE.fullmatch(getattr(self, n)):
-                raise bad(self, n, "must be '' or '<v4|v5e|v5p|v6e>:<topology>', e.g. 'v5p:2x2x1'")
+            if getattr(self, n):
+                try:
+                    parse_slice(getattr(self, n))
+                except ValueError as e:
+                    raise bad(
+                        self, n, f"must be '' or a TPU slice such as 'v5p:2x2x1': {e}"
+                    ) from None
         positive(self, "verifier_replicas", "controller_memory_gib")
         non_negative(self, "param_server_memory_gib", "max_restarts", "trainer_devices")
         if not self.image:

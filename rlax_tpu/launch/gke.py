@@ -32,7 +32,7 @@ from typing import Any
 
 from rlax_tpu import storage
 from rlax_tpu.config import ConfigError, MeshConfig, RunConfig
-from rlax_tpu.launch.slices import TpuSlice, parse_slice
+from rlax_tpu.launch.slices import TpuSlice, gke_accelerator, parse_slice
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 COORDINATOR_PORT = 8476  # jax.distributed's coordinator, inside one job
@@ -388,7 +388,7 @@ def _pod(
         spec["securityContext"] = {"fsGroup": 1000}  # the Secret's files readable by uid 1000
     if tpu is not None:
         spec["nodeSelector"] = {
-            "cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
+            "cloud.google.com/gke-tpu-accelerator": gke_accelerator(tpu),
             "cloud.google.com/gke-tpu-topology": tpu.topology,
         }
     if component == "verifiers":
@@ -517,6 +517,11 @@ EDGES = (
 # Components that reach GCS (run directory, checkpoints, persisted versions, weights).
 GCS_CLIENTS = ("controller", "trainer", "inference", "param-server")
 PEERS = ("trainer", "inference")  # processes of one jax.distributed job reach each other
+# https://cloud.google.com/kubernetes-engine/docs/concepts/workload-identity (read 2026-11): "If
+# you have a strict cluster network policy in place, you must allow egress to ... 169.254.169.252/32
+# on port 988. For clusters running GKE Dataplane V2, ensure that you allowed egress to
+# 169.254.169.254/32 on port 80." Both, so the policy holds on either dataplane.
+METADATA_SERVER_EGRESS = (("169.254.169.252/32", 988), ("169.254.169.254/32", 80))
 
 
 def network_policies(config: RunConfig) -> list[dict[str, Any]]:
@@ -540,6 +545,11 @@ def network_policies(config: RunConfig) -> list[dict[str, Any]]:
 
     dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
     gcs = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"protocol": "TCP", "port": 443}]}
+    # Workload Identity's tokens come from the GKE metadata server (METADATA_SERVER_EGRESS).
+    metadata = [
+        {"to": [{"ipBlock": {"cidr": cidr}}], "ports": [{"protocol": "TCP", "port": port}]}
+        for cidr, port in METADATA_SERVER_EGRESS
+    ]
     out = []
     for component in (*COMPONENTS, "controller"):
         ingress = [
@@ -562,7 +572,7 @@ def network_policies(config: RunConfig) -> list[dict[str, Any]]:
             ingress.append({"from": [{"podSelector": pods(component)}]})
             egress.append({"to": [{"podSelector": pods(component)}]})
         if component in GCS_CLIENTS:
-            egress += [dns, gcs]
+            egress += [dns, gcs, *metadata]
         elif component != "verifiers":
             egress.append(dns)
         out.append(policy(component, component, ingress, egress))

@@ -26,7 +26,7 @@ import yaml
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.launch import gke
-from rlax_tpu.launch.slices import parse_slice
+from rlax_tpu.launch.slices import gke_accelerator, parse_slice
 
 REPO = Path(__file__).resolve().parents[2]
 JOBSET_SCHEMA = REPO / "deploy" / "gke" / "schemas" / "jobset-v1alpha2.json"
@@ -166,10 +166,9 @@ def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -
         selector = pod.get("nodeSelector", {})
         if tpu:
             s = parse_slice(tpu)
-            if (
-                selector.get("cloud.google.com/gke-tpu-topology") != s.topology
-                or selector.get("cloud.google.com/gke-tpu-accelerator") != s.gke_accelerator
-            ):
+            if selector.get("cloud.google.com/gke-tpu-topology") != s.topology or selector.get(
+                "cloud.google.com/gke-tpu-accelerator"
+            ) != gke_accelerator(s):
                 problems.append(f"{name}'s node selector {selector} is not {s.name}")
             chips = pod["containers"][0]["resources"]["limits"].get("google.com/tpu")
             if chips != str(s.chips_per_host):
@@ -282,9 +281,34 @@ def network_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -> li
     ]
     for policy in _by_kind(objects, "NetworkPolicy").values():
         selector = policy["spec"]["podSelector"].get("matchLabels", {})
-        if selector.get(gke.L_RJOB) == "verifiers" and policy["spec"].get("egress"):
+        component = selector.get(gke.L_RJOB)
+        egress = policy["spec"].get("egress", [])
+        if component == "verifiers" and egress:
             problems.append(f"NetworkPolicy {policy['metadata']['name']} lets verifiers out")
+        if component in gke.GCS_CLIENTS:
+            for cidr, port in gke.METADATA_SERVER_EGRESS:
+                if not any(_admits_ip(rule, cidr, port) for rule in egress):
+                    problems.append(
+                        f"NetworkPolicy {policy['metadata']['name']} blocks the GKE metadata "
+                        f"server {cidr} port {port}: Workload Identity cannot get {component} "
+                        "a token for GCS"
+                    )
     return problems
+
+
+def _admits_ip(rule: dict[str, Any], cidr: str, port: int) -> bool:
+    """Whether an egress rule lets traffic to ``cidr`` (a /32) on TCP ``port`` out."""
+    import ipaddress
+
+    host = ipaddress.ip_network(cidr).network_address
+    peers, ports = rule.get("to"), rule.get("ports")
+    peer_ok = peers is None or any(
+        "ipBlock" in p
+        and host in ipaddress.ip_network(p["ipBlock"]["cidr"])
+        and not any(host in ipaddress.ip_network(x) for x in p["ipBlock"].get("except", []))
+        for p in peers
+    )
+    return peer_ok and (ports is None or any(p.get("port") == port for p in ports))
 
 
 def run(config: RunConfig, args: list[str]) -> int:

@@ -28,7 +28,7 @@ def test_hbm_limit_is_read_from_both_oom_messages():
 
 
 def test_unknown_chip_is_named():
-    assert chip_of("v5p:8x8x4") is CHIPS["v5p"]
+    assert chip_of("v5p:4x8x8") is CHIPS["v5p"]
     with pytest.raises(KeyError, match="known: v4, v5e, v5p, v6e"):
         chip_of("v9x:2x2")
 

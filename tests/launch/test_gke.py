@@ -168,6 +168,29 @@ def test_network_policies_allow_exactly_the_designed_edges(small):
     assert "allow verifiers -> param-server" in problems
 
 
+def test_gcs_clients_reach_the_metadata_server_for_workload_identity(small):
+    """GKE's Workload Identity docs: with a strict network policy, allow egress to
+    169.254.169.252/32 port 988, and on Dataplane V2 to 169.254.169.254/32 port 80 (read
+    2026-11). Every pod that reads GCS gets both; the verifiers none; a policy that drops one
+    is named by the validator."""
+    config, objects = small
+    assert validate.network_problems(config, objects) == []
+    policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}
+    for component in gke.GCS_CLIENTS:
+        egress = policies[f"rlax-{component}"]["spec"]["egress"]
+        assert any(validate._admits_ip(r, "169.254.169.254/32", 80) for r in egress)
+        assert any(validate._admits_ip(r, "169.254.169.252/32", 988) for r in egress)
+    broken = copy.deepcopy(objects)
+    policies = {o["metadata"]["name"]: o for o in broken if o["kind"] == "NetworkPolicy"}
+    egress = policies["rlax-trainer"]["spec"]["egress"]
+    egress[:] = [r for r in egress if not validate._admits_ip(r, "169.254.169.252/32", 988)]
+    problems = validate.network_problems(config, broken)
+    assert problems == [
+        "NetworkPolicy rlax-trainer blocks the GKE metadata server 169.254.169.252/32 port 988: "
+        "Workload Identity cannot get trainer a token for GCS"
+    ]
+
+
 def test_pods_get_their_index_and_coordinator_from_the_jobset(small):
     config, objects = small
     trainer = _pod(objects, "trainer")["containers"][0]
@@ -268,7 +291,7 @@ def test_param_server_memory_is_sized_from_the_model():
     ("name", "chips", "hosts", "per_host"),
     [
         ("v5p:2x2x1", 4, 1, 4),
-        ("v5p:8x8x4", 256, 64, 4),
+        ("v5p:4x8x8", 256, 64, 4),
         ("v5e:2x4", 8, 1, 8),
         ("v6e:4x4", 16, 4, 4),
         ("v4:2x2x2", 8, 2, 4),
