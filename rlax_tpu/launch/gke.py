@@ -257,6 +257,27 @@ def render(config: RunConfig, config_args: Sequence[str]) -> dict[str, list[dict
     }
 
 
+# Set-up objects, applied once and kept when a run stops (``kubectl delete -k`` on the overlay
+# deletes what its kustomization lists; the credentials Secret lives in this namespace).
+SETUP_FILE = "namespace.yaml"
+
+
+def namespace(config: RunConfig) -> dict[str, Any]:
+    """The run's Namespace. Verifier pods need more than "restricted" Pod Security (bubblewrap:
+    SYS_ADMIN in a user namespace); every other pod would pass it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {
+            "name": config.topology.namespace,
+            "labels": {
+                "pod-security.kubernetes.io/enforce": "privileged",
+                "pod-security.kubernetes.io/warn": "restricted",
+            },
+        },
+    }
+
+
 # -- the JobSet ----------------------------------------------------------------------------------
 
 

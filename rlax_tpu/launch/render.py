@@ -23,9 +23,22 @@ def header(config_args: Sequence[str]) -> str:
     )
 
 
+def usage(config: RunConfig) -> str:
+    """The overlay's life cycle, as comments (the kustomization's head)."""
+    t = config.topology
+    return (
+        f"# Once: kubectl apply -f DIR/{gke.SETUP_FILE}, then create the Secret "
+        f"{t.credentials_secret} in namespace {t.namespace}\n"
+        "# (deploy/gke/make-credentials.sh). Start or resume: kubectl apply -k DIR. Stop:\n"
+        "# kubectl delete -k DIR (the namespace and the Secret stay, so applying again resumes).\n"
+        f"# Remove everything: kubectl delete -k DIR; kubectl delete -f DIR/{gke.SETUP_FILE}\n"
+    )
+
+
 def overlay_files(config: RunConfig, config_args: Sequence[str], out_dir: Path) -> dict[str, str]:
     """{file name: text} of the overlay in ``out_dir``: the rendered objects and a kustomization
-    putting them, with ``deploy/gke/base``, in the topology's namespace."""
+    putting them, with ``deploy/gke/base`` (the service account), in the topology's namespace;
+    and the namespace itself, apart (set up once, kept when the run stops)."""
     objects = gke.render(config, config_args)
     head = header(config_args)
     files = {name: head + _dump_all(objs) for name, objs in objects.items()}
@@ -36,7 +49,9 @@ def overlay_files(config: RunConfig, config_args: Sequence[str], out_dir: Path) 
         "resources": [os.path.relpath(BASE, out_dir.resolve()), *objects],
         "labels": [{"pairs": {"app.kubernetes.io/part-of": "rlax-tpu"}, "includeSelectors": False}],
     }
-    files["kustomization.yaml"] = head + _dump_all([kustomization])
+    files["kustomization.yaml"] = head + usage(config) + _dump_all([kustomization])
+    # Not a resource of the kustomization: deleting the overlay must not delete it.
+    files[gke.SETUP_FILE] = head + _dump_all([gke.namespace(config)])
     return files
 
 

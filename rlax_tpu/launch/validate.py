@@ -42,8 +42,15 @@ def kustomize_binary() -> str:
     return found
 
 
+def setup_objects(overlay: Path) -> list[dict[str, Any]]:
+    """The set-up objects beside the overlay (its namespace; not part of the kustomization)."""
+    path = overlay / gke.SETUP_FILE
+    return [o for o in yaml.safe_load_all(path.read_text()) if o] if path.exists() else []
+
+
 def build(overlay: Path) -> list[dict[str, Any]]:
-    """The objects ``kustomize build overlay`` renders."""
+    """The objects ``kustomize build overlay`` renders (what ``kubectl apply -k`` creates and
+    ``kubectl delete -k`` deletes)."""
     done = subprocess.run(
         [kustomize_binary(), "build", str(overlay)], capture_output=True, text=True, timeout=120
     )
@@ -311,6 +318,23 @@ def _admits_ip(rule: dict[str, Any], cidr: str, port: int) -> bool:
     return peer_ok and (ports is None or any(p.get("port") == port for p in ports))
 
 
+def lifecycle_problems(
+    config: RunConfig, objects: Sequence[dict[str, Any]], setup: Sequence[dict[str, Any]]
+) -> list[str]:
+    """Stopping a run (``kubectl delete -k``) must keep what resuming it needs: the namespace
+    and the credentials Secret in it are set up apart, never in the kustomization."""
+    t = config.topology
+    problems = [
+        f"the overlay deletes {o['kind']}/{o['metadata']['name']} when the run stops; set it up "
+        f"apart ({gke.SETUP_FILE})"
+        for o in objects
+        if o["kind"] in ("Namespace", "Secret")
+    ]
+    if not [o for o in setup if o["kind"] == "Namespace" and o["metadata"]["name"] == t.namespace]:
+        problems.append(f"no {gke.SETUP_FILE} beside the overlay makes namespace {t.namespace!r}")
+    return problems
+
+
 def run(config: RunConfig, args: list[str]) -> int:
     from rlax_tpu import cli
 
@@ -322,7 +346,9 @@ def run(config: RunConfig, args: list[str]) -> int:
     except (ValueError, FileNotFoundError, subprocess.TimeoutExpired) as e:
         print(f"rlax_tpu.launch.validate: error: {e}", file=sys.stderr)
         return 1
-    problems = schema_problems(objects) + consistency_problems(config, objects)
+    setup = setup_objects(Path(args[0]))
+    problems = schema_problems([*setup, *objects]) + consistency_problems(config, objects)
+    problems += lifecycle_problems(config, objects, setup)
     for p in problems:
         print(f"- {p}")
     print(

@@ -70,9 +70,13 @@ def test_an_overlay_builds_and_validates(overlay):
     config = _config(_flags(overlay))
     objects = validate.build(overlay)
     kinds = sorted({o["kind"] for o in objects})
-    assert kinds == ["JobSet", "Namespace", "NetworkPolicy", "Service", "ServiceAccount"]
-    assert validate.schema_problems(objects) == []
+    # What `kubectl delete -k` deletes: no Namespace (and so no Secret in it).
+    assert kinds == ["JobSet", "NetworkPolicy", "Service", "ServiceAccount"]
+    setup = validate.setup_objects(overlay)
+    assert [o["kind"] for o in setup] == ["Namespace"]
+    assert validate.schema_problems([*setup, *objects]) == []
     assert validate.consistency_problems(config, objects) == []
+    assert validate.lifecycle_problems(config, objects, setup) == []
     # The counts the config names are the objects deployed.
     services = [o for o in objects if o["kind"] == "Service"]
     assert len(services) == config.param_server.replicas + config.inference.num_workers + 2
@@ -166,6 +170,23 @@ def test_network_policies_allow_exactly_the_designed_edges(small):
     problems = "\n".join(validate.network_problems(config, broken))
     assert "lets verifiers out" in problems
     assert "allow verifiers -> param-server" in problems
+
+
+def test_stopping_a_run_keeps_its_namespace_and_credentials(small, tmp_path):
+    """The stop (`kubectl delete -k DIR`) deletes what the kustomization lists; the namespace,
+    and with it the credentials Secret, is set up apart so applying again resumes the run. An
+    overlay that lists its namespace (as base/ did) is named by the validator."""
+    config, objects = small
+    namespace = gke.namespace(config)
+    problems = validate.lifecycle_problems(config, [*objects, namespace], [])
+    assert problems == [
+        "the overlay deletes Namespace/rlax when the run stops; set it up apart (namespace.yaml)",
+        "no namespace.yaml beside the overlay makes namespace 'rlax'",
+    ]
+    kustomization = (
+        REPO / "deploy" / "gke" / "overlays" / "v5p-small" / "kustomization.yaml"
+    ).read_text()
+    assert "Stop:\n# kubectl delete -k DIR (the namespace and the Secret stay" in kustomization
 
 
 def test_gcs_clients_reach_the_metadata_server_for_workload_identity(small):
@@ -264,6 +285,7 @@ def test_the_render_command_writes_an_overlay_and_refuses_with_every_problem(tmp
     assert sorted(p.name for p in out.iterdir()) == [
         "jobset.yaml",
         "kustomization.yaml",
+        "namespace.yaml",
         "network-policies.yaml",
         "services.yaml",
     ]
