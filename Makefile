@@ -1,14 +1,17 @@
 # Two commands on a fresh machine: `make run` (the main job, local CPU preset) and `make test`.
 # Both create or reuse .venv, install the package and the system packages it needs, then run.
 SHELL := /bin/bash
-PYTHON ?= python3
+# The first Python >= 3.11 on PATH (pyproject's floor): Cloud TPU VM images' python3 is 3.10,
+# deploy/tpu_vm/setup.sh installs python3.11 beside it.
+PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
+  $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && { echo $$p; break; }; done)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed-stamp
 KUSTOMIZE := $(VENV)/bin/kustomize
 
-.PHONY: run test setup sysdeps lint lock clean image docs bench-venv bench-decode
+.PHONY: run test setup sysdeps lint lock clean image docs bench-venv bench-decode python
 
 # RUN_ARGS: extra controller flags, e.g. RUN_ARGS="--config.controller.seed=1 --config.controller.run_dir=runs/s1"
 run: setup
@@ -50,8 +53,15 @@ sysdeps:
 # on the CPU where the host has no TPU (rlax_tpu/__init__.py).
 LOCK := requirements.lock
 
+# The interpreter the venv is made with (deploy/tpu_vm's dry run checks it).
+python:
+	@test -n "$(PYTHON)" || { echo "make: needs Python >= 3.11 on PATH (python3 is" \
+	  "$$(python3 --version 2>&1)); on Ubuntu 22.04: apt-get install python3.11 python3.11-venv" >&2; \
+	  exit 1; }
+	@echo "$(PYTHON) ($$($(PYTHON) --version 2>&1))"
+
 $(STAMP): pyproject.toml $(LOCK)
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || { $(MAKE) -s python >/dev/null && $(PYTHON) -m venv $(VENV); }
 	$(PIP) install -c $(LOCK) pip
 	$(PIP) install -c $(LOCK) torch
 	$(PIP) install -c $(LOCK) -e '.[test,tpu,deploy]'

@@ -105,7 +105,8 @@ def plan(
         f"--config.param_server.publish_token_file={secrets}/publish-token",
     ]
     replicas = config.param_server.replicas
-    ps_endpoints = [f"{lead}:{ports['param_server'] + r}" for r in range(replicas)]
+    ps_ports = replica_ports(ports, replicas)
+    ps_endpoints = [f"{lead}:{port}" for port in ps_ports]
     wired = [
         *args,
         *creds,
@@ -120,11 +121,11 @@ def plan(
                 *py,
                 "rlax_tpu.param_server",
                 *wired,
-                f"--config.param_server.address=0.0.0.0:{ports['param_server'] + r}",
+                f"--config.param_server.address=0.0.0.0:{port}",
                 f"--config.param_server.replica_index={r}",
             ),
         )
-        for r in range(replicas)
+        for r, port in enumerate(ps_ports)
     ]
     verifier = f"127.0.0.1:{ports['verifiers']}"
     out.append(
@@ -187,6 +188,20 @@ def plan(
             ),
         )
     )
+    return out
+
+
+def replica_ports(ports: dict[str, int], replicas: int) -> list[int]:
+    """The lead VM's ports of the parameter-server replicas: param_server's port and the next
+    free ones after it, skipping the ports the trainer, the workers and the verifiers listen on
+    (they share that host: replica r at port + r would land on the trainer's, 50053)."""
+    taken = {port for section, port in ports.items() if section != "param_server"}
+    taken.add(COORDINATOR_PORT)
+    out, port = [], ports["param_server"]
+    while len(out) < replicas:
+        if port not in taken:
+            out.append(port)
+        port += 1
     return out
 
 

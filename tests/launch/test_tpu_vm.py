@@ -8,6 +8,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,86 @@ def test_a_config_that_does_not_fit_the_vms_is_refused():
     assert done.returncode == 2
     assert "the trainer's VM has 1 hosts, v5p:2x2x2 has 2" in done.stderr
     assert "1 inference VMs for inference.num_workers 2" in done.stderr
+
+
+def _remote(done: subprocess.CompletedProcess[str], marker: str) -> list[str]:
+    return [c[-1] for c in _gcloud(done.stdout) if marker in c[-1]]
+
+
+def test_setup_installs_and_uses_a_python_the_project_supports(tmp_path):
+    """Cloud TPU VM images are Ubuntu 22.04 (https://cloud.google.com/tpu/docs/runtimes:
+    tpu-ubuntu2204-base, v2-alpha-tpuv5...), whose python3 is 3.10, below pyproject's 3.11:
+    setup.sh installs python3.11 before `make setup`, and the Makefile makes the venv with the
+    newest Python >= 3.11 on PATH, refusing with the fix where there is none."""
+    install = _remote(_script("setup.sh"), "make setup")[0]
+    assert install.index("apt-get install -y -qq python3.11 python3.11-venv") < install.index(
+        "sudo make setup"
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    image_python = bin_dir / "python3"  # the image's: 3.10
+    image_python.write_text("#!/bin/sh\necho 'Python 3.10.12'; exit 1\n")
+    image_python.chmod(0o755)
+    make = ["/usr/bin/make", "-s", "-C", str(REPO), "python"]
+    refused = subprocess.run(make, env={"PATH": str(bin_dir)}, capture_output=True, text=True)
+    assert refused.returncode != 0
+    assert "needs Python >= 3.11 on PATH (python3 is Python 3.10.12)" in refused.stderr
+    assert "apt-get install python3.11 python3.11-venv" in refused.stderr
+    (bin_dir / "python3.11").symlink_to(Path(sys.executable).resolve())  # after setup.sh's apt
+    chosen = subprocess.run(make, env={"PATH": str(bin_dir)}, capture_output=True, text=True)
+    assert chosen.returncode == 0, chosen.stderr
+    assert chosen.stdout.startswith("python3.11 (Python 3.11.")
+
+
+def test_credentials_are_readable_by_root_and_the_login_group_only():
+    installs = _remote(_script("setup.sh", **POD), "/etc/rlax")
+    assert len(installs) == 3  # every VM
+    for install in installs:
+        assert "install -d -m 0750" in install and "install -m 0640" in install
+        assert "0644" not in install and "0755" not in install
+
+
+def test_stop_reaches_every_vm_and_does_not_kill_its_own_shell(tmp_path):
+    """stop.sh's remote command SIGTERMs the run's processes and exits 0: `pkill -f` matches
+    command lines, and a plain pattern also matches the shell that runs it (exit 143, and the
+    script stopped before the other VMs). Run here with the process name made unique, so the
+    test stops nothing else."""
+    done = _script("stop.sh", **POD)
+    assert done.returncode == 0, done.stderr
+    calls = [c for c in _gcloud(done.stdout) if c[4] == "ssh"]
+    assert [(c[5], _flag(c, "--worker")) for c in calls] == [
+        ("rl", "all"),
+        ("rl-inference-0", "all"),
+        ("rl-inference-1", "all"),
+    ]
+    command = calls[0][-1]
+    assert command.startswith("sudo ")
+    unique = f"rlax_tpu_stoptest_{os.getpid()}"
+    local = command.removeprefix("sudo ").replace("rlax_tpu", unique)
+    victim = subprocess.Popen(["bash", "-c", f"exec -a 'python -m {unique}.controller' sleep 60"])
+    try:
+        deadline = time.monotonic() + 10
+        while unique not in Path(f"/proc/{victim.pid}/cmdline").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        stopped = subprocess.run(["bash", "-c", local], capture_output=True, timeout=30)
+        assert stopped.returncode == 0  # not 143: the shell survived its own pkill
+        assert victim.wait(timeout=10) == -15  # SIGTERM
+    finally:
+        victim.kill()
+
+
+def test_parameter_server_replicas_get_ports_of_their_own():
+    """Every replica listens on the lead VM beside the trainer and the verifiers: replica r at
+    param_server's port + r would take the trainer's (50053) and the verifiers' (50054)."""
+    three = "--config.controller.param_server_endpoints=('a:1','b:2','c:3',)"
+    done = _script("start.sh", **POD, EXTRA_FLAGS=f"--config.param_server.replicas=3 {three}")
+    assert done.returncode == 0, done.stderr
+    listening = []
+    for vm, worker, argv in _processes(done.stdout):
+        for arg in argv:
+            if arg.startswith("--config.") and ".address=" in arg and arg.count(":") == 1:
+                listening.append((vm, worker, arg.rpartition(":")[2]))
+    lead = [port for vm, worker, port in listening if (vm, worker) == ("rl", "0")]
+    assert len(lead) == len(set(lead)) == 3 + 2  # 3 replicas, the trainer, the verifiers
+    assert "8476" not in lead  # jax.distributed's coordinator
