@@ -24,6 +24,10 @@ from ml_collections import config_flags
 from rlax_tpu.config import ConfigError, RunConfig, base_config_dict, from_dict, to_dict
 
 EXIT_USAGE = 2  # bad flags or config
+# A service stopped by SIGTERM or SIGINT (128 + SIGTERM). A service never finishes on its own,
+# so a stop is never success: on GKE a drained node's pod is then Failed and its Job restarts
+# it, where exit 0 would mark it Succeeded and leave the run without it.
+EXIT_STOPPED = 143
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "codeforces.py"

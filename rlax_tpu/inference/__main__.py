@@ -68,7 +68,7 @@ def run(config: RunConfig, args: list[str]) -> int:
         if client is not None:
             client.close()
         multihost.shutdown(config.inference.distributed)
-        return 0
+        return cli.EXIT_STOPPED  # the lead stopped: so does this host's share of the job
     cfg = config.inference
     worker = InferenceWorker.from_config(config)
     worker.weight_source, client = _weight_source(config, worker.engine)
@@ -97,7 +97,7 @@ def run(config: RunConfig, args: list[str]) -> int:
     if client is not None:
         client.close()
     multihost.shutdown(config.inference.distributed)
-    return 0
+    return cli.EXIT_STOPPED
 
 
 if __name__ == "__main__":

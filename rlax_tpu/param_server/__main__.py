@@ -22,7 +22,7 @@ def run(config: RunConfig, args: list[str]) -> int:
     server.stop(grace=5).wait()
     store.flush(timeout_s=60)  # let a write-through in progress finish
     store.close()
-    return 0
+    return cli.EXIT_STOPPED
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def run(config: RunConfig, args: list[str]) -> int:
         calls = follow(trainer)
         print(f"rlax_tpu.trainer: follower stopped after {calls} calls{_pushed(sink)}", flush=True)
         _close(trainer, sink, config)
-        return 0
+        return cli.EXIT_STOPPED  # the lead stopped: so does this host's share of the job
     served = LeadTrainer(trainer) if several else trainer
     server, port = serve(served, config.trainer)
     host = config.trainer.address.rsplit(":", 1)[0]
@@ -60,7 +60,7 @@ def run(config: RunConfig, args: list[str]) -> int:
         served.stop()
     _close(trainer, sink, config)
     print(f"rlax_tpu.trainer: stopped{_pushed(sink)}", flush=True)
-    return 0
+    return cli.EXIT_STOPPED
 
 
 def _pushed(sink: Any) -> str:

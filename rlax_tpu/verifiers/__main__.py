@@ -32,7 +32,7 @@ def run(config: RunConfig, args: list[str]) -> int:
     finally:
         service.close()
     print("verifiers stopped", flush=True)
-    return 0
+    return cli.EXIT_STOPPED
 
 
 if __name__ == "__main__":

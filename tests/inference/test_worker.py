@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from rlax_tpu.cli import EXIT_STOPPED
 from rlax_tpu.config import MeshConfig
 from rlax_tpu.inference.engine import InvalidRequest
 from rlax_tpu.inference.sampler import SamplingParams
@@ -191,7 +192,7 @@ def test_python_m_rlax_tpu_inference_serves_and_stops(tmp_path):
             client.load_weights(1)
         client.shutdown()
         client.close()
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == EXIT_STOPPED
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -215,7 +216,7 @@ def test_sigterm_stops_the_service():
     try:
         assert "serving on" in proc.stdout.readline()
         proc.terminate()
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == EXIT_STOPPED
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -345,7 +346,7 @@ def test_python_m_rlax_tpu_inference_over_two_processes(tmp_path):
                 np.testing.assert_allclose(g[key].logprobs, w[key].logprobs, atol=2e-5)
         client.shutdown()
         for p in procs:
-            assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
+            assert p.wait(timeout=120) == EXIT_STOPPED, p.stderr.read()[-3000:]
         assert "follower stopped after" in procs[1].stdout.read()
         pulled = ps_store.bytes_served() - served  # the follower pulls at its next step
         # Each process pulled only its own devices' slices: what a tensor-4 mesh over this

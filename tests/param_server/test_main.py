@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rlax_tpu.cli import EXIT_STOPPED
 from rlax_tpu.param_server.client import ParamServerClient
 from tests.param_server.conftest import assert_same_tree, make_tree
 
@@ -39,7 +40,7 @@ def test_command_serves_health_and_stops_on_sigterm(tmp_path: Path):
             client.push(make_tree(0), 0)
             assert_same_tree(client.pull(), make_tree(0))
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        assert proc.wait(timeout=60) == EXIT_STOPPED, proc.stderr.read()
         assert (tmp_path / "ps" / "v000000000000" / "manifest.json").is_file()  # persist_every=1
     finally:
         if proc.poll() is None:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from rlax_tpu.cli import EXIT_STOPPED
 from rlax_tpu.config import ParamServerConfig, RunConfig, from_dict
 from rlax_tpu.param_server.client import ParamServerClient
 from rlax_tpu.param_server.service import serve as serve_param_server
@@ -66,7 +67,7 @@ def test_module_entry_point_serves_publishes_and_stops(tmp_path):
         versions, latest = ParamServerClient(f"127.0.0.1:{ps_port}").list_versions()
         assert latest == 0 and [v.version for v in versions] == [0]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == EXIT_STOPPED
         assert "stopped" in proc.stdout.read()
     finally:
         proc.kill()
@@ -250,7 +251,9 @@ def test_a_trainer_over_two_processes_serves_one_endpoint(tmp_path):
             assert client.status().published_version == 3
         procs[0].send_signal(signal.SIGTERM)
         outs = [p.communicate(timeout=120)[0] for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], [p.stderr.read()[-2000:] for p in procs]
+        assert [p.returncode for p in procs] == [EXIT_STOPPED] * 2, [
+            p.stderr.read()[-2000:] for p in procs
+        ]
         got = jax.tree.leaves(ParamServerClient(f"127.0.0.1:{ps_port}").pull(3))
         assert len(got) == len(want)
         for g, w in zip(got, want, strict=True):
