@@ -257,6 +257,8 @@ def render(config: RunConfig, config_args: Sequence[str]) -> dict[str, list[dict
     }
 
 
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+
 # Set-up objects, applied once and kept when a run stops (``kubectl delete -k`` on the overlay
 # deletes what its kustomization lists; the credentials Secret lives in this namespace).
 SETUP_FILE = "namespace.yaml"
@@ -320,11 +322,12 @@ def _replicated(
     hosts = tpu.hosts if tpu else 1
     pod = _pod(config, component, tpu, args)
     job_meta: dict[str, Any] = {}
-    if tpu is not None:
-        # One slice per job: its pods land on the nodes of one node pool, and no other job's.
-        job_meta["annotations"] = {
-            "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"
-        }
+    if tpu is not None and tpu.hosts > 1:
+        # A multi-host slice's pods must land on the nodes of one node pool (one slice, its ICI),
+        # and no other job's. JobSet: the annotation "defines 1:1 job to topology placement"
+        # (jobset.sigs.k8s.io, concepts). Not on single-host jobs: one node is a whole slice,
+        # and 1:1 would need a node pool per worker (with one shared pool only one schedules).
+        job_meta["annotations"] = {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
     return {
         "name": component,
         "replicas": replicas,

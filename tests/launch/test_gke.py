@@ -328,3 +328,19 @@ def test_slices(name, chips, hosts, per_host):
 def test_bad_slices_are_refused(name):
     with pytest.raises(ValueError):
         parse_slice(name)
+
+
+def test_only_multi_host_slices_ask_for_a_node_pool_of_their_own(small):
+    """exclusive-topology places a child Job 1:1 on a node pool (JobSet docs, concepts): right
+    for the trainer's 2-host v5p:2x2x2 (its pods share one slice's ICI); on each single-host
+    inference worker it would ask for a pool per worker, and with one pool of v5p:2x2x1 nodes
+    only one worker would schedule (and InOrder start-up never reaches the controller)."""
+    _, objects = small
+    rjobs = {r["name"]: r for r in _jobset(objects)["spec"]["replicatedJobs"]}
+    annotations = {
+        name: (r["template"].get("metadata") or {}).get("annotations", {})
+        for name, r in rjobs.items()
+    }
+    assert annotations["trainer"] == {gke.EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
+    assert rjobs["inference"]["replicas"] == 2
+    assert gke.EXCLUSIVE_TOPOLOGY not in annotations["inference"]
