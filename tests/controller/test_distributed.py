@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 
+from rlax_tpu.cli import EXIT_STOPPED
 from rlax_tpu.inference.service import InferenceClient
 from tests.conftest import free_port
 
@@ -219,8 +220,9 @@ def test_distributed_run_against_separate_processes(tmp_path):
             s.terminate()
         for s in services:
             s.stop()
-    for s in services:  # every service stops cleanly on SIGTERM (the verifiers were killed)
-        assert s.proc.returncode == (-signal.SIGKILL if s is verifiers else 0), (
+    # Every service stops cleanly on SIGTERM, with EXIT_STOPPED (the verifiers were killed).
+    for s in services:
+        assert s.proc.returncode == (-signal.SIGKILL if s is verifiers else EXIT_STOPPED), (
             f"{s.module} exited {s.proc.returncode}:\n{s.output()}"
         )
 

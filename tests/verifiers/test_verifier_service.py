@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from rlax_tpu.cli import EXIT_STOPPED
 from rlax_tpu.rpc import transport
 from rlax_tpu.types import VerdictKind
 from rlax_tpu.verifiers import api
@@ -182,7 +183,7 @@ def test_python_m_verifiers_starts_and_answers(verifier_config):
             [verdict] = client.verify([UnitTestTask(code="x = 1\n", test="assert x == 1\n")])
         assert verdict.accepted
         proc.terminate()
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == EXIT_STOPPED
         assert "verifiers stopped" in proc.stdout.read()
     finally:
         if proc.poll() is None:
