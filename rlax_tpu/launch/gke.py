@@ -35,6 +35,7 @@ from rlax_tpu.config import ConfigError, MeshConfig, RunConfig
 from rlax_tpu.launch.slices import TpuSlice, gke_accelerator, parse_slice
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"  # JobSet's 1:1 job placement
 COORDINATOR_PORT = 8476  # jax.distributed's coordinator, inside one job
 IMAGE_CONFIG_ROOT = "/app"  # the image's working directory: configs/ is under it
 TOKEN_KEY, TLS_KEY, PUBLISH_KEY = "token", "tls.pem", "publish-token"
@@ -256,8 +257,6 @@ def render(config: RunConfig, config_args: Sequence[str]) -> dict[str, list[dict
         "network-policies.yaml": network_policies(config),
     }
 
-
-EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 
 # Set-up objects, applied once and kept when a run stops (``kubectl delete -k`` on the overlay
 # deletes what its kustomization lists; the credentials Secret lives in this namespace).

@@ -14,6 +14,7 @@ the verifiers. Exit status 0 when all holds, 1 with every problem listed.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shutil
 import subprocess
@@ -173,9 +174,11 @@ def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -
         selector = pod.get("nodeSelector", {})
         if tpu:
             s = parse_slice(tpu)
-            if selector.get("cloud.google.com/gke-tpu-topology") != s.topology or selector.get(
-                "cloud.google.com/gke-tpu-accelerator"
-            ) != gke_accelerator(s):
+            want = {
+                "cloud.google.com/gke-tpu-topology": s.topology,
+                "cloud.google.com/gke-tpu-accelerator": gke_accelerator(s),
+            }
+            if {k: selector.get(k) for k in want} != want:
                 problems.append(f"{name}'s node selector {selector} is not {s.name}")
             chips = pod["containers"][0]["resources"]["limits"].get("google.com/tpu")
             if chips != str(s.chips_per_host):
@@ -305,8 +308,6 @@ def network_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -> li
 
 def _admits_ip(rule: dict[str, Any], cidr: str, port: int) -> bool:
     """Whether an egress rule lets traffic to ``cidr`` (a /32) on TCP ``port`` out."""
-    import ipaddress
-
     host = ipaddress.ip_network(cidr).network_address
     peers, ports = rule.get("to"), rule.get("ports")
     peer_ok = peers is None or any(

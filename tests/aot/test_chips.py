@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlax_tpu.aot.chips import CHIPS, GiB, chip_of, device_spec, hbm_limit_from_error, parse_size
-from rlax_tpu.aot.report import topology_devices
+from rlax_tpu.aot.report import TopologyError, topology_devices
 
 
 def test_parse_size_reads_xla_binary_units():
@@ -49,3 +49,9 @@ def test_device_spec_probes_the_compilers_hbm_limit(topology, per_chip, table_gi
     assert 0.95 * spec.hbm_bytes <= spec.usable_hbm_bytes <= spec.hbm_bytes * 1.01
     assert spec.roofline_s(spec.bf16_flops, 0.0) == pytest.approx(1.0)
     assert spec.roofline_s(0.0, spec.hbm_bandwidth * 2) == pytest.approx(2.0)
+
+
+def test_aot_refuses_a_slice_cloud_tpu_does_not_offer_before_compiling():
+    """v5p's 256 chips are 4x8x8 (config/slices.py); libtpu would compile 8x8x4 too."""
+    with pytest.raises(TopologyError, match="write it v5p:4x8x8"):
+        topology_devices("v5p:8x8x4")

@@ -1,11 +1,10 @@
-"""The TPU slice table (rlax_tpu/config/slices.py) against the Cloud TPU docs' own tables, and the
-places that use it: config validation and the AOT command."""
+"""The TPU slice table (rlax_tpu/config/slices.py) against the Cloud TPU docs' own tables, and
+config validation with it (the AOT command's refusal: tests/aot/test_chips.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlax_tpu.aot.report import TopologyError, topology_devices
 from rlax_tpu.config import ConfigError, TopologyConfig
 from rlax_tpu.config.slices import parse_slice
 
@@ -77,8 +76,3 @@ def test_the_config_refuses_a_slice_no_node_pool_carries():
         except ConfigError as e:
             raise e.prefixed("topology") from None
     assert TopologyConfig(trainer_tpu="v5p:4x8x8", inference_tpu="v5e:2x4").trainer_tpu
-
-
-def test_aot_refuses_it_before_compiling():
-    with pytest.raises(TopologyError, match="write it v5p:4x8x8"):
-        topology_devices("v5p:8x8x4")
