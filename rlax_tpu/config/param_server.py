@@ -23,10 +23,13 @@ class ParamServerConfig:
     replicas: int = 1  # parameter-server replicas; the trainer publishes to all
     replica_index: int = 0  # which of the replicas this server is; its commits are its progress
     lease_ttl_s: float = 600.0  # a consumer's lease lapses unless renewed within this
+    # A publish refused for room (every hot version still read, persisted or leased) is
+    # retried with backoff for this long before the trainer's publish fails. 0: not retried.
+    publish_room_wait_s: float = 300.0
 
     def __post_init__(self) -> None:
         positive(self, "chunk_bytes", "max_message_bytes", "replicas", "lease_ttl_s")
-        non_negative(self, "persist_every", "persist_keep")
+        non_negative(self, "persist_every", "persist_keep", "publish_room_wait_s")
         if not 0 <= self.replica_index < self.replicas:
             raise bad(self, "replica_index", f"must be in [0, replicas={self.replicas})")
         if self.in_memory_versions < 2:

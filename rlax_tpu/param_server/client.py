@@ -9,6 +9,7 @@ shardings need.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Collection, Iterator, Sequence
 from concurrent import futures
 from typing import Any
@@ -43,15 +44,24 @@ from rlax_tpu.rpc.transport import (
 )
 
 _NO_CREDENTIALS = Credentials()
+# Refusals that pass: a reader's pin or lease, a persist, or a conflicting push in flight ends.
+_TRANSIENT = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
 
 
 def _raise(e: grpc.RpcError) -> None:
-    """Re-raises a failed call as the ParamServerError its status names."""
+    """Re-raises the server's refusal as the ParamServerError its status names (gRPC's own
+    errors, e.g. an oversize message, as they are)."""
     code = e.code()
-    cls = errors.BY_STATUS.get(code.name) if code is not None else None
+    cls = errors.BY_STATUS.get(code.name) if code is not None and _from_server(e) else None
     if cls is None:
         raise e
     raise cls(e.details()) from e
+
+
+def _from_server(e: grpc.RpcError) -> bool:
+    """The status is the parameter server's own refusal, not gRPC's."""
+    metadata = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    return any(key == errors.TRAILER_KEY for key, _ in metadata or ())
 
 
 class ParamServerClient:
@@ -67,10 +77,14 @@ class ParamServerClient:
         replica: int = 0,
         timeout_s: float = 600.0,
         publish_token_file: str = "",
+        room_wait_s: float = 0.0,
     ):
         """``publish_token_file``: the publish token pushes present (read when first needed:
-        a client that only pulls never opens it)."""
+        a client that only pulls never opens it). ``room_wait_s``: how long a push refused for
+        room (ResourceExhausted: every hot version is read, persisted or leased) or for a
+        conflicting push in flight (Aborted) is retried, with backoff; 0: not retried."""
         self._publish_token_file = publish_token_file
+        self.room_wait_s = room_wait_s
         self._write_metadata: list[tuple[str, str]] | None = None
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not 0 <= replica < len(self.endpoints):
@@ -121,6 +135,7 @@ class ParamServerClient:
             max_message_bytes=config.max_message_bytes,
             replica=replica,
             publish_token_file=config.publish_token_file,
+            room_wait_s=config.publish_room_wait_s,
         )
 
     def _write(self) -> list[tuple[str, str]]:
@@ -191,20 +206,30 @@ class ParamServerClient:
         )
 
         def one(publish: Any) -> pb.PublishReply:
-            try:
-                return publish(
-                    self._publish_stream(header, hosts),
-                    timeout=self.timeout_s,
-                    metadata=self._write(),
-                )
-            except grpc.RpcError as e:
-                _raise(e)
+            return self._publish_retrying(publish, lambda: self._publish_stream(header, hosts))
 
         replies = self._on_all(one, self._publish)
         self.bytes_pushed += sum(h.nbytes for h in hosts) * len(replies)
         for r in range(len(self.endpoints)):
             self.report_progress(r, version)
         return wire.info_from_pb(replies[self.replica].info)
+
+    def _publish_retrying(self, publish: Any, stream: Any) -> pb.PublishReply:
+        """One replica's Publish call, retried while the refusal is transient (pushes are
+        idempotent, and the server refuses for room at the header, before any bytes move)."""
+        deadline, delay = time.monotonic() + self.room_wait_s, 0.05
+        while True:
+            try:
+                return publish(stream(), timeout=self.timeout_s, metadata=self._write())
+            except grpc.RpcError as e:
+                if not (e.code() in _TRANSIENT and _from_server(e)):
+                    _raise(e)
+                if time.monotonic() + delay > deadline:
+                    cls = errors.BY_STATUS[e.code().name]
+                    waited = f"still refused after {self.room_wait_s:g} s of retries"
+                    raise cls(f"{e.details()} ({waited})") from e
+            time.sleep(delay)
+            delay = min(2 * delay, 2.0)
 
     def _publish_stream(
         self, header: pb.VersionHeader, hosts: list[np.ndarray]
@@ -252,14 +277,7 @@ class ParamServerClient:
         datas = [np.ascontiguousarray(d) for _, _, d in boxes]
 
         def one(publish: Any) -> pb.PublishReply:
-            try:
-                return publish(
-                    self._publish_stream(header, datas),
-                    timeout=self.timeout_s,
-                    metadata=self._write(),
-                )
-            except grpc.RpcError as e:
-                _raise(e)
+            return self._publish_retrying(publish, lambda: self._publish_stream(header, datas))
 
         replies = self._on_all(one, self._publish)
         for r, reply in enumerate(replies):

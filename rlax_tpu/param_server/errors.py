@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# Trailing metadata that marks a status as the server's own (gRPC itself says RESOURCE_EXHAUSTED
+# for an oversize message, which no retry cures).
+TRAILER_KEY = "rlax-param-server-error"
+
 
 class ParamServerError(Exception):
     """Base class. ``status`` is a ``grpc.StatusCode`` name."""

@@ -31,6 +31,7 @@ def _statuses(method: Callable) -> Callable:
         try:
             return method(self, request, context)
         except errors.ParamServerError as e:
+            context.set_trailing_metadata(((errors.TRAILER_KEY, e.status),))
             context.abort(getattr(grpc.StatusCode, e.status), str(e))
 
     return wrapper

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+
+import grpc
 import jax
 import pytest
 
@@ -118,3 +121,46 @@ def test_leases_lapse_after_their_ttl():
     assert r.holders(3) == [] and r.blocker(3) is None
     r.report_progress(0, 2)  # progress never goes back
     assert r.progress() == {0: 5}
+
+
+def test_a_publish_refused_for_room_waits_until_the_lease_is_released():
+    config = ParamServerConfig(in_memory_versions=2, persist_every=0)
+    with running(config) as ps:
+        waiting = ParamServerClient(ps.endpoint, room_wait_s=60, timeout_s=60)
+        impatient = ParamServerClient(ps.endpoint, room_wait_s=0.3, timeout_s=60)
+        try:
+            waiting.push(make_tree(0), 0)
+            waiting.push(make_tree(1), 1)
+            ps.client.lease("worker-3", [0])  # version 0 is read, version 1 is the latest
+            with pytest.raises(errors.ResourceExhausted, match=r"still refused after 0.3 s"):
+                impatient.push(make_tree(2), 2)
+            released = threading.Event()
+
+            def release() -> None:
+                ps.client.lease("worker-3", [])
+                released.set()
+
+            timer = threading.Timer(0.5, release)
+            timer.start()
+            info = waiting.push(make_tree(2), 2)  # retried until the lease is gone
+            timer.join()
+            assert released.is_set() and info.version == 2
+            assert hot(waiting) == [1, 2]
+            assert_same_tree(waiting.pull(2), make_tree(2))
+        finally:
+            waiting.close()
+            impatient.close()
+
+
+def test_grpcs_own_resource_exhausted_is_not_retried_or_renamed():
+    # An oversize message: gRPC says RESOURCE_EXHAUSTED too, but waiting cannot cure it.
+    config = ParamServerConfig(chunk_bytes=1000, max_message_bytes=4000, persist_every=0)
+    with running(config) as ps:
+        client = ParamServerClient(ps.endpoint, chunk_bytes=2**20, room_wait_s=600, timeout_s=60)
+        try:
+            with pytest.raises(grpc.RpcError) as caught:
+                client.push(make_tree(0, scale=64), 0)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert not isinstance(caught.value, errors.ParamServerError)
+        finally:
+            client.close()
