@@ -240,7 +240,9 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         persist_path="{bucket}/runs/codeforces/ps",
         replicas=4,
     )
-    cfg.verifiers.update(workers=64, time_limit_s=2.0, memory_limit_mb=256)
+    # 256 sandboxes as 16 pods of 16 (a 64-worker pod would ask for 64 CPUs, more than any
+    # 64-vCPU node leaves to pods).
+    cfg.verifiers.update(workers=16, time_limit_s=2.0, memory_limit_mb=256)
     cfg.data.update(
         datasets=("codeforces",),
         weights=(1.0,),
@@ -261,7 +263,15 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         snapshot_keep=12,
     )
     cfg.algorithm.update(name="grpo", group_size=16, eps_low=0.2, eps_high=0.28)
-    cfg.topology.update(trainer_tpu="v5p:4x8x8", inference_tpu="v5p:2x2x1", verifier_replicas=4)
+    # CPU pods on n2-highmem-64 nodes (64 vCPUs, 512 GB): a parameter-server replica holds 4
+    # versions of 66 GB.
+    cfg.topology.update(
+        trainer_tpu="v5p:4x8x8",
+        inference_tpu="v5p:2x2x1",
+        verifier_replicas=16,
+        cpu_node_vcpus=64,
+        cpu_node_memory_gb=512,
+    )
     return _on_gke(cfg)
 
 

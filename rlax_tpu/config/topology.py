@@ -37,9 +37,25 @@ class TopologyConfig:
     credentials_secret: str = "rlax-credentials"
     # Kubernetes service account of the pods (Workload Identity to the run's bucket).
     service_account: str = "rlax"
-    # Restarts of the whole JobSet (a preemption restarts every job; the run resumes from its
-    # snapshots) before it is marked failed.
+    # Restarts of the whole JobSet, after a failure of a multi-host job (one of its processes
+    # failed: the jax.distributed job restarts, and with it every component; the run resumes from
+    # its snapshots) or of a single-host job that spent pod_restarts, before the run is marked
+    # failed. A preempted or drained multi-host slice restarts the JobSet without spending it.
     max_restarts: int = 50
+    # Failed pods a single-host job (a parameter-server replica, a verifier pod, a one-host
+    # inference worker, the controller) replaces by itself, the rest of the run untouched, before
+    # the job fails (and restarts the JobSet). A pod evicted by a drain or preemption is replaced
+    # without counting.
+    pod_restarts: int = 10
+    # The largest machine of the cluster's CPU node pools, which run every pod without a TPU
+    # (parameter-server replicas, verifier pods, the controller): vCPUs and memory in GB as
+    # Compute Engine lists them (default n2-standard-32). The render refuses a pod that would not
+    # fit on it after GKE's reservations.
+    cpu_node_vcpus: int = 32
+    cpu_node_memory_gb: int = 128  # that machine's memory in GB (n2-standard-32: 128)
+    # Kueue LocalQueue the JobSet is submitted to (the kueue.x-k8s.io/queue-name label); "" runs
+    # it without Kueue.
+    kueue_queue: str = ""
     # One host, local transport (a single TPU VM): the trainer's mesh takes the first
     # trainer_devices devices and inference worker i the i-th group of inference.mesh's size
     # after them, so training and generation run side by side on their own chips. 0: every
@@ -58,7 +74,19 @@ class TopologyConfig:
                     raise bad(
                         self, n, f"must be '' or a TPU slice such as 'v5p:2x2x1': {e}"
                     ) from None
-        positive(self, "verifier_replicas", "controller_memory_gib")
-        non_negative(self, "param_server_memory_gib", "max_restarts", "trainer_devices")
+        positive(
+            self,
+            "verifier_replicas",
+            "controller_memory_gib",
+            "cpu_node_vcpus",
+            "cpu_node_memory_gb",
+        )
+        non_negative(
+            self, "param_server_memory_gib", "max_restarts", "pod_restarts", "trainer_devices"
+        )
+        if self.kueue_queue and (
+            not _DNS_LABEL.fullmatch(self.kueue_queue) or len(self.kueue_queue) > 63
+        ):
+            raise bad(self, "kueue_queue", "must be '' or a LocalQueue name (a DNS label)")
         if not self.image:
             raise bad(self, "image", "must be set")

@@ -12,10 +12,29 @@ Objects (``<name>`` is topology.name, every one in topology.namespace):
   replica), ``verifiers`` (topology.verifier_replicas), ``trainer`` (one job over the trainer's
   slice, one pod per host), ``inference`` (a job per worker over its slice), ``controller``,
   started in that order (startupPolicy InOrder: each waits for the previous ones' readiness).
-  The controller finishing ends the JobSet (successPolicy); any pod failing restarts the whole
-  JobSet (failurePolicy, up to topology.max_restarts): a preempted slice brings every component
-  back, and the run resumes from the controller's snapshots, the trainer's checkpoints and the
-  parameter server's persisted versions, all on GCS.
+  The controller finishing ends the JobSet (successPolicy).
+- Restarts, at the smallest scope that works (:func:`restart_policy`; the validator refuses a
+  render that breaks them). A single-host job (a parameter-server replica, a verifier pod, a
+  one-host inference worker, the controller) replaces its own failed pod, up to
+  topology.pod_restarts times (``backoffLimit``), and a pod evicted by a drain or preemption
+  (pod condition ``DisruptionTarget``; services exit 143 on SIGTERM, so the pod is Failed) does
+  not count (``podFailurePolicy`` Ignore): the rest of the run goes on, and the controller
+  reconnects to the replacement by its Service name. The processes of a multi-host job (the
+  trainer's slice, a multi-host worker's slice) form one jax.distributed job and cannot go on
+  without each other: the job fails at its first failed pod (``backoffLimit: 0``), and the JobSet
+  restarts every job (failurePolicy), resuming from the controller's snapshots, the trainer's
+  checkpoints and the parameter server's persisted versions, all on GCS. A failure of the job
+  caused by a disruption (``FailJob`` on ``DisruptionTarget``, job failure reason
+  ``PodFailurePolicy``) restarts it without spending topology.max_restarts
+  (``RestartJobSetAndIgnoreMaxRestarts``, JobSet's host-maintenance example); any other failure
+  spends one. Per-job restarts in the JobSet itself (``RestartJob``) need JobSet >= 0.12; the
+  pinned schema is v0.7-v0.11's, so they come from the Jobs.
+- Requests: every pod asks for CPU and memory. A TPU pod asks for its host's chips and
+  TPU_HOST_FRACTION of the TPU VM's vCPUs and memory (``slices.TPU_VMS``), which fits what GKE
+  leaves to pods; CPU pods must fit the CPU node pool's machine (topology.cpu_node_vcpus,
+  cpu_node_memory_gb) after GKE's reservations, or the render refuses.
+- With topology.kueue_queue set, the JobSet carries the ``kueue.x-k8s.io/queue-name`` label
+  (Kueue admits it to that LocalQueue).
 - Service ``<name>-<component>[-<index>]`` per endpoint the controller dials, selecting the pod
   that serves it (process 0 of a multi-host job).
 - NetworkPolicies: nothing in or out unless listed; the controller reaches every service; the
@@ -32,7 +51,14 @@ from typing import Any
 
 from rlax_tpu import storage
 from rlax_tpu.config import ConfigError, MeshConfig, RunConfig
-from rlax_tpu.launch.slices import TpuSlice, gke_accelerator, parse_slice
+from rlax_tpu.launch.slices import (
+    Machine,
+    TpuSlice,
+    gke_accelerator,
+    parse_slice,
+    schedulable,
+    tpu_vm,
+)
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"  # JobSet's 1:1 job placement
@@ -41,6 +67,21 @@ IMAGE_CONFIG_ROOT = "/app"  # the image's working directory: configs/ is under i
 TOKEN_KEY, TLS_KEY, PUBLISH_KEY = "token", "tls.pem", "publish-token"
 PUBLISHERS = ("trainer", "param-server")  # the pods that get the publish token
 GiB = 2**30
+# Kueue, "Run A JobSet" (kueue.sigs.k8s.io/docs/tasks/run/jobsets): "The target local queue should
+# be specified in the metadata.labels section of the JobSet configuration."
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# The share of a TPU VM's vCPUs and memory a TPU pod requests: under what GKE leaves to pods on
+# every TPU VM of slices.TPU_VMS (its reservations, 100 MiB for evictions and slices.SYSTEM_PODS
+# for its DaemonSets; tests/launch/test_gke.py checks each). No CPU or memory limit: the pod is
+# the node's only workload (it takes every chip), so it may use the rest.
+TPU_HOST_FRACTION = 0.8
+# The condition of a pod evicted by a drain, a preemption or a node's maintenance: "A pod
+# eviction due to maintenance triggers a DisruptionTarget pod condition, which in turn triggers
+# the job's podFailurePolicy" (kubernetes-sigs/jobset site/content/en/docs/tasks/failure_policy.md;
+# site/static/examples/failure-policy/host-maintenance-event-model.yaml).
+DISRUPTION_TARGET = {"type": "DisruptionTarget", "status": "True"}
+# JobSet failure-policy rule names: "^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$" (jobset_types.go).
+RULE_DISRUPTED, RULE_FAILED = "disruptedSliceRestartsFree", "failureSpendsARestart"
 
 # Labels JobSet and Indexed Jobs put on every pod.
 L_JOBSET = "jobset.sigs.k8s.io/jobset-name"
@@ -180,6 +221,7 @@ def check(config: RunConfig, config_args: Sequence[str]) -> None:
             "controller.warmup_steps must be 0 (a cluster run starts from "
             "model.weights_path; warm up with the local launch)"
         )
+    problems += node_fit_problems(config)
     config_file = _config_file(config_args)
     if config_file.startswith("/") or config_file.startswith(".."):
         problems.append(
@@ -190,6 +232,51 @@ def check(config: RunConfig, config_args: Sequence[str]) -> None:
         raise RenderError(
             "the config does not match its GKE deployment:\n  - " + "\n  - ".join(problems)
         )
+
+
+def cpu_node(config: RunConfig) -> Machine:
+    """The CPU node pool's machine, as the topology section states it."""
+    t = config.topology
+    return Machine("topology.cpu_node_*", t.cpu_node_vcpus, t.cpu_node_memory_gb, "the config")
+
+
+def node_fit_problems(config: RunConfig) -> list[str]:
+    """Why a CPU pod of the render would fit no CPU node (topology.cpu_node_vcpus and
+    cpu_node_memory_gb, after GKE's reservations and its DaemonSets); [] if each fits."""
+    t = config.topology
+    node = cpu_node(config)
+    cpus, memory = schedulable(node)
+    problems = []
+    for component in START_ORDER:
+        if _slice(config, component) is not None:
+            continue
+        cpu, mem = pod_requests(config, component, None)
+        if cpu <= cpus and mem <= memory:
+            continue
+        if component == "verifiers":
+            v = config.verifiers
+            total = v.workers * t.verifier_replicas
+            fit = max(1, int(cpus))
+            per_pod = max(w for w in range(1, fit + 1) if total % w == 0)
+            hint = (
+                f"run more, smaller verifier pods: topology.verifier_replicas x verifiers.workers "
+                f"= {total} sandboxes, at most {fit} workers per pod (e.g. "
+                f"{total // per_pod} x {per_pod})"
+            )
+        elif component == "param-server":
+            hint = (
+                "a larger CPU machine (topology.cpu_node_*), or fewer "
+                "param_server.in_memory_versions"
+            )
+        else:
+            hint = "a larger CPU machine (topology.cpu_node_*)"
+        problems.append(
+            f"a {component} pod requests {cpu:g} CPUs and {mem / GiB:.1f} GiB, but a CPU node "
+            f"(topology.cpu_node_vcpus={t.cpu_node_vcpus}, cpu_node_memory_gb="
+            f"{t.cpu_node_memory_gb}) leaves {cpus:.1f} CPUs and {memory / GiB:.1f} GiB to "
+            f"pods after GKE's reservations: {hint}"
+        )
+    return problems
 
 
 def mesh_problems(mesh: MeshConfig, tpu: TpuSlice, section: str) -> list[str]:
@@ -282,35 +369,65 @@ def namespace(config: RunConfig) -> dict[str, Any]:
 # -- the JobSet ----------------------------------------------------------------------------------
 
 
+def _slice(config: RunConfig, component: str) -> TpuSlice | None:
+    t = config.topology
+    name = {"trainer": t.trainer_tpu, "inference": t.inference_tpu}.get(component, "")
+    return parse_slice(name) if name else None
+
+
+def multi_host(config: RunConfig, component: str) -> bool:
+    """Whether ``component``'s job is one jax.distributed job over several hosts."""
+    tpu = _slice(config, component)
+    return tpu is not None and tpu.hosts > 1
+
+
+def restart_policy(config: RunConfig) -> dict[str, Any]:
+    """The JobSet's failurePolicy. JobSet evaluates the rules in order and runs only the first
+    that matches a failed job ("If no matching rule is found, the RestartJobSet action is
+    applied"; jobset_types.go). A multi-host job failed by its podFailurePolicy (a disrupted
+    host: reason PodFailurePolicy) restarts the JobSet without spending maxRestarts (JobSet's
+    host-maintenance example, site/static/examples/failure-policy/
+    host-maintenance-event-model.yaml); every other failure restarts it and spends one."""
+    rules: list[dict[str, Any]] = []
+    sliced = [c for c in START_ORDER if multi_host(config, c)]
+    if sliced:
+        rules.append(
+            {
+                "name": RULE_DISRUPTED,
+                "action": "RestartJobSetAndIgnoreMaxRestarts",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+                "targetReplicatedJobs": sliced,
+            }
+        )
+    rules.append({"name": RULE_FAILED, "action": "RestartJobSet"})
+    return {"maxRestarts": config.topology.max_restarts, "rules": rules}
+
+
 def _jobset(config: RunConfig, args: list[str]) -> dict[str, Any]:
     t = config.topology
-    jobs = {
-        "param-server": _replicated(
-            config, "param-server", config.param_server.replicas, None, args
-        ),
-        "verifiers": _replicated(config, "verifiers", t.verifier_replicas, None, args),
-        "trainer": _replicated(
-            config, "trainer", 1, parse_slice(t.trainer_tpu) if t.trainer_tpu else None, args
-        ),
-        "inference": _replicated(
-            config,
-            "inference",
-            config.inference.num_workers,
-            parse_slice(t.inference_tpu) if t.inference_tpu else None,
-            args,
-        ),
-        "controller": _replicated(config, "controller", 1, None, args),
+    replicas = {
+        "param-server": config.param_server.replicas,
+        "verifiers": t.verifier_replicas,
+        "trainer": 1,
+        "inference": config.inference.num_workers,
+        "controller": 1,
     }
+    labels = {"app.kubernetes.io/name": "rlax-tpu"}
+    if t.kueue_queue:
+        labels[KUEUE_QUEUE_LABEL] = t.kueue_queue
     return {
         "apiVersion": JOBSET_API,
         "kind": "JobSet",
-        "metadata": {"name": t.name, "labels": {"app.kubernetes.io/name": "rlax-tpu"}},
+        "metadata": {"name": t.name, "labels": labels},
         "spec": {
             "network": {"enableDNSHostnames": True, "subdomain": t.name},
             "startupPolicy": {"startupPolicyOrder": "InOrder"},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": ["controller"]},
-            "failurePolicy": {"maxRestarts": t.max_restarts},
-            "replicatedJobs": [jobs[name] for name in START_ORDER],
+            "failurePolicy": restart_policy(config),
+            "replicatedJobs": [
+                _replicated(config, name, replicas[name], _slice(config, name), args)
+                for name in START_ORDER
+            ],
         },
     }
 
@@ -327,6 +444,14 @@ def _replicated(
         # (jobset.sigs.k8s.io, concepts). Not on single-host jobs: one node is a whole slice,
         # and 1:1 would need a node pool per worker (with one shared pool only one schedules).
         job_meta["annotations"] = {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
+    if hosts > 1:
+        # One jax.distributed job: its first failed pod fails the job (a replacement could not
+        # rejoin), a disrupted one with reason PodFailurePolicy (see restart_policy).
+        backoff, on_disruption = 0, "FailJob"
+    else:
+        # The job replaces its own pod; an evicted pod is replaced without counting
+        # (kubernetes/website examples/controllers/job-pod-failure-policy-ignore.yaml).
+        backoff, on_disruption = config.topology.pod_restarts, "Ignore"
     return {
         "name": component,
         "replicas": replicas,
@@ -336,7 +461,10 @@ def _replicated(
                 "parallelism": hosts,
                 "completions": hosts,
                 "completionMode": "Indexed",
-                "backoffLimit": 0,  # a failed pod fails the job; the JobSet restarts (see above)
+                "backoffLimit": backoff,
+                "podFailurePolicy": {
+                    "rules": [{"action": on_disruption, "onPodConditions": [DISRUPTION_TARGET]}]
+                },
                 "template": pod,
             },
         },
@@ -463,23 +591,34 @@ def _probe(config: RunConfig, component: str, port: int) -> dict[str, Any]:
     }
 
 
-def _resources(config: RunConfig, component: str, tpu: TpuSlice | None) -> dict[str, Any]:
+def pod_requests(config: RunConfig, component: str, tpu: TpuSlice | None) -> tuple[float, int]:
+    """(CPUs, memory bytes) one pod of ``component`` requests."""
     if tpu is not None:
-        chips = str(tpu.chips_per_host)
-        return {"requests": {"google.com/tpu": chips}, "limits": {"google.com/tpu": chips}}
+        vm = tpu_vm(tpu)
+        return int(vm.vcpus * TPU_HOST_FRACTION), int(vm.memory_bytes * TPU_HOST_FRACTION)
     if component == "param-server":
-        memory = _gib(param_server_memory_bytes(config))
-        return {"requests": {"cpu": "4", "memory": memory}, "limits": {"memory": memory}}
+        return 4, param_server_memory_bytes(config)
     if component == "verifiers":
         v = config.verifiers
         # A sandbox per worker at its memory limit, the compilers, and the service itself.
-        memory = _gib(int(v.workers * v.memory_limit_mb * 2**20 * 1.5) + 2 * GiB)
-        cpu = str(v.workers)
-        return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
+        return v.workers, int(v.workers * v.memory_limit_mb * 2**20 * 1.5) + 2 * GiB
     if component == "controller":
-        memory = f"{config.topology.controller_memory_gib}Gi"
-        return {"requests": {"cpu": "4", "memory": memory}, "limits": {"memory": memory}}
-    return {"requests": {"cpu": "8", "memory": "32Gi"}, "limits": {"memory": "32Gi"}}
+        return 4, config.topology.controller_memory_gib * GiB
+    return 8, 32 * GiB  # a trainer or worker on CPU
+
+
+def _resources(config: RunConfig, component: str, tpu: TpuSlice | None) -> dict[str, Any]:
+    cpu, memory = pod_requests(config, component, tpu)
+    requests = {"cpu": f"{cpu:g}", "memory": _gib(memory)}
+    if tpu is not None:
+        chips = str(tpu.chips_per_host)
+        # Memory in GiB rounded down, so the request stays under the fraction.
+        requests["memory"] = f"{memory // GiB}Gi"
+        return {
+            "requests": {"google.com/tpu": chips, **requests},
+            "limits": {"google.com/tpu": chips},
+        }
+    return {"requests": requests, "limits": {"memory": requests["memory"]}}
 
 
 def _security(component: str) -> dict[str, Any]:

@@ -9,7 +9,11 @@ batch/v1 Job, then checks consistency with the config: each endpoint the control
 Service on the right port, selecting a pod that exists and listens there; replica, host and chip
 counts match the topology; the slices match the meshes; the NetworkPolicies allow exactly the
 edges of ``gke.EDGES`` (plus each multi-process job to itself), nothing else, and nothing out of
-the verifiers. Exit status 0 when all holds, 1 with every problem listed.
+the verifiers; restarts follow the design (:func:`restart_problems`: a single-host job replaces
+its own pods and a drained one does not count, a multi-host job fails whole and a disruption
+restarts the JobSet without spending its budget, in the order JobSet evaluates its rules); every
+pod requests CPU and memory that fit its node (:func:`resource_problems`). Exit status 0 when
+all holds, 1 with every problem listed.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import yaml
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.launch import gke
-from rlax_tpu.launch.slices import gke_accelerator, parse_slice
+from rlax_tpu.launch.slices import GiB, gke_accelerator, parse_slice, schedulable, tpu_vm
 
 REPO = Path(__file__).resolve().parents[2]
 JOBSET_SCHEMA = REPO / "deploy" / "gke" / "schemas" / "jobset-v1alpha2.json"
@@ -195,6 +199,139 @@ def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -
                 f"replicatedJob {name} runs as ServiceAccount {account!r}, not deployed"
             )
     problems += network_problems(config, objects)
+    problems += restart_problems(config, objects)
+    problems += resource_problems(config, objects)
+    return problems
+
+
+def _first_rule_action(rules: list[dict[str, Any]], reason: str, rjob: str) -> str:
+    """The action JobSet takes when ``rjob`` fails with ``reason``: "the rules will be evaluated
+    in order, and only the first matching rule will be executed. If no matching rule is found,
+    the RestartJobSet action is applied" (jobset_types.go). An empty list matches all."""
+    for rule in rules:
+        reasons, targets = rule.get("onJobFailureReasons"), rule.get("targetReplicatedJobs")
+        if (not reasons or reason in reasons) and (not targets or rjob in targets):
+            return rule["action"]
+    return "RestartJobSet"
+
+
+def _on_disruption(job_spec: dict[str, Any]) -> str | None:
+    """The podFailurePolicy action for a pod with the DisruptionTarget condition (the first
+    matching rule; Kubernetes evaluates them in order), None when no rule matches."""
+    for rule in (job_spec.get("podFailurePolicy") or {}).get("rules", []):
+        for c in rule.get("onPodConditions") or []:
+            if c.get("type") == "DisruptionTarget" and c.get("status", "True") == "True":
+                return rule["action"]
+    return None
+
+
+def restart_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -> list[str]:
+    """Every way the JobSet's failure handling differs from the design (gke.py's docstring)."""
+    spec = _jobset(objects)["spec"]
+    rules = (spec.get("failurePolicy") or {}).get("rules", [])
+    rjobs = {r["name"]: r for r in spec["replicatedJobs"]}
+    problems = [
+        f"failurePolicy rule {rule.get('name')} targets replicatedJob {name!r}, which is absent"
+        for rule in rules
+        for name in rule.get("targetReplicatedJobs") or []
+        if name not in rjobs
+    ]
+    for name, rjob in rjobs.items():
+        job = rjob["template"]["spec"]
+        restart = job["template"]["spec"].get("restartPolicy")
+        if job.get("podFailurePolicy") is not None and restart != "Never":
+            # batch/v1 JobSpec.podFailurePolicy: "This field cannot be used in combination with
+            # restartPolicy=OnFailure" (and a Job's pods allow only OnFailure or Never).
+            problems.append(
+                f"replicatedJob {name} has a podFailurePolicy, so its pods' restartPolicy must "
+                f"be Never, not {restart!r}"
+            )
+        backoff = job.get("backoffLimit", 6)  # batch/v1's default
+        action = _on_disruption(job)
+        if job.get("parallelism", 1) > 1:
+            if backoff != 0:
+                problems.append(
+                    f"replicatedJob {name} is one jax.distributed job over "
+                    f"{job['parallelism']} pods: backoffLimit must be 0 (a replaced pod cannot "
+                    f"rejoin its job; the JobSet restarts it whole), got {backoff}"
+                )
+            if action != "FailJob":
+                problems.append(
+                    f"replicatedJob {name}: a drained or preempted pod must fail the whole job "
+                    f"(podFailurePolicy FailJob on DisruptionTarget), got {action}"
+                )
+            else:
+                first = _first_rule_action(rules, "PodFailurePolicy", name)
+                if first != "RestartJobSetAndIgnoreMaxRestarts":
+                    problems.append(
+                        f"the first failurePolicy rule matching {name} failed by its "
+                        f"podFailurePolicy (a disrupted host) is {first}, not "
+                        "RestartJobSetAndIgnoreMaxRestarts: a preemption would spend "
+                        "topology.max_restarts (put that rule before the others)"
+                    )
+        else:
+            if action != "Ignore":
+                problems.append(
+                    f"replicatedJob {name}: a drained or preempted pod of a single-host job must "
+                    f"be replaced without counting (podFailurePolicy Ignore on "
+                    f"DisruptionTarget), got {action}"
+                )
+            if backoff != config.topology.pod_restarts:
+                problems.append(
+                    f"replicatedJob {name} replaces {backoff} failed pods, "
+                    f"topology.pod_restarts is {config.topology.pod_restarts}"
+                )
+        first = _first_rule_action(rules, "BackoffLimitExceeded", name)
+        if first != "RestartJobSet":
+            problems.append(
+                f"the first failurePolicy rule matching a failed {name} (BackoffLimitExceeded) "
+                f"is {first}: a failure must restart the run and spend one of "
+                "topology.max_restarts"
+            )
+    return problems
+
+
+_QUANTITY = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_QUANTITY |= {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity(value: str | int | float) -> float:
+    """A Kubernetes resource quantity ("500m", "16", "8Gi", "1G") as a number."""
+    text = str(value)
+    for suffix in sorted(_QUANTITY, key=len, reverse=True):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * _QUANTITY[suffix]
+    return float(text)
+
+
+def resource_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -> list[str]:
+    """Pods that request no CPU or memory (BestEffort: the first evicted under memory
+    pressure), or more than their node leaves to pods: a TPU VM (slices.TPU_VMS) for TPU pods,
+    the CPU node pool's machine (topology.cpu_node_*) for the others."""
+    t = config.topology
+    slices = {"trainer": t.trainer_tpu, "inference": t.inference_tpu}
+    problems = []
+    for rjob in _jobset(objects)["spec"]["replicatedJobs"]:
+        name = rjob["name"]
+        container = rjob["template"]["spec"]["template"]["spec"]["containers"][0]
+        requests = (container.get("resources") or {}).get("requests") or {}
+        if "cpu" not in requests or "memory" not in requests:
+            problems.append(f"{name} pods request no CPU or no memory: {requests}")
+            continue
+        machine = tpu_vm(parse_slice(slices[name])) if slices.get(name) else gke.cpu_node(config)
+        cpus, memory = schedulable(machine)
+        cpu, mem = quantity(requests["cpu"]), quantity(requests["memory"])
+        if cpu > cpus or mem > memory:
+            hint = (
+                " (more topology.verifier_replicas with fewer verifiers.workers each)"
+                if name == "verifiers"
+                else ""
+            )
+            problems.append(
+                f"{name} pods request {requests['cpu']} CPUs and {requests['memory']}, more "
+                f"than a {machine.name} node ({machine.vcpus} vCPUs, {machine.memory_gb} GB) "
+                f"leaves to pods: {cpus:.1f} CPUs, {memory / GiB:.1f} GiB{hint}"
+            )
     return problems
 
 

@@ -5,6 +5,7 @@ the checks catch each kind of drift."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import os
 import shlex
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rlax_tpu.config import RunConfig, from_dict
-from rlax_tpu.launch import gke, validate
+from rlax_tpu.config import ConfigError, RunConfig, from_dict
+from rlax_tpu.launch import gke, slices, validate
 from rlax_tpu.launch.render import overlay_files
 from rlax_tpu.launch.slices import parse_slice
 
@@ -247,7 +248,258 @@ def test_the_order_of_start_success_and_restarts(small):
     assert spec["startupPolicy"] == {"startupPolicyOrder": "InOrder"}
     assert spec["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["controller"]}
     assert spec["failurePolicy"]["maxRestarts"] == 50
-    assert all(r["template"]["spec"]["backoffLimit"] == 0 for r in spec["replicatedJobs"])
+    assert validate.restart_problems(_small(), objects) == []
+
+
+def test_a_single_host_job_replaces_its_own_pod_and_a_drain_does_not_count(small):
+    """One dead worker pod is replaced alone, the JobSet untouched: the Job's backoffLimit is
+    topology.pod_restarts, and a pod evicted by a drain or preemption (condition
+    DisruptionTarget) is not counted, as in Kubernetes' own example
+    (kubernetes/website examples/controllers/job-pod-failure-policy-ignore.yaml: "restartPolicy:
+    Never ... podFailurePolicy: rules: - action: Ignore onPodConditions: - type:
+    DisruptionTarget"). batch/v1 JobSpec.podFailurePolicy "cannot be used in combination with
+    restartPolicy=OnFailure", so every pod is Never."""
+    config, objects = small
+    rjobs = {r["name"]: r["template"]["spec"] for r in _jobset(objects)["spec"]["replicatedJobs"]}
+    for name in ("param-server", "verifiers", "inference", "controller"):
+        job = rjobs[name]
+        assert job["parallelism"] == 1
+        assert job["backoffLimit"] == config.topology.pod_restarts == 10
+        assert job["podFailurePolicy"] == {
+            "rules": [
+                {
+                    "action": "Ignore",
+                    "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                }
+            ]
+        }
+    assert all(job["template"]["spec"]["restartPolicy"] == "Never" for job in rjobs.values())
+    # Its failures count only once the job has spent its own restarts.
+    rules = _jobset(objects)["spec"]["failurePolicy"]["rules"]
+    for name in ("param-server", "verifiers", "inference", "controller"):
+        assert validate._first_rule_action(rules, "BackoffLimitExceeded", name) == "RestartJobSet"
+
+
+def test_a_multi_host_job_fails_whole_and_a_disruption_restarts_the_run_for_free(small):
+    """The trainer's two processes are one jax.distributed job: its first failed pod fails it
+    (backoffLimit 0) and the JobSet restarts everything. JobSet's host-maintenance example
+    (kubernetes-sigs/jobset site/static/examples/failure-policy/
+    host-maintenance-event-model.yaml): podFailurePolicy FailJob on DisruptionTarget, and the
+    JobSet rule RestartJobSetAndIgnoreMaxRestarts on onJobFailureReasons [PodFailurePolicy]
+    first; "the rules will be evaluated in order, and only the first matching rule will be
+    executed. If no matching rule is found, the RestartJobSet action is applied"
+    (api/jobset/v1alpha2/jobset_types.go)."""
+    _, objects = small
+    spec = _jobset(objects)["spec"]
+    trainer = next(r for r in spec["replicatedJobs"] if r["name"] == "trainer")["template"]["spec"]
+    assert trainer["parallelism"] == 2 and trainer["backoffLimit"] == 0
+    assert trainer["podFailurePolicy"]["rules"][0]["action"] == "FailJob"
+    assert spec["failurePolicy"]["rules"] == [
+        {
+            "name": "disruptedSliceRestartsFree",
+            "action": "RestartJobSetAndIgnoreMaxRestarts",
+            "onJobFailureReasons": ["PodFailurePolicy"],
+            "targetReplicatedJobs": ["trainer"],
+        },
+        {"name": "failureSpendsARestart", "action": "RestartJobSet"},
+    ]
+    rules = spec["failurePolicy"]["rules"]
+    first = validate._first_rule_action
+    assert first(rules, "PodFailurePolicy", "trainer") == "RestartJobSetAndIgnoreMaxRestarts"
+    assert first(rules, "BackoffLimitExceeded", "trainer") == "RestartJobSet"
+    # A multi-host inference slice is one such job per worker too.
+    config = _small()
+    config = _with(config, topology=_with(config.topology, inference_tpu="v5p:2x2x2"))
+    policy = gke.restart_policy(config)
+    assert policy["rules"][0]["targetReplicatedJobs"] == ["trainer", "inference"]
+
+
+def test_the_validator_refuses_restarts_that_break_the_design(small):
+    config, objects = small
+
+    def broken(edit) -> str:
+        copy_ = copy.deepcopy(objects)
+        edit(_jobset(copy_)["spec"])
+        return "\n".join(validate.restart_problems(config, copy_))
+
+    def rjob(spec, name):
+        return next(r for r in spec["replicatedJobs"] if r["name"] == name)["template"]["spec"]
+
+    # Rule order: a catch-all RestartJobSet first would spend the budget on a preemption.
+    assert "not RestartJobSetAndIgnoreMaxRestarts" in broken(
+        lambda spec: spec["failurePolicy"]["rules"].reverse()
+    )
+    assert "restartPolicy must be Never, not 'OnFailure'" in broken(
+        lambda spec: rjob(spec, "verifiers")["template"]["spec"].update(restartPolicy="OnFailure")
+    )
+    assert "backoffLimit must be 0" in broken(
+        lambda spec: rjob(spec, "trainer").update(backoffLimit=3)
+    )
+    assert "must be replaced without counting" in broken(
+        lambda spec: rjob(spec, "inference").pop("podFailurePolicy")
+    )
+    assert "is RestartJobSetAndIgnoreMaxRestarts: a failure must restart" in broken(
+        lambda spec: spec["failurePolicy"]["rules"][0].pop("onJobFailureReasons")
+    )
+
+
+def test_the_schema_holds_failure_rules_to_the_pinned_jobset(small):
+    """JobSet v0.7-v0.11 (the pinned schema) offer only FailJobSet, RestartJobSet and
+    RestartJobSetAndIgnoreMaxRestarts (RestartJob arrives in v0.12); their webhook
+    (pkg/webhooks/jobset_webhook.go) wants rule names matching
+    "^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$" and a job failure reason of batch/v1's."""
+    _, objects = small
+    broken = copy.deepcopy(objects)
+    rules = _jobset(broken)["spec"]["failurePolicy"]["rules"]
+    rules[0]["name"] = "disrupted-slice"
+    rules[0]["onJobFailureReasons"] = ["Preempted"]
+    rules[1]["action"] = "RestartJob"
+    problems = "\n".join(validate.schema_problems(broken))
+    assert "'disrupted-slice' does not match" in problems
+    assert "'Preempted' is not one of" in problems
+    assert "'RestartJob' is not one of" in problems
+
+
+# https://cloud.google.com/tpu/docs/v5e, VM types (read 2026-11): "ct5lp-hightpu-1t | 24 | 48",
+# "ct5lp-hightpu-4t | 112 | 192", "ct5lp-hightpu-8t | 224 | 384" (vCPUs, RAM (GB) per VM);
+# https://cloud.google.com/tpu/docs/v5p: "Number of vCPUs (4-chip VM) 208", "RAM (GB) (4-chip VM)
+# 448". v4's ct4p-hightpu-4t and v6e's ct6e-standard-* were not found in a retrievable page.
+DOCUMENTED_TPU_VMS = {
+    ("v5e", 1): ("ct5lp-hightpu-1t", 24, 48),
+    ("v5e", 4): ("ct5lp-hightpu-4t", 112, 192),
+    ("v5e", 8): ("ct5lp-hightpu-8t", 224, 384),
+    ("v5p", 4): ("ct5p-hightpu-4t", 208, 448),
+}
+
+
+def test_every_slice_runs_on_a_known_tpu_vm():
+    from rlax_tpu.config.slices import _PLANAR, _WITHIN_A_CUBE
+
+    names = [f"{g}:{t}" for g in ("v5e", "v6e") for t in _PLANAR]
+    names += [f"{g}:{t}" for g in ("v4", "v5p") for t in (*_WITHIN_A_CUBE, "4x4x8", "4x8x8")]
+    for name in names:
+        assert slices.tpu_vm(parse_slice(name)).vcpus > 0, name
+    for key, (machine, vcpus, gb) in DOCUMENTED_TPU_VMS.items():
+        vm = slices.TPU_VMS[key]
+        assert (vm.name, vm.vcpus, vm.memory_gb) == (machine, vcpus, gb)
+        assert vm.source.startswith("https://cloud.google.com/tpu/docs/")
+    # The rest say they are unsourced, and ask no more than the smallest documented VM with as
+    # many chips or more.
+    for key, vm in slices.TPU_VMS.items():
+        if key in DOCUMENTED_TPU_VMS:
+            continue
+        assert vm.source.startswith("UNSOURCED")
+        floor = min(
+            (v for (g, c), (_, v, _) in DOCUMENTED_TPU_VMS.items() if c >= key[1]), default=0
+        )
+        assert vm.vcpus <= max(floor, 24)
+
+
+def test_gke_allocatable_follows_its_reservations():
+    """GKE's tiers (plan-node-sizes#memory_and_cpu_reservations): CPU "6% of the first core, 1%
+    of the next core, 0.5% of the next 2 cores, 0.25% of any cores above 4 cores"; memory 25% /
+    20% / 10% / 6% / 2% of the 4 / 4 / 8 / 112 / rest GiB, plus 100 MiB for evictions.
+    github.com/hatemosphere/gke-node-allocatable-memory-calculator's README works one example:
+    a node of 150 GiB has "Allocatable memory: 140.1423 GiB"."""
+    GiB = slices.GiB
+    node = slices.Machine("150GiB", 4, 150 * GiB / slices.GB, "example")
+    cpu, memory = slices.gke_allocatable(node)
+    assert abs(memory / GiB - 140.1423) < 1e-3
+    assert abs(cpu - (4 - 0.06 - 0.01 - 2 * 0.005)) < 1e-9
+    big = slices.Machine("208", 208, 448, "v5p")
+    assert abs(slices.gke_allocatable(big)[0] - (208 - 0.08 - 204 * 0.0025)) < 1e-9
+
+
+@pytest.mark.parametrize("key", sorted(slices.TPU_VMS), ids=lambda k: f"{k[0]}-{k[1]}")
+def test_tpu_pods_ask_for_a_share_of_their_vm_that_gke_leaves_them(key):
+    """A TPU pod requests TPU_HOST_FRACTION of its VM's vCPUs and memory (Burstable, not
+    BestEffort), which must fit the node's allocatable less GKE's DaemonSets' allowance."""
+    vm = slices.TPU_VMS[key]
+    generation, chips = key
+    name = {1: "1x1", 4: "2x2", 8: "2x4"}[chips] if generation in ("v5e", "v6e") else "2x2x1"
+    tpu = parse_slice(f"{generation}:{name}")
+    assert slices.tpu_vm(tpu) is vm
+    cpu, memory = gke.pod_requests(_small(), "trainer", tpu)
+    cpus, room = slices.schedulable(vm)
+    assert 0 < cpu <= cpus and 0 < memory <= room
+    assert cpu >= 0.75 * vm.vcpus and memory >= 0.75 * vm.memory_bytes
+
+
+def test_tpu_pods_request_cpu_and_memory(small):
+    _, objects = small
+    trainer = _pod(objects, "trainer")["containers"][0]["resources"]
+    # v5p's ct5p-hightpu-4t: 208 vCPUs, 448 GB (cloud.google.com/tpu/docs/v5p); 0.8 of each.
+    assert trainer["requests"] == {"google.com/tpu": "4", "cpu": "166", "memory": "333Gi"}
+    assert trainer["limits"] == {"google.com/tpu": "4"}
+    broken = copy.deepcopy(objects)
+    del _pod(broken, "inference")["containers"][0]["resources"]["requests"]["cpu"]
+    problems = validate.resource_problems(_small(), broken)
+    assert problems == [
+        "inference pods request no CPU or no memory: {'google.com/tpu': '4', 'memory': '333Gi'}"
+    ]
+
+
+# https://docs.cloud.google.com/cluster-director/docs/compute, N2 standard (read 2026-11):
+# "n2-standard-32 | 32 | 128" (vCPUs, memory GB); "highmem: 8 GB of system memory per vCPU".
+N2_STANDARD_32 = (32, 128)
+N2_HIGHMEM_64 = (64, 64 * 8)
+
+
+def test_cpu_pods_must_fit_the_cpu_node():
+    """Verifier pods ask for a CPU per worker: 64 workers ask for 64 CPUs, which no 64-vCPU
+    node leaves to pods (GKE reserves some, its DaemonSets take more). The render and the
+    validator refuse it, saying how to split the sandboxes into more pods."""
+    config = _small()
+    assert (config.topology.cpu_node_vcpus, config.topology.cpu_node_memory_gb) == N2_STANDARD_32
+    with pytest.raises(gke.RenderError) as e:
+        gke.render(_with(config, verifiers=_with(config.verifiers, workers=64)), SMALL)
+    message = str(e.value)
+    assert "a verifiers pod requests 64 CPUs" in message
+    assert "leaves 30.9 CPUs" in message
+    assert "run more, smaller verifier pods" in message and "(e.g. 8 x 16)" in message
+    small_node = _with(config, topology=_with(config.topology, cpu_node_memory_gb=64))
+    with pytest.raises(gke.RenderError, match="a param-server pod requests 4 CPUs and 72.9 GiB"):
+        gke.render(small_node, SMALL)
+    # The validator names the same pods in a built overlay.
+    overlay = REPO / "deploy" / "gke" / "overlays" / "v5p-small"
+    objects = validate.build(overlay)
+    verifier = _pod(objects, "verifiers")["containers"][0]["resources"]["requests"]
+    verifier["cpu"] = "64"
+    problems = validate.resource_problems(config, objects)
+    assert len(problems) == 1 and problems[0].startswith("verifiers pods request 64 CPUs")
+    assert "more topology.verifier_replicas with fewer verifiers.workers each" in problems[0]
+
+
+def test_the_rlax_preset_keeps_its_sandboxes_in_pods_that_fit():
+    """RLAX's layout had 4 verifier pods of 64 workers: 256 sandboxes, kept as 16 pods of 16,
+    on n2-highmem-64 nodes (where a parameter-server replica's 4 versions of 66 GB fit)."""
+    overlay = REPO / "deploy" / "gke" / "overlays" / "rlax-v5p"
+    config = _config(_flags(overlay))
+    t, v = config.topology, config.verifiers
+    assert t.verifier_replicas * v.workers == 4 * 64
+    assert (t.cpu_node_vcpus, t.cpu_node_memory_gb) == N2_HIGHMEM_64
+    assert gke.node_fit_problems(config) == []
+    cpus, _ = slices.schedulable(gke.cpu_node(config))
+    assert v.workers <= cpus
+
+
+def test_a_kueue_queue_labels_the_jobset():
+    """Kueue's "Run A JobSet" (kueue.sigs.k8s.io/docs/tasks/run/jobsets): "The target local
+    queue should be specified in the metadata.labels section of the JobSet configuration",
+    as kueue.x-k8s.io/queue-name."""
+    labels = gke.render(_small(), SMALL)["jobset.yaml"][0]["metadata"]["labels"]
+    assert "kueue.x-k8s.io/queue-name" not in labels
+    queued = gke.render(_small("--config.topology.kueue_queue=tpu-queue"), SMALL)
+    labels = queued["jobset.yaml"][0]["metadata"]["labels"]
+    assert labels["kueue.x-k8s.io/queue-name"] == "tpu-queue"
+    assert validate.schema_problems(queued["jobset.yaml"]) == []
+    with pytest.raises(ConfigError, match="kueue_queue"):
+        _small("--config.topology.kueue_queue=Team_A")
+
+
+def _with(obj, **fields):
+    """A copy of a config section with ``fields`` replaced (validated again)."""
+    return dataclasses.replace(obj, **fields)
 
 
 def _small(*overrides: str) -> RunConfig:
