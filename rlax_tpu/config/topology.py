@@ -25,6 +25,11 @@ class TopologyConfig:
     name: str = "rlax"  # the JobSet's name, prefix of every object and Service name
     namespace: str = "rlax"  # Kubernetes namespace of every object
     image: str = "rlax-tpu:latest"  # one image for every component (deploy/docker/Containerfile)
+    # The registry the cluster's nodes pull ``image`` from: pods run ``<registry>/<image>``, e.g.
+    # "us-docker.pkg.dev/PROJECT/REPO" (Artifact Registry). "" uses ``image`` as written, which
+    # the GKE render accepts only when it names its own registry host: a GKE node cannot pull
+    # "rlax-tpu:latest" (that is docker.io/library/rlax-tpu, not this project's image).
+    registry: str = ""
     # A TPU slice as "<generation>:<topology>" (the names `python -m rlax_tpu.aot` compiles for),
     # e.g. "v5p:4x8x8" (config/slices.py); "" runs the component on CPU nodes.
     trainer_tpu: str = ""
@@ -90,3 +95,7 @@ class TopologyConfig:
             raise bad(self, "kueue_queue", "must be '' or a LocalQueue name (a DNS label)")
         if not self.image:
             raise bad(self, "image", "must be set")
+        if "://" in self.registry or self.registry.endswith("/") or " " in self.registry:
+            raise bad(
+                self, "registry", "must be '' or a registry path such as us-docker.pkg.dev/P/R"
+            )

@@ -97,7 +97,10 @@ COMPONENTS = {
     "inference": ("inference", "inference", "Inference"),
 }
 START_ORDER = ("param-server", "verifiers", "trainer", "inference", "controller")
-NON_ROOT = ("controller", "param-server")  # CPU pods that run as uid 1000
+# The image's user (deploy/docker/Containerfile: USER 1000:1000): every pod but the verifiers'
+# runs as it, with its group owning the mounted Secret's files and the scratch folder (fsGroup).
+RUN_AS_UID = RUN_AS_GID = 1000
+ROOT = ("verifiers",)  # bubblewrap and the switch to per-slot uids need root (in a user namespace)
 
 
 class RenderError(ValueError):
@@ -221,6 +224,7 @@ def check(config: RunConfig, config_args: Sequence[str]) -> None:
             "controller.warmup_steps must be 0 (a cluster run starts from "
             "model.weights_path; warm up with the local launch)"
         )
+    problems += image_problems(config)
     problems += node_fit_problems(config)
     config_file = _config_file(config_args)
     if config_file.startswith("/") or config_file.startswith(".."):
@@ -232,6 +236,57 @@ def check(config: RunConfig, config_args: Sequence[str]) -> None:
         raise RenderError(
             "the config does not match its GKE deployment:\n  - " + "\n  - ".join(problems)
         )
+
+
+def pod_image(config: RunConfig) -> str:
+    """The image reference every pod runs: ``<topology.registry>/<topology.image>``, or the image
+    as written when no registry is set."""
+    t = config.topology
+    return f"{t.registry}/{t.image}" if t.registry else t.image
+
+
+def registry_host(image: str) -> str:
+    """The registry host an image reference names ("" for none): its first path component when
+    that has a '.' or a ':' or is "localhost" (the distribution reference grammar's rule;
+    without one, a runtime pulls from docker.io)."""
+    first, slash, _ = image.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return first
+    return ""
+
+
+def pull_policy(image: str) -> str:
+    """Always for a moving tag (":latest" or none: a node that cached an older push would run it),
+    IfNotPresent for a fixed tag or a digest (Kubernetes' own defaults for the two)."""
+    if "@sha256:" in image:
+        return "IfNotPresent"
+    tag = image.rpartition("/")[2].partition(":")[2]
+    return "Always" if tag in ("", "latest") else "IfNotPresent"
+
+
+def image_problems(config: RunConfig) -> list[str]:
+    """Why the cluster's nodes could not pull the pods' image ([] when they can)."""
+    t, image = config.topology, pod_image(config)
+    host = registry_host(image)
+    if not host:
+        return [
+            f"the pods' image {image!r} names no registry: a GKE node would pull "
+            f"docker.io/library/{image.split(':')[0]}, not this project's image. Push the image "
+            "(make image) and set topology.registry, e.g. "
+            "--config.topology.registry=us-docker.pkg.dev/PROJECT/REPO (or give topology.image "
+            "with its registry)"
+        ]
+    if host == "localhost":
+        return [
+            f"the pods' image {image!r} is on this machine (localhost/), which no GKE node can "
+            "reach: push it to a registry and set topology.registry"
+        ]
+    if t.registry and registry_host(t.image):
+        return [
+            f"topology.image {t.image!r} names its registry and topology.registry is set too "
+            f"(the pods would run {image!r}): set one of them"
+        ]
+    return []
 
 
 def cpu_node(config: RunConfig) -> Machine:
@@ -478,8 +533,8 @@ def _pod(
     module = COMPONENTS[component][0] if component in COMPONENTS else "controller"
     container: dict[str, Any] = {
         "name": component,
-        "image": t.image,
-        "imagePullPolicy": "IfNotPresent",
+        "image": pod_image(config),
+        "imagePullPolicy": pull_policy(pod_image(config)),
         "workingDir": IMAGE_CONFIG_ROOT,
         "command": ["python", "-m", f"rlax_tpu.{module}"],
         "args": [*args, *_pod_args(config, component, tpu)],
@@ -535,8 +590,15 @@ def _pod(
             {"name": "scratch", "emptyDir": {}},
         ],
     }
-    if component in NON_ROOT:
-        spec["securityContext"] = {"fsGroup": 1000}  # the Secret's files readable by uid 1000
+    if component not in ROOT:
+        # The image's user, stated so the kubelet refuses to start the pod as root
+        # (runAsNonRoot), and its group owning the Secret's files (mode 0440) and the scratch.
+        spec["securityContext"] = {
+            "runAsUser": RUN_AS_UID,
+            "runAsGroup": RUN_AS_GID,
+            "runAsNonRoot": True,
+            "fsGroup": RUN_AS_GID,
+        }
     if tpu is not None:
         spec["nodeSelector"] = {
             "cloud.google.com/gke-tpu-accelerator": gke_accelerator(tpu),
@@ -628,7 +690,9 @@ def _security(component: str) -> dict[str, Any]:
         # and killing what a program leaves (CHOWN, FOWNER, DAC_OVERRIDE, KILL). /proc unmasked
         # so bubblewrap can mount a fresh one in the sandbox's pid namespace.
         return {
+            # Over the image's USER 1000:1000: root's uid and group.
             "runAsUser": 0,
+            "runAsGroup": 0,
             "allowPrivilegeEscalation": False,
             "procMount": "Unmasked",
             "appArmorProfile": {"type": "Unconfined"},
@@ -638,14 +702,16 @@ def _security(component: str) -> dict[str, Any]:
                 "add": ["SYS_ADMIN", "SETUID", "SETGID", "CHOWN", "FOWNER", "DAC_OVERRIDE", "KILL"],
             },
         }
-    common = {
+    # Every other pod: the image's non-root user (the pod's securityContext), no capabilities.
+    # TPU pods too; that the chips' device files, which GKE's TPU device plugin puts in the
+    # container (google.com/tpu), open for a non-root uid is not verified on a cluster
+    # (docs/deployment.md says how to go back to root for them).
+    return {
+        "runAsNonRoot": True,
         "allowPrivilegeEscalation": False,
         "seccompProfile": {"type": "RuntimeDefault"},
         "capabilities": {"drop": ["ALL"]},
     }
-    if component in NON_ROOT:
-        return {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True} | common
-    return common  # TPU hosts: root for the chips' device files, with no capabilities
 
 
 def _service(config: RunConfig, e: Endpoint) -> dict[str, Any]:

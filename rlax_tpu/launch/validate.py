@@ -12,8 +12,9 @@ edges of ``gke.EDGES`` (plus each multi-process job to itself), nothing else, an
 the verifiers; restarts follow the design (:func:`restart_problems`: a single-host job replaces
 its own pods and a drained one does not count, a multi-host job fails whole and a disruption
 restarts the JobSet without spending its budget, in the order JobSet evaluates its rules); every
-pod requests CPU and memory that fit its node (:func:`resource_problems`). Exit status 0 when
-all holds, 1 with every problem listed.
+pod requests CPU and memory that fit its node (:func:`resource_problems`); every pod but the
+verifiers' (root) runs as the image's non-root user and pulls the config's image from a registry
+(:func:`security_problems`). Exit status 0 when all holds, 1 with every problem listed.
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -
                 f"replicatedJob {name} runs as ServiceAccount {account!r}, not deployed"
             )
     problems += network_problems(config, objects)
+    problems += security_problems(config, objects)
     problems += restart_problems(config, objects)
     problems += resource_problems(config, objects)
     return problems
@@ -288,6 +290,48 @@ def restart_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -> li
                 f"is {first}: a failure must restart the run and spend one of "
                 "topology.max_restarts"
             )
+    return problems
+
+
+def security_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -> list[str]:
+    """Pods that would run as the wrong user or pull an image no node can: every pod but the
+    verifiers' runs as the image's non-root user (uid and group gke.RUN_AS_UID, runAsNonRoot, the
+    group owning its volumes); the verifiers' run as root (bubblewrap, per-slot uids); every
+    container runs the config's image from a registry."""
+    want_image = gke.pod_image(config)
+    problems = []
+    for rjob in _jobset(objects)["spec"]["replicatedJobs"]:
+        name = rjob["name"]
+        pod = rjob["template"]["spec"]["template"]["spec"]
+        pod_sc = pod.get("securityContext") or {}
+        for c in pod["containers"]:
+            sc = {**pod_sc, **(c.get("securityContext") or {})}  # the container's wins
+            if c.get("image") != want_image:
+                problems.append(f"{name} runs image {c.get('image')!r}, the config {want_image!r}")
+            host = gke.registry_host(c.get("image", ""))
+            if not host or host == "localhost":
+                problems.append(
+                    f"{name} runs image {c.get('image')!r}, which no GKE node can pull "
+                    "(no registry): set topology.registry"
+                )
+            if name in gke.ROOT:
+                if sc.get("runAsUser") != 0 or sc.get("runAsGroup") != 0:
+                    problems.append(
+                        f"{name} must run as root (uid and group 0) for the sandbox, runs as "
+                        f"{sc.get('runAsUser')}:{sc.get('runAsGroup')}"
+                    )
+                continue
+            if sc.get("runAsUser") in (None, 0) or sc.get("runAsNonRoot") is not True:
+                problems.append(
+                    f"{name} must run as the image's non-root user (runAsUser "
+                    f"{gke.RUN_AS_UID}, runAsNonRoot), got runAsUser={sc.get('runAsUser')} "
+                    f"runAsNonRoot={sc.get('runAsNonRoot')}"
+                )
+            if pod_sc.get("fsGroup") is None or sc.get("runAsGroup") in (None, 0):
+                problems.append(
+                    f"{name} needs a non-root runAsGroup and an fsGroup: its uid must read the "
+                    f"Secret's files (mode 0440), got {pod_sc}"
+                )
     return problems
 
 

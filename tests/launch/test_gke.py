@@ -23,7 +23,12 @@ from rlax_tpu.launch.slices import parse_slice
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = sorted((REPO / "deploy" / "gke" / "overlays").iterdir())
-SMALL = ["--config=configs/codeforces.py:v5p_small", "--config.controller.bucket=gs://YOUR_BUCKET"]
+REGISTRY = "us-docker.pkg.dev/YOUR_PROJECT/YOUR_REPO"
+SMALL = [
+    "--config=configs/codeforces.py:v5p_small",
+    "--config.controller.bucket=gs://YOUR_BUCKET",
+    f"--config.topology.registry={REGISTRY}",
+]
 
 
 def _flags(overlay: Path) -> list[str]:
@@ -232,7 +237,7 @@ def test_pods_get_their_index_and_coordinator_from_the_jobset(small):
     # Every pod: the same config flags as the render, the Secret mounted where they point.
     for rjob in ("param-server", "verifiers", "trainer", "inference", "controller"):
         pod = _pod(objects, rjob)
-        assert pod["containers"][0]["args"][:2] == SMALL
+        assert pod["containers"][0]["args"][: len(SMALL)] == SMALL
         assert pod["volumes"][0]["secret"]["secretName"] == config.topology.credentials_secret
     # Verifiers: root in a user namespace with bubblewrap's capabilities only.
     verifiers = _pod(objects, "verifiers")
@@ -596,3 +601,95 @@ def test_only_multi_host_slices_ask_for_a_node_pool_of_their_own(small):
     assert annotations["trainer"] == {gke.EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
     assert rjobs["inference"]["replicas"] == 2
     assert gke.EXCLUSIVE_TOPOLOGY not in annotations["inference"]
+
+
+# -- who the pods run as, and where their image comes from ---------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_pods_run_as_the_images_non_root_user_and_verifiers_as_root(overlay):
+    """Every pod but the verifiers' runs as the image's USER (uid and gid 1000, runAsNonRoot so
+    the kubelet refuses root), its group owning the Secret's files (fsGroup); the verifiers' run
+    as uid and gid 0 (bubblewrap, per-slot uids) in a user namespace."""
+    for rjob in _jobset(validate.build(overlay))["spec"]["replicatedJobs"]:
+        pod = rjob["template"]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        effective = {**pod.get("securityContext", {}), **container["securityContext"]}
+        if rjob["name"] == "verifiers":
+            assert effective["runAsUser"] == 0 and effective["runAsGroup"] == 0
+            assert pod["hostUsers"] is False
+            assert effective.get("runAsNonRoot") is not True
+        else:
+            assert pod["securityContext"] == {
+                "runAsUser": gke.RUN_AS_UID,
+                "runAsGroup": gke.RUN_AS_GID,
+                "runAsNonRoot": True,
+                "fsGroup": gke.RUN_AS_GID,
+            }, rjob["name"]
+            assert effective["runAsUser"] == gke.RUN_AS_UID != 0
+            assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    names = {r["name"] for r in _jobset(validate.build(overlay))["spec"]["replicatedJobs"]}
+    assert names == set(gke.START_ORDER) and gke.ROOT == ("verifiers",)
+
+
+def test_the_validator_refuses_root_pods_and_a_verifier_that_is_not_root(small):
+    config, objects = small
+    assert validate.security_problems(config, objects) == []
+    broken = copy.deepcopy(objects)
+    rjobs = {r["name"]: r for r in _jobset(broken)["spec"]["replicatedJobs"]}
+    del rjobs["trainer"]["template"]["spec"]["template"]["spec"]["securityContext"]
+    verifier = rjobs["verifiers"]["template"]["spec"]["template"]["spec"]["containers"][0]
+    verifier["securityContext"]["runAsUser"] = 1000
+    problems = validate.security_problems(config, broken)
+    assert any(p.startswith("trainer must run as the image's non-root user") for p in problems)
+    assert any(p.startswith("trainer needs a non-root runAsGroup and an fsGroup") for p in problems)
+    assert any(p.startswith("verifiers must run as root") for p in problems)
+
+
+def test_pods_pull_the_image_from_the_configs_registry(small):
+    config, objects = small
+    want = f"{REGISTRY}/rlax-tpu:latest"
+    assert gke.pod_image(config) == want
+    for rjob in _jobset(objects)["spec"]["replicatedJobs"]:
+        container = rjob["template"]["spec"]["template"]["spec"]["containers"][0]
+        assert container["image"] == want
+        assert container["imagePullPolicy"] == "Always"  # a moving tag: never a stale cached one
+    pinned = _small("--config.topology.image=rlax-tpu:v3")
+    assert gke.pull_policy(gke.pod_image(pinned)) == "IfNotPresent"
+    assert gke.pull_policy(f"{REGISTRY}/rlax-tpu@sha256:{'0' * 64}") == "IfNotPresent"
+    broken = copy.deepcopy(objects)
+    container = _jobset(broken)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    container["spec"]["containers"][0]["image"] = "rlax-tpu:latest"
+    problems = validate.security_problems(config, broken)
+    assert "param-server runs image 'rlax-tpu:latest', which no GKE node can pull" in problems[-1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["--config.topology.registry="],
+            "the pods' image 'rlax-tpu:latest' names no registry: a GKE node would pull "
+            "docker.io/library/rlax-tpu",
+        ),
+        (
+            ["--config.topology.registry=", "--config.topology.image=localhost/rlax-tpu:latest"],
+            "is on this machine (localhost/)",
+        ),
+        (
+            [f"--config.topology.image={REGISTRY}/rlax-tpu:v1"],
+            "names its registry and topology.registry is set too",
+        ),
+    ],
+)
+def test_the_render_refuses_an_image_no_node_can_pull(overrides, message):
+    with pytest.raises(gke.RenderError) as e:
+        gke.render(_small(*overrides), SMALL)
+    assert message in str(e.value)
+
+
+def test_an_image_naming_its_own_registry_needs_no_registry_field():
+    config = _small("--config.topology.registry=", f"--config.topology.image={REGISTRY}/r:v1")
+    assert gke.image_problems(config) == [] and gke.pod_image(config) == f"{REGISTRY}/r:v1"
+    with pytest.raises(ConfigError, match="registry"):
+        _small("--config.topology.registry=https://us-docker.pkg.dev/p/r")
