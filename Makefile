@@ -112,8 +112,10 @@ lock:
 	rm -rf $(LOCK_VENV)
 
 # The container image of every component (deploy/docker), built with podman and checked inside.
+# BASE=IMAGE@sha256:DIGEST replaces the Containerfile's pinned base (one without a digest is
+# refused); REGISTRY=HOST/PATH also tags the image there (topology.registry); TAG names it.
 image:
-	bash deploy/docker/build.sh
+	BASE='$(BASE)' REGISTRY='$(REGISTRY)' bash deploy/docker/build.sh $(TAG)
 
 clean:
 	rm -rf $(VENV) $(LOCK_VENV) $(BENCH_VENV) .pytest_cache .ruff_cache
