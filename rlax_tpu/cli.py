@@ -130,18 +130,34 @@ CACHED_COMPONENTS = ("controller", "trainer", "inference")
 COMPILATION_CACHE_DIR = "jax_cache"
 
 
-def use_compilation_cache(config: RunConfig) -> str:
-    """Points JAX's persistent compilation cache at ``<run_dir>/jax_cache`` (every program:
-    a restarted trainer compiles a dozen small ones before its first step), or at
-    ``$JAX_COMPILATION_CACHE_DIR`` when the environment names one (a cache shared by many runs
-    of one model); "" when ``controller.compilation_cache`` is off. Returns it."""
+def compilation_cache_dir(config: RunConfig) -> str:
+    """Where JAX's persistent compilation cache is: ``<run_dir>/jax_cache`` (gs:// when the run
+    directory is, as on GKE), or ``$JAX_COMPILATION_CACHE_DIR`` when the environment names one (a
+    cache shared by many runs of one model); "" when ``controller.compilation_cache`` is off."""
     if not config.controller.compilation_cache:
+        return ""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or (
+        f"{config.controller.run_dir.rstrip('/')}/{COMPILATION_CACHE_DIR}"
+    )
+
+
+def use_compilation_cache(config: RunConfig) -> str:
+    """Points JAX's persistent compilation cache at :func:`compilation_cache_dir` (every
+    program: a restarted trainer compiles a dozen small ones before its first step). Returns it.
+
+    Every process of a multi-host job uses it too. JAX's docs/persistent_compilation_cache.md:
+    with several processes "all processes will compile, but only the process with rank 0 in the
+    global communication group will write to the persistent cache. In subsequent runs, all
+    processes will attempt to read from the persistent cache, so it is important for the
+    persistent cache to be in a shared file system ... or remote storage" (jax/_src/compiler.py
+    ``_cache_write`` returns when ``distributed.global_state.process_id != 0``); and a gs://
+    location works where etils is installed ("if the compilation cache is not on a local
+    filesystem, etils needs to be installed": etils[epath] and gcsfs are dependencies)."""
+    where = compilation_cache_dir(config)
+    if not where:
         return ""
     import jax
 
-    where = os.environ.get("JAX_COMPILATION_CACHE_DIR") or (
-        f"{config.controller.run_dir.rstrip('/')}/{COMPILATION_CACHE_DIR}"  # also gs://
-    )
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -201,11 +217,9 @@ def main(component: str, run: Callable[[RunConfig, list[str]], int]) -> None:
             print(json.dumps(to_dict(holder["cfg"]), indent=2))
             return 0
         cfg = holder["cfg"]
-        section = getattr(cfg, component, None)
-        several = getattr(getattr(section, "distributed", None), "enabled", False)
-        # Not for a jax.distributed job: unverified there (a two-process CPU trainer once hung
-        # at shutdown in CI with it on).
-        if component in CACHED_COMPONENTS and not several:
+        # Every process, a jax.distributed job's too (only its process 0 writes; see
+        # use_compilation_cache).
+        if component in CACHED_COMPONENTS:
             use_compilation_cache(cfg)
         try:
             return run(holder["cfg"], args[1:])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -133,3 +136,91 @@ def test_a_stop_signal_delivered_to_another_thread_still_stops_the_main_thread(w
     finally:
         proc.kill()
         proc.wait()
+
+
+# -- JAX's persistent compilation cache ----------------------------------------------------------
+
+# One process of a run: points the cache where the CLI does, says as which jax.distributed rank
+# (what jax.distributed.initialize sets), compiles one program, and prints the cache directory and
+# its entries before and after (listed afresh: no stale listing from an earlier process), and how
+# many programs it read from the cache instead of compiling them.
+CACHE_PROBE = """
+import dataclasses, sys
+import jax, jax.numpy as jnp
+from jax._src import distributed, monitoring
+from rlax_tpu import cli, storage
+from rlax_tpu.config import RunConfig
+
+rank, run_dir, k = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+distributed.global_state.process_id = rank
+c = RunConfig()
+c = dataclasses.replace(c, controller=dataclasses.replace(c.controller, run_dir=run_dir))
+where = cli.use_compilation_cache(c)
+
+def entries():
+    p = storage.path(where)
+    return len(list(p.iterdir())) if p.exists() else 0
+
+hits = []
+monitoring.register_event_listener(
+    lambda event, **_: hits.append(event) if event.endswith("/cache_hits") else None
+)
+before = entries()
+jax.jit(lambda x: x * k + 1)(jnp.ones(3)).block_until_ready()
+print(where, before, entries(), len(hits))
+"""
+
+
+def _compile_once(rank: int, run_dir: str, k: float) -> tuple[str, int, int, int]:
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-c", CACHE_PROBE, str(rank), run_dir, str(k)],
+        cwd=REPO,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    where, before, after, hits = done.stdout.split()[-4:]
+    return where, int(before), int(after), int(hits)
+
+
+def test_the_compilation_cache_is_the_run_dirs_also_on_gcs(monkeypatch):
+    from rlax_tpu.cli import CACHED_COMPONENTS, compilation_cache_dir
+    from rlax_tpu.config import RunConfig
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    c = RunConfig()
+    on_gcs = dataclasses.replace(
+        c, controller=dataclasses.replace(c.controller, run_dir="gs://b/runs/x/")
+    )
+    assert compilation_cache_dir(on_gcs) == "gs://b/runs/x/jax_cache"
+    off = dataclasses.replace(
+        on_gcs, controller=dataclasses.replace(on_gcs.controller, compilation_cache=False)
+    )
+    assert compilation_cache_dir(off) == ""
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "gs://shared/jax")
+    assert compilation_cache_dir(on_gcs) == "gs://shared/jax"
+    # Every component that compiles; the GKE render's pods all run with a gs:// run_dir
+    # (tests/launch/test_gke.py checks their flags).
+    assert set(CACHED_COMPONENTS) == {"controller", "trainer", "inference"}
+
+
+def test_jax_reads_and_writes_the_cache_on_gs_and_only_rank_0_writes(gcs_emulator):
+    """JAX's docs/persistent_compilation_cache.md: a gs:// cache works with etils installed, and
+    with several processes "only the process with rank 0 in the global communication group will
+    write to the persistent cache", every one reading it. On a real GCS server (the emulator):
+    rank 1 compiles without writing, rank 0 writes, and a later process finds the entry."""
+    from .conftest import GCS_BUCKET
+
+    run_dir = f"gs://{GCS_BUCKET}/{uuid.uuid4().hex[:8]}/run"
+    where, before, after, hits = _compile_once(1, run_dir, 3.0)
+    assert where == f"{run_dir}/jax_cache" and (before, after, hits) == (0, 0, 0)
+    _, before, after, hits = _compile_once(0, run_dir, 3.0)
+    assert before == 0 and after > 0 and hits == 0
+    # The same programs again (a restarted process): each read from gs://, nothing written. (A
+    # rank-1 reader cannot be faked in one process: its programs' compile options differ from a
+    # real rank 1's, so their keys do; tests/trainer/test_service.py runs a real two-process job
+    # with the cache on.)
+    assert _compile_once(0, run_dir, 3.0)[1:] == (after, after, after)

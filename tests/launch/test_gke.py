@@ -693,3 +693,56 @@ def test_an_image_naming_its_own_registry_needs_no_registry_field():
     assert gke.image_problems(config) == [] and gke.pod_image(config) == f"{REGISTRY}/r:v1"
     with pytest.raises(ConfigError, match="registry"):
         _small("--config.topology.registry=https://us-docker.pkg.dev/p/r")
+
+
+# -- JAX's compilation cache in the pods ---------------------------------------------------------
+
+# What `python -m rlax_tpu.<component>` sets up before the component runs, with a pod's flags:
+# cli.main, with the component's run replaced by a print of the cache directory it configured.
+CACHE_PROBE = """
+import sys
+from jax._src import config
+from rlax_tpu import cli
+
+def run(cfg, args):
+    print("CACHE", config.compilation_cache_dir.value or "-", cfg.controller.run_dir)
+    return 0
+
+cli.main(sys.argv.pop(1), run)
+"""
+
+
+@pytest.mark.parametrize("component", ["trainer", "inference", "controller"])
+def test_every_pod_that_compiles_caches_its_programs_on_gcs(component):
+    """Every pod that compiles (the trainer's processes, followers included; each inference
+    worker's; the controller) points JAX's persistent compilation cache at <run_dir>/jax_cache on
+    gs://, where a restarted pod finds what an earlier one compiled (rank 0 of a multi-host job
+    writes, every process reads: JAX's docs/persistent_compilation_cache.md)."""
+    from rlax_tpu.cli import CACHED_COMPONENTS
+
+    assert component in CACHED_COMPONENTS
+    overlay = REPO / "deploy" / "gke" / "overlays" / "v5p-small"
+    pod = _pod(validate.build(overlay), component)
+    container = pod["containers"][0]
+    assert container["command"] == ["python", "-m", f"rlax_tpu.{component}"]
+    # The last pod of its job: a follower of the trainer's two-host jax.distributed job.
+    args = [
+        a.replace("$(JOB_INDEX)", "1").replace("$(JOB_COMPLETION_INDEX)", "1")
+        for a in container["args"]
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", CACHE_PROBE, component, *args],
+        cwd=REPO,
+        env={
+            **{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"},
+            "JAX_PLATFORMS": "cpu",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    where, run_dir = done.stdout.split("CACHE ", 1)[1].split()[:2]
+    assert run_dir.startswith("gs://") and where == f"{run_dir}/jax_cache"
+    if component == "trainer":
+        assert "--config.trainer.distributed.process_id=1" in args
