@@ -17,16 +17,26 @@ import json
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")  # files only; no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from rlax_tpu import storage
+from rlax_tpu.observability.metrics import METRICS_FILE, read_metrics
 
-from rlax_tpu import storage  # noqa: E402
-from rlax_tpu.observability.metrics import METRICS_FILE, read_metrics  # noqa: E402
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def _plt() -> Any:
+    """matplotlib.pyplot, imported when a plot is drawn (half a second off every start-up)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
 
 REWARD = "reward/mean"
 EVAL_PREFIX = "eval/pass@"
@@ -59,11 +69,11 @@ def _series(records: Sequence[dict], name: str) -> tuple[np.ndarray, np.ndarray,
     return steps, times, values
 
 
-def _save(fig: plt.Figure, path: storage.epath.Path) -> None:
+def _save(fig: Figure, path: storage.epath.Path) -> None:
     """Writes the figure as PNG (local or gs://) and closes it."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
+    _plt().close(fig)
     storage.write_atomic(path, buf.getvalue())
 
 
@@ -75,7 +85,7 @@ def _plot_learning(records: Sequence[dict], t0: float, path: storage.epath.Path)
     evals = _names(records, EVAL_PREFIX)
     if not _series(records, REWARD)[0].size and not evals:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = _plt().subplots(1, 2, figsize=(11, 4))
     for name in [REWARD, *evals]:
         steps, times, values = _series(records, name)
         if steps.size:
@@ -97,7 +107,7 @@ def _plot_staleness(records: Sequence[dict], path: storage.epath.Path) -> bool:
     values = [v for r in records for v in r["histograms"].get(STALENESS, [])]
     if not values:
         return False
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = _plt().subplots(figsize=(6, 3.5))
     top = int(max(values))
     ax.hist(values, bins=np.arange(-0.5, top + 1.5, 1.0), rwidth=0.85)
     ax.set_xlabel("staleness of consumed rollouts (versions)")
@@ -111,7 +121,7 @@ def _plot_line(records: Sequence[dict], name: str, ylabel: str, path: storage.ep
     steps, _, values = _series(records, name)
     if not steps.size:
         return False
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = _plt().subplots(figsize=(6, 3.5))
     ax.plot(steps, values)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
@@ -133,7 +143,7 @@ def _totals(records: Sequence[dict], prefix: str) -> dict[str, float]:
 def _plot_bars(totals: Mapping[str, float], xlabel: str, path: storage.epath.Path) -> bool:
     if not totals:
         return False
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = _plt().subplots(figsize=(6, 3.5))
     names = sorted(totals, key=lambda k: -totals[k])
     ax.barh(names, [totals[n] for n in names])
     ax.set_xlabel(xlabel)
@@ -148,7 +158,7 @@ def _plot_step_time(records: Sequence[dict], path: storage.epath.Path) -> bool:
         return False
     steps = [r["step"] for r in records]
     stacks = [[r["scalars"].get(p) or 0.0 for r in records] for p in phases]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = _plt().subplots(figsize=(6, 3.5))
     ax.stackplot(steps, stacks, labels=[p.removeprefix(TIME_PREFIX) for p in phases])
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
