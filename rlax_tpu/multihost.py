@@ -7,6 +7,7 @@ global device list when they join, and every process then builds the same mesh o
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 from typing import Any
@@ -16,9 +17,10 @@ from rlax_tpu.config import DistributedConfig
 log = logging.getLogger(__name__)
 
 
-def initialize(cfg: DistributedConfig) -> bool:
+def initialize(cfg: DistributedConfig, *, slices: int = 1) -> bool:
     """Joins the job ``cfg`` names (nothing for one process); True when this process is the
-    lead (process 0), the one that serves callers."""
+    lead (process 0), the one that serves callers. ``slices``: the slices the job spans (its
+    processes are numbered slice by slice)."""
     if not cfg.enabled:
         return True
     import jax
@@ -32,7 +34,7 @@ def initialize(cfg: DistributedConfig) -> bool:
         jax.distributed.initialize(
             cfg.coordinator_address,
             num_processes=cfg.num_processes,
-            process_id=cfg.process_id,
+            process_id=cfg.job_process_id(slices),
             initialization_timeout=cfg.initialization_timeout_s,
         )
     log.info(
@@ -45,21 +47,61 @@ def initialize(cfg: DistributedConfig) -> bool:
     return jax.process_index() == 0
 
 
+# The control channel: jax.distributed's key-value store (the coordination service, which runs
+# in process 0, the lead). Payloads go in keys of at most _CHUNK bytes; a follower's wait is a
+# loop of _WAIT_MS-long blocking reads, so an idle follower blocks on the host, not in a device
+# collective, and nothing is compiled for any payload size.
+_PREFIX = "rlax/broadcast"
+_CHUNK = 2**20
+_WAIT_MS = 10_000
+_sequence = itertools.count()
+
+
 def broadcast(payload: Any) -> Any:
     """Process 0's ``payload`` (any picklable value; other processes pass None) on every
-    process. A collective: every process of the job calls it, the same number of times."""
+    process. Every process of the job calls it the same number of times: the n-th call of a
+    follower returns the lead's n-th payload. The lead writes the pickled payload (in chunks,
+    its head last) and returns at once; a follower waits for it; the last follower to read a
+    payload deletes its keys. A follower whose lead died gets the coordination service's error."""
     import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
 
-    lead = jax.process_index() == 0
-    data = np.frombuffer(pickle.dumps(payload), np.uint8) if lead else np.zeros(0, np.uint8)
-    size = multihost_utils.broadcast_one_to_all(np.array([data.size], np.int64))
-    buffer = np.zeros(int(size[0]), np.uint8)
-    if lead:
-        buffer[:] = data
-    received = multihost_utils.broadcast_one_to_all(buffer)
-    return pickle.loads(np.asarray(received, np.uint8).tobytes())  # noqa: S301 - our own lead
+    key = f"{_PREFIX}/{next(_sequence)}"
+    if jax.process_count() == 1:
+        return payload
+    client = _client()
+    if jax.process_index() == 0:
+        data = pickle.dumps(payload)
+        chunks = [data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]
+        for i, chunk in enumerate(chunks[1:], start=1):
+            client.key_value_set_bytes(f"{key}/{i}", chunk)
+        client.key_value_set_bytes(key, len(chunks).to_bytes(4, "little") + chunks[0])
+        return payload
+    head = _wait(client, key)
+    parts = [head[4:]]
+    for i in range(1, int.from_bytes(head[:4], "little")):
+        parts.append(client.blocking_key_value_get_bytes(f"{key}/{i}", _WAIT_MS))
+    if client.key_value_increment(f"{key}/read", 1) == jax.process_count() - 1:
+        client.key_value_delete(key)  # the key and every key under key/
+    return pickle.loads(b"".join(parts))  # noqa: S301 - our own lead's
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("multihost.broadcast needs jax.distributed to be initialized")
+    return client
+
+
+def _wait(client: Any, key: str) -> bytes:
+    """``key``'s value once the lead wrote it, however long the lead is idle."""
+    while True:
+        try:
+            return client.blocking_key_value_get_bytes(key, _WAIT_MS)
+        except Exception as e:  # noqa: BLE001 - jaxlib raises a bare XlaRuntimeError
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
 
 
 def shutdown(cfg: DistributedConfig) -> None:

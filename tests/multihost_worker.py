@@ -1,0 +1,67 @@
+"""Subprocess for test_multihost: one of two jax.distributed processes (CPU) exchanging lockstep
+messages through multihost.broadcast.
+
+    python tests/multihost_worker.py COORDINATOR PROCESS_ID SCENARIO
+
+SCENARIO "sizes": 200 payloads of seeded random sizes (0 to 3 MiB: one key to four chunks), the
+lead idle for a while before one of them; prints the compilations after warm-up and what is left
+in the store. "lead-dies": the lead exits after one payload; the follower waits for the next.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.pop("XLA_FLAGS", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import monitoring  # noqa: E402
+
+from rlax_tpu import multihost  # noqa: E402
+
+STEPS = 200
+
+
+def payload(step: int) -> dict:
+    rng = np.random.default_rng(step)
+    size = int(rng.integers(0, 3 * 2**20)) if step % 3 else int(rng.integers(0, 200))
+    return {"step": step, "data": rng.integers(0, 256, size, dtype=np.uint8)}
+
+
+def main() -> None:
+    coordinator, pid, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    jax.distributed.initialize(coordinator, num_processes=2, process_id=pid)
+    lead = pid == 0
+    multihost._WAIT_MS = 200  # so the idle wait below loops through several timeouts
+    if scenario == "lead-dies":
+        multihost.broadcast("hello" if lead else None)
+        if lead:
+            os._exit(3)
+        multihost.broadcast(None)  # the lead is gone: this must fail, not hang
+        print("the follower got a payload from a dead lead", flush=True)
+        return
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if "compile" in event else None
+    )
+    jax.numpy.zeros(4).block_until_ready()  # warm-up: the process's own first programs
+    compiles.clear()
+    for step in range(STEPS):
+        if lead and step == 7:
+            time.sleep(1.5)  # idle: the follower waits on the host meanwhile
+        got = multihost.broadcast(payload(step) if lead else None)
+        want = payload(step)
+        assert got["step"] == step and np.array_equal(got["data"], want["data"]), step
+    client = multihost._client()
+    client.wait_at_barrier("rlax-test-done", 60_000)
+    left = client.key_value_dir_get_bytes(multihost._PREFIX)
+    print(f"compiles after warm-up: {len(compiles)}; keys left: {len(left)}", flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
