@@ -25,8 +25,9 @@ class TopologyError(ValueError):
     """A topology name libtpu does not know, or libtpu is missing."""
 
 
-def topology_devices(name: str) -> list[jax.Device]:
-    """The devices of a TPU topology such as ``v5p:4x8x8`` (compile-only; needs libtpu)."""
+def topology_devices(name: str, slices: int = 1) -> list[jax.Device]:
+    """The devices of a TPU topology such as ``v5p:4x8x8`` (compile-only; needs libtpu), of
+    ``slices`` such slices joined over DCN (each device knows its ``slice_index``)."""
     from jax.experimental import topologies
 
     try:
@@ -38,7 +39,9 @@ def topology_devices(name: str) -> list[jax.Device]:
     except ValueError as e:
         raise TopologyError(str(e)) from None
     try:
-        return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+        extra = {"num_slices": slices} if slices > 1 else {}
+        desc = topologies.get_topology_desc(topology_name=name, platform="tpu", **extra)
+        return list(desc.devices)
     except Exception as e:  # noqa: BLE001 - libtpu's errors vary; say what to do
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "tpu" in text.lower() and ("plugin" in text.lower() or "backend" in text.lower()):
@@ -178,12 +181,16 @@ def run_check(
     specs: dict[str, DeviceSpec] = {}
     for name, build in _builders(component).items():
         topo = inference_topology if name == "inference" else topology
+        slices = config.mesh.slices if name == "trainer" else 1
         try:
-            devices = topology_devices(topo)
+            devices = topology_devices(topo, slices)
         except TopologyError as e:
             return fail(str(e))
         if topo not in specs:
             specs[topo] = device_spec(topo, devices[0])
+        spec = specs[topo]
+        if slices > 1:
+            topo = f"{slices}x{topo}"  # the report's name for the job's devices
         try:
             programs = build(config, devices)
         except ValueError as e:  # ConfigError (mesh), BatchShapeError (micro-batch rows)
@@ -191,7 +198,7 @@ def run_check(
                 f"the config's {name} does not fit topology {topo} ({len(devices)} devices): {e}"
             )
         compiled = compile_all(
-            programs, component=name, topology=topo, device=specs[topo], progress=progress
+            programs, component=name, topology=topo, device=spec, progress=progress
         )
         if name == "trainer" and config.trainer.scan_layers:
             compiled = cost_by_depth(
@@ -201,7 +208,7 @@ def run_check(
                 compiled,
                 component=name,
                 topology=topo,
-                device=specs[topo],
+                device=spec,
                 progress=progress,
             )
         reports += compiled

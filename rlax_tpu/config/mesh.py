@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import math
 
-from rlax_tpu.config.checks import ConfigError, bad, frozen, positive
+from rlax_tpu.config.checks import ConfigError, bad, frozen, non_negative, positive
 
 
 @frozen
 class MeshConfig:
-    """Device mesh axes. One axis may be -1: it takes the devices the others leave."""
+    """Device mesh axes. One axis may be -1: it takes the devices the others leave.
 
-    data: int = 1  # data-parallel axis (batch rows)
+    With ``slices`` > 1 (multislice: TPU slices joined by the data-center network, DCN) data,
+    fsdp and tensor lay out each slice's devices over its own interconnect (ICI), and the mesh's
+    data axis is ``slices`` x data: only data parallelism crosses slices, its one gradient
+    all-reduce per step the traffic DCN carries (MaxText's default: "product of the DCN axes
+    should equal number of slices", dcn_data_parallelism -1; src/maxtext/configs/base.yml).
+    """
+
+    data: int = 1  # data-parallel axis (batch rows), within a slice
     fsdp: int = -1  # fully sharded axis (parameters and batch)
     tensor: int = 1  # tensor-parallel axis (heads, MLP width)
+    slices: int = 1  # TPU slices the mesh spans (data-parallel over DCN); the trainer's only
 
     def __post_init__(self) -> None:
         for n in ("data", "fsdp", "tensor"):
@@ -21,9 +29,21 @@ class MeshConfig:
                 raise bad(self, n, "must be >= 1, or -1 for 'the remaining devices'")
         if sum(getattr(self, n) == -1 for n in ("data", "fsdp", "tensor")) > 1:
             raise ConfigError("", "at most one of data, fsdp, tensor may be -1")
+        positive(self, "slices")
+
+    def global_shape(self, num_devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) of the whole mesh over ``num_devices`` devices of every slice:
+        the data axis is ``slices`` x the per-slice data degree."""
+        if num_devices % self.slices:
+            raise ConfigError(
+                "mesh.slices", f"{num_devices} devices do not split into {self.slices} slices"
+            )
+        data, fsdp, tensor = self.shape(num_devices // self.slices)
+        return data * self.slices, fsdp, tensor
 
     def shape(self, num_devices: int) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) for ``num_devices`` devices; raises ConfigError if they don't fit."""
+        """(data, fsdp, tensor) for ``num_devices`` devices of one slice; raises ConfigError if
+        they don't fit."""
         sizes = [self.data, self.fsdp, self.tensor]
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
@@ -49,12 +69,17 @@ class DistributedConfig:
     """
 
     coordinator_address: str = ""  # "" one process; "auto"; or "host:port" of process 0
-    num_processes: int = 1  # processes in the job (one per host)
+    num_processes: int = 1  # processes in the job (one per host), of every slice
     process_id: int = 0  # this process's index, with a host:port coordinator
+    # Multislice: this process's slice, when process_id counts within the slice (a GKE pod
+    # knows its slice's job index and its index in that job, not their product). The job's
+    # index of the process is slice_index x (num_processes / mesh.slices) + process_id.
+    slice_index: int = 0
     initialization_timeout_s: int = 300  # how long processes wait for each other to join
 
     def __post_init__(self) -> None:
         positive(self, "num_processes", "initialization_timeout_s")
+        non_negative(self, "slice_index")
         if self.coordinator_address not in ("", "auto"):
             host, sep, port = self.coordinator_address.rpartition(":")
             if not sep or not host or not port.isdigit():
@@ -67,6 +92,10 @@ class DistributedConfig:
     @property
     def enabled(self) -> bool:
         return self.coordinator_address != ""
+
+    def job_process_id(self, slices: int = 1) -> int:
+        """This process's index in the whole job, over ``slices`` slices."""
+        return self.slice_index * (self.num_processes // slices) + self.process_id
 
 
 def one_device() -> MeshConfig:

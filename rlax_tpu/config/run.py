@@ -60,6 +60,7 @@ class RunConfig:
                     f"multiple of model.num_kv_heads ({kv})",
                     tp,
                 )
+        self._check_slices()
         replicas = self.param_server.replicas
         if ctl.param_server_endpoints and len(ctl.param_server_endpoints) != replicas:
             raise ConfigError(
@@ -158,3 +159,34 @@ class RunConfig:
         if self.data.prompt_style != "auto":
             return self.data.prompt_style
         return "raw" if self.model.weights_format == "init" else "chat"
+
+    def _check_slices(self) -> None:
+        """Multislice is the trainer's: an inference worker runs on one slice, and a trainer's
+        processes split evenly over its slices."""
+        if self.inference.mesh.slices != 1:
+            raise ConfigError(
+                "inference.mesh.slices",
+                "must be 1: an inference worker runs on one slice (more workers scale inference)",
+                self.inference.mesh.slices,
+            )
+        slices, dist = self.mesh.slices, self.trainer.distributed
+        if slices == 1 and dist.slice_index:
+            raise ConfigError(
+                "trainer.distributed.slice_index",
+                "must be 0 with mesh.slices = 1",
+                dist.slice_index,
+            )
+        if slices > 1 and dist.enabled:
+            if dist.num_processes % slices:
+                raise ConfigError(
+                    "trainer.distributed.num_processes",
+                    f"must split evenly over mesh.slices = {slices} (processes per slice)",
+                    dist.num_processes,
+                )
+            if dist.slice_index >= slices or dist.job_process_id(slices) >= dist.num_processes:
+                raise ConfigError(
+                    "trainer.distributed.slice_index",
+                    f"slice {dist.slice_index}, process {dist.process_id} is not one of the "
+                    f"{dist.num_processes} processes over {slices} slices",
+                    dist.slice_index,
+                )

@@ -9,8 +9,10 @@ counts, meshes or credentials do not match what the render deploys (all problems
 
 Objects (``<name>`` is topology.name, every one in topology.namespace):
 - JobSet ``<name>`` (jobset.x-k8s.io/v1alpha2): replicated jobs ``param-server`` (one job per
-  replica), ``verifiers`` (topology.verifier_replicas), ``trainer`` (one job over the trainer's
-  slice, one pod per host), ``inference`` (a job per worker over its slice), ``controller``,
+  replica), ``verifiers`` (topology.verifier_replicas), ``trainer`` (a job per slice of the
+  trainer's mesh.slices, one pod per host; one jax.distributed job over all of them, libtpu's
+  MEGASCALE_* variables joining the slices), ``inference`` (a job per worker over its slice),
+  ``controller``,
   started in that order (startupPolicy InOrder: each waits for the previous ones' readiness).
   The controller finishing ends the JobSet (successPolicy).
 - Restarts, at the smallest scope that works (:func:`restart_policy`; the validator refuses a
@@ -87,6 +89,7 @@ RULE_DISRUPTED, RULE_FAILED = "disruptedSliceRestartsFree", "failureSpendsAResta
 L_JOBSET = "jobset.sigs.k8s.io/jobset-name"
 L_RJOB = "jobset.sigs.k8s.io/replicatedjob-name"
 L_JOB_INDEX = "jobset.sigs.k8s.io/job-index"
+L_RJOB_REPLICAS = "jobset.sigs.k8s.io/replicatedjob-replicas"
 L_POD_INDEX = "batch.kubernetes.io/job-completion-index"
 
 # (replicated job, python module, config section, rpc service name for the probe)
@@ -189,13 +192,16 @@ def check(config: RunConfig, config_args: Sequence[str]) -> None:
     # Process counts and meshes against the slices.
     for section, tpu in (("trainer", t.trainer_tpu), ("inference", t.inference_tpu)):
         sec = getattr(config, section)
-        hosts = parse_slice(tpu).hosts if tpu else 1
+        slices = slice_count(config, section)
+        hosts = (parse_slice(tpu).hosts if tpu else 1) * slices
         if sec.distributed.num_processes != hosts:
+            where = f"{slices} x {tpu}" if slices > 1 else tpu or "a CPU pod"
             problems.append(
                 f"{section}.distributed.num_processes is "
-                f"{sec.distributed.num_processes}, but {tpu or 'a CPU pod'} has "
-                f"{hosts} host(s)"
+                f"{sec.distributed.num_processes}, but {where} has {hosts} host(s)"
             )
+        if slices > 1 and not tpu:
+            problems.append(f"mesh.slices is {slices}: multislice needs topology.trainer_tpu")
         mesh = config.mesh if section == "trainer" else config.inference.mesh
         if tpu:
             problems += mesh_problems(mesh, parse_slice(tpu), section)
@@ -430,10 +436,16 @@ def _slice(config: RunConfig, component: str) -> TpuSlice | None:
     return parse_slice(name) if name else None
 
 
+def slice_count(config: RunConfig, component: str) -> int:
+    """How many slices ``component`` spans (the trainer's mesh.slices; one for the rest)."""
+    return config.mesh.slices if component == "trainer" else 1
+
+
 def multi_host(config: RunConfig, component: str) -> bool:
-    """Whether ``component``'s job is one jax.distributed job over several hosts."""
+    """Whether ``component``'s job is one jax.distributed job over several hosts (of one or
+    several slices)."""
     tpu = _slice(config, component)
-    return tpu is not None and tpu.hosts > 1
+    return tpu is not None and tpu.hosts * slice_count(config, component) > 1
 
 
 def restart_policy(config: RunConfig) -> dict[str, Any]:
@@ -463,7 +475,7 @@ def _jobset(config: RunConfig, args: list[str]) -> dict[str, Any]:
     replicas = {
         "param-server": config.param_server.replicas,
         "verifiers": t.verifier_replicas,
-        "trainer": 1,
+        "trainer": config.mesh.slices,  # a job per slice (JobSet's multislice shape)
         "inference": config.inference.num_workers,
         "controller": 1,
     }
@@ -499,7 +511,7 @@ def _replicated(
         # (jobset.sigs.k8s.io, concepts). Not on single-host jobs: one node is a whole slice,
         # and 1:1 would need a node pool per worker (with one shared pool only one schedules).
         job_meta["annotations"] = {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
-    if hosts > 1:
+    if multi_host(config, component):
         # One jax.distributed job: its first failed pod fails the job (a replacement could not
         # rejoin), a disrupted one with reason PodFailurePolicy (see restart_policy).
         backoff, on_disruption = 0, "FailJob"
@@ -552,6 +564,8 @@ def _pod(
         "resources": _resources(config, component, tpu),
         "securityContext": _security(component),
     }
+    if slice_count(config, component) > 1:
+        container["env"] += megascale_env(config, component)
     if component in COMPONENTS:
         port = _port(config, component)
         container["ports"] = [{"name": "grpc", "containerPort": port}]
@@ -611,6 +625,24 @@ def _pod(
     return {"metadata": {"labels": {"app.kubernetes.io/component": component}}, "spec": spec}
 
 
+def megascale_env(config: RunConfig, component: str) -> list[dict[str, Any]]:
+    """What libtpu's multislice runtime reads to join the slices over DCN: how many, which one
+    this pod's is, and where slice 0's coordinator is. GKE's docs name no injector for these in
+    a plain JobSet; JobSet's own answer is to set them from its labels
+    (kubernetes-sigs/jobset issue #787; xpk's src/xpk/templates/pathways_workload_create.yaml.j2
+    sets the same three)."""
+    t = config.topology
+
+    def label(key: str) -> dict[str, Any]:
+        return {"fieldRef": {"fieldPath": f"metadata.labels['{key}']"}}
+
+    return [
+        {"name": "MEGASCALE_NUM_SLICES", "valueFrom": label(L_RJOB_REPLICAS)},
+        {"name": "MEGASCALE_SLICE_ID", "valueFrom": label(L_JOB_INDEX)},
+        {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{t.name}-{component}-0-0.{t.name}"},
+    ]
+
+
 def _pod_args(config: RunConfig, component: str, tpu: TpuSlice | None) -> list[str]:
     """What differs per pod: its index, and its place in a jax.distributed job."""
     t = config.topology
@@ -619,8 +651,14 @@ def _pod_args(config: RunConfig, component: str, tpu: TpuSlice | None) -> list[s
         out.append("--config.param_server.replica_index=$(JOB_INDEX)")
     if component == "inference":
         out.append("--config.inference.worker_index=$(JOB_INDEX)")
-    if component in ("trainer", "inference") and tpu is not None and tpu.hosts > 1:
-        lead = f"{t.name}-{component}-$(JOB_INDEX)-0.{t.name}:{COORDINATOR_PORT}"
+    if component in ("trainer", "inference") and multi_host(config, component):
+        if slice_count(config, component) > 1:
+            # One jax.distributed job over every slice's job: slice 0's first pod coordinates,
+            # a pod's index is its slice's (the job index) and its own within the slice.
+            lead = f"{t.name}-{component}-0-0.{t.name}:{COORDINATOR_PORT}"
+            out.append(f"--config.{component}.distributed.slice_index=$(JOB_INDEX)")
+        else:
+            lead = f"{t.name}-{component}-$(JOB_INDEX)-0.{t.name}:{COORDINATOR_PORT}"
         out += [
             f"--config.{component}.distributed.coordinator_address={lead}",
             f"--config.{component}.distributed.process_id=$(JOB_COMPLETION_INDEX)",

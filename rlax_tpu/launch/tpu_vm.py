@@ -65,6 +65,12 @@ def vms(config: RunConfig, name: str, *, one_vm: str = "v5litepod-8") -> list[tu
         return [(name, one_vm, 1)]
     if not t.trainer_tpu or not t.inference_tpu:
         raise PlanError("topology.trainer_tpu and topology.inference_tpu name the VMs' slices")
+    if config.mesh.slices > 1:
+        raise PlanError(
+            f"mesh.slices = {config.mesh.slices}: the TPU VM scripts create one slice per trainer "
+            "(multislice TPU VMs are a queued resource with --node-count, not yet planned "
+            "here); run a multislice trainer on GKE (--render=gke)"
+        )
     trainer, inference = parse_slice(t.trainer_tpu), parse_slice(t.inference_tpu)
     return [(name, tpu_vm_accelerator(trainer), trainer.hosts)] + [
         (f"{name}-inference-{i}", tpu_vm_accelerator(inference), inference.hosts)

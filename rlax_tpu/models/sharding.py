@@ -41,10 +41,55 @@ LogicalAxes = Sequence[str | None]
 
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over ``devices`` (default: all) shaped by ``mesh_cfg``."""
+    """A (data, fsdp, tensor) mesh over ``devices`` (default: all) shaped by ``mesh_cfg``.
+
+    Over several slices (``mesh_cfg.slices``) each slice's devices form their own (data, fsdp,
+    tensor) mesh, laid out over its interconnect, and the slices' meshes are stacked along data:
+    a device's fsdp and tensor neighbours are always in its own slice."""
     devices = list(devices if devices is not None else jax.devices())
-    shape = mesh_cfg.shape(len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    axis_types = (AxisType.Auto,) * 3
+    if mesh_cfg.slices == 1:
+        shape = mesh_cfg.shape(len(devices))
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    mesh_cfg.global_shape(len(devices))  # the count splits into slices, each slice's shape fits
+    shape = mesh_cfg.shape(len(devices) // mesh_cfg.slices)
+    grids = [
+        jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=group).devices
+        for group in slice_groups(devices, mesh_cfg.slices)
+    ]
+    return Mesh(np.concatenate(grids, axis=0), MESH_AXES, axis_types=axis_types)
+
+
+def slice_groups(devices: Sequence[jax.Device], slices: int) -> list[list[jax.Device]]:
+    """``devices`` split into ``slices`` equal slices, in slice order: by the TPU runtime's
+    ``slice_index`` where the devices are of several slices (a multislice job; compile-only
+    topologies with num_slices too), else by process (processes split evenly, in order: several
+    processes of one slice emulate the slices, as on CPU, whose devices all say slice 0), else
+    in order (one process emulating them all)."""
+    if len({getattr(d, "slice_index", None) for d in devices} - {None}) > 1:
+        key = lambda d: d.slice_index  # noqa: E731
+    else:
+        processes = sorted({d.process_index for d in devices})
+        if len(processes) > 1:
+            if len(processes) % slices:
+                raise ValueError(
+                    f"{len(processes)} processes do not split evenly into {slices} slices"
+                )
+            rank = {p: i * slices // len(processes) for i, p in enumerate(processes)}
+            key = lambda d: rank[d.process_index]  # noqa: E731
+        else:
+            order = {d.id: i * slices // len(devices) for i, d in enumerate(devices)}
+            key = lambda d: order[d.id]  # noqa: E731
+    groups: dict[int, list[jax.Device]] = {}
+    for d in devices:
+        groups.setdefault(key(d), []).append(d)
+    sizes = {len(g) for g in groups.values()}
+    if len(groups) != slices or len(sizes) != 1:
+        raise ValueError(
+            f"the devices form {len(groups)} slices of sizes {sorted(sizes)}, not {slices} "
+            "equal ones"
+        )
+    return [groups[k] for k in sorted(groups)]
 
 
 def logical_to_spec(

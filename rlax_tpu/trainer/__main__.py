@@ -28,7 +28,7 @@ def run(config: RunConfig, args: list[str]) -> int:
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
-    lead = multihost.initialize(config.trainer.distributed)
+    lead = multihost.initialize(config.trainer.distributed, slices=config.mesh.slices)
     from rlax_tpu.trainer.lockstep import LeadTrainer, follow
     from rlax_tpu.trainer.service import serve
     from rlax_tpu.trainer.trainer import Trainer

@@ -1,6 +1,7 @@
 """``python -m rlax_tpu.aot`` as users run it: the local preset compiled for v5e:2x2 (every
-program) and v5p:2x2x1 (the engine), and its engine laid over two chips, through libtpu and
-checked against HBM; oversized and mismatched configs refused.
+program) and v5p:2x2x1 (the engine), its engine laid over two chips and its trainer over two
+v5e:2x2 slices, through libtpu and checked against HBM; oversized and mismatched configs
+refused.
 
 The compilations run as concurrent processes (one module fixture), about a minute of CPU.
 SmolLM2's shapes against a textbook count and the scanned trainer's FLOPs by depth compile in
@@ -29,6 +30,8 @@ COMPILES = {
     "local-v5p": ("v5p:2x2x1", ("--component=inference",)),
     # The engine over 2 of the 4 chips (tensor-parallel).
     "local-tensor2": ("v5e:2x2", ("--component=inference", "--config.inference.mesh.tensor=2")),
+    # The trainer over two slices joined by DCN (multislice; data-parallel across them).
+    "local-2slices": ("v5e:2x2", ("--component=trainer", "--config.mesh.slices=2")),
 }
 
 
@@ -107,7 +110,8 @@ def test_every_program_compiles_and_fits(reports, name):
     assert code == 0, err[-3000:]
     topology, flags = COMPILES[name]
     programs = check_fits(report, topology)
-    assert set(programs) == (ENGINE if "--component=inference" in flags else TRAINER | ENGINE)
+    components = {"--component=inference": ENGINE, "--component=trainer": TRAINER}
+    assert set(programs) == next((v for k, v in components.items() if k in flags), TRAINER | ENGINE)
     if "trainer.accumulate" in programs:
         assert programs["trainer.accumulate"]["flops"] > 0
 
@@ -156,3 +160,16 @@ def test_the_engine_compiles_on_its_mesh(reports):
     assert two["note"] == "inference.mesh {'data': 1, 'fsdp': 1, 'tensor': 2} over 2 of 4 chips"
     # The cache dominates the arguments and splits over the 2 KV heads.
     assert two["argument_bytes"] < 0.6 * one["argument_bytes"]
+
+
+def test_a_trainer_over_two_slices_compiles_with_half_the_rows_per_chip(reports):
+    """mesh.slices = 2 on 2 x v5e:2x2 (libtpu's topology with num_slices=2): the same
+    micro-batch split over twice the chips (data 2 over the slices, fsdp 4 in each), so each
+    chip's gradient step does about half the FLOPs of one slice's (within 10%: the parameters'
+    and optimizer's share per chip stays the same)."""
+    one, two = (
+        {p["name"]: p for p in reports[name][2]["programs"]}["trainer.accumulate"]
+        for name in ("local", "local-2slices")
+    )
+    assert two["topology"] == "2xv5e:2x2" and one["topology"] == "v5e:2x2"
+    assert two["flops"] == pytest.approx(one["flops"] / 2, rel=0.10)

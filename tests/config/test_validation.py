@@ -594,6 +594,57 @@ def test_cross_component_rules(overrides, message):
     expect_error(overrides, message)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"inference.mesh.slices": 2},
+            "inference.mesh.slices = 2: must be 1: an inference worker runs on one slice (more "
+            "workers scale inference)",
+        ),
+        (
+            {
+                "mesh.slices": 2,
+                "trainer.distributed.coordinator_address": "10.0.0.1:8476",
+                "trainer.distributed.num_processes": 3,
+            },
+            "trainer.distributed.num_processes = 3: must split evenly over mesh.slices = 2 "
+            "(processes per slice)",
+        ),
+        (
+            {
+                "mesh.slices": 2,
+                "trainer.distributed.coordinator_address": "10.0.0.1:8476",
+                "trainer.distributed.num_processes": 4,
+                "trainer.distributed.process_id": 2,
+                "trainer.distributed.slice_index": 1,
+            },
+            "trainer.distributed.slice_index = 1: slice 1, process 2 is not one of the 4 "
+            "processes over 2 slices",
+        ),
+        (
+            {"trainer.distributed.slice_index": 1},
+            "trainer.distributed.slice_index = 1: must be 0 with mesh.slices = 1",
+        ),
+    ],
+)
+def test_multislice_rules(overrides, message):
+    expect_error(overrides, message)
+
+
+def test_multislice_numbers_processes_slice_by_slice_and_stacks_data():
+    dist = {"coordinator_address": "10.0.0.1:8476", "num_processes": 8}
+    ok = build(
+        {"mesh.slices": 2, **{f"trainer.distributed.{k}": v for k, v in dist.items()}}
+        | {"trainer.distributed.process_id": 3, "trainer.distributed.slice_index": 1}
+    )
+    assert ok.trainer.distributed.job_process_id(ok.mesh.slices) == 7
+    mesh = MeshConfig(data=1, fsdp=-1, tensor=2, slices=2)
+    assert mesh.shape(8) == (1, 4, 2) and mesh.global_shape(16) == (2, 4, 2)
+    with pytest.raises(ConfigError, match="9 devices do not split into 2 slices"):
+        mesh.global_shape(9)
+
+
 def test_tensor_parallel_may_exceed_kv_heads_when_a_multiple():
     assert build({"mesh.tensor": 4, "mesh.fsdp": 1}).mesh.tensor == 4
 

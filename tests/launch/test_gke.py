@@ -53,7 +53,7 @@ def _config(flags: list[str]) -> RunConfig:
             node = cfg
             for p in parents:
                 node = node[p]
-            node[leaf] = value
+            node[leaf] = int(value) if value.isdigit() else value  # as absl parses them
     return from_dict(RunConfig, cfg)
 
 
@@ -746,3 +746,44 @@ def test_every_pod_that_compiles_caches_its_programs_on_gcs(component):
     assert run_dir.startswith("gs://") and where == f"{run_dir}/jax_cache"
     if component == "trainer":
         assert "--config.trainer.distributed.process_id=1" in args
+
+
+def test_a_trainer_over_two_slices_is_one_job_per_slice_joined_over_dcn():
+    """Multislice as JobSet runs it: the trainer's replicated job has a job per slice (xpk and
+    JobSet's tpu-multislice example: "replicas: {num_slices}", "parallelism: {vms_per_slice}"),
+    one jax.distributed job over every slice's pods (slice 0's first pod coordinates, a pod's
+    index is its slice's job index and its own), and libtpu's MEGASCALE_* variables from the
+    JobSet's labels (kubernetes-sigs/jobset issue #787)."""
+    flags = [*SMALL, "--config.mesh.slices=2", "--config.trainer.distributed.num_processes=4"]
+    config = _config(flags)
+    objects = [o for objs in gke.render(config, flags).values() for o in objs]
+    rjob = next(r for r in _jobset(objects)["spec"]["replicatedJobs"] if r["name"] == "trainer")
+    assert rjob["replicas"] == 2 and rjob["template"]["spec"]["parallelism"] == 2
+    container = _pod(objects, "trainer")["containers"][0]
+    lead = f"rlax-trainer-0-0.rlax:{gke.COORDINATOR_PORT}"
+    assert f"--config.trainer.distributed.coordinator_address={lead}" in container["args"]
+    assert "--config.trainer.distributed.slice_index=$(JOB_INDEX)" in container["args"]
+    assert "--config.trainer.distributed.process_id=$(JOB_COMPLETION_INDEX)" in container["args"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["MEGASCALE_NUM_SLICES"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']"}
+    }
+    assert env["MEGASCALE_SLICE_ID"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/job-index']"}
+    }
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"] == "rlax-trainer-0-0.rlax"
+    # Each slice's pods on a node pool of their own; a failed slice restarts the run.
+    assert rjob["template"]["metadata"]["annotations"] == {
+        gke.EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"
+    }
+    assert validate.schema_problems(objects) == []
+    assert validate.restart_problems(config, objects) == []
+    # Inference workers stay one slice each.
+    worker = _pod(objects, "inference")["containers"][0]
+    assert not any(e["name"].startswith("MEGASCALE") for e in worker["env"])
+
+
+def test_a_multislice_trainer_needs_a_process_per_host_of_every_slice():
+    flags = [*SMALL, "--config.mesh.slices=2"]  # the preset's 2 processes: one slice's hosts
+    with pytest.raises(gke.RenderError, match=r"num_processes is 2, but 2 x v5p:2x2x2 has 4"):
+        gke.render(_config(flags), flags)

@@ -87,7 +87,7 @@ def test_start_on_one_vm_runs_the_controller_with_the_tpu_vm_preset():
     assert config["controller"]["run_dir"] == "gs://my-bucket/runs/codeforces-tpu-vm"
     # Where JAX sees no TPU the preset assumes an 8-chip host: 4 train, 4 generate.
     assert config["topology"]["trainer_devices"] == 4
-    assert config["inference"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 4}
+    assert config["inference"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 4, "slices": 1}
 
 
 def _print_config(module: str, flags: list[str]) -> dict:
@@ -192,6 +192,18 @@ def test_a_config_that_does_not_fit_the_vms_is_refused():
     assert done.returncode == 2
     assert "the trainer's VM has 1 hosts, v5p:2x2x2 has 2" in done.stderr
     assert "1 inference VMs for inference.num_workers 2" in done.stderr
+
+
+def test_a_multislice_trainer_is_refused_with_the_way_to_run_it():
+    from rlax_tpu.launch.tpu_vm import PlanError, vms
+    from tests.launch.test_gke import _config
+
+    config = _config(
+        ["--config=configs/codeforces.py:v5p_small", "--config.controller.bucket=gs://b"]
+        + ["--config.mesh.slices=2"]
+    )
+    with pytest.raises(PlanError, match=r"mesh.slices = 2: .*run a multislice trainer on GKE"):
+        vms(config, "rl")
 
 
 def _remote(done: subprocess.CompletedProcess[str], marker: str) -> list[str]:

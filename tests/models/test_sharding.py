@@ -80,3 +80,26 @@ def test_checkpoint_loads_directly_into_sharded_arrays(mesh, tmp_path):
     up = sharded.layers[1].mlp.up_proj[...]
     assert up.sharding.spec == P("fsdp", "tensor")
     np.testing.assert_array_equal(np.asarray(up), np.asarray(model.layers[1].mlp.up_proj[...]))
+
+
+def test_a_mesh_over_slices_keeps_fsdp_and_tensor_inside_each_slice():
+    """mesh.slices = 2 over one process's 8 devices (emulated: in order, 4 per slice): each
+    slice's devices form the (1, 2, 2) mesh of one data row; the whole mesh is (2, 2, 2)."""
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2, slices=2), jax.devices())
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    ids = [sorted(d.id for d in row.flat) for row in mesh.devices]
+    assert ids == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="3 slices"):
+        make_mesh(MeshConfig(data=1, fsdp=1, tensor=2, slices=3), jax.devices()[:5])
+
+
+def test_a_tpu_multislice_mesh_groups_devices_by_their_slice_index():
+    """Compile-only devices of 2 x v5p:2x2x1 (libtpu's topology with num_slices) carry the
+    runtime's slice_index: each data row of the mesh is one slice's 4 chips."""
+    from rlax_tpu.aot.report import topology_devices
+
+    devices = topology_devices("v5p:2x2x1", slices=2)
+    assert sorted({d.slice_index for d in devices}) == [0, 1]
+    mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, slices=2), devices[::-1])
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert [{d.slice_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]

@@ -1,17 +1,21 @@
-"""Subprocess for test_distributed: one of two jax.distributed processes (4 CPU devices each,
-gloo collectives) running one train step on a (1, 8, 1) mesh over all 8 devices (parameters split
-8 ways over fsdp: each process holds half), publishing version 1 to the parameter server at
-PS_ENDPOINT in parts (each process its own slices).
+"""Subprocess for test_distributed: one of the jax.distributed processes (gloo collectives)
+running one train step on a mesh over all 8 devices, publishing version 1 to the parameter
+server at PS_ENDPOINT in parts (each process its own slices). By default two processes of 4 CPU
+devices on a (1, 8, 1) mesh (parameters split 8 ways over fsdp: each process holds half); with
+PROCESSES and MESH ("data,fsdp,tensor,slices"), e.g. 4 processes of 2 devices as 2 slices.
 
-    python tests/trainer/distributed_worker.py COORDINATOR PROCESS_ID OUT_DIR PS_ENDPOINT
+    python tests/trainer/distributed_worker.py COORDINATOR PROCESS_ID OUT_DIR PS_ENDPOINT \
+        [PROCESSES MESH]
 """
 
 import os
 import sys
 from pathlib import Path
 
+PROCESSES = int(sys.argv[5]) if len(sys.argv) > 5 else 2
+MESH = tuple(int(x) for x in sys.argv[6].split(",")) if len(sys.argv) > 6 else (1, 8, 1, 1)
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // PROCESSES}"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
@@ -22,16 +26,18 @@ from rlax_tpu.param_server.client import ParamServerClient  # noqa: E402
 from rlax_tpu.trainer import Trainer  # noqa: E402
 from tests.trainer.helpers import random_batch, run_config  # noqa: E402
 
-MESH = (1, 8, 1)
-
 
 def main() -> None:
     coordinator, pid, out, endpoint = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes=2, process_id=pid)
-    assert jax.device_count() == 8 and jax.local_device_count() == 4
+    jax.distributed.initialize(coordinator, num_processes=PROCESSES, process_id=pid)
+    assert jax.device_count() == 8 and jax.local_device_count() == 8 // PROCESSES
     sink = ParamServerClient(endpoint)
-    trainer = Trainer(run_config(MESH, adam_eps=1e-5), checkpoint_dir=out / "ckpt", sink=sink)
+    config = run_config(MESH[:3], adam_eps=1e-5, slices=MESH[3])
+    trainer = Trainer(config, checkpoint_dir=out / "ckpt", sink=sink)
+    # Which processes' devices each data row (slice) holds, for the test to check.
+    rows = [sorted({d.process_index for d in row.flat}) for row in trainer.mesh.devices]
+    (out / f"mesh-{pid}").write_text(f"{dict(trainer.mesh.shape)} {rows}")
     metrics = trainer.train_step(random_batch(0))  # publishes version 1
     (out / f"pushed-{pid}").write_text(str(sink.bytes_pushed))
     trainer.wait_for_checkpoints()

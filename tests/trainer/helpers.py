@@ -27,6 +27,7 @@ def run_config(
     *,
     algorithm: str = "grpo",
     model: Any = None,
+    slices: int = 1,
     **trainer: Any,
 ) -> RunConfig:
     """A tiny-model run (2 layers, for compile time): 16 rollouts (4 prompts x 4 samples) per step in micro-batches of 8."""
@@ -36,7 +37,7 @@ def run_config(
     )
     return RunConfig(
         model=model or models.preset("tiny", num_layers=2),
-        mesh=MeshConfig(data=mesh[0], fsdp=mesh[1], tensor=mesh[2]),
+        mesh=MeshConfig(data=mesh[0], fsdp=mesh[1], tensor=mesh[2], slices=slices),
         trainer=TrainerConfig(**trainer),
         inference=InferenceConfig(
             prefill_chunk=8, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW

@@ -13,9 +13,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
+import pytest
 
 from rlax_tpu.trainer import Trainer
 from tests.conftest import free_port
@@ -25,7 +27,22 @@ from .helpers import host, random_batch, run_config
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-def test_two_processes_equal_one(tmp_path):
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: one process's step on its 8 devices, (1, 8, 1)."""
+    trainer = Trainer(
+        run_config((1, 8, 1), adam_eps=1e-5), checkpoint_dir=tmp_path_factory.mktemp("one")
+    )
+    metrics = trainer.train_step(random_batch(0))
+    expected = jax.tree.leaves(host(trainer.params()))
+    trainer.close()
+    return metrics, expected
+
+
+def run_processes(tmp_path: Path, processes: int, mesh: str) -> tuple[Any, list, list[int]]:
+    """``processes`` workers (8 devices between them) on MESH "data,fsdp,tensor,slices",
+    publishing to a parameter server: (process 0's npz, the published leaves, bytes each
+    process pushed)."""
     from rlax_tpu.config import ParamServerConfig
     from rlax_tpu.param_server.client import ParamServerClient
     from rlax_tpu.param_server.service import serve
@@ -33,46 +50,58 @@ def test_two_processes_equal_one(tmp_path):
     server, port, store = serve(ParamServerConfig(persist_every=0))
     coordinator = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    args = [coordinator, "PID", str(tmp_path), f"127.0.0.1:{port}", str(processes), mesh]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                coordinator,
-                str(pid),
-                str(tmp_path),
-                f"127.0.0.1:{port}",
-            ],
+            [sys.executable, str(WORKER), *[str(pid) if a == "PID" else a for a in args]],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for pid in (0, 1)
+        for pid in range(processes)
     ]
-    # Meanwhile the one-process reference on this process's 8 devices.
-    trainer = Trainer(run_config((1, 8, 1), adam_eps=1e-5), checkpoint_dir=tmp_path / "one")
-    metrics = trainer.train_step(random_batch(0))
-    expected = jax.tree.leaves(host(trainer.params()))
-    trainer.close()
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out[-3000:]
-    got = np.load(tmp_path / "params.npz")
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=300)
+            assert p.returncode == 0, out[-3000:]
+        client = ParamServerClient(f"127.0.0.1:{port}")
+        published = jax.tree.leaves(client.pull(1))
+        client.close()
+    finally:
+        for p in procs:
+            p.kill()
+        server.stop(None)
+        store.close()
+    pushed = [int((tmp_path / f"pushed-{pid}").read_text()) for pid in range(processes)]
+    return np.load(tmp_path / "params.npz"), published, pushed
+
+
+def assert_same_step(got, published, one_process) -> None:  # noqa: ANN001
+    metrics, expected = one_process
     np.testing.assert_allclose(got["loss"], metrics["loss"], rtol=0, atol=1e-6)
     np.testing.assert_allclose(got["grad_norm"], metrics["grad_norm"], rtol=1e-5)
     assert len(expected) == len(got.files) - 2
     for i, leaf in enumerate(expected):
         np.testing.assert_allclose(got[str(i)], leaf, rtol=0, atol=1e-6)
-    # Version 1 as the two processes published it, each its own half: the same parameters.
-    client = ParamServerClient(f"127.0.0.1:{port}")
-    published = jax.tree.leaves(client.pull(1))
-    client.close()
-    server.stop(None)
-    store.close()
+    # Version 1 as the processes published it, each its own part: the same parameters.
     assert len(published) == len(expected)
     for leaf, want in zip(published, expected, strict=True):
         np.testing.assert_allclose(np.asarray(leaf), want, rtol=0, atol=1e-6)
-    whole = sum(x.nbytes for x in expected)
-    pushed = [int((tmp_path / f"pushed-{pid}").read_text()) for pid in (0, 1)]
+
+
+def test_two_processes_equal_one(one_process, tmp_path):
+    got, published, pushed = run_processes(tmp_path, 2, "1,8,1,1")
+    assert_same_step(got, published, one_process)
+    whole = sum(x.nbytes for x in one_process[1])
     assert sum(pushed) == whole and max(pushed) < 0.6 * whole, pushed
+
+
+def test_two_slices_of_two_processes_equal_one_process(one_process, tmp_path):
+    """Multislice emulated on CPU (mesh.slices = 2): 4 processes of 2 devices, 2 per slice,
+    each slice a (1, 2, 2) mesh of its own processes' devices, stacked on data: (2, 2, 2). Same
+    tolerance as above (gloo's sums across processes)."""
+    got, published, _ = run_processes(tmp_path, 4, "1,2,2,2")
+    layout = (tmp_path / "mesh-0").read_text()
+    assert layout == "{'data': 2, 'fsdp': 2, 'tensor': 2} [[0, 1], [2, 3]]", layout
+    assert_same_step(got, published, one_process)

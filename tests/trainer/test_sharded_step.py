@@ -35,10 +35,14 @@ def single_device(tmp_path_factory):
     return before, metrics, after
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize("mesh", [*MESHES, (1, 2, 2, 2)], ids=lambda m: "x".join(map(str, m)))
 def test_step_on_mesh_equals_single_device(mesh, single_device, tmp_path):
+    """(1, 2, 2, 2): two emulated slices (mesh.slices; 4 devices each) of (1, 2, 2): a
+    (2, 2, 2) mesh whose data axis crosses the slices."""
     before, ref_metrics, ref_after = single_device
-    trainer = Trainer(run_config(mesh, adam_eps=1e-5), checkpoint_dir=tmp_path)
+    slices = mesh[3] if len(mesh) > 3 else 1
+    trainer = Trainer(run_config(mesh[:3], adam_eps=1e-5, slices=slices), checkpoint_dir=tmp_path)
+    mesh = (mesh[0] * slices, *mesh[1:3])
     assert dict(trainer.mesh.shape) == dict(zip(("data", "fsdp", "tensor"), mesh, strict=True))
     # Params really are sharded as the rules say (embed [vocab, embed] -> tensor, fsdp).
     embed = trainer.params()["embed"]
