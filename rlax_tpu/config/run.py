@@ -169,6 +169,12 @@ class RunConfig:
                 "must be 1: an inference worker runs on one slice (more workers scale inference)",
                 self.inference.mesh.slices,
             )
+        if self.inference.distributed.slice_index:
+            raise ConfigError(
+                "inference.distributed.slice_index",
+                "must be 0: an inference worker runs on one slice",
+                self.inference.distributed.slice_index,
+            )
         slices, dist = self.mesh.slices, self.trainer.distributed
         if slices == 1 and dist.slice_index:
             raise ConfigError(

@@ -200,8 +200,14 @@ def check(config: RunConfig, config_args: Sequence[str]) -> None:
                 f"{section}.distributed.num_processes is "
                 f"{sec.distributed.num_processes}, but {where} has {hosts} host(s)"
             )
-        if slices > 1 and not tpu:
-            problems.append(f"mesh.slices is {slices}: multislice needs topology.trainer_tpu")
+        if slices > 1 and hosts == slices:
+            # "you cannot use Multislice with a ct4p-hightpu-4t with a 2x2x1 topology or a
+            # ct5lp-hightpu-4t with a 2x2 topology" (cloud.google.com/tpu/docs/tpu-gke-multislice:
+            # it "only supports multi-host TPU slice node pools").
+            problems.append(
+                f"mesh.slices is {slices}: GKE runs multislice only over multi-host slices, "
+                f"and {tpu or 'a CPU pod'} is one host (topology.trainer_tpu)"
+            )
         mesh = config.mesh if section == "trainer" else config.inference.mesh
         if tpu:
             problems += mesh_problems(mesh, parse_slice(tpu), section)
@@ -685,6 +691,7 @@ def _probe(config: RunConfig, component: str, port: int) -> dict[str, Any]:
                 f"--tls_cert_file={d}/{TLS_KEY}",
                 f"--server_name={name}",
                 "--lead_only",
+                *(["--lead_job_only"] if slice_count(config, component) > 1 else []),
             ]
         },
         "timeoutSeconds": 10,

@@ -151,7 +151,7 @@ def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -
     # Counts, slices and meshes.
     want_replicas = {
         "param-server": config.param_server.replicas,
-        "trainer": 1,
+        "trainer": gke.slice_count(config, "trainer"),  # a job per slice
         "inference": config.inference.num_workers,
         "verifiers": t.verifier_replicas,
         "controller": 1,
@@ -171,10 +171,11 @@ def consistency_problems(config: RunConfig, objects: Sequence[dict[str, Any]]) -
         hosts = parse_slice(tpu).hosts if tpu else 1
         if spec["parallelism"] != hosts or spec["completions"] != hosts:
             problems.append(f"{name} runs {spec['parallelism']} pods, its slice has {hosts} hosts")
-        if section.distributed.num_processes != hosts:
+        every_slice = hosts * gke.slice_count(config, name)
+        if section.distributed.num_processes != every_slice:
             problems.append(
                 f"{name}.distributed.num_processes {section.distributed.num_processes}"
-                f" != {hosts} hosts"
+                f" != {every_slice} hosts"
             )
         selector = pod.get("nodeSelector", {})
         if tpu:

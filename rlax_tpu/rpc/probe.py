@@ -71,8 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="pass on pods other than process 0 of an Indexed job",
     )
+    parser.add_argument(
+        "--lead_job_only",
+        action="store_true",
+        help="with --lead_only, pass on every pod of jobs other than job 0 too (one "
+        "jax.distributed job over a job per slice: only job 0's process 0 serves)",
+    )
     args = parser.parse_args(argv)
-    if args.lead_only and os.environ.get("JOB_COMPLETION_INDEX", "0") != "0":
+    follower = os.environ.get("JOB_COMPLETION_INDEX", "0") != "0" or (
+        args.lead_job_only and os.environ.get("JOB_INDEX", "0") != "0"
+    )
+    if args.lead_only and follower:
         print(f"{args.service}: a follower process; nothing to probe")
         return 0
     creds = Credentials(auth_token_file=args.token_file, tls_cert_file=args.tls_cert_file)

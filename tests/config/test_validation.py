@@ -623,6 +623,11 @@ def test_cross_component_rules(overrides, message):
             "processes over 2 slices",
         ),
         (
+            {"inference.distributed.slice_index": 1},
+            "inference.distributed.slice_index = 1: must be 0: an inference worker runs on one "
+            "slice",
+        ),
+        (
             {"trainer.distributed.slice_index": 1},
             "trainer.distributed.slice_index = 1: must be 0 with mesh.slices = 1",
         ),

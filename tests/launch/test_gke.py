@@ -748,7 +748,7 @@ def test_every_pod_that_compiles_caches_its_programs_on_gcs(component):
         assert "--config.trainer.distributed.process_id=1" in args
 
 
-def test_a_trainer_over_two_slices_is_one_job_per_slice_joined_over_dcn():
+def test_a_trainer_over_two_slices_is_one_job_per_slice_joined_over_dcn(tmp_path):
     """Multislice as JobSet runs it: the trainer's replicated job has a job per slice (xpk and
     JobSet's tpu-multislice example: "replicas: {num_slices}", "parallelism: {vms_per_slice}"),
     one jax.distributed job over every slice's pods (slice 0's first pod coordinates, a pod's
@@ -756,7 +756,11 @@ def test_a_trainer_over_two_slices_is_one_job_per_slice_joined_over_dcn():
     JobSet's labels (kubernetes-sigs/jobset issue #787)."""
     flags = [*SMALL, "--config.mesh.slices=2", "--config.trainer.distributed.num_processes=4"]
     config = _config(flags)
-    objects = [o for objs in gke.render(config, flags).values() for o in objs]
+    overlay = tmp_path / "multislice"
+    overlay.mkdir()
+    for name, text in overlay_files(config, flags, overlay).items():
+        (overlay / name).write_text(text)
+    objects = validate.build(overlay)
     rjob = next(r for r in _jobset(objects)["spec"]["replicatedJobs"] if r["name"] == "trainer")
     assert rjob["replicas"] == 2 and rjob["template"]["spec"]["parallelism"] == 2
     container = _pod(objects, "trainer")["containers"][0]
@@ -778,6 +782,19 @@ def test_a_trainer_over_two_slices_is_one_job_per_slice_joined_over_dcn():
     }
     assert validate.schema_problems(objects) == []
     assert validate.restart_problems(config, objects) == []
+    assert validate.consistency_problems(config, objects) == []
+    # Only job 0's process 0 serves: pod 0 of slice 1 is a follower, its probe passes
+    # without dialing; job 0's pod 0 dials (nothing listens here: it fails).
+    probe = container["startupProbe"]["exec"]["command"]
+    assert probe[:3] == ["python", "-m", "rlax_tpu.rpc.probe"]
+    assert probe[-2:] == ["--lead_only", "--lead_job_only"]
+    from rlax_tpu.rpc import probe as probe_cli
+
+    for job, pod, passes in (("1", "0", True), ("0", "1", True), ("0", "0", False)):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("JOB_INDEX", job)
+            env.setenv("JOB_COMPLETION_INDEX", pod)
+            assert (probe_cli.main(probe[3:]) == 0) == passes, (job, pod)
     # Inference workers stay one slice each.
     worker = _pod(objects, "inference")["containers"][0]
     assert not any(e["name"].startswith("MEGASCALE") for e in worker["env"])
@@ -786,4 +803,17 @@ def test_a_trainer_over_two_slices_is_one_job_per_slice_joined_over_dcn():
 def test_a_multislice_trainer_needs_a_process_per_host_of_every_slice():
     flags = [*SMALL, "--config.mesh.slices=2"]  # the preset's 2 processes: one slice's hosts
     with pytest.raises(gke.RenderError, match=r"num_processes is 2, but 2 x v5p:2x2x2 has 4"):
+        gke.render(_config(flags), flags)
+
+
+def test_multislice_on_gke_needs_multi_host_slices():
+    """GKE: "you cannot use Multislice with a ct4p-hightpu-4t with a 2x2x1 topology or a
+    ct5lp-hightpu-4t with a 2x2 topology" (cloud.google.com/tpu/docs/tpu-gke-multislice)."""
+    flags = [
+        *SMALL,
+        "--config.topology.trainer_tpu=v5p:2x2x1",
+        "--config.mesh.slices=2",
+        "--config.trainer.distributed.num_processes=2",
+    ]
+    with pytest.raises(gke.RenderError, match="multislice only over multi-host slices"):
         gke.render(_config(flags), flags)
