@@ -7,7 +7,6 @@ global device list when they join, and every process then builds the same mesh o
 
 from __future__ import annotations
 
-import itertools
 import logging
 import pickle
 from typing import Any
@@ -54,7 +53,7 @@ def initialize(cfg: DistributedConfig, *, slices: int = 1) -> bool:
 _PREFIX = "rlax/broadcast"
 _CHUNK = 2**20
 _WAIT_MS = 10_000
-_sequence = itertools.count()
+_next = [0]  # the number of this process's next payload (the same on every process)
 
 
 def broadcast(payload: Any) -> Any:
@@ -65,24 +64,54 @@ def broadcast(payload: Any) -> Any:
     payload deletes its keys. A follower whose lead died gets the coordination service's error."""
     import jax
 
-    key = f"{_PREFIX}/{next(_sequence)}"
     if jax.process_count() == 1:
         return payload
     client = _client()
+    key = f"{_PREFIX}/{_next[0]}"
     if jax.process_index() == 0:
+        # Pickled before anything is written, and the number is taken only once the head is:
+        # a payload that cannot be sent leaves the followers waiting for the same number.
         data = pickle.dumps(payload)
         chunks = [data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]
-        for i, chunk in enumerate(chunks[1:], start=1):
-            client.key_value_set_bytes(f"{key}/{i}", chunk)
-        client.key_value_set_bytes(key, len(chunks).to_bytes(4, "little") + chunks[0])
+        try:
+            for i, chunk in enumerate(chunks[1:], start=1):
+                client.key_value_set_bytes(f"{key}/{i}", chunk)
+            client.key_value_set_bytes(key, len(chunks).to_bytes(4, "little") + chunks[0])
+        except Exception:
+            client.key_value_delete(key)  # the chunks written so far
+            raise
+        _next[0] += 1
         return payload
     head = _wait(client, key)
     parts = [head[4:]]
     for i in range(1, int.from_bytes(head[:4], "little")):
         parts.append(client.blocking_key_value_get_bytes(f"{key}/{i}", _WAIT_MS))
+    _next[0] += 1
     if client.key_value_increment(f"{key}/read", 1) == jax.process_count() - 1:
         client.key_value_delete(key)  # the key and every key under key/
     return pickle.loads(b"".join(parts))  # noqa: S301 - our own lead's
+
+
+_EXCHANGE_PREFIX = "rlax/exchange"
+_exchanges = [0]
+
+
+def exchange(value: Any) -> list[Any]:
+    """Every process's picklable ``value``, in process order, on every process. On the host
+    (the key-value store), so a process that failed before a device collective can still say
+    so and every process decides alike. Every process calls it the same number of times."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [value]
+    client, me, count = _client(), jax.process_index(), jax.process_count()
+    key = f"{_EXCHANGE_PREFIX}/{_exchanges[0]}"
+    _exchanges[0] += 1
+    client.key_value_set_bytes(f"{key}/{me}", pickle.dumps(value))
+    out = [value if p == me else pickle.loads(_wait(client, f"{key}/{p}")) for p in range(count)]  # noqa: S301
+    if client.key_value_increment(f"{key}/read", 1) == count:
+        client.key_value_delete(key)  # the last to read them all
+    return out
 
 
 def _client() -> Any:

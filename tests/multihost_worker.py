@@ -4,11 +4,13 @@ messages through multihost.broadcast.
     python tests/multihost_worker.py COORDINATOR PROCESS_ID SCENARIO
 
 SCENARIO "sizes": 200 payloads of seeded random sizes (0 to 3 MiB: one key to four chunks), the
-lead idle for a while before one of them; prints the compilations after warm-up and what is left
-in the store. "lead-dies": the lead exits after one payload; the follower waits for the next.
+lead idle for a while before one of them and failing to send an unpicklable one; prints the
+compilations after warm-up and what is left in the store. "lead-dies": the lead exits after one payload; the follower waits for the next.
 """
 
+import contextlib
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -38,9 +40,11 @@ def main() -> None:
     lead = pid == 0
     multihost._WAIT_MS = 200  # so the idle wait below loops through several timeouts
     if scenario == "lead-dies":
-        multihost.broadcast("hello" if lead else None)
+        got = multihost.broadcast("hello" if lead else None)
+        print(f"got {got}", flush=True)
+        multihost._client().wait_at_barrier("rlax-test-hello", 60_000)
         if lead:
-            os._exit(3)
+            os._exit(3)  # while the follower waits for the next payload
         multihost.broadcast(None)  # the lead is gone: this must fail, not hang
         print("the follower got a payload from a dead lead", flush=True)
         return
@@ -53,6 +57,10 @@ def main() -> None:
     for step in range(STEPS):
         if lead and step == 7:
             time.sleep(1.5)  # idle: the follower waits on the host meanwhile
+        if lead and step == 50:
+            # A payload that cannot be sent: the followers' next one is still this step's.
+            with contextlib.suppress(AttributeError, pickle.PicklingError):
+                multihost.broadcast(lambda: None)
         got = multihost.broadcast(payload(step) if lead else None)
         want = payload(step)
         assert got["step"] == step and np.array_equal(got["data"], want["data"]), step

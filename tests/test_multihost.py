@@ -43,6 +43,6 @@ def test_200_payloads_of_any_size_compile_nothing_and_leave_nothing_behind():
 
 def test_a_follower_whose_lead_died_fails_instead_of_waiting_forever():
     lead, follower = _run("lead-dies")
-    assert lead.returncode == 3
+    assert lead.returncode == 3 and "got hello" in follower.stdout, follower.stdout[-3000:]
     assert follower.returncode != 0, follower.stdout[-3000:]
     assert "got a payload from a dead lead" not in follower.stdout

@@ -216,7 +216,8 @@ class ParamServerClient:
 
     def _publish_retrying(self, publish: Any, stream: Any) -> pb.PublishReply:
         """One replica's Publish call, retried while the refusal is transient (pushes are
-        idempotent, and the server refuses for room at the header, before any bytes move)."""
+        idempotent; the server refuses for room at the header, before any bytes move, or at the
+        commit, keeping a version's other parts for the retried last one)."""
         deadline, delay = time.monotonic() + self.room_wait_s, 0.05
         while True:
             try:

@@ -188,9 +188,19 @@ class ParamServer:
             return info, False, False
         try:
             info = commit_assembly(self, assembly)
-        finally:
+        except errors.ResourceExhausted:
+            # No room yet (a client retries it): the other parts' data stays, and this part sent
+            # again completes the version then.
+            with self._lock:
+                assembly.finishing = False
+                del assembly.done[part]
+            raise
+        except BaseException:
             with self._lock:
                 self._assemblies.pop(assembly.version, None)
+            raise
+        with self._lock:
+            self._assemblies.pop(assembly.version, None)
         return info, False, True
 
     def publish(

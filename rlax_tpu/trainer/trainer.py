@@ -41,9 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
-from rlax_tpu import models, storage
+from rlax_tpu import models, multihost, storage
 from rlax_tpu.algorithms import LossInputs, RolloutBatch
 from rlax_tpu.config import InferenceConfig, ModelConfig, RunConfig
 from rlax_tpu.models.scoring import ReplayShape, replay_logprobs
@@ -79,6 +78,10 @@ class WeightSink(Protocol):
 class TrainerStateLost(RuntimeError):
     """The trainer's step is not the one its caller expects: it restarted (and holds its
     initial weights or a checkpoint) under a caller that did not restore it."""
+
+
+class PublishError(RuntimeError):
+    """Another process of a multi-host trainer could not push its part of a version."""
 
 
 class TrainerHalted(RuntimeError):
@@ -426,10 +429,29 @@ class Trainer:
         if self.sink is None:
             raise RuntimeError("this trainer has no weight sink to publish to")
         params = self._fns.publish_cast(self._trainable["model"], self.config.trainer.publish_dtype)
-        self.sink.push(params, self._step)
-        if jax.process_count() > 1:
-            # Each process sent its own part: the version is whole once every process is done.
-            multihost_utils.sync_global_devices(f"published {self._step}")
+        if jax.process_count() == 1:
+            self.sink.push(params, self._step)
+            self._published = self._step
+            return self._step
+        # Each process sends its own part: the version is whole once every process is done.
+        # They agree on the host whether all did (a process whose push failed would never reach
+        # a device barrier the others wait in), and all fail alike if one did not.
+        failure = None
+        try:
+            self.sink.push(params, self._step)
+        except Exception as e:  # noqa: BLE001 - named to every process below
+            failure = e
+        said = multihost.exchange(
+            None if failure is None else f"{type(failure).__name__}: {failure}"
+        )
+        failed = {p: why for p, why in enumerate(said) if why is not None}
+        if failure is not None:
+            raise failure
+        if failed:
+            raise PublishError(
+                f"version {self._step} was not published: "
+                + "; ".join(f"process {p}: {why}" for p, why in failed.items())
+            )
         self._published = self._step
         return self._step
 

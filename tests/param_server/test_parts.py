@@ -95,3 +95,31 @@ def test_versions_published_in_parts_are_collected_on_every_replica():
         finally:
             for h in hosts:
                 h.close()
+
+
+def test_a_last_part_refused_for_room_at_commit_completes_the_version_when_retried():
+    """The room check of a version in parts passes when its first part opens it; a reader's
+    lease taken before the last part arrives refuses the commit. The other part's data is kept,
+    the last part's client retries (param_server.publish_room_wait_s) and, the lease released,
+    completes the version: nothing is lost while every part's push reported success."""
+    import threading
+
+    config = ParamServerConfig(in_memory_versions=2, persist_every=0, chunk_bytes=1000)
+    with running(config) as ps:
+        hosts = [ParamServerClient(ps.endpoint, chunk_bytes=1000, room_wait_s=60) for _ in range(2)]
+        try:
+            ps.client.push(make_tree(0), 0)
+            ps.client.push(make_tree(1), 1)
+            tree = make_tree(seed=2)
+            specs, parts = halves(tree)
+            assert not hosts[1].push_part(specs, parts[1], 2, part=1, parts=2)[1]
+            ps.client.lease("reader", [0])  # version 1 is the latest: no room left
+            timer = threading.Timer(0.5, lambda: ps.client.lease("reader", []))
+            timer.start()
+            info, complete = hosts[0].push_part(specs, parts[0], 2, part=0, parts=2)
+            timer.join()
+            assert complete and info.version == 2 and hot(ps.client) == [1, 2]
+            assert_same_tree(ps.client.pull(2), tree)
+        finally:
+            for h in hosts:
+                h.close()

@@ -39,7 +39,9 @@ def one_process(tmp_path_factory):
     return metrics, expected
 
 
-def run_processes(tmp_path: Path, processes: int, mesh: str) -> tuple[Any, list, list[int]]:
+def run_processes(
+    tmp_path: Path, processes: int, mesh: str, **env: str
+) -> tuple[Any, list, list[int]]:
     """``processes`` workers (8 devices between them) on MESH "data,fsdp,tensor,slices",
     publishing to a parameter server: (process 0's npz, the published leaves, bytes each
     process pushed)."""
@@ -49,7 +51,7 @@ def run_processes(tmp_path: Path, processes: int, mesh: str) -> tuple[Any, list,
 
     server, port, store = serve(ParamServerConfig(persist_every=0))
     coordinator = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | env
     args = [coordinator, "PID", str(tmp_path), f"127.0.0.1:{port}", str(processes), mesh]
     procs = [
         subprocess.Popen(
@@ -66,13 +68,16 @@ def run_processes(tmp_path: Path, processes: int, mesh: str) -> tuple[Any, list,
             out, _ = p.communicate(timeout=300)
             assert p.returncode == 0, out[-3000:]
         client = ParamServerClient(f"127.0.0.1:{port}")
-        published = jax.tree.leaves(client.pull(1))
+        versions = [v.version for v in client.list_versions()[0]]
+        published = jax.tree.leaves(client.pull(1)) if 1 in versions else []
         client.close()
     finally:
         for p in procs:
             p.kill()
         server.stop(None)
         store.close()
+    if any((tmp_path / f"failed-{pid}").exists() for pid in range(processes)):
+        return None, published, []
     pushed = [int((tmp_path / f"pushed-{pid}").read_text()) for pid in range(processes)]
     return np.load(tmp_path / "params.npz"), published, pushed
 
@@ -105,3 +110,18 @@ def test_two_slices_of_two_processes_equal_one_process(one_process, tmp_path):
     layout = (tmp_path / "mesh-0").read_text()
     assert layout == "{'data': 2, 'fsdp': 2, 'tensor': 2} [[0, 1], [2, 3]]", layout
     assert_same_step(got, published, one_process)
+
+
+def test_a_process_whose_push_fails_fails_every_process_s_publish(tmp_path):
+    """Process 1 cannot reach the parameter server: both processes' publish fail, naming it,
+    instead of process 0 waiting in a device barrier process 1 never enters; the version was
+    not committed (process 0's part alone is not a version)."""
+    got, published, _ = run_processes(tmp_path, 2, "1,8,1,1", FAIL_PUSH_ON="1")
+    assert got is None and published == []
+    assert (tmp_path / "failed-1").read_text() == (
+        "ConnectionError: no route to the parameter server"
+    )
+    assert (tmp_path / "failed-0").read_text() == (
+        "PublishError: version 1 was not published: process 1: ConnectionError: no route to "
+        "the parameter server"
+    )
