@@ -88,20 +88,3 @@ def gcs_emulator():  # noqa: ANN201 - a fixture generator
                 os.environ[k] = v
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def pytest_collection_modifyitems(session, config, items):  # noqa: ANN001, ANN201, ARG001 - hook
-    """The longest modules first, by tests/durations.json (a stable sort, modules kept whole):
-    pytest-xdist's loadscope hands modules out in this order, so no long module starts last and
-    leaves one worker finishing it alone. A module not in the table counts as a minute if it
-    has a slow test, else as a second."""
-    from tests.durations import load
-
-    seconds = load()
-    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-
-    def expected(item) -> float:  # noqa: ANN001
-        path = item.nodeid.split("::")[0]
-        return seconds.get(path, 60.0 if item.module.__name__ in slow else 1.0)
-
-    items.sort(key=lambda item: -expected(item))
