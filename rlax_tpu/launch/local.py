@@ -260,7 +260,9 @@ class Launch:
     def _start_services(self, wired: list[str]) -> list[str]:
         cfg = self.config
         trainer_procs = _group("trainer", cfg.trainer.distributed.num_processes)
-        trainer_lead = self._start_group(trainer_procs, "trainer", "trainer", wired)
+        trainer_lead = self._start_group(
+            trainer_procs, "trainer", "trainer", wired, slices=cfg.mesh.slices
+        )
         workers = []
         for i in range(cfg.inference.num_workers):
             extra = [f"--config.inference.worker_index={i}"]
@@ -280,13 +282,18 @@ class Launch:
             f"--config.controller.verifier_endpoint={verifier}",
         ]
 
-    def _start_group(self, names: list[str], module: str, section: str, args: list[str]) -> Child:
+    def _start_group(
+        self, names: list[str], module: str, section: str, args: list[str], *, slices: int = 1
+    ) -> Child:
         """The processes of one jax.distributed job (one, or a coordinator on a free local port
-        and a process id each); returns process 0, the one that serves."""
+        and a process id each); returns process 0, the one that serves. Over ``slices`` slices
+        each process gets its slice and its index within it, as a GKE pod of a multislice
+        JobSet does (launch/gke.py), so the emulation takes the cluster's path."""
         args = [*args, f"--config.{section}.address={self._address(names[0].split('.')[0])}"]
         if len(names) == 1:
             return self._start(names[0], module, args)
         coordinator = f"127.0.0.1:{free_port()}"
+        per_slice = len(names) // slices
         children = [
             self._start(
                 name,
@@ -295,7 +302,12 @@ class Launch:
                     *args,
                     f"--config.{section}.distributed.coordinator_address={coordinator}",
                     f"--config.{section}.distributed.num_processes={len(names)}",
-                    f"--config.{section}.distributed.process_id={pid}",
+                    f"--config.{section}.distributed.process_id={pid % per_slice}",
+                    *(
+                        [f"--config.{section}.distributed.slice_index={pid // per_slice}"]
+                        if slices > 1
+                        else []
+                    ),
                 ],
             )
             for pid, name in enumerate(names)

@@ -44,6 +44,7 @@ def run(config: RunConfig, args: list[str]) -> int:
         )
     trainer = Trainer(config, sink=sink)
     several = config.trainer.distributed.enabled
+    print(f"rlax_tpu.trainer: {_layout(trainer.mesh, config)}", flush=True)
     if not lead:
         calls = follow(trainer)
         print(f"rlax_tpu.trainer: follower stopped after {calls} calls{_pushed(sink)}", flush=True)
@@ -61,6 +62,20 @@ def run(config: RunConfig, args: list[str]) -> int:
     _close(trainer, sink, config)
     print(f"rlax_tpu.trainer: stopped{_pushed(sink)}", flush=True)
     return cli.EXIT_STOPPED
+
+
+def _layout(mesh: Any, config: RunConfig) -> str:
+    """This process's place in the job and the mesh's shape, e.g. "process 3 of 4 (slice 1),
+    mesh data 2 x fsdp 2 x tensor 1 over 2 slices"."""
+    import jax
+
+    slices = config.mesh.slices
+    where = f"process {jax.process_index()} of {jax.process_count()}"
+    if slices > 1:
+        where += f" (slice {jax.process_index() // (jax.process_count() // slices)})"
+    shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
+    across = f" over {slices} slices" if slices > 1 else ""
+    return f"{where}, mesh {shape}{across}"
 
 
 def _pushed(sink: Any) -> str:
