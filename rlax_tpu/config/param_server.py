@@ -20,18 +20,35 @@ class ParamServerConfig:
     persist_keep: int = 3
     chunk_bytes: int = 4 * 2**20  # weights stream in messages of this size
     max_message_bytes: int = 64 * 2**20  # largest gRPC message accepted
-    replicas: int = 1  # parameter-server replicas; the trainer publishes to all
+    replicas: int = 1  # parameter-server replicas; the trainer publishes to all that are up
     replica_index: int = 0  # which of the replicas this server is; its commits are its progress
+    # A push succeeds once this many replicas hold the version; the replicas that are down
+    # (unreachable) are skipped and catch up when they return.
+    publish_quorum: int = 1
+    # A replica's reported progress holds GC back on the others for this long after the report: a
+    # dead replica stops counting then (the trainer waits for room at most this long; keep it
+    # below publish_room_wait_s).
+    replica_lease_s: float = 60.0
     lease_ttl_s: float = 600.0  # a consumer's lease lapses unless renewed within this
     # A publish refused for room (every hot version still read, persisted or leased) is
     # retried with backoff for this long before the trainer's publish fails. 0: not retried.
     publish_room_wait_s: float = 300.0
 
     def __post_init__(self) -> None:
-        positive(self, "chunk_bytes", "max_message_bytes", "replicas", "lease_ttl_s")
+        positive(
+            self,
+            "chunk_bytes",
+            "max_message_bytes",
+            "replicas",
+            "lease_ttl_s",
+            "replica_lease_s",
+            "publish_quorum",
+        )
         non_negative(self, "persist_every", "persist_keep", "publish_room_wait_s")
         if not 0 <= self.replica_index < self.replicas:
             raise bad(self, "replica_index", f"must be in [0, replicas={self.replicas})")
+        if self.publish_quorum > self.replicas:
+            raise bad(self, "publish_quorum", f"must be <= replicas ({self.replicas})")
         if self.in_memory_versions < 2:
             raise bad(
                 self,

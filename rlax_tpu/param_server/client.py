@@ -1,18 +1,29 @@
 """Client of the parameter server: the trainer pushes, inference workers pull.
 
-With several replicas (``endpoints[r]`` is replica r), ``push`` publishes to every replica and
-then tells each one that all replicas hold the version, which is what lets them collect older
-versions. ``pull`` reads from this client's own replica (``replica``), only the slices its
-shardings need.
+With several replicas (``endpoints[r]`` is replica r), replicas add availability:
+
+* ``push`` publishes to every replica at once. A replica that cannot be reached (gRPC's own
+  UNAVAILABLE or DEADLINE_EXCEEDED) is skipped for this push and logged; the version is committed
+  once ``quorum`` replicas hold it. Then every replica that answered is told which replicas hold
+  the version (their progress, a lease on their say in GC: retention.py), so a dead replica stops
+  holding GC back once its last report lapses. A replica that returns has recovered its
+  persisted versions and takes the next push; a version it missed is read from a peer.
+* ``pull`` reads from this client's own replica (``replica``) and fails over to the others in
+  turn (``replica + 1``, ``replica + 2``, ... modulo the count) when it is down, lacks the version
+  (it was down when the version was pushed) or sends bytes that fail their checksum; every pull
+  starts at its own replica again. Every pull is checked against CRC32C: whole arrays against the
+  manifest's, slices against the checksums the server sends after them, computed from chunks it
+  checked against the ones it recorded when the version was published (server.py).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import jax
@@ -43,19 +54,40 @@ from rlax_tpu.rpc.transport import (
     wait_ready,
 )
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
 _NO_CREDENTIALS = Credentials()
 # Refusals that pass: a reader's pin or lease, a persist, or a conflicting push in flight ends.
 _TRANSIENT = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
+# gRPC's own statuses for a replica it cannot reach (the server never sends them itself).
+_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A pull that fails so on one replica is tried on the next: it lacks the version (it was down
+# when it was pushed) or its copy is corrupt.
+_PULL_ELSEWHERE = (errors.NotFound, errors.DataLoss)
+
+
+def down(e: BaseException) -> bool:
+    """``e`` says the replica could not be reached (not that it refused the call)."""
+    return isinstance(e, grpc.RpcError) and e.code() in _DOWN and not _from_server(e)
 
 
 def _raise(e: grpc.RpcError) -> None:
     """Re-raises the server's refusal as the ParamServerError its status names (gRPC's own
     errors, e.g. an oversize message, as they are)."""
+    raise _as_error(e)
+
+
+def _as_error(e: grpc.RpcError) -> Exception:
+    """The server's refusal as the ParamServerError its status names; gRPC's own errors as
+    they are."""
     code = e.code()
     cls = errors.BY_STATUS.get(code.name) if code is not None and _from_server(e) else None
     if cls is None:
-        raise e
-    raise cls(e.details()) from e
+        return e
+    error = cls(e.details())
+    error.__cause__ = e
+    return error
 
 
 def _from_server(e: grpc.RpcError) -> bool:
@@ -78,17 +110,22 @@ class ParamServerClient:
         timeout_s: float = 600.0,
         publish_token_file: str = "",
         room_wait_s: float = 0.0,
+        quorum: int = 1,
     ):
         """``publish_token_file``: the publish token pushes present (read when first needed:
         a client that only pulls never opens it). ``room_wait_s``: how long a push refused for
         room (ResourceExhausted: every hot version is read, persisted or leased) or for a
-        conflicting push in flight (Aborted) is retried, with backoff; 0: not retried."""
+        conflicting push in flight (Aborted) is retried, with backoff; 0: not retried.
+        ``quorum``: the replicas that must hold a pushed version (the others may be down)."""
         self._publish_token_file = publish_token_file
         self.room_wait_s = room_wait_s
         self._write_metadata: list[tuple[str, str]] | None = None
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not 0 <= replica < len(self.endpoints):
             raise ValueError(f"replica {replica} is not one of {len(self.endpoints)} endpoints")
+        if not 1 <= quorum <= len(self.endpoints):
+            raise ValueError(f"quorum {quorum} is not in [1, {len(self.endpoints)} endpoints]")
+        self.quorum = quorum
         self.replica, self.chunk_bytes, self.timeout_s = replica, chunk_bytes, timeout_s
         self.bytes_pulled = 0  # payload bytes received by pulls, for metrics
         self.bytes_pushed = (
@@ -128,6 +165,7 @@ class ParamServerClient:
         creds = Credentials(
             auth_token_file=config.auth_token_file, tls_cert_file=config.tls_cert_file
         )
+        count = 1 if isinstance(endpoints, str) else len(endpoints)
         return cls(
             endpoints,
             credentials=creds,
@@ -136,6 +174,7 @@ class ParamServerClient:
             replica=replica,
             publish_token_file=config.publish_token_file,
             room_wait_s=config.publish_room_wait_s,
+            quorum=min(config.publish_quorum, count),
         )
 
     def _write(self) -> list[tuple[str, str]]:
@@ -164,7 +203,8 @@ class ParamServerClient:
     # ------------------------------------------------------------------------------ push
 
     def push(self, params: Any, version: int, *, step: int | None = None) -> VersionInfo:
-        """Publishes a pytree of arrays (jax or numpy) as ``version`` to every replica.
+        """Publishes a pytree of arrays (jax or numpy) as ``version`` to every replica that is up;
+        at least ``quorum`` must take it (errors.Unavailable otherwise).
 
         Idempotent: pushing the same content again is a no-op; different content for an existing
         version raises AlreadyExists.
@@ -204,24 +244,67 @@ class ParamServerClient:
                 version=version, step=version if step is None else step, arrays=tuple(specs)
             )
         )
-
-        def one(publish: Any) -> pb.PublishReply:
-            return self._publish_retrying(publish, lambda: self._publish_stream(header, hosts))
-
-        replies = self._on_all(one, self._publish)
+        replies = self._publish_all(header, hosts)
         self.bytes_pushed += sum(h.nbytes for h in hosts) * len(replies)
-        for r in range(len(self.endpoints)):
-            self.report_progress(r, version)
-        return wire.info_from_pb(replies[self.replica].info)
+        self._report_holders(replies, version)
+        return wire.info_from_pb(self._own(replies).info)
 
-    def _publish_retrying(self, publish: Any, stream: Any) -> pb.PublishReply:
-        """One replica's Publish call, retried while the refusal is transient (pushes are
+    def push_part(
+        self,
+        specs: Sequence[ArraySpec],
+        boxes: Sequence[tuple[int, Bounds, np.ndarray]],
+        version: int,
+        *,
+        step: int | None = None,
+        part: int,
+        parts: int,
+    ) -> tuple[VersionInfo, bool]:
+        """Publishes part ``part`` of ``parts`` of ``version`` to every replica that is up:
+        ``specs`` are the whole version's arrays, ``boxes`` (array index, bounds, data) this
+        part's share, disjoint from the other parts'. Returns (info, complete): complete when the
+        version is committed on every replica that took this part (this part was its last, or
+        it was already). Whoever completes a replica's version tells the replicas, so GC learns
+        of it as with a whole push. Idempotent like ``push``; a replica down now misses the
+        version even if it took the other parts (a newer version drops its unfinished one)."""
+        header = wire.header_to_pb(
+            VersionManifest(
+                version=version,
+                step=version if step is None else step,
+                arrays=tuple(specs),
+            )
+        )
+        header.part.index, header.part.count = part, parts
+        for i, bounds, _ in boxes:
+            header.part.boxes.add(
+                array=i, start=[lo for lo, _ in bounds], stop=[hi for _, hi in bounds]
+            )
+        datas = [np.ascontiguousarray(d) for _, _, d in boxes]
+        replies = self._publish_all(header, datas)
+        self._report_holders(replies, version)
+        self.bytes_pushed += sum(d.nbytes for d in datas) * len(replies)
+        complete = all(r.complete for r in replies.values())
+        return wire.info_from_pb(self._own(replies).info), complete
+
+    def _publish_all(
+        self, header: pb.VersionHeader, datas: list[np.ndarray]
+    ) -> dict[int, pb.PublishReply]:
+        """Publishes to every replica at once: {replica: reply} of those that took it."""
+        outcomes = self._each(
+            lambda r: self._publish_retrying(r, lambda: self._publish_stream(header, datas))
+        )
+        return self._enough(outcomes, self.quorum, f"publish of version {header.version}")
+
+    def _own(self, replies: dict[int, T]) -> T:
+        return replies.get(self.replica, replies[min(replies)])
+
+    def _publish_retrying(self, r: int, stream: Callable[[], Iterator]) -> pb.PublishReply:
+        """Replica r's Publish call, retried while the refusal is transient (pushes are
         idempotent; the server refuses for room at the header, before any bytes move, or at the
         commit, keeping a version's other parts for the retried last one)."""
         deadline, delay = time.monotonic() + self.room_wait_s, 0.05
         while True:
             try:
-                return publish(stream(), timeout=self.timeout_s, metadata=self._write())
+                return self._publish[r](stream(), timeout=self.timeout_s, metadata=self._write())
             except grpc.RpcError as e:
                 if not (e.code() in _TRANSIENT and _from_server(e)):
                     _raise(e)
@@ -229,6 +312,8 @@ class ParamServerClient:
                     cls = errors.BY_STATUS[e.code().name]
                     waited = f"still refused after {self.room_wait_s:g} s of retries"
                     raise cls(f"{e.details()} ({waited})") from e
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._share_progress(r)
             time.sleep(delay)
             delay = min(2 * delay, 2.0)
 
@@ -248,52 +333,125 @@ class ParamServerClient:
             crcs.append(crc)
         yield pb.PublishRequest(trailer=pb.PublishTrailer(crc32=crcs))
 
-    def push_part(
-        self,
-        specs: Sequence[ArraySpec],
-        boxes: Sequence[tuple[int, Bounds, np.ndarray]],
-        version: int,
-        *,
-        step: int | None = None,
-        part: int,
-        parts: int,
-    ) -> tuple[VersionInfo, bool]:
-        """Publishes part ``part`` of ``parts`` of ``version`` to every replica: ``specs`` are the
-        whole version's arrays, ``boxes`` (array index, bounds, data) this part's share, disjoint
-        from the other parts'. Returns (info, complete): complete when the version is committed
-        (this part was its last, or it was already). Whoever completes a replica's version tells
-        every replica, so GC learns of it as with a whole push. Idempotent like ``push``."""
-        header = wire.header_to_pb(
-            VersionManifest(
-                version=version,
-                step=version if step is None else step,
-                arrays=tuple(specs),
+    # ------------------------------------------------------------------------------ progress
+
+    def _report_holders(self, replies: dict[int, pb.PublishReply], version: int) -> None:
+        """Tells every replica that answered which of them hold ``version`` now (each report
+        renews that replica's lease on GC); replicas that are down miss it and lapse."""
+        holders = [(r, version) for r, reply in sorted(replies.items()) if reply.complete]
+        if holders:
+            self._enough(
+                self._each(lambda r: self._progress_to(r, holders), replies), 1, "progress"
             )
+
+    def _progress_to(self, r: int, reports: Sequence[tuple[int, int]]) -> None:
+        """Sends replica r each (replica, version) of ``reports``."""
+        for replica, version in reports:
+            self._stubs[r].ReportProgress(
+                pb.ProgressRequest(replica=replica, version=version),
+                timeout=self.timeout_s,
+                metadata=self._write(),
+            )
+
+    def _share_progress(self, r: int) -> None:
+        """Tells replica r, which refused a push for room, how far the other replicas are (each
+        one's latest version, which it has committed). A replica that restarted knows nothing
+        of its peers and would otherwise wait out a whole replica lease before it collects; a
+        peer that is down is left out (it lapses)."""
+        reports = []
+        for q in range(len(self.endpoints)):
+            if q == r:
+                continue
+            try:
+                latest = self._stubs[q].ListVersions(common_pb2.Empty(), timeout=self.timeout_s)
+            except grpc.RpcError:
+                continue  # down or refusing: it proves no progress
+            if latest.latest >= 0:
+                reports.append((q, latest.latest))
+        try:
+            self._progress_to(r, reports)
+        except grpc.RpcError as e:
+            log.info("could not tell replica %d its peers' progress: %s", r, e.details())
+
+    def report_progress(self, replica: int, version: int) -> None:
+        """Tells every replica that is up that replica ``replica`` has committed ``version``."""
+        self._enough(
+            self._each(lambda r: self._progress_to(r, [(replica, version)])),
+            1,
+            f"progress of replica {replica}",
         )
-        header.part.index, header.part.count = part, parts
-        for i, bounds, _ in boxes:
-            header.part.boxes.add(
-                array=i, start=[lo for lo, _ in bounds], stop=[hi for _, hi in bounds]
-            )
-        datas = [np.ascontiguousarray(d) for _, _, d in boxes]
 
-        def one(publish: Any) -> pb.PublishReply:
-            return self._publish_retrying(publish, lambda: self._publish_stream(header, datas))
+    # ------------------------------------------------------------------------------ replicas
 
-        replies = self._on_all(one, self._publish)
-        for r, reply in enumerate(replies):
-            if reply.complete:
-                self.report_progress(r, version)
-        self.bytes_pushed += sum(d.nbytes for d in datas) * len(replies)
-        return wire.info_from_pb(replies[self.replica].info), all(r.complete for r in replies)
+    def _each(
+        self, call: Callable[[int], T], replicas: Collection[int] | None = None
+    ) -> dict[int, T | Exception]:
+        """{replica: call(replica), or the error it raised (the server's as ParamServerError)},
+        for every replica (or ``replicas``), concurrently."""
 
-    def _on_all(self, call: Any, targets: Sequence[Any] | None = None) -> list[Any]:
-        """``call(target)`` for every replica's stub (or ``targets``), concurrently."""
-        targets = self._stubs if targets is None else targets
+        def attempt(r: int) -> T | Exception:
+            try:
+                return call(r)
+            except grpc.RpcError as e:
+                return _as_error(e)
+            except errors.ParamServerError as e:
+                return e
+
+        targets = sorted(range(len(self.endpoints)) if replicas is None else replicas)
         if len(targets) == 1:
-            return [call(targets[0])]
+            return {targets[0]: attempt(targets[0])}
         with futures.ThreadPoolExecutor(len(targets)) as pool:
-            return list(pool.map(call, targets))
+            return dict(zip(targets, pool.map(attempt, targets), strict=True))
+
+    def _enough(self, outcomes: dict[int, T | Exception], need: int, what: str) -> dict[int, T]:
+        """The outcomes that succeeded, when there are at least ``need``. A refusal (the server
+        said no) is raised; replicas that are down are skipped, and named in the log, or in
+        errors.Unavailable when fewer than ``need`` answered."""
+        failed = {r: e for r, e in outcomes.items() if isinstance(e, Exception)}
+        refused = [e for e in failed.values() if not down(e)]
+        if refused:
+            raise refused[0]
+        done = {r: o for r, o in outcomes.items() if r not in failed}
+        if failed:
+            skipped = "; ".join(
+                f"replica {r} at {self.endpoints[r]}: {e.code().name} {e.details()}"
+                for r, e in failed.items()
+            )
+            if len(done) < need:
+                raise errors.Unavailable(
+                    f"{what}: {len(done)} of {len(self.endpoints)} replicas answered, "
+                    f"{need} needed; down: {skipped}"
+                ) from next(iter(failed.values()))
+            log.warning("%s skipped the replicas that are down (%s)", what, skipped)
+        return done
+
+    def _failover(self, call: Callable[[int], T], what: str) -> T:
+        """``call(replica)`` on this client's replica, else on the next ones in turn while it is
+        down, lacks what was asked or sent corrupt bytes; raises the first replica's answer
+        (a refusal before an unreachable replica's error) when none serves it."""
+        n, failures = len(self.endpoints), []
+        for k in range(n):
+            r = (self.replica + k) % n
+            try:
+                return call(r)
+            except grpc.RpcError as e:
+                error: Exception = _as_error(e)
+            except errors.ParamServerError as e:
+                error = e
+            if n == 1 or not (down(error) or isinstance(error, _PULL_ELSEWHERE)):
+                raise error
+            failures.append(error)
+            log.warning(
+                "%s: replica %d at %s failed (%s: %s)%s",
+                what,
+                r,
+                self.endpoints[r],
+                error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__,
+                error.details() if isinstance(error, grpc.RpcError) else error,
+                ", trying the next" if k < n - 1 else "; no replica is left",
+            )
+        answered = [e for e in failures if not down(e)]
+        raise (answered or failures)[0]
 
     # ------------------------------------------------------------------------------ pull
 
@@ -302,15 +460,24 @@ class ParamServerClient:
     ) -> tuple[VersionManifest, list[np.ndarray]]:
         """(manifest, host arrays): whole arrays in manifest order, or one per requested box.
 
-        Whole arrays are checked against the manifest's CRC32C (DataLoss on mismatch).
+        Whole arrays are checked against the manifest's CRC32C, boxes against the CRC32C the
+        server sends after them (DataLoss on mismatch). Fails over to the other replicas.
         """
+        return self._failover(
+            lambda r: self._pull_arrays_from(r, version, slices), f"pull of version {version}"
+        )
+
+    def _pull_arrays_from(
+        self, r: int, version: int, slices: Sequence[tuple[int, Bounds]] | None
+    ) -> tuple[VersionManifest, list[np.ndarray]]:
         request = pb.PullRequest(version=version)
         for i, bounds in slices or ():
             request.slices.add(
                 array=i, start=[lo for lo, _ in bounds], stop=[hi for _, hi in bounds]
             )
         whole = not slices
-        stream = self._pull[self.replica](request, timeout=self.timeout_s)
+        stream = self._pull[r](request, timeout=self.timeout_s)
+        sent: list[int] | None = None  # the server's checksums of the boxes (sliced pulls)
         try:
             manifest = wire.header_from_pb(next(stream).header)
             boxes = slices or [(i, None) for i in range(len(manifest.arrays))]
@@ -318,23 +485,34 @@ class ParamServerClient:
             flats = [as_bytes(o) for o in out]
             received, crcs = [0] * len(out), [0] * len(out)
             for c in stream:
+                if not isinstance(c, framing.ChunkView):
+                    if c.WhichOneof("part") != "trailer" or sent is not None:
+                        raise errors.DataLoss(f"a pull sent an unexpected {c.WhichOneof('part')}")
+                    sent = list(c.trailer.crc32c)
+                    continue
                 n, data = len(c.data), np.frombuffer(c.data, np.uint8)
                 flats[c.index][c.offset : c.offset + n] = data
-                if whole:  # chunks of an array arrive in order
-                    crcs[c.index] = checksum(data, crcs[c.index])
+                crcs[c.index] = checksum(data, crcs[c.index])  # chunks of a box arrive in order
                 received[c.index] += n
                 self.bytes_pulled += n
         except grpc.RpcError as e:
             _raise(e)
         finally:
             stream.cancel()  # a no-op once complete; else the server stops at once
-        short = [i for i, (r, f) in enumerate(zip(received, flats, strict=True)) if r != len(f)]
+        short = [i for i, (n, f) in enumerate(zip(received, flats, strict=True)) if n != len(f)]
         if short:
             raise errors.DataLoss(f"pull of version {manifest.version} ended early (boxes {short})")
         if whole:
             bad = [s.path for s, c in zip(manifest.arrays, crcs, strict=True) if c != s.crc32c]
-            if bad:
-                raise errors.DataLoss(f"version {manifest.version}: checksum mismatch in {bad}")
+        elif sent is None or len(sent) != len(crcs):
+            raise errors.DataLoss(
+                f"a sliced pull of version {manifest.version} ended without a checksum per slice"
+            )
+        else:
+            pairs = zip(slices, crcs, sent, strict=True)
+            bad = [manifest.arrays[i].path for (i, _), c, s in pairs if c != s]
+        if bad:
+            raise errors.DataLoss(f"version {manifest.version}: checksum mismatch in {bad}")
         return manifest, out
 
     def _empty(self, boxes: list[tuple[ArraySpec, Bounds | None]]) -> list[np.ndarray]:
@@ -351,7 +529,7 @@ class ParamServerClient:
         ]
 
     def pull(self, version: int = LATEST, shardings: Any = None) -> Any:
-        """A version as a pytree of jax.Arrays.
+        """A version as a pytree of jax.Arrays (from this client's replica, else another).
 
         ``shardings``: a pytree of jax.sharding.Sharding with the pushed tree's structure; each
         array is built from the per-device slices this process needs, and only those are pulled.
@@ -361,11 +539,16 @@ class ParamServerClient:
             manifest, arrays = self.pull_arrays(version)
             # One call for every array (a single dispatch; on CPU each aliases its host array).
             return unflatten_nested([a.path for a in manifest.arrays], jax.device_put(arrays))
+        return self._failover(
+            lambda r: self._pull_sharded_from(r, version, shardings), f"pull of version {version}"
+        )
+
+    def _pull_sharded_from(self, r: int, version: int, shardings: Any) -> Any:
         paths, leaf_shardings, treedef = flatten(shardings)
-        manifest = self._manifest(version)
+        manifest = self._manifest(r, version)
         position = {a.path: i for i, a in enumerate(manifest.arrays)}
         boxes = needed_slices(manifest, shardings)
-        _, data = self.pull_arrays(manifest.version, boxes)
+        _, data = self._pull_arrays_from(r, manifest.version, boxes)
         held: dict[int, list[tuple[Bounds, np.ndarray]]] = {}
         for (i, bounds), array in zip(boxes, data, strict=True):
             held.setdefault(i, []).append((bounds, array))
@@ -382,15 +565,15 @@ class ParamServerClient:
             )
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
-    def _manifest(self, version: int) -> VersionManifest:
-        """The header of ``version`` (resolving LATEST), without its data.
+    def _manifest(self, r: int, version: int) -> VersionManifest:
+        """The header of ``version`` on replica r (resolving LATEST), without its data.
 
         A header-only pull is read to its end (the header is all it has), so the call completes
         normally instead of being dropped half-read.
         """
         request = pb.PullRequest(version=version, header_only=True)
         try:
-            replies = list(self._pull[self.replica](request, timeout=self.timeout_s))
+            replies = list(self._pull[r](request, timeout=self.timeout_s))
         except grpc.RpcError as e:
             _raise(e)
         if len(replies) != 1 or not isinstance(replies[0], pb.PullReply):
@@ -402,39 +585,29 @@ class ParamServerClient:
     # ------------------------------------------------------------------------------ control
 
     def list_versions(self) -> tuple[list[VersionInfo], int | None]:
-        """(hot versions of this client's replica, the latest or None)."""
-        try:
-            reply = self._stubs[self.replica].ListVersions(
-                common_pb2.Empty(), timeout=self.timeout_s
-            )
-        except grpc.RpcError as e:
-            _raise(e)
+        """(hot versions of this client's replica, or the next one up; the latest or None)."""
+        reply = self._failover(
+            lambda r: self._stubs[r].ListVersions(common_pb2.Empty(), timeout=self.timeout_s),
+            "listing versions",
+        )
         latest = None if reply.latest < 0 else reply.latest
         return [wire.info_from_pb(v) for v in reply.versions], latest
 
-    def report_progress(self, replica: int, version: int) -> None:
-        """Tells every replica that replica ``replica`` has committed ``version``."""
-        request = pb.ProgressRequest(replica=replica, version=version)
-        try:
-            self._on_all(
-                lambda stub: stub.ReportProgress(
-                    request, timeout=self.timeout_s, metadata=self._write()
-                )
-            )
-        except grpc.RpcError as e:
-            _raise(e)
-
     def lease(self, consumer: str, versions: Sequence[int], ttl_s: float = 0.0) -> float:
-        """Sets the versions ``consumer`` holds on every replica (empty releases); returns the TTL.
+        """Sets the versions ``consumer`` holds on every replica that is up (empty releases);
+        returns the TTL. A replica that lacks one of them (it was down when it was pushed) is
+        left out; NotFound only when no replica holds them all.
 
         Renew before the TTL ends. 0: the server's default (param_server.lease_ttl_s).
         """
         request = pb.LeaseRequest(consumer=consumer, versions=list(versions), ttl_s=ttl_s)
-        try:
-            replies = self._on_all(lambda stub: stub.Lease(request, timeout=self.timeout_s))
-        except grpc.RpcError as e:
-            _raise(e)
-        return min(r.ttl_s for r in replies)
+        outcomes = self._each(lambda r: self._stubs[r].Lease(request, timeout=self.timeout_s))
+        lacking = {r for r, o in outcomes.items() if isinstance(o, errors.NotFound)}
+        if len(lacking) == len(outcomes):
+            raise outcomes[min(lacking)]
+        others = {r: o for r, o in outcomes.items() if r not in lacking}
+        replies = self._enough(others, 1, f"lease of {consumer}")
+        return min(r.ttl_s for r in replies.values())
 
     def health(self) -> list[common_pb2.HealthReply]:
         """One HealthReply per replica."""
@@ -444,6 +617,13 @@ class ParamServerClient:
             )
         except grpc.RpcError as e:
             _raise(e)
+
+    def _on_all(self, call: Any) -> list[Any]:
+        """``call(stub)`` for every replica's stub, concurrently; the first failure is raised."""
+        if len(self._stubs) == 1:
+            return [call(self._stubs[0])]
+        with futures.ThreadPoolExecutor(len(self._stubs)) as pool:
+            return list(pool.map(call, self._stubs))
 
 
 def needed_slices(

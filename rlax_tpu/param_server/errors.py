@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import grpc
+
 # Trailing metadata that marks a status as the server's own (gRPC itself says RESOURCE_EXHAUSTED
 # for an oversize message, which no retry cures).
 TRAILER_KEY = "rlax-param-server-error"
@@ -63,3 +65,21 @@ class Aborted(ParamServerError):
 
 
 BY_STATUS[Aborted.status] = Aborted
+
+
+class Unavailable(ParamServerError, grpc.RpcError):
+    """Too few replicas could be reached (fewer than a push's quorum). Raised by the client only
+    (no server sends it, so it is not in BY_STATUS), and a ``grpc.RpcError`` whose code is
+    UNAVAILABLE like a lone unreachable server's own error: callers that handle a parameter
+    server that is gone handle this one alike."""
+
+    status = "UNAVAILABLE"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
+
+    def trailing_metadata(self) -> tuple:
+        return ()

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rlax_tpu.param_server import errors
+from rlax_tpu.param_server import blocks, errors
 from rlax_tpu.param_server.codec import (
     ArraySpec,
     Bounds,
@@ -55,7 +55,9 @@ class PartsServer(Protocol):
         crcs: list[int],
     ) -> tuple[VersionInfo, bool, bool]: ...
 
-    def _commit(self, manifest: VersionManifest, prefix: str) -> list[str]: ...
+    def _commit(
+        self, manifest: VersionManifest, prefix: str, chunk_crcs: list[np.ndarray]
+    ) -> list[str]: ...
 
 
 def _volume(bounds: Bounds) -> int:
@@ -218,9 +220,13 @@ def commit_assembly(server: PartsServer, assembly: Assembly) -> VersionInfo:
             server._hot.write_array(prefix, i, s, a)
             for i, (s, a) in enumerate(zip(manifest.arrays, assembly.data, strict=True))
         ]
+        tables = [  # while the writes run
+            blocks.chunk_checksums(s, a)
+            for s, a in zip(manifest.arrays, assembly.data, strict=True)
+        ]
         for w in writes:
             w.result()
-        doomed = server._commit(manifest, prefix)
+        doomed = server._commit(manifest, prefix, tables)
     except BaseException:
         server._hot.delete(prefix)
         raise

@@ -5,6 +5,10 @@ Atomic publish: a version's arrays are written under a fresh staging prefix of t
 version becomes visible only when its manifest enters the index, under the lock, after every
 array is written and its CRC32C checked. Readers resolve versions through the index only, and pin
 the version for the duration of a pull, so GC cannot pull it from under them.
+
+Checked reads: a whole-array pull is checked by the puller against the manifest's CRC32C; for
+sliced pulls the server records every chunk's CRC32C at commit and checks the chunks a slice
+reads (blocks.py).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from rlax_tpu.config import ParamServerConfig
-from rlax_tpu.param_server import buffers, errors
+from rlax_tpu.param_server import blocks, buffers, errors
 from rlax_tpu.param_server.codec import (
     ArraySpec,
     Bounds,
@@ -52,6 +56,9 @@ class ParamServer:
         self._slabs = buffers.SlabPool()  # received versions' memory, reused once collected
         self._lock = threading.Lock()
         self._index: dict[int, tuple[VersionManifest, str]] = {}  # committed: version -> prefix
+        # Committed versions' chunk checksums, one table per array (blocks.py): what sliced pulls
+        # are checked against.
+        self._chunk_crcs: dict[int, list[np.ndarray]] = {}
         self._publishing: set[int] = set()
         self._assemblies: dict[int, Assembly] = {}  # versions published in parts, incomplete
         self._pins: collections.Counter[int] = collections.Counter()  # pulls and persists in flight
@@ -63,7 +70,11 @@ class ParamServer:
         # publishable once more, with exactly the content their intent record names.
         self._torn: dict[int, VersionManifest] = {}
         self._bytes_served = 0  # data bytes handed to pulls (a sharded pull counts its slices)
-        self._retention = Retention(replicas=config.replicas)
+        self._retention = Retention(
+            replicas=config.replicas,
+            own=config.replica_index,
+            replica_lease_s=config.replica_lease_s,
+        )
         self._persister = (
             Persister(self._hot, persist_location, keep=config.persist_keep)
             if persist_location
@@ -222,16 +233,21 @@ class ParamServer:
         finally:
             session.abort()
 
-    def _commit(self, manifest: VersionManifest, prefix: str) -> list[str]:
-        """Makes a written version visible; returns hot prefixes collected to make room."""
+    def _commit(
+        self, manifest: VersionManifest, prefix: str, chunk_crcs: list[np.ndarray]
+    ) -> list[str]:
+        """Makes a written version visible (``chunk_crcs``: each array's chunk checksums, from
+        the checked bytes); returns hot prefixes collected to make room."""
         with self._lock:
             self._check_new_number_locked(manifest.version, manifest)  # a newer one may have won
             self._torn.pop(manifest.version, None)
             doomed = self._collectible_locked(need_room=True)
             for v in doomed:
                 self._index.pop(v)
+                self._chunk_crcs.pop(v, None)
                 self._persisted.discard(v)
             self._index[manifest.version] = (manifest, prefix)
+            self._chunk_crcs[manifest.version] = chunk_crcs
             self._high_water = max(self._high_water, manifest.version)
             self._retention.report_progress(
                 self.config.replica_index, max(self._index)
@@ -300,7 +316,8 @@ class ParamServer:
         )
 
     def report_progress(self, replica: int, version: int) -> None:
-        """Replica ``replica`` has committed ``version`` (versions before it may be collected)."""
+        """Replica ``replica`` has committed ``version`` (versions before it may be collected);
+        renews its say in GC for ``replica_lease_s`` (retention.py)."""
         with self._lock:
             self._retention.report_progress(replica, version)
 
@@ -361,6 +378,10 @@ class ParamServer:
         ``reuse_buffers``: pieces are read straight into a few buffers that are used over and
         over (no new memory per piece), so a piece is valid only until the next one is asked
         for; for a caller that is done with each piece by then (the gRPC service sends it).
+
+        Requested boxes (``slices`` given) are read as whole chunks, each checked against the
+        checksum recorded at commit: a piece is then a run of a box's rows within one band of
+        chunks, and iterating raises DataLoss at a chunk that differs (blocks.py).
         """
         with self._lock:
             if version == LATEST:
@@ -370,8 +391,10 @@ class ParamServer:
             if version not in self._index:
                 raise errors.NotFound(f"version {version} is not held (hot: {sorted(self._index)})")
             manifest, prefix = self._index[version]
+            tables = self._chunk_crcs[version]
             self._pins[version] += 1
         reader = VersionReader(self, manifest)  # owns the pin from here on, whatever happens
+        checked = slices is not None
         try:
             if slices is None:
                 slices = [(i, None) for i in range(len(manifest.arrays))]
@@ -387,7 +410,15 @@ class ParamServer:
         except errors.ParamServerError:
             reader.close()
             raise
-        reader.start(_read(self._hot, manifest, prefix, boxes, piece_bytes, reuse_buffers))
+        if checked:
+            specs = manifest.arrays
+            reader.start(
+                blocks.read_checked(
+                    self._hot, prefix, [(i, specs[i], b, tables[i]) for i, b in boxes]
+                )
+            )
+        else:
+            reader.start(_read(self._hot, manifest, prefix, boxes, piece_bytes, reuse_buffers))
         return manifest, reader
 
     def _unpin(self, version: int) -> None:
@@ -437,8 +468,12 @@ class ParamServer:
             ]
             for f in pending:
                 f.result()
+            tables = [
+                blocks.chunk_checksums(s, a) for s, a in zip(manifest.arrays, arrays, strict=True)
+            ]
             with self._lock:
                 self._index[manifest.version] = (manifest, prefix)
+                self._chunk_crcs[manifest.version] = tables
                 self._persisted.add(manifest.version)
                 self._retention.report_progress(self.config.replica_index, manifest.version)
             log.info("recovered version %d from %s", manifest.version, self._persister.location)
@@ -463,7 +498,11 @@ class ParamServer:
             hot = sorted(self._index)
             persisted = sorted(self._persisted)
             served = self._bytes_served
-        detail = f"hot versions {hot}; persisted {persisted}; {served} bytes served"
+            progress, counted = self._retention.progress(), self._retention.counted()
+        detail = (
+            f"hot versions {hot}; persisted {persisted}; {served} bytes served; replica progress "
+            f"{dict(sorted(progress.items()))}, counted for GC {counted}"
+        )
         failing = self._persister.failing if self._persister is not None else ""
         if failing:
             return False, f"{detail}; persistence is failing: {failing}"
@@ -717,6 +756,11 @@ class PublishSession:
         if bad:
             raise errors.DataLoss(f"version {self.version}: checksum mismatch in {bad}")
         self._start_writes(wait=True)
+        tables = []
+        if self._existing is None:  # from the bytes just checked, while the writes run
+            for i, spec in enumerate(self.arrays):
+                data = self._array_bytes(i).view(np_dtype(spec.dtype)).reshape(spec.shape)
+                tables.append(blocks.chunk_checksums(spec, data))
         for w in self._writes:
             w.result()
         manifest = VersionManifest(
@@ -736,7 +780,7 @@ class PublishSession:
                 )
             self._close(keep=False)
             return dataclasses.replace(info, step=self._existing[0].step), True
-        doomed = self._server._commit(manifest, self._prefix)
+        doomed = self._server._commit(manifest, self._prefix, tables)
         self._close(keep=True)
         for prefix in doomed:
             self._server._hot.delete(prefix)

@@ -12,7 +12,7 @@ import grpc
 from rlax_tpu import storage
 from rlax_tpu.config import ParamServerConfig, RunConfig
 from rlax_tpu.param_server import errors, framing, wire
-from rlax_tpu.param_server.codec import VersionManifest, as_bytes
+from rlax_tpu.param_server.codec import VersionManifest, as_bytes, checksum
 from rlax_tpu.param_server.framing import SERVICE, ChunkView
 from rlax_tpu.param_server.server import ParamServer, VersionReader
 from rlax_tpu.rpc import common_pb2, param_server_pb2_grpc
@@ -31,10 +31,14 @@ def _statuses(method: Callable) -> Callable:
         try:
             return method(self, request, context)
         except errors.ParamServerError as e:
-            context.set_trailing_metadata(((errors.TRAILER_KEY, e.status),))
-            context.abort(getattr(grpc.StatusCode, e.status), str(e))
+            _abort(context, e)
 
     return wrapper
+
+
+def _abort(context: grpc.ServicerContext, e: errors.ParamServerError) -> None:
+    context.set_trailing_metadata(((errors.TRAILER_KEY, e.status),))
+    context.abort(getattr(grpc.StatusCode, e.status), str(e))
 
 
 class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
@@ -91,18 +95,28 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
         # iterates the stream (then no finally below would run): the pin is always released.
         if not context.add_callback(pieces.close):  # the call has ended already
             pieces.close()
-        return self._stream(manifest, pieces)
+        boxes = len(request.slices) if request.slices and not request.header_only else 0
+        return self._stream(manifest, pieces, boxes, context)
 
     def _stream(
-        self, manifest: VersionManifest, pieces: VersionReader
+        self, manifest: VersionManifest, pieces: VersionReader, boxes: int, context: Any
     ) -> Iterator[pb.PullReply | ChunkView]:
+        """The header, the pieces' bytes in chunks and, for ``boxes`` requested slices, a
+        trailer with the CRC32C of the bytes sent for each (taken while they are in cache)."""
+        crcs = [0] * boxes
         try:
             yield pb.PullReply(header=wire.header_to_pb(manifest))
             n = self._chunk_bytes
             for index, start, piece in pieces:
                 flat = as_bytes(piece)
+                if boxes:
+                    crcs[index] = checksum(flat, crcs[index])
                 for offset in range(0, max(len(flat), 1), n):
                     yield ChunkView(index, start + offset, memoryview(flat[offset : offset + n]))
+            if boxes:
+                yield pb.PullReply(trailer=pb.PullTrailer(crc32c=crcs))
+        except errors.ParamServerError as e:  # raised while reading (a chunk failed its check)
+            _abort(context, e)
         finally:
             pieces.close()  # unpins the version as soon as the stream ends or is abandoned
 

@@ -116,12 +116,20 @@ class PullRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ..., header_only: _Optional[bool] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: VersionHeader
     chunk: Chunk
-    def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    trailer: PullTrailer
+    def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[PullTrailer, _Mapping]] = ...) -> None: ...
+
+class PullTrailer(_message.Message):
+    __slots__ = ("crc32c",)
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VersionList(_message.Message):
     __slots__ = ("versions", "latest")

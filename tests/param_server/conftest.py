@@ -36,6 +36,45 @@ def running(config: ParamServerConfig, persist_location: str = "") -> Iterator[R
         store.close()
 
 
+class Replica:
+    """Replica ``index`` of a set, which a test can stop and start again on the same port."""
+
+    def __init__(self, config: ParamServerConfig, persist_location: str = ""):
+        self.config, self.persist_location = config, persist_location
+        self.server, self.port, self.store = serve(config, persist_location=persist_location)
+        self.endpoint = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(None).wait()
+        self.store.close()
+        self.server = None
+
+    def start(self) -> None:
+        config = dataclasses.replace(self.config, address=self.endpoint)
+        self.server, _, self.store = serve(config, persist_location=self.persist_location)
+
+    def hot(self) -> list[int]:
+        return [v.version for v in self.store.list_versions()]
+
+
+@contextlib.contextmanager
+def replicas(n: int, persist_root: str = "", **fields: object) -> Iterator[list[Replica]]:
+    made: list[Replica] = []
+    try:
+        for r in range(n):
+            config = ParamServerConfig(
+                replicas=n, replica_index=r, chunk_bytes=1000, persist_every=0, **fields
+            )
+            if persist_root:
+                config = dataclasses.replace(config, persist_every=1)
+            made.append(Replica(config, f"{persist_root}/replica-{r}" if persist_root else ""))
+        yield made
+    finally:
+        for replica in made:
+            if replica.server is not None:
+                replica.stop()
+
+
 @pytest.fixture
 def ps() -> Iterator[Running]:
     """A server with small chunks, so every array spans several messages."""

@@ -164,3 +164,23 @@ def test_grpcs_own_resource_exhausted_is_not_retried_or_renamed():
             assert not isinstance(caught.value, errors.ParamServerError)
         finally:
             client.close()
+
+
+def test_a_replicas_progress_counts_only_while_its_lease_runs():
+    now = [100.0]
+    r = Retention(replicas=3, own=1, replica_lease_s=10.0, clock=lambda: now[0])
+    r.report_progress(1, 2)  # this replica's own progress never lapses
+    # Replicas never heard of count during the first lease after the start (they may be booting).
+    assert r.blocker(1) == "replicas [0, 2] have not confirmed progress past version 1"
+    now[0] = 105.0
+    r.report_progress(0, 2)
+    assert r.blocker(1) == "replicas [2] have not confirmed progress past version 1"
+    now[0] = 110.0  # replica 2 was never heard of: it stops counting after one lease
+    assert r.counted() == [0, 1] and r.blocker(1) is None
+    assert r.blocker(2) == "replicas [0, 1] have not confirmed progress past version 2"
+    now[0] = 115.0  # replica 0's report lapsed: it no longer holds GC back
+    assert r.counted() == [1]
+    assert r.blocker(2) == "replicas [1] have not confirmed progress past version 2"
+    r.report_progress(0, 1)  # a report renews the lease; progress never goes back
+    assert r.counted() == [0, 1] and r.progress() == {0: 2, 1: 2}
+    assert r.blocker(1) is None

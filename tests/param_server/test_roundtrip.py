@@ -120,7 +120,7 @@ def test_edge_shapes_round_trip_whole_and_sliced(ps):
     }
     ps.client.push(tree, 0)
     assert_same_tree(ps.client.pull(0), {k: np.asarray(v) for k, v in tree.items()})
-    paths = [a.path for a in ps.client._manifest(0).arrays]
+    paths = [a.path for a in ps.client._manifest(0, 0).arrays]
     boxes = [
         (paths.index('["wide"]'), ((1, 3), (7, 599))),
         (paths.index('["long"]'), ((17, 4999),)),

@@ -1,0 +1,151 @@
+"""Replicas add availability: a push commits on the replicas that are up, a dead replica stops
+holding GC back after its lease, a returning one recovers and takes the next push, and a pull
+fails over to another replica. Real gRPC servers on 127.0.0.1, stopped and restarted for real."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rlax_tpu.param_server import errors
+from rlax_tpu.param_server.client import ParamServerClient
+from tests.param_server.conftest import assert_same_tree, make_tree, replicas, same_bits
+
+
+def client(reps: list, **kwargs: object) -> ParamServerClient:
+    return ParamServerClient([r.endpoint for r in reps], timeout_s=60, **kwargs)
+
+
+def test_forty_publishes_with_a_replica_down_stay_within_in_memory_versions(caplog):
+    k, lease = 4, 0.5
+    with replicas(2, in_memory_versions=k, replica_lease_s=lease) as (r0, r1):
+        # room_wait_s=0: a single ResourceExhausted fails the push, and the test.
+        trainer = client([r0, r1], room_wait_s=0)
+        reader = client([r0, r1], replica=1)  # its own replica is the one that dies
+        for v in range(k):
+            trainer.push(make_tree(v), v)
+        assert r0.hot() == r1.hot() == [0, 1, 2, 3]
+        r1.stop()
+        time.sleep(lease)  # the dead replica's last report lapses: it no longer holds GC back
+        tree_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(make_tree(0)))
+        caplog.set_level(logging.WARNING, logger="rlax_tpu.param_server.client")
+        for v in range(k, k + 40):
+            info = trainer.push(make_tree(v % 7), v)
+            assert info.version == v
+            assert r0.hot() == list(range(max(0, v - k + 1), v + 1))  # only its K hot versions
+            committed, stored = r0.store.stored_prefixes()
+            assert committed == stored and len(committed) == k  # collected data is gone
+            if v % 5 == 0:  # fails over to replica 0: bit-identical weights
+                assert_same_tree(reader.pull(v), make_tree(v % 7))
+        assert trainer.bytes_pushed == (2 * k + 40) * tree_bytes  # nothing sent to the dead one
+        skipped = [m for m in caplog.messages if "skipped the replicas that are down" in m]
+        assert len(skipped) == 40 and f"replica 1 at {r1.endpoint}: UNAVAILABLE" in skipped[0]
+        assert any(f"replica 1 at {r1.endpoint} failed" in m for m in caplog.messages)
+        trainer.close()
+        reader.close()
+
+
+def test_a_replica_that_dies_holds_gc_back_only_until_its_lease_lapses():
+    # No pause after the death: pushes wait for room while the lease runs (at most about one
+    # lease), then go on; the trainer never sees a refusal.
+    k, lease = 4, 1.0
+    with replicas(2, in_memory_versions=k, replica_lease_s=lease) as (r0, r1):
+        trainer = client([r0, r1], room_wait_s=30)
+        for v in range(k):
+            trainer.push(make_tree(v), v)
+        r1.stop()
+        start = time.monotonic()
+        for v in range(k, k + 40):
+            trainer.push(make_tree(v % 7), v)
+            assert len(r0.hot()) <= k
+        assert r0.hot() == [40, 41, 42, 43]
+        assert time.monotonic() - start < lease + 10
+        # Without a quorum the push fails, naming the replica that is down; nothing changes.
+        strict = client([r0, r1], room_wait_s=0, quorum=2)
+        with pytest.raises(errors.Unavailable, match=r"1 of 2 replicas answered, 2 needed"):
+            strict.push(make_tree(0), 44)
+        assert r0.hot()[-1] == 44  # the replica that was up took it; the trainer was told no
+        trainer.close()
+        strict.close()
+
+
+def test_a_returning_replica_recovers_and_catches_up(tmp_path):
+    # Replica 1 comes back with its persisted versions, and (restarted with a long lease) would
+    # wait 600 s for news of its peer before collecting anything: it takes the next push at once
+    # because the client tells it how far its peer is. A version it missed is read from the peer.
+    k = 4
+    with replicas(2, str(tmp_path), in_memory_versions=k, persist_keep=k, replica_lease_s=1.0) as (
+        r0,
+        r1,
+    ):
+        trainer = client([r0, r1], room_wait_s=20)
+        reader = client([r0, r1], replica=1)
+        for v in range(k):
+            trainer.push(make_tree(v), v)
+        assert r1.store.flush(timeout_s=60)
+        r1.stop()
+        for v in range(k, k + 6):
+            trainer.push(make_tree(v), v)
+        r1.config = dataclasses.replace(r1.config, replica_lease_s=600.0)
+        r1.start()
+        assert r1.hot() == [0, 1, 2, 3]  # recovered from its persistence
+        # (gRPC reconnects within its backoff, at most 2 s: until then r1 counts as down.)
+        trainer.wait_ready(timeout_s=10)
+        assert reader.list_versions()[1] == 3
+        trainer.push(make_tree(10), 10)
+        assert r1.hot() == [1, 2, 3, 10] and r0.hot() == [7, 8, 9, 10]
+        assert_same_tree(reader.pull(10), make_tree(10))  # from replica 1 itself
+        served = r0.store.bytes_served()
+        assert_same_tree(reader.pull(8), make_tree(8))  # missed: read from replica 0
+        assert r0.store.bytes_served() > served
+        with pytest.raises(errors.NotFound):  # held by no replica
+            reader.pull(5)
+        # The controller's lease lands where the versions are held.
+        assert reader.lease("controller", [8, 9]) > 0
+        assert [v.leased_by for v in r0.store.list_versions()][1:3] == [("controller",)] * 2
+        trainer.close()
+        reader.close()
+
+
+def test_a_sharded_pull_fails_over_and_gets_bit_identical_slices():
+    tree = make_tree(seed=9, scale=2)
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    shardings = {
+        "embed": NamedSharding(mesh, P("model", None)),
+        "layers": [
+            {"wq": NamedSharding(mesh, P(None, "model")), "norm": NamedSharding(mesh, P())},
+            {"wq": NamedSharding(mesh, P("data", "model")), "norm": NamedSharding(mesh, P())},
+        ],
+        "head": NamedSharding(mesh, P(None, ("data", "model"))),
+    }
+    with replicas(3, in_memory_versions=2) as reps:
+        trainer = client(reps)
+        trainer.push(tree, 0)
+        reps[2].stop()
+        readers = [client(reps, replica=r) for r in range(3)]
+        got = readers[2].pull(0, shardings)  # replica 2 is down: replica 0 serves it
+        for x, s, want in zip(
+            jax.tree_util.tree_leaves(got),
+            jax.tree_util.tree_leaves(shardings),
+            jax.tree_util.tree_leaves(tree),
+            strict=True,
+        ):
+            assert x.sharding == s
+            for shard in x.addressable_shards:
+                assert same_bits(np.asarray(shard.data), want[shard.index])
+        assert reps[0].store.bytes_served() > 0 and reps[1].store.bytes_served() == 0
+        # Every pull starts at its own replica again: back up, replica 2 serves its reader.
+        reps[2].start()
+        trainer.wait_ready(timeout_s=10)
+        trainer.push(make_tree(1, scale=2), 1)
+        assert_same_tree(readers[2].pull(1), make_tree(1, scale=2))
+        assert reps[2].store.bytes_served() > 0
+        for c in (trainer, *readers):
+            c.close()
