@@ -12,8 +12,8 @@ With several replicas (``endpoints[r]`` is replica r), replicas add availability
   turn (``replica + 1``, ``replica + 2``, ... modulo the count) when it is down, lacks the version
   (it was down when the version was pushed) or sends bytes that fail their checksum; every pull
   starts at its own replica again. Every pull is checked against CRC32C: whole arrays against the
-  manifest's, slices against the checksums the server sends after them, computed from chunks it
-  checked against the ones it recorded when the version was published (server.py).
+  manifest's, slices against the checksums the server sends after them, taken from data it
+  checked against the checksums it recorded when the version was published (blocks.py).
 """
 
 from __future__ import annotations

@@ -379,9 +379,8 @@ class ParamServer:
         over (no new memory per piece), so a piece is valid only until the next one is asked
         for; for a caller that is done with each piece by then (the gRPC service sends it).
 
-        Requested boxes (``slices`` given) are read as whole chunks, each checked against the
-        checksum recorded at commit: a piece is then a run of a box's rows within one band of
-        chunks, and iterating raises DataLoss at a chunk that differs (blocks.py).
+        Requested boxes (``slices`` given) are checked on the server, and iterating raises
+        DataLoss at one that differs from what was published (``_read_checked``).
         """
         with self._lock:
             if version == LATEST:
@@ -411,10 +410,9 @@ class ParamServer:
             reader.close()
             raise
         if checked:
-            specs = manifest.arrays
             reader.start(
-                blocks.read_checked(
-                    self._hot, prefix, [(i, specs[i], b, tables[i]) for i, b in boxes]
+                _read_checked(
+                    self._hot, manifest, prefix, boxes, tables, piece_bytes, reuse_buffers
                 )
             )
         else:
@@ -588,6 +586,40 @@ def _read(
                 yield _done(pending.popleft())
     while pending:
         yield _done(pending.popleft())
+
+
+def _read_checked(
+    hot: ArrayStore,
+    manifest: VersionManifest,
+    prefix: str,
+    boxes: list[tuple[int, Bounds]],
+    tables: list[np.ndarray],
+    piece_bytes: int,
+    reuse: bool,
+) -> Iterator[tuple[int, int, np.ndarray]]:
+    """The pieces of requested boxes, checked. A box that is a whole array (a replicated one, or
+    all a reader needs of it) is read in row pieces like a whole pull and its CRC32C compared
+    with the manifest's after its last piece: the pull then fails instead of ending, so the
+    puller keeps none of it, and memory stays a few pieces. Any other box is read as the whole
+    chunks covering it, each checked against the chunk checksums recorded at commit before its
+    part of the box is handed out (blocks.py): memory is a band of chunks."""
+    for k, (i, bounds) in enumerate(boxes):
+        spec = manifest.arrays[i]
+        if bounds != tuple((0, d) for d in spec.shape):
+            for _, offset, piece in blocks.read_checked(
+                hot, prefix, [(i, spec, bounds, tables[i])]
+            ):
+                yield k, offset, piece
+            continue
+        crc = 0
+        for _, offset, piece in _read(hot, manifest, prefix, [(i, bounds)], piece_bytes, reuse):
+            crc = checksum(piece, crc)
+            yield k, offset, piece
+        if crc != spec.crc32c:
+            raise errors.DataLoss(
+                f"array {i} ({spec.path}) of the stored copy does not match the checksum it was "
+                f"published with"
+            )
 
 
 def _done(read: tuple[int, int, Any, np.ndarray | None]) -> tuple[int, int, np.ndarray]:

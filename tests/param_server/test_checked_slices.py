@@ -55,17 +55,24 @@ def test_a_sliced_pull_detects_a_chunk_corrupted_in_the_store(ps):
     assert w.shard_shape == (32, 8) and blocks.grid(w) == ([32, 8], [2, 4])
     corrupt(ps.store, 0, "w", (40, 17))  # chunk (1, 2)
 
+    # A process whose devices hold rows 32..64 (a host of a multi-host worker) pulls 4 column
+    # tiles of them: the server checks the chunks it reads and finds the corrupted one.
+    mesh = shardings["w"].mesh
+    lower, upper = (needed_slices(manifest, shardings, devices=row) for row in mesh.devices)
     with pytest.raises(errors.DataLoss, match=r'\["w"\]\): chunk \(1, 2\) of the stored copy'):
-        ps.client.pull(0, shardings)
+        ps.client.pull_arrays(0, upper)
     with pytest.raises(errors.DataLoss, match="chunk"):  # just the corrupted element
         ps.client.pull_arrays(0, [(1, ((40, 41), (17, 18)))])
+    # Slices that touch only intact chunks still pull (the check is per chunk, not per array).
+    _, got = ps.client.pull_arrays(0, lower)
+    for (i, bounds), x in zip(lower, got, strict=True):
+        want = host["w"] if manifest.arrays[i].path == '["w"]' else host["b"]
+        assert same_bits(x, want[tuple(slice(lo, hi) for lo, hi in bounds)])
+    # This process's devices need all of "w": one whole box, checked against the manifest.
+    with pytest.raises(errors.DataLoss, match=r'array 1 \(\["w"\]\) of the stored copy'):
+        ps.client.pull(0, shardings)
     with pytest.raises(errors.DataLoss, match=r'checksum mismatch in \[\'\["w"\]\'\]'):
         ps.client.pull(0)  # a whole pull: the client's check against the manifest
-    # Slices that touch only intact chunks still pull (the check is per chunk, not per array).
-    index = [a.path for a in manifest.arrays].index('["w"]')
-    box = ((0, 64), (0, 16))  # chunk columns 0 and 1
-    _, (got,) = ps.client.pull_arrays(0, [(index, box)])
-    assert same_bits(got, host["w"][:, :16])
     assert ps.store.pins() == {}  # the failed pulls released the version
 
 
@@ -129,7 +136,8 @@ def test_a_bit_flipped_on_the_wire_fails_a_sliced_pull():
         manifest = client._manifest(0, 0)
         with pytest.raises(errors.DataLoss, match="checksum mismatch in"):
             client.pull(0, shardings)
-        boxes = needed_slices(manifest, shardings)
+        upper = shardings["w"].mesh.devices[1]  # tiles, read as checked chunks on the server
+        boxes = needed_slices(manifest, shardings, devices=upper)
         with pytest.raises(errors.DataLoss, match="checksum mismatch in"):
             client.pull_arrays(0, boxes)
         with pytest.raises(errors.DataLoss, match="checksum mismatch in"):
