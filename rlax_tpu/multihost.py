@@ -3,13 +3,32 @@ spans the devices of several hosts, one process per host.
 
 Call :func:`initialize` before anything touches a JAX device: the job's processes agree on the
 global device list when they join, and every process then builds the same mesh over it.
+
+One failure rule for the whole job: the processes run the same programs in step, so one that
+cannot go on leaves the others waiting in a collective it never enters, or holding another
+state. An error on any process therefore ends every process, non-zero, naming the process and
+the error, within ``distributed.heartbeat_timeout_s``:
+
+- a process that fails says so (:func:`fail`): every process's watchdog thread waits for that
+  word on the host and ends its process, even one blocked in a device collective;
+- a process that dies without a word is the coordination service's: it ends every other
+  process once the dead one missed its heartbeats ("The following tasks are unhealthy
+  (stopped sending heartbeats): <process>"), or at once when the lead, which runs it, died;
+- after a call every process made, :func:`agree` compares how it ended everywhere: a call
+  that failed on every process is an error of the call (the caller gets it, as from one
+  process), one that failed on only some ends the job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import pickle
-from typing import Any
+import sys
+import threading
+import time
+from typing import Any, NoReturn
 
 from rlax_tpu.config import DistributedConfig
 
@@ -28,14 +47,24 @@ def initialize(cfg: DistributedConfig, *, slices: int = 1) -> bool:
     # has none); TPU and GPU collectives are unaffected.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if cfg.coordinator_address == "auto":
-        jax.distributed.initialize(initialization_timeout=cfg.initialization_timeout_s)
+        jax.distributed.initialize(
+            initialization_timeout=cfg.initialization_timeout_s,
+            heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+        )
     else:
         jax.distributed.initialize(
             cfg.coordinator_address,
             num_processes=cfg.num_processes,
             process_id=cfg.job_process_id(slices),
             initialization_timeout=cfg.initialization_timeout_s,
+            heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
         )
+    _timeout_s[0] = cfg.heartbeat_timeout_s
+    if jax.process_count() > 1:
+        _stopping.clear()
+        watchdog = threading.Thread(target=_watch, name="multihost-watchdog", daemon=True)
+        watchdog.start()
+        _watchdog[:] = [watchdog]
     log.info(
         "joined jax.distributed as process %d of %d (%d local of %d devices)",
         jax.process_index(),
@@ -96,10 +125,11 @@ _EXCHANGE_PREFIX = "rlax/exchange"
 _exchanges = [0]
 
 
-def exchange(value: Any) -> list[Any]:
+def exchange(value: Any, *, timeout_s: float | None = None) -> list[Any]:
     """Every process's picklable ``value``, in process order, on every process. On the host
     (the key-value store), so a process that failed before a device collective can still say
-    so and every process decides alike. Every process calls it the same number of times."""
+    so and every process decides alike. Every process calls it the same number of times.
+    ``timeout_s``: how long to wait for the others (TimeoutError naming the silent ones)."""
     import jax
 
     if jax.process_count() == 1:
@@ -108,7 +138,19 @@ def exchange(value: Any) -> list[Any]:
     key = f"{_EXCHANGE_PREFIX}/{_exchanges[0]}"
     _exchanges[0] += 1
     client.key_value_set_bytes(f"{key}/{me}", pickle.dumps(value))
-    out = [value if p == me else pickle.loads(_wait(client, f"{key}/{p}")) for p in range(count)]  # noqa: S301
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    out = []
+    for p in range(count):
+        if p == me:
+            out.append(value)
+            continue
+        try:
+            out.append(pickle.loads(_wait(client, f"{key}/{p}", deadline)))  # noqa: S301
+        except TimeoutError:
+            silent = [q for q in range(p, count) if q != me]
+            raise TimeoutError(
+                f"processes {silent} did not answer within {timeout_s:g} s"
+            ) from None
     if client.key_value_increment(f"{key}/read", 1) == count:
         client.key_value_delete(key)  # the last to read them all
     return out
@@ -123,14 +165,119 @@ def _client() -> Any:
     return client
 
 
-def _wait(client: Any, key: str) -> bytes:
-    """``key``'s value once the lead wrote it, however long the lead is idle."""
+def _wait(client: Any, key: str, deadline: float | None = None) -> bytes:
+    """``key``'s value once written, however long the writer is idle (TimeoutError past
+    ``deadline``, a time.monotonic())."""
     while True:
+        wait_ms = _WAIT_MS
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(key)
+            wait_ms = max(1, min(wait_ms, int(left * 1000)))
         try:
-            return client.blocking_key_value_get_bytes(key, _WAIT_MS)
+            return client.blocking_key_value_get_bytes(key, wait_ms)
         except Exception as e:  # noqa: BLE001 - jaxlib raises a bare XlaRuntimeError
             if "DEADLINE_EXCEEDED" not in str(e):
                 raise
+
+
+# -- failures -------------------------------------------------------------------------------
+# A process that must end the job writes _FAILURE (the first one's message stands); every
+# process's watchdog thread waits for it and ends its own process. The lead runs the key-value
+# store: it waits (at most _ACK_S) until each follower has the message before it ends.
+
+EXIT_FAILED = 1  # the entry points' "run failed"
+_FAILURE = "rlax/failure"
+_ACK = "rlax/failure-ack"
+_POLL_MS = 1_000  # the watchdog's wait per read: how long shutdown may wait for it
+_ACK_S = 5.0
+_GRACE_S = 0.5
+_timeout_s = [100]  # distributed.heartbeat_timeout_s, once initialized
+_failing = threading.Event()  # this process is ending the job (its watchdog stands aside)
+_stopping = threading.Event()  # a clean shutdown (the watchdog returns)
+_watchdog: list[threading.Thread] = []
+
+
+def agree(what: str, error: BaseException | None) -> None:
+    """After ``what`` (e.g. "trainer call save"), which every process ran: every process says
+    how it ended (``error`` None: it succeeded). Returns when it ended alike everywhere (on
+    error the caller raises its own: an error of the call, as from one process). When it
+    failed on only some processes they no longer hold the same state: every process ends
+    (:func:`fail`), naming them and their errors. A process that failed waits for the others
+    at most the heartbeat timeout: they may wait in a collective it never entered."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    me = jax.process_index()
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    try:
+        said = exchange(mine, timeout_s=None if error is None else _timeout_s[0])
+    except TimeoutError as e:
+        fail(f"{what} failed on process {me}: {mine}; the other {e} (waiting in a collective?)")
+    failed = [f"process {p}: {why}" for p, why in enumerate(said) if why is not None]
+    if failed and len(failed) < len(said):
+        ok = [p for p, why in enumerate(said) if why is None]
+        fail(f"{what} failed on {'; '.join(failed)} (it succeeded on processes {ok})")
+
+
+def fail(message: str) -> NoReturn:
+    """Ends every process of the job with ``message`` (what failed, on which process), this one
+    first; exit status EXIT_FAILED. From any thread: the job can no longer run in step."""
+    import jax
+
+    _failing.set()
+    me, count = jax.process_index(), jax.process_count()
+    _say(f"process {me} of {count} ends its job: {message}")
+    if count > 1:
+        with contextlib.suppress(Exception):  # the store is gone: end anyway
+            client = _client()
+            # Raises when another process told the job first: its message stands.
+            with contextlib.suppress(Exception):
+                client.key_value_set(_FAILURE, f"process {me}: {message}")
+            _end(client, me, count)
+    os._exit(EXIT_FAILED)
+
+
+def _watch() -> None:
+    """The watchdog: ends this process when another one ends the job."""
+    import jax
+
+    client, me, count = _client(), jax.process_index(), jax.process_count()
+    while not _stopping.is_set():
+        try:
+            message = client.blocking_key_value_get(_FAILURE, _POLL_MS)
+        except Exception as e:  # noqa: BLE001 - jaxlib raises a bare XlaRuntimeError
+            if "DEADLINE_EXCEEDED" in str(e):
+                continue
+            return  # the store is gone: the coordination service ends this process
+        if _failing.is_set():
+            return  # this process is already ending the job
+        _say(f"process {me} of {count} ends: {message}")
+        with contextlib.suppress(Exception):
+            _end(client, me, count)
+        os._exit(EXIT_FAILED)
+
+
+def _end(client: Any, me: int, count: int) -> None:
+    """A follower says it has the message; the lead, whose end takes the store (and, by the
+    coordination service, every process still connected) with it, waits for them first."""
+    if me != 0:
+        client.key_value_set(f"{_ACK}/{me}", "", allow_overwrite=True)
+        return
+    deadline = time.monotonic() + _ACK_S
+    for p in range(1, count):
+        with contextlib.suppress(TimeoutError):  # dead, or ending already
+            _wait(client, f"{_ACK}/{p}", deadline)
+    # A follower ends right after its word: let it, or its coordination client sees the
+    # lead gone first and aborts it (exit 134 instead of EXIT_FAILED; it said why either way).
+    time.sleep(_GRACE_S)
+
+
+def _say(line: str) -> None:
+    sys.stdout.flush()
+    print(f"rlax_tpu: {line}", file=sys.stderr, flush=True)
 
 
 def shutdown(cfg: DistributedConfig) -> None:
@@ -138,4 +285,7 @@ def shutdown(cfg: DistributedConfig) -> None:
     if cfg.enabled:
         import jax
 
+        _stopping.set()  # before the client goes: the watchdog reads through it
+        for watchdog in _watchdog:
+            watchdog.join(timeout=2 * _POLL_MS / 1000)
         jax.distributed.shutdown()

@@ -6,12 +6,19 @@ messages through multihost.broadcast.
 SCENARIO "sizes": 200 payloads of seeded random sizes (0 to 3 MiB: one key to four chunks), the
 lead idle for a while before one of them and failing to send an unpicklable one; prints the
 compilations after warm-up and what is left in the store. "lead-dies": the lead exits after one payload; the follower waits for the next.
+
+The failure rule (multihost.initialize: its watchdog, heartbeat timeout 5 s). "lockstep": a
+LeadTrainer and a follower over a stand-in trainer that writes files: a restore that fails on
+both processes is the lead's caller's error and both go on; a save into a directory that exists
+only on the lead fails on process 1 alone and ends both. "blocked": process 1's call fails while
+process 0 waits in a device collective process 1 never enters.
 """
 
 import contextlib
 import os
 import pickle
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,10 +29,58 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import monitoring  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 from rlax_tpu import multihost  # noqa: E402
+from rlax_tpu.config import DistributedConfig  # noqa: E402
+from rlax_tpu.trainer.lockstep import LeadTrainer, follow  # noqa: E402
 
 STEPS = 200
+
+
+class Files:
+    """A stand-in trainer: its calls read and write files in ``where``."""
+
+    def __init__(self, where: Path):
+        self.where = where
+
+    def save(self) -> None:
+        (self.where / "state").write_text("saved")
+
+    def restore(self) -> str:
+        return (self.where / "never-saved").read_text()
+
+
+def failure_rule(coordinator: str, pid: int, scenario: str) -> None:
+    multihost.initialize(
+        DistributedConfig(
+            coordinator_address=coordinator, num_processes=2, process_id=pid, heartbeat_timeout_s=5
+        )
+    )
+    # A real directory on the lead only: process 1's save fails there, and only there.
+    where = Path(tempfile.mkdtemp()) if pid == 0 else Path("/nonexistent/rlax-test")
+    if scenario == "blocked":
+        if pid == 1:
+            try:
+                Files(where).save()
+            except OSError as e:
+                multihost.agree("trainer call save", e)  # must not return
+        else:
+            print("entering a collective process 1 never enters", flush=True)
+            multihost_utils.process_allgather(np.ones(2))
+        print("got past a collective a process never entered", flush=True)
+        return
+    if pid == 1:
+        follow(Files(where))
+        print("the follower went on after its save failed alone", flush=True)
+        return
+    lead = LeadTrainer(Files(where))
+    try:
+        lead.restore()
+    except FileNotFoundError as e:
+        print(f"restore failed on every process: {e.strerror}", flush=True)
+    lead.save()
+    print("the lead went on after the follower's save failed", flush=True)
 
 
 def payload(step: int) -> dict:
@@ -36,6 +91,9 @@ def payload(step: int) -> dict:
 
 def main() -> None:
     coordinator, pid, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    if scenario in ("lockstep", "blocked"):
+        failure_rule(coordinator, pid, scenario)
+        return
     jax.distributed.initialize(coordinator, num_processes=2, process_id=pid)
     lead = pid == 0
     multihost._WAIT_MS = 200  # so the idle wait below loops through several timeouts

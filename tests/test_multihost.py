@@ -1,4 +1,5 @@
-"""multihost.broadcast, the lockstep control channel, between two real jax.distributed processes."""
+"""multihost.broadcast, the lockstep control channel, and the failure rule (multihost.agree,
+multihost.fail and the watchdog), between two real jax.distributed processes."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from rlax_tpu.config import ConfigError, DistributedConfig
 from tests.conftest import free_port
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 
 
-def _run(scenario: str) -> list[subprocess.CompletedProcess]:
+def _start(scenario: str) -> list[subprocess.Popen]:
     coordinator = f"127.0.0.1:{free_port()}"
-    procs = [
+    return [
         subprocess.Popen(
             [sys.executable, str(WORKER), coordinator, str(pid), scenario],
             stdout=subprocess.PIPE,
@@ -22,6 +26,10 @@ def _run(scenario: str) -> list[subprocess.CompletedProcess]:
         )
         for pid in (0, 1)
     ]
+
+
+def _run(scenario: str) -> list[subprocess.CompletedProcess]:
+    procs = _start(scenario)
     out = []
     for p in procs:
         try:
@@ -46,3 +54,39 @@ def test_a_follower_whose_lead_died_fails_instead_of_waiting_forever():
     assert lead.returncode == 3 and "got hello" in follower.stdout, follower.stdout[-3000:]
     assert follower.returncode != 0, follower.stdout[-3000:]
     assert "got a payload from a dead lead" not in follower.stdout
+
+
+def test_a_call_that_failed_on_one_process_ends_both_naming_it():
+    """Trainer lockstep over a stand-in trainer: a restore that fails on both processes is the
+    lead caller's error and both go on; a save that fails on process 1 alone (its directory
+    does not exist there) ends both, each saying which process failed and why."""
+    lead, follower = _run("lockstep")
+    assert "restore failed on every process: No such file or directory" in lead.stdout
+    for done in (lead, follower):
+        assert done.returncode != 0, done.stdout[-3000:]
+        assert "trainer call save failed on process 1: FileNotFoundError" in done.stdout
+        assert "went on" not in done.stdout
+
+
+def test_a_failed_process_ends_one_waiting_in_a_collective_it_never_entered():
+    """Process 1's call fails while process 0 waits in a device collective process 1 never
+    enters: process 1 waits for the others' word at most the heartbeat timeout (5 s here), then
+    ends the job; process 0's watchdog ends it within 30 s, naming process 1's error."""
+    lead, follower = _start("blocked")
+    try:
+        out = [follower.communicate(timeout=180)[0]]
+        out.insert(0, lead.communicate(timeout=30)[0])
+    finally:
+        for p in (lead, follower):
+            p.kill()
+            p.wait()
+    assert "entering a collective" in out[0], out[0][-3000:]
+    for p, text in zip((lead, follower), out, strict=True):
+        assert p.returncode != 0, text[-3000:]
+        assert "trainer call save failed on process 1: FileNotFoundError" in text, text[-3000:]
+        assert "got past" not in text
+
+
+def test_the_heartbeat_timeout_must_be_positive():
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s"):
+        DistributedConfig(heartbeat_timeout_s=0)

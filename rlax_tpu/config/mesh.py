@@ -76,9 +76,14 @@ class DistributedConfig:
     # index of the process is slice_index x (num_processes / mesh.slices) + process_id.
     slice_index: int = 0
     initialization_timeout_s: int = 300  # how long processes wait for each other to join
+    # How fast a failure ends the job: a process silent this long is dead and every process
+    # ends (jax.distributed's heartbeat timeout, 100 s by default there); a process whose call
+    # failed waits this long for the others (they may wait in a collective it never entered).
+    # Heartbeats come from a C++ thread: compiles and long steps do not delay them.
+    heartbeat_timeout_s: int = 20
 
     def __post_init__(self) -> None:
-        positive(self, "num_processes", "initialization_timeout_s")
+        positive(self, "num_processes", "initialization_timeout_s", "heartbeat_timeout_s")
         non_negative(self, "slice_index")
         if self.coordinator_address not in ("", "auto"):
             host, sep, port = self.coordinator_address.rpartition(":")

@@ -9,7 +9,8 @@ FAILED_PRECONDITION.
 A trainer over several hosts (``trainer.distributed``: one process per host, e.g.
 ``coordinator_address=auto`` on a TPU VM slice) joins the jax.distributed job first; process 0
 serves, the others make every call it makes (``trainer/lockstep.py``); each process publishes and
-checkpoints its own shards. SIGTERM to process 0 stops them all.
+checkpoints its own shards. SIGTERM to process 0 stops them all; an error or the death of any
+process ends them all, non-zero, naming it (``rlax_tpu/multihost.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ A trainer whose mesh spans the processes of a ``jax.distributed`` job runs one :
 per process, and every process must run the same programs in the same order. Only the lead
 (process 0) serves gRPC; each call that runs device programs (a train step, publish, save,
 restore) is first broadcast with its arguments (the batch included) and every follower makes the
-same call. The trainer is deterministic given its calls, so nothing else is exchanged. Each
+same call. The trainer is deterministic given its calls, so nothing else is exchanged but how
+each call ended (``multihost.agree``), before the next one is broadcast: a call that failed on
+every process is answered to the caller as one process's error would be (a bad batch, no
+checkpoint to restore), one that failed on only some ends every process, naming them. Each
 process publishes the parameter slices it owns (a version in parts) and checkpoints its shards.
 
     lead = LeadTrainer(trainer)     # process 0: serve(lead, ...); lead.stop() when done
@@ -38,7 +41,13 @@ class LeadTrainer:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             multihost.broadcast(("call", name, args, kwargs))
-            return attr(*args, **kwargs)
+            try:
+                result = attr(*args, **kwargs)
+            except Exception as e:
+                multihost.agree(f"trainer call {name}", e)  # returns if it failed everywhere
+                raise
+            multihost.agree(f"trainer call {name}", None)
+            return result
 
         return call
 
@@ -49,18 +58,28 @@ class LeadTrainer:
 
 def follow(trainer: Any) -> int:
     """A follower's loop: makes the lead's collective calls on ``trainer`` until it stops;
-    returns the calls made. A call that fails here failed on the lead too (same inputs, same
-    programs): it is logged and the loop goes on, as the lead's service answers the error."""
+    returns the calls made. A call that failed here and on every other process is the lead's
+    to answer; one that failed on only some processes ends this one (``multihost.agree``), as
+    does losing the lead."""
     calls = 0
     while True:
-        command = multihost.broadcast(None)
+        try:
+            command = multihost.broadcast(None)
+        except Exception as e:  # noqa: BLE001 - the key-value store (in the lead) is gone
+            multihost.fail(f"lost the lead (process 0) waiting for its next call: {e}")
         if command[0] == "stop":
             return calls
         _, name, args, kwargs = command
-        if name not in COLLECTIVE_CALLS:
-            raise ValueError(f"unknown trainer call {name!r} from the lead")
+        error = None
         try:
+            if name not in COLLECTIVE_CALLS:
+                raise ValueError(f"unknown trainer call {name!r} from the lead")
             getattr(trainer, name)(*args, **kwargs)
-        except Exception as e:  # the lead reports it to its caller
-            log.warning("trainer call %s failed on this follower as on the lead: %s", name, e)
+        except Exception as e:  # noqa: BLE001 - told to every process by agree
+            error = e
+        multihost.agree(f"trainer call {name}", error)
+        if error is not None:
+            log.warning(
+                "trainer call %s failed on every process (the lead answers): %s", name, error
+            )
         calls += 1
