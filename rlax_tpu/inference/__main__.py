@@ -12,7 +12,8 @@ Stops on SIGTERM, SIGINT or a Shutdown call.
 A worker over several hosts (``inference.distributed``: one process per host, e.g.
 ``coordinator_address=auto`` on a TPU VM slice) joins the jax.distributed job first; process 0
 serves, the others follow its engine steps and pull their own slices of each version, and all
-exit when process 0 shuts down.
+exit when process 0 shuts down; an error or the death of any process ends them all, non-zero,
+naming it (``rlax_tpu/multihost.py``).
 """
 
 from __future__ import annotations

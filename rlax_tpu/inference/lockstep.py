@@ -10,11 +10,17 @@ so the processes stay in step without exchanging anything else.
     commands = [("submit", request), ("load", version), ("abort",), ("step",), ("stop",)]
 
 Followers load a version from their own weight source (the parameter server), so every process
-pulls its weights itself.
+pulls its weights itself; loading is a collective, so a round's loads are first agreed
+(:func:`agree_on_loads`): a version some process could not fetch is loaded by none, and the
+lead's caller is told which process lacked it. Any other failure, on any process, ends every
+process (``multihost.fail``): a step's outcome is not exchanged (a decode step takes
+milliseconds, a host round trip per step would cost as much), so a process cannot know whether
+the others failed alike, and a worker whose processes diverged must not serve.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,24 +40,60 @@ def broadcast(commands: list[Command] | None) -> list[Command]:
     return multihost.broadcast(commands)
 
 
-def follow(engine: Any, fetch: Any) -> int:
+def agree_on_loads(versions: list[int], errors: list[str | None]) -> dict[int, str]:
+    """Before a round's loads of ``versions``: every process says which it could not fetch
+    (``errors``, None: fetched). The versions no process loads, with why ("process 1:
+    UnknownVersion: ..."). Every process calls it for each round with loads."""
+    refused: dict[int, list[str]] = {}
+    for p, theirs in enumerate(multihost.exchange(errors)):
+        for version, why in zip(versions, theirs, strict=True):
+            if why is not None:
+                refused.setdefault(version, []).append(f"process {p}: {why}")
+    return {version: "; ".join(whys) for version, whys in refused.items()}
+
+
+def follow(engine: Any, fetch: Callable[[int], Any]) -> int:
     """A follower's loop: applies the lead's broadcast commands to ``engine`` until "stop";
     ``fetch(version)`` gives a version's weights. Returns the steps taken."""
-    steps = 0
+    me, steps = jax.process_index(), 0
     while True:
-        for command in broadcast(None):
+        try:
+            commands = broadcast(None)
+        except Exception as e:  # noqa: BLE001 - the key-value store (in the lead) is gone
+            multihost.fail(f"lost the lead (process 0) waiting for its next step: {e}")
+        weights = _fetch_agreed([c[1] for c in commands if c[0] == "load"], fetch)
+        for command in commands:
             kind = command[0]
-            if kind == "submit":
-                engine.submit(command[1])
-            elif kind == "load":
-                engine.load_weights(command[1], fetch(command[1]))
-            elif kind == "abort":
-                engine.abort_all()
-            elif kind == "step":
-                if engine.has_work():
-                    engine.step()
-                    steps += 1
-            elif kind == "stop":
-                return steps
-            else:
-                raise ValueError(f"unknown lockstep command {kind!r}")
+            try:
+                if kind == "submit":
+                    engine.submit(command[1])
+                elif kind == "load":
+                    if command[1] in weights:
+                        engine.load_weights(command[1], weights[command[1]])
+                elif kind == "abort":
+                    engine.abort_all()
+                elif kind == "step":
+                    if engine.has_work():
+                        engine.step()
+                        steps += 1
+                elif kind == "stop":
+                    return steps
+                else:
+                    raise ValueError(f"unknown lockstep command {kind!r}")
+            except Exception as e:  # noqa: BLE001 - the job must not go on out of step
+                multihost.fail(f"inference {kind} failed on process {me}: {type(e).__name__}: {e}")
+
+
+def _fetch_agreed(versions: list[int], fetch: Callable[[int], Any]) -> dict[int, Any]:
+    """The weights of this round's ``versions`` that every process fetched."""
+    if not versions:
+        return {}
+    weights, errors = {}, []
+    for version in versions:
+        try:
+            weights[version] = fetch(version)
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - told to every process, the lead's caller gets it
+            errors.append(f"{type(e).__name__}: {e}")
+    refused = agree_on_loads(versions, errors)
+    return {v: w for v, w in weights.items() if v not in refused}

@@ -14,7 +14,9 @@ exactly once: finished, or ABORTED (weight reload without ``continue_on_reload``
 Several hosts (a ``jax.distributed`` job whose engine mesh spans its processes): process 0 runs
 the worker and serves callers; every other process runs a :class:`Follower`, which repeats the
 lead's engine calls (``lockstep``) and pulls each weight version from its own weight source (each
-process only the slices its devices hold).
+process only the slices its devices hold). A version some process could not pull is loaded by
+none (the caller gets UnknownVersion naming it); any other failure of any process ends every
+process (``rlax_tpu.multihost``), where one process's worker fails its callers and goes on.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import threading
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Protocol
 
-from rlax_tpu import models
+from rlax_tpu import models, multihost
 from rlax_tpu.config import InferenceConfig, RunConfig
 from rlax_tpu.inference import lockstep
 from rlax_tpu.inference.engine import Engine, EngineStats, InvalidRequest
@@ -85,7 +87,8 @@ class _Load:
 
     version: int
     params: Any
-    aborted: int | None = None  # samples handed back, once loaded
+    aborted: int | None = None  # samples handed back, once loaded (or refused)
+    error: Exception | None = None  # why not: another process could not fetch the version
 
 
 class InferenceWorker:
@@ -190,6 +193,8 @@ class InferenceWorker:
             self._cond.notify_all()
             while load.aborted is None:
                 self._cond.wait()
+            if load.error is not None:
+                raise load.error
             return load.aborted
 
     def status(self) -> WorkerStatus:
@@ -233,6 +238,10 @@ class InferenceWorker:
                         self._sync()
                     finished = self.engine.step() if self.engine.has_work() else []
                 except Exception as e:  # a broken step: fail every waiting caller loudly
+                    if self._lockstep:  # the followers may have stepped: end them all
+                        multihost.fail(
+                            f"inference step failed on process 0: {type(e).__name__}: {e}"
+                        )
                     self._fail_all(e)
                     continue
                 self._deliver(finished)
@@ -244,7 +253,18 @@ class InferenceWorker:
         commands = [*self._pending, *(("load", load.version) for load in loads)]
         lockstep.broadcast([*commands, ("step",)])
         self._pending.clear()
+        # This process fetched its versions before queueing them; the followers fetch theirs
+        # now, and a version one of them lacks is loaded by none (loading is a collective).
+        refused = {}
+        if loads:  # the followers exchange in the same rounds: those with loads
+            refused = lockstep.agree_on_loads([x.version for x in loads], [None] * len(loads))
         for load in loads:
+            if load.version in refused:
+                load.error = UnknownVersion(
+                    f"version {load.version} was not loaded: {refused[load.version]}"
+                )
+                load.aborted = 0
+                continue
             aborted = self.engine.load_weights(load.version, load.params)
             self._deliver(aborted)
             load.aborted = len(aborted)
