@@ -62,6 +62,7 @@ _NO_CREDENTIALS = Credentials()
 _TRANSIENT = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
 # gRPC's own statuses for a replica it cannot reach (the server never sends them itself).
 _DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_PEEK_TIMEOUT_S = 10.0  # asking a peer how far it is, while a push waits for room
 # A pull that fails so on one replica is tried on the next: it lacks the version (it was down
 # when it was pushed) or its copy is corrupt.
 _PULL_ELSEWHERE = (errors.NotFound, errors.DataLoss)
@@ -362,8 +363,10 @@ class ParamServerClient:
         for q in range(len(self.endpoints)):
             if q == r:
                 continue
-            try:
-                latest = self._stubs[q].ListVersions(common_pb2.Empty(), timeout=self.timeout_s)
+            try:  # briefly: a peer that hangs must not stall the retry for the whole timeout
+                latest = self._stubs[q].ListVersions(
+                    common_pb2.Empty(), timeout=min(self.timeout_s, _PEEK_TIMEOUT_S)
+                )
             except grpc.RpcError:
                 continue  # down or refusing: it proves no progress
             if latest.latest >= 0:

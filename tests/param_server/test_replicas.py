@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import time
 
+import grpc
 import jax
 import numpy as np
 import pytest
@@ -69,8 +70,10 @@ def test_a_replica_that_dies_holds_gc_back_only_until_its_lease_lapses():
         assert time.monotonic() - start < lease + 10
         # Without a quorum the push fails, naming the replica that is down; nothing changes.
         strict = client([r0, r1], room_wait_s=0, quorum=2)
-        with pytest.raises(errors.Unavailable, match=r"1 of 2 replicas answered, 2 needed"):
+        with pytest.raises(errors.Unavailable, match=r"1 of 2 replicas answered, 2 needed") as e:
             strict.push(make_tree(0), 44)
+        # Also gRPC's UNAVAILABLE, as a lone server that is gone says: callers handle it alike.
+        assert isinstance(e.value, grpc.RpcError) and e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert r0.hot()[-1] == 44  # the replica that was up took it; the trainer was told no
         trainer.close()
         strict.close()
