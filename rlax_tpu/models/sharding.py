@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from rlax_tpu.config import MeshConfig
+from rlax_tpu.config import ConfigError, MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -50,14 +50,29 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None)
     axis_types = (AxisType.Auto,) * 3
     if mesh_cfg.slices == 1:
         shape = mesh_cfg.shape(len(devices))
-        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+        return Mesh(_grid(shape, devices), MESH_AXES, axis_types=axis_types)
     mesh_cfg.global_shape(len(devices))  # the count splits into slices, each slice's shape fits
     shape = mesh_cfg.shape(len(devices) // mesh_cfg.slices)
-    grids = [
-        jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=group).devices
-        for group in slice_groups(devices, mesh_cfg.slices)
-    ]
+    grids = [_grid(shape, group) for group in slice_groups(devices, mesh_cfg.slices)]
     return Mesh(np.concatenate(grids, axis=0), MESH_AXES, axis_types=axis_types)
+
+
+def _grid(shape: tuple[int, int, int], devices: list[jax.Device]) -> np.ndarray:
+    """``devices`` laid out as a (data, fsdp, tensor) array over their interconnect. On a TPU
+    slice each mesh axis must be a product of some of the slice's physical dimensions (JAX's
+    mesh_utils assigns whole torus axes, e.g. tensor 8 does not fit v5p:4x4x4, 4 or 16 do);
+    that is said as a config error naming the axes, not JAX's NotImplementedError."""
+    try:
+        return jax.make_mesh(shape, MESH_AXES, devices=devices).devices
+    except NotImplementedError as e:
+        coords = [getattr(d, "coords", None) for d in devices]
+        dims = "x".join(str(len({c[i] for c in coords})) for i in range(3)) if all(coords) else "?"
+        raise ConfigError(
+            "mesh",
+            f"(data, fsdp, tensor) = {shape} does not map onto the slice's physical axes "
+            f"{dims}: each mesh axis must be a product of some of them (each axis of a TPU "
+            "slice's torus goes whole to one mesh axis)",
+        ) from e
 
 
 def slice_groups(devices: Sequence[jax.Device], slices: int) -> list[list[jax.Device]]:

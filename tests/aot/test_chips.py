@@ -55,3 +55,19 @@ def test_aot_refuses_a_slice_cloud_tpu_does_not_offer_before_compiling():
     """v5p's 256 chips are 4x8x8 (config/slices.py); libtpu would compile 8x8x4 too."""
     with pytest.raises(TopologyError, match="write it v5p:4x8x8"):
         topology_devices("v5p:8x8x4")
+
+
+def test_a_mesh_axis_must_be_a_product_of_the_slices_physical_axes():
+    """JAX lays a mesh over a TPU slice by giving each mesh axis whole torus axes
+    (jax/_src/mesh_utils.py, _create_device_mesh_for_nd_torus: "The size of each axis in your
+    logical mesh must be equal to the product of some subset of the physical mesh axis sizes"):
+    the v5p preset's tensor 8 fits its 4x8x8 slice but not a 4x4x4 one, where tensor 4 does.
+    The refusal is a config error naming the axes, before anything compiles."""
+    from rlax_tpu.config import ConfigError, MeshConfig
+    from rlax_tpu.models.sharding import make_mesh
+
+    devices = topology_devices("v5p:4x4x4")
+    with pytest.raises(ConfigError, match=r"\(1, 8, 8\) does not map onto .* axes 4x4x4"):
+        make_mesh(MeshConfig(data=1, fsdp=-1, tensor=8), devices)
+    assert make_mesh(MeshConfig(data=1, fsdp=-1, tensor=4), devices).shape["fsdp"] == 16
+    assert make_mesh(MeshConfig(data=1, fsdp=-1, tensor=8), topology_devices("v5p:4x8x8"))

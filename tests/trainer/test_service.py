@@ -52,11 +52,10 @@ def test_module_entry_point_serves_publishes_and_stops(tmp_path):
         text=True,
     )
     try:
+        layout = proc.stdout.readline()
+        assert layout.startswith("rlax_tpu.trainer: process 0 of 1, mesh data 1 x fsdp 2"), layout
         line = proc.stdout.readline()
-        assert line.startswith("rlax_tpu.trainer: serving on 127.0.0.1:"), (
-            line,
-            proc.stderr.read(),
-        )
+        assert line.startswith("rlax_tpu.trainer: serving on 127.0.0.1:"), line
         endpoint = line.split("serving on ")[1].strip()
         with TrainerClient(endpoint) as client:
             client.wait_ready(30)
