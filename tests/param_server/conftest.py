@@ -121,3 +121,19 @@ def assert_same_tree(got: dict, want: dict) -> None:
     assert got_def == want_def
     for g, w in zip(got_leaves, want_leaves, strict=True):
         assert same_bits(g, w)
+
+
+def assert_lands_sharded(got: dict, shardings: dict, want: dict) -> None:
+    """Every array of ``got`` has its sharding in ``shardings`` and each of its shards holds
+    ``want``'s bits at the shard's index."""
+    import jax
+
+    for x, s, w in zip(
+        jax.tree_util.tree_leaves(got),
+        jax.tree_util.tree_leaves(shardings),
+        jax.tree_util.tree_leaves(want),
+        strict=True,
+    ):
+        assert x.sharding == s
+        for shard in x.addressable_shards:
+            assert same_bits(np.asarray(shard.data), w[shard.index])
