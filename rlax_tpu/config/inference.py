@@ -5,7 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from rlax_tpu.config.checks import bad, check_address, frozen, non_negative, positive
+from rlax_tpu.config.checks import (
+    ConfigError,
+    bad,
+    check_address,
+    frozen,
+    non_negative,
+    positive,
+)
 from rlax_tpu.config.mesh import DistributedConfig, MeshConfig, one_device
 
 
@@ -16,7 +23,8 @@ class InferenceConfig:
     # of the TPU path on CPU; see models/paged_attention.py).
     backend: Literal["auto", "cpu", "gpu", "tpu", "tpu_emulated"] = "auto"
     # Each worker's device mesh (the first data*fsdp*tensor devices it sees; -1: all of them):
-    # weights and KV pages split over heads on tensor, decode rows over data. Default one device.
+    # weights and KV pages split over heads on tensor, decode rows over data; fsdp must be 1
+    # (decode would all-gather the weights at every step). Default one device.
     mesh: MeshConfig = dataclasses.field(default_factory=one_device)
     # A worker spanning several hosts (its mesh over all their devices): process 0 serves, the
     # others follow its engine steps.
@@ -91,6 +99,15 @@ class InferenceConfig:
             raise bad(self, "attention_kernel", "must be 'auto', 'native' or 'xla'")
         if self.param_server_replica < -1:
             raise bad(self, "param_server_replica", "must be >= 0, or -1 for automatic")
+        if self.mesh.fsdp != 1:
+            # Decode reads every weight once per token step: weights split over fsdp would be
+            # all-gathered at every step (the whole model over the interconnect per token).
+            raise ConfigError(
+                "mesh.fsdp",
+                "must be 1: an inference worker would all-gather its fsdp-sharded weights at "
+                "every decode step; split them over mesh.tensor, or add workers",
+                self.mesh.fsdp,
+            )
         if not -1 <= self.worker_index < self.num_workers:
             raise bad(
                 self, "worker_index", f"must be in [0, num_workers={self.num_workers}), or -1"

@@ -91,6 +91,28 @@ def _warn_rows_not_bitwise() -> None:
     )
 
 
+def _warn_if_pages_replicated(cache: PagedKVCache, mesh: Mesh | None, kv_heads: int) -> None:
+    """Says at start-up what a tensor degree that does not divide the KV heads costs: every
+    device then holds every head's pages (cache_shardings replicates them) instead of 1/tensor."""
+    tensor = mesh.shape["tensor"] if mesh is not None else 1
+    if tensor == 1:
+        return
+    pages = [x for x in (cache.k_pages, cache.v_pages, cache.kv_pages) if x is not None]
+    total = sum(x.nbytes for x in pages)
+    per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in pages)
+    if per_device * tensor > total:
+        logging.getLogger(__name__).warning(
+            "inference.mesh.tensor = %d does not divide the model's %d KV heads: every device "
+            "holds the whole KV cache (%.1f MiB) instead of 1/%d of it (%.1f MiB); a tensor "
+            "degree that divides the KV heads splits it",
+            tensor,
+            kv_heads,
+            per_device / 2**20,
+            tensor,
+            total / tensor / 2**20,
+        )
+
+
 def engine_mesh(cfg: InferenceConfig, devices: list[jax.Device] | None = None) -> Mesh | None:
     """The mesh ``inference.mesh`` lays out over the first of ``devices`` (default: all of this
     process's view), or None for one device (the programs then carry no shardings at all)."""
@@ -185,6 +207,7 @@ class Engine:
             prefill_len=cfg.prefill_len,
         )
         self.cache = self._place(self.replay_shape.make_cache(model.cfg))
+        _warn_if_pages_replicated(self.cache, self.mesh, model.cfg.num_kv_heads)
         self._traces_at_start = TRACES.total()
         with self._on_mesh():
             self.rows_bitwise, self.cache = rows_are_independent(

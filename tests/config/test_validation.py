@@ -298,6 +298,13 @@ def test_must_be_non_negative(section, name):
         ("mesh.data", 0, "mesh.data = 0: must be >= 1, or -1 for 'the remaining devices'"),
         ("mesh.tensor", -2, "mesh.tensor = -2: must be >= 1, or -1 for 'the remaining devices'"),
         (
+            "inference.mesh.fsdp",
+            2,
+            "inference.mesh.fsdp = 2: must be 1: an inference worker would all-gather its "
+            "fsdp-sharded weights at every decode step; split them over mesh.tensor, or add "
+            "workers",
+        ),
+        (
             "controller.acceptance_staleness",
             -2,
             "controller.acceptance_staleness = -2: must be >= 0, or -1 for unbounded",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -47,8 +48,18 @@ def single(tiny_model):
 
 
 @pytest.mark.parametrize("name", MESHES)
-def test_sharded_engine_gives_the_single_device_greedy_tokens(tiny_model, single, name):
-    engine = Engine(tiny_model, dataclasses.replace(CFG, mesh=MESHES[name]))
+def test_sharded_engine_gives_the_single_device_greedy_tokens(tiny_model, single, name, caplog):
+    """Also: a tensor degree that does not divide the KV heads is said at start-up with its cost
+    (tensor 4 over 2 KV heads: each device holds the whole cache, not a quarter)."""
+    with caplog.at_level(logging.WARNING, logger="rlax_tpu.inference.engine"):
+        engine = Engine(tiny_model, dataclasses.replace(CFG, mesh=MESHES[name]))
+    replicated = [r.getMessage() for r in caplog.records if "KV heads" in r.getMessage()]
+    if name == "tensor4":
+        whole = sum(x.nbytes for x in jax.tree.leaves(engine.cache) if x.ndim == 5) / 2**20
+        assert len(replicated) == 1, replicated
+        assert f"whole KV cache ({whole:.1f} MiB) instead of 1/4 of it" in replicated[0]
+    else:
+        assert replicated == []
     assert engine.mesh is not None and engine.mesh.size == MESHES[name].data * MESHES[name].tensor
     got = _greedy(engine)
     assert got.keys() == single.keys() and len(got) == 32
