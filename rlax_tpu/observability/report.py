@@ -1,4 +1,5 @@
-"""The run report: ``<run_dir>/report.md`` with PNG plots, built from ``metrics.jsonl``.
+"""The run report: ``<run_dir>/report.md`` with PNG plots, built from the run's metrics
+(:func:`~rlax_tpu.observability.metrics.read_metrics`).
 
 Metric names the report understands (the controller logs them):
   reward/mean                      training reward per step
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlax_tpu import storage
-from rlax_tpu.observability.metrics import METRICS_FILE, read_metrics
+from rlax_tpu.observability.metrics import read_metrics
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -179,8 +180,7 @@ def write_report(
     """Writes ``report.md`` and its plots into ``run_dir`` (local or gs://); returns the report's
     path."""
     run_dir = storage.path(run_dir)
-    metrics = run_dir / METRICS_FILE
-    records = sorted(read_metrics(metrics), key=lambda r: r["step"]) if metrics.exists() else []
+    records = sorted(read_metrics(run_dir), key=lambda r: r["step"])
     plots_dir = run_dir / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
     t0 = records[0]["wall_time"] if records else 0.0

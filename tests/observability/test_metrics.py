@@ -18,7 +18,7 @@ def test_jsonl_and_tensorboard_agree(tmp_path: Path):
                 {"staleness": [0, 1, 1, 2]},
                 wall_time=100.0 + step,
             )
-    records = list(read_metrics(tmp_path / "metrics.jsonl"))
+    records = list(read_metrics(tmp_path))
     assert [r["step"] for r in records] == [0, 1, 2]
     assert records[1]["scalars"] == {"reward/mean": 1.5, "bad": None}
     assert records[2]["histograms"]["staleness"] == [0.0, 1.0, 1.0, 2.0]
@@ -37,7 +37,7 @@ def test_resume_drops_steps_logged_after_the_snapshot(tmp_path: Path):
             w.write(step, {"x": step})
     with MetricsWriter(tmp_path, resume_after_step=2) as w:
         w.write(3, {"x": 30})
-    assert [(r["step"], r["scalars"]["x"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+    assert [(r["step"], r["scalars"]["x"]) for r in read_metrics(tmp_path)] == [
         (0, 0),
         (1, 1),
         (2, 2),
@@ -49,7 +49,7 @@ def test_torn_last_line_is_ignored_but_corruption_elsewhere_is_not(tmp_path: Pat
     path = tmp_path / "metrics.jsonl"
     good = json.dumps({"step": 0, "wall_time": 0, "scalars": {}, "histograms": {}})
     path.write_text(good + "\n" + '{"step": 1, "wall')
-    assert [r["step"] for r in read_metrics(path)] == [0]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0]
     path.write_text('{"st\n' + good + "\n")
     with pytest.raises(ValueError, match="line 1 is not valid JSON"):
-        list(read_metrics(path))
+        read_metrics(tmp_path)
