@@ -32,7 +32,7 @@ class RunState:
     payload: dict[str, Any]  # the newest snapshot
     final_sha256: str  # of the trainer checkpoint at the final version ("" if none)
     checkpoints: list[Any]  # CheckpointReport per checkpoint on disk
-    train_steps: list[int]  # steps of metrics.jsonl's update records, in file order
+    train_steps: list[int]  # steps of the update records read_metrics gives, in logged order
 
 
 def read_run(run_dir: Path, config: RunConfig) -> RunState:
@@ -43,12 +43,7 @@ def read_run(run_dir: Path, config: RunConfig) -> RunState:
         payload["ledger"] = full_ledger(run_dir, payload)
     reports = inspect_checkpoints(run_dir / "trainer")
     final = next((r.sha256 for r in reports if r.step == payload.get("version") and r.complete), "")
-    metrics = run_dir / "metrics.jsonl"
-    steps = (
-        [r["step"] for r in read_metrics(metrics) if "reward/mean" in r["scalars"]]
-        if (metrics.exists())
-        else []
-    )
+    steps = [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r["scalars"]]
     return RunState(payload=payload, final_sha256=final, checkpoints=reports, train_steps=steps)
 
 
