@@ -20,7 +20,9 @@ written in ascending order: "8x8x4" names no node pool (its 256 chips are "4x8x8
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+from collections.abc import Sequence
 
 _DIMS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
 # v5e / v6e: every documented shape (chips = product).
@@ -42,6 +44,10 @@ class TpuSlice:
     @property
     def name(self) -> str:
         return f"{self.generation}:{self.topology}"
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.topology.split("x"))
 
     @property
     def devices(self) -> int:
@@ -93,3 +99,29 @@ def parse_slice(name: str) -> TpuSlice:
     single_host = chips <= (8 if _DIMS[generation] == 2 else _CHIPS_PER_HOST)
     per_host = chips if single_host else _CHIPS_PER_HOST
     return TpuSlice(generation, topology, chips, chips // per_host, per_host)
+
+
+def lays_out(mesh_shape: Sequence[int], dims: Sequence[int]) -> bool:
+    """Whether JAX lays a mesh of ``mesh_shape`` over a slice of physical ``dims`` without
+    splitting a torus axis, which jax.make_mesh refuses (NotImplementedError). Its rule
+    (jax/_src/mesh_utils.py, _create_device_mesh_for_nd_torus): from the last mesh axis to the
+    first, each axis of size > 1 takes the first set of still-free physical axes, larger sets
+    first, whose sizes multiply to its size; a mesh axis no such set matches fails the layout.
+    E.g. (1, 16, 4) fits 4x4x4, (1, 8, 8) does not; (1, 32, 8) fits 4x8x8."""
+    free = list(dims)
+    for size in reversed(mesh_shape):
+        if size == 1:
+            continue
+        picked = next(
+            (
+                axes
+                for k in range(len(free), 0, -1)
+                for axes in itertools.combinations(range(len(free)), k)
+                if math.prod(free[i] for i in axes) == size
+            ),
+            None,
+        )
+        if picked is None:
+            return False
+        free = [0 if i in picked else d for i, d in enumerate(free)]
+    return True

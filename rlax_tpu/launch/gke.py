@@ -53,6 +53,7 @@ from typing import Any
 
 from rlax_tpu import storage
 from rlax_tpu.config import ConfigError, MeshConfig, RunConfig
+from rlax_tpu.config.slices import lays_out
 from rlax_tpu.launch.slices import (
     Machine,
     TpuSlice,
@@ -356,6 +357,14 @@ def mesh_problems(mesh: MeshConfig, tpu: TpuSlice, section: str) -> list[str]:
     total = shape[0] * shape[1] * shape[2]
     if total != tpu.devices:
         return [f"{where} {shape} uses {total} of {tpu.name}'s {tpu.devices} devices"]
+    # JAX lays v4/v5p slices past 8 chips out by whole torus axes (v5e/v6e and the small 3-D
+    # slices have layouts of their own, which take any shape).
+    if tpu.generation in ("v4", "v5p") and tpu.chips > 8 and not lays_out(shape, tpu.dims):
+        return [
+            f"{where} (data, fsdp, tensor) = {shape} does not map onto {tpu.name}'s torus: "
+            "each mesh axis must be a product of some of its dimensions "
+            f"({', '.join(map(str, tpu.dims))})"
+        ]
     return []
 
 

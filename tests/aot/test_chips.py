@@ -71,3 +71,28 @@ def test_a_mesh_axis_must_be_a_product_of_the_slices_physical_axes():
         make_mesh(MeshConfig(data=1, fsdp=-1, tensor=8), devices)
     assert make_mesh(MeshConfig(data=1, fsdp=-1, tensor=4), devices).shape["fsdp"] == 16
     assert make_mesh(MeshConfig(data=1, fsdp=-1, tensor=8), topology_devices("v5p:4x8x8"))
+
+
+@pytest.mark.parametrize("topology", ["v5p:2x4x4", "v5p:4x4x4", "v5p:4x4x8"])
+def test_the_renderers_torus_rule_is_jaxs(topology):
+    """config/slices.lays_out (what the GKE render checks without a TPU) accepts exactly the
+    (data, fsdp, tensor) shapes jax.make_mesh lays over the compile-only slice."""
+    from rlax_tpu.config import ConfigError, MeshConfig
+    from rlax_tpu.config.slices import lays_out, parse_slice
+    from rlax_tpu.models.sharding import make_mesh
+
+    devices, dims = topology_devices(topology), parse_slice(topology).dims
+    seen = set()
+    for data in (1, 2, 4, 8):
+        for tensor in (1, 2, 4, 8, 16, 32):
+            if len(devices) % (data * tensor):
+                continue
+            shape = (data, len(devices) // (data * tensor), tensor)
+            try:
+                make_mesh(MeshConfig(data=data, fsdp=shape[1], tensor=tensor), devices)
+                jax_lays_it = True
+            except ConfigError:
+                jax_lays_it = False
+            assert lays_out(shape, dims) == jax_lays_it, shape
+            seen.add(jax_lays_it)
+    assert seen == {True, False}  # both answers occur on each slice

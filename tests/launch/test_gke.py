@@ -534,6 +534,29 @@ def test_the_render_refuses_a_config_it_cannot_deploy(override, message):
     assert message in str(e.value)
 
 
+def test_a_mesh_axis_that_splits_a_torus_axis_is_refused_before_deploying():
+    """The v5p preset's trainer (fsdp 32 x tensor 8) over two 4x4x4 slices: JAX lays a mesh
+    over a v5p slice by whole torus axes (config/slices.lays_out, checked against jax.make_mesh
+    in tests/aot/test_chips.py), and 8 is no product of 4, 4, 4: the pods would fail at start.
+    Tensor 4 (fsdp 16) fits."""
+    two = [
+        "--config=configs/codeforces.py:v5p",
+        "--config.controller.bucket=gs://YOUR_BUCKET",
+        f"--config.topology.registry={REGISTRY}",
+        "--config.mesh.slices=2",
+        "--config.topology.trainer_tpu=v5p:4x4x4",
+        "--config.trainer.distributed.num_processes=32",
+    ]
+    with pytest.raises(
+        gke.RenderError,
+        match=r"mesh \(data, fsdp, tensor\) = \(1, 8, 8\) does not "
+        r"map onto v5p:4x4x4's torus",
+    ):
+        gke.render(_config(two), two)
+    fits = [*two, "--config.mesh.tensor=4"]
+    assert validate.schema_problems(gke.render(_config(fits), fits)["jobset.yaml"]) == []
+
+
 def test_the_render_command_writes_an_overlay_and_refuses_with_every_problem(tmp_path):
     out = tmp_path / "mine"
     cmd = [sys.executable, "-m", "rlax_tpu.launch", *SMALL, "--render=gke", f"--out={out}"]
