@@ -5,11 +5,14 @@
 
 Runs the config as `python -m rlax_tpu.launch` does, in <run_dir>/drill, and kills N seeded
 components (controller, trainer, an inference worker, a parameter-server replica, the verifier
-service; each kind once before any twice) at seeded moments, one at a time, restarting each with
+service; each kind once before any twice; in a multi-process trainer or inference worker, a
+target can be one follower process, whose job must then end on its own within 30 s) at seeded
+moments, one at a time, restarting each with
 the same command after a seeded delay, as Kubernetes restarts a pod. For every kill it prints what
 died, when, and the time to recover (restart to the next completed step) in seconds and in median
 steps. In deterministic mode it first runs the same config without kills (<run_dir>/reference,
-reused when finished) and checks the drilled run against it. Checks: the run finished, every
+reused when finished) and checks the drilled run against it. Checks: every kill recovered, a killed process
+ended its whole job within 30 s, the run finished, every
 update logged once, no group lost, every group trained exactly once, η_a held, every checkpoint
 and snapshot complete or skipped with a warning, the parameter server never served a partial
 version, and (deterministic) final trainer state bitwise equal and the same groups trained at the
@@ -55,7 +58,7 @@ def run(config: RunConfig, args: list[str]) -> int:
 
     from rlax_tpu import storage
     from rlax_tpu.drills.checks import Check, check_run, read_run
-    from rlax_tpu.drills.drill import DrillLaunch, describe, plan, targets_of
+    from rlax_tpu.drills.drill import DrillLaunch, describe, group_end_check, plan, targets_of
     from rlax_tpu.launch.local import Launch
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every checkpoint it reads
@@ -129,6 +132,7 @@ def run(config: RunConfig, args: list[str]) -> int:
             f"{len(launch.unplanned)} unplanned exits",
         ),
     )
+    checks.insert(1, group_end_check(kills))
     if launch.unplanned:
         checks.append(Check("no unplanned exits", False, "; ".join(launch.unplanned)))
     summary = _summary(launch, kills, mode, config) | {"seed": seed}

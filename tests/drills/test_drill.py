@@ -3,14 +3,20 @@ component once, restarts it, and checks the run against an uninterrupted one; an
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import subprocess
 import sys
 from collections import Counter
 
 import pytest
 
-from rlax_tpu.drills.drill import KINDS, kind_of, plan
+from rlax_tpu.config import RunConfig
+from rlax_tpu.config.convert import from_dict
+from rlax_tpu.drills import drill
+from rlax_tpu.drills.drill import KINDS, DrillLaunch, Kill, kind_of, plan, targets_of
+from rlax_tpu.launch.local import Child, Launch
 from tests.launch.test_local import REPO, _env, _tiny
 
 
@@ -35,6 +41,148 @@ def test_a_plan_hits_every_kind_before_any_twice_and_is_seeded():
     assert all(0 <= k.fraction < 1 and 0.5 <= k.restart_delay_s <= 2.0 for k in kills)
     assert plan(targets, 12, seed=3) == kills
     assert plan(targets, 12, seed=4) != kills
+
+
+def _multi(run_dir: str) -> RunConfig:
+    """A 2-process trainer, 2 inference workers of 3 processes, 2 parameter-server replicas."""
+    return from_dict(
+        RunConfig,
+        {
+            "controller": {"run_dir": run_dir},
+            "trainer": {"distributed": {"coordinator_address": "auto", "num_processes": 2}},
+            "inference": {
+                "num_workers": 2,
+                "distributed": {"coordinator_address": "auto", "num_processes": 3},
+            },
+            "param_server": {"replicas": 2},
+        },
+    )
+
+
+def test_targets_include_each_follower_process_as_the_launcher_names_it(tmp_path):
+    config = _multi(str(tmp_path))
+    targets = targets_of(config)
+    assert targets == [
+        "controller",
+        "trainer",
+        "verifiers",
+        "trainer.1",
+        "inference-0",
+        "inference-0.1",
+        "inference-0.2",
+        "inference-1",
+        "inference-1.1",
+        "inference-1.2",
+        "param_server-0",
+        "param_server-1",
+    ]
+    processes = Launch(config, [], out=io.StringIO())._plan()
+    assert [t for t in targets if "." in t] == [
+        n for n in processes if "." in n and not n.endswith(".0")
+    ]
+    assert [
+        kind_of(t) for t in ("trainer.1", "inference-1.2", "param_server-1", "inference-0")
+    ] == [
+        "trainer",
+        "inference",
+        "param_server",
+        "inference",
+    ]
+    assert Kill("inference-1.2", 0.0, 1.0).is_process
+    assert Kill("inference-1.2", 0.0, 1.0).group == "inference-1"
+    assert not Kill("param_server-1", 0.0, 1.0).is_process
+    assert not Kill("trainer", 0.0, 1.0).is_process
+    # One process per component: no process targets.
+    assert targets_of(from_dict(RunConfig, {})) == [
+        "controller",
+        "trainer",
+        "verifiers",
+        "inference-0",
+        "param_server-0",
+    ]
+
+
+def test_a_plan_draws_single_processes_among_a_kinds_targets():
+    targets = ["controller", "trainer", "verifiers", "trainer.1", "inference-0", "param_server-0"]
+    hit = Counter()
+    for seed in range(40):
+        kills = plan(targets, 5, seed)
+        assert sorted(k.kind for k in kills) == sorted(KINDS)
+        hit.update(k.target for k in kills if k.kind == "trainer")
+    assert hit["trainer"] > 5 and hit["trainer.1"] > 5
+    # The seed the short drill below uses: its trainer kill is the follower process.
+    short = plan(
+        [
+            "controller",
+            "trainer",
+            "verifiers",
+            "trainer.1",
+            "inference-0",
+            "param_server-0",
+            "param_server-1",
+        ],
+        5,
+        2,
+    )
+    assert "trainer.1" in [k.target for k in short]
+
+
+def _sh(launch: DrillLaunch, name: str, script: str) -> Child:
+    child = Child(name, ["sh", "-c", script], launch.env, launch.log_dir, io.StringIO())
+    launch.services.append(child)
+    return child
+
+
+def test_killing_a_follower_waits_for_its_job_to_end_then_restarts_the_whole_job(tmp_path):
+    """The rest of the job ends on its own (status recorded, time measured); the check holds;
+    the restart brings back every process of the job, not only the killed one."""
+    launch = DrillLaunch(_multi(str(tmp_path)), [], [], out=io.StringIO())
+    try:
+        lead = _sh(launch, "trainer.0", "sleep 0.5; exit 1")  # ends as the failure rule says
+        follower = _sh(launch, "trainer.1", "sleep 60")
+        other = _sh(launch, "verifiers", "sleep 60")
+        kill = Kill("trainer.1", 0.0, 0.5)
+        launch._kill(kill)
+        assert follower.proc.returncode == -9 and lead.proc.poll() is None
+        launch._await_group_end(kill)
+        assert 0.3 < kill.group_end_s < 5, kill
+        assert kill.outlived == [] and kill.group_exits[0].startswith("trainer.0 status 1 after")
+        assert other.proc.poll() is None  # another component is untouched
+        check = drill.group_end_check([kill])
+        assert check.ok and "trainer.1: its job ended in" in check.detail, check
+        launch._restart(kill.group)
+        names = [c.name for c in launch.services]
+        assert sorted(names) == ["trainer.0", "trainer.1", "verifiers"]
+        assert all(c.proc.poll() is None for c in launch.services if c.name != "trainer.0")
+        assert lead not in launch.services and follower not in launch.services
+        assert launch.unplanned == []
+    finally:
+        launch.stop()
+
+
+def test_a_process_that_outlives_the_bound_is_recorded_and_killed(tmp_path, monkeypatch):
+    monkeypatch.setattr(drill, "GROUP_END_BOUND_S", 1.0)
+    launch = DrillLaunch(_multi(str(tmp_path)), [], [], out=io.StringIO())
+    try:
+        stuck = _sh(launch, "inference-0.0", "sleep 60")
+        _sh(launch, "inference-0.1", "sleep 60")
+        _sh(launch, "inference-0.2", "sleep 0.2; exit 1")
+        kill = Kill("inference-0.1", 0.0, 0.5)
+        launch._kill(kill)
+        launch._await_group_end(kill)
+        assert kill.outlived == ["inference-0.0"] and stuck.proc.returncode == -9
+        assert math.isnan(kill.group_end_s)
+        check = drill.group_end_check([kill])
+        assert not check.ok and "inference-0.0 outlived" in check.detail, check
+        assert "outlived 1 s (SIGKILLed)" in drill.describe([kill])[0]
+    finally:
+        launch.stop()
+
+
+def test_the_group_end_check_is_vacuous_without_a_process_kill():
+    check = drill.group_end_check([Kill("trainer", 0.0, 1.0, killed_at=3.0)])
+    assert check.ok and check.detail.startswith("vacuous"), check
+    assert check.name == "a killed process ended its whole job within 30 s"
 
 
 # The drill's own wait (900 s) sits inside this test's pytest-timeout, so a slow run fails with
