@@ -186,9 +186,29 @@ class ParamServerClient:
         return self._write_metadata
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        """Raises rpc.transport.ComponentUnreachable if a replica does not answer in time."""
-        for channel, endpoint in zip(self._channels, self.endpoints, strict=True):
-            wait_ready(channel, component="param_server", endpoint=endpoint, timeout_s=timeout_s)
+        """Waits up to ``timeout_s`` for every replica (all at once); past it, goes on if
+        ``quorum`` of them answer (a replica that is down does not stop a start, as it does not
+        stop a push; it is logged), else raises rpc.transport.ComponentUnreachable for the first
+        silent one."""
+
+        def one(i: int) -> Exception | None:
+            try:
+                wait_ready(
+                    self._channels[i],
+                    component="param_server",
+                    endpoint=self.endpoints[i],
+                    timeout_s=timeout_s,
+                )
+            except ConnectionError as e:
+                return e
+            return None
+
+        with futures.ThreadPoolExecutor(len(self._channels)) as pool:
+            silent = [e for e in pool.map(one, range(len(self._channels))) if e is not None]
+        if len(self._channels) - len(silent) < self.quorum:
+            raise silent[0]
+        for e in silent:
+            log.warning("%s; going on with the other replicas", e)
 
     def close(self) -> None:
         for c in self._channels:

@@ -148,3 +148,20 @@ def test_a_sharded_pull_fails_over_and_gets_bit_identical_slices():
         assert reps[2].store.bytes_served() > 0
         for c in (trainer, *readers):
             c.close()
+
+
+def test_a_start_goes_on_with_a_quorum_of_replicas_up(caplog):
+    """wait_ready (the controller's start) waits for every replica, then goes on with the ones
+    that answered if they make the quorum, naming the silent one; below the quorum it raises."""
+    from rlax_tpu.rpc.transport import ComponentUnreachable
+
+    with replicas(2) as reps:
+        reps[1].stop()
+        with caplog.at_level(logging.WARNING, logger="rlax_tpu.param_server.client"):
+            client(reps).wait_ready(timeout_s=0.5)
+        down = reps[1].endpoint
+        assert any(
+            f"param_server at {down} did not answer" in r.getMessage() for r in caplog.records
+        )
+        with pytest.raises(ComponentUnreachable, match=down):
+            client(reps, quorum=2).wait_ready(timeout_s=0.5)
