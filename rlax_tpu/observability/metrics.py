@@ -20,17 +20,24 @@ O(n^2) bytes over a run. It holds immutable objects under ``metrics/`` instead, 
   reader drops the earlier epochs' records of steps > s (logged by the crashed run after its last
   snapshot, and logged again now), so a step is never read twice.
 A ``metrics.jsonl`` on gs:// (written before the segments) is read as the first epoch.
+
+TensorBoard event files are appended and flushed per step locally. On gs:// (where TensorBoard's
+file layer "appends" by overwriting the object with the new bytes alone) the events of each
+segment go into one new event file, uploaded with the segment: a crash loses at most the last
+SEGMENT_RECORDS - 1 steps' events there (the JSONL is the record that keeps everything).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import io
 import json
 import logging
 import math
 import os
 import re
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,6 +46,7 @@ from typing import Any
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.summary.writer.record_writer import RecordWriter
 
 from rlax_tpu import storage
 
@@ -80,12 +88,15 @@ class _SegmentLog:
                 json.dumps({"after_step": int(resume_after_step)}),
             )
 
-    def append(self, line: str) -> None:
+    def append(self, line: str) -> bool:
+        """Uploads one record; True when that completed a segment."""
         storage.write_atomic(self.dir / _object_name(self.epoch, self.seq, self.seq), line)
         self._pending.append(line)
         self.seq += 1
-        if len(self._pending) >= SEGMENT_RECORDS:
-            self.compact()
+        if len(self._pending) < SEGMENT_RECORDS:
+            return False
+        self.compact()
+        return True
 
     def compact(self) -> None:
         """The pending records as one segment; their single-record objects deleted after it."""
@@ -99,6 +110,35 @@ class _SegmentLog:
         singles = [self.dir / _object_name(self.epoch, i, i) for i in range(first, self.seq)]
         with cf.ThreadPoolExecutor(_IO_THREADS) as pool:
             list(pool.map(lambda p: p.unlink(missing_ok=True), singles))
+
+
+class _EventSegments:
+    """TensorBoard events for a remote directory: buffered, then one new event file per
+    :meth:`flush` (files named by time, so TensorBoard reads them in order)."""
+
+    def __init__(self, directory: storage.epath.Path):
+        self.dir = directory
+        self._buf = io.BytesIO()
+        self._records = RecordWriter(self._buf)
+        self._files = 0
+
+    def add_event(self, event: event_pb2.Event) -> None:
+        self._records.write(event.SerializeToString())
+
+    def flush(self) -> None:
+        if not self._buf.tell():
+            return
+        head = io.BytesIO()
+        version = event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
+        RecordWriter(head).write(version.SerializeToString())
+        name = (
+            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}"
+            f".{os.getpid()}.{self._files:06d}"
+        )
+        storage.write_atomic(self.dir / name, head.getvalue() + self._buf.getvalue())
+        self._files += 1
+        self._buf.seek(0)
+        self._buf.truncate()
 
 
 class MetricsWriter:
@@ -115,7 +155,13 @@ class MetricsWriter:
                 kept = [r for r in _read_file(path) if r["step"] <= resume_after_step]
                 storage.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
             self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
-        self._tb = EventFileWriter(os.fspath(self.run_dir / "tensorboard"))
+        tb_dir = self.run_dir / "tensorboard"
+        self._tb: EventFileWriter | _EventSegments
+        if self._segments is not None:
+            tb_dir.mkdir(parents=True, exist_ok=True)
+            self._tb = _EventSegments(tb_dir)
+        else:
+            self._tb = EventFileWriter(os.fspath(tb_dir))
         self._closed = False
 
     def write(
@@ -136,11 +182,6 @@ class MetricsWriter:
             "histograms": {k: [float(x) for x in v] for k, v in histograms.items()},
         }
         line = json.dumps(record) + "\n"
-        if self._segments is not None:
-            self._segments.append(line)
-        else:
-            self._jsonl.write(line)
-            self._jsonl.flush()
         values = [
             summary_pb2.Summary.Value(tag=k, simple_value=float(v))
             for k, v in scalars.items()
@@ -155,17 +196,24 @@ class MetricsWriter:
             wall_time=wall_time, step=int(step), summary=summary_pb2.Summary(value=values)
         )
         self._tb.add_event(event)
-        self._tb.flush()
+        if self._segments is not None:
+            if self._segments.append(line):  # a segment was written: its events with it
+                self._tb.flush()
+        else:
+            self._jsonl.write(line)
+            self._jsonl.flush()
+            self._tb.flush()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._segments is not None:
-            self._segments.compact()
         if self._jsonl is not None:
             self._jsonl.close()
-        self._tb.close()
+            self._tb.close()
+        else:
+            self._segments.compact()
+            self._tb.flush()
 
     def __enter__(self) -> MetricsWriter:
         return self
