@@ -121,7 +121,10 @@ def load_avg() -> str:
 
 
 def analyse(run_dir: Path, skip: int, child_wall_s: float) -> dict:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    sys.path.insert(0, str(REPO))
+    from rlax_tpu.observability.metrics import read_metrics
+
+    records = read_metrics(run_dir)
     steps = {r["step"]: r for r in records if "reward/mean" in r["scalars"]}
     n = max(steps)
     assert sorted(steps) == list(range(1, n + 1)), sorted(steps)

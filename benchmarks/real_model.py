@@ -92,8 +92,10 @@ def _summarize(
     seed: int, run_dir: Path, t0: float, minutes: float, stopped: bool, code: int
 ) -> dict:
     evals, steps = [], []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    sys.path.insert(0, str(REPO))
+    from rlax_tpu.observability.metrics import read_metrics
+
+    for rec in read_metrics(run_dir):
         s, minute = rec["scalars"], (rec["wall_time"] - t0) / 60
         if "eval/pass@1" in s:
             k = next(n for n in s if n.startswith("eval/pass@") and n != "eval/pass@1")
