@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from rlax_tpu.controller.snapshots import SnapshotStore, full_ledger
+from rlax_tpu.observability.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 # A uid block of its own (tests/verifiers, tests/data and test_tasks use others).
@@ -360,15 +361,16 @@ def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emula
     out = run(genv, run_dir, *extra)
     assert "resuming" in out and "run finished: 3 updates" in out, out[-3000:]
     assert sha(out) == sha(local)
-    for name in ("report.md", "metrics.jsonl", "plots/learning.png", "tokenizer/tokenizer.json"):
+    for name in ("report.md", "plots/learning.png", "tokenizer/tokenizer.json"):
         assert (remote / name).exists(), name
 
-    def steps(path) -> list[int]:  # noqa: ANN001
-        return [json.loads(ln)["step"] for ln in path.read_text().splitlines()]
+    def steps(run_dir) -> list[int]:  # noqa: ANN001
+        return [r["step"] for r in read_metrics(run_dir)]
 
-    # Each record once, as the uninterrupted run logged them (the lines after the snapshot that
-    # the killed run wrote were dropped on resume).
-    assert steps(remote / "metrics.jsonl") == steps(tmp_path / "local" / "metrics.jsonl")
+    # Each record once, as the uninterrupted run logged them (the records after the snapshot
+    # that the killed run wrote were dropped on resume).
+    assert steps(run_dir) == steps(tmp_path / "local")
+    assert (remote / "metrics" / "000001-resume.json").exists()  # the resumed writer's marker
     assert not (REPO / "gs:").exists()
 
 
