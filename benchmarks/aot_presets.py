@@ -42,6 +42,16 @@ CASES: dict[str, list[str]] = {
         "--topology=v5p:4x8x8",
         "--component=trainer",
     ],
+    # The same trainer over two 128-chip slices joined by DCN (multislice: data across slices).
+    # Tensor 4: a mesh axis takes whole torus axes, and 8 is no product of 4x4x4's (4 and 16
+    # are; 4 divides the 40 heads and 8 KV heads, and is the workers' degree).
+    "v5p-trainer-2xv5p_4x4x4": [
+        "--config=configs/codeforces.py:v5p",
+        "--topology=v5p:4x4x4",
+        "--component=trainer",
+        "--config.mesh.slices=2",
+        "--config.mesh.tensor=4",
+    ],
     # One TPU VM of 8 chips split in two halves (trainer, one worker): each half is a v5e:2x2.
     "tpu_vm-v5e_2x2": ["--config=configs/codeforces.py:tpu_vm", "--topology=v5e:2x2"],
     "v5p_small-trainer-v5p_2x2x2": [
