@@ -267,7 +267,14 @@ def _inspect_one(manager: ocp.CheckpointManager, step: int) -> CheckpointReport:
     try:
         restored = manager.restore(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
+            args=ocp.args.Composite(
+                # Onto this process's first device whatever topology saved it: Orbax refuses
+                # a saved multi-process sharding here ("Topology mismatch") without a fallback.
+                state=ocp.args.StandardRestore(
+                    fallback_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                ),
+                meta=ocp.args.JsonRestore(),
+            ),
         )
     except Exception as e:
         return CheckpointReport(step, False, f"does not read: {e}", "")

@@ -185,16 +185,29 @@ def test_the_group_end_check_is_vacuous_without_a_process_kill():
     assert check.name == "a killed process ended its whole job within 30 s"
 
 
+# A trainer of two jax.distributed processes and two parameter-server replicas: seed 2 plans
+# inference-0, trainer.1 (the follower alone), param_server-0, verifiers, controller.
+TOPOLOGY = [
+    "--config.param_server.replicas=2",
+    "--config.trainer.distributed.coordinator_address=auto",
+    "--config.trainer.distributed.num_processes=2",
+]
+STEPS = 30
+
+
 # The drill's own wait (900 s) sits inside this test's pytest-timeout, so a slow run fails with
 # the drill's output instead of pytest's bare timeout.
 @pytest.mark.slow
 @pytest.mark.timeout(1000)
 def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
-    """Five SIGKILLs, one of each kind, each restarted: every group trained exactly once, η_a
-    held, final trainer state bitwise the uninterrupted run's, no partial version served, every
-    checkpoint and snapshot complete; a restarted process reuses the compilation cache."""
+    """Five SIGKILLs, one of each kind, each restarted, over a trainer of 2 jax.distributed
+    processes and 2 parameter-server replicas: the trainer kill hits its follower process alone,
+    and the lead ends on its own within 30 s (the failure rule) before the job restarts; one
+    replica is killed while the other serves. Every group trained exactly once, η_a held, final
+    trainer state bitwise the uninterrupted run's (same topology), no partial version served,
+    every checkpoint and snapshot complete; a restarted process reuses the compilation cache."""
     run_dir = tmp_path / "run"
-    args = [*_tiny(run_dir, 40), "--kills=5", "--seed=1"]
+    args = [*_tiny(run_dir, STEPS), *TOPOLOGY, "--kills=5", "--seed=2"]
     env = _env()
     env.pop("JAX_COMPILATION_CACHE_DIR")  # the run's own cache, as in production (not the tests')
     done = subprocess.run(
@@ -210,9 +223,19 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     report = json.loads((run_dir / "drill.json").read_text())
     assert sorted(k["kind"] for k in report["kills"]) == sorted(KINDS)
     assert all(k["recover_s"] >= 0 for k in report["kills"])
+    targets = {k["kind"]: k for k in report["kills"]}
+    assert targets["trainer"]["target"] == "trainer.1"
+    assert targets["param_server"]["target"] in ("param_server-0", "param_server-1")
+    # The lead ended on its own (non-zero), within the bound, before the job restarted.
+    follower = targets["trainer"]
+    assert 0 < follower["group_end_s"] <= 30 and follower["outlived"] == [], follower
+    assert follower["group_exits"][0].startswith("trainer.0 status "), follower
+    assert not follower["group_exits"][0].startswith("trainer.0 status 0 "), follower
+    assert report["unplanned"] == []
     checks = {c["name"]: c for c in report["checks"]}
     for name in (
         "every kill recovered",
+        "a killed process ended its whole job within 30 s",
         "run finished",
         "every update logged once",
         "no group lost",
@@ -226,6 +249,10 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     ):
         assert checks[name]["ok"], checks[name]
     assert "[ok] final weights bitwise equal" in out
+    assert (
+        "trainer.1: its job ended in"
+        in checks["a killed process ended its whole job within 30 s"]["detail"]
+    )
     assert (run_dir / "drill.md").read_text().count("recovered in") == 5
     # Compiled programs went to the run's cache, which restarted processes read.
     assert any((run_dir / "drill" / "jax_cache").iterdir())
@@ -235,7 +262,8 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
         sys.executable,
         "-m",
         "rlax_tpu.drills",
-        *_tiny(run_dir, 40),
+        *_tiny(run_dir, STEPS),
+        *TOPOLOGY,
         f"--check={run_dir / 'drill'}",
         f"--reference={run_dir / 'reference'}",
     ]
