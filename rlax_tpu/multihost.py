@@ -22,6 +22,7 @@ the error, within ``distributed.heartbeat_timeout_s``:
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import pickle
@@ -58,6 +59,7 @@ def initialize(cfg: DistributedConfig, *, slices: int = 1) -> bool:
             process_id=cfg.job_process_id(slices),
             initialization_timeout=cfg.initialization_timeout_s,
             heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+            coordinator_bind_address=coordinator_bind_address(cfg.coordinator_address),
         )
     _timeout_s[0] = cfg.heartbeat_timeout_s
     if jax.process_count() > 1:
@@ -73,6 +75,23 @@ def initialize(cfg: DistributedConfig, *, slices: int = 1) -> bool:
         jax.device_count(),
     )
     return jax.process_index() == 0
+
+
+def coordinator_bind_address(address: str) -> str | None:
+    """Where process 0's coordination service listens for ``address`` ("host:port"): the
+    address itself when its host is an IP (loopback stays loopback), else None, JAX's default
+    of every interface ([::]:port; a DNS name may not be bindable). The service has no
+    credentials and its key-value store carries pickled commands, so it must not listen wider
+    than the job's own network (DistributedConfig's docstring)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if host == "localhost":
+        return f"127.0.0.1:{port}"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # The control channel: jax.distributed's key-value store (the coordination service, which runs

@@ -15,6 +15,7 @@ process 0 waits in a device collective process 1 never enters.
 """
 
 import contextlib
+import ipaddress
 import os
 import pickle
 import sys
@@ -57,6 +58,9 @@ def failure_rule(coordinator: str, pid: int, scenario: str) -> None:
             coordinator_address=coordinator, num_processes=2, process_id=pid, heartbeat_timeout_s=5
         )
     )
+    if pid == 0:
+        port = int(coordinator.rsplit(":", 1)[1])
+        print(f"coordinator listens on {listening(port)}", flush=True)
     # A real directory on the lead only: process 1's save fails there, and only there.
     where = Path(tempfile.mkdtemp()) if pid == 0 else Path("/nonexistent/rlax-test")
     if scenario == "blocked":
@@ -81,6 +85,23 @@ def failure_rule(coordinator: str, pid: int, scenario: str) -> None:
         print(f"restore failed on every process: {e.strerror}", flush=True)
     lead.save()
     print("the lead went on after the follower's save failed", flush=True)
+
+
+def listening(port: int) -> list[str]:
+    """The local addresses of this machine's TCP sockets listening on ``port`` (from /proc;
+    IPv4-mapped IPv6 addresses as IPv4)."""
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.split(":")
+            if state == "0A" and int(hexport, 16) == port:
+                raw = bytes.fromhex(addr)
+                words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]  # host order
+                ip = b"".join(words)
+                v6 = ipaddress.IPv6Address(ip) if width == 32 else None
+                found.append(str(ipaddress.IPv4Address(ip) if v6 is None else v6.ipv4_mapped or v6))
+    return sorted(found)
 
 
 def payload(step: int) -> dict:

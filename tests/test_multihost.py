@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rlax_tpu import multihost
 from rlax_tpu.config import ConfigError, DistributedConfig
 from tests.conftest import free_port
 
@@ -62,6 +63,9 @@ def test_a_call_that_failed_on_one_process_ends_both_naming_it():
     does not exist there) ends both, each saying which process failed and why."""
     lead, follower = _run("lockstep")
     assert "restore failed on every process: No such file or directory" in lead.stdout
+    # The coordination service (no credentials; pickled commands in its store) listens only
+    # where its loopback coordinator address says, not on every interface (JAX's [::]:port).
+    assert "coordinator listens on ['127.0.0.1']" in lead.stdout, lead.stdout[-3000:]
     for done in (lead, follower):
         assert done.returncode != 0, done.stdout[-3000:]
         assert "trainer call save failed on process 1: FileNotFoundError" in done.stdout
@@ -85,6 +89,14 @@ def test_a_failed_process_ends_one_waiting_in_a_collective_it_never_entered():
         assert p.returncode != 0, text[-3000:]
         assert "trainer call save failed on process 1: FileNotFoundError" in text, text[-3000:]
         assert "got past" not in text
+
+
+def test_the_coordinator_binds_where_its_address_says():
+    assert multihost.coordinator_bind_address("127.0.0.1:1234") == "127.0.0.1:1234"
+    assert multihost.coordinator_bind_address("localhost:1234") == "127.0.0.1:1234"
+    assert multihost.coordinator_bind_address("10.0.0.5:80") == "10.0.0.5:80"
+    assert multihost.coordinator_bind_address("[::1]:80") == "[::1]:80"
+    assert multihost.coordinator_bind_address("trainer-0.rlax:80") is None  # JAX's default
 
 
 def test_the_heartbeat_timeout_must_be_positive():
