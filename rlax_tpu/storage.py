@@ -4,6 +4,8 @@
     storage.write_atomic(p, data)                           readers never see half a file
     storage.local_copy(p)                                   a local file or folder for libraries
                                                             that need one (safetensors, GGUF, BPE)
+    storage.read_ranges(p, [(start, end), ...])             byte ranges of a file (ranged GETs
+                                                            on GCS, fetched concurrently)
 
 Local paths are made absolute (``~`` expanded), so a process that changes directory keeps
 writing where it started. Orbax and TensorStore (trainer checkpoints, the parameter server's
@@ -20,6 +22,7 @@ import hashlib
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from etils import epath
@@ -118,3 +121,25 @@ def local_copy(p: str | os.PathLike) -> Path:
     if src.is_dir():
         dest.mkdir(parents=True, exist_ok=True)
     return dest
+
+
+def read_ranges(p: str | os.PathLike, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    """The bytes ``[start, end)`` of the file ``p`` for each of ``ranges``, in order. On GCS each
+    range is one ranged GET, all of them in flight at once (gcsfs ``cat_ranges``): a reader that
+    needs parts of a large object (per-host checkpoint loading) never fetches the rest. Raises
+    FileNotFoundError for a file that does not exist."""
+    if not ranges:
+        return []
+    if not is_remote(p):
+        with open(os.fspath(path(p)), "rb") as f:
+            out = []
+            for start, end in ranges:
+                f.seek(start)
+                out.append(f.read(end - start))
+            return out
+    import fsspec  # epath's own GCS backend (gcsfs): the same client, config and emulator
+
+    use_emulator_if_set()
+    fs = fsspec.filesystem("gs")
+    starts, ends = [r[0] for r in ranges], [r[1] for r in ranges]
+    return fs.cat_ranges([os.fspath(p)] * len(ranges), starts, ends, on_error="raise")
