@@ -3,26 +3,45 @@
 Tensors go straight from host memory into (possibly sharded) device arrays: with a mesh, each
 device receives only its slice (``jax.make_array_from_callback``); no full replica is made on
 any device.
+
+A checkpoint on gs:// is read in place (:class:`RemoteSafetensors`), never copied whole to each
+host: each file's header by a ranged read, then with a mesh every host fetches only the rows of
+each tensor (in the file's layout) that its devices hold in a row split over the whole mesh, and
+the devices turn those into the parameter's layout and sharding (transpose, head split, dtype)
+in one jitted reshard. Each host reads about 1/hosts of the data, in contiguous ranges, whatever
+the parameter sharding: the parameters' own slices would often be strided (fsdp splits the
+inner dim of most HF [out, in] matrices: one small GET per row).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import logging
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from rlax_tpu import storage
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.models.errors import ModelLoadError
-from rlax_tpu.models.hf_format import config_from_hf, config_to_hf, tensor_mappings
+from rlax_tpu.models.hf_format import (
+    TensorMapping,
+    _same,
+    _transpose,
+    config_from_hf,
+    config_to_hf,
+    tensor_mappings,
+)
 from rlax_tpu.models.sharding import logical_sharding
 from rlax_tpu.models.transformer import Transformer
 
@@ -30,6 +49,8 @@ from rlax_tpu.models.transformer import Transformer
 TensorGetter = Callable[[str], np.ndarray | None]
 
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+log = logging.getLogger(__name__)
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:
@@ -59,17 +80,20 @@ def build_model(
         _check_all_used(cfg, get, source, names, {m.hf_name for m in mappings})
     for m in mappings:
         host = get(m.hf_name)
-        if host is None:
-            raise ModelLoadError(source, f"tensor {m.hf_name!r} is missing from the checkpoint")
-        if tuple(host.shape) != m.hf_shape:
-            raise ModelLoadError(
-                source,
-                f"tensor {m.hf_name!r} has shape {tuple(host.shape)}, the config expects {m.hf_shape}",
-            )
+        _check_shape(source, m, None if host is None else tuple(host.shape))
         var = flat[m.path]
         value = np.asarray(m.to_model(host)).astype(dtype)
         flat[m.path] = var.replace(_to_device(value, var, mesh))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _check_shape(source: str, m: TensorMapping, shape: tuple[int, ...] | None) -> None:
+    if shape is None:
+        raise ModelLoadError(source, f"tensor {m.hf_name!r} is missing from the checkpoint")
+    if shape != m.hf_shape:
+        raise ModelLoadError(
+            source, f"tensor {m.hf_name!r} has shape {shape}, the config expects {m.hf_shape}"
+        )
 
 
 def _check_all_used(
@@ -168,9 +192,219 @@ class SafetensorsDir:
         self._handles.clear()
 
 
+# safetensors dtype codes -> numpy (the float types checkpoints hold).
+_ST_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    file: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offsets of the tensor's data in ``file``
+    end: int
+
+    @property
+    def row_bytes(self) -> int:  # bytes of one index of the leading dim (row-major)
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+
+class RemoteSafetensors:
+    """Read access to the tensors of an HF checkpoint directory on gs:// by ranged reads: the
+    index (if any) and each file's header (8-byte length + JSON) when opened, then only the byte
+    ranges asked for. ``bytes_read`` counts every byte fetched (headers included)."""
+
+    def __init__(self, directory: str):
+        self.dir = directory
+        self.bytes_read = 0
+        root = storage.path(directory)
+        index = root / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ModelLoadError(str(index), f"not a valid safetensors index ({e})") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f.name for f in root.iterdir() if f.name.endswith(".safetensors"))
+            if not files:
+                raise ModelLoadError(directory, "no *.safetensors files found")
+        self._entries: dict[str, _Entry] = {}
+        for name in files:
+            self._entries.update(self._header(storage.join(directory, name)))
+        if index.exists():
+            self.file_of = {n: storage.join(directory, f) for n, f in weight_map.items()}
+        else:
+            self.file_of = {n: e.file for n, e in self._entries.items()}
+
+    def _read(self, file: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        try:
+            out = storage.read_ranges(file, ranges)
+        except FileNotFoundError:
+            raise ModelLoadError(file, "file listed in the checkpoint does not exist") from None
+        for (start, end), got in zip(ranges, out, strict=True):
+            if len(got) != end - start:
+                raise ModelLoadError(file, f"file ends before byte {end} (truncated?)")
+        self.bytes_read += sum(len(b) for b in out)
+        return out
+
+    def _header(self, file: str) -> dict[str, _Entry]:
+        (raw,) = self._read(file, [(0, 8)])
+        size = int.from_bytes(raw, "little")
+        if size > _MAX_HEADER_BYTES:
+            raise ModelLoadError(file, f"not a valid safetensors file (header of {size} bytes)")
+        (raw,) = self._read(file, [(8, 8 + size)])
+        try:
+            header = json.loads(raw)
+            out = {}
+            for name, t in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype, shape = _ST_DTYPES[t["dtype"]], tuple(t["shape"])
+                begin, end = t["data_offsets"]
+                if end - begin != math.prod(shape) * dtype.itemsize:
+                    raise ValueError(f"tensor {name!r}: data_offsets do not match its shape")
+                out[name] = _Entry(file, dtype, shape, 8 + size + begin, 8 + size + end)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(file, f"not a valid safetensors file ({e!r})") from None
+        return out
+
+    def _entry(self, name: str) -> _Entry | None:
+        file = self.file_of.get(name)
+        if file is None:
+            return None
+        entry = self._entries.get(name)
+        if entry is None or entry.file != file:
+            raise ModelLoadError(file, f"cannot read tensor {name!r} (not in the file's header)")
+        return entry
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        entry = self._entry(name)
+        return None if entry is None else entry.shape
+
+    @property
+    def data_bytes(self) -> int:
+        """The bytes of all the checkpoint's tensors (what a whole copy would read, headers aside)."""
+        return sum(e.end - e.start for e in self._entries.values())
+
+    def get(self, name: str) -> np.ndarray | None:
+        """The whole tensor (one ranged read)."""
+        entry = self._entry(name)
+        if entry is None:
+            return None
+        (raw,) = self._read(entry.file, [(entry.start, entry.end)])
+        return np.frombuffer(raw, dtype=entry.dtype).reshape(entry.shape)
+
+    def rows(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        """Rows ``[r0, r1)`` of the tensor's leading dim for each range: contiguous bytes in a
+        row-major file, so one ranged read each, all in flight at once."""
+        entry = self._entry(name)
+        assert entry is not None and entry.shape, name
+        step = entry.row_bytes
+        raw = self._read(
+            entry.file, [(entry.start + r0 * step, entry.start + r1 * step) for r0, r1 in ranges]
+        )
+        return [
+            np.frombuffer(b, dtype=entry.dtype).reshape((r1 - r0, *entry.shape[1:]))
+            for b, (r0, r1) in zip(raw, ranges, strict=True)
+        ]
+
+
+def _layout(m: TensorMapping, model_shape: tuple[int, ...]) -> bool | None:
+    """How ``m.to_model`` lays the HF tensor out, as "reshape(transpose?(x), model_shape)": True
+    if it transposes first, False if not, None for a transform not of that form (then the
+    tensor is read whole on every host and converted by ``m.to_model`` itself). The mappings of
+    hf_format: identity, .T, and for q/k/v/o .T then a head split, for biases a head split
+    (tests/models/test_sharded_gcs_load.py checks this against every mapping's to_model)."""
+    if math.prod(m.hf_shape) != math.prod(model_shape):
+        return None
+    if m.to_model is _same:
+        return False if model_shape == m.hf_shape else None
+    if m.to_model is _transpose:
+        return True if model_shape == m.hf_shape[::-1] else None
+    if len(m.hf_shape) == 2 and len(model_shape) == 3:
+        return True  # [out, in] kernels: transposed, then heads split out
+    if len(m.hf_shape) == 1 and len(model_shape) == 2:
+        return False  # biases: heads split out
+    return None
+
+
+def _row_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """The leading dim split over as many mesh axes as divide it (every axis when they do), the
+    rest whole: each host then reads contiguous rows, about 1/hosts of the tensor."""
+    axes: list[str] = []
+    n = 1
+    for a in mesh.axis_names:
+        if mesh.shape[a] > 1 and shape[0] % (n * mesh.shape[a]) == 0:
+            axes.append(a)
+            n *= mesh.shape[a]
+    lead = tuple(axes) if len(axes) > 1 else (axes[0] if axes else None)
+    return NamedSharding(mesh, PartitionSpec(lead, *[None] * (len(shape) - 1)))
+
+
+@functools.lru_cache(maxsize=64)
+def _relayout(
+    transpose: bool, shape: tuple[int, ...], dtype: np.dtype, out: NamedSharding
+) -> Callable[[jax.Array], jax.Array]:
+    # Transpose, reshape and cast are exact, so the values are bitwise to_model's on the host.
+    def f(x: jax.Array) -> jax.Array:
+        return (x.T if transpose else x).reshape(shape).astype(dtype)
+
+    return jax.jit(f, out_shardings=out)
+
+
+def _place_remote(
+    reader: RemoteSafetensors, m: TensorMapping, var: nnx.Variable, mesh: Mesh, dtype: np.dtype
+) -> jax.Array:
+    shape = tuple(var.shape)
+    axes = var.get_metadata().get("out_sharding") or (None,) * len(shape)
+    target = logical_sharding(axes, shape, mesh)
+    transpose = _layout(m, shape) if m.hf_shape else None
+    if transpose is None:  # not a per-row transform: whole tensor on each host, as from disk
+        value = np.asarray(m.to_model(reader.get(m.hf_name))).astype(dtype)
+        return jax.make_array_from_callback(shape, target, lambda idx: value[idx])
+    rows = _row_sharding(mesh, m.hf_shape)
+
+    def span(idx: tuple[slice, ...]) -> tuple[int, int]:
+        r0, r1, _ = idx[0].indices(m.hf_shape[0])
+        return r0, r1
+
+    # This host's devices' row ranges, each fetched once (replicas on one host share it).
+    needed = sorted({span(i) for i in rows.addressable_devices_indices_map(m.hf_shape).values()})
+    blocks = dict(zip(needed, reader.rows(m.hf_name, needed), strict=True))
+    staged = jax.make_array_from_callback(m.hf_shape, rows, lambda idx: blocks[span(idx)])
+    return _relayout(transpose, shape, dtype, target)(staged)
+
+
+def _build_remote(
+    cfg: ModelConfig, reader: RemoteSafetensors, source: str, mesh: Mesh
+) -> Transformer:
+    """``build_model`` for a gs:// checkpoint over ``mesh``: shapes from the headers, each
+    parameter read in row blocks by the hosts and resharded on the devices."""
+    graphdef, state = nnx.split(abstract_model(cfg))
+    flat = dict(nnx.to_flat_state(state))
+    dtype = _NP_DTYPES[cfg.param_dtype]
+    mappings = tensor_mappings(cfg)
+    _check_all_used(cfg, reader.get, source, reader.file_of.keys(), {m.hf_name for m in mappings})
+    for m in mappings:
+        _check_shape(source, m, reader.shape(m.hf_name))
+        var = flat[m.path]
+        flat[m.path] = var.replace(_place_remote(reader, m, var, mesh, dtype))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
 def read_hf_config(directory: str | Path, **overrides: object) -> ModelConfig:
     """ModelConfig from ``directory/config.json``; ``overrides`` set our own fields (dtypes ...)."""
-    path = Path(directory) / "config.json"
+    if storage.is_remote(directory):
+        path = storage.path(directory) / "config.json"
+    else:
+        path = Path(directory) / "config.json"
     try:
         hf = json.loads(path.read_text())
     except FileNotFoundError:
@@ -193,8 +427,23 @@ def load_safetensors(
 
     ``cfg`` replaces the directory's config.json; else ``overrides`` adjust it (e.g.
     ``param_dtype="bfloat16"``). With ``mesh``, parameters are created sharded by the rules table.
+    A gs:// directory is read in place, with a mesh each host reading about its share (see the
+    module's docstring).
     """
     cfg = cfg or read_hf_config(directory, **overrides)
+    if storage.is_remote(directory):
+        remote = RemoteSafetensors(str(directory))
+        if mesh is None:
+            model = build_model(cfg, remote.get, str(directory), names=remote.file_of.keys())
+        else:
+            model = _build_remote(cfg, remote, str(directory), mesh)
+        log.info(
+            "read %d bytes of %s (its tensors: %d bytes)",
+            remote.bytes_read,
+            directory,
+            remote.data_bytes,
+        )
+        return cfg, model
     reader = SafetensorsDir(directory)
     try:
         model = build_model(cfg, reader.get, str(directory), mesh, names=reader.file_of.keys())

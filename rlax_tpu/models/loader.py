@@ -50,12 +50,16 @@ def load_model(cfg: ModelConfig, *, mesh: Mesh | None = None) -> Transformer:
     if cfg.weights_format == "init":
         return init_model(cfg, mesh=mesh)
     run = {f: getattr(cfg, f) for f in _RUN_FIELDS}
-    # gs:// weights are copied to the local cache once (safetensors and GGUF map local files).
-    where = _local(cfg.weights_path)
     if cfg.weights_format == "safetensors":
+        # gs:// safetensors are read in place, each host only about its share of the tensors
+        # (ranged reads, checkpoint.RemoteSafetensors): no host downloads the whole checkpoint.
+        where = cfg.weights_path
+        if storage.is_remote(where) and not storage.path(where).exists():
+            raise ModelLoadError(where, "no such file or folder")
         _check_same_architecture(cfg, read_hf_config(where, **run))
         return load_safetensors(where, mesh=mesh, cfg=cfg)[1]
-    file = GGUFFile(where)  # parsed once
+    # gs:// GGUF is copied to the local cache once (GGUFFile maps a local file).
+    file = GGUFFile(_local(cfg.weights_path))  # parsed once
     _check_same_architecture(cfg, config_from_gguf(file, **run))
     return load_gguf(file, mesh=mesh, **run)[1]
 
