@@ -232,6 +232,11 @@ class InferenceWorker:
                 if self._stopped:
                     if self._lockstep:
                         lockstep.broadcast([*self._pending, ("stop",)])
+                    for load in self._loads:  # queued before the stop: their callers wait
+                        load.error = WorkerShutdown("the inference worker is shut down")
+                        load.aborted = 0
+                    self._loads.clear()
+                    self._cond.notify_all()
                     return
                 try:
                     if self._lockstep:
