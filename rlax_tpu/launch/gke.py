@@ -357,9 +357,9 @@ def mesh_problems(mesh: MeshConfig, tpu: TpuSlice, section: str) -> list[str]:
     total = shape[0] * shape[1] * shape[2]
     if total != tpu.devices:
         return [f"{where} {shape} uses {total} of {tpu.name}'s {tpu.devices} devices"]
-    # JAX lays v4/v5p slices past 8 chips out by whole torus axes (v5e/v6e and the small 3-D
-    # slices have layouts of their own, which take any shape).
-    if tpu.generation in ("v4", "v5p") and tpu.chips > 8 and not lays_out(shape, tpu.dims):
+    # JAX lays v4, v5p and v6e slices past 8 chips out by whole torus axes (slices of up to 8
+    # chips have orderings of their own, and v5e may split torus axes: both take any shape).
+    if tpu.generation in ("v4", "v5p", "v6e") and tpu.chips > 8 and not lays_out(shape, tpu.dims):
         return [
             f"{where} (data, fsdp, tensor) = {shape} does not map onto {tpu.name}'s torus: "
             "each mesh axis must be a product of some of its dimensions "
