@@ -132,6 +132,9 @@ class ParamServerClient:
         self.bytes_pushed = (
             0  # payload bytes sent by pushes (counted once per replica), for metrics
         )
+        # The replicas that took the last push (or part): a version in parts is whole only on
+        # the replicas every part reached, which the trainer's processes compare.
+        self.last_replicas: tuple[int, ...] = ()
         # Pulled versions land in slabs, reused once the caller has dropped a version's arrays
         # (jax lets go of an aliased host array at its next call: a caller that drops each
         # version at once alternates between two slabs).
@@ -266,6 +269,7 @@ class ParamServerClient:
             )
         )
         replies = self._publish_all(header, hosts)
+        self.last_replicas = tuple(sorted(replies))
         self.bytes_pushed += sum(h.nbytes for h in hosts) * len(replies)
         self._report_holders(replies, version)
         return wire.info_from_pb(self._own(replies).info)
@@ -301,6 +305,7 @@ class ParamServerClient:
             )
         datas = [np.ascontiguousarray(d) for _, _, d in boxes]
         replies = self._publish_all(header, datas)
+        self.last_replicas = tuple(sorted(replies))
         self._report_holders(replies, version)
         self.bytes_pushed += sum(d.nbytes for d in datas) * len(replies)
         complete = all(r.complete for r in replies.values())

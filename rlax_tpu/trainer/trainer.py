@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Collection, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -78,6 +79,20 @@ class WeightSink(Protocol):
 class TrainerStateLost(RuntimeError):
     """The trainer's step is not the one its caller expects: it restarted (and holds its
     initial weights or a checkpoint) under a caller that did not restore it."""
+
+
+def parts_short_of_quorum(reached: Sequence[Collection[int]], quorum: int) -> str:
+    """Why a version published in parts (part p reached replicas ``reached[p]``) is whole on
+    fewer than ``quorum`` replicas, or "" if it is not. A replica commits the version only once
+    every part reached it: with replicas going up and down between the processes' pushes each
+    part can make its quorum while the version is whole on fewer replicas, or on none."""
+    whole = set.intersection(*(set(r) for r in reached)) if reached else set()
+    if len(whole) >= quorum:
+        return ""
+    return (
+        f"is whole on replicas {sorted(whole)} only (the parts reached "
+        f"{[sorted(r) for r in reached]}; quorum {quorum})"
+    )
 
 
 class PublishError(RuntimeError):
@@ -442,9 +457,12 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 - named to every process below
             failure = e
         said = multihost.exchange(
-            None if failure is None else f"{type(failure).__name__}: {failure}"
+            (
+                None if failure is None else f"{type(failure).__name__}: {failure}",
+                getattr(self.sink, "last_replicas", None),
+            )
         )
-        failed = {p: why for p, why in enumerate(said) if why is not None}
+        failed = {p: why for p, (why, _) in enumerate(said) if why is not None}
         if failure is not None:
             raise failure
         if failed:
@@ -452,8 +470,16 @@ class Trainer:
                 f"version {self._step} was not published: "
                 + "; ".join(f"process {p}: {why}" for p, why in failed.items())
             )
+        self._check_whole_on_a_quorum(said)
         self._published = self._step
         return self._step
+
+    def _check_whole_on_a_quorum(self, said: list[tuple[str | None, Any]]) -> None:
+        reached = [replicas for _, replicas in said]
+        if all(r is not None for r in reached):
+            why = parts_short_of_quorum(reached, getattr(self.sink, "quorum", 1))
+            if why:
+                raise PublishError(f"version {self._step} {why}")
 
     def _state(self) -> dict[str, Any]:
         rep = mesh_lib.replicated(self.mesh)

@@ -123,3 +123,17 @@ def test_at_publish_the_device_holds_the_state_and_the_published_copy_only(tmp_p
     assert 0 <= extra < 512, extra
     trainer.close()
     del keep
+
+
+def test_a_version_in_parts_must_be_whole_on_a_quorum_of_replicas():
+    """A replica commits a version published in parts only once every part reached it, so each
+    process's part making its quorum is not enough (found by review): part 0 on {0, 1} and
+    part 1 on {1, 2} leave it whole on replica 1 alone; on {0} and {1}, on none."""
+    from rlax_tpu.trainer.trainer import parts_short_of_quorum
+
+    assert parts_short_of_quorum([{0, 1}, {0, 1}], quorum=2) == ""
+    assert parts_short_of_quorum([{0, 1}, {1, 2}], quorum=1) == ""
+    assert parts_short_of_quorum([{0, 1}, {1, 2}], quorum=2) == (
+        "is whole on replicas [1] only (the parts reached [[0, 1], [1, 2]]; quorum 2)"
+    )
+    assert "whole on replicas [] only" in parts_short_of_quorum([{0}, {1}], quorum=1)
