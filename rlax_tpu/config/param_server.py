@@ -45,6 +45,14 @@ class ParamServerConfig:
             "publish_quorum",
         )
         non_negative(self, "persist_every", "persist_keep", "publish_room_wait_s")
+        if self.replicas > 1 and 0 < self.publish_room_wait_s <= self.replica_lease_s:
+            # A publish refused for room while a dead replica still holds GC back waits for
+            # its lease to lapse: a shorter wait fails the publish first.
+            raise bad(
+                self,
+                "replica_lease_s",
+                f"must be < publish_room_wait_s ({self.publish_room_wait_s:g} s) with replicas",
+            )
         if not 0 <= self.replica_index < self.replicas:
             raise bad(self, "replica_index", f"must be in [0, replicas={self.replicas})")
         if self.publish_quorum > self.replicas:

@@ -923,3 +923,14 @@ def test_verifier_sandbox_uids_stay_clear_of_system_users_and_nobody():
     assert build({"verifiers.sandbox_uid": 65526, "verifiers.workers": 8}).verifiers.workers == 8
     assert build({"verifiers.sandbox_uid": 65536}).verifiers.sandbox_uid == 65536
     assert build({"verifiers.sandbox_uid": 1000}).verifiers.sandbox_uid == 1000
+
+
+def test_a_dead_replicas_lease_must_lapse_before_a_publish_stops_waiting():
+    from rlax_tpu.config import ParamServerConfig
+
+    with pytest.raises(
+        ConfigError, match=r"replica_lease_s = 300.0: must be < publish_room_wait_s"
+    ):
+        ParamServerConfig(replicas=2, replica_lease_s=300.0, publish_room_wait_s=300.0)
+    ParamServerConfig(replicas=2, replica_lease_s=300.0, publish_room_wait_s=0.0)  # no wait
+    ParamServerConfig(replicas=1, replica_lease_s=300.0, publish_room_wait_s=300.0)

@@ -100,7 +100,7 @@ def test_a_returning_replica_recovers_and_catches_up(tmp_path):
         r1.stop()
         for v in range(k, k + 6):
             trainer.push(make_tree(v), v)
-        r1.config = dataclasses.replace(r1.config, replica_lease_s=600.0)
+        r1.config = dataclasses.replace(r1.config, replica_lease_s=600.0, publish_room_wait_s=900.0)
         r1.start()
         assert r1.hot() == [0, 1, 2, 3]  # recovered from its persistence
         # (gRPC reconnects within its backoff, at most 2 s: until then r1 counts as down.)
