@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tests.child_env import child_env
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ END_BOUND_S = 30
 def start(component: str, flags: list[str], per_process: list[list[str]]) -> list[subprocess.Popen]:
     """One process per entry of ``per_process`` (its own flags), all with ``flags``."""
     coordinator = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = child_env()
     section = f"--config.{component}.distributed"
     return [
         subprocess.Popen(

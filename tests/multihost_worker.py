@@ -23,9 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.pop("XLA_FLAGS", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.child_env import xla_flags  # noqa: E402
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = xla_flags()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

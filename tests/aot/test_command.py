@@ -1,12 +1,17 @@
-"""``python -m rlax_tpu.aot`` as users run it: the local preset compiled for v5e:2x2 (every
-program) and v5p:2x2x1 (the engine), its engine laid over two chips and its trainer over two
-v5e:2x2 slices, through libtpu and checked against HBM; oversized and mismatched configs
-refused.
+"""``python -m rlax_tpu.aot`` as users run it, through libtpu and checked against HBM: the local
+preset compiled for v5e:2x2 (every program) and v5p:2x2x1 (the engine), its engine laid over two
+chips and its trainer over two v5e:2x2 slices; oversized and mismatched configs refused; and
+compiled FLOPs and bytes against independent counts:
 
-The compilations run as concurrent processes (one module fixture), about a minute of CPU.
-SmolLM2's shapes against a textbook count and the scanned trainer's FLOPs by depth compile in
-tests/aot/test_counts.py (slow); every TPU preset in `python benchmarks/aot_presets.py`
-(benchmarks/RESULTS.md).
+* SmolLM2-135M's layer and vocab shapes (2 of its 30 layers, unrolled, a 4-row micro-batch of
+  256 tokens) for v5e:2x2: the gradient step against a textbook count of FLOPs, the optimizer
+  update against its bytes;
+* the local preset's trainer with scanned layers against its unrolled compile (XLA counts a loop
+  body once, so the scanned count is extrapolated by depth).
+
+Every compilation runs once, as concurrent processes started by one module fixture (about 2.5
+minutes of CPU). The whole 30-layer SmolLM2 preset and every TPU preset compile in
+`python benchmarks/aot_presets.py` (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -20,26 +25,47 @@ from pathlib import Path
 import pytest
 
 from rlax_tpu.cli import EXIT_USAGE
+from tests.child_env import FAST_COMPILE
 
+# The compiles run in the first test that asks for them (about 2.5 minutes of CPU on 2 cores).
+pytestmark = pytest.mark.timeout(900)
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = "configs/codeforces.py:local"
-# name -> (topology, extra flags): each compiled once, concurrently, by the module fixture.
+TRAINER_ONLY = "--component=trainer"
+# SmolLM2's shapes at 2 layers and a micro-batch of 4 rows x (192 + 64) tokens: its full micro-
+# batch (16 x 448) takes 90 s of CPU to compile, this 40 s.
+SMOLLM2 = {"layers": 2, "rows": 4, "prompt": 192, "completion": 64}
+# name -> (config, topology, extra flags): each compiled once, concurrently, by the module fixture.
 COMPILES = {
-    "local": ("v5e:2x2", ()),
+    "local": (LOCAL, "v5e:2x2", ()),
     # The engine on v5p (its own chip spec and HBM); the trainer is the same program.
-    "local-v5p": ("v5p:2x2x1", ("--component=inference",)),
+    "local-v5p": (LOCAL, "v5p:2x2x1", ("--component=inference",)),
     # The engine over 2 of the 4 chips (tensor-parallel).
-    "local-tensor2": ("v5e:2x2", ("--component=inference", "--config.inference.mesh.tensor=2")),
+    "local-tensor2": (
+        LOCAL,
+        "v5e:2x2",
+        ("--component=inference", "--config.inference.mesh.tensor=2"),
+    ),
     # The trainer over two slices joined by DCN (multislice; data-parallel across them).
-    "local-2slices": ("v5e:2x2", ("--component=trainer", "--config.mesh.slices=2")),
+    "local-2slices": (LOCAL, "v5e:2x2", (TRAINER_ONLY, "--config.mesh.slices=2")),
+    "local-scan": (LOCAL, "v5e:2x2", (TRAINER_ONLY, "--config.trainer.scan_layers=true")),
+    "smollm2": (
+        "configs/smollm2_math.py:tpu",
+        "v5e:2x2",
+        (
+            TRAINER_ONLY,
+            f"--config.model.num_layers={SMOLLM2['layers']}",
+            f"--config.trainer.micro_batch_size={SMOLLM2['rows']}",
+            f"--config.inference.max_prompt_len={SMOLLM2['prompt']}",
+            f"--config.inference.max_new_tokens={SMOLLM2['completion']}",
+        ),
+    ),
 }
 
 
 # As users run it: without the suite's CPU-compile shortcut (tests/conftest.py), which XLA
 # would also apply to the TPU compiles.
-ENV = os.environ | {
-    "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "")
-}
+ENV = os.environ | {"XLA_FLAGS": os.environ["XLA_FLAGS"].replace(FAST_COMPILE, "")}
 
 
 def aot_command(*args: str) -> list[str]:
@@ -76,9 +102,8 @@ def compile_all(
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """name of COMPILES -> (exit code, stderr, parsed JSON report)."""
-    compiles = {name: (LOCAL, topo, flags) for name, (topo, flags) in COMPILES.items()}
-    # Inside pytest-timeout's 600 s.
-    return compile_all(tmp_path_factory.mktemp("aot"), compiles, timeout_s=500)
+    # Inside the module's pytest-timeout.
+    return compile_all(tmp_path_factory.mktemp("aot"), COMPILES, timeout_s=800)
 
 
 # On TPU the aligned π_old is the prefill-shaped recompute (trainer.old_logprobs "auto").
@@ -108,10 +133,12 @@ def check_fits(report: dict, topology: str) -> dict[str, dict]:
 def test_every_program_compiles_and_fits(reports, name):
     code, err, report = reports[name]
     assert code == 0, err[-3000:]
-    topology, flags = COMPILES[name]
+    _, topology, flags = COMPILES[name]
     programs = check_fits(report, topology)
-    components = {"--component=inference": ENGINE, "--component=trainer": TRAINER}
-    assert set(programs) == next((v for k, v in components.items() if k in flags), TRAINER | ENGINE)
+    components = {"--component=inference": ENGINE, TRAINER_ONLY: TRAINER}
+    want = next((v for k, v in components.items() if k in flags), TRAINER | ENGINE)
+    # SmolLM2's GRPO has a KL term, so a reference model to score.
+    assert set(programs) == want | ({"trainer.score_ref"} if name == "smollm2" else set())
     if "trainer.accumulate" in programs:
         assert programs["trainer.accumulate"]["flops"] > 0
 
@@ -173,3 +200,50 @@ def test_a_trainer_over_two_slices_compiles_with_half_the_rows_per_chip(reports)
     )
     assert two["topology"] == "2xv5e:2x2" and one["topology"] == "v5e:2x2"
     assert two["flops"] == pytest.approx(one["flops"] / 2, rel=0.10)
+
+
+def _programs(reports: dict, name: str) -> dict[str, dict]:
+    return {p["name"]: p for p in reports[name][2]["programs"]}
+
+
+def test_scanned_layers_compile_and_count_every_layer(reports):
+    """trainer.scan_layers: the scanned programs fit, and since XLA counts a loop body once their
+    FLOPs come from unrolled 1- and 2-layer compiles extrapolated to the depth: within 10% of
+    the unrolled program's own count (the local preset's 4 layers, same micro-batch)."""
+    got, want = _programs(reports, "local-scan"), _programs(reports, "local")
+    assert set(got) == TRAINER and set(want) >= TRAINER
+    for name in ("trainer.accumulate", "trainer.prefill_old"):
+        assert "extrapolated to 4 layers" in got[name]["note"]
+        assert got[name]["flops"] == pytest.approx(want[name]["flops"], rel=0.10), name
+
+
+def _smollm2_counts(devices: int) -> tuple[float, float]:
+    """Textbook FLOPs of one gradient step on the SMOLLM2 micro-batch, per device, and the
+    parameter count. Remat'd layers run forward twice, backward costs two forwards; the LM
+    head runs on the completion positions only and is not remat'd. Attention runs in the splash
+    kernel on TPU (trainer.attention auto), and a Pallas kernel declares no FLOPs to XLA, so
+    the count leaves the scores out."""
+    vocab, e, f, layers, h, hkv, d = 49152, 576, 1536, SMOLLM2["layers"], 9, 3, 64
+    rows, width = SMOLLM2["rows"], SMOLLM2["completion"]
+    length = SMOLLM2["prompt"] + width
+    per_layer = e * h * d + 2 * e * hkv * d + h * d * e + 3 * e * f
+    layer_fwd = 2 * rows * length * per_layer
+    head_fwd = 2 * rows * width * e * vocab
+    flops = (4 * layers * layer_fwd + 3 * head_fwd) / devices
+    params = vocab * e + layers * (per_layer + 2 * e) + e
+    return flops, params
+
+
+def test_smollm2_step_matches_a_textbook_count(reports):
+    """The compiled gradient step's FLOPs are the textbook count's to 10% (elementwise ops and
+    the softmax add a few percent); the optimizer update's arguments are parameters, gradients
+    and AdamW's two moments in f32, split over the 4 chips, plus TPU tile padding (the
+    [144, 3, 64] shards of k_proj/v_proj pad to [144, 8, 128]): within +25%."""
+    programs = _programs(reports, "smollm2")
+    assert (
+        "micro-batch [4 rows, 256 tokens, 64 completion]" in programs["trainer.accumulate"]["note"]
+    )
+    flops, params = _smollm2_counts(devices=4)
+    assert programs["trainer.accumulate"]["flops"] == pytest.approx(flops, rel=0.10)
+    optimizer_bytes = 4 * params * 4 / 4
+    assert optimizer_bytes <= programs["trainer.apply"]["argument_bytes"] <= 1.25 * optimizer_bytes

@@ -8,15 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.child_env import child_env
+
 REPO = Path(__file__).resolve().parents[2]
 UID = 1_450_000 + (os.getpid() % 100_000) * 8
 
 
 def test_the_trainer_and_two_workers_run_on_their_own_devices(tmp_path):
-    env = os.environ | {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
+    env = child_env(devices=8)
     done = subprocess.run(
         [
             sys.executable,
@@ -53,10 +52,7 @@ def test_the_trainer_and_two_workers_run_on_their_own_devices(tmp_path):
 
 
 def test_a_split_that_does_not_fit_is_refused(tmp_path):
-    env = os.environ | {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-    }
+    env = child_env(devices=4)
     done = subprocess.run(
         [
             sys.executable,

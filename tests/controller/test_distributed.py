@@ -24,6 +24,7 @@ import grpc
 
 from rlax_tpu.cli import EXIT_STOPPED
 from rlax_tpu.inference.service import InferenceClient
+from tests.child_env import child_env
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,9 +36,7 @@ ADDRESS = re.compile(r"(127\.0\.0\.1:\d+)")
 def _env() -> dict[str, str]:
     # One CPU device per process (conftest forces 8 for in-process tests): the services share
     # two cores, and nothing here needs a mesh.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return child_env()
 
 
 class Service:

@@ -21,6 +21,7 @@ import pytest
 
 from rlax_tpu.controller.snapshots import SnapshotStore, full_ledger
 from rlax_tpu.observability.metrics import read_metrics
+from tests.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 # A uid block of its own (tests/verifiers, tests/data and test_tasks use others).
@@ -51,10 +52,8 @@ SHA = re.compile(r"final weights sha256: ([0-9a-f]{64})")
 @pytest.fixture(scope="module")
 def env() -> dict[str, str]:
     # The test run's compilation cache (tests/conftest.py) is in os.environ.
-    return os.environ | {
-        "XLA_FLAGS": "",  # one CPU device: the topology every run here shares
-        "PYTHONUNBUFFERED": "1",
-    }
+    # One CPU device: the topology every run here shares.
+    return child_env(PYTHONUNBUFFERED="1")
 
 
 def command(run_dir: Path, *extra: str) -> list[str]:

@@ -10,9 +10,11 @@ import os
 import sys
 from pathlib import Path
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.child_env import xla_flags  # noqa: E402
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = xla_flags(4)
 
 import dataclasses  # noqa: E402
 

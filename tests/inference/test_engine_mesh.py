@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from rlax_tpu.inference.engine import Engine, engine_mesh
 from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.models.paged_cache import page_bytes
+from tests.child_env import child_env
 from tests.conftest import free_port
 
 from .conftest import SMALL, assert_same_samples, by_key, random_requests
@@ -182,7 +182,7 @@ def test_an_engine_spanning_two_processes_gives_the_same_tokens(tiny_model, tmp_
     sums go through gloo)."""
     worker = Path(__file__).with_name("distributed_engine.py")
     coordinator, out = f"127.0.0.1:{free_port()}", tmp_path / "tokens.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     procs = [
         subprocess.Popen(
             [sys.executable, str(worker), coordinator, str(pid), str(out)],

@@ -28,6 +28,7 @@ from rlax_tpu.inference.worker import (
     WorkerShutdown,
 )
 from rlax_tpu.types import FinishReason
+from tests.child_env import child_env
 
 from .conftest import SMALL, by_key, random_requests
 
@@ -291,9 +292,7 @@ def test_python_m_rlax_tpu_inference_over_two_processes(tmp_path):
         f"--config.inference.distributed.coordinator_address={coordinator}",
         "--config.inference.distributed.num_processes=2",
     ]
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
-    )
+    env = child_env(devices=2)
     procs = [
         subprocess.Popen(
             [

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlax_tpu.launch.local import launched_pids
+from tests.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_ID = re.compile(r"\(launch id ([0-9a-f]+)\)")
@@ -22,9 +23,7 @@ LAUNCH_ID = re.compile(r"\(launch id ([0-9a-f]+)\)")
 
 def _env() -> dict[str, str]:
     # One CPU device per process (conftest forces 8 for in-process tests).
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return child_env()
 
 
 def _tiny(run_dir: Path, steps: int) -> list[str]:

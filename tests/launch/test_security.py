@@ -4,7 +4,6 @@ them, leaving its store unchanged; the pods' health probe gets through with the 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 
 from rlax_tpu.param_server.client import ParamServerClient
 from rlax_tpu.rpc.transport import Credentials
+from tests.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "--config=configs/codeforces.py:local"
@@ -23,9 +23,7 @@ SERVICE_NAME = "rlax-param-server-0.rlax.svc"
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return child_env()
 
 
 @pytest.mark.parametrize("section", ["param_server", "trainer", "inference", "verifiers"])

@@ -6,7 +6,6 @@ reads half of the tensors' bytes (counted by the emulator, per process)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.request
@@ -30,6 +29,7 @@ from rlax_tpu.models.hf_format import tensor_mappings
 from rlax_tpu.models.loader import load_model
 from rlax_tpu.models.presets import preset
 from rlax_tpu.models.sharding import make_mesh
+from tests.child_env import child_env
 
 from ..conftest import GCS_BUCKET, free_port
 
@@ -126,7 +126,7 @@ def test_two_processes_each_read_half(checkpoint, gcs_emulator, tmp_path):
     bitwise the local load's."""
     local, remote = checkpoint
     coordinator = f"127.0.0.1:{free_port()}"
-    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    base = child_env()
     readers = [f"proc-{uuid.uuid4().hex[:6]}-{pid}" for pid in range(2)]
     procs = [
         subprocess.Popen(

@@ -16,9 +16,11 @@ from pathlib import Path
 
 PROCESSES = int(sys.argv[5]) if len(sys.argv) > 5 else 2
 MESH = tuple(int(x) for x in sys.argv[6].split(",")) if len(sys.argv) > 6 else (1, 8, 1, 1)
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // PROCESSES}"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.child_env import xla_flags  # noqa: E402
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = xla_flags(8 // PROCESSES)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -9,7 +9,6 @@ relative, params 1e-6 absolute (0.1% of the update; adam_eps = 1e-5 as in test_s
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from rlax_tpu.trainer import Trainer
+from tests.child_env import child_env
 from tests.conftest import free_port
 
 from .helpers import host, random_batch, run_config
@@ -51,7 +51,7 @@ def run_processes(
 
     server, port, store = serve(ParamServerConfig(persist_every=0))
     coordinator = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | env
+    env = child_env() | env
     args = [coordinator, "PID", str(tmp_path), f"127.0.0.1:{port}", str(processes), mesh]
     procs = [
         subprocess.Popen(

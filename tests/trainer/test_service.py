@@ -4,7 +4,6 @@ the in-process call; bad input and missing credentials get clear statuses."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from rlax_tpu.param_server.service import serve as serve_param_server
 from rlax_tpu.rpc.transport import ComponentFailed, Credentials, Named
 from rlax_tpu.trainer import Trainer, TrainerClient
 from rlax_tpu.trainer.service import serve
+from tests.child_env import child_env
 
 from .helpers import random_batch, run_config
 
@@ -31,9 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_module_entry_point_serves_publishes_and_stops(tmp_path):
     """The command serves, publishes to a real parameter server at the configured endpoint, and
     stops on SIGTERM."""
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
-    )
+    env = child_env(devices=2)
     ps_server, ps_port, ps_store = serve_param_server(ParamServerConfig())
     proc = subprocess.Popen(
         [
@@ -206,9 +204,7 @@ def test_a_trainer_over_two_processes_serves_one_endpoint(tmp_path):
     ps_server, ps_port, ps_store = serve_param_server(ParamServerConfig(persist_every=0))
     coordinator = f"127.0.0.1:{free_port()}"
     flags = [f"--config.{k}={v}" for k, v in TWO_HOSTS.items()]
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4"
-    )
+    env = child_env(devices=4)
     procs = [
         subprocess.Popen(
             [
