@@ -140,6 +140,36 @@ def test_data_shards_give_the_single_device_tokens(tiny_model, single, mesh):
         np.testing.assert_allclose(got[key].logprobs, want.logprobs, **tol, err_msg=str(key))
 
 
+@pytest.mark.parametrize(
+    ("mesh", "options"),
+    [(DATA2_TENSOR2, dict(backend="tpu_emulated")), (DATA2, dict(span_groups=2))],
+    ids=["tpu_layout-data2xtensor2", "span_groups-data2"],
+)
+def test_data_shards_serve_the_tpu_layout_and_span_groups(tiny_model, mesh, options):
+    """The TPU path's combined pages (split by page over data; the ragged kernel's stand-in in
+    its own shard_map over tensor inside the data shard's) and span groups (each shard's block
+    of rows grouped alike) give the single-device engine's tokens; log-probs as above."""
+    runs = []
+    for m in (None, mesh):
+        pages = PAGES_PER_SHARD * (1 if m is None else m.data)
+        budget = pages * page_bytes(tiny_model.cfg, CFG.page_size, options.get("backend", "cpu"))
+        cfg = dataclasses.replace(CFG, kv_cache_bytes=budget, **options)
+        engine = Engine(tiny_model, cfg if m is None else dataclasses.replace(cfg, mesh=m))
+        watch = ShardWatch(engine)
+        for r in _requests():
+            engine.submit(r)
+        runs.append((by_key(watch.run()), engine))
+    (want, _), (got, sharded) = runs
+    assert sharded.scheduler.num_preemptions > 0
+    if sharded.cache.kv_pages is not None:
+        assert sharded.cache.kv_pages.sharding.spec == P(None, "data", None, "tensor")
+    assert got.keys() == want.keys()
+    tol = dict(rtol=1e-6, atol=1e-6) if mesh.tensor == 1 else dict(rtol=0, atol=2e-5)
+    for key, ro in want.items():
+        np.testing.assert_array_equal(got[key].tokens, ro.tokens, err_msg=str(key))
+        np.testing.assert_allclose(got[key].logprobs, ro.logprobs, **tol, err_msg=str(key))
+
+
 def test_each_device_holds_half_the_pages_on_two_data_shards(tiny_model):
     """Per-device KV bytes (from the arrays' shard shapes) halve from data 1 to data 2, with the
     KV heads whole (tensor 1) or split (tensor 2)."""
