@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rlax_tpu.config import MeshConfig
+from rlax_tpu.config import ConfigError, MeshConfig
 from rlax_tpu.inference.engine import Engine, InvalidRequest
 from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
@@ -237,12 +237,19 @@ def test_the_decode_program_moves_no_pages_between_data_shards(tiny_model):
 
 
 def test_shard_sizes_must_divide_by_data(tiny_model):
-    with pytest.raises(
-        ValueError, match="step_tokens \\(5\\) and prefill_rows \\(4\\) must divide"
-    ):
-        Engine(tiny_model, dataclasses.replace(CFG, mesh=DATA2, max_concurrent_seqs=5))
-    with pytest.raises(ValueError, match="prefill_rows \\(3\\) must divide by 2"):
-        Engine(tiny_model, dataclasses.replace(CFG, mesh=DATA2, prefill_rows=3))
+    with pytest.raises(ConfigError, match="step_tokens = 5: must divide by mesh.data = 2"):
+        dataclasses.replace(CFG, mesh=DATA2, max_concurrent_seqs=5)
+    with pytest.raises(ConfigError, match="prefill_rows = 3: must divide by mesh.data = 2"):
+        dataclasses.replace(CFG, mesh=DATA2, prefill_rows=3)
+    # A mesh of data -1 is sized by the worker's devices: the engine checks then.
+    with pytest.raises(ValueError, match="step_tokens \\(6\\) and prefill_rows \\(4\\)"):
+        Engine(
+            tiny_model,
+            dataclasses.replace(
+                CFG, mesh=MeshConfig(data=-1, fsdp=1, tensor=2), max_concurrent_seqs=6
+            ),
+            devices=jax.devices()[:8],
+        )
     too_few = 20 * page_bytes(tiny_model.cfg, CFG.page_size)  # 10 per shard, 13 needed
     with pytest.raises(ValueError, match="holds 20 pages \\(10 per data shard of 2\\)"):
         Engine(tiny_model, dataclasses.replace(CFG, mesh=DATA2, kv_cache_bytes=too_few))
