@@ -125,4 +125,15 @@ class InferenceConfig:
                 f"must be 0 or >= max_concurrent_seqs ({self.max_concurrent_seqs}): every running "
                 "sequence decodes one token per step",
             )
+        rows, data = self.step_tokens or self.max_concurrent_seqs, self.mesh.data
+        for name, n in (("step_tokens", rows), ("prefill_rows", self.prefill_rows)):
+            if data > 1 and n % data:  # the engine's data shards each take a block of rows
+                raise ConfigError(
+                    name,
+                    f"must divide by mesh.data = {data}: each data shard of the engine takes "
+                    f"{name} / {data} rows (step_tokens 0: max_concurrent_seqs)",
+                    n,
+                )
+        if data > 1 and self.span_groups > rows // data:
+            raise bad(self, "span_groups", f"must be <= a data shard's {rows // data} rows")
         check_address(self, "address", self.auth_token_file, self.tls_cert_file)

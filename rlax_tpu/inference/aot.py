@@ -1,7 +1,9 @@
 """The inference engine's programs, described abstractly for ahead-of-time compilation
 (``python -m rlax_tpu.aot``): decode (sampler fused), prefill and page copy at the shapes an
 engine built from the config compiles, with the target platform's attention kernel, on the
-engine's mesh (``inference.mesh``) over the first devices of the topology.
+engine's mesh (``inference.mesh``) over the first devices of the topology. Each program's note
+gives the KV pages a device holds: 1/data of them with data shards (``engine.py``), 1/tensor
+more where the KV heads split.
 
 With the default one-device mesh a worker runs on one chip: on a slice of several chips the
 programs are compiled for its first chip, and the report says so.
@@ -26,7 +28,10 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
     """The engine's programs for ``config`` on ``devices`` (a topology's devices)."""
     mesh = engine_mesh(config.inference, list(devices))
     shape = models.ReplayShape.of_engine(
-        config.inference, config.model, platform=devices[0].platform
+        config.inference,
+        config.model,
+        platform=devices[0].platform,
+        data_shards=mesh.shape["data"] if mesh is not None else 1,
     )
     graphdef, state = nnx.split(models.abstract_model(config.model))
     cache = jax.eval_shape(lambda: shape.make_cache(config.model))
@@ -44,6 +49,11 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
         cache_sharding = cache_shardings(cache, mesh)
         io = NamedSharding(mesh, PartitionSpec())
         note = f"inference.mesh {dict(mesh.shape)} over {mesh.size} of {len(devices)} chips"
+    kv = device_bytes(abstract(cache, cache_sharding))
+    note = f"{note}; " if note else ""
+    note += f"KV pages {kv / 2**20:.1f} MiB per device"
+    if shape.data_shards > 1:
+        note += f" (1/{shape.data_shards} of the pages per data shard)"
     # A reload places the new version beside the one being served (engine.load_weights), so
     # decode and prefill are checked with a second copy of the weights held: an upper bound of
     # the reload's own peak (two copies + the cache), which runs no program.

@@ -33,6 +33,15 @@ Numerical contract (what a replay does to reproduce the reported log-probs bitwi
   request alone and in a crowd agree to ~1e-6; its tokens come from the same per-request
   streams).
 
+Data shards: on a mesh with ``inference.mesh.data`` = D > 1 the page pool and the rows of both
+programs are cut into D contiguous blocks over the data axis (``PagedKVCache.shards``); a
+sequence lives on one shard, its rows in that shard's block and its pages in that shard's pages
+(the scheduler places it at admission; its samples stay with its shared prompt pages), so a
+device holds 1/D of the pages (1/(D * tensor) with the KV heads split) and attends without
+another shard's pages. ``step_tokens``, ``prefill_rows`` and the pages must divide by D (the
+pages the budget holds are rounded down to a multiple of it), and a request's samples fit one
+shard's ``step_tokens / D`` rows. data = 1 is the single pool above, unchanged.
+
 Versions: the engine serves the weights of ``version``; every token records the version that
 produced it. :meth:`Engine.load_weights` runs between steps: in-flight samples are aborted and
 returned (``FinishReason.ABORTED``, with the tokens they have) unless ``continue_on_reload``,
@@ -65,6 +74,7 @@ from rlax_tpu.inference.scheduler import (
     Chunk,
     Plan,
     Request,
+    Row,
     Scheduler,
     Sequence,
     block_table_rows,
@@ -93,23 +103,25 @@ def _warn_rows_not_bitwise() -> None:
 
 def _warn_if_pages_replicated(cache: PagedKVCache, mesh: Mesh | None, kv_heads: int) -> None:
     """Says at start-up what a tensor degree that does not divide the KV heads costs: every
-    device then holds every head's pages (cache_shardings replicates them) instead of 1/tensor."""
+    device then holds every head's pages of its data shard (cache_shardings replicates them over
+    tensor) instead of 1/tensor."""
     tensor = mesh.shape["tensor"] if mesh is not None else 1
     if tensor == 1:
         return
     pages = [x for x in (cache.k_pages, cache.v_pages, cache.kv_pages) if x is not None]
-    total = sum(x.nbytes for x in pages)
+    whole = sum(x.nbytes for x in pages) / cache.shards  # one data shard's pages
     per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in pages)
-    if per_device * tensor > total:
+    if per_device * tensor > whole:
         logging.getLogger(__name__).warning(
             "inference.mesh.tensor = %d does not divide the model's %d KV heads: every device "
-            "holds the whole KV cache (%.1f MiB) instead of 1/%d of it (%.1f MiB); a tensor "
+            "holds the whole KV cache%s (%.1f MiB) instead of 1/%d of it (%.1f MiB); a tensor "
             "degree that divides the KV heads splits it",
             tensor,
             kv_heads,
+            "" if cache.shards == 1 else f" of its data shard (1/{cache.shards} of the pages)",
             per_device / 2**20,
             tensor,
-            total / tensor / 2**20,
+            whole / tensor / 2**20,
         )
 
 
@@ -184,21 +196,36 @@ class Engine:
                 f"inference.mesh spans {self.mesh.size} ({dict(self.mesh.shape)}): use 'auto' "
                 "(native where it can run, XLA here) or 'xla'"
             )
+        # Data shards (module docstring): the mesh's data degree.
+        self.data_shards = self.mesh.shape["data"] if self.mesh is not None else 1
         # The shapes every program is compiled for: a replay at them reproduces the log-probs.
-        self.replay_shape = models.ReplayShape.of_engine(cfg, model.cfg)
+        self.replay_shape = models.ReplayShape.of_engine(
+            cfg, model.cfg, data_shards=self.data_shards
+        )
         self.graphdef, state = nnx.split(model)
         self.state = self._place(state)
+        d = self.data_shards
         num_pages = self.replay_shape.num_pages
-        if num_pages < 1 + self.pages_per_seq:
+        if num_pages // d < 1 + self.pages_per_seq:
+            per_shard = "" if d == 1 else f" ({num_pages // d} per data shard of {d})"
             raise ValueError(
-                f"inference.kv_cache_bytes = {cfg.kv_cache_bytes} holds {num_pages} pages of "
+                f"inference.kv_cache_bytes = {cfg.kv_cache_bytes} holds {num_pages} pages"
+                f"{per_shard} of "
                 f"{page_bytes(model.cfg, cfg.page_size, self.replay_shape.backend)} bytes; one "
                 f"sequence of max_prompt_len + max_new_tokens tokens needs {self.pages_per_seq} "
                 "plus the null page"
             )
-        self.allocator = PageAllocator(num_pages)
+        if self.step_tokens % d or cfg.prefill_rows % d:
+            raise ValueError(
+                f"inference.mesh.data = {d} splits the decode and prefill rows into {d} blocks: "
+                f"step_tokens ({self.step_tokens}) and prefill_rows ({cfg.prefill_rows}) must "
+                f"divide by {d}"
+            )
+        # One pool per data shard, page ids local to it (0: the shard's null page).
+        self.allocators = [PageAllocator(num_pages // d) for _ in range(d)]
+        self.allocator = self.allocators[0]  # the whole pool when data = 1
         self.scheduler = Scheduler(
-            self.allocator,
+            self.allocators,
             page_size=cfg.page_size,
             max_seqs=cfg.max_concurrent_seqs,
             step_tokens=self.step_tokens,
@@ -290,6 +317,13 @@ class Engine:
                 f"{where}: num_samples = {request.num_samples} must be in [1, "
                 f"inference.max_concurrent_seqs = {self.cfg.max_concurrent_seqs}]"
             )
+        rows = self.step_tokens // self.data_shards
+        if request.num_samples > rows:  # a group lives on one data shard, one row per sample
+            raise InvalidRequest(
+                f"{where}: num_samples = {request.num_samples} exceeds the {rows} decode rows "
+                f"of one data shard (step_tokens {self.step_tokens} / inference.mesh.data "
+                f"{self.data_shards})"
+            )
         sampling = request.sampling.resolved(self.cfg)
         try:
             sampling.check(vocab_size=vocab, max_new_tokens=self.cfg.max_new_tokens)
@@ -305,9 +339,9 @@ class Engine:
 
     # -- stepping -----------------------------------------------------------------------------
 
-    def _sampling_arrays(self, rows: list, first: int) -> dict[str, np.ndarray]:
+    def _sampling_arrays(self, rows: list, index: list[int]) -> dict[str, np.ndarray]:
         arrays = idle_sampling(self.step_tokens)
-        for r, row in enumerate(rows, first):
+        for r, row in zip(index, rows, strict=True):
             if not row.sample:
                 continue
             s: SamplingParams = row.seq.request.sampling
@@ -328,27 +362,46 @@ class Engine:
         # longest row's pages (spans), not the whole cache's.
         plan = dataclasses.replace(plan, rows=sorted(plan.rows, key=lambda row: row.position))
         with self._on_mesh():
-            out, first = self._run_programs(plan)
+            out, index = self._run_programs(plan)
         self.steps += 1
-        return self._apply_results(plan, out, first)
+        return self._apply_results(plan, out, index)
 
-    def _run_programs(self, plan: Plan) -> tuple[dict[str, np.ndarray] | None, int]:
-        """The step's page copies, prefill and decode programs; (decode outputs, first row)."""
+    def _row_index(self, rows: list[Row] | list[Chunk], n: int, *, at_end: bool) -> list[int]:
+        """The program row of each of ``rows`` (in order) among ``n``: data shard s's rows in
+        their order in its block [s n/D, (s + 1) n/D), at its end (padding rows first) or
+        its start."""
+        per = n // self.data_shards
+        left = [0] * self.data_shards
+        if at_end:
+            left = [per] * self.data_shards
+            for row in rows:
+                left[row.seq.shard] -= 1
+        taken = [0] * self.data_shards
+        index = []
+        for row in rows:
+            s = row.seq.shard
+            index.append(s * per + left[s] + taken[s])
+            taken[s] += 1
+        return index
+
+    def _run_programs(self, plan: Plan) -> tuple[dict[str, np.ndarray] | None, list[int]]:
+        """The step's page copies, prefill and decode programs; (decode outputs, the decode
+        row of each of ``plan.rows``)."""
         self.cache = copy_pages(self.cache, plan.copies)
         if plan.chunks:
             self._prefill(plan.chunks)
-        out, first = None, 0
+        out, index = None, []
         if plan.rows:
             n = self.step_tokens
             page = self.cfg.page_size
             rows = plan.rows  # sorted by position (step)
-            first = n - len(rows)
+            index = self._row_index(rows, n, at_end=True)
             tokens = np.zeros(n, np.int32)
             positions = np.full(n, -1, np.int32)
-            for r, row in enumerate(rows, first):
+            for r, row in zip(index, rows, strict=True):
                 tokens[r], positions[r] = row.token, row.position
             tables = np.zeros((n, self.pages_per_seq), np.int32)
-            tables[first:] = block_table_rows(rows, self.pages_per_seq, len(rows))
+            tables[index] = block_table_rows(rows, self.pages_per_seq, len(rows))
             # Host arrays straight to the program: jit's dispatch transfers them (faster than
             # a jnp.asarray each).
             out, self.cache = decode_program(
@@ -357,23 +410,26 @@ class Engine:
                 tokens,
                 positions,
                 tables,
-                self._sampling_arrays(rows, first),
+                self._sampling_arrays(rows, index),
                 graphdef=self.graphdef,
                 spans=self._spans(positions // page + 1),
             )
             out = jax.device_get(out)
-        return out, first
+        return out, index
 
     def _spans(self, pages: np.ndarray) -> tuple[tuple[int, int], ...]:
-        """pages [N] ascending (a row's pages to attend over; padding rows first, 0) -> the
-        (rows, pages) of each span group, or () when span groups are off."""
+        """pages [N], ascending within each data shard's block (a row's pages to attend over;
+        padding rows first, 0) -> the (rows, pages) of each span group of a block (the largest
+        over the blocks), or () when span groups are off."""
         groups = self.cfg.span_groups
         if groups < 2 or self.backend != "cpu":
             return ()
-        bucket, bounds = self.cfg.span_bucket_pages, np.linspace(0, len(pages), groups + 1)
+        blocks = pages.reshape(self.data_shards, -1)
+        bucket = self.cfg.span_bucket_pages
+        bounds = np.linspace(0, blocks.shape[1], groups + 1)
         spans = []
         for start, stop in zip(bounds[:-1].astype(int), bounds[1:].astype(int), strict=True):
-            need = max(1, int(pages[start:stop].max(initial=0)))
+            need = max(1, int(blocks[:, start:stop].max(initial=0)))
             spans.append((int(stop - start), min(self.pages_per_seq, -(-need // bucket) * bucket)))
         return tuple(spans)
 
@@ -405,7 +461,7 @@ class Engine:
             np.zeros(n, np.int32),
             np.full(n, -1, np.int32),
             np.zeros((n, m), np.int32),
-            self._sampling_arrays([], 0),
+            self._sampling_arrays([], []),
         )  # positional host arrays, as step() passes them: jit keys its cache on the call
         for spans in self.span_choices():
             _, self.cache = decode_program(
@@ -427,10 +483,12 @@ class Engine:
         r, c = self.cfg.prefill_rows, self.cfg.prefill_len
         tokens = np.zeros((r, c), np.int32)
         positions = np.full((r, c), -1, np.int32)
-        for i, ch in enumerate(chunks):
+        index = self._row_index(chunks, r, at_end=False)
+        for i, ch in zip(index, chunks, strict=True):
             tokens[i, : ch.stop - ch.start] = ch.seq.tokens[ch.start : ch.stop]
             positions[i, : ch.stop - ch.start] = np.arange(ch.start, ch.stop)
-        tables = block_table_rows(chunks, self.pages_per_seq, r)
+        tables = np.zeros((r, self.pages_per_seq), np.int32)
+        tables[index] = block_table_rows(chunks, self.pages_per_seq, len(chunks))
         self.cache = prefill_program(
             self.state,
             self.cache,
@@ -442,7 +500,7 @@ class Engine:
         self.prefill_calls += 1
 
     def _apply_results(
-        self, plan: Plan, out: dict[str, np.ndarray] | None, first: int
+        self, plan: Plan, out: dict[str, np.ndarray] | None, index: list[int]
     ) -> list[Rollout]:
         finished: list[Rollout] = []
         computed: dict[int, tuple[Sequence, int]] = {}
@@ -456,7 +514,7 @@ class Engine:
                 shared = len(seq.table.pages)
                 children = self.scheduler.fork(seq)
                 self.pages_shared += (len(children) - 1) * shared
-        for r, row in enumerate(plan.rows, first):
+        for r, row in zip(index, plan.rows, strict=True):
             if not row.sample:
                 continue
             assert out is not None
@@ -553,8 +611,8 @@ class Engine:
             version=self.version,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            pages_total=self.allocator.num_pages - 1,
-            pages_free=self.allocator.num_free,
+            pages_total=sum(a.num_pages - 1 for a in self.allocators),
+            pages_free=sum(a.num_free for a in self.allocators),
             compilations=self.compilations,
             steps=self.steps,
             generated_tokens=self.generated_tokens,

@@ -27,6 +27,14 @@ prefill chunks at the same boundaries, the rest as rows, no sampling until it is
 Recomputed keys/values are bitwise the originals (same programs, same chunks; rows rounded
 alike, ``Engine.rows_bitwise``), so preemption never changes outputs. One sequence of maximal length always fits (checked at construction), so
 the oldest sequence always progresses: no deadlock.
+
+Data shards (one page allocator per shard, D > 1): the decode rows and the prefill rows are D
+contiguous blocks of ``step_tokens / D`` and ``prefill_rows / D``, and shard s's sequences take
+rows of block s and pages of allocator s only (page ids local to the shard). A sequence is
+placed at admission on the shard with the most free pages (then the fewest used slots, then the
+lowest index) whose rows have room for its slots; its samples stay on its shard (they share its
+pages). A preemption evicts the newest unplanned sequence of the shard that ran out of pages;
+readmitted, the sequence is placed anew. Everything above then holds per shard.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ class Sequence:
     tokens: list[int]  # prompt + generated
     table: BlockTable
     order: int  # admission order: lower = older = higher priority
+    shard: int = 0  # the data shard whose rows and pages the sequence uses (set at admission)
     num_computed: int = 0  # positions whose keys/values are in the cache
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -111,7 +120,7 @@ class Plan:
 class Scheduler:
     def __init__(
         self,
-        allocator: PageAllocator,
+        allocator: PageAllocator | list[PageAllocator],
         *,
         page_size: int,
         max_seqs: int,
@@ -126,7 +135,15 @@ class Scheduler:
             raise ValueError(
                 f"prefill_rows ({prefill_rows}) must be >= 0 and prefill_len ({prefill_len}) >= 1"
             )
-        self.allocator, self.page_size = allocator, page_size
+        # One allocator per data shard (module docstring); one: a single pool.
+        self.allocators = [allocator] if isinstance(allocator, PageAllocator) else allocator
+        d = self.shards
+        if step_tokens % d or prefill_rows % d:
+            raise ValueError(
+                f"step_tokens ({step_tokens}) and prefill_rows ({prefill_rows}) must divide by "
+                f"the {d} data shards"
+            )
+        self.page_size = page_size
         self.max_seqs, self.step_tokens, self.prefill_chunk = max_seqs, step_tokens, prefill_chunk
         self.prefill_rows, self.prefill_len = prefill_rows, prefill_len
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -143,8 +160,19 @@ class Scheduler:
         return Sequence(request, None, list(request.prompt_tokens), BlockTable(self.page_size), -1)
 
     @property
+    def shards(self) -> int:
+        return len(self.allocators)
+
+    @property
     def used_slots(self) -> int:
         return sum(s.slots for s in self.running)
+
+    def shard_slots(self, shard: int) -> int:
+        return sum(s.slots for s in self.running if s.shard == shard)
+
+    def alloc(self, seq: Sequence) -> PageAllocator:
+        """The allocator of ``seq``'s shard."""
+        return self.allocators[seq.shard]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -156,7 +184,7 @@ class Scheduler:
         """Takes every sequence out (releasing pages); returns them, running first."""
         out = self.all_sequences()
         for s in self.running:
-            s.table.release(self.allocator)
+            s.table.release(self.alloc(s))
         self.running, self.waiting = [], collections.deque()
         return out
 
@@ -171,14 +199,28 @@ class Scheduler:
         extra = seq.request.num_samples if seq.sample_index is None else 0
         return -(-first // self.page_size) + extra
 
+    def _place(self, seq: Sequence) -> int | None:
+        """The shard to admit ``seq`` on (module docstring), or None: no shard has room for its
+        slots in its rows."""
+        rows = self.step_tokens // self.shards
+        fits = [s for s in range(self.shards) if self.shard_slots(s) + seq.slots <= rows]
+        if not fits:
+            return None
+        return min(fits, key=lambda s: (-self.allocators[s].num_free, self.shard_slots(s), s))
+
     def _admit(self) -> None:
         while self.waiting:
             seq = self.waiting[0]
             if self.used_slots + seq.slots > self.max_seqs:
                 return
-            if self._pages_to_admit(seq) > self.allocator.num_free and self.running:
+            shard = self._place(seq)
+            if shard is None:
+                return
+            busy = any(s.shard == shard for s in self.running)
+            if self._pages_to_admit(seq) > self.allocators[shard].num_free and busy:
                 return
             self.waiting.popleft()
+            seq.shard = shard
             seq.order = next(self._order)
             seq.num_computed = 0
             self.running.append(seq)
@@ -187,48 +229,57 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        seq.table.release(self.allocator)
+        seq.table.release(self.alloc(seq))
         seq.num_computed = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def plan(self) -> Plan:
         """The chunks and rows of the next step (oldest sequences first), allocating their
-        pages. A sequence with prompt chunks in this step gets no rows in it."""
+        pages. A sequence with prompt chunks in this step gets no rows in it. With data shards
+        each shard has its own row budgets, and ``Plan.copies`` hold shard s's page p as
+        s * (its allocator's num_pages) + p."""
         self._admit()
         rows: list[Row] = []
         chunks: list[Chunk] = []
         copies: list[tuple[int, int]] = []
         preempted = 0
-        budget, chunk_budget = self.step_tokens, self.prefill_rows
+        budget = [self.step_tokens // self.shards] * self.shards
+        chunk_budget = [self.prefill_rows // self.shards] * self.shards
         queue = sorted(self.running, key=lambda s: s.order)
         i = 0
-        while i < len(queue) and (budget > 0 or chunk_budget > 0):
+        while i < len(queue) and (any(budget) or any(chunk_budget)):
             seq = queue[i]
+            shard, alloc = seq.shard, self.alloc(seq)
             start, prefix = seq.num_computed, self.prefix(seq)
             if start < prefix:  # start is a chunk boundary: chunks are computed whole
-                n = min(chunk_budget, -(-(prefix - start) // self.prefill_len))
+                n = min(chunk_budget[shard], -(-(prefix - start) // self.prefill_len))
                 stop = min(prefix, start + n * self.prefill_len)
             else:
-                n, stop = 0, min(seq.target, start + min(budget, self.prefill_chunk))
+                n, stop = 0, min(seq.target, start + min(budget[shard], self.prefill_chunk))
             if stop <= start:
                 i += 1
                 continue
+            local: list[tuple[int, int]] = []
             try:
-                seq.table.prepare_write(self.allocator, start, stop, copies)
+                seq.table.prepare_write(alloc, start, stop, local)
             except OutOfPages:
-                victim = queue.pop()  # the newest not yet planned (possibly seq itself)
-                self._preempt(victim)
+                # The newest not yet planned of this shard (possibly seq itself): only its pages
+                # can free this shard's.
+                last = max(j for j in range(i, len(queue)) if queue[j].shard == shard)
+                self._preempt(queue.pop(last))
                 preempted += 1
                 continue
+            first = shard * alloc.num_pages
+            copies += [(first + src, first + dst) for src, dst in local]
             if n:
                 for a in range(start, stop, self.prefill_len):
                     chunks.append(Chunk(seq, a, min(stop, a + self.prefill_len)))
-                chunk_budget -= n
+                chunk_budget[shard] -= n
             else:
                 for p in range(start, stop):
                     rows.append(Row(seq, p, seq.tokens[p], sample=p == len(seq.tokens) - 1))
-                budget -= stop - start
+                budget[shard] -= stop - start
             i += 1
         return Plan(rows, copies, preempted, chunks)
 
@@ -243,22 +294,27 @@ class Scheduler:
                 parent.request,
                 i,
                 list(parent.tokens),
-                parent.table.fork(self.allocator),
+                parent.table.fork(self.alloc(parent)),
                 parent.order,
+                shard=parent.shard,  # its pages are the parent's
                 num_computed=parent.num_computed,
             )
             children.append(child)
-        parent.table.release(self.allocator)
+        parent.table.release(self.alloc(parent))
         self.running.extend(children)
         return children
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        seq.table.release(self.allocator)
+        seq.table.release(self.alloc(seq))
 
     def check_invariants(self) -> None:
-        """No page leaks: reference counts equal the pages the running sequences hold."""
-        self.allocator.check_no_leaks([s.table.pages for s in self.running])
+        """No page leaks: each shard's reference counts equal the pages its running sequences
+        hold; no shard has more slots than rows."""
+        for shard, alloc in enumerate(self.allocators):
+            alloc.check_no_leaks([s.table.pages for s in self.running if s.shard == shard])
+            if self.shard_slots(shard) > self.step_tokens // self.shards:
+                raise AssertionError(f"shard {shard}: more slots than its rows")
         if any(s.table.pages for s in self.waiting):
             raise AssertionError("a waiting sequence holds pages")
         if self.used_slots > self.max_seqs:

@@ -33,6 +33,7 @@ written them); rows with p < 0 are padding and give finite, unspecified outputs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -215,7 +216,9 @@ def ragged_attention(
     q = jnp.pad(q, ((0, 0), (0, 0), (0, stored * ratio - h), (0, 0)))
     call = partial(_ragged_rows, d=q.shape[-1], emulated=emulated)
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:
+    # Axes an enclosing shard_map made manual (the paged cache's data shards) are split already.
+    auto = {a for a in mesh.axis_names if a not in set(getattr(mesh, "manual_axes", ()))}
+    if not mesh.empty and math.prod(mesh.shape[a] for a in auto) > 1:
         # Mosaic kernels are not partitioned automatically: each device runs the kernel on its
         # rows (batch axes) and its heads (tensor axis), or on everything where they don't split.
         itemsize = kv_pages.dtype.itemsize
@@ -234,6 +237,7 @@ def ragged_attention(
                 P(rows, None),
             ),
             out_specs=P(rows, None, heads, None),
+            axis_names=auto,
             check_vma=False,
         )
     return call(q, kv_pages, block_tables, positions)[:, :, :h]

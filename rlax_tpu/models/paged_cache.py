@@ -12,15 +12,25 @@ reads stay finite), each the one its backend's kernel reads without a copy:
 table: prompt chunks of one sequence in the prefill program). ``attend`` first writes the new
 keys/values of all rows, then lets the backend attend, so a query sees the tokens written by other
 rows of the same step at earlier positions.
+
+Data shards (``shards`` = D > 1, the engine on a mesh with data = D): the page axis and the rows
+are each cut into D contiguous blocks over the mesh's data axis; the rows of block s read and
+write only the pages of block s, by page ids local to it (0 = its own null page). Writes and
+attention then run per shard (``jax.shard_map`` manual over data only), so no device gathers
+another shard's pages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec as P
 
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.models import native_attention
@@ -39,6 +49,7 @@ from rlax_tpu.models.sharding import LOGICAL_AXIS_RULES, logical_to_spec
 # [L, P, page_size, 2 * Hkv, D'].
 PAGE_AXES = (None, "kv_heads", None, None, None)
 COMBINED_PAGE_AXES = (None, None, None, "kv_heads", None)
+_DATA = "data"  # the mesh axis data shards split pages and rows over (sharding.MESH_AXES)
 
 
 @jax.tree_util.register_dataclass
@@ -60,6 +71,9 @@ class PagedKVCache:
     # CPU backend, decode rows (T = 1), one device: the native kernel writes and attends
     # (native_attention.decode_attention); block_pages then serves no row. Static.
     native: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # Data shards (module docstring): pages and rows in this many blocks over the data axis,
+    # block tables holding ids local to a block. 1: one pool, global ids. Static.
+    shards: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @classmethod
     def create(
@@ -73,7 +87,13 @@ class PagedKVCache:
         backend: str = "cpu",
         block_pages: int = 0,
         native: bool = False,
+        shards: int = 1,
     ) -> PagedKVCache:
+        """``num_pages`` and ``batch`` must divide by ``shards``."""
+        if num_pages % shards or batch % shards:
+            raise ValueError(
+                f"{num_pages} pages and {batch} rows must divide by the {shards} data shards"
+            )
         d = stored_head_dim(cfg, backend)
         dtype = jnp.dtype(cfg.compute_dtype)
         tables = jnp.zeros((batch, pages_per_seq), jnp.int32)
@@ -85,6 +105,7 @@ class PagedKVCache:
                 kv_pages=jnp.zeros(shape, dtype),
                 block_tables=tables,
                 backend=backend,
+                shards=shards,
             )
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, d)
         return cls(
@@ -95,6 +116,7 @@ class PagedKVCache:
             backend=backend,
             block_pages=block_pages,
             native=native,
+            shards=shards,
         )
 
     @property
@@ -122,7 +144,10 @@ class PagedKVCache:
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> PagedKVCache:
         """Copy-on-write: page src[i] -> dst[i] in every layer. src, dst [K] int32; pairs
-        (0, 0) are padding (the null page onto itself)."""
+        (0, 0) are padding (the null page onto itself). With data shards the ids are
+        s * (num_pages / D) + a page id local to shard s, and each shard copies its own pairs."""
+        if self.shards > 1:
+            return self._per_shard(_copy_local, (src, dst), (P(), P()))
         if self.combined:
             kv = self.kv_pages.at[:, dst].set(self.kv_pages[:, src])
             return dataclasses.replace(self, kv_pages=kv)
@@ -134,6 +159,11 @@ class PagedKVCache:
         self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
     ) -> tuple[jax.Array, PagedKVCache]:
         """q [B, T, H, D], k/v [B, T, Hkv, D], positions [B, T] -> ([B, T, H, D], new cache)."""
+        if self.shards > 1:
+            rows = P(_DATA)
+            return self._per_shard(
+                partial(_attend_local, layer), (q, k, v, positions), (rows,) * 4, rows
+            )
         # The native kernel computes its own write slots (only split-layout caches have native).
         if self.native and q.shape[1] == 1 and not self.spans and one_device():
             out, k_pages, v_pages = native_attention.decode_attention(
@@ -218,6 +248,65 @@ class PagedKVCache:
         """The stored head dim (D')."""
         return (self.kv_pages if self.combined else self.k_pages).shape[-1]
 
+    def _per_shard(self, fn: Callable, args: tuple, specs: tuple, out_spec: P | None = None) -> Any:
+        """``fn(local cache, *args)`` on each data shard (manual over the data axis only: the
+        tensor split of the KV heads stays XLA's): the local cache holds the shard's pages and
+        block-table rows with ``shards = 1``. ``fn`` returns (out, cache) when ``out_spec`` is
+        given (out split by it), else the cache."""
+        mesh = jax.sharding.get_abstract_mesh()
+        data = 1 if mesh.empty else mesh.shape.get(_DATA, 1)
+        if data != self.shards:
+            raise ValueError(
+                f"a cache of {self.shards} data shards runs on a mesh with data = {self.shards}, "
+                f"not {data}"
+            )
+        pages = [None if x is None else _shard_spec(x.ndim, self.combined) for x in self._pages]
+        cache_spec = dataclasses.replace(
+            self, k_pages=pages[0], v_pages=pages[1], kv_pages=pages[2], block_tables=P(_DATA)
+        )
+
+        def local(cache: PagedKVCache, *xs: jax.Array) -> Any:
+            result = fn(dataclasses.replace(cache, shards=1), *xs)
+            if out_spec is None:
+                return dataclasses.replace(result, shards=self.shards)
+            out, written = result
+            return out, dataclasses.replace(written, shards=self.shards)
+
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(cache_spec, *specs),
+            out_specs=cache_spec if out_spec is None else (out_spec, cache_spec),
+            axis_names={_DATA},
+            check_vma=False,
+        )(self, *args)
+
+    @property
+    def _pages(self) -> tuple[jax.Array | None, ...]:
+        return self.k_pages, self.v_pages, self.kv_pages
+
+
+def _attend_local(
+    layer: int, cache: PagedKVCache, q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array
+) -> tuple[jax.Array, PagedKVCache]:
+    return cache.attend(layer, q, k, v, pos)
+
+
+def _copy_local(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+    """One shard's pairs of (src, dst) [K] (ids of every shard, see copy_pages): the others'
+    become a dropped write."""
+    n = cache.num_pages
+    first = (jax.lax.axis_index(_DATA) * n).astype(src.dtype)
+    src, dst = src - first, dst - first
+    mine = (dst >= 0) & (dst < n)
+    src, dst = jnp.where(mine, src, 0), jnp.where(mine, dst, n)
+    if cache.combined:
+        kv = cache.kv_pages.at[:, dst].set(cache.kv_pages[:, src], mode="drop")
+        return dataclasses.replace(cache, kv_pages=kv)
+    k = cache.k_pages.at[:, :, dst].set(cache.k_pages[:, :, src], mode="drop")
+    v = cache.v_pages.at[:, :, dst].set(cache.v_pages[:, :, src], mode="drop")
+    return dataclasses.replace(cache, k_pages=k, v_pages=v)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -273,18 +362,36 @@ def one_device() -> bool:
 
 
 def _page_spec(
-    shape: tuple[int, ...], combined: bool, mesh, itemsize: int
+    shape: tuple[int, ...], combined: bool, mesh, itemsize: int, shards: int = 1
 ) -> jax.sharding.PartitionSpec:  # noqa: ANN001
-    """Pages split over KV heads on the tensor axis, when the KV heads divide by it. Combined
-    pages are judged by their stored KV heads (not 2 *): a split keeps a head's keys and values on
-    one device, and must leave each device a head count the TPU kernel tiles."""
+    """Pages split over KV heads on the tensor axis, when the KV heads divide by it, and over
+    the data axis by page with data shards. Combined pages are judged by their stored KV heads
+    (not 2 *): a split keeps a head's keys and values on one device, and must leave each device
+    a head count the TPU kernel tiles."""
     if not combined:
-        return logical_to_spec(PAGE_AXES, shape, mesh)
-    tensor = LOGICAL_AXIS_RULES["kv_heads"]
-    tp = mesh.shape[tensor] if tensor in mesh.axis_names else 1
-    if not kv_heads_split(shape[3] // 2, tp, itemsize):
-        return PartitionSpec()
-    return logical_to_spec(COMBINED_PAGE_AXES, shape, mesh)
+        spec = logical_to_spec(PAGE_AXES, shape, mesh)
+    else:
+        tensor = LOGICAL_AXIS_RULES["kv_heads"]
+        tp = mesh.shape[tensor] if tensor in mesh.axis_names else 1
+        split = kv_heads_split(shape[3] // 2, tp, itemsize)
+        spec = logical_to_spec(COMBINED_PAGE_AXES, shape, mesh) if split else PartitionSpec()
+    if shards == 1:
+        return spec
+    axes = [*spec, *(None,) * (len(shape) - len(spec))]
+    axes[_page_axis(combined)] = _DATA
+    return PartitionSpec(*axes)
+
+
+def _page_axis(combined: bool) -> int:
+    """The page axis of [L, P, ...] (combined) or [L, Hkv, P, ...] pages."""
+    return 1 if combined else 2
+
+
+def _shard_spec(ndim: int, combined: bool) -> PartitionSpec:
+    """Pages by data shard, for shard_map (the manual data axis only)."""
+    axes: list[str | None] = [None] * ndim
+    axes[_page_axis(combined)] = _DATA
+    return PartitionSpec(*axes)
 
 
 def _constrain_pages(pages: jax.Array, cache: PagedKVCache) -> jax.Array:
@@ -334,14 +441,18 @@ def page_bytes(cfg: ModelConfig, page_size: int, backend: str = "cpu") -> int:
 def cache_shardings(cache: PagedKVCache, mesh: Mesh) -> PagedKVCache:
     """NamedShardings for ``cache`` on ``mesh``: pages split over KV heads on the tensor axis
     (replicated when the heads do not divide evenly, e.g. 2 KV heads on tensor 4: every device
-    then holds every head's pages), block tables replicated."""
+    then holds every head's pages) and, with data shards, by page over the data axis; block
+    tables replicated, or by row over data with data shards."""
+    shards = cache.shards
     pages = [
         None
         if x is None
-        else NamedSharding(mesh, _page_spec(x.shape, cache.combined, mesh, x.dtype.itemsize))
+        else NamedSharding(
+            mesh, _page_spec(x.shape, cache.combined, mesh, x.dtype.itemsize, shards)
+        )
         for x in (cache.k_pages, cache.v_pages, cache.kv_pages)
     ]
-    tables = NamedSharding(mesh, logical_to_spec((None, None), cache.block_tables.shape, mesh))
+    tables = NamedSharding(mesh, P(_DATA if shards > 1 else None, None))
     return dataclasses.replace(
         cache, k_pages=pages[0], v_pages=pages[1], kv_pages=pages[2], block_tables=tables
     )

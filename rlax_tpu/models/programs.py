@@ -143,7 +143,8 @@ def rows_are_independent(
 
     Uses (and returns) the engine's own ``cache`` of N rows x M pages per sequence, before any
     sequence holds a page: it writes pages 1..M (finite values; pages are always written before
-    they are read). Compiles the programs the engine compiles on its first steps anyway.
+    they are read; with data shards, each shard's pages 1..M). Compiles the programs the engine
+    compiles on its first steps anyway.
     """
     n, m = cache.block_tables.shape
     tables = jnp.tile(jnp.arange(1, m + 1, dtype=jnp.int32), (n, 1))
@@ -180,6 +181,9 @@ def rows_are_independent(
         pages = jnp.arange(1, 1 + -(-c // cache.page_size))
         written = []
         for row in (0, prefill_rows - 1):
+            # The same local pages; with data shards, in the row's shard's block of the pool.
+            shard = row * cache.shards // prefill_rows
+            offset = shard * (cache.num_pages // cache.shards)
             tokens = np.zeros((prefill_rows, prefill_len), np.int32)
             positions = np.full((prefill_rows, prefill_len), -1, np.int32)
             tokens[row, :c] = np.arange(c) % 7 + 2
@@ -192,6 +196,6 @@ def rows_are_independent(
                 tables[:prefill_rows],
                 graphdef=graphdef,
             )
-            written.append([host_copy(x) for x in cache.read_pages(pages)])
+            written.append([host_copy(x) for x in cache.read_pages(pages + offset)])
         ok &= all(np.array_equal(a, b) for a, b in zip(written[0], written[1], strict=True))
     return ok, cache

@@ -63,24 +63,35 @@ class ReplayShape:
     block_pages: int = 0
     # CPU decode attention by the native kernel (native_attention; inference.attention_kernel).
     native: bool = False
+    # The engine's data shards (paged_cache.PagedKVCache.shards): its programs then run on a
+    # mesh with that data degree, each shard on its block of rows and pages. 1: one pool.
+    data_shards: int = 1
 
     @classmethod
     def of_engine(
-        cls, cfg: InferenceConfig, model: ModelConfig, platform: str | None = None
+        cls,
+        cfg: InferenceConfig,
+        model: ModelConfig,
+        platform: str | None = None,
+        data_shards: int = 1,
     ) -> ReplayShape:
         """The shapes of an engine built from ``cfg`` for a model of config ``model``, on
-        ``platform`` (default: the one JAX runs on; it resolves ``backend = "auto"``)."""
+        ``platform`` (default: the one JAX runs on; it resolves ``backend = "auto"``), with
+        ``data_shards`` (its mesh's data degree; the pages the budget holds are rounded down
+        to a multiple of it)."""
         backend = resolve_backend(cfg.backend, platform)
+        pages = cfg.kv_cache_bytes // page_bytes(model, cfg.page_size, backend)
         return cls(
             slots=cfg.step_tokens or cfg.max_concurrent_seqs,
             page_size=cfg.page_size,
             pages_per_seq=-(-(cfg.max_prompt_len + cfg.max_new_tokens) // cfg.page_size),
-            num_pages=cfg.kv_cache_bytes // page_bytes(model, cfg.page_size, backend),
+            num_pages=pages // data_shards * data_shards,
             prefill_rows=cfg.prefill_rows,
             prefill_len=cfg.prefill_len,
             backend=backend,
             block_pages=cfg.attention_block_pages if backend == "cpu" else 0,
             native=backend == "cpu" and native_kernel(cfg, model),
+            data_shards=data_shards,
         )
 
     @property
@@ -102,6 +113,7 @@ class ReplayShape:
             backend=self.backend,
             block_pages=self.block_pages,
             native=self.native,
+            shards=self.data_shards,
         )
 
 

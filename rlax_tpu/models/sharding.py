@@ -176,7 +176,13 @@ def kernel_axes(
     tensor axis when it divides the q and the KV heads (each device keeps whole GQA groups) and
     ``heads_fit(tp)`` agrees; None where they stay whole."""
     names = mesh.axis_names
-    batch = tuple(a for a in LOGICAL_AXIS_RULES["batch"] if a in names and mesh.shape[a] > 1)
+    # Axes already manual (an enclosing shard_map, e.g. the paged cache's data shards) are split.
+    manual = set(getattr(mesh, "manual_axes", ()))
+    batch = tuple(
+        a
+        for a in LOGICAL_AXIS_RULES["batch"]
+        if a in names and mesh.shape[a] > 1 and a not in manual
+    )
     shards = math.prod(mesh.shape[a] for a in batch)
     rows_axis = (batch if len(batch) > 1 else batch[0]) if batch and rows % shards == 0 else None
     tensor = LOGICAL_AXIS_RULES["heads"]

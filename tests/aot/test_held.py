@@ -13,9 +13,10 @@ import pytest
 from rlax_tpu import models
 from rlax_tpu.aot.check import FITS, HEADROOM, TOO_BIG, compile_program
 from rlax_tpu.aot.chips import CHIPS, DeviceSpec
-from rlax_tpu.config import AlgorithmConfig
+from rlax_tpu.config import AlgorithmConfig, MeshConfig
 from rlax_tpu.inference.aot import abstract_programs as inference_programs
 from rlax_tpu.models.aot import AbstractProgram
+from rlax_tpu.models.paged_cache import page_bytes
 from rlax_tpu.trainer.aot import abstract_programs as trainer_programs
 
 from ..trainer.helpers import ROWS, run_config
@@ -103,3 +104,28 @@ def test_pi_old_is_checked_on_the_published_cast_where_the_engine_sees_other_val
     decode = {p.name: p for p in trainer_programs(same, jax.devices()[:1])}["trainer.replay.decode"]
     assert {x.dtype for x in jax.tree.leaves(decode.args[0])} == {jnp.dtype(jnp.float32)}
     assert "trainable (float32 master)" not in decode.held
+
+
+def test_the_decode_programs_kv_pages_per_device_halve_on_two_data_shards():
+    """inference.mesh.data 2 (engine.py's data shards): the compiled decode program's per-device
+    arguments shrink by half the KV pages (the weights are replicated over data either way), as
+    the report's note says; KV bytes from the cache's shapes (page_bytes x pages)."""
+    base = run_config()
+    kv = 64 * page_bytes(base.model, base.inference.page_size)  # 64 pages of the 2-layer tiny
+    reports, notes = {}, {}
+    for data in (1, 2):
+        inference = dataclasses.replace(
+            base.inference, kv_cache_bytes=kv, mesh=MeshConfig(data=data, fsdp=1, tensor=1)
+        )
+        cfg = dataclasses.replace(base, inference=inference)
+        decode = {p.name: p for p in inference_programs(cfg, jax.devices()[:2])}["inference.decode"]
+        reports[data] = compile_program(
+            decode, component="inference", topology="cpu", device=_device(2**34)
+        )
+        notes[data] = decode.note
+    assert reports[1].status == reports[2].status == FITS
+    # Exactly: the cache's own block tables (split by row too) are not read by decode, which
+    # takes the step's tables, and jit drops unused arguments.
+    assert reports[1].argument_bytes - reports[2].argument_bytes == kv // 2
+    assert f"KV pages {kv / 2**20:.1f} MiB per device" in notes[1]
+    assert f"KV pages {kv / 2 / 2**20:.1f} MiB per device (1/2 of the pages" in notes[2]

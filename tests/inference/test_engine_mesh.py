@@ -70,7 +70,8 @@ def test_sharded_engine_gives_the_single_device_greedy_tokens(tiny_model, single
 
 
 def test_preemption_prefix_sharing_and_seeded_sampling_on_a_mesh(tiny_model):
-    """data 2 x tensor 2 under a page budget of one max-length sequence and spares: a group of 4
+    """data 2 x tensor 2 under a page budget of one max-length sequence and spares (per data
+    shard: each shard has a pool of its own, the single-device engine the one): a group of 4
     samples shares its prompt's pages (copy-on-write), sequences are preempted and recomputed,
     and seeded temperature-1 samples are the single-device engine's (log-probs to f32 round-off,
     up to a near-tie drawn the other way); greedy rows give the same tokens."""
@@ -90,7 +91,7 @@ def test_preemption_prefix_sharing_and_seeded_sampling_on_a_mesh(tiny_model):
     budget = 16 * page_bytes(tiny_model.cfg, CFG.page_size)
     runs = []
     for mesh in (None, MESHES["data2xtensor2"]):
-        cfg = dataclasses.replace(CFG, kv_cache_bytes=budget)
+        cfg = dataclasses.replace(CFG, kv_cache_bytes=budget * (1 if mesh is None else mesh.data))
         engine = Engine(tiny_model, cfg if mesh is None else dataclasses.replace(cfg, mesh=mesh))
         for r in requests:
             engine.submit(r)
@@ -110,9 +111,10 @@ def test_weights_and_pages_follow_the_logical_rules(tiny_model):
     engine = Engine(tiny_model, dataclasses.replace(CFG, mesh=MESHES["data2xtensor2"]))
     mlp = engine.state["layers"][0]["mlp"]["up_proj"][...]
     assert mlp.sharding.spec == P(None, "tensor")  # [embed, mlp]: columns over tensor
-    assert engine.cache.k_pages.sharding.spec == P(None, "tensor")  # [L, Hkv, ...]: KV heads
+    # [L, Hkv, P, ...]: KV heads over tensor, pages by data shard
+    assert engine.cache.k_pages.sharding.spec == P(None, "tensor", "data")
     shard = engine.cache.k_pages.addressable_shards[0].data.shape
-    assert shard[1] == engine.cache.k_pages.shape[1] // 2
+    assert shard[1:3] == (engine.cache.k_pages.shape[1] // 2, engine.cache.k_pages.shape[2] // 2)
     wide = Engine(tiny_model, dataclasses.replace(CFG, mesh=MESHES["tensor4"]))
     assert wide.cache.k_pages.sharding.is_fully_replicated  # 2 KV heads do not split 4 ways
 
@@ -171,7 +173,7 @@ def test_a_sharded_engine_keeps_its_layout_and_never_recompiles_in_steady_state(
         engine.submit(r)
     engine.run()
     assert engine.compilations == warm
-    assert engine.cache.k_pages.sharding.spec == P(None, "tensor")  # donated and kept
+    assert engine.cache.k_pages.sharding.spec == P(None, "tensor", "data")  # donated and kept
 
 
 @pytest.mark.slow
