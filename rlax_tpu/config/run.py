@@ -60,6 +60,15 @@ class RunConfig:
                     f"multiple of model.num_kv_heads ({kv})",
                     tp,
                 )
+        rows, data = inf.step_tokens or inf.max_concurrent_seqs, inf.mesh.data
+        if data > 1 and alg.group_size > rows // data:
+            raise ConfigError(
+                "algorithm.group_size",
+                f"a group's samples share their prompt's pages on one of the engine's {data} data "
+                f"shards, one decode row each: at most step_tokens / inference.mesh.data = "
+                f"{rows // data} (step_tokens 0: max_concurrent_seqs)",
+                alg.group_size,
+            )
         self._check_slices()
         replicas = self.param_server.replicas
         if ctl.param_server_endpoints and len(ctl.param_server_endpoints) != replicas:

@@ -872,6 +872,20 @@ def test_inference_span_groups_fit_the_batch_and_need_unaligned_logprobs():
     assert ok.inference.span_groups == 2 and build({}).inference.span_groups == 0
 
 
+def test_a_group_fits_one_data_shard_of_the_engine():
+    """A group's samples share their prompt's pages, so they decode on one data shard's rows."""
+    base = {"inference.mesh.data": 2, "inference.max_concurrent_seqs": 8}
+    expect_error(
+        base | {"algorithm.group_size": 8, "trainer.micro_batch_size": 8},
+        "algorithm.group_size = 8: a group's samples share their prompt's pages on one of the "
+        "engine's 2 data shards, one decode row each: at most step_tokens / inference.mesh.data "
+        "= 4 (step_tokens 0: max_concurrent_seqs)",
+    )
+    ok = build(base | {"algorithm.group_size": 4, "inference.step_tokens": 16})
+    assert ok.algorithm.group_size == 4
+    assert build(base | {"algorithm.group_size": 8, "inference.step_tokens": 16})
+
+
 # --------------------------------------------------------------------------------------------
 # Parameter server (issue #5): how many persisted versions stay on disk.
 
