@@ -261,7 +261,7 @@ def prefix_sharing(model: models.Transformer, group: int = 8, prompt_len: int = 
         engine.scheduler.waiting
     ):
         engine.step()
-    used = engine.allocator.num_used
+    used = sum(a.num_used for a in engine.allocators)
     private = sum(len(s.table.pages) for s in engine.scheduler.running)
     pb = page_bytes(model.cfg, cfg.page_size)
     return dict(

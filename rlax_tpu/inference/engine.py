@@ -223,7 +223,6 @@ class Engine:
             )
         # One pool per data shard, page ids local to it (0: the shard's null page).
         self.allocators = [PageAllocator(num_pages // d) for _ in range(d)]
-        self.allocator = self.allocators[0]  # the whole pool when data = 1
         self.scheduler = Scheduler(
             self.allocators,
             page_size=cfg.page_size,

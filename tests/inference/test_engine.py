@@ -39,7 +39,7 @@ def _run_checked(engine: Engine) -> list:
     while engine.has_work():
         out += engine.step()
         engine.scheduler.check_invariants()
-    assert engine.allocator.num_used == 0
+    assert all(a.num_used == 0 for a in engine.allocators)
     return out
 
 
@@ -253,7 +253,7 @@ def test_reload_aborts_in_flight_requests_and_returns_them(tiny_model):
     new = jax.tree.map(lambda x: x * 1.5, engine.state)
     aborted = engine.load_weights(1, new)
     assert engine.version == 1 and not engine.has_work()
-    assert engine.allocator.num_used == 0
+    assert all(a.num_used == 0 for a in engine.allocators)
     keys = {(r.prompt_id, r.sample_index) for r in done + aborted}
     assert keys == {(f"r{i}", j) for i in range(6) for j in range(2)}  # nothing disappears
     assert all(r.finish_reason is FinishReason.ABORTED for r in aborted)
