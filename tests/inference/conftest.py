@@ -59,6 +59,24 @@ def random_requests(
     return out
 
 
+def mixed_requests(sampled: int, greedy: int) -> list[Request]:
+    """``sampled`` seeded temperature-1 requests of 2 samples, ``greedy`` greedy ones, and a group
+    of 4 samples sharing an 18-token prompt's pages."""
+    return [
+        *random_requests(sampled, seed=21, num_samples=2, temperature=1.0),
+        *(
+            dataclasses.replace(r, prompt_id=f"greedy{i}")
+            for i, r in enumerate(random_requests(greedy, seed=22, temperature=0.0))
+        ),
+        Request(
+            prompt_id="group",
+            prompt_tokens=tuple(range(1, 19)),
+            num_samples=4,
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=8, seed=7),
+        ),
+    ]
+
+
 def by_key(rollouts) -> dict:
     return {(r.prompt_id, r.sample_index): r for r in rollouts}
 

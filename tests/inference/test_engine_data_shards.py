@@ -22,12 +22,11 @@ from jax.sharding import PartitionSpec as P
 
 from rlax_tpu.config import ConfigError, MeshConfig
 from rlax_tpu.inference.engine import Engine, InvalidRequest
-from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.models.paged_cache import page_bytes
 from rlax_tpu.models.programs import decode_program, idle_sampling
 
-from .conftest import SMALL, by_key, random_requests
+from .conftest import SMALL, by_key, mixed_requests, random_requests
 
 CFG = dataclasses.replace(SMALL, max_concurrent_seqs=8)
 DATA2 = MeshConfig(data=2, fsdp=1, tensor=1)
@@ -37,19 +36,7 @@ PAGES_PER_SHARD = 16
 
 
 def _requests() -> list[Request]:
-    return [
-        *random_requests(8, seed=21, num_samples=2, temperature=1.0),
-        *(
-            dataclasses.replace(r, prompt_id=f"greedy{i}")
-            for i, r in enumerate(random_requests(6, seed=22, temperature=0.0))
-        ),
-        Request(
-            prompt_id="group",
-            prompt_tokens=tuple(range(1, 19)),
-            num_samples=4,
-            sampling=SamplingParams(temperature=1.0, max_new_tokens=8, seed=7),
-        ),
-    ]
+    return mixed_requests(sampled=8, greedy=6)
 
 
 def _kv_pages(engine: Engine) -> list[jax.Array]:

@@ -18,13 +18,11 @@ from jax.sharding import PartitionSpec as P
 
 from rlax_tpu.config import MeshConfig
 from rlax_tpu.inference.engine import Engine, engine_mesh
-from rlax_tpu.inference.sampler import SamplingParams
-from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.models.paged_cache import page_bytes
 from tests.child_env import child_env
 from tests.conftest import free_port
 
-from .conftest import SMALL, assert_same_samples, by_key, random_requests
+from .conftest import SMALL, assert_same_samples, by_key, mixed_requests, random_requests
 
 MESHES = {
     "tensor2": MeshConfig(data=1, fsdp=1, tensor=2),
@@ -75,19 +73,7 @@ def test_preemption_prefix_sharing_and_seeded_sampling_on_a_mesh(tiny_model):
     samples shares its prompt's pages (copy-on-write), sequences are preempted and recomputed,
     and seeded temperature-1 samples are the single-device engine's (log-probs to f32 round-off,
     up to a near-tie drawn the other way); greedy rows give the same tokens."""
-    requests = [
-        *random_requests(10, seed=21, num_samples=2, temperature=1.0),
-        *(
-            dataclasses.replace(r, prompt_id=f"greedy{i}")
-            for i, r in enumerate(random_requests(4, seed=22, temperature=0.0))
-        ),
-        Request(
-            prompt_id="group",
-            prompt_tokens=tuple(range(1, 19)),
-            num_samples=4,
-            sampling=SamplingParams(temperature=1.0, max_new_tokens=8, seed=7),
-        ),
-    ]
+    requests = mixed_requests(sampled=10, greedy=4)
     budget = 16 * page_bytes(tiny_model.cfg, CFG.page_size)
     runs = []
     for mesh in (None, MESHES["data2xtensor2"]):
