@@ -215,12 +215,6 @@ class Engine:
                 f"sequence of max_prompt_len + max_new_tokens tokens needs {self.pages_per_seq} "
                 "plus the null page"
             )
-        if self.step_tokens % d or cfg.prefill_rows % d:
-            raise ValueError(
-                f"inference.mesh.data = {d} splits the decode and prefill rows into {d} blocks: "
-                f"step_tokens ({self.step_tokens}) and prefill_rows ({cfg.prefill_rows}) must "
-                f"divide by {d}"
-            )
         # One pool per data shard, page ids local to it (0: the shard's null page).
         self.allocators = [PageAllocator(num_pages // d) for _ in range(d)]
         self.scheduler = Scheduler(

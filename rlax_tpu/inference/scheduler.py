@@ -140,8 +140,8 @@ class Scheduler:
         d = self.shards
         if step_tokens % d or prefill_rows % d:
             raise ValueError(
-                f"step_tokens ({step_tokens}) and prefill_rows ({prefill_rows}) must divide by "
-                f"the {d} data shards"
+                f"inference.mesh.data = {d} splits the decode and prefill rows into {d} blocks: "
+                f"step_tokens ({step_tokens}) and prefill_rows ({prefill_rows}) must divide by {d}"
             )
         self.page_size = page_size
         self.max_seqs, self.step_tokens, self.prefill_chunk = max_seqs, step_tokens, prefill_chunk

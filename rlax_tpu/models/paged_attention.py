@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from rlax_tpu.models.attention import causal_mask, dot_product_attention
-from rlax_tpu.models.sharding import kernel_axes
+from rlax_tpu.models.sharding import kernel_axes, manual_axes
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -216,8 +216,7 @@ def ragged_attention(
     q = jnp.pad(q, ((0, 0), (0, 0), (0, stored * ratio - h), (0, 0)))
     call = partial(_ragged_rows, d=q.shape[-1], emulated=emulated)
     mesh = jax.sharding.get_abstract_mesh()
-    # Axes an enclosing shard_map made manual (the paged cache's data shards) are split already.
-    auto = {a for a in mesh.axis_names if a not in set(getattr(mesh, "manual_axes", ()))}
+    auto = set(mesh.axis_names) - manual_axes(mesh)
     if not mesh.empty and math.prod(mesh.shape[a] for a in auto) > 1:
         # Mosaic kernels are not partitioned automatically: each device runs the kernel on its
         # rows (batch axes) and its heads (tensor axis), or on everything where they don't split.

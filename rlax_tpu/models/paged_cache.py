@@ -257,7 +257,7 @@ class PagedKVCache:
         data = 1 if mesh.empty else mesh.shape.get(_DATA, 1)
         if data != self.shards:
             raise ValueError(
-                f"a cache of {self.shards} data shards runs on a mesh with data = {self.shards}, "
+                f"a cache of {self.shards} data shards needs a mesh with data = {self.shards}, "
                 f"not {data}"
             )
         pages = [None if x is None else _shard_spec(x.ndim, self.combined) for x in self._pages]

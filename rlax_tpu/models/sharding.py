@@ -164,6 +164,12 @@ def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
 
 
+def manual_axes(mesh: jax.sharding.AbstractMesh) -> set[str]:
+    """The axes an enclosing shard_map made manual (e.g. the paged cache's data shards): already
+    split, so a kernel's own shard_map must not split them again."""
+    return set(getattr(mesh, "manual_axes", ()))
+
+
 def kernel_axes(
     mesh: jax.sharding.AbstractMesh,
     rows: int,
@@ -176,8 +182,7 @@ def kernel_axes(
     tensor axis when it divides the q and the KV heads (each device keeps whole GQA groups) and
     ``heads_fit(tp)`` agrees; None where they stay whole."""
     names = mesh.axis_names
-    # Axes already manual (an enclosing shard_map, e.g. the paged cache's data shards) are split.
-    manual = set(getattr(mesh, "manual_axes", ()))
+    manual = manual_axes(mesh)
     batch = tuple(
         a
         for a in LOGICAL_AXIS_RULES["batch"]
