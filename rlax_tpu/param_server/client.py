@@ -3,11 +3,16 @@
 With several replicas (``endpoints[r]`` is replica r), replicas add availability:
 
 * ``push`` publishes to every replica at once. A replica that cannot be reached (gRPC's own
-  UNAVAILABLE or DEADLINE_EXCEEDED) is skipped for this push and logged; the version is committed
-  once ``quorum`` replicas hold it. Then every replica that answered is told which replicas hold
-  the version (their progress, a lease on their say in GC: retention.py), so a dead replica stops
-  holding GC back once its last report lapses. A replica that returns has recovered its
-  persisted versions and takes the next push; a version it missed is read from a peer.
+  UNAVAILABLE or DEADLINE_EXCEEDED), or that refuses the version for its own state (no room
+  after ``room_wait_s``, bytes that failed their check, a version number it cannot take, ...),
+  is skipped for this push and logged with its reason; the version is committed once ``quorum``
+  replicas hold it (below that, the first refusal is raised, else errors.Unavailable). A refusal
+  that says the call itself is wrong (AlreadyExists: other content for an existing version,
+  InvalidArgument, missing or wrong credentials) is raised even when a quorum took the version.
+  Then every replica that took it is told which replicas hold the version (their progress, a
+  lease on their say in GC: retention.py), so a replica that is dead or refused stops holding
+  GC back once its last report lapses. A replica that returns has recovered its persisted
+  versions and takes the next push; a version it missed is read from a peer.
 * ``pull`` reads from this client's own replica (``replica``) and fails over to the others in
   turn (``replica + 1``, ``replica + 2``, ... modulo the count) when it is down, lacks the version
   (it was down when the version was pushed) or sends bytes that fail their checksum; every pull
@@ -63,6 +68,23 @@ _TRANSIENT = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
 # gRPC's own statuses for a replica it cannot reach (the server never sends them itself).
 _DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _PEEK_TIMEOUT_S = 10.0  # asking a peer how far it is, while a push waits for room
+# Refusals that say the CALLER is wrong, not the replica (the call is wrong wherever it goes):
+# raised even when a quorum of other replicas took it. ALREADY_EXISTS: the version exists there
+# with other content (taking it elsewhere would serve two contents under one number);
+# INVALID_ARGUMENT: a malformed call or a tree unlike the served one; PERMISSION_DENIED and
+# UNAUTHENTICATED (gRPC's, from rpc.transport's token checks): missing or wrong credentials.
+# Every other refusal (RESOURCE_EXHAUSTED or ABORTED still after room_wait_s, DATA_LOSS,
+# FAILED_PRECONDITION, NOT_FOUND, a server fault) is about that replica's own state: a write goes
+# on without it, as without a replica that is down, when the others make the quorum.
+_CALLER_WRONG = frozenset(
+    c.name
+    for c in (
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    )
+)
 # A pull that fails so on one replica is tried on the next: it lacks the version (it was down
 # when it was pushed) or its copy is corrupt.
 _PULL_ELSEWHERE = (errors.NotFound, errors.DataLoss)
@@ -71,6 +93,22 @@ _PULL_ELSEWHERE = (errors.NotFound, errors.DataLoss)
 def down(e: BaseException) -> bool:
     """``e`` says the replica could not be reached (not that it refused the call)."""
     return isinstance(e, grpc.RpcError) and e.code() in _DOWN and not _from_server(e)
+
+
+def _caller_wrong(e: BaseException) -> bool:
+    """``e`` is a refusal that says the call is wrong (``_CALLER_WRONG``), not the replica."""
+    return _status(e) in _CALLER_WRONG
+
+
+def _status(e: BaseException) -> str:
+    """The status name of a failed call's error (gRPC's, or a ParamServerError's)."""
+    if isinstance(e, grpc.RpcError) and e.code() is not None:
+        return e.code().name
+    return e.status if isinstance(e, errors.ParamServerError) else type(e).__name__
+
+
+def _describe(e: BaseException) -> str:
+    return f"{_status(e)} {e.details() if isinstance(e, grpc.RpcError) else e}"
 
 
 def _raise(e: grpc.RpcError) -> None:
@@ -228,10 +266,13 @@ class ParamServerClient:
 
     def push(self, params: Any, version: int, *, step: int | None = None) -> VersionInfo:
         """Publishes a pytree of arrays (jax or numpy) as ``version`` to every replica that is up;
-        at least ``quorum`` must take it (errors.Unavailable otherwise).
+        at least ``quorum`` must take it. A replica that refuses it for its own state (e.g. no
+        room) is left out like one that is down; with fewer than ``quorum`` holders, the first
+        refusal is raised, else errors.Unavailable.
 
         Idempotent: pushing the same content again is a no-op; different content for an existing
-        version raises AlreadyExists.
+        version raises AlreadyExists, also when other replicas took it (as do InvalidArgument and
+        refused credentials: the call is wrong, ``_CALLER_WRONG``).
         """
         paths, leaves, _ = flatten(params)
         if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
@@ -289,8 +330,9 @@ class ParamServerClient:
         part's share, disjoint from the other parts'. Returns (info, complete): complete when the
         version is committed on every replica that took this part (this part was its last, or
         it was already). Whoever completes a replica's version tells the replicas, so GC learns
-        of it as with a whole push. Idempotent like ``push``; a replica down now misses the
-        version even if it took the other parts (a newer version drops its unfinished one)."""
+        of it as with a whole push. Idempotent, with a quorum and refusals, like ``push``; a
+        replica down or refusing now misses the version even if it took the other parts (a newer
+        version drops its unfinished one)."""
         header = wire.header_to_pb(
             VersionManifest(
                 version=version,
@@ -362,8 +404,9 @@ class ParamServerClient:
     # ------------------------------------------------------------------------------ progress
 
     def _report_holders(self, replies: dict[int, pb.PublishReply], version: int) -> None:
-        """Tells every replica that answered which of them hold ``version`` now (each report
-        renews that replica's lease on GC); replicas that are down miss it and lapse."""
+        """Tells every replica that took ``version`` which of them hold it now (each report
+        renews that replica's lease on GC); replicas that are down or refused it miss it and
+        lapse."""
         holders = [(r, version) for r, reply in sorted(replies.items()) if reply.complete]
         if holders:
             self._enough(
@@ -432,25 +475,30 @@ class ParamServerClient:
             return dict(zip(targets, pool.map(attempt, targets), strict=True))
 
     def _enough(self, outcomes: dict[int, T | Exception], need: int, what: str) -> dict[int, T]:
-        """The outcomes that succeeded, when there are at least ``need``. A refusal (the server
-        said no) is raised; replicas that are down are skipped, and named in the log, or in
-        errors.Unavailable when fewer than ``need`` answered."""
+        """The outcomes that succeeded, when there are at least ``need``.
+
+        A refusal that says the call is wrong (``_CALLER_WRONG``) is raised whatever the other
+        replicas did. Replicas that are down, or refused for their own state (any other refusal),
+        are skipped and named in the log with their reason; when fewer than ``need`` succeeded,
+        the first such refusal is raised, else errors.Unavailable naming the replicas down."""
         failed = {r: e for r, e in outcomes.items() if isinstance(e, Exception)}
         refused = [e for e in failed.values() if not down(e)]
-        if refused:
-            raise refused[0]
+        wrong = [e for e in refused if _caller_wrong(e)]
+        if wrong:
+            raise wrong[0]
         done = {r: o for r, o in outcomes.items() if r not in failed}
         if failed:
+            if len(done) < need and refused:
+                raise refused[0]
             skipped = "; ".join(
-                f"replica {r} at {self.endpoints[r]}: {e.code().name} {e.details()}"
-                for r, e in failed.items()
+                f"replica {r} at {self.endpoints[r]}: {_describe(e)}" for r, e in failed.items()
             )
             if len(done) < need:
                 raise errors.Unavailable(
                     f"{what}: {len(done)} of {len(self.endpoints)} replicas answered, "
                     f"{need} needed; down: {skipped}"
                 ) from next(iter(failed.values()))
-            log.warning("%s skipped the replicas that are down (%s)", what, skipped)
+            log.warning("%s skipped the replicas that are down or refused it (%s)", what, skipped)
         return done
 
     def _failover(self, call: Callable[[int], T], what: str) -> T:
