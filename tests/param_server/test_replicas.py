@@ -165,3 +165,65 @@ def test_a_start_goes_on_with_a_quorum_of_replicas_up(caplog):
         )
         with pytest.raises(ComponentUnreachable, match=down):
             client(reps, quorum=2).wait_ready(timeout_s=0.5)
+
+
+def test_a_replica_that_refuses_a_push_is_left_out_like_one_that_is_down(caplog):
+    # Replica 1 has no room: of its 2 hot versions one is the latest and the other leased by a
+    # reader there, so it refuses version 2 (ResourceExhausted after room_wait_s); replica 0
+    # takes it. With a quorum of 1 that commits the version; with 2 the refusal is the answer.
+    lease = 1.0
+    with replicas(2, in_memory_versions=2, replica_lease_s=lease) as (r0, r1):
+        trainer = client([r0, r1], room_wait_s=0.2)
+        for v in range(2):
+            trainer.push(make_tree(v), v)
+        pinning = client([r1])
+        pinning.lease("reader-1", [0])  # on replica 1 alone
+        caplog.set_level(logging.WARNING, logger="rlax_tpu.param_server.client")
+        info = trainer.push(make_tree(2), 2)
+        assert info.version == 2 and trainer.last_replicas == (0,)
+        assert r0.hot() == [1, 2] and r1.hot() == [0, 1]
+        skipped = [m for m in caplog.messages if "skipped the replicas" in m]
+        assert len(skipped) == 1
+        assert f"replica 1 at {r1.endpoint}: RESOURCE_EXHAUSTED" in skipped[0]
+        assert "leased by reader-1" in skipped[0] and "still refused after 0.2 s" in skipped[0]
+        reader = client([r0, r1], replica=1)
+        assert_same_tree(reader.pull(2), make_tree(2))  # replica 1 lacks it: read from replica 0
+        assert r0.store.bytes_served() > 0 and r1.store.bytes_served() == 0
+        strict = client([r0, r1], room_wait_s=0.2, quorum=2)
+        with pytest.raises(errors.ResourceExhausted, match="leased by reader-1"):
+            strict.push(make_tree(2), 2)
+        # Left out of the holders, replica 1 stops holding GC back on replica 0 once its last
+        # report lapses, as a dead replica does.
+        time.sleep(lease)
+        trainer.push(make_tree(3), 3)
+        assert r0.hot() == [2, 3] and r1.hot() == [0, 1]
+        for c in (trainer, pinning, reader, strict):
+            c.close()
+
+
+def test_a_refusal_that_says_the_call_is_wrong_fails_a_push_that_a_quorum_took(tmp_path):
+    with replicas(2) as (r0, r1):
+        trainer = client([r0, r1])
+        trainer.push(make_tree(0), 0)
+        with pytest.raises(errors.AlreadyExists, match="different content"):
+            trainer.push(make_tree(1), 0)  # other content for version 0, on both replicas
+        # Version 1 is on replica 1 alone; other content for it is new to replica 0, which takes
+        # it, but two contents under one number is the caller's error, whatever the quorum.
+        only_r1 = client([r1])
+        only_r1.push(make_tree(1), 1)
+        with pytest.raises(errors.AlreadyExists, match="different content"):
+            trainer.push(make_tree(2), 1)
+        assert r0.hot() == [0, 1]
+        # Credentials replica 1 refuses (gRPC's PERMISSION_DENIED, not the store's) say so too.
+        token = tmp_path / "publish-token"
+        token.write_text("secret\n")
+        r1.stop()
+        r1.config = dataclasses.replace(r1.config, publish_token_file=str(token))
+        r1.start()
+        without_token = client([r0, r1])
+        with pytest.raises(grpc.RpcError) as e:
+            without_token.push(make_tree(2), 2)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert r0.hot() == [0, 1, 2]
+        for c in (trainer, only_r1, without_token):
+            c.close()
