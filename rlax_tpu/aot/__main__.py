@@ -7,6 +7,7 @@ report per device: memory against HBM, FLOPs, bytes accessed and a roofline time
 
 --topology          the trainer's slice (and the inference workers', unless --inference_topology)
 --component         trainer, inference or all (default)
+--programs=A,B      only these programs (names as the report gives them, e.g. trainer.accumulate)
 --json=PATH         also write every program's numbers as JSON
 
 The model and optimizer state are built abstractly (no weights are read or allocated) and the
@@ -37,6 +38,9 @@ flags.DEFINE_string(
     "inference_topology", None, "The inference workers' slice (default: --topology)."
 )
 flags.DEFINE_enum("component", "all", COMPONENTS, "Which component's programs to compile.")
+flags.DEFINE_list(
+    "programs", [], "Compile only these programs (e.g. trainer.accumulate,trainer.apply)."
+)
 flags.DEFINE_string("json", None, "Write the reports to this JSON file.")
 FLAGS = flags.FLAGS
 
@@ -59,6 +63,7 @@ def run(config: RunConfig, args: list[str]) -> int:
         component=FLAGS.component,
         json_path=Path(FLAGS.json) if FLAGS.json else None,
         command="python -m rlax_tpu.aot " + " ".join(_COMMAND),
+        only=FLAGS.programs,
     )
 
 

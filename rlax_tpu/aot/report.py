@@ -73,6 +73,7 @@ def cost_by_depth(
     config's depth: cost(L) = cost(1) + (L - 1) * (cost(2) - cost(1)), exact when every layer
     is the same computation. Memory stays the scanned program's own."""
     depth = config.model.num_layers
+    looped = {r.name for r in reports if r.status != FAILED}
     costs = []
     for n in (1, 2):
         shallow = dataclasses.replace(
@@ -85,7 +86,10 @@ def cost_by_depth(
             {
                 r.name: r
                 for r in compile_all(
-                    build(shallow, devices), component=component, topology=topology, device=device
+                    [p for p in build(shallow, devices) if p.runs_layers and p.name in looped],
+                    component=component,
+                    topology=topology,
+                    device=device,
                 )
             }
         )
@@ -167,8 +171,10 @@ def run_check(
     component: str,
     json_path: Path | None,
     command: str,
+    only: Sequence[str] = (),
 ) -> int:
-    """Runs the check; returns the exit code (messages go to stdout/stderr)."""
+    """Runs the check; returns the exit code (messages go to stdout/stderr). ``only``: the
+    program names to compile (all of the component's when empty)."""
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -179,6 +185,7 @@ def run_check(
 
     reports: list[ProgramReport] = []
     specs: dict[str, DeviceSpec] = {}
+    built: list[tuple[str, Builder, list[AbstractProgram], list[jax.Device], str, DeviceSpec]] = []
     for name, build in _builders(component).items():
         topo = inference_topology if name == "inference" else topology
         slices = config.mesh.slices if name == "trainer" else 1
@@ -197,6 +204,16 @@ def run_check(
             return fail(
                 f"the config's {name} does not fit topology {topo} ({len(devices)} devices): {e}"
             )
+        built.append((name, build, programs, devices, topo, spec))
+    names = [p.name for _, _, programs, *_ in built for p in programs]
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        return fail(f"no program {', '.join(unknown)} here; the programs: {', '.join(names)}")
+    for name, build, programs, devices, topo, spec in built:
+        if only:
+            programs = [p for p in programs if p.name in only]
+            if not programs:
+                continue
         compiled = compile_all(
             programs, component=name, topology=topo, device=spec, progress=progress
         )

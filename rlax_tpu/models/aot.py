@@ -34,6 +34,10 @@ class AbstractProgram:
     step, say) and the transients of the moment it runs in (the other micro-batches of the
     step, a second copy of the weights during a reload). The program's peak is its own
     footprint plus their sum, ``resident_bytes``.
+
+    ``runs_layers``: the program runs the model's layers (a loop when ``trainer.scan_layers``,
+    whose cost XLA counts once: aot extrapolates it from unrolled compiles); False for programs
+    whose cost does not grow with depth in a loop (the optimizer update, a cast).
     """
 
     name: str
@@ -43,6 +47,7 @@ class AbstractProgram:
     mesh: Mesh | None = None
     held: dict[str, int] = dataclasses.field(default_factory=dict)
     note: str = ""
+    runs_layers: bool = True
 
     @property
     def resident_bytes(self) -> int:

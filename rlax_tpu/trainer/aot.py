@@ -133,6 +133,7 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
             mesh=mesh,
             held=held(trainable_k, opt_k, batches=n_micro, inputs=True),
             note="clip + AdamW update",
+            runs_layers=False,
         ),
         AbstractProgram(
             "trainer.prepare",
@@ -142,6 +143,7 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
             mesh=mesh,
             held=held(batches=n_micro),
             note=f"objective inputs of {big} rollouts",
+            runs_layers=False,
         ),
     ]
     scored = f"log-probs of one {where}"
@@ -215,6 +217,7 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
             mesh=mesh,
             held=held(trainable_k),
             note=f"params cast to {config.trainer.publish_dtype} for the parameter server",
+            runs_layers=False,
         )
     )
     return programs
