@@ -90,3 +90,12 @@ def gcs_emulator():  # noqa: ANN201 - a fixture generator
                 os.environ[k] = v
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def pytest_collection_finish(session):  # noqa: ANN001, ANN201, ARG001 - pytest hook
+    # Every module the tests import (jax, flax, torch, transformers: millions of objects that
+    # live as long as the worker) out of the cyclic GC's scans: each full collection walked them.
+    import gc
+
+    gc.collect()
+    gc.freeze()
