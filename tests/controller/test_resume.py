@@ -130,8 +130,10 @@ def reference(env, tmp_path_factory) -> tuple[Path, str]:
 
 
 def test_deterministic_mode_is_bitwise_reproducible(env, reference, tmp_path):
-    """Also with two parameter-server replicas feeding two workers (worker i reads replica i):
-    where weights travel and how the work is split changes no bit."""
+    """Also with two parameter-server replicas feeding two workers (worker i reads replica i) and
+    the trainer in a spawned child behind gRPC (controller.trainer_process): where weights
+    travel, how the work is split and where the trainer runs change no bit; the child is gone
+    when the command returns."""
     _, digest = reference
     out = run(
         env,
@@ -139,22 +141,15 @@ def test_deterministic_mode_is_bitwise_reproducible(env, reference, tmp_path):
         "--config.controller.num_steps=4",
         "--config.param_server.replicas=2",
         "--config.inference.num_workers=2",
-    )
-    assert re.search(r"param_server 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+,", out), out[-2000:]
-    assert sha(out) == digest
-
-
-def test_a_trainer_in_a_child_process_gives_the_same_weights(env, reference, tmp_path):
-    """controller.trainer_process: the trainer runs in a spawned child behind gRPC; the run's
-    bits do not depend on where it runs, and the child is gone when the command returns."""
-    out = run(
-        env,
-        tmp_path / "c",
-        "--config.controller.num_steps=4",
         "--config.controller.trainer_process=true",
     )
-    assert re.search(r"trainer 127\.0\.0\.1:\d+ \(child process \d+\)", out), out[-2000:]
-    assert sha(out) == reference[1]
+    assert re.search(r"param_server 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+,", out), out[-2000:]
+    child = re.search(r"trainer 127\.0\.0\.1:\d+ \(child process (\d+)\)", out)
+    assert child, out[-2000:]
+    assert sha(out) == digest
+    # Gone (a zombie's cmdline is empty; a pid taken since is another command's).
+    cmdline = Path(f"/proc/{child.group(1)}/cmdline")
+    assert not cmdline.exists() or b"rlax_tpu" not in cmdline.read_bytes()
 
 
 def test_sigkill_and_resume_gives_the_same_weights(env, reference, tmp_path):
