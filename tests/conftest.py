@@ -99,12 +99,3 @@ def pytest_collection_finish(session):  # noqa: ANN001, ANN201, ARG001 - pytest 
 
     gc.collect()
     gc.freeze()
-
-
-def pytest_collection_modifyitems(session, config, items):  # noqa: ANN001, ANN201, ARG001
-    # Modules with a slow test first (the drill, the AOT compiles, the launcher's runs: one to
-    # three minutes each), the rest after: xdist hands out whole modules in this order (make
-    # test's --no-loadscope-reorder; by default it sorts them by test count, which put the drill
-    # late), so the short ones fill both workers at the end instead of one long module alone.
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)  # stable: each module's order kept

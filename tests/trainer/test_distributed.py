@@ -96,7 +96,6 @@ def assert_same_step(got, published, one_process) -> None:  # noqa: ANN001
         np.testing.assert_allclose(np.asarray(leaf), want, rtol=0, atol=1e-6)
 
 
-@pytest.mark.slow
 def test_two_slices_of_two_processes_equal_one_process(one_process, tmp_path):
     """Multislice emulated on CPU (mesh.slices = 2): 4 processes of 2 devices, 2 per slice,
     each slice a (1, 2, 2) mesh of its own processes' devices, stacked on data: (2, 2, 2). Same
