@@ -280,8 +280,13 @@ def make_channel(
     """
     # A restarted peer (a rescheduled pod) is found again within ~2 s, not after gRPC's default
     # reconnect backoff of up to 120 s.
+    # Its own subchannels, not gRPC's process-wide pool: a call on a fresh channel to a peer
+    # that had just stopped, sharing the subchannel of an older channel, hung past its deadline
+    # and its cancel() in about 1 of 100 tries on a busy host (grpcio 1.85; 0 of 800 with a
+    # local pool; tests/rpc/test_transport.py).
     options = [
         *_channel_options(max_message_bytes),
+        ("grpc.use_local_subchannel_pool", 1),
         ("grpc.initial_reconnect_backoff_ms", 250),
         ("grpc.min_reconnect_backoff_ms", 250),
         ("grpc.max_reconnect_backoff_ms", 2000),

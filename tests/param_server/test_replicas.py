@@ -140,9 +140,11 @@ def test_a_sharded_pull_fails_over_and_gets_bit_identical_slices():
         got = readers[2].pull(0, shardings)  # replica 2 is down: replica 0 serves it
         assert_lands_sharded(got, shardings, tree)
         assert reps[0].store.bytes_served() > 0 and reps[1].store.bytes_served() == 0
-        # Every pull starts at its own replica again: back up, replica 2 serves its reader.
+        # Every pull starts at its own replica again: back up (and reconnected: each client has
+        # its own channels, which retry within their 2 s backoff), replica 2 serves its reader.
         reps[2].start()
-        trainer.wait_ready(timeout_s=10)
+        for c in (trainer, readers[2]):
+            c.wait_ready(timeout_s=10)
         trainer.push(make_tree(1, scale=2), 1)
         assert_same_tree(readers[2].pull(1), make_tree(1, scale=2))
         assert reps[2].store.bytes_served() > 0
