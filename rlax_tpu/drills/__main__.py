@@ -17,7 +17,8 @@ update logged once, no group lost, every group trained exactly once, η_a held, 
 and snapshot complete or skipped with a warning, the parameter server never served a partial
 version, and (deterministic) final trainer state bitwise equal and the same groups trained at the
 same versions. Writes <run_dir>/drill.md and drill.json; exit status 0 when every check passes.
-The warm-up (if the config has one) runs once, in <run_dir>/warmup.
+The warm-up (if the config has one) runs once, in <run_dir>/warmup; both runs share one JAX
+compilation cache, <run_dir>/jax_cache (or $JAX_COMPILATION_CACHE_DIR).
 
     python -m rlax_tpu.drills --config=... --check=RUN_DIR [--reference=RUN_DIR]
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -94,6 +96,10 @@ def run(config: RunConfig, args: list[str]) -> int:
             "it or use another controller.run_dir)"
         )
     warmup = str(base / "warmup")
+    if config.controller.compilation_cache:
+        # One compilation cache for the reference and the drilled run (unless the environment
+        # names one): the same programs, so the drilled run starts as warm as its restarts do.
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(base / cli.COMPILATION_CACHE_DIR))
     reference = None
     mode = config.controller.mode
     if mode == "deterministic":

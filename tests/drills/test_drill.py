@@ -254,8 +254,10 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
         in checks["a killed process ended its whole job within 30 s"]["detail"]
     )
     assert (run_dir / "drill.md").read_text().count("recovered in") == 5
-    # Compiled programs went to the run's cache, which restarted processes read.
-    assert any((run_dir / "drill" / "jax_cache").iterdir())
+    # Compiled programs went to the drill's one cache (the reference's and the drilled run's),
+    # which restarted processes read.
+    assert any((run_dir / "jax_cache").iterdir())
+    assert not (run_dir / "drill" / "jax_cache").exists()
 
     # The checks alone, on the directories the drill left; then on a damaged copy, they fail.
     check = [
