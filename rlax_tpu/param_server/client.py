@@ -426,19 +426,22 @@ class ParamServerClient:
         """Tells replica r, which refused a push for room, how far the other replicas are (each
         one's latest version, which it has committed). A replica that restarted knows nothing
         of its peers and would otherwise wait out a whole replica lease before it collects; a
-        peer that is down is left out (it lapses)."""
-        reports = []
+        peer that is down is left out (it lapses). So is a peer behind r (it came back having
+        missed versions): a report renews its lease on r's GC at a version r must collect past,
+        and reported at every retry it never lapsed (a drill's publish waited 300 s)."""
+        latest = {}
         for q in range(len(self.endpoints)):
-            if q == r:
-                continue
             try:  # briefly: a peer that hangs must not stall the retry for the whole timeout
-                latest = self._stubs[q].ListVersions(
-                    common_pb2.Empty(), timeout=min(self.timeout_s, _PEEK_TIMEOUT_S)
+                latest[q] = (
+                    self._stubs[q]
+                    .ListVersions(common_pb2.Empty(), timeout=min(self.timeout_s, _PEEK_TIMEOUT_S))
+                    .latest
                 )
             except grpc.RpcError:
                 continue  # down or refusing: it proves no progress
-            if latest.latest >= 0:
-                reports.append((q, latest.latest))
+        if r not in latest:
+            return
+        reports = [(q, v) for q, v in latest.items() if q != r and v >= max(latest[r], 0)]
         try:
             self._progress_to(r, reports)
         except grpc.RpcError as e:

@@ -121,6 +121,35 @@ def test_a_returning_replica_recovers_and_catches_up(tmp_path):
         reader.close()
 
 
+def test_a_replica_back_but_behind_holds_gc_back_only_until_its_lease_lapses(tmp_path):
+    """Replica 0 dies and is back (from its persistence) within its lease on replica 1, having
+    missed a version, and cannot take the next one (a reader leases both its versions). Full,
+    replica 1 refuses it until replica 0's lease lapses; telling replica 1 on every retry that
+    replica 0 is at its old version renewed that lease for ever (a drill's publish was refused
+    for 300 s). Replica 1 takes the push within about one lease."""
+    k, lease, wait = 2, 3.0, 10.0
+    with replicas(
+        2, str(tmp_path), in_memory_versions=k, persist_keep=k, replica_lease_s=lease
+    ) as (r0, r1):
+        trainer = client([r0, r1], room_wait_s=wait)
+        for v in range(k):
+            trainer.push(make_tree(v), v)
+        assert r0.store.flush(timeout_s=60)
+        r0.stop()
+        trainer.push(make_tree(2), 2)  # replica 1 alone (replica 0 had confirmed 1 > 0)
+        assert r1.hot() == [1, 2] and trainer.last_replicas == (1,)
+        r0.start()
+        assert r0.hot() == [0, 1]
+        pinning = client([r0])
+        pinning.lease("reader-0", [0, 1], ttl_s=600)
+        trainer.wait_ready(timeout_s=10)
+        trainer.push(make_tree(3), 3)
+        assert trainer.last_replicas == (1,)
+        assert r1.hot() == [2, 3] and r0.hot() == [0, 1]
+        trainer.close()
+        pinning.close()
+
+
 def test_a_sharded_pull_fails_over_and_gets_bit_identical_slices():
     tree = make_tree(seed=9, scale=2)
     mesh = jax.make_mesh((2, 4), ("data", "model"))
