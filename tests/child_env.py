@@ -1,13 +1,16 @@
 """The environment of a process a test starts: JAX on the CPU with ``devices`` host devices and
-the suite's compile shortcut (LLVM's optimizations off, as tests/conftest.py sets for this
-process). A child started without it compiles every program at -O2: twice the CPU of a cold
-controller run here (38 s against 19 s)."""
+the suite's compile shortcuts (FAST_COMPILE, as tests/conftest.py sets for this process). A
+child started without them compiles every program at -O2: twice the CPU of a cold controller
+run here (38 s against 19 s)."""
 
 from __future__ import annotations
 
 import os
 
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# LLVM's optimizations off, and XLA:CPU's older loop emitters instead of its fusion emitters:
+# the new emitters took half as much CPU again to compile the suite's small programs (two
+# sample module pairs: 62 -> 43 s and 87 -> 59 s of CPU), which it mostly runs a few times.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
 def xla_flags(devices: int = 1) -> str:

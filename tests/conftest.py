@@ -8,10 +8,10 @@ import pytest
 
 from tests.child_env import FAST_COMPILE
 
-# 8 CPU devices for the meshes; LLVM's optimizations off: the suite spends most of its CPU
-# compiling small programs it runs a few times (-10% of its time; XLA's own passes still run,
-# and every comparison is between programs built alike or within tolerances).
-for _flag in ("--xla_force_host_platform_device_count=8", FAST_COMPILE):
+# 8 CPU devices for the meshes; the compile shortcuts (tests/child_env.py): the suite spends
+# most of its CPU compiling small programs it runs a few times (XLA's own passes still run, and
+# every comparison is between programs built alike or within tolerances).
+for _flag in ("--xla_force_host_platform_device_count=8", *FAST_COMPILE.split()):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
