@@ -186,11 +186,14 @@ def test_the_group_end_check_is_vacuous_without_a_process_kill():
 
 
 # A trainer of two jax.distributed processes and two parameter-server replicas: seed 2 plans
-# inference-0, trainer.1 (the follower alone), param_server-0, verifiers, controller.
+# inference-0, trainer.1 (the follower alone), param_server-0, verifiers, controller. The
+# trainer's lead ends 5 s after its follower (the default 20 s bound is
+# tests/trainer/test_process_faults.py's): the drill waits for it, and so would the suite.
 TOPOLOGY = [
     "--config.param_server.replicas=2",
     "--config.trainer.distributed.coordinator_address=auto",
     "--config.trainer.distributed.num_processes=2",
+    "--config.trainer.distributed.heartbeat_timeout_s=5",
 ]
 STEPS = 16  # 2 x 5 kills + 1 at least (the drill refuses fewer); room for a recovery after the last
 
