@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -173,8 +174,6 @@ def test_a_call_to_a_peer_that_just_stopped_ends_within_its_deadline():
     call must end (UNAVAILABLE or DEADLINE_EXCEEDED) within its deadline. With gRPC's shared
     subchannel pool about 1 in 100 such calls hung past the deadline and past cancel() on a busy
     host (grpcio 1.85); a parameter-server reader failing over from a dead replica does this."""
-    import threading
-
     hung = []
     for i in range(60):
         server, port = make_server("127.0.0.1:0", _add_echo)
