@@ -405,22 +405,27 @@ class ParamServerClient:
 
     def _report_holders(self, replies: dict[int, pb.PublishReply], version: int) -> None:
         """Tells every replica that took ``version`` which of them hold it now (each report
-        renews that replica's lease on GC); replicas that are down or refused it miss it and
-        lapse."""
+        renews that replica's lease on GC) and which missed it (down or refused): those stop
+        holding GC back at once, not after their lease (a replica killed in a drill held its
+        peer full for a whole lease, refusing the next publish)."""
         holders = [(r, version) for r, reply in sorted(replies.items()) if reply.complete]
-        if holders:
+        missed = [r for r in range(len(self.endpoints)) if r not in replies]
+        if holders or missed:
             self._enough(
-                self._each(lambda r: self._progress_to(r, holders), replies), 1, "progress"
+                self._each(lambda r: self._progress_to(r, holders, missed), replies),
+                1,
+                "progress",
             )
 
-    def _progress_to(self, r: int, reports: Sequence[tuple[int, int]]) -> None:
-        """Sends replica r each (replica, version) of ``reports``."""
-        for replica, version in reports:
-            self._stubs[r].ReportProgress(
-                pb.ProgressRequest(replica=replica, version=version),
-                timeout=self.timeout_s,
-                metadata=self._write(),
-            )
+    def _progress_to(
+        self, r: int, reports: Sequence[tuple[int, int]], missed: Sequence[int] = ()
+    ) -> None:
+        """Sends replica r each (replica, version) of ``reports``, and that ``missed`` replicas
+        missed a version."""
+        requests = [pb.ProgressRequest(replica=q, version=v) for q, v in reports]
+        requests += [pb.ProgressRequest(replica=q, missed=True) for q in missed]
+        for request in requests:
+            self._stubs[r].ReportProgress(request, timeout=self.timeout_s, metadata=self._write())
 
     def _share_progress(self, r: int) -> None:
         """Tells replica r, which refused a push for room, how far the other replicas are (each

@@ -5,8 +5,9 @@ Replicas add availability, so a dead replica must not hold GC back for ever: eve
 replica's progress is a lease on its say in GC. A replica whose progress was not reported again
 within ``replica_lease_s`` (it is down, or partitioned from the trainer that reports it) stops
 counting until its next report; a replica never heard of counts from this server's start for one
-lease (a replica that boots a little later is waited for). This replica's own progress never
-lapses (it is what it holds). Reports come with the trainer's pushes, so when pushes are further
+lease (a replica that boots a little later is waited for). A replica the trainer saw miss a
+version (down, or refusing it) stops counting at once: it would catch up by later pushes, not
+from the versions its peers keep. This replica's own progress never lapses (it is what it holds). Reports come with the trainer's pushes, so when pushes are further
 apart than the lease every peer has lapsed by the next commit and each replica collects by its
 own progress: harmless while the replicas take the same versions, and a replica that missed
 some is one whose progress should not hold GC back.
@@ -56,6 +57,15 @@ class Retention:
         before = self._progress.get(replica, (-1, 0.0))[0]
         expiry = math.inf if replica == self.own else self._clock() + self.replica_lease_s
         self._progress[replica] = (max(version, before), expiry)
+
+    def missed(self, replica: int) -> None:
+        """Replica ``replica`` did not take a version its peers committed: its lease ends now
+        (its progress stays on record), so it holds GC back again only once reported again.
+        This replica's own progress is kept."""
+        if not 0 <= replica < self.replicas:
+            raise InvalidArgument(f"replica {replica} is not in [0, {self.replicas})")
+        if replica != self.own:
+            self._progress[replica] = (self._progress.get(replica, (-1, 0.0))[0], -math.inf)
 
     def progress(self) -> dict[int, int]:
         """Every replica's newest reported version (lapsed or not)."""

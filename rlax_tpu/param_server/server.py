@@ -315,11 +315,15 @@ class ParamServer:
             f"{self.config.in_memory_versions}) and none can be collected: {'; '.join(reasons)}"
         )
 
-    def report_progress(self, replica: int, version: int) -> None:
+    def report_progress(self, replica: int, version: int, missed: bool = False) -> None:
         """Replica ``replica`` has committed ``version`` (versions before it may be collected);
-        renews its say in GC for ``replica_lease_s`` (retention.py)."""
+        renews its say in GC for ``replica_lease_s`` (retention.py). ``missed``: it did not
+        take ``version``, so its say ends now."""
         with self._lock:
-            self._retention.report_progress(replica, version)
+            if missed:
+                self._retention.missed(replica)
+            else:
+                self._retention.report_progress(replica, version)
 
     def lease(self, consumer: str, versions: Sequence[int], ttl_s: float = 0.0) -> float:
         """Sets the versions ``consumer`` holds (replacing its previous set); returns the TTL."""

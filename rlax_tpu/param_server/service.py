@@ -130,7 +130,7 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
 
     @_statuses
     def ReportProgress(self, request: pb.ProgressRequest, context) -> common_pb2.Empty:  # noqa: ANN001
-        self._server.report_progress(request.replica, request.version)
+        self._server.report_progress(request.replica, request.version, request.missed)
         return common_pb2.Empty()
 
     @_statuses

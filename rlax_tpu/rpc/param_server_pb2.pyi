@@ -140,12 +140,14 @@ class VersionList(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., latest: _Optional[int] = ...) -> None: ...
 
 class ProgressRequest(_message.Message):
-    __slots__ = ("replica", "version")
+    __slots__ = ("replica", "version", "missed")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MISSED_FIELD_NUMBER: _ClassVar[int]
     replica: int
     version: int
-    def __init__(self, replica: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    missed: bool
+    def __init__(self, replica: _Optional[int] = ..., version: _Optional[int] = ..., missed: _Optional[bool] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("consumer", "versions", "ttl_s")

@@ -110,7 +110,7 @@ def test_a_plan_draws_single_processes_among_a_kinds_targets():
         assert sorted(k.kind for k in kills) == sorted(KINDS)
         hit.update(k.target for k in kills if k.kind == "trainer")
     assert hit["trainer"] > 5 and hit["trainer.1"] > 5
-    # The seed the short drill below uses: its trainer kill is the follower process.
+    # The seed the short drill below uses: its trainer and inference kills are follower processes.
     short = plan(
         [
             "controller",
@@ -118,13 +118,14 @@ def test_a_plan_draws_single_processes_among_a_kinds_targets():
             "verifiers",
             "trainer.1",
             "inference-0",
+            "inference-0.1",
             "param_server-0",
             "param_server-1",
         ],
         5,
-        2,
+        0,
     )
-    assert "trainer.1" in [k.target for k in short]
+    assert {"trainer.1", "inference-0.1"} <= {k.target for k in short}
 
 
 def _sh(launch: DrillLaunch, name: str, script: str) -> Child:
@@ -185,15 +186,19 @@ def test_the_group_end_check_is_vacuous_without_a_process_kill():
     assert check.name == "a killed process ended its whole job within 30 s"
 
 
-# A trainer of two jax.distributed processes and two parameter-server replicas: seed 2 plans
-# inference-0, trainer.1 (the follower alone), param_server-0, verifiers, controller. The
-# trainer's lead ends 5 s after its follower (the default 20 s bound is
-# tests/trainer/test_process_faults.py's): the drill waits for it, and so would the suite.
+# A trainer and an inference worker of two jax.distributed processes each, and two
+# parameter-server replicas: seed 0 plans inference-0.1 and trainer.1 (followers alone),
+# controller, verifiers, param_server-0. A lead ends 5 s after its follower (the default 20 s
+# bound is tests/trainer/test_process_faults.py's): the drill waits for it, and so would the suite.
 TOPOLOGY = [
     "--config.param_server.replicas=2",
     "--config.trainer.distributed.coordinator_address=auto",
     "--config.trainer.distributed.num_processes=2",
     "--config.trainer.distributed.heartbeat_timeout_s=5",
+    "--config.inference.distributed.coordinator_address=auto",
+    "--config.inference.distributed.num_processes=2",
+    "--config.inference.distributed.heartbeat_timeout_s=5",
+    "--config.inference.mesh.tensor=2",
 ]
 STEPS = 16  # 2 x 5 kills + 1 at least (the drill refuses fewer); room for a recovery after the last
 
@@ -203,14 +208,15 @@ STEPS = 16  # 2 x 5 kills + 1 at least (the drill refuses fewer); room for a rec
 @pytest.mark.slow
 @pytest.mark.timeout(1000)
 def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
-    """Five SIGKILLs, one of each kind, each restarted, over a trainer of 2 jax.distributed
-    processes and 2 parameter-server replicas: the trainer kill hits its follower process alone,
-    and the lead ends on its own within 30 s (the failure rule) before the job restarts; one
+    """Five SIGKILLs, one of each kind, each restarted, over a trainer and an inference worker of
+    2 jax.distributed processes each and 2 parameter-server replicas: the trainer and inference
+    kills hit a follower process alone, and its lead ends on its own within 30 s (the failure
+    rule) before the job restarts; one
     replica is killed while the other serves. Every group trained exactly once, η_a held, final
     trainer state bitwise the uninterrupted run's (same topology), no partial version served,
     every checkpoint and snapshot complete; a restarted process reuses the compilation cache."""
     run_dir = tmp_path / "run"
-    args = [*_tiny(run_dir, STEPS), *TOPOLOGY, "--kills=5", "--seed=2"]
+    args = [*_tiny(run_dir, STEPS), *TOPOLOGY, "--kills=5", "--seed=0"]
     env = _env()
     env.pop("JAX_COMPILATION_CACHE_DIR")  # the run's own cache, as in production (not the tests')
     done = subprocess.run(
@@ -227,13 +233,14 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     assert sorted(k["kind"] for k in report["kills"]) == sorted(KINDS)
     assert all(k["recover_s"] >= 0 for k in report["kills"])
     targets = {k["kind"]: k for k in report["kills"]}
-    assert targets["trainer"]["target"] == "trainer.1"
     assert targets["param_server"]["target"] in ("param_server-0", "param_server-1")
-    # The lead ended on its own (non-zero), within the bound, before the job restarted.
-    follower = targets["trainer"]
-    assert 0 < follower["group_end_s"] <= 30 and follower["outlived"] == [], follower
-    assert follower["group_exits"][0].startswith("trainer.0 status "), follower
-    assert not follower["group_exits"][0].startswith("trainer.0 status 0 "), follower
+    # Each follower's lead ended on its own (non-zero), within the bound, before its job restarted.
+    for kind, lead in (("trainer", "trainer.0"), ("inference", "inference-0.0")):
+        follower = targets[kind]
+        assert follower["target"] == lead[:-1] + "1", follower
+        assert 0 < follower["group_end_s"] <= 30 and follower["outlived"] == [], follower
+        assert follower["group_exits"][0].startswith(f"{lead} status "), follower
+        assert not follower["group_exits"][0].startswith(f"{lead} status 0 "), follower
     assert report["unplanned"] == []
     checks = {c["name"]: c for c in report["checks"]}
     for name in (
@@ -252,10 +259,8 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     ):
         assert checks[name]["ok"], checks[name]
     assert "[ok] final weights bitwise equal" in out
-    assert (
-        "trainer.1: its job ended in"
-        in checks["a killed process ended its whole job within 30 s"]["detail"]
-    )
+    ended = checks["a killed process ended its whole job within 30 s"]["detail"]
+    assert "trainer.1: its job ended in" in ended and "inference-0.1: its job ended in" in ended
     assert (run_dir / "drill.md").read_text().count("recovered in") == 5
     # Compiled programs went to the drill's one cache (the reference's and the drilled run's),
     # which restarted processes read.

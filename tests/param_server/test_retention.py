@@ -184,3 +184,20 @@ def test_a_replicas_progress_counts_only_while_its_lease_runs():
     r.report_progress(0, 1)  # a report renews the lease; progress never goes back
     assert r.counted() == [0, 1] and r.progress() == {0: 2, 1: 2}
     assert r.blocker(1) is None
+
+
+def test_a_replica_that_missed_a_version_stops_counting_until_reported_again():
+    now = [100.0]
+    r = Retention(replicas=3, own=0, replica_lease_s=600.0, clock=lambda: now[0])
+    for q in range(3):
+        r.report_progress(q, 5)
+    r.missed(2)  # the trainer could not commit a version there: its lease ends now
+    assert r.counted() == [0, 1] and r.progress() == {0: 5, 1: 5, 2: 5}
+    r.missed(0)  # this replica's own progress is what it holds: it never stops counting
+    assert r.counted() == [0, 1]
+    r.report_progress(2, 7)  # it took a later push: it counts again, for a whole lease
+    assert r.counted() == [0, 1, 2]
+    now[0] = 800.0
+    assert r.counted() == [0]
+    with pytest.raises(errors.InvalidArgument, match="replica 3 is not in"):
+        r.missed(3)
