@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # inside a run's cgroup besides the program.
 SANDBOX_OVERHEAD_BYTES = 8 << 20
 _V1_ROOT = Path("/sys/fs/cgroup/memory")
+_RUN_PREFIX = "rlax-sandbox-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,20 +58,27 @@ def _rmdir(path: Path) -> None:
 
 
 class RunCgroup:
-    """One run's memory cgroup. ``procs`` is the file a process writes its pid to, to join."""
+    """One run's memory cgroup. ``procs`` is the file a process writes its pid to, to join.
+    ``limit_bytes`` None: made without a limit, which :meth:`limit` sets before the run."""
 
-    def __init__(self, path: Path, limit_bytes: int, *, version: int):
+    def __init__(self, path: Path, limit_bytes: int | None, *, version: int):
         self.path, self.version = path, version
         _mkdir(path)
         if version == 2:
-            (path / "memory.max").write_text(str(limit_bytes))
             # No swap, and an OOM kill ends the whole run (a fork bomb's siblings too).
             for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
                 if (path / name).exists():
                     (path / name).write_text(value)
+        if limit_bytes is not None:
+            self.limit(limit_bytes)
+
+    def limit(self, limit_bytes: int) -> None:
+        """Bounds what the cgroup's processes hold together at ``limit_bytes``."""
+        if self.version == 2:
+            (self.path / "memory.max").write_text(str(limit_bytes))
             return
-        (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        swap = path / "memory.memsw.limit_in_bytes"
+        (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        swap = self.path / "memory.memsw.limit_in_bytes"
         if swap.exists():  # no swap either: the limit is on memory + swap
             with contextlib.suppress(OSError):  # not settable where swap accounting is off
                 swap.write_text(str(limit_bytes))
@@ -135,9 +143,30 @@ class MemoryCgroups:
         )
         return None
 
-    def create(self, limit_bytes: int) -> RunCgroup:
-        name = f"rlax-sandbox-{os.getpid()}-{next(self._names)}"
+    def create(self, limit_bytes: int | None) -> RunCgroup:
+        name = f"{_RUN_PREFIX}{os.getpid()}-{next(self._names)}"
         return RunCgroup(self.parent / name, limit_bytes, version=self.version)
+
+    def sweep_dead(self) -> int:
+        """Removes the run cgroups of verifiers that no longer run (a SIGKILLed one leaves its
+        runs' and waiting shells' cgroups, empty once their processes end); returns how many.
+        One still holding a process stays: the kernel refuses to remove it."""
+        removed = 0
+        for path in self.parent.glob(_RUN_PREFIX + "*"):
+            try:
+                owner = int(path.name[len(_RUN_PREFIX) :].split("-")[0])
+                os.kill(owner, 0)
+                continue  # its owner runs (or the pid is reused: left for that owner)
+            except ProcessLookupError:
+                pass
+            except (ValueError, PermissionError):
+                continue
+            with contextlib.suppress(OSError):
+                _rmdir(path)
+                removed += 1
+        if removed:
+            log.info("verifier: removed %d cgroups of verifiers that no longer run", removed)
+        return removed
 
 
 def _v2_parent(mountinfo: str, proc_cgroup: str, *, pid: int | None = None) -> Path | None:

@@ -215,6 +215,7 @@ class VerifierService:
         self._math.close()
         if self._python_checker is not None:
             self._python_checker.close()
+        self.sandbox.close()
         if self._own_scratch:
             shutil.rmtree(self._scratch, ignore_errors=True)
 

@@ -12,7 +12,9 @@ memory_limit, ones that only reserve it are accepted) through the same sandbox c
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,19 @@ def test_a_run_cgroup_limits_memory_and_reports_oom_kills(tmp_path, monkeypatch)
     a, b = groups.create(1 << 20), groups.create(1 << 20)
     assert a.path != b.path
     assert a.finish().oom_kills == 0 and b.finish().limit_hits == 0
+
+
+def test_a_start_removes_the_cgroups_of_verifiers_that_no_longer_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "_rmdir", os.rmdir)
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid names no process now
+    for name in (f"rlax-sandbox-{gone.pid}-0", f"rlax-sandbox-{gone.pid}-7"):
+        (tmp_path / name).mkdir()
+    kept = [f"rlax-sandbox-{os.getpid()}-0", "rlax-sandbox-x-1", "rlax-verifier-1"]
+    for name in kept:
+        (tmp_path / name).mkdir()
+    busy = tmp_path / f"rlax-sandbox-{gone.pid}-9"  # a process still in it: the kernel refuses
+    busy.mkdir()
+    (busy / "cgroup.procs").write_text("12\n")
+    assert MemoryCgroups(tmp_path).sweep_dead() == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, busy.name])
