@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 SANDBOX_OVERHEAD_BYTES = 8 << 20
 _V1_ROOT = Path("/sys/fs/cgroup/memory")
 _RUN_PREFIX = "rlax-sandbox-"
+_run_numbers = itertools.count()  # process-wide: every sandbox in a process names its runs apart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,6 @@ class MemoryCgroups:
 
     def __init__(self, parent: Path, *, version: int = 1):
         self.parent, self.version = parent, version
-        self._names = itertools.count()
 
     @classmethod
     def detect(cls) -> MemoryCgroups | None:
@@ -144,7 +144,7 @@ class MemoryCgroups:
         return None
 
     def create(self, limit_bytes: int | None) -> RunCgroup:
-        name = f"{_RUN_PREFIX}{os.getpid()}-{next(self._names)}"
+        name = f"{_RUN_PREFIX}{os.getpid()}-{next(_run_numbers)}"
         return RunCgroup(self.parent / name, limit_bytes, version=self.version)
 
     def sweep_dead(self) -> int:

@@ -105,8 +105,8 @@ def test_a_run_cgroup_limits_memory_and_reports_oom_kills(tmp_path, monkeypatch)
     usage = run.finish()
     assert (usage.oom_kills, usage.limit_hits) == (1, 3)
     assert not run.path.exists()
-    # Run names are unique within the process.
-    a, b = groups.create(1 << 20), groups.create(1 << 20)
+    # Run names are unique within the process, across its sandboxes too.
+    a, b = groups.create(1 << 20), MemoryCgroups(fs.pod, version=2).create(1 << 20)
     assert a.path != b.path
     assert a.finish().oom_kills == 0 and b.finish().limit_hits == 0
 
