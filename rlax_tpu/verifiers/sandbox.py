@@ -120,8 +120,8 @@ class RunResult:
 
 @dataclasses.dataclass
 class _Ready:
-    """A slot's next run, made ready ahead: ``proc`` is a shell (already in ``group``) that
-    reads a line on stdin, then runs ``<run_dir>/command`` (an ``exec`` of bubblewrap)."""
+    """A run made ready ahead: ``proc`` is a shell (already in ``group``) that reads a line on
+    stdin, then runs ``<run_dir>/command`` (an ``exec`` of bubblewrap)."""
 
     proc: subprocess.Popen
     group: RunCgroup | None
@@ -308,8 +308,12 @@ class Sandbox:
 
     def _take(self) -> _Ready:
         """A run made ready ahead (made now if none is), and more made in the background."""
-        with self._lock:
-            ready = self._ready.popleft() if self._ready else None
+        while True:
+            with self._lock:
+                ready = self._ready.popleft() if self._ready else None
+            if ready is None or ready.proc.poll() is None:
+                break
+            ready.discard()  # its shell is gone (killed from outside): not this run's failure
         self._refill()
         return ready if ready is not None else self._prepare()
 

@@ -41,12 +41,18 @@ def test_runs_wait_ready_in_their_own_cgroups_and_close_leaves_nothing(tmp_path)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("run-")] == []
 
 
-def test_a_ready_shell_that_died_fails_its_run_alone(tmp_path):
+def test_a_ready_shell_that_died_is_passed_over(tmp_path):
     sandbox = made(tmp_path, slots=1)
     gone = sandbox._ready[0]
     gone.proc.kill()
     gone.proc.wait()
-    out = sandbox.run(["/bin/true"], limits=LIMITS)
+    assert sandbox.run(["/bin/true"], limits=LIMITS).ok
+    assert not gone.run_dir.exists() and gone not in sandbox._ready
+    # One that dies between being taken and its run: that run fails, saying so; the next runs.
+    taken = sandbox._take()
+    taken.proc.kill()
+    taken.proc.wait()
+    out = sandbox._run(taken, sandbox.uid_base, ["/bin/true"], LIMITS, (), None, "/work", None, ())
     assert not out.ok and out.error.startswith("sandbox failed"), out
     assert sandbox.run(["/bin/true"], limits=LIMITS).ok
     sandbox.close()
