@@ -8,7 +8,8 @@
    With its breakdown, the cases alternating run by run so that a neighbour slows each alike:
    bubblewrap alone (the sandbox's namespaces and mounts around /bin/true, no launcher), the
    sandbox without memory cgroups, with the run's cgroup joined as the run starts (how every run
-   paid it before), and as it runs now (joined ahead, in the background).
+   paid it before), with a fake cgroup v2 tree (the v2 code path without the kernel's work; named
+   as a fake), and as it runs now (joined ahead, in the background).
 2. Python's syntax check ("compilation"): the median time to compile a distinct program with
    ``verifiers.python_check="sandbox"`` (one sandbox run each, the baseline) and with the default
    "helper" (``compile()`` in a long-lived unprivileged process), in the same run.
@@ -24,14 +25,18 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 from rlax_tpu.config import VerifierConfig
+from rlax_tpu.verifiers import memory
 from rlax_tpu.verifiers.api import CodeTask
+from rlax_tpu.verifiers.memory import MemoryCgroups
 from rlax_tpu.verifiers.outcomes import program_limits
 from rlax_tpu.verifiers.problems import upload_problem
 from rlax_tpu.verifiers.sandbox import Limits, Sandbox
@@ -181,6 +186,36 @@ class _JoinAtRun(Sandbox):
         return None
 
 
+def _fake_v2_sandbox(root: Path, uid: int) -> Sandbox:
+    """A sandbox whose run cgroups are made in a fake cgroup2 tree, named as such: a directory
+    laid out as cgroupfs (the fake of tests/verifiers/test_memory.py), so its rows time the v2
+    code path (memory.max, swap, oom.group, memory.events) without any kernel cgroup work; this
+    host's memory controller is bound to cgroup v1."""
+    root.mkdir(parents=True)
+    files = {
+        "cgroup.procs": "",
+        "memory.max": "max",
+        "memory.swap.max": "max",
+        "memory.oom.group": "0",
+        "memory.events": "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n",
+    }
+    real_mkdir, real_rmdir = memory._mkdir, memory._rmdir
+
+    def mkdir(path: Path) -> None:
+        if root not in path.parents:
+            return real_mkdir(path)
+        path.mkdir()
+        for name, text in files.items():
+            (path / name).write_text(text)
+
+    def rmdir(path: Path) -> None:
+        return shutil.rmtree(path) if root in path.parents else real_rmdir(path)
+
+    memory._mkdir, memory._rmdir = mkdir, rmdir
+    with mock.patch.object(MemoryCgroups, "detect", lambda: MemoryCgroups(root, version=2)):
+        return Sandbox(uid_base=uid, slots=1, scratch_dir=root.parent / "fake_v2_scratch")
+
+
 def groups_name(sandbox: Sandbox) -> str:
     groups = sandbox.memory_cgroups
     return f"v{groups.version}" if groups is not None else "none"
@@ -193,12 +228,16 @@ def overhead_breakdown(
     uid = args.sandbox_uid + 2 * args.workers  # beyond the service's and the boxed check's slots
     plain = Sandbox(uid_base=uid, slots=1, scratch_dir=tmp / "plain", memory_cgroups=False)
     at_run = _JoinAtRun(uid_base=uid + 1, slots=1, scratch_dir=tmp / "at_run")
+    fake_v2 = _fake_v2_sandbox(tmp / "fake_v2", uid + 2)
     bwrap = [plain._bwrap, *plain._fixed_args, "/bin/true"]
     cases = {
         "bare subprocess": lambda: subprocess.run(["/bin/true"], check=True),
         "bubblewrap alone": lambda: subprocess.run(bwrap, check=True),
         "sandbox, no memory cgroup": lambda: plain.run(["/bin/true"], limits=limits),
         "sandbox, cgroup joined at the run (before)": lambda: at_run.run(
+            ["/bin/true"], limits=limits
+        ),
+        "sandbox, fake cgroup v2 layout (the code's path; no kernel)": lambda: fake_v2.run(
             ["/bin/true"], limits=limits
         ),
         "sandbox (as it runs)": lambda: sandbox.run(["/bin/true"], limits=limits),
@@ -211,8 +250,8 @@ def overhead_breakdown(
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    plain.close()
-    at_run.close()
+    for box in (plain, at_run, fake_v2):
+        box.close()
     return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
