@@ -12,10 +12,11 @@ sandbox with it.
 Concurrent runs use distinct uids (``uid_base + slot``): RLIMIT_NPROC counts processes per uid, so a
 fork bomb in one slot cannot starve another.
 
-Runs are made ready ahead, in the background (two per slot): a scratch directory, a status pipe
-and a shell already in the run's own fresh memory cgroup, waiting for its bubblewrap command.
-Moving a process into a cgroup waits for an RCU grace period (cgroup v1 here: 17 of a run's 33 ms,
-benchmarks/verifier_throughput.py); done ahead, and in bursts that share one, runs pay none of it.
+Runs are made ready ahead, in the background (up to READY_PER_SLOT per slot): a scratch directory,
+a status pipe and a shell already in the run's own fresh memory cgroup, waiting for its bubblewrap
+command. Moving a process into a cgroup waits for an RCU grace period and holds back every fork on
+the host meanwhile (cgroup v1 here: a run took 18.6 ms with its move, 9.5 ms with it made ahead,
+8.5 ms with no cgroup; benchmarks/verifier_throughput.py); moves made in bursts share one.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class SandboxUnavailable(RuntimeError):
 UNLIMITED_STACK = -1  # Limits.stack_bytes: see there
 CGROUP_ADDRESS_SPACE_FACTOR = 16  # RLIMIT_AS backstop / memory limit, when a cgroup bounds the run
 RSS_ADDRESS_SPACE_FACTOR = 2  # ... when only the peak RSS is judged (it bounds what a run holds)
+READY_PER_SLOT = 4  # runs made ahead per slot (each a waiting shell and an empty cgroup)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -295,6 +297,7 @@ class Sandbox:
             return self._run(ready, uid, argv, limits, mounts, stdin, cwd, env, writable_dirs)
         finally:
             self._free.put(uid)
+            self._refill()
 
     def close(self) -> None:
         """Ends the waiting shells and removes their cgroups and directories."""
@@ -314,20 +317,20 @@ class Sandbox:
             if ready is None or ready.proc.poll() is None:
                 break
             ready.discard()  # its shell is gone (killed from outside): not this run's failure
-        self._refill()
         return ready if ready is not None else self._prepare()
 
     def _refill(self) -> None:
+        """Tops the made runs up to READY_PER_SLOT per slot once at most one per slot is left,
+        after a run: a move into a cgroup holds back every fork on the host until its grace
+        period ends, so moves are few (one grace period covers a burst) and not inside a run."""
         with self._lock:
-            if not self._closed:
+            if not self._closed and len(self._ready) <= self.slots:
                 self._readier.submit(self._fill)
 
     def _fill(self) -> None:
-        # Two per slot, made in a burst: back-to-back joins share one grace period, and a slot
-        # running one short program after another still finds one made.
         while True:
             with self._lock:
-                if self._closed or len(self._ready) >= 2 * self.slots:
+                if self._closed or len(self._ready) >= READY_PER_SLOT * self.slots:
                     return
             try:
                 ready = self._prepare()

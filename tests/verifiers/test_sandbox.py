@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rlax_tpu.verifiers.sandbox import Limits, Sandbox
+from rlax_tpu.verifiers.sandbox import READY_PER_SLOT, Limits, Sandbox
 from tests.verifiers.conftest import session_uid_base
 
 LIMITS = Limits(cpu_time_s=1, wall_time_s=5, memory_bytes=64 << 20, output_bytes=1 << 16)
@@ -15,10 +15,10 @@ LIMITS = Limits(cpu_time_s=1, wall_time_s=5, memory_bytes=64 << 20, output_bytes
 def made(tmp_path: Path, slots: int = 2) -> Sandbox:
     sandbox = Sandbox(uid_base=session_uid_base() + 10, slots=slots, scratch_dir=tmp_path)
     for _ in range(200):  # made in the background
-        if len(sandbox._ready) == 2 * slots:
+        if len(sandbox._ready) == READY_PER_SLOT * slots:
             return sandbox
         time.sleep(0.05)
-    raise AssertionError(f"{len(sandbox._ready)} runs ready, {2 * slots} expected")
+    raise AssertionError(f"{len(sandbox._ready)} runs ready, {READY_PER_SLOT * slots} expected")
 
 
 def test_runs_wait_ready_in_their_own_cgroups_and_close_leaves_nothing(tmp_path):
