@@ -7,7 +7,8 @@
    minus the median of a bare ``subprocess.run(["/bin/true"])``, in the same run. Target: <= 25 ms.
    With its breakdown, the cases alternating run by run so that a neighbour slows each alike:
    bubblewrap alone (the sandbox's namespaces and mounts around /bin/true, no launcher), the
-   sandbox without memory cgroups, with the run's cgroup joined as the run starts (how every run
+   sandbox without memory cgroups and without its seccomp filter (so: the launcher's cost), then
+   with the filter, with the run's cgroup joined as the run starts (how every run
    paid it before), with a fake cgroup v2 tree (the v2 code path without the kernel's work; named
    as a fake), and as it runs now (joined ahead, in the background).
 2. Python's syntax check ("compilation"): the median time to compile a distinct program with
@@ -227,12 +228,22 @@ def overhead_breakdown(
     """Median ms of /bin/true per way of running it, the ways alternating run by run."""
     uid = args.sandbox_uid + 2 * args.workers  # beyond the service's and the boxed check's slots
     plain = Sandbox(uid_base=uid, slots=1, scratch_dir=tmp / "plain", memory_cgroups=False)
+    unfiltered = Sandbox(
+        uid_base=uid + 3,
+        slots=1,
+        scratch_dir=tmp / "unfiltered",
+        memory_cgroups=False,
+        use_seccomp=False,
+    )
     at_run = _JoinAtRun(uid_base=uid + 1, slots=1, scratch_dir=tmp / "at_run")
     fake_v2 = _fake_v2_sandbox(tmp / "fake_v2", uid + 2)
     bwrap = [plain._bwrap, *plain._fixed_args, "/bin/true"]
     cases = {
         "bare subprocess": lambda: subprocess.run(["/bin/true"], check=True),
         "bubblewrap alone": lambda: subprocess.run(bwrap, check=True),
+        "sandbox, no memory cgroup, no seccomp filter": lambda: unfiltered.run(
+            ["/bin/true"], limits=limits
+        ),
         "sandbox, no memory cgroup": lambda: plain.run(["/bin/true"], limits=limits),
         "sandbox, cgroup joined at the run (before)": lambda: at_run.run(
             ["/bin/true"], limits=limits
@@ -250,7 +261,7 @@ def overhead_breakdown(
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    for box in (plain, at_run, fake_v2):
+    for box in (plain, unfiltered, at_run, fake_v2):
         box.close()
     return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
