@@ -18,7 +18,7 @@ run: setup
 	$(PY) -m rlax_tpu.controller --config=configs/codeforces.py:local $(RUN_ARGS)
 
 test: setup lint
-	$(PY) -m pytest -q -n 2 --dist loadscope --durations=15
+	$(PY) -m pytest -q -n 3 --dist loadscope --durations=15
 
 # The docs site into site/ (warnings are errors), its flag reference first regenerated from the
 # comments in rlax_tpu/config/ (make test checks that the committed one is current).

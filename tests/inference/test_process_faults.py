@@ -38,6 +38,8 @@ def test_a_version_one_process_lacks_is_refused_and_killing_the_follower_ends_th
         [
             *[f"--config.inference.{k}={v}" for k, v in SERVICE_INFERENCE.items()],
             "--config.inference.mesh.tensor=2",
+            # The lead sees the death in 5 s (the default 20 s bound: tests/trainer's test).
+            "--config.inference.distributed.heartbeat_timeout_s=5",
         ],
         [
             ["--config.inference.address=127.0.0.1:0", _endpoints(endpoints[0])],
