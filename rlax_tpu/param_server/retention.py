@@ -5,12 +5,13 @@ Replicas add availability, so a dead replica must not hold GC back for ever: eve
 replica's progress is a lease on its say in GC. A replica whose progress was not reported again
 within ``replica_lease_s`` (it is down, or partitioned from the trainer that reports it) stops
 counting until its next report; a replica never heard of counts from this server's start for one
-lease (a replica that boots a little later is waited for). A replica the trainer saw miss a
-version (down, or refusing it) stops counting at once: it would catch up by later pushes, not
-from the versions its peers keep. This replica's own progress never lapses (it is what it holds). Reports come with the trainer's pushes, so when pushes are further
-apart than the lease every peer has lapsed by the next commit and each replica collects by its
-own progress: harmless while the replicas take the same versions, and a replica that missed
-some is one whose progress should not hold GC back.
+lease (a replica that boots a little later is waited for). A replica the trainer saw miss a version
+(down, or refusing it) stops counting at once: it would catch up by later pushes, not from the
+versions its peers keep. This replica's own progress never lapses (it is what it holds). Reports
+come with the trainer's pushes, so when pushes are further apart than the lease every peer has
+lapsed by the next commit and each replica collects by its own progress: harmless while the
+replicas take the same versions, and a replica that missed some is one whose progress should not
+hold GC back.
 
 Pure bookkeeping, no I/O; the caller serializes access.
 """
