@@ -211,8 +211,8 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     """Five SIGKILLs, one of each kind, each restarted, over a trainer and an inference worker of
     2 jax.distributed processes each and 2 parameter-server replicas: the trainer and inference
     kills hit a follower process alone, and its lead ends on its own within 30 s (the failure
-    rule) before the job restarts; one
-    replica is killed while the other serves. Every group trained exactly once, η_a held, final
+    rule) before the job restarts; one replica is killed while the other serves. Every group
+    trained exactly once, η_a held, final
     trainer state bitwise the uninterrupted run's (same topology), no partial version served,
     every checkpoint and snapshot complete; a restarted process reuses the compilation cache."""
     run_dir = tmp_path / "run"
