@@ -212,9 +212,9 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     2 jax.distributed processes each and 2 parameter-server replicas: the trainer and inference
     kills hit a follower process alone, and its lead ends on its own within 30 s (the failure
     rule) before the job restarts; one replica is killed while the other serves. Every group
-    trained exactly once, η_a held, final
-    trainer state bitwise the uninterrupted run's (same topology), no partial version served,
-    every checkpoint and snapshot complete; a restarted process reuses the compilation cache."""
+    trained exactly once, η_a held, final trainer state bitwise the uninterrupted run's (same
+    topology), no partial version served, every checkpoint and snapshot complete; a restarted
+    process reuses the compilation cache."""
     run_dir = tmp_path / "run"
     args = [*_tiny(run_dir, STEPS), *TOPOLOGY, "--kills=5", "--seed=0"]
     env = _env()
