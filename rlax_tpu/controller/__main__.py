@@ -11,6 +11,12 @@ runs only the supervised warm-up (controller.warmup_steps) and writes the warmed
 (HF safetensors + tokenizer), for services started apart that load it
 (model.weights_format=safetensors, model.weights_path=DIR); `python -m rlax_tpu.launch` does this.
 
+    python -m rlax_tpu.controller --config=... --evaluate=human_eval[,functions,...]
+
+trains nothing: it evaluates the run's newest version (no snapshot: the initial weights) on every
+problem of the named datasets, e.g. HumanEval for a run that never trains on it, and writes each
+sample with its verdict under <run_dir>/eval/<dataset>/ (rlax_tpu/controller/evaluate.py).
+
 Exit codes: 0 the run finished (or had), 1 a clear error, 2 bad flags or config, 143 stopped by
 SIGTERM (the same command resumes it).
 """
@@ -27,6 +33,12 @@ from rlax_tpu.config import RunConfig
 
 WARMUP_OUT = flags.DEFINE_string(
     "warmup_out", None, "Run only the supervised warm-up and write its weights to this folder."
+)
+
+EVALUATE = flags.DEFINE_list(
+    "evaluate",
+    None,
+    "Train nothing: evaluate the run's newest version on every problem of these datasets.",
 )
 
 
@@ -81,6 +93,11 @@ def run(config: RunConfig, args: list[str]) -> int:
 
             export_warmup(config, WARMUP_OUT.value)
             return 0
+        if EVALUATE.value:
+            from rlax_tpu.controller.evaluate import evaluate_job
+
+            evaluate_job(config, EVALUATE.value)
+            return 0
         run_job(config, command="python -m rlax_tpu.controller " + " ".join(sys.argv[1:]))
     except (
         IncompatibleResume,
@@ -93,7 +110,7 @@ def run(config: RunConfig, args: list[str]) -> int:
         return 1
     except Terminated:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if not WARMUP_OUT.value and _finished(config):
+        if not (WARMUP_OUT.value or EVALUATE.value) and _finished(config):
             print("rlax_tpu.controller: stopped by SIGTERM after the run finished", file=sys.stderr)
             return 0
         print(

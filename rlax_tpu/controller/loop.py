@@ -44,6 +44,7 @@ from rlax_tpu.controller.tasks import SpecCache
 from rlax_tpu.data.evaluation import mean_pass_at_k
 from rlax_tpu.data.filters import prefilter
 from rlax_tpu.data.mixture import PromptMixture, PromptRef
+from rlax_tpu.data.problems import Problem
 from rlax_tpu.observability.metrics import MetricsWriter
 from rlax_tpu.observability.progress import Progress
 from rlax_tpu.trainer import CorruptCheckpointError
@@ -524,25 +525,39 @@ class Controller:
         problems = self.prompter.datasets.held_out
         if not problems:
             return {}
+        metrics = self.evaluate_problems(
+            [(p.id, p) for p in problems],
+            self.run_dir / EVAL_DIR / f"version_{self.version:06d}.jsonl",
+            stream="eval",
+        )
+        self.evals[self.version] = metrics
+        self.counters.last_eval_version = self.version
+        return metrics
+
+    def evaluate_problems(
+        self, problems: Sequence[tuple[str, Problem]], answers_file: Path, *, stream: str
+    ) -> dict[str, float]:
+        """pass@1 and pass@k (k = data.eval_samples) of ``(key, problem)`` pairs with the
+        current version; every sample's text and verdict go to ``answers_file`` (JSON lines), so
+        a run's answers can be read and compared across versions. Prompts longer than the
+        workers take are left out (``eval/problems`` counts the rest)."""
         k = self.config.data.eval_samples
         t0 = time.perf_counter()
-        fitting = [(p.id, p) for p in problems if self.prompter.fits(p)]
+        fitting = [(key, p) for key, p in problems if self.prompter.fits(p)]
+        if not fitting:
+            raise ValueError(
+                f"every one of the {len(problems)} problems to evaluate is longer than "
+                f"inference.max_prompt_len = {self.config.inference.max_prompt_len}"
+            )
         answers: list[dict[str, Any]] = []
-        counts = list(self._pass_counts(fitting, k, stream="eval", answers=answers).values())
-        # Every sample's text, so a run's answers can be read (and compared across versions).
-        storage.write_atomic(
-            self.run_dir / EVAL_DIR / f"version_{self.version:06d}.jsonl",
-            "".join(json.dumps(a) + "\n" for a in answers),
-        )
-        metrics = {
+        counts = list(self._pass_counts(fitting, k, stream=stream, answers=answers).values())
+        storage.write_atomic(answers_file, "".join(json.dumps(a) + "\n" for a in answers))
+        return {
             "eval/pass@1": mean_pass_at_k(counts, k, 1),
             f"eval/pass@{k}": mean_pass_at_k(counts, k, k),
             "eval/problems": float(len(counts)),
             "time/eval": time.perf_counter() - t0,
         }
-        self.evals[self.version] = metrics
-        self.counters.last_eval_version = self.version
-        return metrics
 
     def _eval_due(self) -> bool:
         every = self.config.data.eval_every
@@ -783,9 +798,13 @@ class Controller:
         finally:
             progress.close()
             metrics.close()
-            self.pool.close()
-            self._verify_pool.shutdown(wait=False, cancel_futures=True)
+            self.close()
         return self._summary(t0, already_finished=False)
+
+    def close(self) -> None:
+        """Stops the controller's own threads (generation and verification jobs)."""
+        self.pool.close()
+        self._verify_pool.shutdown(wait=False, cancel_futures=True)
 
     def drain(self) -> None:
         """Waits for this controller's generation and verification calls still running (after a

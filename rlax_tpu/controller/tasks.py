@@ -4,7 +4,10 @@ Two prompt styles:
   * ``raw`` (tiny models trained here): the statement, then an opened code fence; the model writes
     the program and closes the fence. The program is the text before the first closing fence.
   * ``chat`` (instruct models): a ChatML conversation asking for one fenced program; the program
-    is the last fenced block of the answer.
+    is the last fenced block of the answer. For a function to complete (HumanEval layout) it is the
+    last block that defines the function (models often end with a usage example), else the last
+    block, run after the problem's own prompt so its imports and helpers are there. An answer with
+    no fenced block runs nothing and earns the compile-error reward (0 by default).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ FENCE = "```"
 _LANG_TAGS = {"python": "python", "cpp": "cpp", "rust": "rust", "java": "java"}
 _CODE_SYSTEM = (
     "You are an expert competitive programmer. Answer with one complete program in a code block."
+)
+_FUNCTION_SYSTEM = (
+    "You are an expert Python programmer. Answer with the complete function in one code block."
 )
 # A math question must not be framed as a programming task: under the code system prompt
 # SmolLM2-135M answered arithmetic with programs and never stated an answer (issue [real-model]).
@@ -62,7 +68,9 @@ def prompt_text(
         return f"{body}\n{FENCE}{tag}\n"
     if tokenizer is None:
         raise ValueError("the chat prompt style needs a tokenizer with a chat template")
-    system = _MATH_SYSTEM if isinstance(problem, MathProblem) else _CODE_SYSTEM
+    system = {MathProblem: _MATH_SYSTEM, UnitTestProblem: _FUNCTION_SYSTEM}.get(
+        type(problem), _CODE_SYSTEM
+    )
     messages = [
         {"role": "system", "content": system},
         {"role": "user", "content": f"{body}\n\n{ask}"},
@@ -77,6 +85,25 @@ def extract_program(completion: str, *, style: PromptStyle) -> str | None:
         return code if code.strip() else None
     blocks = _FENCED.findall(completion)
     return blocks[-1] if blocks else None
+
+
+def extract_function(completion: str, entry_point: str) -> str | None:
+    """The fenced block of a chat answer that defines ``entry_point`` (the last such), else the
+    last block; None if the answer has no fenced block."""
+    blocks = _FENCED.findall(completion)
+    if not blocks:
+        return None
+    defines = re.compile(rf"^\s*(async\s+)?def\s+{re.escape(entry_point)}\s*\(", re.M)
+    return next((b for b in reversed(blocks) if defines.search(b)), blocks[-1])
+
+
+def unit_test_code(problem: UnitTestProblem, block: str) -> str:
+    """The program a block of a chat answer makes: the problem's prompt (imports, helpers and the
+    stub), then the block, which redefines the function; a block of indented lines is the body
+    and completes the stub instead."""
+    if block[:1] in (" ", "\t"):
+        return problem.prompt + block
+    return f"{problem.prompt}\n{block}"
 
 
 class SpecCache:
@@ -115,13 +142,13 @@ def make_task(
         response = f"Answer:{completion}" if style == "raw" else completion
         return MathTask(response=response, answer=problem.answer)
     if isinstance(problem, UnitTestProblem):
-        code = (
-            problem.prompt + completion
-            if style == "raw"
-            else extract_program(completion, style=style)
-        )
-        if not code:
-            return None
+        if style == "raw":
+            code = problem.prompt + completion
+        else:
+            block = extract_function(completion, problem.entry_point)
+            if block is None or not block.strip():
+                return None
+            code = unit_test_code(problem, block)
         return UnitTestTask(code=code, test=problem.test, entry_point=problem.entry_point)
     program = extract_program(completion, style=style)
     if program is None:

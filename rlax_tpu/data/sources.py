@@ -157,6 +157,13 @@ def _unseen(
     return list(fresh.values())[:n]
 
 
+def dataset_problems(name: str, cfg: DataConfig, *, seed: int) -> list[Problem]:
+    """Every problem of one dataset (its training and held-out parts), for an evaluation on a
+    set the run never trains on (``--evaluate``)."""
+    train, held_out = _one(name, cfg, seed)
+    return [*train, *held_out]
+
+
 def load_datasets(cfg: DataConfig, *, seed: int) -> Datasets:
     """Training problems per dataset and a seeded choice of ``eval_problems`` held-out ones."""
     train, held_out = {}, []

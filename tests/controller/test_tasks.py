@@ -12,6 +12,7 @@ from rlax_tpu.config import VerifierConfig
 from rlax_tpu.controller.tasks import (
     FENCE,
     SpecCache,
+    extract_function,
     extract_program,
     make_task,
     prompt_text,
@@ -76,6 +77,32 @@ def test_chat_prompt_and_extraction():
     assert extract_program("no code here", style="chat") is None
     with pytest.raises(ValueError, match="needs a tokenizer"):
         prompt_text(problem, style="chat")
+
+
+def test_a_function_answer_runs_its_defining_block_after_the_prompt(verifier):
+    """Chat answers to a function problem: the block that defines the function counts, not the
+    usage example after it, and the problem's own imports and stub come first."""
+    human_eval = load_human_eval()[0]  # needs `from typing import List` from its prompt
+    name = human_eval.entry_point
+    solution = f"def {name}(numbers: List[float], threshold: float) -> bool:\n"
+    solution += human_eval.canonical_solution
+    usage = f"```python\nprint({name}([1.0, 2.0], 0.5))\n```\n"
+    answer = f"Here:\n```python\n{solution}```\nUse it like this:\n{usage}"
+    assert extract_function(answer, name) == solution
+    assert extract_function(usage, name) == f"print({name}([1.0, 2.0], 0.5))\n"
+    assert extract_function("def f(): pass", name) is None
+    body_only = f"```python\n{human_eval.canonical_solution}```"
+    specs = SpecCache(verifier)
+    cases = [
+        (answer, 1.0),  # the defining block, its List from the prompt's import
+        (body_only, 1.0),  # an indented block is the body: it completes the stub
+        (usage, 0.0),  # no definition: the stub (returns None) is graded
+        (answer.replace(f"def {name}(", f"def {name}_v2("), 0.0),  # another name
+    ]
+    tasks = [make_task(human_eval, text, style="chat", specs=specs) for text, _ in cases]
+    verdicts = verifier.verify(tasks)
+    assert [reward(v) for v in verdicts] == [r for _, r in cases], [v.detail for v in verdicts]
+    assert make_task(human_eval, solution, style="chat", specs=specs) is None  # no fence
 
 
 def test_a_math_chat_prompt_asks_for_an_answer_not_a_program():
