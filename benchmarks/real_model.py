@@ -1,15 +1,23 @@
-"""RL on a real model: SmolLM2-135M-Instruct on two-term sums (configs/smollm2_math.py:cpu).
+"""RL on a real model: SmolLM2-135M-Instruct on two-term sums (configs/smollm2_math.py:cpu) or on
+the project's own functions graded in the sandbox (``--task code``: configs/codeforces.py:smollm2).
 
-    .venv/bin/python benchmarks/real_model.py run --seeds 0 1 2 [--minutes 60]
+    .venv/bin/python benchmarks/real_model.py [--task code] run --seeds 0 1 2 [--minutes 60]
     .venv/bin/python benchmarks/real_model.py trainer      # the trainer step, before and after
-    .venv/bin/python benchmarks/real_model.py report       # the tables for RESULTS.md
+    .venv/bin/python benchmarks/real_model.py --task code baseline   # base pass rates by family
+    .venv/bin/python benchmarks/real_model.py [--task code] report   # the tables for RESULTS.md
 
-``run`` starts ``python -m rlax_tpu.controller --config=configs/smollm2_math.py:cpu`` once per
+``run`` starts ``python -m rlax_tpu.controller --config=<the task's preset>`` once per
 seed (``--config.controller.seed``; held-out evals every 5 versions instead of the preset's 10, for the
 curve), stops it at ``--minutes`` of wall time (SIGTERM: the controller's preemption path) and
 writes ``benchmarks/real_model/seed<N>.json``: held-out pass@1 / pass@k against version and
 minutes since start, reward, |log π_old − log μ|, the step-time breakdown, and raw held-out
-answers before and after (from ``<run_dir>/eval/version_<v>.jsonl``).
+answers before and after (from ``<run_dir>/eval/version_<v>.jsonl``). For the code task it then
+evaluates HumanEval, which the run never trains on, at version 0 and at the version the run
+stopped at (``--evaluate=human_eval``, outside the time budget), into ``seed<N>.json`` too.
+
+``baseline`` (code task) evaluates the initial model on every candidate family with
+``--evaluate`` (the functions' training and held-out splits, the procedural and bundled
+stdin/stdout problems, HumanEval): the measurement that chose the training problems.
 
 ``trainer`` times one update on synthetic 64-row batches of the preset's shape (SmolLM2's real
 shape, random weights: timing does not depend on the values) with the trainer settings before
@@ -31,8 +39,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OUT = Path(__file__).with_suffix("")
-CONFIG = "configs/smollm2_math.py:cpu"
+TASKS = {  # task -> (preset, output directory)
+    "math": ("configs/smollm2_math.py:cpu", Path(__file__).with_suffix("")),
+    "code": ("configs/codeforces.py:smollm2", Path(__file__).with_name("real_model_code")),
+}
+CONFIG, OUT = TASKS["math"]
+EXTERNAL = "human_eval"  # the code task's evaluation on problems it never trains on
+BASELINE_FAMILIES = ("functions", "procedural", "bundled", "human_eval")
 EVAL_EVERY = 5
 SAMPLES_SHOWN = 6
 GROUP = 8  # the preset's algorithm.group_size
@@ -85,7 +98,105 @@ def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
         raise SystemExit(
             f"seed {seed}: the run wrote no metrics (exit {proc.returncode}):\n" + "\n".join(tail)
         )
-    return _summarize(seed, run_dir, t0, minutes, stopped, proc.returncode)
+    result = _summarize(seed, run_dir, t0, minutes, stopped, proc.returncode)
+    if TASKS["code"][0] == CONFIG:
+        before_dir = run_root / f"seed{seed}-v0"
+        result["external"] = {
+            "before": _evaluate(before_dir, seed, [EXTERNAL], run_root / f"seed{seed}-v0.log")[
+                EXTERNAL
+            ],
+            "after": _evaluate(run_dir, seed, [EXTERNAL], run_root / f"seed{seed}-eval.log")[
+                EXTERNAL
+            ],
+        }
+    return result
+
+
+def _evaluate(run_dir: Path, seed: int, datasets: list[str], log_path: Path) -> dict[str, dict]:
+    """``--evaluate`` of the run in ``run_dir`` (its newest version; none: the initial weights):
+    dataset -> its metrics, its answers' verdict counts and its first answers."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlax_tpu.controller",
+        f"--config={CONFIG}",
+        f"--config.controller.seed={seed}",
+        f"--config.controller.run_dir={run_dir}",
+        f"--evaluate={','.join(datasets)}",
+    ]
+    print("$", " ".join(cmd), flush=True)
+    with log_path.open("w") as log:
+        code = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = log_path.read_text().splitlines()[-20:]
+        raise SystemExit(f"--evaluate exited {code}:\n" + "\n".join(tail))
+    out = {}
+    for name in datasets:
+        where = run_dir / "eval" / name
+        summary = sorted(where.glob("version_*.json"))[-1]
+        rows = [json.loads(x) for x in summary.with_suffix(".jsonl").read_text().splitlines()]
+        out[name] = json.loads(summary.read_text()) | {
+            "verdicts": _verdict_counts(rows),
+            "samples": _first_samples(rows),
+            "rows": rows,
+        }
+    return out
+
+
+def _verdict_counts(rows: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in rows:
+        kind = "no program" if r["detail"] == "no program in the completion" else r["verdict"]
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def _first_samples(rows: list[dict]) -> list[dict]:
+    """The first sample of each of the first SAMPLES_SHOWN problems."""
+    seen, shown = set(), []
+    for r in rows:
+        if r["problem"] not in seen and len(shown) < SAMPLES_SHOWN:
+            seen.add(r["problem"])
+            shown.append(r)
+    return shown
+
+
+def baseline(root: Path) -> dict:
+    """The initial model's pass rates on every candidate family (the code task's choice)."""
+    sys.path.insert(0, str(REPO))
+    from rlax_tpu.data.functions import load_functions
+
+    found = _evaluate(root / "baseline", 0, list(BASELINE_FAMILIES), root / "baseline.log")
+    split_of = {p.id: s for s, ps in load_functions().items() for p in ps}
+    families = {}
+    for name, res in found.items():
+        rows = res.pop("rows")
+        groups = {name: rows}
+        if name == "functions":
+            groups = {
+                f"functions ({split})": [
+                    r for r in rows if split_of[r["problem"].split(":", 1)[1]] == split
+                ]
+                for split in ("train", "held_out")
+            }
+        for label, rs in groups.items():
+            per_problem: dict[str, int] = {}
+            for r in rs:
+                per_problem[r["problem"]] = per_problem.get(r["problem"], 0) + (
+                    r["verdict"] == "accepted"
+                )
+            families[label] = dict(
+                pass1=sum(r["verdict"] == "accepted" for r in rs) / max(len(rs), 1),
+                problems=len(per_problem),
+                samples=len(rs),
+                problems_ever_passed=sum(c > 0 for c in per_problem.values()),
+                verdicts=_verdict_counts(rs),
+                per_problem=per_problem,
+            )
+    return dict(
+        families=families,
+        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+    )
 
 
 def _summarize(
@@ -121,6 +232,7 @@ def _summarize(
     return dict(
         seed=seed,
         command=f"{CONFIG} --config.controller.seed={seed} --config.data.eval_every={EVAL_EVERY}",
+        config=CONFIG,
         stopped_at_minutes=minutes if stopped else None,
         exit_code=code,
         evals=evals,
@@ -128,7 +240,7 @@ def _summarize(
         gain=best["pass1"] - base,
         best=best,
         first_plus_10=first,
-        answers=_answers(run_dir, evals[0]["version"], best["version"]),
+        answers=_answers(run_dir, evals[0]["version"], evals[-1]["version"]),
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
     )
 
@@ -141,16 +253,12 @@ def _answers(run_dir: Path, before: int, after: int) -> dict:
             json.loads(x)
             for x in (run_dir / "eval" / f"version_{v:06d}.jsonl").read_text().splitlines()
         ]
-        seen, shown = set(), []
-        for r in rows:
-            if r["problem"] not in seen and len(shown) < SAMPLES_SHOWN:
-                seen.add(r["problem"])
-                shown.append(r)
         out[name] = dict(
             version=v,
-            samples=shown,
+            samples=_first_samples(rows),
             accepted=sum(r["verdict"] == "accepted" for r in rows),
             total=len(rows),
+            verdicts=_verdict_counts(rows),
         )
     return out
 
@@ -259,6 +367,8 @@ def report(steps: bool = False) -> None:
                 f"| {s.get('generate_s', 0):.1f} | {s.get('logp_old_s', 0):.1f} "
                 f"| {s.get('update_s', 0):.1f} | {s.get('train_s', 0):.1f} |"
             )
+    if any("external" in json.loads(p.read_text()) for p in seeds):
+        _report_code(seeds)
     trainer = OUT / "trainer.json"
     if trainer.exists():
         t = json.loads(trainer.read_text())
@@ -276,17 +386,30 @@ def report(steps: bool = False) -> None:
 
 
 def main() -> None:
+    global CONFIG, OUT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="math")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train one run per seed and write seed<N>.json")
     run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     run.add_argument("--minutes", type=float, default=60.0, help="wall-time budget per seed")
     run.add_argument("--run-root", default=None, help="where the run directories go (a temp dir)")
     sub.add_parser("trainer", help="the trainer step before and after, as a fraction of peak")
+    base = sub.add_parser("baseline", help="the initial model on every candidate family (code)")
+    base.add_argument("--run-root", default=None, help="where the evaluation goes (a temp dir)")
     rep = sub.add_parser("report", help="print the RESULTS.md tables from the JSON files")
     rep.add_argument("--steps", action="store_true", help="also every step of every seed")
     args = parser.parse_args()
+    CONFIG, OUT = TASKS[args.task]
     OUT.mkdir(exist_ok=True)
+    if args.command == "baseline":
+        if args.task != "code":
+            raise SystemExit("baseline measures the code task's families: use --task code")
+        root = Path(args.run_root or tempfile.mkdtemp(prefix="real-model-baseline-"))
+        root.mkdir(parents=True, exist_ok=True)
+        result = baseline(root)
+        (OUT / "baseline.json").write_text(json.dumps(result, indent=2))
+        _print_baseline(result)
     if args.command == "run":
         root = Path(args.run_root or tempfile.mkdtemp(prefix="real-model-"))
         root.mkdir(parents=True, exist_ok=True)
@@ -298,9 +421,49 @@ def main() -> None:
                 f"{result['best']['pass1']:.3f} ({result['gain'] * 100:+.1f} points)",
                 flush=True,
             )
-    elif args.command == "trainer":
+    if args.command == "trainer":
         (OUT / "trainer.json").write_text(json.dumps(trainer_fraction(), indent=2))
-    report(steps=getattr(args, "steps", False))
+    if args.command == "report":
+        report(steps=args.steps)
+
+
+def _report_code(seeds: list[Path]) -> None:
+    """HumanEval before and after, and the programs of the held-out evals before and after."""
+    print(
+        f"\n{EXTERNAL} (never trained on), pass@1 of 4 samples at temperature 1, before and after"
+    )
+    print("| seed | version | pass@1 before | pass@1 after | no program before | after |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for path in seeds:
+        r = json.loads(path.read_text())
+        if "external" not in r:
+            continue
+        b, a = r["external"]["before"], r["external"]["after"]
+        print(
+            f"| {r['seed']} | {int(a['version'])} | {b['eval/pass@1']:.3f} | {a['eval/pass@1']:.3f} "
+            f"| {b['verdicts'].get('no program', 0)} / {sum(b['verdicts'].values())} "
+            f"| {a['verdicts'].get('no program', 0)} / {sum(a['verdicts'].values())} |"
+        )
+    r = json.loads(seeds[0].read_text())
+    for when in ("before", "after"):
+        ans = r["answers"][when]
+        print(
+            f"\nseed {r['seed']}, held-out answers at version {ans['version']} ({when}): "
+            f"{ans['accepted']} of {ans['total']} accepted; verdicts {ans['verdicts']}"
+        )
+        for sample in ans["samples"]:
+            print(f"\n`{sample['problem']}`: {sample['verdict']}\n")
+            print("~~~~\n" + sample["answer"].rstrip() + "\n~~~~")
+
+
+def _print_baseline(result: dict) -> None:
+    print("| family | problems | samples | pass@1 | problems passed at least once | no program |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, f in result["families"].items():
+        print(
+            f"| {name} | {f['problems']} | {f['samples']} | {f['pass1']:.3f} "
+            f"| {f['problems_ever_passed']} | {f['verdicts'].get('no program', 0)} |"
+        )
 
 
 if __name__ == "__main__":

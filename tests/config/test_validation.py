@@ -61,6 +61,11 @@ def test_smollm2_math_presets_validate_and_find_the_packaged_weights():
         cfg = from_dict(RunConfig, mod.get_config(preset))
         assert cfg.model.weights_format == "gguf" and Path(cfg.model.weights_path).is_file()
         assert cfg.data.datasets == (mod.TWO_TERM_SUMS,)
+    code = from_dict(RunConfig, _codeforces().get_config("smollm2"))
+    assert code.model.weights_path == cfg.model.weights_path and code.data.datasets == (
+        "functions",
+    )
+    assert code.prompt_style == "chat" and code.controller.warmup_steps == 0
 
 
 def test_presets_validate():
