@@ -130,9 +130,12 @@ def _evaluate(run_dir: Path, seed: int, datasets: list[str], log_path: Path) -> 
     if code != 0:
         tail = log_path.read_text().splitlines()[-20:]
         raise SystemExit(f"--evaluate exited {code}:\n" + "\n".join(tail))
+    sys.path.insert(0, str(REPO))
+    from rlax_tpu.controller.evaluate import directory_name
+
     out = {}
     for name in datasets:
-        where = run_dir / "eval" / name
+        where = run_dir / "eval" / directory_name(name)
         summary = sorted(where.glob("version_*.json"))[-1]
         rows = [json.loads(x) for x in summary.with_suffix(".jsonl").read_text().splitlines()]
         out[name] = json.loads(summary.read_text()) | {
@@ -430,7 +433,8 @@ def main() -> None:
 def _report_code(seeds: list[Path]) -> None:
     """HumanEval before and after, and the programs of the held-out evals before and after."""
     print(
-        f"\n{EXTERNAL} (never trained on), pass@1 of 4 samples at temperature 1, before and after"
+        f"\n{EXTERNAL} (never trained on), pass@1 (unbiased, of data.eval_samples samples at the "
+        "preset's temperature) before and after"
     )
     print("| seed | version | pass@1 before | pass@1 after | no program before | after |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -103,6 +103,20 @@ def test_controller_rejects_stray_arguments():
     assert "unexpected arguments ['extra']" in out.stderr
 
 
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (["--evaluate="], "names no dataset"),  # e.g. an empty shell variable: never a training
+        (["--evaluate=human_eval,"], "names no dataset"),
+        (["--evaluate=human_eval", "--warmup_out=/tmp/x"], "do not go together"),
+    ],
+)
+def test_controller_refuses_an_evaluate_that_names_nothing(flags, why, tmp_path):
+    out = run("controller", LOCAL, f"--config.controller.run_dir={tmp_path / 'run'}", *flags)
+    assert out.returncode == EXIT_USAGE and why in out.stderr, out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_override_helper():
     assert unknown_override(["prog", "--config.trainer.learning_rate=1"]) is None
     assert unknown_override(["prog", "--config.mesh.tensor.x=1"]) == (

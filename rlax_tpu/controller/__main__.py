@@ -77,6 +77,11 @@ def run(config: RunConfig, args: list[str]) -> int:
     if args:
         print(f"rlax_tpu.controller: unexpected arguments {args}", file=sys.stderr)
         return cli.EXIT_USAGE
+    names = EVALUATE.value or []
+    if EVALUATE.present and (not names or not all(names) or WARMUP_OUT.value):
+        why = "and --warmup_out do not go together" if names and all(names) else "names no dataset"
+        print(f"rlax_tpu.controller: error: --evaluate={','.join(names)} {why}", file=sys.stderr)
+        return cli.EXIT_USAGE
     # SIGTERM abandons the step in flight (the newest snapshot says what to re-issue, so nothing
     # is lost or trained twice), closes the components as an error would, and exits
     # EXIT_TERMINATED, or 0 if the run had finished.
@@ -93,10 +98,14 @@ def run(config: RunConfig, args: list[str]) -> int:
 
             export_warmup(config, WARMUP_OUT.value)
             return 0
-        if EVALUATE.value:
+        if EVALUATE.present:
             from rlax_tpu.controller.evaluate import evaluate_job
 
-            evaluate_job(config, EVALUATE.value)
+            try:
+                evaluate_job(config, EVALUATE.value)
+            except ValueError as e:  # DataError is one: the same message
+                print(f"rlax_tpu.controller: error: {e}", file=sys.stderr)
+                return 1
             return 0
         run_job(config, command="python -m rlax_tpu.controller " + " ".join(sys.argv[1:]))
     except (
@@ -110,7 +119,10 @@ def run(config: RunConfig, args: list[str]) -> int:
         return 1
     except Terminated:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if not (WARMUP_OUT.value or EVALUATE.value) and _finished(config):
+        if EVALUATE.present:
+            print("rlax_tpu.controller: --evaluate stopped by SIGTERM", file=sys.stderr)
+            return EXIT_TERMINATED
+        if not WARMUP_OUT.value and _finished(config):
             print("rlax_tpu.controller: stopped by SIGTERM after the run finished", file=sys.stderr)
             return 0
         print(

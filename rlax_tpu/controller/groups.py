@@ -199,19 +199,20 @@ class Prompter:
         self.group_size, self.seed = group_size, seed
         self.max_prompt_len = max_prompt_len
         self.stop_token_ids = tuple(stop_token_ids)
-        self._tokens: dict[str, np.ndarray] = {}
+        # By (source, id): two datasets may use the same ids.
+        self._tokens: dict[tuple[str, str], np.ndarray] = {}
 
     def problem(self, ref: PromptRef) -> Problem:
         return self.datasets.problem(ref.dataset, ref.problem_id)
 
     def prompt_tokens(self, problem: Problem) -> np.ndarray:
-        if problem.id not in self._tokens:
+        if (problem.source, problem.id) not in self._tokens:
             text = tasks_lib.prompt_text(
                 problem, style=self.style, language=self.language, tokenizer=self.tokenizer
             )
             ids = self.tokenizer.encode(text)
-            self._tokens[problem.id] = np.asarray(ids, np.int32)
-        return self._tokens[problem.id]
+            self._tokens[problem.source, problem.id] = np.asarray(ids, np.int32)
+        return self._tokens[problem.source, problem.id]
 
     def fits(self, problem: Problem) -> bool:
         return 0 < len(self.prompt_tokens(problem)) <= self.max_prompt_len

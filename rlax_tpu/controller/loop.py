@@ -384,6 +384,24 @@ class Controller:
             raise RuntimeError(f"no usable snapshot in {self.snapshots.dir} (see warnings)")
         return False
 
+    def newest_restorable_version(self) -> int | None:
+        """The version a resume would restore (the newest snapshot whose trainer checkpoint is
+        complete), read without changing anything (``restore`` also truncates the ledger and
+        replay logs to that snapshot); None for a run with no snapshot."""
+        checkpoints = set(self.c.trainer.status().checkpoint_steps)
+        for step in reversed(self.snapshots.steps()):
+            try:
+                payload = json.loads(self.snapshots.load(step)["json"])
+            except Exception as e:
+                self._warn(f"skipping unreadable snapshot {step}: {e}")
+                continue
+            self.check_compatible(payload["config"])
+            if int(payload["version"]) in checkpoints:
+                return int(payload["version"])
+        if self.snapshots.steps():
+            raise RuntimeError(f"no usable snapshot in {self.snapshots.dir} (see warnings)")
+        return None
+
     def _load(self, p: dict[str, Any]) -> None:
         self.step, self.version = int(p["step"]), int(p["version"])
         self.mixture.restore(p["mixture"])
@@ -535,22 +553,38 @@ class Controller:
         return metrics
 
     def evaluate_problems(
-        self, problems: Sequence[tuple[str, Problem]], answers_file: Path, *, stream: str
+        self,
+        problems: Sequence[tuple[str, Problem]],
+        answers_file: Path,
+        *,
+        stream: str,
+        chunk: int = 0,
     ) -> dict[str, float]:
         """pass@1 and pass@k (k = data.eval_samples) of ``(key, problem)`` pairs with the
         current version; every sample's text and verdict go to ``answers_file`` (JSON lines), so
         a run's answers can be read and compared across versions. Prompts longer than the
-        workers take are left out (``eval/problems`` counts the rest)."""
+        workers take are left out (``eval/problems`` counts the rest). ``chunk`` > 0 sends that
+        many problems at a time and reports progress after each."""
         k = self.config.data.eval_samples
         t0 = time.perf_counter()
         fitting = [(key, p) for key, p in problems if self.prompter.fits(p)]
         if not fitting:
             raise ValueError(
-                f"every one of the {len(problems)} problems to evaluate is longer than "
-                f"inference.max_prompt_len = {self.config.inference.max_prompt_len}"
+                f"no problem to evaluate: {len(problems)} given, none within "
+                f"inference.max_prompt_len = {self.config.inference.max_prompt_len} tokens"
             )
         answers: list[dict[str, Any]] = []
-        counts = list(self._pass_counts(fitting, k, stream=stream, answers=answers).values())
+        counts: list[int] = []
+        size = chunk if chunk > 0 else len(fitting)
+        for start in range(0, len(fitting), size):
+            part = fitting[start : start + size]
+            counts += self._pass_counts(part, k, stream=stream, answers=answers).values()
+            if chunk > 0:
+                done = start + len(part)
+                self._event(
+                    f"  {done}/{len(fitting)} problems, pass@1 so far "
+                    f"{mean_pass_at_k(counts, k, 1):.3f} ({time.perf_counter() - t0:.0f} s)"
+                )
         storage.write_atomic(answers_file, "".join(json.dumps(a) + "\n" for a in answers))
         return {
             "eval/pass@1": mean_pass_at_k(counts, k, 1),

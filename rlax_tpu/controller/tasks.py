@@ -6,13 +6,16 @@ Two prompt styles:
   * ``chat`` (instruct models): a ChatML conversation asking for one fenced program; the program
     is the last fenced block of the answer. For a function to complete (HumanEval layout) it is the
     last block that defines the function (models often end with a usage example), else the last
-    block, run after the problem's own prompt so its imports and helpers are there. An answer with
-    no fenced block runs nothing and earns the compile-error reward (0 by default).
+    block; its top-level imports, definitions and assignments run after the problem's own prompt
+    (its imports and helpers), its usage lines do not. An answer with no fenced block (or only an
+    unclosed one, cut by the token limit) runs nothing and earns the compile-error reward.
 """
 
 from __future__ import annotations
 
+import ast
 import re
+import textwrap
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
@@ -35,7 +38,7 @@ _FUNCTION_SYSTEM = (
 _MATH_SYSTEM = (
     "You are a careful math assistant. Work the problem out, then state the final answer."
 )
-_FENCED = re.compile(r"```[A-Za-z0-9+]*\n(.*?)```", re.S)
+_FENCED = re.compile(r"```[A-Za-z0-9+]*\r?\n(.*?)```", re.S)
 
 
 class TextTokenizer(Protocol):
@@ -68,8 +71,12 @@ def prompt_text(
         return f"{body}\n{FENCE}{tag}\n"
     if tokenizer is None:
         raise ValueError("the chat prompt style needs a tokenizer with a chat template")
-    system = {MathProblem: _MATH_SYSTEM, UnitTestProblem: _FUNCTION_SYSTEM}.get(
-        type(problem), _CODE_SYSTEM
+    system = (
+        _MATH_SYSTEM
+        if isinstance(problem, MathProblem)
+        else _FUNCTION_SYSTEM
+        if isinstance(problem, UnitTestProblem)
+        else _CODE_SYSTEM
     )
     messages = [
         {"role": "system", "content": system},
@@ -88,22 +95,59 @@ def extract_program(completion: str, *, style: PromptStyle) -> str | None:
 
 
 def extract_function(completion: str, entry_point: str) -> str | None:
-    """The fenced block of a chat answer that defines ``entry_point`` (the last such), else the
-    last block; None if the answer has no fenced block."""
-    blocks = _FENCED.findall(completion)
+    """The fenced block of a chat answer that defines ``entry_point`` at its top level once
+    dedented (the last such; a block under a list item is indented), else the last non-empty
+    block; None if no fenced block holds code."""
+    blocks = [b for b in _FENCED.findall(completion) if b.strip()]
     if not blocks:
         return None
-    defines = re.compile(rf"^\s*(async\s+)?def\s+{re.escape(entry_point)}\s*\(", re.M)
-    return next((b for b in reversed(blocks) if defines.search(b)), blocks[-1])
+    defines = re.compile(rf"^(async\s+)?def\s+{re.escape(entry_point)}\s*\(", re.M)
+    return next((b for b in reversed(blocks) if defines.search(textwrap.dedent(b))), blocks[-1])
 
 
-def unit_test_code(problem: UnitTestProblem, block: str) -> str:
-    """The program a block of a chat answer makes: the problem's prompt (imports, helpers and the
-    stub), then the block, which redefines the function; a block of indented lines is the body
-    and completes the stub instead."""
-    if block[:1] in (" ", "\t"):
+# What a block keeps of its top level when it is graded as a function: the answer's own usage
+# lines (prints, input(), asserts, `if __name__ == ...`) are not the function and would fail
+# a right one (evalplus's sanitizer keeps the same kinds of statement).
+_DEFINITIONS = (
+    ast.Import,
+    ast.ImportFrom,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.Assign,
+    ast.AnnAssign,
+)
+
+
+def _definitions(code: str) -> str:
+    """``code``'s top-level imports, definitions and assignments, in order; ``code`` unchanged if
+    it does not parse (the syntax check reports it) or holds none of them."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return code
+    lines = code.splitlines(keepends=True)
+    kept = []
+    for node in tree.body:
+        if isinstance(node, _DEFINITIONS):
+            decorators = getattr(node, "decorator_list", [])
+            start = min([node.lineno, *(d.lineno for d in decorators)])
+            kept.append("".join(lines[start - 1 : node.end_lineno]).rstrip("\n") + "\n")
+    return "".join(kept) if kept else code
+
+
+def unit_test_code(problem: UnitTestProblem, completion: str) -> str | None:
+    """The program a chat answer to a function problem makes, or None if it holds no code: the
+    problem's prompt (its imports, helpers and the stub), then the chosen block's definitions,
+    which redefine the function. A block of indented lines that defines nothing is the body: it
+    completes the stub."""
+    block = extract_function(completion, problem.entry_point)
+    if block is None:
+        return None
+    dedented = textwrap.dedent(block)
+    if dedented != block and not re.search(r"^(async\s+)?(def|class)\s", dedented, re.M):
         return problem.prompt + block
-    return f"{problem.prompt}\n{block}"
+    return f"{problem.prompt}\n{_definitions(dedented)}"
 
 
 class SpecCache:
@@ -145,10 +189,9 @@ def make_task(
         if style == "raw":
             code = problem.prompt + completion
         else:
-            block = extract_function(completion, problem.entry_point)
-            if block is None or not block.strip():
+            code = unit_test_code(problem, completion)
+            if code is None:
                 return None
-            code = unit_test_code(problem, block)
         return UnitTestTask(code=code, test=problem.test, entry_point=problem.entry_point)
     program = extract_program(completion, style=style)
     if program is None:

@@ -1,6 +1,6 @@
 """The project's own function problems in the HumanEval layout (``functions.jsonl``).
 
-161 one-line functions on numbers, strings, lists, logic and dicts (the level of a programmer's
+161 functions of one line (one of two) on numbers, strings, lists, logic and dicts (the level of a programmer's
 first week), written for this project (no published set), each with a stub and docstring
 (``prompt``), its test code (``check(candidate)``) and a reference body. ``split`` puts each in
 training (128) or held out (33). Held out are other tasks, not training ones with new constants:
@@ -37,11 +37,15 @@ def load_functions(path: str | Path = FUNCTIONS_FILE) -> dict[str, list[UnitTest
     path = Path(path)
     splits: dict[str, list[UnitTestProblem]] = {s: [] for s in SPLITS}
     seen: set[str] = set()
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
+            fields = ("id", "entry_point", "prompt", "test", "split")
+            wrong = [f for f in fields if not isinstance(record[f], str)]
+            if wrong:
+                raise TypeError(f"{', '.join(wrong)} must be strings")
             problem = UnitTestProblem(
                 id=record["id"],
                 prompt=record["prompt"],

@@ -3,12 +3,15 @@ local components (trainer, parameter server, inference worker, sandboxed verifie
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 import json
+import shutil
 
 import pytest
 
-from rlax_tpu.controller.evaluate import evaluate_job
+from rlax_tpu.controller.evaluate import directory_name, evaluate_job
 from rlax_tpu.controller.snapshots import SnapshotStore
 from rlax_tpu.data.bundled import load_bundled
 from rlax_tpu.data.problems import DataError
@@ -24,16 +27,29 @@ def _read(run_dir, version):
     return answers, json.loads((where / f"version_{version:06d}.json").read_text())
 
 
-def test_evaluate_grades_every_problem_at_the_newest_version_and_changes_nothing(tmp_path):
+def _tree(run_dir):
+    """Every file of the run directory but the evaluations', with its bytes' digest."""
+    return {
+        str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.relative_to(run_dir).parts[0] != "eval"
+    }
+
+
+def test_evaluate_grades_every_problem_at_the_version_a_resume_takes_and_changes_nothing(
+    tmp_path,
+):
     run_dir = tmp_path / "run"
-    config = make_config(run_dir, num_steps=2)
+    config = make_config(run_dir, num_steps=3)
     out = io.StringIO()
-    # A directory with no snapshot: the initial weights, and nothing of a run is left behind.
+    # A directory with no snapshot: the initial weights.
     before = evaluate_job(config, ["bundled"], stream=out)["bundled"]
     assert "evaluating version 0 (the initial weights" in out.getvalue()
+    assert "the run trains on it" in out.getvalue()  # the local preset trains on bundled
     answers, summary = _read(run_dir, 0)
     bundled = {p.id for p in load_bundled()}
     assert summary["version"] == 0 and summary == pytest.approx(before)
+    assert summary["trained_on"] == 1.0
     assert summary["eval/problems"] + summary["eval/too_long"] == len(bundled)
     assert {a["problem"].split(":", 1)[1] for a in answers} <= bundled
     assert len(answers) == summary["eval/problems"] * config.data.eval_samples
@@ -42,21 +58,48 @@ def test_evaluate_grades_every_problem_at_the_newest_version_and_changes_nothing
     accepted = sum(a["verdict"] == "accepted" for a in answers)
     assert summary["eval/pass@1"] == pytest.approx(accepted / len(answers))
     assert SnapshotStore(run_dir / "snapshots", keep=3).steps() == []
-    assert not (run_dir / "param_server").exists() or not any((run_dir / "param_server").iterdir())
 
-    # The run trains from scratch there all the same, then the evaluation takes its version 2.
+    # The run trains from scratch there all the same. Its newest trainer checkpoint lost (a
+    # run stopped between a snapshot and its checkpoint): a resume would take snapshot 2 and
+    # cut the logs after it; the evaluation takes version 2 and leaves every file as it was.
     run_controller(config, lambda comps: None)
-    snapshots = SnapshotStore(run_dir / "snapshots", keep=3).steps()
-    metrics = (run_dir / "metrics.jsonl").read_text()
-    evaluate_job(config, ["bundled"], stream=io.StringIO())
+    shutil.rmtree(run_dir / "trainer" / "3")
+    files = _tree(run_dir)
+    assert any(name.startswith("ledger") for name in files)
+    out = io.StringIO()
+    evaluate_job(config, ["bundled"], stream=out)
+    assert "evaluating version 2 (its newest snapshot)" in out.getvalue()
     answers, summary = _read(run_dir, 2)
     assert summary["version"] == 2 and len(answers) == summary["eval/problems"]
-    assert SnapshotStore(run_dir / "snapshots", keep=3).steps() == snapshots
-    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert _tree(run_dir) == files
 
 
-def test_an_unknown_dataset_fails_before_anything_is_built(tmp_path):
+def test_bad_requests_fail_before_anything_is_built(tmp_path):
     config = make_config(tmp_path / "run")
     with pytest.raises(DataError, match="unknown dataset"):
         evaluate_job(config, ["no_such_set"], stream=io.StringIO())
-    assert not (tmp_path / "run" / "eval").exists()
+    assert not (tmp_path / "run").exists()
+    short = dataclasses.replace(
+        config, inference=dataclasses.replace(config.inference, max_prompt_len=4)
+    )
+    with pytest.raises(DataError, match="none of its 37 prompts fits"):
+        evaluate_job(short, ["bundled"], stream=io.StringIO())
+    nowhere = "127.0.0.1:1"
+    remote = dataclasses.replace(
+        config.controller,
+        transport="distributed",
+        verifier_endpoint=nowhere,
+        trainer_endpoint=nowhere,
+        param_server_endpoints=(nowhere,),
+        inference_endpoints=(nowhere,),
+    )
+    distributed = dataclasses.replace(config, controller=remote)
+    with pytest.raises(ValueError, match="needs controller.transport = 'local'"):
+        evaluate_job(distributed, ["bundled"], stream=io.StringIO())
+
+
+def test_directory_names_are_one_component_and_distinct():
+    a = directory_name('reasoning_gym:basic_arithmetic{"operators": ["+"]}')
+    b = directory_name('reasoning_gym:basic_arithmetic{"operators": ["*"]}')
+    assert a != b and "/" not in a and ":" not in a
+    assert directory_name("human_eval") == "human_eval"

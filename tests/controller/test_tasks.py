@@ -81,7 +81,8 @@ def test_chat_prompt_and_extraction():
 
 def test_a_function_answer_runs_its_defining_block_after_the_prompt(verifier):
     """Chat answers to a function problem: the block that defines the function counts, not the
-    usage example after it, and the problem's own imports and stub come first."""
+    usage example after it; its usage lines are dropped, and the problem's own imports and stub
+    come first."""
     human_eval = load_human_eval()[0]  # needs `from typing import List` from its prompt
     name = human_eval.entry_point
     solution = f"def {name}(numbers: List[float], threshold: float) -> bool:\n"
@@ -91,18 +92,41 @@ def test_a_function_answer_runs_its_defining_block_after_the_prompt(verifier):
     assert extract_function(answer, name) == solution
     assert extract_function(usage, name) == f"print({name}([1.0, 2.0], 0.5))\n"
     assert extract_function("def f(): pass", name) is None
+    assert extract_function("```python\n\n```", name) is None  # an empty block is no code
+    wrong = solution.replace("return True", "return False")
+    assert extract_function(f"```python\n{wrong}```\n```python\n{solution}```", name) == solution
+    renamed = answer.replace(f"def {name}(", f"def {name}_v2(")
+    assert extract_function(renamed, name) == usage.split("\n", 1)[1].rsplit("```", 1)[0]
+    in_class = f"```python\nclass A:\n    {solution.replace(chr(10), chr(10) + '    ')}```"
+    listed = "1. The code:\n   ```python\n   " + solution.replace("\n", "\n   ") + "```"
+    with_checks = (
+        f"```python\n{solution}\nx = [1.0, 2.0]\nassert {name}(x, 0.5) is True\n"
+        f"print({name}(x, int(input())))\nif __name__ == '__main__':\n    raise SystemExit(1)\n```"
+    )
     body_only = f"```python\n{human_eval.canonical_solution}```"
     specs = SpecCache(verifier)
     cases = [
         (answer, 1.0),  # the defining block, its List from the prompt's import
         (body_only, 1.0),  # an indented block is the body: it completes the stub
         (usage, 0.0),  # no definition: the stub (returns None) is graded
-        (answer.replace(f"def {name}(", f"def {name}_v2("), 0.0),  # another name
+        (renamed, 0.0),  # another name: the stub again
+        (in_class, 0.0),  # a method is not the function
+        (listed, 1.0),  # a block indented under a list item
+        (answer.replace("\n", "\r\n"), 1.0),  # CRLF line ends
+        (with_checks, 1.0),  # its own (wrong) check, input() and __main__ block are not run
     ]
     tasks = [make_task(human_eval, text, style="chat", specs=specs) for text, _ in cases]
     verdicts = verifier.verify(tasks)
     assert [reward(v) for v in verdicts] == [r for _, r in cases], [v.detail for v in verdicts]
     assert make_task(human_eval, solution, style="chat", specs=specs) is None  # no fence
+    unclosed = f"```python\n{solution}"  # cut by the token limit: no program
+    assert make_task(human_eval, unclosed, style="chat", specs=specs) is None
+
+
+def test_function_problems_get_a_function_system_prompt():
+    function = load_human_eval()[0]
+    text = prompt_text(function, style="chat", tokenizer=ChatTokenizer())
+    assert "complete function" in text.split("<user>")[0] and function.prompt in text
 
 
 def test_a_math_chat_prompt_asks_for_an_answer_not_a_program():

@@ -41,7 +41,7 @@ def _passes(solution: UnitTestProblem, tests: UnitTestProblem) -> bool:
 
 def test_the_splits_are_other_tasks(splits):
     train, held_out = splits["train"], splits["held_out"]
-    assert len(train) >= 60 and len(held_out) >= 30
+    assert (len(train), len(held_out)) == (128, 33)  # as rlax_tpu/data/functions.py says
     assert not {p.id for p in train} & {p.id for p in held_out}
     assert not {_statement(p.prompt) for p in train} & {_statement(p.prompt) for p in held_out}
     for p in held_out:
@@ -79,4 +79,7 @@ def test_a_bad_record_names_its_line(tmp_path):
         good + "\n" + json.dumps({k: v for k, v in json.loads(good).items() if k != "test"})
     )
     with pytest.raises(DataError, match="not a function record"):
+        load_functions(path)
+    path.write_text(json.dumps(json.loads(good) | {"test": None}) + "\n")
+    with pytest.raises(DataError, match="test must be strings"):
         load_functions(path)
