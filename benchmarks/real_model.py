@@ -66,17 +66,22 @@ TRAIN_KEYS = {  # metrics.jsonl scalar -> curve field
 }
 
 
-def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
-    run_dir = run_root / f"seed{seed}"
-    cmd = [
+def _controller(seed: int, run_dir: Path, *flags: str) -> list[str]:
+    """The main command of the task's preset for ``seed`` in ``run_dir``."""
+    return [
         sys.executable,
         "-m",
         "rlax_tpu.controller",
         f"--config={CONFIG}",
         f"--config.controller.seed={seed}",
         f"--config.controller.run_dir={run_dir}",
-        f"--config.data.eval_every={EVAL_EVERY}",
+        *flags,
     ]
+
+
+def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
+    run_dir = run_root / f"seed{seed}"
+    cmd = _controller(seed, run_dir, f"--config.data.eval_every={EVAL_EVERY}")
     print("$", " ".join(cmd), flush=True)
     t0 = time.time()
     log = (run_root / f"seed{seed}.log").open("w")
@@ -115,15 +120,7 @@ def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
 def _evaluate(run_dir: Path, seed: int, datasets: list[str], log_path: Path) -> dict[str, dict]:
     """``--evaluate`` of the run in ``run_dir`` (its newest version; none: the initial weights):
     dataset -> its metrics, its answers' verdict counts and its first answers."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlax_tpu.controller",
-        f"--config={CONFIG}",
-        f"--config.controller.seed={seed}",
-        f"--config.controller.run_dir={run_dir}",
-        f"--evaluate={','.join(datasets)}",
-    ]
+    cmd = _controller(seed, run_dir, f"--evaluate={','.join(datasets)}")
     print("$", " ".join(cmd), flush=True)
     with log_path.open("w") as log:
         code = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
