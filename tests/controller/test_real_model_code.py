@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rlax_tpu.data.functions import load_functions
 from rlax_tpu.observability.metrics import read_metrics
 from rlax_tpu.types import VerdictKind
@@ -32,6 +34,9 @@ SHRUNK = {  # a few short answers of a few problems: the run's shape, not its le
 }
 
 
+# ~100 s alone on 2 idle cores; beside the suite's other workers (and a busy core) several times
+# that. The subprocess's own limit comes first.
+@pytest.mark.timeout(1500)
 def test_the_code_preset_trains_the_real_model_through_the_controller(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [
@@ -43,7 +48,7 @@ def test_the_code_preset_trains_the_real_model_through_the_controller(tmp_path):
         *(f"--config.{k}={v}" for k, v in SHRUNK.items()),
     ]
     done = subprocess.run(
-        cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=900
+        cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=1200
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "eval at version 0: held-out pass@1" in done.stdout
