@@ -13,9 +13,9 @@ runs only the supervised warm-up (controller.warmup_steps) and writes the warmed
 
     python -m rlax_tpu.controller --config=... --evaluate=human_eval[,functions,...]
 
-trains nothing: it evaluates the run's newest version (no snapshot: the initial weights) on every
-problem of the named datasets, e.g. HumanEval for a run that never trains on it, and writes each
-sample with its verdict under <run_dir>/eval/<dataset>/ (rlax_tpu/controller/evaluate.py).
+trains nothing: it evaluates the version a resume would take (no snapshot: the initial weights)
+on every problem of the named datasets, e.g. HumanEval for a run that never trains on it, and
+writes each sample with its verdict under <run_dir>/eval/<dataset>/ (controller/evaluate.py).
 
 Exit codes: 0 the run finished (or had), 1 a clear error, 2 bad flags or config, 143 stopped by
 SIGTERM (the same command resumes it).

@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -353,14 +353,7 @@ class Controller:
         # at step 0: a new trainer holds its initial weights there, which a run with a
         # warm-up replaced in checkpoint 0.)
         live = int(status.step) if status.step > 0 and not status.halted else None
-        for step in reversed(self.snapshots.steps()):
-            try:
-                loaded = self.snapshots.load(step)
-                payload = json.loads(loaded["json"]) | {"_arrays": loaded.get("rollouts", {})}
-            except Exception as e:
-                self._warn(f"skipping unreadable snapshot {step}: {e}")
-                continue
-            self.check_compatible(payload["config"])
+        for step, payload in self._snapshots_newest_first():
             if int(payload["version"]) == live:
                 self._load(payload)
                 return True
@@ -380,8 +373,7 @@ class Controller:
                 continue
             self._load(payload)
             return True
-        if self.snapshots.steps():
-            raise RuntimeError(f"no usable snapshot in {self.snapshots.dir} (see warnings)")
+        self._no_usable_snapshot()
         return False
 
     def newest_restorable_version(self) -> int | None:
@@ -389,18 +381,29 @@ class Controller:
         complete), read without changing anything (``restore`` also truncates the ledger and
         replay logs to that snapshot); None for a run with no snapshot."""
         checkpoints = set(self.c.trainer.status().checkpoint_steps)
+        for _, payload in self._snapshots_newest_first():
+            if int(payload["version"]) in checkpoints:
+                return int(payload["version"])
+        self._no_usable_snapshot()
+        return None
+
+    def _snapshots_newest_first(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(step, payload) of every readable snapshot, newest first (unreadable ones warned and
+        skipped); IncompatibleResume for one of another config."""
         for step in reversed(self.snapshots.steps()):
             try:
-                payload = json.loads(self.snapshots.load(step)["json"])
+                loaded = self.snapshots.load(step)
+                payload = json.loads(loaded["json"]) | {"_arrays": loaded.get("rollouts", {})}
             except Exception as e:
                 self._warn(f"skipping unreadable snapshot {step}: {e}")
                 continue
             self.check_compatible(payload["config"])
-            if int(payload["version"]) in checkpoints:
-                return int(payload["version"])
+            yield step, payload
+
+    def _no_usable_snapshot(self) -> None:
+        """Raises if the run has snapshots (none of them usable, see the warnings)."""
         if self.snapshots.steps():
             raise RuntimeError(f"no usable snapshot in {self.snapshots.dir} (see warnings)")
-        return None
 
     def _load(self, p: dict[str, Any]) -> None:
         self.step, self.version = int(p["step"]), int(p["version"])
