@@ -83,6 +83,7 @@ def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
     run_dir = run_root / f"seed{seed}"
     cmd = _controller(seed, run_dir, f"--config.data.eval_every={EVAL_EVERY}")
     print("$", " ".join(cmd), flush=True)
+    commit = _commit()
     t0 = time.time()
     log = (run_root / f"seed{seed}.log").open("w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -103,7 +104,7 @@ def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
         raise SystemExit(
             f"seed {seed}: the run wrote no metrics (exit {proc.returncode}):\n" + "\n".join(tail)
         )
-    result = _summarize(seed, run_dir, t0, minutes, stopped, proc.returncode)
+    result = _summarize(seed, run_dir, t0, minutes, stopped, proc.returncode) | {"commit": commit}
     if TASKS["code"][0] == CONFIG:
         before_dir = run_root / f"seed{seed}-v0"
         result["external"] = {
@@ -245,6 +246,20 @@ def _summarize(
     )
 
 
+def _commit() -> str:
+    """HEAD, with "+changes" when the tree differs from it (the seeds must share one commit)."""
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return head + ("+changes" if dirty else "")
+
+
 def _answers(run_dir: Path, before: int, after: int) -> dict:
     """The first sample of the first SAMPLES_SHOWN held-out problems at both versions."""
     out = {}
@@ -325,6 +340,8 @@ def report(steps: bool = False) -> None:
             f"(v{last['version']}, {last['minutes']:.0f} min) | {b['pass1']:.3f} (v{b['version']}) "
             f"| {r['gain'] * 100:+.1f} | {first} | {len(r['steps'])} |"
         )
+    commits = {json.loads(p.read_text()).get("commit", "not recorded") for p in seeds}
+    print(f"\ncommit{'s' if len(commits) > 1 else ''}: {', '.join(sorted(commits))}")
     for path in seeds:
         r = json.loads(path.read_text())
         print(f"\nseed {r['seed']}: held-out pass@1 (pass@{r['evals'][0]['k']}) by version")
