@@ -109,6 +109,8 @@ def test_controller_rejects_stray_arguments():
         (["--evaluate="], "names no dataset"),  # e.g. an empty shell variable: never a training
         (["--evaluate=human_eval,"], "names no dataset"),
         (["--evaluate=human_eval", "--warmup_out=/tmp/x"], "do not go together"),
+        (["--evaluate_sample=8"], "needs --evaluate"),  # would train: the count says otherwise
+        (["--evaluate=human_eval", "--evaluate_sample=-1"], "a count >= 0"),
     ],
 )
 def test_controller_refuses_an_evaluate_that_names_nothing(flags, why, tmp_path):

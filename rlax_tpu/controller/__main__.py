@@ -11,11 +11,12 @@ runs only the supervised warm-up (controller.warmup_steps) and writes the warmed
 (HF safetensors + tokenizer), for services started apart that load it
 (model.weights_format=safetensors, model.weights_path=DIR); `python -m rlax_tpu.launch` does this.
 
-    python -m rlax_tpu.controller --config=... --evaluate=human_eval[,functions,...]
+    python -m rlax_tpu.controller --config=... --evaluate=human_eval[,functions,...] [--evaluate_sample=N]
 
 trains nothing: it evaluates the version a resume would take (no snapshot: the initial weights)
 on every problem of the named datasets, e.g. HumanEval for a run that never trains on it, and
-writes each sample with its verdict under <run_dir>/eval/<dataset>/ (controller/evaluate.py).
+writes each sample with its verdict under <run_dir>/eval/<dataset>/ (controller/evaluate.py);
+--evaluate_sample=N takes N problems of each, chosen by controller.seed.
 
 Exit codes: 0 the run finished (or had), 1 a clear error, 2 bad flags or config, 143 stopped by
 SIGTERM (the same command resumes it).
@@ -41,6 +42,12 @@ EVALUATE = flags.DEFINE_list(
     "Train nothing: evaluate the run's newest version on every problem of these datasets.",
 )
 
+EVALUATE_SAMPLE = flags.DEFINE_integer(
+    "evaluate_sample",
+    0,
+    "With --evaluate: a choice of this many problems per dataset, seeded by controller.seed "
+    "(0: every problem).",
+)
 
 # SIGTERM (a drained node, `kubectl delete`, deploy/tpu_vm/stop.sh) stops the run with this code.
 EXIT_TERMINATED = 128 + signal.SIGTERM
@@ -82,6 +89,13 @@ def run(config: RunConfig, args: list[str]) -> int:
         why = "and --warmup_out do not go together" if names and all(names) else "names no dataset"
         print(f"rlax_tpu.controller: error: --evaluate={','.join(names)} {why}", file=sys.stderr)
         return cli.EXIT_USAGE
+    if EVALUATE_SAMPLE.value < 0 or (EVALUATE_SAMPLE.value and not EVALUATE.present):
+        print(
+            f"rlax_tpu.controller: error: --evaluate_sample={EVALUATE_SAMPLE.value} needs "
+            "--evaluate and a count >= 0",
+            file=sys.stderr,
+        )
+        return cli.EXIT_USAGE
     # SIGTERM abandons the step in flight (the newest snapshot says what to re-issue, so nothing
     # is lost or trained twice), closes the components as an error would, and exits
     # EXIT_TERMINATED, or 0 if the run had finished.
@@ -102,7 +116,7 @@ def run(config: RunConfig, args: list[str]) -> int:
             from rlax_tpu.controller.evaluate import evaluate_job
 
             try:
-                evaluate_job(config, EVALUATE.value)
+                evaluate_job(config, EVALUATE.value, sample=EVALUATE_SAMPLE.value)
             except ValueError as e:  # DataError is one: the same message
                 print(f"rlax_tpu.controller: error: {e}", file=sys.stderr)
                 return 1

@@ -7,10 +7,12 @@ a resume would restore (the newest snapshot with a complete trainer checkpoint; 
 without one: the initial weights, before any warm-up), and every problem of each named dataset
 (``data.datasets`` names) is sampled ``data.eval_samples`` times with the run's sampling settings
 and graded by the verifier. The run is left as it was: no step, snapshot, log, checkpoint or
-metric is written (a corrupt checkpoint is still removed, as a resume would). Per dataset:
+metric is written (a corrupt checkpoint is still removed, as a resume would). With
+``--evaluate_sample=N``, N problems of each dataset, chosen by controller.seed. Per dataset:
 
     <run_dir>/eval/<dataset>/version_<v>.jsonl   every sample's text and verdict
-    <run_dir>/eval/<dataset>/version_<v>.json    pass@1, pass@k, problems, problems too long
+    <run_dir>/eval/<dataset>/version_<v>.json    pass@1, pass@k, problems, problems too long,
+                                                 the dataset's size (sampled_from)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from rlax_tpu.controller import components as components_lib
 from rlax_tpu.controller.app import build_prompter
 from rlax_tpu.controller.loop import EVAL_DIR, Controller
 from rlax_tpu.data.problems import DataError
-from rlax_tpu.data.sources import dataset_problems
+from rlax_tpu.data.sources import dataset_problems, seeded_choice
 
 PROGRESS_CHUNK = 32  # problems sent at a time, with a progress line after each
 
@@ -44,9 +46,14 @@ def directory_name(dataset: str) -> str:
 
 
 def evaluate_job(
-    config: RunConfig, datasets: Sequence[str], *, stream: TextIO | None = None
+    config: RunConfig,
+    datasets: Sequence[str],
+    *,
+    sample: int = 0,
+    stream: TextIO | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Dataset name -> its metrics at the run's version (see the module docstring).
+    """Dataset name -> its metrics at the run's version (see the module docstring); with
+    ``sample`` > 0, on a choice of that many problems per dataset seeded by controller.seed.
 
     Raises DataError for an unknown dataset or one with no problem that fits, before any
     component is built; ValueError for a distributed run."""
@@ -60,7 +67,13 @@ def evaluate_job(
             "controller.transport = 'local' (evaluate a distributed run's checkpoints with a "
             "local config of the same model and run_dir)"
         )
-    problems = {name: dataset_problems(name, config.data, seed=cc.seed) for name in datasets}
+    if sample < 0:
+        raise ValueError(f"the sample of problems per dataset must be >= 0, got {sample}")
+    whole = {name: dataset_problems(name, config.data, seed=cc.seed) for name in datasets}
+    problems = {
+        name: seeded_choice(ps, sample, seed=cc.seed, stream=f"evaluate/{name}") if sample else ps
+        for name, ps in whole.items()
+    }
     run_dir = storage.path(cc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     prompter = build_prompter(config, run_dir)
@@ -74,8 +87,9 @@ def evaluate_job(
                 f"{config.inference.max_prompt_len} tokens",
             )
         trained = " (the run trains on it: not an external evaluation)"
+        of = f" (a seeded sample of {len(whole[name])})" if len(ps) < len(whole[name]) else ""
         print(
-            f"{name}: {len(ps)} problems, {len(ps) - fitting} longer than inference."
+            f"{name}: {len(ps)} problems{of}, {len(ps) - fitting} longer than inference."
             f"max_prompt_len{trained if name in config.data.datasets else ''}",
             file=out,
             flush=True,
@@ -117,6 +131,7 @@ def evaluate_job(
                 "version": float(v),
                 "eval/too_long": float(len(ps) - m["eval/problems"]),
                 "trained_on": float(name in config.data.datasets),
+                "sampled_from": float(len(whole[name])),
             }
             storage.write_atomic(where / f"version_{v:06d}.json", json.dumps(m, indent=1))
             k = config.data.eval_samples

@@ -180,8 +180,14 @@ def load_datasets(cfg: DataConfig, *, seed: int) -> Datasets:
             raise DataError("data.datasets", name, "has no training problems")
         train[name] = tr
         held_out += ho
-    if len(held_out) > cfg.eval_problems:
-        rng = np.random.Generator(np.random.PCG64(stream_seed(seed, "held_out")))
-        pick = sorted(rng.choice(len(held_out), cfg.eval_problems, replace=False))
-        held_out = [held_out[i] for i in pick]
+    held_out = seeded_choice(held_out, cfg.eval_problems, seed=seed, stream="held_out")
     return Datasets(train=train, held_out=held_out)
+
+
+def seeded_choice(problems: list[Problem], k: int, *, seed: int, stream: str) -> list[Problem]:
+    """``k`` of ``problems`` chosen by ``seed`` and the stream's name, in their order; all of
+    them when there are no more than ``k``."""
+    if len(problems) <= k:
+        return problems
+    rng = np.random.Generator(np.random.PCG64(stream_seed(seed, stream)))
+    return [problems[i] for i in sorted(rng.choice(len(problems), k, replace=False))]

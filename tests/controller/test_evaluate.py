@@ -15,6 +15,7 @@ from rlax_tpu.controller.evaluate import directory_name, evaluate_job
 from rlax_tpu.controller.snapshots import SnapshotStore
 from rlax_tpu.data.bundled import load_bundled
 from rlax_tpu.data.problems import DataError
+from rlax_tpu.data.sources import seeded_choice
 from rlax_tpu.types import VerdictKind
 from tests.controller.test_scheduling import make_config, run_controller
 
@@ -74,6 +75,28 @@ def test_evaluate_grades_every_problem_at_the_version_a_resume_takes_and_changes
     assert _tree(run_dir) == files
 
 
+def test_a_sample_is_the_seeds_choice_of_the_dataset(tmp_path):
+    config = make_config(tmp_path / "run")
+    out = io.StringIO()
+    m = evaluate_job(config, ["bundled"], sample=5, stream=out)["bundled"]
+    assert "bundled: 5 problems (a seeded sample of 37)" in out.getvalue()
+    answers, summary = _read(tmp_path / "run", 0)
+    assert summary["sampled_from"] == 37 and m["eval/problems"] + m["eval/too_long"] == 5
+    picked = sorted({a["problem"] for a in answers})
+    chosen = seeded_choice(
+        load_bundled(), 5, seed=config.controller.seed, stream="evaluate/bundled"
+    )
+    # The chosen problems whose prompts fit (the rest count as too long).
+    assert set(picked) <= {f"bundled:{p.id}" for p in chosen}
+    assert len(picked) == m["eval/problems"] > 0
+    other = seeded_choice(
+        load_bundled(), 5, seed=config.controller.seed + 1, stream="evaluate/bundled"
+    )
+    assert {p.id for p in other} != {p.id for p in chosen}  # the seed chooses
+    whole = seeded_choice(load_bundled(), 37, seed=0, stream="x")
+    assert [p.id for p in whole] == [p.id for p in load_bundled()]
+
+
 def test_bad_requests_fail_before_anything_is_built(tmp_path):
     config = make_config(tmp_path / "run")
     with pytest.raises(DataError, match="unknown dataset"):
@@ -94,6 +117,8 @@ def test_bad_requests_fail_before_anything_is_built(tmp_path):
         inference_endpoints=(nowhere,),
     )
     distributed = dataclasses.replace(config, controller=remote)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        evaluate_job(config, ["bundled"], sample=-1, stream=io.StringIO())
     with pytest.raises(ValueError, match="needs controller.transport = 'local'"):
         evaluate_job(distributed, ["bundled"], stream=io.StringIO())
 
