@@ -28,6 +28,11 @@ class Rollout:
     ``logprobs[t]`` is log μ(tokens[t] | prefix) under the behaviour policy μ the worker sampled
     from (see ``logprob_policy``). ``versions[t]`` is the weight version that produced token t;
     all equal unless the rollout continued across a reload.
+
+    A multi-turn episode is one rollout whose tokens interleave the model's turns with the
+    environment's replies: ``sampled`` [T] bool is False on the environment's tokens (their
+    ``logprobs`` are 0 and their ``versions`` those of the turn before them), which the loss
+    masks. None: every token was sampled.
     """
 
     prompt_id: str
@@ -38,6 +43,7 @@ class Rollout:
     versions: np.ndarray  # [T] int64
     finish_reason: FinishReason
     logprob_policy: str = "temperature_scaled"  # which distribution ``logprobs`` are under
+    sampled: np.ndarray | None = None  # [T] bool; None: every token was sampled
 
     def __post_init__(self) -> None:
         t = len(self.tokens)
@@ -46,6 +52,11 @@ class Rollout:
                 f"rollout {self.prompt_id}/{self.sample_index}: tokens, logprobs and versions "
                 f"must have one entry per generated token, got {t}, {len(self.logprobs)}, "
                 f"{len(self.versions)}"
+            )
+        if self.sampled is not None and np.shape(self.sampled) != (t,):
+            raise ValueError(
+                f"rollout {self.prompt_id}/{self.sample_index}: sampled has shape "
+                f"{np.shape(self.sampled)}, expected ({t},) (one entry per token)"
             )
 
     @property
@@ -125,6 +136,9 @@ class TrainBatch:
     group_size: G.
     temperature: the sampling temperature the behaviour log-probs are under (the workers report
         log-softmax(logits / temperature)); the trainer scores π_old, π_θ and π_ref the same way.
+    loss_mask: [B, T] float32 like behaviour_logprobs, 1 on the completion tokens the loss
+        trains on and 0 on an environment's tokens within a multi-turn episode
+        (``Rollout.sampled``); None: every completion token.
     """
 
     tokens: np.ndarray
@@ -135,8 +149,17 @@ class TrainBatch:
     versions: np.ndarray
     group_size: int
     temperature: float = 1.0
+    loss_mask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        if self.loss_mask is not None:
+            if np.shape(self.loss_mask) != np.shape(self.behaviour_logprobs):
+                raise ValueError(
+                    f"TrainBatch.loss_mask has shape {np.shape(self.loss_mask)}, expected "
+                    f"behaviour_logprobs' {np.shape(self.behaviour_logprobs)}"
+                )
+            if not np.isin(self.loss_mask, (0.0, 1.0)).all():
+                raise ValueError("TrainBatch.loss_mask must hold only 0 and 1")
         if np.ndim(self.tokens) != 2:
             raise ValueError(f"TrainBatch.tokens must be [B, L], got shape {np.shape(self.tokens)}")
         b, length = np.shape(self.tokens)
@@ -177,11 +200,13 @@ class TrainBatch:
         return int(np.shape(self.tokens)[0])
 
     def completion_mask(self) -> np.ndarray:
-        """[B, T] float32: 1 on completion tokens (T = behaviour_logprobs' width)."""
+        """[B, T] float32: 1 on the completion tokens the loss trains on (T = behaviour_logprobs'
+        width)."""
         t = np.shape(self.behaviour_logprobs)[1]
-        return (np.arange(t)[None, :] < np.asarray(self.completion_lengths)[:, None]).astype(
+        mask = (np.arange(t)[None, :] < np.asarray(self.completion_lengths)[:, None]).astype(
             np.float32
         )
+        return mask if self.loss_mask is None else mask * np.asarray(self.loss_mask, np.float32)
 
     @classmethod
     def from_rollouts(
@@ -199,10 +224,14 @@ class TrainBatch:
         width = max(1, max(len(r.tokens) for r in rollouts))
         tokens = np.zeros((len(rollouts), length), np.int32)
         logprobs = np.zeros((len(rollouts), width), np.float32)
+        multi_turn = any(r.sampled is not None for r in rollouts)
+        loss_mask = np.zeros((len(rollouts), width), np.float32) if multi_turn else None
         for i, r in enumerate(rollouts):
             p, c = len(r.prompt_tokens), len(r.tokens)
             tokens[i, :p], tokens[i, p : p + c] = r.prompt_tokens, r.tokens
             logprobs[i, :c] = r.logprobs
+            if loss_mask is not None:
+                loss_mask[i, :c] = 1.0 if r.sampled is None else np.asarray(r.sampled, bool)
         return cls(
             tokens=tokens,
             prompt_lengths=np.array([len(r.prompt_tokens) for r in rollouts], np.int32),
@@ -212,4 +241,5 @@ class TrainBatch:
             versions=np.array([r.version if len(r.tokens) else -1 for r in rollouts], np.int64),
             group_size=group_size,
             temperature=temperature,
+            loss_mask=loss_mask,
         )

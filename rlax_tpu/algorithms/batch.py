@@ -71,11 +71,16 @@ def _shape_error(name: str, got: tuple, want: tuple, ref: str) -> ValueError:
     return ValueError(f"RolloutBatch.{name} has shape {got}, expected {want} (as {ref})")
 
 
+# Advantage estimators that run a recursion over each completion's tokens (a hole would cut it).
+TOKEN_ORDER_ADVANTAGES = ("gae", "batch_norm_kl_reward")
+
+
 def validate_batch(batch: RolloutBatch, spec: ObjectiveSpec) -> None:
     """Raises ValueError naming the bad input. Host-side (numpy), call it before jit.
 
     Checks shapes, group layout (B a multiple of G, G >= 2 where groups are compared, no group
-    without a completion token), 0/1 masks that are contiguous prefixes per row, finite rewards and finite log-probs on real tokens,
+    without a completion token), 0/1 masks (contiguous prefixes per row for the
+    TOKEN_ORDER_ADVANTAGES), finite rewards and finite log-probs on real tokens,
     completion lengths <= spec.max_length, and the inputs the algorithm needs.
     """
     logp_old = np.asarray(batch.logp_old)
@@ -100,13 +105,16 @@ def validate_batch(batch: RolloutBatch, spec: ObjectiveSpec) -> None:
     if not np.isin(mask, (0, 1)).all():
         raise ValueError("RolloutBatch.mask must hold only 0 and 1")
     real = mask > 0
-    # GAE / returns-to-go walk a row's tokens in order: a gap would leak across it.
+    # GAE and returns-to-go walk a row's tokens in order, and a hole cuts their recursion. Other
+    # estimators take holes: a multi-turn episode's environment tokens inside its completion.
     gap = np.argwhere(real[:, 1:] & ~real[:, :-1])
-    if gap.size:
+    if gap.size and spec.advantage in TOKEN_ORDER_ADVANTAGES:
         row, col = (int(i) for i in gap[0])
         raise ValueError(
             f"RolloutBatch.mask row {row} is not a contiguous prefix: position {col + 1} is a "
-            f"completion token after padding at position {col}"
+            f"completion token after a masked one at position {col}. The {spec.advantage!r} "
+            "advantage walks each completion's tokens in order; multi-turn episodes (environment "
+            "tokens masked inside a completion) need one that does not (grpo, dapo, rloo, ...)"
         )
     bad = np.flatnonzero(~np.isfinite(rewards))
     if bad.size:

@@ -128,6 +128,7 @@ def split_rollouts(
             "finish_reason": r.finish_reason.value,
             "logprob_policy": r.logprob_policy,
         }
+        | ({"multi_turn": True} if r.sampled is not None else {})
         for r in rollouts
     ]
     arrays = {}
@@ -135,7 +136,13 @@ def split_rollouts(
         parts = [np.asarray(getattr(r, k), t) for r in rollouts]
         arrays[k] = np.concatenate(parts) if parts else np.zeros(0, t)
         arrays[f"{k}_lengths"] = np.asarray([len(p) for p in parts], np.int64)
+    if any(r.sampled is not None for r in rollouts):  # single-turn state keeps its old layout
+        arrays["sampled"] = np.concatenate([_sampled(r) for r in rollouts])
     return meta, arrays
+
+
+def _sampled(r: Rollout) -> np.ndarray:
+    return np.ones(len(r.tokens), bool) if r.sampled is None else np.asarray(r.sampled, bool)
 
 
 def join_rollouts(meta: Sequence[dict[str, Any]], arrays: dict[str, np.ndarray]) -> list[Rollout]:
@@ -144,12 +151,16 @@ def join_rollouts(meta: Sequence[dict[str, Any]], arrays: dict[str, np.ndarray])
         k: np.split(np.asarray(arrays[k], t), np.cumsum(arrays[f"{k}_lengths"])[:-1])
         for k, t in _ARRAYS.items()
     }
+    if "sampled" in arrays:
+        cuts = np.cumsum(arrays["tokens_lengths"])[:-1]
+        split["sampled"] = np.split(np.asarray(arrays["sampled"], bool), cuts)
     return [
         Rollout(
             **(
-                r
+                {k: v for k, v in r.items() if k != "multi_turn"}
                 | {k: split[k][i].copy() for k in _ARRAYS}
                 | {"finish_reason": FinishReason(r["finish_reason"])}
+                | ({"sampled": split["sampled"][i].copy()} if r.get("multi_turn") else {})
             )
         )
         for i, r in enumerate(meta)
@@ -166,6 +177,8 @@ _ARRAYS = {
 
 def _rollout_state(r: Rollout) -> dict[str, Any]:
     arrays = {k: _pack(np.asarray(getattr(r, k), t)) for k, t in _ARRAYS.items()}
+    if r.sampled is not None:
+        arrays["sampled"] = _pack(np.asarray(r.sampled, bool))
     return arrays | {
         "prompt_id": r.prompt_id,
         "sample_index": r.sample_index,
@@ -175,7 +188,7 @@ def _rollout_state(r: Rollout) -> dict[str, Any]:
 
 
 def _rollout_from_state(s: dict[str, Any]) -> Rollout:
-    arrays = {k: _unpack(s[k]) for k in _ARRAYS}
+    arrays = {k: _unpack(s[k]) for k in (*_ARRAYS, "sampled") if k in s}
     return Rollout(**(s | arrays | {"finish_reason": FinishReason(s["finish_reason"])}))
 
 

@@ -241,9 +241,10 @@ class Trainer:
         )
         width = max(m.width for m in plan.micro_batches)
         completion = np.asarray(batch.completion_lengths)
-        mask = (np.arange(width)[None, :] < completion[:, None]).astype(np.float32)
-        behaviour = np.zeros((batch.num_rows, width), np.float32)
+        mask = np.zeros((batch.num_rows, width), np.float32)
         have = min(width, np.shape(batch.behaviour_logprobs)[1])
+        mask[:, :have] = batch.completion_mask()[:, :have]  # environment tokens are 0
+        behaviour = np.zeros((batch.num_rows, width), np.float32)
         behaviour[:, :have] = np.asarray(batch.behaviour_logprobs, np.float32)[:, :have]
         behaviour = np.where(mask > 0, behaviour, 0.0)
         temperature = mesh_lib.put(np.float32(batch.temperature), mesh_lib.replicated(self.mesh))

@@ -45,6 +45,8 @@ def batch_to_chunks(
     """The batch as messages of consecutive row slices of about ``chunk_bytes`` each (at least
     one row per message)."""
     arrays = {name: np.asarray(getattr(batch, name)) for name in _ARRAYS}
+    if batch.loss_mask is not None:
+        arrays["loss_mask"] = np.asarray(batch.loss_mask, np.float32)
     rows = len(arrays["tokens"])
     row_bytes = sum(a[:1].nbytes for a in arrays.values())
     step = max(1, chunk_bytes // max(row_bytes, 1))
@@ -58,7 +60,7 @@ def batch_to_chunks(
 def batch_from_chunks(messages: Iterable[pb.TrainBatchMessage]) -> TrainBatch:
     """Joins row slices (``batch_to_chunks``); ValueError for slices that do not fit together."""
     parts = [
-        (m, {name: array_from_pb(getattr(m, name), name) for name in _ARRAYS}) for m in messages
+        (m, {name: array_from_pb(getattr(m, name), name) for name in _names(m)}) for m in messages
     ]
     if not parts:
         raise ValueError("TrainStep: the stream held no batch")
@@ -66,11 +68,17 @@ def batch_from_chunks(messages: Iterable[pb.TrainBatchMessage]) -> TrainBatch:
     for m, arrays in parts:
         if (m.group_size, m.temperature) != (first.group_size, first.temperature):
             raise ValueError("TrainStep: slices disagree on group_size or temperature")
+        if arrays.keys() != parts[0][1].keys():
+            raise ValueError("TrainStep: some slices carry a loss_mask and others do not")
         for name, a in arrays.items():
             if a.shape[1:] != parts[0][1][name].shape[1:]:
                 raise ValueError(
                     f"TrainBatch.{name}: slices of widths {a.shape[1:]} and "
                     f"{parts[0][1][name].shape[1:]}"
                 )
-    joined = {name: np.concatenate([arrays[name] for _, arrays in parts]) for name in _ARRAYS}
+    joined = {name: np.concatenate([arrays[name] for _, arrays in parts]) for name in parts[0][1]}
     return TrainBatch(**joined, group_size=first.group_size, temperature=first.temperature)
+
+
+def _names(m: pb.TrainBatchMessage) -> tuple[str, ...]:
+    return (*_ARRAYS, "loss_mask") if m.HasField("loss_mask") else _ARRAYS

@@ -61,20 +61,28 @@ def test_mismatched_shapes(field, value, message):
         _check(dataclasses.replace(_batch(), **{field: value}))
 
 
-def test_mask_must_be_a_contiguous_prefix():
+@pytest.mark.parametrize("name", ["ppo", "reinforce_pp"])
+def test_token_order_advantages_need_a_contiguous_prefix(name):
     mask = _batch().mask.copy()
     mask[6] = [1, 0, 1, 0, 0]
     with pytest.raises(
         ValueError,
         match=r"RolloutBatch.mask row 6 is not a contiguous prefix: position 2 is a completion "
-        r"token after padding at position 1",
+        r"token after a masked one at position 1. The '\w+' advantage walks",
     ):
-        _check(dataclasses.replace(_batch(), mask=mask))
+        _check(dataclasses.replace(_batch(), mask=mask), name)
     mask[6] = [0, 1, 1, 0, 0]  # a leading gap too
     with pytest.raises(ValueError, match=r"row 6 is not a contiguous prefix: position 1"):
-        _check(dataclasses.replace(_batch(), mask=mask))
+        _check(dataclasses.replace(_batch(), mask=mask), name)
     mask[6] = 0  # an empty row is a prefix (of length 0)
-    _check(dataclasses.replace(_batch(), mask=mask))
+    _check(dataclasses.replace(_batch(), mask=mask), name)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "rloo", "gspo", "tb"])
+def test_other_objectives_take_holes_a_multi_turn_episode_leaves(name):
+    mask = _batch().mask.copy()
+    mask[6] = [1, 0, 0, 1, 1]  # a model turn, the environment's reply, the next model turn
+    _check(dataclasses.replace(_batch(), mask=mask), name)
 
 
 def test_nan_reward():

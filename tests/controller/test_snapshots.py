@@ -90,6 +90,8 @@ def test_a_buffered_group_round_trips_through_its_array_form():
             logprobs=rng.normal(size=n).astype(np.float32),
             versions=np.full(n, 3, np.int64),
             finish_reason=FinishReason.EOS,
+            # The last is a multi-turn episode: tokens 2..4 are the environment's.
+            sampled=np.arange(n) % 5 < 2 if i == 2 else None,
         )
         for i, n in enumerate((4, 0, 7))
     ]
@@ -103,12 +105,22 @@ def test_a_buffered_group_round_trips_through_its_array_form():
     meta, arrays = group.split_state()
     assert all(isinstance(a, np.ndarray) for a in arrays.values())
     assert "tokens" not in str(meta)  # no array inside the JSON part
-    back = GroupResult.from_split(meta, arrays)
-    assert back.ref == group.ref and back.verdicts == group.verdicts and back.issued_version == 2
-    np.testing.assert_array_equal(back.rewards, group.rewards)
-    for a, b in zip(back.rollouts, rollouts, strict=True):
-        assert a.prompt_id == b.prompt_id and a.sample_index == b.sample_index
-        assert a.finish_reason is b.finish_reason and a.logprob_policy == b.logprob_policy
-        for k in ("prompt_tokens", "tokens", "logprobs", "versions"):
-            np.testing.assert_array_equal(getattr(a, k), getattr(b, k))
-            assert getattr(a, k).dtype == getattr(b, k).dtype
+    # Both forms: the arrays snapshots write now, and the JSON one older snapshots hold.
+    for back in (GroupResult.from_split(meta, arrays), GroupResult.from_state(group.state())):
+        assert back.ref == group.ref and back.verdicts == group.verdicts
+        assert back.issued_version == 2
+        np.testing.assert_array_equal(back.rewards, group.rewards)
+        for a, b in zip(back.rollouts, rollouts, strict=True):
+            assert a.prompt_id == b.prompt_id and a.sample_index == b.sample_index
+            assert a.finish_reason is b.finish_reason and a.logprob_policy == b.logprob_policy
+            for k in ("prompt_tokens", "tokens", "logprobs", "versions"):
+                np.testing.assert_array_equal(getattr(a, k), getattr(b, k))
+                assert getattr(a, k).dtype == getattr(b, k).dtype
+            assert (a.sampled is None) == (b.sampled is None)
+            if b.sampled is not None:
+                assert a.sampled.dtype == bool
+                np.testing.assert_array_equal(a.sampled, b.sampled)
+    # Single-turn groups keep the layout snapshots had before episodes existed.
+    single = GroupResult(**{**group.__dict__, "rollouts": rollouts[:2]})
+    assert "sampled" not in single.split_state()[1]
+    assert "sampled" not in str(single.state())
