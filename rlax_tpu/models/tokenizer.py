@@ -135,6 +135,42 @@ class Tokenizer:
         text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
         return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
+    def turn_ids(
+        self,
+        content: str,
+        *,
+        role: str = "user",
+        after: Sequence[int] = (),
+        **options: object,
+    ) -> list[int]:
+        """Token ids that carry an environment's message into a conversation whose last tokens,
+        ``after``, are the model's turn: the rest of that turn's end marker (none when ``after``
+        ends with the marker's token, as a turn stopped by it does), ``content`` as a ``role``
+        turn, and the header of the model's next turn, as the chat template renders them.
+
+        Only this text is tokenized: the model's tokens are kept as sampled (decoding and
+        re-encoding them may give other ids). ValueError for a template that renders a turn
+        differently once another follows it (such templates cannot be extended turn by turn).
+        """
+        marker = "\x00rlax-turn\x00"  # stands for the model's content; no template emits it
+        before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
+        closed = self.apply_chat_template(before, add_generation_prompt=False, **options)
+        extended = self.apply_chat_template(
+            [*before, {"role": role, "content": content}], add_generation_prompt=True, **options
+        )
+        if closed.count(marker) != 1 or not extended.startswith(closed):
+            raise ValueError(
+                "this chat template renders a model turn differently once another turn follows "
+                "it, so a conversation cannot be extended turn by turn"
+            )
+        text = closed[closed.index(marker) + len(marker) :] + extended[len(closed) :]
+        added = self.backend.get_added_tokens_decoder()
+        if after and int(after[-1]) in added:  # a special token such as <|im_end|>
+            last = added[int(after[-1])].content
+            if text.startswith(last):
+                text = text[len(last) :]  # the model emitted the end marker itself
+        return self.encode(text, add_bos=False)
+
     def _token_text(self, i: int | None) -> str:
         return "" if i is None else self.backend.id_to_token(i)
 

@@ -183,3 +183,45 @@ def test_end_of_turn_tokens_stop_a_generation():
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="a"))
     tok = Tokenizer(backend, eos="<|end_of_text|>")
     assert tok.stop_ids == {1, 2}
+
+
+def test_an_environment_turn_is_what_the_template_renders(smollm2_tokenizer, reference):
+    """prompt + the model's tokens + turn_ids(feedback) are the ids of the whole conversation as
+    transformers renders and tokenizes it, whether or not the model's turn ended with its end
+    marker; the model's own tokens are never re-encoded."""
+    tok, im_end = smollm2_tokenizer, smollm2_tokenizer.backend.token_to_id("<|im_end|>")
+    question, answer = MESSAGES[1:], "```python\ndef f(x):\n    return x\n```"
+    feedback = "test 3: expected 5, got 4. Fix the program."
+    conversation = [
+        *question,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": feedback},
+    ]
+    whole = reference.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)
+    whole = list(getattr(whole, "input_ids", whole))
+    prompt = tok.encode(tok.apply_chat_template(question))
+    stopped = tok.encode(answer) + [im_end]  # the turn ended by its stop token
+    assert prompt + stopped + tok.turn_ids(feedback, after=stopped) == whole
+    cut = tok.encode(answer)  # a turn without it (cut by a length budget)
+    assert tok.turn_ids(feedback, after=cut)[0] == im_end
+    assert prompt + cut + tok.turn_ids(feedback, after=cut) == whole
+
+    # Sampled ids need not be the canonical encoding of their text ("return" drawn letter by
+    # letter): decoding and re-encoding the episode would change them; building it does not.
+    letters = [tok.encode(c)[0] for c in "return"]
+    sampled = tok.encode("def f(x):\n    ") + letters + tok.encode(" x") + [im_end]
+    episode = prompt + sampled + tok.turn_ids(feedback, after=sampled)
+    assert episode[len(prompt) : len(prompt) + len(sampled)] == sampled
+    assert tok.encode(tok.decode(episode, skip_special_tokens=False)) != episode
+
+
+def test_a_template_that_rewrites_earlier_turns_cannot_be_extended(smollm2_tokenizer):
+    rewrites = (  # the last assistant turn rendered apart from earlier ones (as Qwen3 strips thoughts)
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' and not loop.last %}[earlier]{% else %}{{ m.content }}"
+        "{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok = Tokenizer(smollm2_tokenizer.backend, eos="<|im_end|>", chat_template=rewrites)
+    with pytest.raises(ValueError, match="cannot be extended turn by turn"):
+        tok.turn_ids("feedback")
