@@ -1,0 +1,35 @@
+"""Environments of multi-turn episodes: after each model turn an environment answers with a
+message, a reward, or both, and says when the episode is done (issue [multi-turn]).
+
+An environment is a function of the episode's transcript: ``reply(problem, answers, tools)``
+sees the model's answers so far (the last one new) and the tools the controller lends it (the
+run's verifier), so an episode in flight is resumed from its tokens alone. Built-in:
+``code_repair`` (the verifier's verdict on the program as feedback, up to ``max_turns``
+attempts). User code adds its own with ``register_environment`` from a module named in
+``algorithm.plugins``.
+
+Not yet wired into the controller: no config chooses an environment, and a run is single-turn.
+"""
+
+from rlax_tpu.environments.api import (
+    Environment,
+    Reply,
+    Tools,
+    environment,
+    episode_reward,
+    known_environments,
+    register_environment,
+)
+from rlax_tpu.environments.code_repair import CodeRepair, feedback
+
+__all__ = [
+    "CodeRepair",
+    "Environment",
+    "Reply",
+    "Tools",
+    "environment",
+    "episode_reward",
+    "feedback",
+    "known_environments",
+    "register_environment",
+]
