@@ -19,10 +19,14 @@ processes and nothing the completion does can make the tests pass without passin
   (fd 1 itself is pointed at stderr first, so the tests' own prints cannot forge it):
   ``{"kind": "accepted"}`` or ``{"kind": ..., "detail": ...}``. Killing the harness leaves no
   line and a signal exit, which is never a pass.
+* A failed assert is reported as its line of the tests and, for ``assert x == y``, the value of
+  x (the asserts are rewritten to record it as they run, so nothing is called twice): the
+  feedback a model repairing its program reads.
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
 import json
 import math
@@ -36,6 +40,8 @@ MAX_LINE = 64 << 20  # bytes of one message between harness and child
 MAX_NAMES = 4096
 MAX_GLOBAL_BYTES = 1 << 20  # larger data globals are not shared with the tests
 _PR_SET_DUMPABLE, _PR_GET_DUMPABLE = 4, 3
+SEEN = "__rlax_seen__"  # the tests' asserts of == report their left side through this name
+MAX_DETAIL = 600
 
 
 # -- plain data ------------------------------------------------------------------------------
@@ -289,11 +295,71 @@ def _death(channel: _Channel) -> tuple[str, str]:
     return "runtime_error", f"the candidate exited with code {code}"
 
 
-def _outcome(error: BaseException, channel: _Channel) -> tuple[str, str]:
+class _Comparisons:
+    """The left side of each ``assert a == b`` of the tests as they run (the tests are rewritten
+    to pass it through ``seen``), so a failed one reports what the candidate gave without
+    calling it twice."""
+
+    def __init__(self) -> None:
+        self.line, self.left = 0, None
+
+    def seen(self, left: object, right: object, line: int) -> bool:
+        self.line, self.left = line, left
+        return left == right
+
+
+class _RecordEquality(ast.NodeTransformer):
+    def visit_Assert(self, node: ast.Assert) -> ast.Assert:  # noqa: N802 - the ast visitor name
+        t = node.test
+        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
+            call = ast.Call(
+                func=ast.Name(id=SEEN, ctx=ast.Load()),
+                args=[t.left, t.comparators[0], ast.Constant(node.lineno)],
+                keywords=[],
+            )
+            node.test = ast.copy_location(call, t)
+        return node
+
+
+def _compile_test(test: str) -> types.CodeType:
+    tree = ast.fix_missing_locations(_RecordEquality().visit(ast.parse(test, TEST_FILENAME)))
+    return compile(tree, TEST_FILENAME, "exec")
+
+
+def _failed_assert(error: AssertionError, test: str, seen: _Comparisons) -> str:
+    """``failed: <the assert>`` (and ``got: <its left side>`` for ``==``), from the innermost
+    line of the test code the error passed through."""
+    line, tb = 0, error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == TEST_FILENAME:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    asserts = [
+        n for n in ast.walk(ast.parse(test)) if isinstance(n, ast.Assert) and n.lineno == line
+    ]
+    if not asserts:
+        return "a test assertion failed"
+    detail = f"failed: {ast.get_source_segment(test, asserts[0]) or ''}"[:MAX_DETAIL]
+    if seen.line == line:
+        detail += f"\ngot: {_short_repr(seen.left)}"
+    return detail
+
+
+def _short_repr(x: object) -> str:
+    try:
+        text = repr(x)
+    except Exception:  # noqa: BLE001 - plain data from the candidate; never expected
+        return "?"
+    return text if len(text) <= MAX_DETAIL // 2 else text[: MAX_DETAIL // 2] + "..."
+
+
+def _outcome(
+    error: BaseException, channel: _Channel, test: str = "", seen: _Comparisons | None = None
+) -> tuple[str, str]:
     if isinstance(error, CandidateDied):
         return _death(channel)
     if isinstance(error, AssertionError):
-        return "wrong_answer", "a test assertion failed"
+        return "wrong_answer", _failed_assert(error, test, seen or _Comparisons())
     if isinstance(error, MemoryError):
         return "memory_limit", "out of memory"
     return "runtime_error", f"{type(error).__name__}: {error}"[:300]
@@ -329,9 +395,10 @@ def harness_main(source_path: str) -> int:
     spec = json.loads(sys.stdin.buffer.read())
     test, entry_point = spec["test"], spec["entry_point"]
     try:
-        code = compile(test, TEST_FILENAME, "exec")
+        code = _compile_test(test)
     except SyntaxError as e:
         return report("internal_error", f"the test code does not compile: {e}")
+    seen = _Comparisons()
     try:
         hello = channel.receive()
         if type(hello) is dict and "failed" in hello:
@@ -342,7 +409,11 @@ def harness_main(source_path: str) -> int:
         return report(*_death(channel))
     # The tests see the completion's functions and data, but never a name of a builtin (its
     # own `abs` or `AssertionError` must not reach them) nor `check`: the tests' names win.
-    namespace: dict[str, object] = {"__name__": "__main__", "__builtins__": builtins}
+    namespace: dict[str, object] = {
+        "__name__": "__main__",
+        "__builtins__": builtins,
+        SEEN: seen.seen,
+    }
     namespace.update(
         (n, r) for n, r in remotes.items() if n != "check" and not hasattr(builtins, n)
     )
@@ -358,7 +429,7 @@ def harness_main(source_path: str) -> int:
                 return report("wrong_answer", f"{entry_point} is not defined")
             check(candidate)
     except BaseException as e:  # noqa: BLE001 - whatever went wrong, the tests did not pass
-        return report(*_outcome(e, channel))
+        return report(*_outcome(e, channel, test, seen))
     if channel.dead:  # a test swallowed the error of a dead candidate
         return report(*_death(channel))
     return report("accepted")

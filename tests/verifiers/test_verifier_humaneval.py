@@ -52,3 +52,23 @@ def test_unit_test_syntax_error_is_a_compile_error(service):
     [verdict] = service.verify([task])
     assert verdict.kind is VerdictKind.COMPILE_ERROR
     assert "SyntaxError" in verdict.detail
+
+
+def test_a_failed_assert_reports_its_line_and_what_the_candidate_gave(service):
+    """The feedback a model repairing its program reads: the first failing assert of the tests
+    and, for ==, the candidate's value (recorded as the assert ran: the candidate counts its
+    calls, and the count shows it was called once per assert)."""
+    code = "calls = []\n\ndef add(a, b):\n    calls.append(1)\n    return a - b + len(calls) - 1\n"
+    test = (
+        "def check(candidate):\n"
+        "    assert candidate(0, 0) == 0\n"
+        "    for a, b in [(2, 0), (1, 2)]:\n"
+        "        assert candidate(a, b) == a + b, (a, b)\n"
+    )
+    [verdict] = service.verify([UnitTestTask(code=code, test=test, entry_point="add")])
+    assert verdict.kind is VerdictKind.WRONG_ANSWER
+    # Call 1: 0 - 0 + 0 = 0; call 2: 2 - 0 + 1 = 3, not 2 (a second call would give 4).
+    assert verdict.detail == "failed: assert candidate(a, b) == a + b, (a, b)\ngot: 3"
+    less = "def check(candidate):\n    assert candidate(1, 2) > 5\n"
+    [verdict] = service.verify([UnitTestTask(code=code, test=less, entry_point="add")])
+    assert verdict.detail == "failed: assert candidate(1, 2) > 5"  # not ==: no value
