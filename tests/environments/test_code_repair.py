@@ -9,7 +9,8 @@ import os
 import pytest
 
 from rlax_tpu.config import VerifierConfig
-from rlax_tpu.controller.tasks import NO_PROGRAM, SpecCache, make_task
+from rlax_tpu.controller.episodes import VerifierTools
+from rlax_tpu.controller.tasks import NO_PROGRAM, SpecCache
 from rlax_tpu.data.functions import load_functions
 from rlax_tpu.environments import (
     Reply,
@@ -25,23 +26,11 @@ from rlax_tpu.verifiers.service import VerifierService
 UID = 3_100_000 + (os.getpid() % 100_000) * 8  # a uid block of its own
 
 
-class SandboxTools:
-    """The run's verifier, as a single-turn rollout is graded (chat answers)."""
-
-    def __init__(self, verifier):
-        self.verifier, self.specs, self.asked = verifier, SpecCache(verifier), 0
-
-    def verify(self, problem, answer):
-        self.asked += 1
-        task = make_task(problem, answer, style="chat", specs=self.specs)
-        return NO_PROGRAM if task is None else self.verifier.verify([task], deadline_s=120)[0]
-
-
 @pytest.fixture(scope="module")
 def tools(tmp_path_factory):
     config = VerifierConfig(sandbox_uid=UID, workers=1, languages=("python",))
     with VerifierService(config, scratch_dir=tmp_path_factory.mktemp("verifier")) as verifier:
-        yield SandboxTools(verifier)
+        yield VerifierTools(verifier, SpecCache(verifier), style="chat")
 
 
 def _answer(problem, body):
