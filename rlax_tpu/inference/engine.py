@@ -300,7 +300,7 @@ class Engine:
                 f"{where}: prompt of {n} tokens is longer than inference.max_prompt_len = "
                 f"{self.cfg.max_prompt_len}"
             )
-        bad = [t for t in request.prompt_tokens if not 0 <= t < vocab]
+        bad = [t for t in (*request.prompt_tokens, *request.continuation) if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(
                 f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
@@ -322,6 +322,13 @@ class Engine:
             sampling.check(vocab_size=vocab, max_new_tokens=self.cfg.max_new_tokens)
         except InvalidSampling as e:
             raise InvalidRequest(f"{where}: {e}") from e
+        longest = n + len(request.continuation) + sampling.max_new_tokens
+        if longest > self.cache_len:
+            raise InvalidRequest(
+                f"{where}: prompt {n} + continuation {len(request.continuation)} + max_new_tokens "
+                f"{sampling.max_new_tokens} = {longest} tokens do not fit a sequence's "
+                f"{self.cache_len} cache positions"
+            )
         return dataclasses.replace(request, sampling=sampling)
 
     def submit(self, request: Request) -> None:
@@ -524,7 +531,7 @@ class Engine:
             reason = None
             if token in s.stop_token_ids or (token in self.eos_ids and not s.ignore_eos):
                 reason = FinishReason.EOS
-            elif len(seq.generated) >= s.max_new_tokens:
+            elif len(seq.sampled) >= s.max_new_tokens:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self.scheduler.finish(seq)
@@ -537,7 +544,7 @@ class Engine:
             prompt_id=seq.request.prompt_id,
             sample_index=seq.sample_index,
             prompt_tokens=np.asarray(seq.request.prompt_tokens, np.int32),
-            tokens=np.asarray(seq.generated, np.int32),
+            tokens=np.asarray(seq.sampled, np.int32),
             logprobs=np.asarray(seq.logprobs, np.float32),
             versions=np.asarray(seq.versions, np.int64),
             finish_reason=reason,

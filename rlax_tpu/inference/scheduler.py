@@ -57,6 +57,11 @@ class Request:
     prompt_tokens: tuple[int, ...]
     num_samples: int = 1
     sampling: SamplingParams = SamplingParams()
+    # Tokens after the prompt that each sample already holds (a multi-turn episode's earlier
+    # turns and the environment's replies): fed like a preempted sequence's generated tokens
+    # (decode rows, never sampled or reported), so their keys and values are bitwise those of
+    # an uninterrupted sequence; sampling starts after them.
+    continuation: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -79,7 +84,13 @@ class Sequence:
 
     @property
     def generated(self) -> list[int]:
+        """The tokens after the prompt: the request's continuation, then the sampled ones."""
         return self.tokens[self.num_prompt :]
+
+    @property
+    def sampled(self) -> list[int]:
+        """The tokens this sequence sampled (after the continuation)."""
+        return self.tokens[self.num_prompt + len(self.request.continuation) :]
 
     @property
     def target(self) -> int:
@@ -293,7 +304,7 @@ class Scheduler:
             child = Sequence(
                 parent.request,
                 i,
-                list(parent.tokens),
+                [*parent.tokens, *parent.request.continuation],
                 parent.table.fork(self.alloc(parent)),
                 parent.order,
                 shard=parent.shard,  # its pages are the parent's

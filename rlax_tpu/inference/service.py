@@ -125,6 +125,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             Request(
                 prompt_id=p.prompt_id,
                 prompt_tokens=tuple(p.prompt_tokens),
+                continuation=tuple(p.continuation),
                 num_samples=p.num_samples or 1,
                 sampling=sampling_from_pb(p.sampling),
             )
@@ -221,6 +222,7 @@ class InferenceClient:
                     prompt_tokens=list(r.prompt_tokens),
                     num_samples=r.num_samples,
                     sampling=sampling_to_pb(r.sampling),
+                    continuation=list(r.continuation),
                 )
                 for r in requests
             ],

@@ -346,3 +346,99 @@ def test_the_tpu_layout_serves_the_cpu_engines_tokens():
     for key, ro in want.items():
         np.testing.assert_array_equal(got[key].tokens, ro.tokens)
         np.testing.assert_allclose(got[key].logprobs, ro.logprobs, rtol=0, atol=2e-5)
+
+
+def test_a_continuation_samples_what_the_uninterrupted_sequence_did(tiny_model):
+    """A request that continues a sequence (an episode's next turn) feeds the tokens it holds
+    like a preempted sequence's and samples after them with the same streams: the same tokens
+    and log-probs as the sequence that was never interrupted, under a starved page budget too."""
+    requests = random_requests(4, seed=5, num_samples=2, max_new=24, temperature=1.0)
+    requests = [
+        dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_new_tokens=20))
+        for r in requests
+    ]
+    whole = make_engine(tiny_model)
+    for r in requests:
+        whole.submit(r)
+    want = by_key(whole.run())
+    for budget in (None, 16 * page_bytes(tiny_model.cfg, 4)):
+        engine = make_engine(tiny_model, **({"kv_cache_bytes": budget} if budget else {}))
+        for r in requests:  # the first 7 tokens of each sample are the continuation
+            for i in range(r.num_samples):
+                held = tuple(int(t) for t in want[r.prompt_id, i].tokens[:7])
+                engine.submit(
+                    dataclasses.replace(
+                        r,
+                        prompt_id=f"{r.prompt_id}/{i}",
+                        num_samples=1,
+                        continuation=held,
+                        sampling=dataclasses.replace(r.sampling, max_new_tokens=13),
+                    )
+                )
+        got = _run_checked(engine)
+        if budget:
+            assert engine.scheduler.num_preemptions > 0
+        for ro in got:
+            key, i = ro.prompt_id.split("/")
+            # Sample i of the whole request drew with stream i; alone, its continuation is
+            # sample 0 of its own request: the draws match where the streams do (i = 0).
+            if i != "0":
+                continue
+            full = want[key, 0]
+            assert len(ro.tokens) == 13 and ro.prompt_tokens.tolist() == list(full.prompt_tokens)
+            tail = dataclasses.replace(
+                full, tokens=full.tokens[7:], logprobs=full.logprobs[7:], versions=full.versions[7:]
+            )
+            assert_same_samples(ro, tail, bitwise=engine.rows_bitwise)
+
+
+def test_an_episodes_turns_are_bitwise_the_replay_of_the_whole_episode(tiny_model):
+    """Turn 2 continues turn 1 after the environment's tokens: replaying prompt + turn 1 +
+    reply + turn 2 through the engine's programs gives both turns' log-probs as sampled."""
+    engine = make_engine(tiny_model)
+    prompt = tuple(range(3, 14))
+    engine.submit(Request(prompt_id="t1", prompt_tokens=prompt, sampling=SamplingParams(
+        temperature=0.8, max_new_tokens=9, seed=1)))  # fmt: skip
+    [turn1] = engine.run()
+    reply = (500, 17, 42, 8)
+    engine.submit(
+        Request(
+            prompt_id="t2",
+            prompt_tokens=prompt,
+            continuation=(*turn1.tokens.tolist(), *reply),
+            sampling=SamplingParams(temperature=0.8, max_new_tokens=10, seed=2),
+        )
+    )
+    [turn2] = engine.run()
+    assert len(turn2.tokens) == 10 and turn2.prompt_tokens.tolist() == list(prompt)
+    episode = [*turn1.tokens.tolist(), *reply, *turn2.tokens.tolist()]
+    tokens = np.zeros((1, 48), np.int32)
+    tokens[0, : len(prompt) + len(episode)] = [*prompt, *episode]
+    replay = models.replay_logprobs(
+        tiny_model,
+        tokens,
+        np.array([len(prompt)]),
+        np.array([len(episode)]),
+        shape=engine.replay_shape,
+        temperature=0.8,
+    )[0]
+    got = np.concatenate([replay[: len(turn1.tokens)], replay[len(turn1.tokens) + len(reply) :]])
+    want = np.concatenate([turn1.logprobs, turn2.logprobs])
+    if engine.rows_bitwise:
+        np.testing.assert_array_equal(got[: len(want)], want)
+    else:
+        np.testing.assert_allclose(got[: len(want)], want, atol=1e-5)
+
+
+def test_a_continuation_that_cannot_fit_is_refused(tiny_model):
+    engine = make_engine(tiny_model)
+    long = Request(
+        prompt_id="x",
+        prompt_tokens=(1,) * 20,
+        continuation=(2,) * 20,
+        sampling=SamplingParams(max_new_tokens=20),
+    )
+    with pytest.raises(Exception, match=r"prompt 20 \+ continuation 20 \+ max_new_tokens 20"):
+        engine.submit(long)
+    with pytest.raises(Exception, match=r"token ids \[9999\] outside the vocabulary"):
+        engine.submit(dataclasses.replace(long, continuation=(9999,)))

@@ -132,6 +132,8 @@ def test_grpc_round_trip_on_loopback(worker):
     try:
         client.wait_ready(10)
         requests = random_requests(3, seed=31, num_samples=2, temperature=0.9, top_k=50)
+        # One continues a sequence (an episode's next turn): its held tokens cross the wire too.
+        requests[1] = dataclasses.replace(requests[1], continuation=(7, 8, 9))
         local = by_key(worker.generate(requests))
         remote = by_key(client.generate(requests))
         assert remote.keys() == local.keys()
