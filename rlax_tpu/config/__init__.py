@@ -1,9 +1,10 @@
 """Typed run configuration: one frozen, keyword-only dataclass per component.
 
 Each section lives in its own module here (``model``, ``mesh``, ``trainer``, ``inference``,
-``param_server``, ``verifiers``, ``data``, ``algorithm``, ``controller``, ``topology``), with its
-fields, their comments (the flag reference is generated from them) and its own validation;
-``run`` assembles them into :class:`RunConfig` with the rules that span sections.
+``param_server``, ``verifiers``, ``data``, ``algorithm``, ``environment``, ``controller``,
+``topology``), with its fields, their comments (the flag reference is generated from them) and
+its own validation; ``run`` assembles them into :class:`RunConfig` with the rules that span
+sections.
 
 Config files (``configs/*.py``) build an ``ml_collections.ConfigDict`` from :func:`base_config_dict`,
 edit it, and the command line may override fields (``--config.trainer.learning_rate=3e-6``). The
@@ -26,6 +27,12 @@ from rlax_tpu.config.checks import UNBOUNDED, ConfigError, detect_accelerator
 from rlax_tpu.config.controller import ControllerConfig
 from rlax_tpu.config.convert import BUCKET, base_config_dict, diff, from_dict, to_dict
 from rlax_tpu.config.data import DataConfig
+from rlax_tpu.config.environment import (
+    ENVIRONMENTS,
+    EnvironmentConfig,
+    known_environments,
+    register_environment_name,
+)
 from rlax_tpu.config.inference import InferenceConfig
 from rlax_tpu.config.mesh import DistributedConfig, MeshConfig
 from rlax_tpu.config.model import ModelConfig
@@ -47,6 +54,8 @@ __all__ = [
     "ControllerConfig",
     "DataConfig",
     "DistributedConfig",
+    "ENVIRONMENTS",
+    "EnvironmentConfig",
     "InferenceConfig",
     "MeshConfig",
     "ModelConfig",
@@ -60,8 +69,10 @@ __all__ = [
     "diff",
     "from_dict",
     "known_algorithms",
+    "known_environments",
     "known_rewards",
     "register_algorithm_name",
+    "register_environment_name",
     "register_reward_name",
     "to_dict",
 ]

@@ -9,6 +9,7 @@ from rlax_tpu.config.algorithm import AlgorithmConfig
 from rlax_tpu.config.checks import UNBOUNDED, ConfigError, frozen
 from rlax_tpu.config.controller import ControllerConfig
 from rlax_tpu.config.data import DataConfig
+from rlax_tpu.config.environment import EnvironmentConfig
 from rlax_tpu.config.inference import InferenceConfig
 from rlax_tpu.config.mesh import MeshConfig
 from rlax_tpu.config.model import ModelConfig
@@ -16,6 +17,10 @@ from rlax_tpu.config.param_server import ParamServerConfig
 from rlax_tpu.config.topology import TopologyConfig
 from rlax_tpu.config.trainer import TrainerConfig
 from rlax_tpu.config.verifiers import VerifierConfig
+
+# Built-in algorithms whose advantage is a recursion over a completion's tokens (GAE,
+# returns-to-go): multi-turn episodes leave holes in it (algorithms.batch.TOKEN_ORDER_ADVANTAGES).
+TOKEN_ORDER_ALGORITHMS = ("ppo", "reinforce_pp")
 
 
 @frozen
@@ -30,6 +35,7 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    environment: EnvironmentConfig = dataclasses.field(default_factory=EnvironmentConfig)
     topology: TopologyConfig = dataclasses.field(default_factory=TopologyConfig)
 
     def __post_init__(self) -> None:
@@ -70,6 +76,7 @@ class RunConfig:
                 alg.group_size,
             )
         self._check_slices()
+        self._check_environment()
         replicas = self.param_server.replicas
         if ctl.param_server_endpoints and len(ctl.param_server_endpoints) != replicas:
             raise ConfigError(
@@ -168,6 +175,33 @@ class RunConfig:
         if self.data.prompt_style != "auto":
             return self.data.prompt_style
         return "raw" if self.model.weights_format == "init" else "chat"
+
+    def _check_environment(self) -> None:
+        env = self.environment
+        env.check_name()
+        if env.name == "none":
+            return
+        if self.controller.mode != "deterministic":
+            raise ConfigError(
+                "environment.name",
+                "multi-turn episodes run in controller.mode = 'deterministic' only (not yet in "
+                "throughput mode)",
+                env.name,
+            )
+        if self.data.prompt_style == "raw":
+            raise ConfigError(
+                "data.prompt_style",
+                "an environment's replies are turns of the model's chat template: use 'chat'",
+                self.data.prompt_style,
+            )
+        if self.algorithm.name in TOKEN_ORDER_ALGORITHMS:
+            raise ConfigError(
+                "algorithm.name",
+                "its advantage walks each completion's tokens in order, and an episode's "
+                "completion holds the environment's tokens between the model's turns; choose "
+                "one without (grpo, dapo, rloo, ...)",
+                self.algorithm.name,
+            )
 
     def _check_slices(self) -> None:
         """Multislice is the trainer's: an inference worker runs on one slice, and a trainer's

@@ -1,33 +1,48 @@
-"""Multi-turn episodes as the trainer sees them: one Rollout per episode whose tokens are the
-model's turns exactly as sampled with the environment's messages between them (tokenized once,
-with the chat template's turn markers: ``Tokenizer.turn_ids``), and the tools an environment
-borrows from the run (its verifier, grading an answer as a single-turn rollout is graded).
+"""Multi-turn episodes (``environment.name``): each sampled first turn is played out with the
+run's environment, and the trainer gets one Rollout per episode whose tokens are the model's turns
+exactly as sampled with the environment's messages between them (tokenized once, with the chat
+template's turn markers: ``Tokenizer.turn_ids``; out of the loss).
 
-Not yet driven by the controller: a run is single-turn (issue [multi-turn]).
+A next turn is a request that continues the episode's sequence (``Request.continuation``: the
+engine feeds the tokens it holds like a preempted sequence's, so the keys, values and log-probs
+are bitwise those of one uninterrupted sequence and the trainer's replay reproduces them), with
+the version of the step and a sampling stream of its own (seed, "turn", group, sample, turn).
+An episode is a pure function of its seeds, version and the environment: one in flight when the
+run stops is played again from its first turn on resume, as a single-turn group is re-issued.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import concurrent.futures as cf
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from rlax_tpu.config import EnvironmentConfig
 from rlax_tpu.controller import tasks as tasks_lib
 from rlax_tpu.controller.ports import VerifierPort
+from rlax_tpu.data.mixture import stream_seed
 from rlax_tpu.data.problems import Problem
+from rlax_tpu.environments import Environment, Tools, episode_reward
+from rlax_tpu.inference.sampler import SamplingParams
+from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.types import Rollout, Verdict
+
+_SEP = "\x1f"  # between a group key and a sample index in a turn's prompt_id
 
 
 def episode_rollout(
     turns: Sequence[Rollout], replies: Sequence[Sequence[int]], *, prompt_id: str, sample_index: int
 ) -> Rollout:
-    """The episode of ``turns`` (the model's, oldest first; turn k + 1 continued turn k's
-    sequence after ``replies[k]``, the environment's token ids) as one Rollout of the first
-    turn's prompt: tokens turn 0, reply 0, turn 1, ...; ``sampled`` False on the replies, whose
-    log-probs are 0 and whose versions are those of the turn before them.
+    """The episode of ``turns`` (the model's, oldest first; turn k + 1 continued the sequence
+    of the episode's prompt, turns 0..k and the environment's ``replies[0..k]``, as
+    ``Request.continuation``) as one Rollout of the first turn's prompt: tokens turn 0,
+    reply 0, turn 1, ...; ``sampled`` False on the replies, whose log-probs are 0 and whose
+    versions are those of the turn before them.
 
-    ValueError if a turn's prompt is not the episode so far (the engine was not given exactly
-    the tokens the episode holds, or a reply is missing)."""
+    ValueError if a turn was generated from another prompt, or a reply is missing."""
     if not turns or len(replies) != len(turns) - 1:
         raise ValueError(
             f"an episode of {len(turns)} turns has {len(turns) - 1} replies between them, "
@@ -43,11 +58,10 @@ def episode_rollout(
             last = versions[-1][-1:] if len(versions[-1]) else np.asarray([turn.version], np.int64)
             versions.append(np.repeat(last, len(reply)).astype(np.int64))
             sampled.append(np.zeros(len(reply), bool))
-            so_far = np.concatenate([prompt, *tokens])
-            if not np.array_equal(np.asarray(turn.prompt_tokens, np.int32), so_far):
+            if not np.array_equal(np.asarray(turn.prompt_tokens, np.int32), prompt):
                 raise ValueError(
                     f"turn {k} of episode {prompt_id}/{sample_index} was generated from "
-                    "another sequence than the episode's tokens so far"
+                    "another prompt than the episode's"
                 )
         tokens.append(np.asarray(turn.tokens, np.int32))
         logprobs.append(np.asarray(turn.logprobs, np.float32))
@@ -87,3 +101,123 @@ class VerifierTools:
             return tasks_lib.NO_PROGRAM
         [verdict] = self.verifier.verify([task])
         return verdict
+
+
+@dataclasses.dataclass
+class _Episode:
+    problem: Problem
+    turns: list[Rollout]
+    replies: list[list[int]] = dataclasses.field(default_factory=list)
+    rewards: list[float] = dataclasses.field(default_factory=list)
+    verdict: Verdict | None = None
+
+    @property
+    def held(self) -> list[int]:
+        """Every token after the prompt so far: turns and replies."""
+        out: list[int] = []
+        for k, turn in enumerate(self.turns):
+            if k:
+                out += self.replies[k - 1]
+            out += turn.tokens.tolist()
+        return out
+
+
+class EpisodeRunner:
+    """Plays sampled first turns out as episodes of ``env``."""
+
+    def __init__(
+        self,
+        env: Environment,
+        tools: Tools,
+        tokenizer: object,  # has turn_ids and decode (models.Tokenizer)
+        cfg: EnvironmentConfig,
+        *,
+        generate: Callable[[int, Sequence[Request]], list[Rollout]],
+        seed: int,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        threads: int = 8,
+    ):
+        self.env, self.tools, self.tokenizer, self.cfg = env, tools, tokenizer, cfg
+        self.generate, self.seed, self.max_new_tokens = generate, seed, max_new_tokens
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._threads = cf.ThreadPoolExecutor(threads, "episode")
+        self.turns_played = 0  # model turns after the first, over the run (a metric)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def run(
+        self, version: int, items: Sequence[tuple[Problem, Rollout]]
+    ) -> tuple[list[Rollout], list[Verdict], list[float | None]]:
+        """(episode rollouts, the last turn's verdicts, episode rewards; None: the verifier
+        failed), in the order of ``items`` (each a problem and its sampled first turn)."""
+        episodes = [_Episode(problem, [first]) for problem, first in items]
+        active = list(range(len(episodes)))
+        while active:
+            replies = list(
+                self._threads.map(
+                    lambda i: self.env.reply(
+                        episodes[i].problem,
+                        [self.tokenizer.decode(t.tokens.tolist()) for t in episodes[i].turns],
+                        self.tools,
+                    ),
+                    active,
+                )
+            )
+            requests, waiting = [], []
+            for i, reply in zip(active, replies, strict=True):
+                ep = episodes[i]
+                ep.rewards.append(reply.reward)
+                ep.verdict = reply.verdict
+                if reply.text is None or len(ep.turns) >= self.cfg.max_turns:
+                    continue
+                if math.isnan(reply.reward):
+                    continue
+                ids = self.tokenizer.turn_ids(reply.text, after=ep.turns[-1].tokens.tolist())
+                held = [*ep.held, *ids]
+                room = self.max_new_tokens - len(held)
+                if room < 1:  # the episode's token budget is spent
+                    continue
+                ep.replies.append(ids)
+                first = ep.turns[0]
+                key = first.prompt_id
+                requests.append(
+                    Request(
+                        prompt_id=f"{key}{_SEP}{first.sample_index}",
+                        prompt_tokens=tuple(int(t) for t in first.prompt_tokens),
+                        continuation=tuple(held),
+                        sampling=SamplingParams(
+                            seed=stream_seed(
+                                self.seed, "turn", key, first.sample_index, len(ep.turns)
+                            )
+                            & 0xFFFFFFFF,
+                            stop_token_ids=self.stop_token_ids,
+                            max_new_tokens=room,
+                        ),
+                    )
+                )
+                waiting.append(i)
+            if not requests:
+                break
+            by_id = {ro.prompt_id: ro for ro in self.generate(version, requests)}
+            for i, req in zip(waiting, requests, strict=True):
+                episodes[i].turns.append(by_id[req.prompt_id])
+            self.turns_played += len(requests)
+            active = waiting
+        rollouts = [
+            episode_rollout(
+                ep.turns,
+                ep.replies,
+                prompt_id=ep.turns[0].prompt_id,
+                sample_index=ep.turns[0].sample_index,
+            )
+            for ep in episodes
+        ]
+        rewards = [
+            None
+            if any(math.isnan(r) for r in ep.rewards)
+            else episode_reward(ep.rewards, mode=self.cfg.reward, discount=self.cfg.discount)
+            for ep in episodes
+        ]
+        return rollouts, [ep.verdict or tasks_lib.NO_PROGRAM for ep in episodes], rewards

@@ -35,6 +35,7 @@ from rlax_tpu.algorithms import Objective, make_objective
 from rlax_tpu.config import RunConfig, diff, from_dict, to_dict
 from rlax_tpu.controller import groups as groups_lib
 from rlax_tpu.controller.components import Components
+from rlax_tpu.controller.episodes import EpisodeRunner, VerifierTools
 from rlax_tpu.controller.ledger import GroupState, Ledger
 from rlax_tpu.controller.pool import WorkerPool
 from rlax_tpu.controller.replay import REPLAY_DIR, ReplayFeed
@@ -45,6 +46,7 @@ from rlax_tpu.data.evaluation import mean_pass_at_k
 from rlax_tpu.data.filters import prefilter
 from rlax_tpu.data.mixture import PromptMixture, PromptRef
 from rlax_tpu.data.problems import Problem
+from rlax_tpu.environments import environment
 from rlax_tpu.observability.metrics import MetricsWriter
 from rlax_tpu.observability.progress import Progress
 from rlax_tpu.trainer import CorruptCheckpointError
@@ -174,6 +176,7 @@ class Controller:
         self._progress_stream = progress_stream
         self._jobs: dict[int, cf.Future] = {}  # deterministic: step -> verified groups
         self._verify_pool = cf.ThreadPoolExecutor(2, "verify")
+        self.episodes = self._episode_runner()
         self.replay = None
         if config.data.replay:
             self.replay = ReplayFeed(
@@ -183,6 +186,30 @@ class Controller:
                 max_staleness=cc.acceptance_bound,
                 directory=self.run_dir / REPLAY_DIR,
             )
+
+    def _episode_runner(self) -> EpisodeRunner | None:
+        env = self.config.environment
+        if env.name == "none":
+            return None
+        if self.prompter.style != "chat":
+            raise ValueError(
+                f"environment.name = {env.name!r}: an environment's replies are turns of the "
+                "model's chat template, and this run's prompts are raw text (its tokenizer has "
+                "no chat template, or data.prompt_style = 'raw')"
+            )
+        tools = VerifierTools(
+            self.c.verifier, self.specs, style="chat", language=self.prompter.language
+        )
+        return EpisodeRunner(
+            environment(env.name, max_turns=env.max_turns),
+            tools,
+            self.prompter.tokenizer,
+            env,
+            generate=lambda version, requests: self.pool.submit(version, requests).result(),
+            seed=self.cc.seed,
+            max_new_tokens=self.config.inference.max_new_tokens,
+            stop_token_ids=self.prompter.stop_token_ids,
+        )
 
     def _warn(self, text: str) -> None:
         # Shown once, in the run's output; the log keeps it below the terminal's WARNING level
@@ -473,11 +500,15 @@ class Controller:
             timing["generated"] = time.perf_counter()
             by_key = {r.key: r for r in refs}
             items = [(self.prompter.problem(by_key[ro.prompt_id]), ro) for ro in rollouts]
-            verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
-            timing["verified"] = time.perf_counter()
-            rewards = groups_lib.rewards_of(
-                self.config.algorithm.reward, self.prompter, items, verdicts
-            )
+            if self.episodes is not None:  # the environment's rewards, not algorithm.reward's
+                rollouts, verdicts, rewards = self.episodes.run(version, items)
+                timing["verified"] = time.perf_counter()
+            else:
+                verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
+                timing["verified"] = time.perf_counter()
+                rewards = groups_lib.rewards_of(
+                    self.config.algorithm.reward, self.prompter, items, verdicts
+                )
             results = groups_lib.results_from(
                 refs, rollouts, verdicts, rewards, issued_version=issued_version
             )
@@ -842,6 +873,8 @@ class Controller:
         """Stops the controller's own threads (generation and verification jobs)."""
         self.pool.close()
         self._verify_pool.shutdown(wait=False, cancel_futures=True)
+        if self.episodes is not None:
+            self.episodes.close()
 
     def drain(self) -> None:
         """Waits for this controller's generation and verification calls still running (after a

@@ -8,7 +8,8 @@ run's verifier), so an episode in flight is resumed from its tokens alone. Built
 attempts). User code adds its own with ``register_environment`` from a module named in
 ``algorithm.plugins``.
 
-Not yet wired into the controller: no config chooses an environment, and a run is single-turn.
+``environment.name`` chooses one (controller/episodes.py plays the episodes; deterministic mode
+only so far).
 """
 
 from rlax_tpu.environments.api import (

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
+from rlax_tpu.config import ENVIRONMENTS, register_environment_name
 from rlax_tpu.data.problems import Problem
 from rlax_tpu.types import Verdict
 
@@ -51,6 +52,8 @@ def register_environment(name: str, factory: EnvironmentFactory) -> None:
         raise ValueError(f"{name!r} cannot name an environment")
     if name in _REGISTRY:
         raise ValueError(f"environment {name!r} exists already")
+    if name not in ENVIRONMENTS:
+        register_environment_name(name)  # a plugin's: environment.name may now say it
     _REGISTRY[name] = factory
 
 

@@ -953,3 +953,43 @@ def test_a_dead_replicas_lease_must_lapse_before_a_publish_stops_waiting():
         ParamServerConfig(replicas=2, replica_lease_s=300.0, publish_room_wait_s=300.0)
     ParamServerConfig(replicas=2, replica_lease_s=300.0, publish_room_wait_s=0.0)  # no wait
     ParamServerConfig(replicas=1, replica_lease_s=300.0, publish_room_wait_s=300.0)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"environment.name": "chess"},
+            "environment.name = 'chess': unknown environment; known: ['none', 'code_repair'] "
+            "(an environment of your own is registered by a module in algorithm.plugins)",
+        ),
+        ({"environment.max_turns": 0}, "environment.max_turns = 0: must be > 0"),
+        ({"environment.discount": 1.5}, "environment.discount = 1.5: must be in [0.0, 1.0]"),
+        (
+            {"environment.name": "code_repair", "controller.mode": "throughput"},
+            "environment.name = 'code_repair': multi-turn episodes run in controller.mode = "
+            "'deterministic' only (not yet in throughput mode)",
+        ),
+        (
+            {"environment.name": "code_repair", "data.prompt_style": "raw"},
+            "data.prompt_style = 'raw': an environment's replies are turns of the model's chat "
+            "template: use 'chat'",
+        ),
+        (
+            {"environment.name": "code_repair", "algorithm.name": "ppo"},
+            "algorithm.name = 'ppo': its advantage walks each completion's tokens in order, "
+            "and an episode's completion holds the environment's tokens between the model's "
+            "turns; choose one without (grpo, dapo, rloo, ...)",
+        ),
+    ],
+)
+def test_environments_that_cannot_run(overrides, message):
+    expect_error(overrides, message)
+
+
+def test_an_environment_builds_and_old_runs_without_the_section_still_load():
+    cfg = build({"environment.name": "code_repair", "data.prompt_style": "chat"})
+    assert (cfg.environment.name, cfg.environment.max_turns) == ("code_repair", 2)
+    saved = local_dict()
+    del saved["environment"]  # a run directory written before the section existed
+    assert from_dict(RunConfig, saved).environment.name == "none"

@@ -1,0 +1,52 @@
+"""The environment section: multi-turn episodes (rlax_tpu/environments)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rlax_tpu.config.checks import ConfigError, frozen, in_range, positive
+
+ENVIRONMENTS = ("code_repair",)
+# Environments user code registered (rlax_tpu.environments.register_environment), from modules
+# named in algorithm.plugins.
+_REGISTERED_ENVIRONMENTS: list[str] = []
+
+
+def register_environment_name(name: str) -> None:
+    """Makes ``name`` a valid environment.name (called by environments.register_environment)."""
+    if name in ENVIRONMENTS or name == "none":
+        raise ValueError(f"{name!r} is a built-in environment; register another name")
+    if name not in _REGISTERED_ENVIRONMENTS:
+        _REGISTERED_ENVIRONMENTS.append(name)
+
+
+def known_environments() -> tuple[str, ...]:
+    return (*ENVIRONMENTS, *_REGISTERED_ENVIRONMENTS)
+
+
+@frozen
+class EnvironmentConfig:
+    # 'none': single-turn rollouts. Else the environment that answers each model turn:
+    # code_repair (the verifier's verdict as feedback) or one a plugin registered. An episode's
+    # turns and the environment's replies share inference.max_new_tokens, and only the model's
+    # tokens are trained on.
+    name: str = "none"
+    max_turns: int = 2  # model turns per episode (code_repair: attempts)
+    # The episode's reward from its turns' rewards: the last turn's, or the sum of
+    # discount^k * reward of turn k (an answer right at once is worth the most).
+    reward: Literal["last", "discounted"] = "last"
+    discount: float = 1.0  # for reward = 'discounted'
+
+    def __post_init__(self) -> None:
+        positive(self, "max_turns")
+        in_range(self, "discount", 0.0, 1.0)
+
+    def check_name(self) -> None:
+        """After algorithm.plugins are imported (RunConfig): they may register environments."""
+        if self.name != "none" and self.name not in known_environments():
+            raise ConfigError(
+                "environment.name",
+                f"unknown environment; known: {['none', *known_environments()]} (an "
+                "environment of your own is registered by a module in algorithm.plugins)",
+                self.name,
+            )

@@ -1,0 +1,152 @@
+"""Multi-turn code repair through the controller, with the real verifier and trainer.
+
+A scripted policy (an InferencePort that answers from a script instead of a model: the test's
+subject is what the controller does with the answers) writes a wrong function first; after the
+environment's feedback sample 0 of each group writes the reference and sample 1 stays wrong.
+Every episode must carry exactly the feedback the verifier's verdict gives, as the chat
+template's turn, the rewards of its last attempt, and a loss mask with the replies out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from rlax_tpu.controller.episodes import _SEP, VerifierTools
+from rlax_tpu.controller.tasks import SpecCache
+from rlax_tpu.data.functions import load_functions
+from rlax_tpu.environments import feedback
+from rlax_tpu.types import FinishReason, Rollout, Verdict, VerdictKind
+from rlax_tpu.verifiers.service import VerifierService
+from tests.controller.test_scheduling import make_config, run_controller
+
+FUNCTIONS = {p.entry_point: p for ps in load_functions().values() for p in ps}
+
+
+class ScriptedPolicy:
+    """Answers each request from the script; keeps the real worker for weights and status."""
+
+    def __init__(self, worker, tokenizer):
+        self.worker, self.tok = worker, tokenizer
+        self.im_end = tokenizer.backend.token_to_id("<|im_end|>")
+        self.turns: list[tuple[str, int, int]] = []  # (group key, sample, turn) as asked
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def generate(self, requests, *, version=None):
+        out = []
+        for r in requests:
+            text = self.tok.decode(list(r.prompt_tokens), skip_special_tokens=False)
+            name = re.findall(r"def (\w+)\(", text)[-1]
+            problem = FUNCTIONS[name]
+            turn = len(r.continuation) and self.tok.decode(
+                list(r.continuation), skip_special_tokens=False
+            ).count("<|im_start|>user")
+            key, _, sample = r.prompt_id.partition(_SEP)
+            for i in range(r.num_samples):
+                s = int(sample) if sample else i
+                self.turns.append((key, s, turn))
+                body = problem.canonical_solution if turn == 1 and s == 0 else "    return None\n"
+                ids = self.tok.encode(f"```python\n{problem.prompt}{body}```") + [self.im_end]
+                out.append(
+                    Rollout(
+                        prompt_id=r.prompt_id,
+                        sample_index=i,
+                        prompt_tokens=np.asarray(r.prompt_tokens, np.int32),
+                        tokens=np.asarray(ids, np.int32),
+                        logprobs=np.full(len(ids), -1.0, np.float32),
+                        versions=np.full(len(ids), version or 0, np.int64),
+                        finish_reason=FinishReason.EOS,
+                    )
+                )
+        return iter(out)
+
+
+class Recording:
+    def __init__(self, trainer):
+        self.trainer, self.batches = trainer, []
+
+    def __getattr__(self, name):
+        return getattr(self.trainer, name)
+
+    def train_step(self, batch, **kw):
+        self.batches.append(batch)
+        return self.trainer.train_step(batch, **kw)
+
+
+def test_code_repair_episodes_get_the_verdicts_feedback_and_the_last_attempts_reward(tmp_path):
+    config = make_config(tmp_path / "run", num_steps=2)
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(
+            config.data, datasets=("functions",), weights=(1.0,), prompt_style="chat"
+        ),
+        # The local preset's tokenizer has 512 ids: a function's prompt is ~700 of them.
+        model=dataclasses.replace(config.model, max_position_embeddings=4096),
+        inference=dataclasses.replace(config.inference, max_prompt_len=1536, max_new_tokens=1536),
+        environment=dataclasses.replace(config.environment, name="code_repair", max_turns=2),
+    )
+    seen = {}
+
+    def wrap(comps):
+        from rlax_tpu.controller.app import build_prompter
+
+        tok = build_prompter(config, tmp_path / "run").tokenizer
+        seen["policy"] = ScriptedPolicy(comps.workers[0], tok)
+        seen["trainer"] = Recording(comps.trainer)
+        seen["tok"] = tok
+        comps.workers[0] = seen["policy"]
+        comps.trainer = seen["trainer"]
+
+    ctl = run_controller(config, wrap)
+    tok, batches = seen["tok"], seen["trainer"].batches
+    assert ctl.step == 2 and len(batches) == 2
+    im_end = tok.backend.token_to_id("<|im_end|>")
+    kinds = set()
+    verifier = VerifierService(
+        dataclasses.replace(config.verifiers, sandbox_uid=config.verifiers.sandbox_uid + 4),
+        scratch_dir=tmp_path / "verifier",
+    )
+    tools = VerifierTools(verifier, SpecCache(verifier), style="chat")
+    for batch in batches:
+        assert batch.loss_mask is not None
+        for row in range(batch.num_rows):
+            p, c = int(batch.prompt_lengths[row]), int(batch.completion_lengths[row])
+            prompt = batch.tokens[row, :p].tolist()
+            episode = batch.tokens[row, p : p + c].tolist()
+            name = re.findall(r"def (\w+)\(", tok.decode(prompt))[-1]
+            problem = FUNCTIONS[name]
+            wrong = tok.encode(f"```python\n{problem.prompt}    return None\n```") + [im_end]
+            # The verdict the verifier gives the wrong function, as the template's user turn.
+            assert episode[: len(wrong)] == wrong
+            reply_len = int((batch.loss_mask[row, :c] == 0).sum())
+            reply = episode[len(wrong) : len(wrong) + reply_len]
+            # Exactly the feedback of the verdict a verifier of our own gives that answer.
+            verdict = tools.verify(problem, tok.decode(wrong))
+            assert not verdict.accepted
+            assert reply == tok.turn_ids(feedback(verdict), after=wrong)
+            text = tok.decode(reply, skip_special_tokens=False)
+            assert text.startswith("\n<|im_start|>user\nYour program failed: ")
+            assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+            kinds.add(verdict.kind)
+            # Loss mask: the model's two turns in, the reply out.
+            mask = batch.loss_mask[row, :c]
+            assert mask[: len(wrong)].all() and not mask[len(wrong) : len(wrong) + reply_len].any()
+            assert mask[len(wrong) + reply_len :].all()
+            # Sample 0 fixed it at the second attempt (reward 1), sample 1 did not (0).
+            assert batch.rewards[row] == (1.0 if row % 2 == 0 else 0.0)
+    verifier.close()
+    # A wrong answer ("return None") fails the tests by an assert or by a crash.
+    assert kinds <= {VerdictKind.WRONG_ANSWER, VerdictKind.RUNTIME_ERROR}
+    asked = seen["policy"].turns
+    assert {t for _, _, t in asked} == {0, 1}
+    # Every trained episode had its second turn; evaluations stay single-turn (first attempts).
+    assert sum(t == 1 for _, _, t in asked) == sum(b.num_rows for b in batches) == 8
+
+
+def test_feedback_is_the_verdict_rendered():
+    v = Verdict(kind=VerdictKind.WRONG_ANSWER, detail="failed: assert candidate(1) == 2\ngot: None")
+    assert feedback(v).startswith("Your program failed: wrong answer.\n\nfailed: assert")
