@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from rlax_tpu.config.checks import ConfigError, frozen, in_range, positive
+from rlax_tpu.config.checks import ConfigError, frozen, in_range, non_negative, positive
 
 ENVIRONMENTS = ("code_repair",)
 # Environments user code registered (rlax_tpu.environments.register_environment), from modules
@@ -32,6 +32,9 @@ class EnvironmentConfig:
     # tokens are trained on.
     name: str = "none"
     max_turns: int = 2  # model turns per episode (code_repair: attempts)
+    # At most this many tokens per model turn (0: up to what the episode has left), so that a
+    # first turn cannot spend the whole budget.
+    turn_tokens: int = 0
     # The episode's reward from its turns' rewards: the last turn's, or the sum of
     # discount^k * reward of turn k (an answer right at once is worth the most).
     reward: Literal["last", "discounted"] = "last"
@@ -39,6 +42,7 @@ class EnvironmentConfig:
 
     def __post_init__(self) -> None:
         positive(self, "max_turns")
+        non_negative(self, "turn_tokens")
         in_range(self, "discount", 0.0, 1.0)
 
     def check_name(self) -> None:

@@ -194,6 +194,13 @@ class RunConfig:
                 "an environment's replies are turns of the model's chat template: use 'chat'",
                 self.data.prompt_style,
             )
+        if env.turn_tokens > self.inference.max_new_tokens:
+            raise ConfigError(
+                "environment.turn_tokens",
+                f"exceeds the episode's budget inference.max_new_tokens "
+                f"({self.inference.max_new_tokens})",
+                env.turn_tokens,
+            )
         if self.algorithm.name in TOKEN_ORDER_ALGORITHMS:
             raise ConfigError(
                 "algorithm.name",

@@ -179,6 +179,7 @@ class EpisodeRunner:
                 room = self.max_new_tokens - len(held)
                 if room < 1:  # the episode's token budget is spent
                     continue
+                room = min(room, self.cfg.turn_tokens or room)
                 ep.replies.append(ids)
                 first = ep.turns[0]
                 key = first.prompt_id

@@ -50,6 +50,7 @@ from rlax_tpu.environments import environment
 from rlax_tpu.observability.metrics import MetricsWriter
 from rlax_tpu.observability.progress import Progress
 from rlax_tpu.trainer import CorruptCheckpointError
+from rlax_tpu.types import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -492,6 +493,12 @@ class Controller:
         for ref in refs:
             self.ledger.start(ref.key)
         requests = [self.prompter.request(r.key, self.prompter.problem(r)) for r in refs]
+        cap = self.config.environment.turn_tokens if self.episodes is not None else 0
+        if cap:  # an episode's first turn leaves room for the next
+            requests = [
+                dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_new_tokens=cap))
+                for r in requests
+            ]
         generation = self.pool.submit(version, requests)
         timing = {"launched": time.perf_counter()}
 
@@ -758,6 +765,9 @@ class Controller:
         scalars |= {
             f"verdict/{k}": float(v) for k, v in groups_lib.verdict_counts(results).items() if v
         }
+        if self.episodes is not None:
+            turns = [_turns(ro) for r in results for ro in r.rollouts]
+            scalars["episode/turns_mean"] = float(np.mean(turns)) if turns else 0.0
         hist = {"staleness": [float(self.version - r.version) for r in results]}
         return scalars, hist
 
@@ -892,6 +902,14 @@ class Controller:
             evals=dict(self.evals),
             wall_s=time.perf_counter() - t0,
         )
+
+
+def _turns(rollout: Rollout) -> int:
+    """The model turns of an episode: runs of sampled tokens."""
+    if rollout.sampled is None:
+        return 1
+    s = np.asarray(rollout.sampled, bool)
+    return int(s[:1].sum() + (s[1:] & ~s[:-1]).sum())
 
 
 def _get(cfg: Any, dotted: str) -> Any:

@@ -966,6 +966,11 @@ def test_a_dead_replicas_lease_must_lapse_before_a_publish_stops_waiting():
         ({"environment.max_turns": 0}, "environment.max_turns = 0: must be > 0"),
         ({"environment.discount": 1.5}, "environment.discount = 1.5: must be in [0.0, 1.0]"),
         (
+            {"environment.name": "code_repair", "environment.turn_tokens": 10_000},
+            "environment.turn_tokens = 10000: exceeds the episode's budget "
+            "inference.max_new_tokens (48)",
+        ),
+        (
             {"environment.name": "code_repair", "controller.mode": "throughput"},
             "environment.name = 'code_repair': multi-turn episodes run in controller.mode = "
             "'deterministic' only (not yet in throughput mode)",

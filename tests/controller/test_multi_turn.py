@@ -18,6 +18,7 @@ from rlax_tpu.controller.episodes import _SEP, VerifierTools
 from rlax_tpu.controller.tasks import SpecCache
 from rlax_tpu.data.functions import load_functions
 from rlax_tpu.environments import feedback
+from rlax_tpu.observability.metrics import read_metrics
 from rlax_tpu.types import FinishReason, Rollout, Verdict, VerdictKind
 from rlax_tpu.verifiers.service import VerifierService
 from tests.controller.test_scheduling import make_config, run_controller
@@ -150,3 +151,33 @@ def test_code_repair_episodes_get_the_verdicts_feedback_and_the_last_attempts_re
 def test_feedback_is_the_verdict_rendered():
     v = Verdict(kind=VerdictKind.WRONG_ANSWER, detail="failed: assert candidate(1) == 2\ngot: None")
     assert feedback(v).startswith("Your program failed: wrong answer.\n\nfailed: assert")
+
+
+def test_a_multi_turn_run_killed_mid_episode_resumes_to_the_same_weights(tmp_path):
+    """The tiny model's answers fail, so every episode has a second turn; a SIGKILL at a random
+    moment (mid-episode most of the time: episodes are most of a step) and a resume give the
+    weights of the run that was never stopped, with every group trained once."""
+    from tests.controller.test_resume import child_env, final_payload, killed_at_random, run, sha
+
+    env = child_env(PYTHONUNBUFFERED="1")
+    flags = [
+        "--config.controller.num_steps=3",
+        "--config.controller.warmup_steps=0",
+        "--config.data.prompt_style=chat",
+        "--config.environment.name=code_repair",
+        "--config.environment.turn_tokens=24",
+        "--config.inference.max_new_tokens=128",
+        "--config.inference.max_prompt_len=256",
+    ]
+    whole = run(env, tmp_path / "whole", *flags)
+    steps = [
+        r["scalars"] for r in read_metrics(tmp_path / "whole") if "reward/mean" in r["scalars"]
+    ]
+    assert steps and all(s["episode/turns_mean"] > 1.0 for s in steps)  # second turns happened
+    killed_at_random(env, tmp_path / "killed", *flags, after_step=1, seed=3)
+    assert not (tmp_path / "killed" / "report.md").exists()
+    resumed = run(env, tmp_path / "killed", *flags)
+    assert "resuming" in resumed
+    assert sha(resumed) == sha(whole)
+    trained = [g for g in final_payload(tmp_path / "killed")["ledger"] if g["state"] == "trained"]
+    assert len(trained) == 3 * 2 and len({g["key"] for g in trained}) == len(trained)
