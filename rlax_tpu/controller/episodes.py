@@ -149,9 +149,10 @@ class EpisodeRunner:
 
     def run(
         self, version: int, items: Sequence[tuple[Problem, Rollout]]
-    ) -> tuple[list[Rollout], list[Verdict], list[float | None]]:
-        """(episode rollouts, the last turn's verdicts, episode rewards; None: the verifier
-        failed), in the order of ``items`` (each a problem and its sampled first turn)."""
+    ) -> tuple[list[Rollout], list[Verdict], list[float | None], list[float]]:
+        """(episode rollouts, the last turn's verdicts, episode rewards (None: the verifier
+        failed), the first turns' rewards), in the order of ``items`` (each a problem and its
+        sampled first turn)."""
         episodes = [_Episode(problem, [first]) for problem, first in items]
         active = list(range(len(episodes)))
         while active:
@@ -221,4 +222,5 @@ class EpisodeRunner:
             else episode_reward(ep.rewards, mode=self.cfg.reward, discount=self.cfg.discount)
             for ep in episodes
         ]
-        return rollouts, [ep.verdict or tasks_lib.NO_PROGRAM for ep in episodes], rewards
+        verdicts = [ep.verdict or tasks_lib.NO_PROGRAM for ep in episodes]
+        return rollouts, verdicts, rewards, [ep.rewards[0] for ep in episodes]

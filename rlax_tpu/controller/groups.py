@@ -41,6 +41,8 @@ class GroupResult:
     # perf_counter stamps "launched", "generated", "verified" of its job (not snapshotted)
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
     replayed: str = ""  # drawn from the replay buffer: the pool ("recent", "reward", "uniform")
+    # Multi-turn episodes: each sample's first turn's reward (a metric; not snapshotted).
+    first_rewards: np.ndarray | None = None
 
     @property
     def key(self) -> str:

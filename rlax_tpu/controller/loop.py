@@ -507,8 +507,9 @@ class Controller:
             timing["generated"] = time.perf_counter()
             by_key = {r.key: r for r in refs}
             items = [(self.prompter.problem(by_key[ro.prompt_id]), ro) for ro in rollouts]
+            first = None
             if self.episodes is not None:  # the environment's rewards, not algorithm.reward's
-                rollouts, verdicts, rewards = self.episodes.run(version, items)
+                rollouts, verdicts, rewards, first = self.episodes.run(version, items)
                 timing["verified"] = time.perf_counter()
             else:
                 verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
@@ -519,6 +520,15 @@ class Controller:
             results = groups_lib.results_from(
                 refs, rollouts, verdicts, rewards, issued_version=issued_version
             )
+            if first is not None:
+                where = {
+                    (ro.prompt_id, ro.sample_index): f
+                    for ro, f in zip(rollouts, first, strict=True)
+                }
+                for r in results:
+                    r.first_rewards = np.array(
+                        [where[ro.prompt_id, ro.sample_index] for ro in r.rollouts]
+                    )
             for r in results:
                 r.timing = dict(timing)
             return results
@@ -768,6 +778,11 @@ class Controller:
         if self.episodes is not None:
             turns = [_turns(ro) for r in results for ro in r.rollouts]
             scalars["episode/turns_mean"] = float(np.mean(turns)) if turns else 0.0
+            first = [r.first_rewards for r in results if r.first_rewards is not None]
+            if first:  # against reward/pass_rate: what the later turns added
+                scalars["episode/first_turn_pass_rate"] = float(
+                    (np.nan_to_num(np.concatenate(first)) > 0).mean()
+                )
         hist = {"staleness": [float(self.version - r.version) for r in results]}
         return scalars, hist
 

@@ -144,6 +144,11 @@ def test_code_repair_episodes_get_the_verdicts_feedback_and_the_last_attempts_re
     assert kinds <= {VerdictKind.WRONG_ANSWER, VerdictKind.RUNTIME_ERROR}
     asked = seen["policy"].turns
     assert {t for _, _, t in asked} == {0, 1}
+    steps = [r["scalars"] for r in read_metrics(tmp_path / "run") if "reward/mean" in r["scalars"]]
+    assert len(steps) == 2
+    for st in steps:  # every first attempt failed; half the second ones passed
+        assert st["episode/first_turn_pass_rate"] == 0.0 and st["reward/pass_rate"] == 0.5
+        assert st["episode/turns_mean"] == 2.0
     # Every trained episode had its second turn; evaluations stay single-turn (first attempts).
     assert sum(t == 1 for _, _, t in asked) == sum(b.num_rows for b in batches) == 8
 
