@@ -188,7 +188,7 @@ class RunConfig:
                 "throughput mode)",
                 env.name,
             )
-        if self.data.prompt_style == "raw":
+        if self.data.prompt_style != "chat":  # 'auto' may turn out raw: say it up front
             raise ConfigError(
                 "data.prompt_style",
                 "an environment's replies are turns of the model's chat template: use 'chat'",

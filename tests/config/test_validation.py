@@ -966,12 +966,20 @@ def test_a_dead_replicas_lease_must_lapse_before_a_publish_stops_waiting():
         ({"environment.max_turns": 0}, "environment.max_turns = 0: must be > 0"),
         ({"environment.discount": 1.5}, "environment.discount = 1.5: must be in [0.0, 1.0]"),
         (
-            {"environment.name": "code_repair", "environment.turn_tokens": 10_000},
+            {
+                "environment.name": "code_repair",
+                "data.prompt_style": "chat",
+                "environment.turn_tokens": 10_000,
+            },
             "environment.turn_tokens = 10000: exceeds the episode's budget "
             "inference.max_new_tokens (48)",
         ),
         (
-            {"environment.name": "code_repair", "controller.mode": "throughput"},
+            {
+                "environment.name": "code_repair",
+                "data.prompt_style": "chat",
+                "controller.mode": "throughput",
+            },
             "environment.name = 'code_repair': multi-turn episodes run in controller.mode = "
             "'deterministic' only (not yet in throughput mode)",
         ),
@@ -981,7 +989,16 @@ def test_a_dead_replicas_lease_must_lapse_before_a_publish_stops_waiting():
             "template: use 'chat'",
         ),
         (
-            {"environment.name": "code_repair", "algorithm.name": "ppo"},
+            {"environment.name": "code_repair"},  # the local preset's 'auto' would be raw
+            "data.prompt_style = 'auto': an environment's replies are turns of the model's chat "
+            "template: use 'chat'",
+        ),
+        (
+            {
+                "environment.name": "code_repair",
+                "data.prompt_style": "chat",
+                "algorithm.name": "ppo",
+            },
             "algorithm.name = 'ppo': its advantage walks each completion's tokens in order, "
             "and an episode's completion holds the environment's tokens between the model's "
             "turns; choose one without (grpo, dapo, rloo, ...)",
