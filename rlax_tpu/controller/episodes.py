@@ -142,7 +142,6 @@ class EpisodeRunner:
         self.generate, self.seed, self.max_new_tokens = generate, seed, max_new_tokens
         self.stop_token_ids = tuple(stop_token_ids)
         self._threads = cf.ThreadPoolExecutor(threads, "episode")
-        self.turns_played = 0  # model turns after the first, over the run (a metric)
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
@@ -205,7 +204,6 @@ class EpisodeRunner:
             by_id = {ro.prompt_id: ro for ro in self.generate(version, requests)}
             for i, req in zip(waiting, requests, strict=True):
                 episodes[i].turns.append(by_id[req.prompt_id])
-            self.turns_played += len(requests)
             active = waiting
         rollouts = [
             episode_rollout(
