@@ -7,6 +7,8 @@ A next turn is a request that continues the episode's sequence (``Request.contin
 engine feeds the tokens it holds like a preempted sequence's, so the keys, values and log-probs
 are bitwise those of one uninterrupted sequence and the trainer's replay reproduces them), with
 the version of the step and a sampling stream of its own (seed, "turn", group, sample, turn).
+Every turn but the last keeps its pages (``Request.keep_pages``) and the turns of a group go to
+one worker (``Request.session``), so a next turn computes only the reply and what follows.
 An episode is a pure function of its seeds, version and the environment: one in flight when the
 run stops is played again from its first turn on resume, as a single-turn group is re-issued.
 """
@@ -146,6 +148,19 @@ class EpisodeRunner:
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
+    def first_turn(self, request: Request) -> Request:
+        """A group's request as its episodes' first turn: capped at ``turn_tokens``, its pages
+        kept for the next turn, its continuations routed to its worker (session = its key)."""
+        sampling = request.sampling
+        if self.cfg.turn_tokens:  # leave room for the next turns
+            sampling = dataclasses.replace(sampling, max_new_tokens=self.cfg.turn_tokens)
+        return dataclasses.replace(
+            request,
+            sampling=sampling,
+            keep_pages=self.cfg.max_turns > 1,
+            session=request.prompt_id,
+        )
+
     def run(
         self, version: int, items: Sequence[tuple[Problem, Rollout]]
     ) -> tuple[list[Rollout], list[Verdict], list[float | None], list[float]]:
@@ -188,6 +203,8 @@ class EpisodeRunner:
                         prompt_id=f"{key}{_SEP}{first.sample_index}",
                         prompt_tokens=tuple(int(t) for t in first.prompt_tokens),
                         continuation=tuple(held),
+                        keep_pages=len(ep.turns) + 1 < self.cfg.max_turns,
+                        session=key,
                         sampling=SamplingParams(
                             seed=stream_seed(
                                 self.seed, "turn", key, first.sample_index, len(ep.turns)

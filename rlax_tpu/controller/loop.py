@@ -493,12 +493,8 @@ class Controller:
         for ref in refs:
             self.ledger.start(ref.key)
         requests = [self.prompter.request(r.key, self.prompter.problem(r)) for r in refs]
-        cap = self.config.environment.turn_tokens if self.episodes is not None else 0
-        if cap:  # an episode's first turn leaves room for the next
-            requests = [
-                dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_new_tokens=cap))
-                for r in requests
-            ]
+        if self.episodes is not None:
+            requests = [self.episodes.first_turn(r) for r in requests]
         generation = self.pool.submit(version, requests)
         timing = {"launched": time.perf_counter()}
 

@@ -1,6 +1,8 @@
 """The inference workers as one pool: versioned generation jobs, failover, and rejoin.
 
-A job (version v, requests) is split round-robin over the live workers. Each worker serves its
+A job (version v, requests) is split round-robin over the live workers; requests of one session
+(``Request.session``: a group's episode turns) go where the session's first request went while
+that worker is live, since its engine may still hold the earlier turns' pages. Each worker serves its
 jobs in *epochs*: consecutive jobs of one version run concurrently (the engine batches them
 continuously); a job of another version waits until the earlier epoch drains, then loads its
 weights (a reload between engine steps, never under a running request). A worker that fails
@@ -30,6 +32,8 @@ from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.types import FinishReason, Rollout
 
 log = logging.getLogger(__name__)
+
+_SESSIONS = 1 << 16  # sessions remembered (oldest forgotten: their requests go round-robin)
 
 
 class NoWorkers(RuntimeError):
@@ -73,6 +77,8 @@ class WorkerPool:
         # Set by close(): a job waiting for a worker to come back gives up at once (a stopped
         # controller must not outlive its SIGTERM by the retry window).
         self._closing = threading.Event()
+        # session -> the worker its first request went to (its engine may keep the pages).
+        self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     @property
     def live(self) -> list[int]:
@@ -83,7 +89,18 @@ class WorkerPool:
         """Generates every request with weights ``version``; the future holds all rollouts."""
         self._probe_down()
         live = self.live or list(range(len(self.workers)))
-        shares = {i: list(requests[k :: len(live)]) for k, i in enumerate(live)}
+        shares: dict[int, list[Request]] = {i: [] for i in live}
+        turn = 0  # round-robin over the requests without a live session worker
+        with self._lock:
+            for r in requests:
+                i = self._sessions.get(r.session) if r.session else None
+                if i not in shares:
+                    i, turn = live[turn % len(live)], turn + 1
+                    if r.session:
+                        self._sessions[r.session] = i
+                        while len(self._sessions) > _SESSIONS:
+                            self._sessions.popitem(last=False)
+                shares[i].append(r)
         futures = {i: self._start(i, version, reqs) for i, reqs in shares.items() if reqs}
         return self._coordinator.submit(self._gather, version, futures)
 

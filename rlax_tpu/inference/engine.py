@@ -42,6 +42,11 @@ another shard's pages. ``step_tokens``, ``prefill_rows`` and the pages must divi
 pages the budget holds are rounded down to a multiple of it), and a request's samples fit one
 shard's ``step_tokens / D`` rows. data = 1 is the single pool above, unchanged.
 
+Kept pages (``Request.keep_pages``, ``inference/prefix_cache.py``): a finished sample's pages may
+outlive it for the request that continues its sequence (an episode's next turn), which then
+computes only the positions after them, with the programs and positions it would have used
+anyway: the same bits as recomputing.
+
 Versions: the engine serves the weights of ``version``; every token records the version that
 produced it. :meth:`Engine.load_weights` runs between steps: in-flight samples are aborted and
 returned (``FinishReason.ABORTED``, with the tokens they have) unless ``continue_on_reload``,
@@ -163,6 +168,8 @@ class EngineStats:
     generated_tokens: int
     preemptions: int
     pages_shared: int  # page references saved by prefix sharing so far (pages not copied)
+    # Positions continuations took from kept pages instead of recomputing (Request.keep_pages).
+    prefix_tokens_reused: int
     # False: this host's XLA:CPU rounds a row by its index or neighbours (the start-up check of
     # models.programs.rows_are_independent failed), so log-probs match a replay only to ~1e-6.
     rows_bitwise: bool
@@ -582,6 +589,7 @@ class Engine:
         from the next step on. Returns the aborted rollouts (none with ``continue_on_reload``)."""
         self.state = self._place(self._as_state(params))
         aborted = [] if self.cfg.continue_on_reload else self.abort_all()
+        self.scheduler.kept.clear(self.allocators)  # their keys/values are the old weights'
         self.version = version
         return aborted
 
@@ -618,5 +626,6 @@ class Engine:
             generated_tokens=self.generated_tokens,
             preemptions=self.scheduler.num_preemptions,
             pages_shared=self.pages_shared,
+            prefix_tokens_reused=self.scheduler.kept.reused_tokens,
             rows_bitwise=self.rows_bitwise,
         )

@@ -46,6 +46,7 @@ import itertools
 import numpy as np
 
 from rlax_tpu.inference.pages import BlockTable, OutOfPages, PageAllocator
+from rlax_tpu.inference.prefix_cache import Entry, PrefixCache
 from rlax_tpu.inference.sampler import SamplingParams
 
 
@@ -62,6 +63,12 @@ class Request:
     # (decode rows, never sampled or reported), so their keys and values are bitwise those of
     # an uninterrupted sequence; sampling starts after them.
     continuation: tuple[int, ...] = ()
+    # Keep each sample's pages when it finishes, for a request continuing it (the next turn of
+    # an episode) to take instead of recomputing them (``prefix_cache.py``).
+    keep_pages: bool = False
+    # Requests of one session (an episode's turns) go to one worker of a pool, whose engine may
+    # still hold the pages of the earlier turns. Routing only: never sent to a worker.
+    session: str = ""
 
 
 @dataclasses.dataclass(eq=False)
@@ -161,6 +168,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._order = itertools.count()
         self.num_preemptions = 0
+        self.kept = PrefixCache(page_size)
 
     # -- queue --------------------------------------------------------------------------------
 
@@ -197,6 +205,7 @@ class Scheduler:
         for s in self.running:
             s.table.release(self.alloc(s))
         self.running, self.waiting = [], collections.deque()
+        self.kept.clear(self.allocators)
         return out
 
     # -- planning -------------------------------------------------------------------------------
@@ -219,24 +228,50 @@ class Scheduler:
             return None
         return min(fits, key=lambda s: (-self.allocators[s].num_free, self.shard_slots(s), s))
 
+    def _reusable(self, seq: Sequence) -> tuple[Entry, int] | None:
+        """A kept entry ``seq`` starts with and the positions of it to take: all but the last
+        token (which samples), at a chunk boundary while in the prefill program's prefix."""
+        if not len(self.kept):
+            return None
+        full = (
+            seq.tokens if seq.sample_index is not None else [*seq.tokens, *seq.request.continuation]
+        )
+        entry = self.kept.find(full)
+        if entry is None:
+            return None
+        n = min(len(entry.tokens), len(full) - 1)
+        if n < self.prefix(seq):
+            n -= n % self.prefill_len
+        return (entry, n) if n > 0 else None
+
     def _admit(self) -> None:
         while self.waiting:
             seq = self.waiting[0]
             if self.used_slots + seq.slots > self.max_seqs:
                 return
-            shard = self._place(seq)
+            reuse = self._reusable(seq)
+            rows = self.step_tokens // self.shards
+            if reuse and self.shard_slots(reuse[0].shard) + seq.slots > rows:
+                reuse = None  # its shard is full: recompute elsewhere (same bits)
+            shard = reuse[0].shard if reuse else self._place(seq)
             if shard is None:
                 return
             busy = any(s.shard == shard for s in self.running)
-            if self._pages_to_admit(seq) > self.allocators[shard].num_free and busy:
+            alloc, need = self.allocators[shard], self._pages_to_admit(seq)
+            if need > alloc.num_free:
+                self.kept.evict(alloc, shard, need, spare=reuse[0] if reuse else None)
+            if need > alloc.num_free and busy:
                 return
             self.waiting.popleft()
             seq.shard = shard
             seq.order = next(self._order)
             seq.num_computed = 0
+            if reuse:
+                seq.table.pages = self.kept.take(reuse[0], alloc, reuse[1])
+                seq.num_computed = reuse[1]
             self.running.append(seq)
-            if seq.sample_index is None and seq.target == 0:
-                self.fork(seq)  # one-token prompt: nothing to share
+            if seq.sample_index is None and seq.num_computed >= seq.target:
+                self.fork(seq)  # nothing left to share-compute (a one-token prompt, kept pages)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -275,6 +310,8 @@ class Scheduler:
             try:
                 seq.table.prepare_write(alloc, start, stop, local)
             except OutOfPages:
+                if self.kept.evict(alloc, shard, seq.table.pages_needed(alloc, start, stop)):
+                    continue  # kept pages go before any running sequence does
                 # The newest not yet planned of this shard (possibly seq itself): only its pages
                 # can free this shard's.
                 last = max(j for j in range(i, len(queue)) if queue[j].shard == shard)
@@ -317,13 +354,20 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        seq.table.release(self.alloc(seq))
+        if seq.request.keep_pages and seq.sample_index is not None:
+            self.kept.put(
+                self.alloc(seq), seq.shard, seq.tokens[: seq.num_computed], seq.table.pages
+            )
+            seq.table.pages = []
+        else:
+            seq.table.release(self.alloc(seq))
 
     def check_invariants(self) -> None:
         """No page leaks: each shard's reference counts equal the pages its running sequences
         hold; no shard has more slots than rows."""
         for shard, alloc in enumerate(self.allocators):
-            alloc.check_no_leaks([s.table.pages for s in self.running if s.shard == shard])
+            held = [s.table.pages for s in self.running if s.shard == shard]
+            alloc.check_no_leaks(held + self.kept.held(shard))
             if self.shard_slots(shard) > self.step_tokens // self.shards:
                 raise AssertionError(f"shard {shard}: more slots than its rows")
         if any(s.table.pages for s in self.waiting):

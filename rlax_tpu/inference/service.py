@@ -126,6 +126,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 prompt_id=p.prompt_id,
                 prompt_tokens=tuple(p.prompt_tokens),
                 continuation=tuple(p.continuation),
+                keep_pages=p.keep_pages,
                 num_samples=p.num_samples or 1,
                 sampling=sampling_from_pb(p.sampling),
             )
@@ -166,6 +167,7 @@ def status_to_pb(s: WorkerStatus) -> pb.StatusReply:
         generated_tokens=s.generated_tokens,
         preemptions=s.preemptions,
         pages_shared=s.pages_shared,
+        prefix_tokens_reused=s.prefix_tokens_reused,
         backend=s.backend,
         serving=s.serving,
         rows_bitwise=s.rows_bitwise,
@@ -223,6 +225,7 @@ class InferenceClient:
                     num_samples=r.num_samples,
                     sampling=sampling_to_pb(r.sampling),
                     continuation=list(r.continuation),
+                    keep_pages=r.keep_pages,
                 )
                 for r in requests
             ],

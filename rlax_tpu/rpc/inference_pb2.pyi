@@ -28,18 +28,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ..., logprob_policy: _Optional[str] = ...) -> None: ...
 
 class PromptRequest(_message.Message):
-    __slots__ = ("prompt_id", "prompt_tokens", "num_samples", "sampling", "continuation")
+    __slots__ = ("prompt_id", "prompt_tokens", "num_samples", "sampling", "continuation", "keep_pages")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PAGES_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_samples: int
     sampling: SamplingParams
     continuation: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., continuation: _Optional[_Iterable[int]] = ...) -> None: ...
+    keep_pages: bool
+    def __init__(self, prompt_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., continuation: _Optional[_Iterable[int]] = ..., keep_pages: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompts", "version")
@@ -84,7 +86,7 @@ class LoadWeightsReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "running", "waiting", "pages_total", "pages_free", "compilations", "steps", "generated_tokens", "preemptions", "pages_shared", "backend", "serving", "rows_bitwise")
+    __slots__ = ("version", "running", "waiting", "pages_total", "pages_free", "compilations", "steps", "generated_tokens", "preemptions", "pages_shared", "backend", "serving", "rows_bitwise", "prefix_tokens_reused")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class StatusReply(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     ROWS_BITWISE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_REUSED_FIELD_NUMBER: _ClassVar[int]
     version: int
     running: int
     waiting: int
@@ -111,4 +114,5 @@ class StatusReply(_message.Message):
     backend: str
     serving: bool
     rows_bitwise: bool
-    def __init__(self, version: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., compilations: _Optional[int] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., pages_shared: _Optional[int] = ..., backend: _Optional[str] = ..., serving: _Optional[bool] = ..., rows_bitwise: _Optional[bool] = ...) -> None: ...
+    prefix_tokens_reused: int
+    def __init__(self, version: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., compilations: _Optional[int] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., pages_shared: _Optional[int] = ..., backend: _Optional[str] = ..., serving: _Optional[bool] = ..., rows_bitwise: _Optional[bool] = ..., prefix_tokens_reused: _Optional[int] = ...) -> None: ...

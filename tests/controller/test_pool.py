@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 
 import jax
 import numpy as np
@@ -138,5 +139,40 @@ def test_no_live_worker_is_a_clear_error(workers):
     try:
         with pytest.raises(NoWorkers, match="every inference worker is down"):
             pool.submit(0, requests(2)).result()
+    finally:
+        pool.close()
+
+
+def test_a_sessions_requests_go_to_the_worker_of_its_first_and_reuse_its_pages(workers):
+    """An episode's next turns (same ``session``) go where its first turn went, whose engine
+    kept that turn's pages; when that worker is out, another takes them (and recomputes)."""
+    first = [dataclasses.replace(r, keep_pages=True, session=r.prompt_id) for r in requests(4)]
+    flaky = Flaky(workers[0])
+    pool = WorkerPool([flaky, workers[1]], on_event=lambda text: None)
+    try:
+        turns = {(ro.prompt_id, ro.sample_index): ro for ro in pool.submit(0, first).result()}
+
+        def continuations(order):
+            return [
+                Request(
+                    prompt_id=f"{key}.{i}",
+                    prompt_tokens=tuple(int(t) for t in turns[key, i].prompt_tokens),
+                    continuation=(*turns[key, i].tokens.tolist(), 3),
+                    sampling=SamplingParams(seed=7, max_new_tokens=2),
+                    session=key,
+                )
+                for key, i in order
+            ]
+
+        # Reversed, so round-robin alone would send each group's turns to the other worker.
+        before = [w.status().prefix_tokens_reused for w in workers]
+        pool.submit(0, continuations(sorted(turns, reverse=True))).result()
+        reused = [w.status().prefix_tokens_reused - b for w, b in zip(workers, before, strict=True)]
+        want = [sum(len(ro.prompt_tokens) + len(ro.tokens) - 1 for (k, _), ro in turns.items()
+                    if k in ks) for ks in (("g0", "g2"), ("g1", "g3"))]  # fmt: skip
+        assert reused == want
+        flaky.down = True  # worker 0 out: its sessions go to worker 1
+        got = pool.submit(0, continuations(sorted(turns))).result()
+        assert len(got) == 8 and pool.live == [1]
     finally:
         pool.close()

@@ -134,8 +134,23 @@ def test_grpc_round_trip_on_loopback(worker):
         requests = random_requests(3, seed=31, num_samples=2, temperature=0.9, top_k=50)
         # One continues a sequence (an episode's next turn): its held tokens cross the wire too.
         requests[1] = dataclasses.replace(requests[1], continuation=(7, 8, 9))
-        local = by_key(worker.generate(requests))
+        # Another keeps its pages for a next turn: the kept flag crosses the wire (the status
+        # counts what a continuation took from them).
+        requests[2] = dataclasses.replace(requests[2], keep_pages=True)
+        local = by_key(
+            worker.generate([dataclasses.replace(r, keep_pages=False) for r in requests])
+        )
         remote = by_key(client.generate(requests))
+        nxt = dataclasses.replace(
+            requests[2],
+            prompt_id="next",
+            num_samples=1,
+            keep_pages=False,
+            continuation=(*remote[requests[2].prompt_id, 0].tokens.tolist(), 5),
+        )
+        before = client.status().prefix_tokens_reused
+        next(client.generate([nxt]))
+        assert client.status().prefix_tokens_reused > before
         assert remote.keys() == local.keys()
         for key, ro in local.items():
             np.testing.assert_array_equal(remote[key].tokens, ro.tokens)
