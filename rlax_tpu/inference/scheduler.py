@@ -250,10 +250,13 @@ class Scheduler:
             if self.used_slots + seq.slots > self.max_seqs:
                 return
             reuse = self._reusable(seq)
-            rows = self.step_tokens // self.shards
-            if reuse and self.shard_slots(reuse[0].shard) + seq.slots > rows:
-                reuse = None  # its shard is full: recompute elsewhere (same bits)
-            shard = reuse[0].shard if reuse else self._place(seq)
+            if reuse:
+                # Wait for a row on the shard that kept the pages rather than recompute them.
+                shard = reuse[0].shard
+                if self.shard_slots(shard) + seq.slots > self.step_tokens // self.shards:
+                    return
+            else:
+                shard = self._place(seq)
             if shard is None:
                 return
             busy = any(s.shard == shard for s in self.running)

@@ -246,3 +246,60 @@ def test_shard_sizes_must_divide_by_data(tiny_model):
     # A group's samples share its prompt's pages, so they fit one shard's 4 rows.
     with pytest.raises(InvalidRequest, match="exceeds the 4 decode rows of one data shard"):
         engine.submit(random_requests(1, num_samples=5)[0])
+
+
+def test_a_continuation_runs_on_the_shard_that_kept_its_pages(tiny_model):
+    """First turns on two data shards keep their pages; each next turn is admitted on the shard
+    holding them and takes them (its rows and pages stay there: ShardWatch), with the single
+    device engine's tokens."""
+    firsts = [
+        dataclasses.replace(r, keep_pages=True)
+        for r in random_requests(6, seed=3, num_samples=2, temperature=1.0, max_new=8)
+    ]
+    runs = []
+    for mesh in (None, DATA2):
+        cfg = CFG if mesh is None else dataclasses.replace(CFG, mesh=mesh)
+        engine = Engine(tiny_model, cfg)
+        for r in firsts:
+            engine.submit(r)
+        first = by_key(engine.run())
+        kept = {e.tokens: e.shard for e in engine.scheduler.kept._entries.values()}
+        assert len(kept) == 12 and set(kept.values()) == ({0, 1} if mesh else {0})
+        nexts = [
+            Request(
+                prompt_id=f"{key}.{i}",
+                prompt_tokens=tuple(ro.prompt_tokens.tolist()),
+                continuation=(*ro.tokens.tolist(), 9, 10),
+                sampling=dataclasses.replace(_sampling_of(firsts, key), max_new_tokens=5),
+            )
+            for (key, i), ro in first.items()
+        ]
+        admitted = {}
+        place = engine.scheduler._admit
+
+        def admit(scheduler=engine.scheduler, place=place, admitted=admitted):
+            waiting = list(scheduler.waiting)
+            place()
+            for seq in waiting:
+                if seq not in scheduler.waiting:
+                    admitted[seq.request.prompt_id] = (seq.shard, seq.num_computed)
+
+        engine.scheduler._admit = admit
+        for r in nexts:
+            engine.submit(r)
+        watch = ShardWatch(engine) if mesh else None
+        got = by_key(watch.run() if watch else engine.run())
+        runs.append(got)
+        assert engine.stats().prefix_tokens_reused > 0
+        for (key, i), ro in first.items():
+            held = (*ro.prompt_tokens.tolist(), *ro.tokens[:-1].tolist())
+            shard, computed = admitted[f"{key}.{i}"]
+            assert computed == len(held) and shard == kept[held]
+    single, sharded = runs
+    assert sharded.keys() == single.keys()
+    for key, want in single.items():
+        np.testing.assert_array_equal(sharded[key].tokens, want.tokens, err_msg=str(key))
+
+
+def _sampling_of(requests: list[Request], key: str):
+    return next(r.sampling for r in requests if r.prompt_id == key)
