@@ -6,7 +6,7 @@ from typing import Literal
 
 from rlax_tpu.config.checks import ConfigError, frozen, in_range, non_negative, positive
 
-ENVIRONMENTS = ("code_repair",)
+ENVIRONMENTS = ("code_repair", "python_tool")
 # Environments user code registered (rlax_tpu.environments.register_environment), from modules
 # named in algorithm.plugins.
 _REGISTERED_ENVIRONMENTS: list[str] = []
@@ -27,11 +27,12 @@ def known_environments() -> tuple[str, ...]:
 @frozen
 class EnvironmentConfig:
     # 'none': single-turn rollouts. Else the environment that answers each model turn:
-    # code_repair (the verifier's verdict as feedback) or one a plugin registered. An episode's
+    # code_repair (the verifier's verdict as feedback), python_tool (math: fenced Python blocks
+    # run in the sandbox, their output comes back) or one a plugin registered. An episode's
     # turns and the environment's replies share inference.max_new_tokens, and only the model's
     # tokens are trained on.
     name: str = "none"
-    max_turns: int = 2  # model turns per episode (code_repair: attempts)
+    max_turns: int = 2  # model turns per episode (code_repair: attempts; python_tool: calls + 1)
     # At most this many tokens per model turn (0: up to what the episode has left), so that a
     # first turn cannot spend the whole budget.
     turn_tokens: int = 0

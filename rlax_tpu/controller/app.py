@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from rlax_tpu import models, storage
+from rlax_tpu import environments, models, storage
 from rlax_tpu.config import RunConfig, to_dict
 from rlax_tpu.controller import components as components_lib
 from rlax_tpu.controller.groups import Prompter
@@ -165,6 +165,7 @@ def build_prompter(config: RunConfig, run_dir: storage.epath.Path) -> Prompter:
         seed=config.controller.seed,
         max_prompt_len=config.inference.max_prompt_len,
         stop_token_ids=sorted(tokenizer.stop_ids),  # remote workers may not have the tokenizer
+        instructions=environments.instructions(config.environment.name),
     )
 
 

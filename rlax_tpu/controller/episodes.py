@@ -31,6 +31,7 @@ from rlax_tpu.environments import Environment, Tools, episode_reward
 from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.types import Rollout, Verdict
+from rlax_tpu.verifiers.api import RunTask
 
 _SEP = "\x1f"  # between a group key and a sample index in a turn's prompt_id
 
@@ -102,6 +103,10 @@ class VerifierTools:
         if task is None:
             return tasks_lib.NO_PROGRAM
         [verdict] = self.verifier.verify([task])
+        return verdict
+
+    def run(self, code: str, *, language: str = "python", stdin: str = "") -> Verdict:
+        [verdict] = self.verifier.verify([RunTask(language=language, code=code, stdin=stdin)])
         return verdict
 
 

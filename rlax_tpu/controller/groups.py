@@ -208,8 +208,11 @@ class Prompter:
         seed: int,
         max_prompt_len: int,
         stop_token_ids: Sequence[int] = (),
+        instructions: str = "",
     ):
+        """``instructions``: the run's environment's (rlax_tpu.environments.instructions)."""
         self.datasets, self.tokenizer = datasets, tokenizer
+        self.instructions = instructions
         self.style, self.language = style, language
         self.group_size, self.seed = group_size, seed
         self.max_prompt_len = max_prompt_len
@@ -223,7 +226,11 @@ class Prompter:
     def prompt_tokens(self, problem: Problem) -> np.ndarray:
         if (problem.source, problem.id) not in self._tokens:
             text = tasks_lib.prompt_text(
-                problem, style=self.style, language=self.language, tokenizer=self.tokenizer
+                problem,
+                style=self.style,
+                language=self.language,
+                tokenizer=self.tokenizer,
+                instructions=self.instructions,
             )
             ids = self.tokenizer.encode(text)
             self._tokens[problem.source, problem.id] = np.asarray(ids, np.int32)

@@ -53,8 +53,10 @@ def prompt_text(
     style: PromptStyle,
     language: str = "python",
     tokenizer: TextTokenizer | None = None,
+    instructions: str = "",
 ) -> str:
-    """The text the model continues."""
+    """The text the model continues; ``instructions`` (an environment's: how to call its tools)
+    end the chat style's user turn."""
     tag = _LANG_TAGS[language]
     if isinstance(problem, CodeProblem):
         body = problem.statement
@@ -80,7 +82,7 @@ def prompt_text(
     )
     messages = [
         {"role": "system", "content": system},
-        {"role": "user", "content": f"{body}\n\n{ask}"},
+        {"role": "user", "content": "\n\n".join(t for t in (body, ask, instructions) if t)},
     ]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 

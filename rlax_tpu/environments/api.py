@@ -32,8 +32,16 @@ class Tools(Protocol):
         (the program extracted from the answer the same way; none: a compile error)."""
         ...
 
+    def run(self, code: str, *, language: str = "python", stdin: str = "") -> Verdict:
+        """Runs ``code`` in the verifier's sandbox (a tool call): ACCEPTED with what it printed
+        as ``detail``, or the failure with its output and stderr tail."""
+        ...
+
 
 class Environment(Protocol):
+    """An environment may also have ``instructions``: text appended to every prompt's user turn
+    (how to call its tools)."""
+
     def reply(self, problem: Problem, answers: Sequence[str], tools: Tools) -> Reply:
         """The answer to the model's turns ``answers`` (oldest first, the last one new). A pure
         function of its arguments and the tools' results: a resumed episode calls it again."""
@@ -59,6 +67,12 @@ def register_environment(name: str, factory: EnvironmentFactory) -> None:
 
 def known_environments() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
+
+
+def instructions(name: str) -> str:
+    """What environment ``name`` adds to the prompts ("" for none or when it adds nothing)."""
+    factory = _REGISTRY.get(name)
+    return str(getattr(factory, "instructions", "") or "")
 
 
 def environment(name: str, *, max_turns: int) -> Environment:

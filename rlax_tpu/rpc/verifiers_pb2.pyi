@@ -81,15 +81,29 @@ class MathTask(_message.Message):
     answer: str
     def __init__(self, response: _Optional[str] = ..., answer: _Optional[str] = ...) -> None: ...
 
+class RunTask(_message.Message):
+    __slots__ = ("language", "code", "stdin", "time_limit_s")
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    TIME_LIMIT_S_FIELD_NUMBER: _ClassVar[int]
+    language: str
+    code: str
+    stdin: str
+    time_limit_s: float
+    def __init__(self, language: _Optional[str] = ..., code: _Optional[str] = ..., stdin: _Optional[str] = ..., time_limit_s: _Optional[float] = ...) -> None: ...
+
 class Task(_message.Message):
-    __slots__ = ("code", "unit_test", "math")
+    __slots__ = ("code", "unit_test", "math", "run")
     CODE_FIELD_NUMBER: _ClassVar[int]
     UNIT_TEST_FIELD_NUMBER: _ClassVar[int]
     MATH_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     code: CodeTask
     unit_test: UnitTestTask
     math: MathTask
-    def __init__(self, code: _Optional[_Union[CodeTask, _Mapping]] = ..., unit_test: _Optional[_Union[UnitTestTask, _Mapping]] = ..., math: _Optional[_Union[MathTask, _Mapping]] = ...) -> None: ...
+    run: RunTask
+    def __init__(self, code: _Optional[_Union[CodeTask, _Mapping]] = ..., unit_test: _Optional[_Union[UnitTestTask, _Mapping]] = ..., math: _Optional[_Union[MathTask, _Mapping]] = ..., run: _Optional[_Union[RunTask, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("tasks", "deadline_s")

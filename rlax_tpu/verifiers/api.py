@@ -63,7 +63,19 @@ class MathTask:
     answer: str
 
 
-Task = CodeTask | UnitTestTask | MathTask
+@_frozen
+class RunTask:
+    """Run a program on ``stdin`` and report what it printed (an environment's tool call, not a
+    grade): ACCEPTED when it exits cleanly, ``Verdict.detail`` its stdout; otherwise the failure
+    (time, memory, runtime error, compile error) with its output and the tail of its stderr."""
+
+    language: str
+    code: str
+    stdin: str = ""
+    time_limit_s: float = 0.0  # 0 = verifiers.time_limit_s
+
+
+Task = CodeTask | UnitTestTask | MathTask | RunTask
 
 
 def check_limits(task: Task) -> None:
@@ -76,6 +88,8 @@ def check_limits(task: Task) -> None:
         where, time_s, memory_mb = p.problem_id, p.time_limit_s, p.memory_limit_mb
     elif isinstance(task, UnitTestTask):
         where, time_s, memory_mb = "unit test", task.time_limit_s, 0
+    elif isinstance(task, RunTask):
+        where, time_s, memory_mb = "run", task.time_limit_s, 0
     else:
         return
     if not (isinstance(time_s, (int, float)) and math.isfinite(time_s) and time_s >= 0):

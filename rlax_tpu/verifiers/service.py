@@ -26,6 +26,7 @@ from rlax_tpu.verifiers.api import (
     CodeTask,
     MathTask,
     Overloaded,
+    RunTask,
     Task,
     UnitTestTask,
     UnknownLink,
@@ -38,6 +39,7 @@ from rlax_tpu.verifiers.math_answers import MathChecker
 from rlax_tpu.verifiers.repository import Repository
 from rlax_tpu.verifiers.sandbox import Sandbox
 from rlax_tpu.verifiers.syntax_check import PythonSyntaxChecker
+from rlax_tpu.verifiers.tool_runs import ToolRunner
 from rlax_tpu.verifiers.unit_tests import UnitTestRunner
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,9 @@ class VerifierService:
         )
         self._unit_tests = UnitTestRunner(
             config, sandbox=self.sandbox, compiler=self.compiler, scratch_dir=self._scratch / "unit"
+        )
+        self._tool_runs = ToolRunner(
+            config, sandbox=self.sandbox, compiler=self.compiler, scratch_dir=self._scratch / "run"
         )
         self._math = MathChecker(config.workers)
         self._lock = threading.Lock()
@@ -191,6 +196,8 @@ class VerifierService:
                 return self._grader.grade(task, cancelled)
             if isinstance(task, UnitTestTask):
                 return self._unit_tests.run(task)
+            if isinstance(task, RunTask):
+                return self._tool_runs.run(task)
         except UnknownLink as e:
             return Verdict(kind=VerdictKind.INTERNAL_ERROR, detail=str(e))
         raise TypeError(f"not a verifier task: {type(task).__name__}")

@@ -8,6 +8,7 @@ from rlax_tpu.verifiers.api import (
     CodeTask,
     MathTask,
     ProblemSpec,
+    RunTask,
     Task,
     TestLinks,
     UnitTestTask,
@@ -39,6 +40,15 @@ def task_to_proto(task: Task) -> pb.Task:
         )
     if isinstance(task, MathTask):
         return pb.Task(math=pb.MathTask(response=task.response, answer=task.answer))
+    if isinstance(task, RunTask):
+        return pb.Task(
+            run=pb.RunTask(
+                language=task.language,
+                code=task.code,
+                stdin=task.stdin,
+                time_limit_s=task.time_limit_s,
+            )
+        )
     raise TypeError(f"not a verifier task: {type(task).__name__}")
 
 
@@ -73,7 +83,10 @@ def _task_from_proto(msg: pb.Task) -> Task:
         )
     if kind == "math":
         return MathTask(response=msg.math.response, answer=msg.math.answer)
-    raise ValueError("a task must be one of code, unit_test or math")
+    if kind == "run":
+        r = msg.run
+        return RunTask(language=r.language, code=r.code, stdin=r.stdin, time_limit_s=r.time_limit_s)
+    raise ValueError("a task must be one of code, unit_test, math or run")
 
 
 def verdict_to_proto(v: Verdict) -> pb.Verdict:

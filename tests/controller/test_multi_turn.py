@@ -18,6 +18,7 @@ from rlax_tpu.controller.episodes import _SEP, VerifierTools
 from rlax_tpu.controller.tasks import SpecCache
 from rlax_tpu.data.functions import load_functions
 from rlax_tpu.environments import feedback
+from rlax_tpu.environments.python_tool import INSTRUCTIONS
 from rlax_tpu.observability.metrics import read_metrics
 from rlax_tpu.types import FinishReason, Rollout, Verdict, VerdictKind
 from rlax_tpu.verifiers.service import VerifierService
@@ -186,3 +187,93 @@ def test_a_multi_turn_run_killed_mid_episode_resumes_to_the_same_weights(tmp_pat
     assert sha(resumed) == sha(whole)
     trained = [g for g in final_payload(tmp_path / "killed")["ledger"] if g["state"] == "trained"]
     assert len(trained) == 3 * 2 and len({g["key"] for g in trained}) == len(trained)
+
+
+class ToolPolicy(ScriptedPolicy):
+    """Math with the tool: turn 0 prints the right answer from a ```python block; at turn 1
+    sample 0 answers with what the tool printed, sample 1 with something else."""
+
+    def generate(self, requests, *, version=None):
+        out = []
+        for r in requests:
+            key, _, sample = r.prompt_id.partition(_SEP)
+            held = self.tok.decode(list(r.continuation), skip_special_tokens=False)
+            for i in range(r.num_samples):
+                s = int(sample) if sample else i
+                turn = held.count("<|im_start|>user")
+                self.turns.append((key, s, turn))
+                if turn == 0:
+                    question = self.tok.decode(list(r.prompt_tokens), skip_special_tokens=False)
+                    answer = self.answers[_question(question)]
+                    text = f"Let me compute.\n```python\nprint({answer!r})\n```"
+                else:
+                    printed = re.findall(r"```output\n(.*?)\n```", held, re.S)[-1]
+                    text = f"Answer: {printed if s == 0 else printed + '1'}"
+                ids = self.tok.encode(text) + [self.im_end]
+                out.append(
+                    Rollout(
+                        prompt_id=r.prompt_id,
+                        sample_index=i,
+                        prompt_tokens=np.asarray(r.prompt_tokens, np.int32),
+                        tokens=np.asarray(ids, np.int32),
+                        logprobs=np.full(len(ids), -1.0, np.float32),
+                        versions=np.full(len(ids), version or 0, np.int64),
+                        finish_reason=FinishReason.EOS,
+                    )
+                )
+        return iter(out)
+
+
+def _question(prompt: str) -> str:
+    return prompt.split("<|im_start|>user\n")[-1].split("\n\n")[0]
+
+
+def test_python_tool_episodes_get_the_printed_output_back_and_grade_the_final_answer(tmp_path):
+    config = make_config(tmp_path / "run", num_steps=1)
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(
+            config.data,
+            datasets=("reasoning_gym:basic_arithmetic",),
+            weights=(1.0,),
+            prompt_style="chat",
+        ),
+        model=dataclasses.replace(config.model, max_position_embeddings=4096),
+        inference=dataclasses.replace(config.inference, max_prompt_len=1536, max_new_tokens=1536),
+        environment=dataclasses.replace(config.environment, name="python_tool", max_turns=2),
+    )
+    seen = {}
+
+    def wrap(comps):
+        from rlax_tpu.controller.app import build_prompter
+
+        prompter = build_prompter(config, tmp_path / "run")
+        policy = ToolPolicy(comps.workers[0], prompter.tokenizer)
+        every = [
+            *prompter.datasets.held_out,
+            *(p for ps in prompter.datasets.train.values() for p in ps),
+        ]
+        policy.answers = {p.question: p.answer for p in every}
+        seen.update(policy=policy, trainer=Recording(comps.trainer), tok=prompter.tokenizer)
+        comps.workers[0], comps.trainer = policy, seen["trainer"]
+
+    ctl = run_controller(config, wrap)
+    tok, [batch] = seen["tok"], seen["trainer"].batches
+    assert ctl.step == 1
+    for row in range(batch.num_rows):
+        p, c = int(batch.prompt_lengths[row]), int(batch.completion_lengths[row])
+        prompt = tok.decode(batch.tokens[row, :p].tolist(), skip_special_tokens=False)
+        assert INSTRUCTIONS in prompt  # the environment told the model how to call the tool
+        answer = seen["policy"].answers[_question(prompt)]
+        episode = batch.tokens[row, p : p + c].tolist()
+        call = tok.encode(f"Let me compute.\n```python\nprint({answer!r})\n```") + [
+            tok.backend.token_to_id("<|im_end|>")
+        ]
+        assert episode[: len(call)] == call
+        reply_len = int((batch.loss_mask[row, :c] == 0).sum())
+        reply = episode[len(call) : len(call) + reply_len]
+        # What the sandbox printed, as the template's user turn, out of the loss.
+        assert reply == tok.turn_ids(f"```output\n{answer}\n```", after=call)
+        assert batch.rewards[row] == (1.0 if row % 2 == 0 else 0.0)
+    steps = [r["scalars"] for r in read_metrics(tmp_path / "run") if "reward/mean" in r["scalars"]]
+    assert steps[0]["episode/turns_mean"] == 2.0 and steps[0]["reward/pass_rate"] == 0.5
