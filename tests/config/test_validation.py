@@ -960,7 +960,8 @@ def test_a_dead_replicas_lease_must_lapse_before_a_publish_stops_waiting():
     [
         (
             {"environment.name": "chess"},
-            "environment.name = 'chess': unknown environment; known: ['none', 'code_repair'] "
+            "environment.name = 'chess': unknown environment; known: ['none', 'code_repair', "
+            "'python_tool'] "
             "(an environment of your own is registered by a module in algorithm.plugins)",
         ),
         ({"environment.max_turns": 0}, "environment.max_turns = 0: must be > 0"),
