@@ -13,6 +13,10 @@ metric is written (a corrupt checkpoint is still removed, as a resume would). Wi
     <run_dir>/eval/<dataset>/version_<v>.jsonl   every sample's text and verdict
     <run_dir>/eval/<dataset>/version_<v>.json    pass@1, pass@k, problems, problems too long,
                                                  the dataset's size (sampled_from)
+
+With an environment (``environment.name``) every sample is also played out as an episode: pass@1
+and pass@k stay the first attempts', ``eval/episode_pass@1`` and ``@k`` count the episodes whose
+last turn was accepted, and each answer's line holds its episode.
 """
 
 from __future__ import annotations
@@ -136,6 +140,8 @@ def evaluate_job(
             storage.write_atomic(where / f"version_{v:06d}.json", json.dumps(m, indent=1))
             k = config.data.eval_samples
             more = f", pass@{k} {m[f'eval/pass@{k}']:.3f}" if k > 1 else ""
+            if "eval/episode_pass@1" in m:  # environment.name: each answer played out
+                more += f", after the episode {m['eval/episode_pass@1']:.3f}"
             print(
                 f"{name} at version {v}: pass@1 {m['eval/pass@1']:.3f}{more} on "
                 f"{int(m['eval/problems'])} problems, {m['time/eval']:.0f} s; answers in {where}",

@@ -295,21 +295,31 @@ class Controller:
         *,
         stream: str,
         answers: list[dict[str, Any]] | None = None,
+        episodes: dict[str, int] | None = None,
     ) -> dict[str, int]:
         """Samples accepted of ``k`` per (key, problem), generated with the current version;
-        each sample's text and verdict are appended to ``answers`` if given."""
+        each sample's text and verdict are appended to ``answers`` if given. With ``episodes``
+        (a dict to fill) and an environment, each sample is also played out as an episode and
+        ``episodes`` gets the episodes accepted at their last turn per key."""
         requests = [
             self.prompter.request(f"{stream}/{key}", p, num_samples=k, stream=stream)
             for key, p in problems
         ]
+        if episodes is not None and self.episodes is not None:
+            requests = [self.episodes.first_turn(r) for r in requests]
         by_key = {f"{stream}/{key}": (key, p) for key, p in problems}
         rollouts = self.pool.submit(self.version, requests).result()
         items = [(by_key[ro.prompt_id][1], ro) for ro in rollouts]
         verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
+        played, finals = rollouts, verdicts
+        if episodes is not None and self.episodes is not None:
+            played, finals, _, _ = self.episodes.run(self.version, items)
         correct = {key: 0 for key, _ in problems}
-        for ro, v in zip(rollouts, verdicts, strict=True):
+        for ro, v, ep, final in zip(rollouts, verdicts, played, finals, strict=True):
             key, problem = by_key[ro.prompt_id]
             correct[key] += int(v.accepted)
+            if episodes is not None:
+                episodes[key] = episodes.get(key, 0) + int(final.accepted)
             if answers is not None:
                 answers.append(
                     {
@@ -319,6 +329,15 @@ class Controller:
                         "verdict": v.kind.value,
                         "detail": v.detail,
                     }
+                    | (
+                        {
+                            "episode": self.prompter.completion(ep),
+                            "episode_verdict": final.kind.value,
+                            "episode_detail": final.detail,
+                        }
+                        if ep is not ro
+                        else {}
+                    )
                 )
         return correct
 
@@ -622,10 +641,13 @@ class Controller:
             )
         answers: list[dict[str, Any]] = []
         counts: list[int] = []
+        episodes: dict[str, int] = {}
         size = chunk if chunk > 0 else len(fitting)
         for start in range(0, len(fitting), size):
             part = fitting[start : start + size]
-            counts += self._pass_counts(part, k, stream=stream, answers=answers).values()
+            counts += self._pass_counts(
+                part, k, stream=stream, answers=answers, episodes=episodes
+            ).values()
             if chunk > 0:
                 done = start + len(part)
                 self._event(
@@ -633,12 +655,20 @@ class Controller:
                     f"{mean_pass_at_k(counts, k, 1):.3f} ({time.perf_counter() - t0:.0f} s)"
                 )
         storage.write_atomic(answers_file, "".join(json.dumps(a) + "\n" for a in answers))
+        played = list(episodes.values()) if self.episodes is not None else []
         return {
             "eval/pass@1": mean_pass_at_k(counts, k, 1),
             f"eval/pass@{k}": mean_pass_at_k(counts, k, k),
             "eval/problems": float(len(counts)),
             "time/eval": time.perf_counter() - t0,
-        }
+        } | (
+            {
+                "eval/episode_pass@1": mean_pass_at_k(played, k, 1),
+                f"eval/episode_pass@{k}": mean_pass_at_k(played, k, k),
+            }
+            if played
+            else {}
+        )
 
     def _eval_due(self) -> bool:
         every = self.config.data.eval_every
@@ -853,6 +883,8 @@ class Controller:
             metrics.write(self.version, m)
             k = self.config.data.eval_samples
             more = f", pass@{k} {m[f'eval/pass@{k}']:.3f}" if k > 1 else ""
+            if "eval/episode_pass@1" in m:
+                more += f", after the episode {m['eval/episode_pass@1']:.3f}"
             progress.message(
                 f"eval at version {self.version}: held-out pass@1 {m['eval/pass@1']:.3f}{more} "
                 f"on {int(m['eval/problems'])} problems"

@@ -84,7 +84,11 @@ def test_code_repair_episodes_get_the_verdicts_feedback_and_the_last_attempts_re
     config = dataclasses.replace(
         config,
         data=dataclasses.replace(
-            config.data, datasets=("functions",), weights=(1.0,), prompt_style="chat"
+            config.data,
+            datasets=("functions",),
+            weights=(1.0,),
+            prompt_style="chat",
+            eval_samples=2,
         ),
         # The local preset's tokenizer has 512 ids: a function's prompt is ~700 of them.
         model=dataclasses.replace(config.model, max_position_embeddings=4096),
@@ -150,8 +154,14 @@ def test_code_repair_episodes_get_the_verdicts_feedback_and_the_last_attempts_re
     for st in steps:  # every first attempt failed; half the second ones passed
         assert st["episode/first_turn_pass_rate"] == 0.0 and st["reward/pass_rate"] == 0.5
         assert st["episode/turns_mean"] == 2.0
-    # Every trained episode had its second turn; evaluations stay single-turn (first attempts).
-    assert sum(t == 1 for _, _, t in asked) == sum(b.num_rows for b in batches) == 8
+    # Every trained episode had its second turn, and so did every evaluated one.
+    evals = [r["scalars"] for r in read_metrics(tmp_path / "run") if "eval/pass@1" in r["scalars"]]
+    assert len(evals) == 2
+    k = config.data.eval_samples
+    for ev in evals:  # first attempts all fail; sample 0 of each problem fixes its answer
+        assert ev["eval/pass@1"] == 0.0 and ev["eval/episode_pass@1"] == 0.5
+    evaluated = sum(int(ev["eval/problems"]) for ev in evals) * k
+    assert sum(t == 1 for _, _, t in asked) == sum(b.num_rows for b in batches) + evaluated
 
 
 def test_feedback_is_the_verdict_rendered():
