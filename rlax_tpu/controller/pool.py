@@ -2,8 +2,8 @@
 
 A job (version v, requests) is split round-robin over the live workers; requests of one session
 (``Request.session``: a group's episode turns) go where the session's first request went while
-that worker is live, since its engine may still hold the earlier turns' pages. Each worker serves its
-jobs in *epochs*: consecutive jobs of one version run concurrently (the engine batches them
+that worker is live, since its engine may still hold the earlier turns' pages. Each worker serves
+its jobs in *epochs*: consecutive jobs of one version run concurrently (the engine batches them
 continuously); a job of another version waits until the earlier epoch drains, then loads its
 weights (a reload between engine steps, never under a running request). A worker that fails
 (unreachable, shut down, an RPC error) is marked down and its share goes to another live worker;

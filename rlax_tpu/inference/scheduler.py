@@ -28,6 +28,12 @@ Recomputed keys/values are bitwise the originals (same programs, same chunks; ro
 alike, ``Engine.rows_bitwise``), so preemption never changes outputs. One sequence of maximal length always fits (checked at construction), so
 the oldest sequence always progresses: no deadlock.
 
+Kept pages (``Request.keep_pages``, prefix_cache.py): a finished sample's pages may stay for the
+request that continues its sequence; at admission that request takes the longest kept entry its
+tokens start with (on that entry's shard, waiting for a row there) and computes only the positions
+after it, at the positions and with the programs it would have used anyway. Kept pages are
+evicted, oldest first, before any running sequence is preempted.
+
 Data shards (one page allocator per shard, D > 1): the decode rows and the prefill rows are D
 contiguous blocks of ``step_tokens / D`` and ``prefill_rows / D``, and shard s's sequences take
 rows of block s and pages of allocator s only (page ids local to the shard). A sequence is
