@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import signal
 
+from rlax_tpu.config import VerifierConfig
 from rlax_tpu.types import VerdictKind
+from rlax_tpu.verifiers.api import limit
 from rlax_tpu.verifiers.compiler import Executable
 from rlax_tpu.verifiers.sandbox import UNLIMITED_STACK, Limits, RunResult, signal_name
 
@@ -38,6 +40,23 @@ def program_limits(
         disk_bytes=disk_bytes,
         stack_bytes=UNLIMITED_STACK,  # deep recursion up to the limit, and threads that start
         processes=executable.language.processes,
+    )
+
+
+def whole_program_limits(
+    config: VerifierConfig, executable: Executable, time_limit_s: float, *, factor: float = 1.0
+) -> Limits:
+    """Limits of one run of a whole program (a unit-test suite, a tool call): the task's time
+    limit (0: ``factor`` x verifiers.time_limit_s, never above factor x max_time_limit_s) and
+    the service's memory, output and disk limits."""
+    return program_limits(
+        executable,
+        time_limit_s=limit(
+            time_limit_s, config.time_limit_s * factor, config.max_time_limit_s * factor
+        ),
+        memory_mb=config.memory_limit_mb,
+        output_bytes=config.max_output_bytes,
+        disk_bytes=config.disk_limit_mb << 20,
     )
 
 

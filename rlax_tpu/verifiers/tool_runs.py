@@ -9,9 +9,9 @@ from pathlib import Path
 
 from rlax_tpu.config import VerifierConfig
 from rlax_tpu.types import Verdict, VerdictKind
-from rlax_tpu.verifiers.api import RunTask, limit
+from rlax_tpu.verifiers.api import RunTask
 from rlax_tpu.verifiers.compiler import Compiler
-from rlax_tpu.verifiers.outcomes import classify, program_limits
+from rlax_tpu.verifiers.outcomes import classify, whole_program_limits
 from rlax_tpu.verifiers.sandbox import Mount, Sandbox
 
 RUN_OUTPUT_CHARS = 4000  # of stdout in a verdict: a tool's answer, not a data channel
@@ -36,15 +36,7 @@ class ToolRunner:
         if isinstance(built, Verdict):
             return built
         memory_mb = self._config.memory_limit_mb
-        limits = program_limits(
-            built,
-            time_limit_s=limit(
-                task.time_limit_s, self._config.time_limit_s, self._config.max_time_limit_s
-            ),
-            memory_mb=memory_mb,
-            output_bytes=self._config.max_output_bytes,
-            disk_bytes=self._config.disk_limit_mb << 20,
-        )
+        limits = whole_program_limits(self._config, built, task.time_limit_s)
         tmp = Path(tempfile.mkdtemp(prefix="run-", dir=self._scratch))
         try:
             stdin = tmp / "input"

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from rlax_tpu.config import VerifierConfig
 from rlax_tpu.types import Verdict, VerdictKind
-from rlax_tpu.verifiers.api import UnitTestTask, limit
+from rlax_tpu.verifiers.api import UnitTestTask
 from rlax_tpu.verifiers.compiler import Compiler
 from rlax_tpu.verifiers.languages import PROG
-from rlax_tpu.verifiers.outcomes import classify, program_limits
+from rlax_tpu.verifiers.outcomes import classify, whole_program_limits
 from rlax_tpu.verifiers.sandbox import Mount, Sandbox
 
 _TIME_FACTOR = 5  # a whole test suite gets this many per-test time limits
@@ -42,17 +42,7 @@ class UnitTestRunner:
         if isinstance(built, Verdict):
             return built
         memory_mb = self._config.memory_limit_mb
-        limits = program_limits(
-            built,
-            time_limit_s=limit(
-                task.time_limit_s,
-                self._config.time_limit_s * _TIME_FACTOR,
-                self._config.max_time_limit_s * _TIME_FACTOR,
-            ),
-            memory_mb=memory_mb,
-            output_bytes=self._config.max_output_bytes,
-            disk_bytes=self._config.disk_limit_mb << 20,
-        )
+        limits = whole_program_limits(self._config, built, task.time_limit_s, factor=_TIME_FACTOR)
         tmp = Path(tempfile.mkdtemp(prefix="unit-", dir=self._scratch))
         try:
             spec = tmp / "spec"  # root-only: the launcher opens it before dropping to the uid

@@ -53,18 +53,21 @@ class ScriptedPolicy:
                 self.turns.append((key, s, turn))
                 body = problem.canonical_solution if turn == 1 and s == 0 else "    return None\n"
                 ids = self.tok.encode(f"```python\n{problem.prompt}{body}```") + [self.im_end]
-                out.append(
-                    Rollout(
-                        prompt_id=r.prompt_id,
-                        sample_index=i,
-                        prompt_tokens=np.asarray(r.prompt_tokens, np.int32),
-                        tokens=np.asarray(ids, np.int32),
-                        logprobs=np.full(len(ids), -1.0, np.float32),
-                        versions=np.full(len(ids), version or 0, np.int64),
-                        finish_reason=FinishReason.EOS,
-                    )
-                )
+                out.append(_rollout(r, i, ids, version))
         return iter(out)
+
+
+def _rollout(request, sample: int, ids: list[int], version) -> Rollout:
+    """A scripted answer as the engine would return it (ended by the turn's end marker)."""
+    return Rollout(
+        prompt_id=request.prompt_id,
+        sample_index=sample,
+        prompt_tokens=np.asarray(request.prompt_tokens, np.int32),
+        tokens=np.asarray(ids, np.int32),
+        logprobs=np.full(len(ids), -1.0, np.float32),
+        versions=np.full(len(ids), version or 0, np.int64),
+        finish_reason=FinishReason.EOS,
+    )
 
 
 class Recording:
@@ -220,17 +223,7 @@ class ToolPolicy(ScriptedPolicy):
                     printed = re.findall(r"```output\n(.*?)\n```", held, re.S)[-1]
                     text = f"Answer: {printed if s == 0 else printed + '1'}"
                 ids = self.tok.encode(text) + [self.im_end]
-                out.append(
-                    Rollout(
-                        prompt_id=r.prompt_id,
-                        sample_index=i,
-                        prompt_tokens=np.asarray(r.prompt_tokens, np.int32),
-                        tokens=np.asarray(ids, np.int32),
-                        logprobs=np.full(len(ids), -1.0, np.float32),
-                        versions=np.full(len(ids), version or 0, np.int64),
-                        finish_reason=FinishReason.EOS,
-                    )
-                )
+                out.append(_rollout(r, i, ids, version))
         return iter(out)
 
 
