@@ -315,7 +315,7 @@ def test_a_drill_of_multi_turn_episodes_changes_nothing(tmp_path):
     flight when its controller, worker or verifier dies is played again from its first turn,
     and the run ends bitwise where the uninterrupted one does, every group trained once."""
     run_dir = tmp_path / "run"
-    args = [*_tiny(run_dir, 11), *EPISODES, "--kills=5", "--seed=1"]
+    args = [*_tiny(run_dir, 20), *EPISODES, "--kills=5", "--seed=1"]
     done = subprocess.run(
         [sys.executable, "-m", "rlax_tpu.drills", *args],
         cwd=REPO,
