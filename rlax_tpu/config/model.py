@@ -6,6 +6,9 @@ from typing import Literal
 
 from rlax_tpu.config.checks import bad, frozen, non_negative, positive
 
+# The projections LoRA adapters may sit beside (their parameter names in models/layers.py).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 @frozen
 class ModelConfig:
@@ -48,6 +51,11 @@ class ModelConfig:
     weights_path: str = ""  # the safetensors directory or GGUF file of weights_format
     tokenizer_path: str = ""  # "" means: the tokenizer that comes with the weights / the task
     seed: int = 0  # seed of the random init (weights_format "init")
+    # LoRA adapters (0: none): ΔW = (lora_alpha / lora_rank) · A·B beside each projection named
+    # in lora_targets, A random Gaussian and B zero at init (Hu et al. 2021, §4.1), float32.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank
+    lora_targets: tuple[str, ...] = LORA_TARGETS  # projections that get an adapter
 
     def __post_init__(self) -> None:
         positive(
@@ -62,7 +70,11 @@ class ModelConfig:
             "max_position_embeddings",
             "rms_norm_eps",
         )
-        non_negative(self, "head_dim")
+        non_negative(self, "head_dim", "lora_rank")
+        positive(self, "lora_alpha")
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if unknown or not self.lora_targets:
+            raise bad(self, "lora_targets", f"must name some of {list(LORA_TARGETS)}")
         if self.num_heads % self.num_kv_heads:
             raise bad(
                 self,

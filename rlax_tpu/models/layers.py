@@ -12,14 +12,17 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from rlax_tpu.config import ModelConfig
+from rlax_tpu.config.model import LORA_TARGETS
 from rlax_tpu.models.attention import KVCache
 from rlax_tpu.models.rope import apply_rope
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 INIT_STDDEV = 0.02  # HF's initializer_range for these families
+_LORA_STREAM = 0x10A  # folded into the model seed for adapter inits
 
 
 def param(
@@ -41,6 +44,75 @@ def ones_init(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Arr
 def zeros_init(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:
     del key
     return jnp.zeros(shape, dtype)
+
+
+class LoRAParam(nnx.Param):
+    """A LoRA adapter matrix (A or B): what a LoRA run trains; the base stays frozen."""
+
+
+class LoRA(nnx.Module):
+    """ΔW = scale · A·B beside one projection W of shape [*in, *out] (``in_shape`` contracted
+    with the input): A [*in, r], B [r, *out], scale = lora_alpha / r. A ~ N(0, 1/fan_in) and
+    B = 0, so the adapted model starts as the base (LoRA, Hu et al. 2021, §4.1: Gaussian A, zero
+    B). Stored in float32 whatever the base's dtype (updates of ~lr · |A| would round away in
+    bf16); cast to the compute dtype where used, like every weight."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        in_shape: Sequence[int],
+        in_axes: Sequence[str],
+        out_shape: Sequence[int],
+        out_axes: Sequence[str],
+        *,
+        key: jax.Array,
+    ):
+        r, fan_in = cfg.lora_rank, int(np.prod(in_shape))
+        self.scale = cfg.lora_alpha / r
+        self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+        self.n_in = len(in_shape)
+        a = jax.random.normal(key, (*in_shape, r), jnp.float32) / np.sqrt(fan_in)
+        self.a = LoRAParam(a, eager_sharding=False, out_sharding=(*in_axes, "lora_rank"))
+        self.b = LoRAParam(
+            jnp.zeros((r, *out_shape), jnp.float32),
+            eager_sharding=False,
+            out_sharding=("lora_rank", *out_axes),
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., *in] -> scale · (x·A)·B [..., *out]."""
+        c = self.compute_dtype
+        k = self.n_in
+        xa = jax.lax.dot_general(
+            x,
+            self.a[...].astype(c),
+            ((tuple(range(x.ndim - k, x.ndim)), tuple(range(k))), ((), ())),
+        )
+        return self.scale * jnp.tensordot(xa, self.b[...].astype(c), axes=1)
+
+
+def lora(
+    cfg: ModelConfig,
+    name: str,
+    layer: int,
+    in_shape: Sequence[int],
+    in_axes: Sequence[str],
+    out_shape: Sequence[int],
+    out_axes: Sequence[str],
+) -> LoRA | None:
+    """The adapter of projection ``name`` of ``layer``, or None when LoRA is off or does not
+    target it. Its A comes from a key of its own (model seed, layer, projection), so adapters
+    never shift the base weights' random init, and an adapter's init does not depend on which
+    others exist."""
+    if cfg.lora_rank == 0 or name not in cfg.lora_targets:
+        return None
+    key = jax.random.fold_in(jax.random.key(cfg.seed), _LORA_STREAM)
+    key = jax.random.fold_in(jax.random.fold_in(key, layer), LORA_TARGETS.index(name))
+    return LoRA(cfg, in_shape, in_axes, out_shape, out_axes, key=key)
+
+
+def _plus(y: jax.Array, adapter: LoRA | None, x: jax.Array) -> jax.Array:
+    return y if adapter is None else y + adapter(x)
 
 
 def has_o_bias(cfg: ModelConfig) -> bool:
@@ -95,18 +167,27 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg, "head_dim", rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
+        kv = ("kv_heads", "head_dim")
+        self.q_lora = lora(cfg, "q_proj", layer, (e,), ("embed",), (h, d), ("heads", "head_dim"))
+        self.k_lora = lora(cfg, "k_proj", layer, (e,), ("embed",), (hkv, d), kv)
+        self.v_lora = lora(cfg, "v_proj", layer, (e,), ("embed",), (hkv, d), kv)
+        self.o_lora = lora(cfg, "o_proj", layer, (h, d), ("heads", "head_dim"), (e,), ("embed",))
 
-    def _project(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        y = jnp.einsum("bte,ehd->bthd", x, kernel[...].astype(self.compute_dtype))
+    def _project(
+        self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None, adapter: LoRA | None
+    ) -> jax.Array:
+        y = _plus(
+            jnp.einsum("bte,ehd->bthd", x, kernel[...].astype(self.compute_dtype)), adapter, x
+        )
         return y if bias is None else y + bias[...].astype(self.compute_dtype)
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, cache: KVCache
     ) -> tuple[jax.Array, KVCache]:
         """x [B, T, E], cos/sin [B, T, D], positions [B, T] -> ([B, T, E], cache)."""
-        q = self._project(x, self.q_proj, self.q_bias)
-        k = self._project(x, self.k_proj, self.k_bias)
-        v = self._project(x, self.v_proj, self.v_bias)
+        q = self._project(x, self.q_proj, self.q_bias, self.q_lora)
+        k = self._project(x, self.k_proj, self.k_bias, self.k_lora)
+        v = self._project(x, self.v_proj, self.v_bias, self.v_lora)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -114,7 +195,7 @@ class Attention(nnx.Module):
         # (h, d) contracted in storage order: jnp.einsum emits (d, h), for which XLA:CPU copies
         # o_proj and the attention output transposed on every call.
         w = self.o_proj[...].astype(self.compute_dtype)
-        y = jax.lax.dot_general(out, w, (((2, 3), (0, 1)), ((), ())))
+        y = _plus(jax.lax.dot_general(out, w, (((2, 3), (0, 1)), ((), ()))), self.o_lora, out)
         if self.o_bias is not None:
             y = y + self.o_bias[...].astype(self.compute_dtype)
         return y, cache
@@ -123,18 +204,22 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         pdtype, self.compute_dtype = dtypes(cfg)
         e, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = param(rngs, normal_init, (e, f), ("embed", "mlp"), pdtype)
         self.up_proj = param(rngs, normal_init, (e, f), ("embed", "mlp"), pdtype)
         self.down_proj = param(rngs, normal_init, (f, e), ("mlp", "embed"), pdtype)
+        self.gate_lora = lora(cfg, "gate_proj", layer, (e,), ("embed",), (f,), ("mlp",))
+        self.up_lora = lora(cfg, "up_proj", layer, (e,), ("embed",), (f,), ("mlp",))
+        self.down_lora = lora(cfg, "down_proj", layer, (f,), ("mlp",), (e,), ("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.compute_dtype
-        gate = x @ self.gate_proj[...].astype(c)
-        up = x @ self.up_proj[...].astype(c)
-        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(c)
+        gate = _plus(x @ self.gate_proj[...].astype(c), self.gate_lora, x)
+        up = _plus(x @ self.up_proj[...].astype(c), self.up_lora, x)
+        hidden = jax.nn.silu(gate) * up
+        return _plus(hidden @ self.down_proj[...].astype(c), self.down_lora, hidden)
 
 
 class DecoderLayer(nnx.Module):
@@ -142,7 +227,7 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, "norm", rngs=rngs)
         self.attn = Attention(cfg, layer, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, "norm", rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs, layer=layer)
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, cache: KVCache

@@ -35,6 +35,7 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "norm": None,
+    "lora_rank": None,  # a LoRA adapter's rank: small, replicated
 }
 
 LogicalAxes = Sequence[str | None]
