@@ -1,0 +1,138 @@
+"""A discrete-event model of the controller's deterministic schedule (issue [planner]).
+
+What it models, as ``controller/loop.py``'s ``run_deterministic`` and ``controller/pool.py`` do:
+
+* Step s begins when update s - 1 has finished (and published version s). It launches the jobs
+  of steps s..s+d (d = ``pipeline_depth``) not launched yet; step t generates with version
+  g(t) = η_r·⌊max(0, t − d)/η_r⌋ (``StalenessPolicy.generation_version``), which exists by then.
+* A job's prompts are split round-robin over the N workers; each worker runs its shares one job
+  at a time in launch order (``exclusive_jobs``), loading the job's version first when it holds
+  another (``reload_s``). A job is generated when every share is; its verification follows
+  (``verify_s``, the verifiers beside the workers).
+* Update s starts when step s's job is verified and update s - 1 is done; it takes π_old +
+  update + publish (``train_s``), then step s + 1 begins.
+
+Costs are seconds per step at this topology (a worker generating a whole step's prompts takes
+``generate_s``; a share of k of P prompts takes generate_s·k/P). Throughput mode is not modelled
+yet (its admission budget and continuous generation need their own model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rlax_tpu.controller.staleness import StalenessPolicy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Costs:
+    """Seconds of one step's pieces (see the module docstring)."""
+
+    generate_s: float  # every prompt of a step on one worker
+    verify_s: float = 0.0
+    train_s: float  # π_old, the update and the publish
+    reload_s: float = 0.0  # a worker loading another version (pull + device put)
+
+    def __post_init__(self) -> None:
+        for name in ("generate_s", "verify_s", "train_s", "reload_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"Costs.{name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """When step ``step``'s pieces happened (seconds from the start)."""
+
+    step: int
+    version: int  # g(step): the weights it was generated with
+    launched: float
+    generated: float  # its last share done
+    verified: float
+    train_start: float
+    train_end: float
+    wait_s: float  # the trainer idle between step begin and this update (waiting for rollouts)
+
+    @property
+    def staleness(self) -> int:
+        """Of its rollouts when consumed by update ``step`` (from version ``step``)."""
+        return self.step - self.version
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    steps: list[StepTimes]
+
+    def seconds_per_update(self, skip: int = 1) -> float:
+        """Mean seconds between consecutive update ends, after ``skip`` warm-up steps."""
+        ends = [s.train_end for s in self.steps[skip:]]
+        if len(ends) < 2:
+            raise ValueError(f"need at least {skip + 2} steps for a steady-state rate")
+        return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+    def trainer_idle_fraction(self, skip: int = 1) -> float:
+        """The fraction of the time after ``skip`` steps in which no update ran."""
+        steps = self.steps[skip:]
+        span = steps[-1].train_end - steps[0].train_start
+        busy = sum(s.train_end - s.train_start for s in steps)
+        return 1.0 - busy / span if span > 0 else 0.0
+
+
+def simulate_deterministic(
+    steps: int,
+    costs: Costs,
+    policy: StalenessPolicy,
+    *,
+    workers: int = 1,
+    prompts_per_step: int = 1,
+) -> Schedule:
+    """The schedule of ``steps`` updates (module docstring)."""
+    if steps < 1 or workers < 1 or prompts_per_step < 1:
+        raise ValueError("steps, workers and prompts_per_step must be >= 1")
+    d = policy.pipeline_depth
+    # Prompts of a step per worker, as WorkerPool.submit's round-robin deals them.
+    shares = [len(range(k, prompts_per_step, workers)) for k in range(workers)]
+    free = [0.0] * workers  # when each worker finishes its queued shares
+    held: list[int | None] = [None] * workers  # the version each worker holds
+    launched: dict[int, float] = {}
+    generated: dict[int, float] = {}
+    out: list[StepTimes] = []
+    train_end = 0.0
+
+    def launch(t: int, at: float) -> None:
+        version = policy.generation_version(t)
+        launched[t] = at
+        done = at
+        for w, k in enumerate(shares):
+            if not k:
+                continue
+            start = max(free[w], at)
+            if held[w] != version:
+                start += costs.reload_s
+                held[w] = version
+            free[w] = start + costs.generate_s * k / prompts_per_step
+            done = max(done, free[w])
+        generated[t] = done
+
+    for s in range(steps):
+        begin = train_end  # step s begins when update s - 1 is done
+        for t in range(s, min(steps, s + d + 1)):
+            if t not in launched:
+                launch(t, begin)
+        verified = generated[s] + costs.verify_s
+        start = max(begin, verified)
+        train_end = start + costs.train_s
+        out.append(
+            StepTimes(
+                step=s,
+                version=policy.generation_version(s),
+                launched=launched[s],
+                generated=generated[s],
+                verified=verified,
+                train_start=start,
+                train_end=train_end,
+                wait_s=start - begin,
+            )
+        )
+    return Schedule(out)
