@@ -11,6 +11,9 @@ What it models, as ``controller/loop.py``'s ``run_deterministic`` and ``controll
   (``verify_s``, the verifiers beside the workers).
 * Update s starts when step s's job is verified and update s - 1 is done; it takes π_old +
   update + publish (``train_s``), then step s + 1 begins.
+* With ``eval_every`` = k > 0, step s begins with a held-out evaluation when s is a multiple of
+  k (the controller's ``_eval_due``): it is generated on the workers after the shares queued
+  there (``eval_s`` once they are free), and nothing of step s is launched before it ends.
 
 Costs are seconds per step at this topology (a worker generating a whole step's prompts takes
 ``generate_s``; a share of k of P prompts takes generate_s·k/P). Throughput mode is not modelled
@@ -33,9 +36,10 @@ class Costs:
     verify_s: float = 0.0
     train_s: float  # π_old, the update and the publish
     reload_s: float = 0.0  # a worker loading another version (pull + device put)
+    eval_s: float = 0.0  # one held-out evaluation, generated on the workers and graded
 
     def __post_init__(self) -> None:
-        for name in ("generate_s", "verify_s", "train_s", "reload_s"):
+        for name in ("generate_s", "verify_s", "train_s", "reload_s", "eval_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"Costs.{name} must be a finite number >= 0, got {value!r}")
@@ -86,6 +90,7 @@ def simulate_deterministic(
     *,
     workers: int = 1,
     prompts_per_step: int = 1,
+    eval_every: int = 0,
 ) -> Schedule:
     """The schedule of ``steps`` updates (module docstring)."""
     if steps < 1 or workers < 1 or prompts_per_step < 1:
@@ -117,6 +122,9 @@ def simulate_deterministic(
 
     for s in range(steps):
         begin = train_end  # step s begins when update s - 1 is done
+        if eval_every > 0 and s % eval_every == 0:
+            begin = max(begin, *free) + costs.eval_s
+            free = [begin] * workers
         for t in range(s, min(steps, s + d + 1)):
             if t not in launched:
                 launch(t, begin)

@@ -84,3 +84,18 @@ def test_bad_costs_are_refused():
         Costs(generate_s=1, train_s=float("nan"))
     with pytest.raises(ValueError, match=">= 1"):
         simulate_deterministic(0, COSTS, _policy(0))
+
+
+def test_an_evaluation_holds_the_step_that_begins_with_it():
+    """eval_every = 2, d = 1: step 0 begins with a 5 s evaluation; step 2 begins at 30 and
+    evaluates once the worker has finished the job queued on it (at 35), so update 2 starts
+    when that evaluation ends, not when its rollouts are verified."""
+    costs = Costs(generate_s=10, verify_s=1, train_s=4, eval_s=5)
+    sched = simulate_deterministic(3, costs, _policy(1), eval_every=2)
+    got = [(s.launched, s.generated, s.train_start, s.train_end) for s in sched.steps]
+    # Step 0: eval [0, 5]; jobs 0, 1 at 5: [5, 15], [15, 25]; update 0 [16, 20].
+    # Step 1 begins 20: job 2 not launched yet (d = 1: launched at step 1) -> [25, 35];
+    # update 1 waits for job 1 (verified 26): [26, 30].
+    # Step 2 begins 30: evaluation after the worker's queue (35): [35, 40]; job 3 at 40 is past
+    # the 3 steps; update 2 needs job 2 (verified 36) and the evaluation: [40, 44].
+    assert got == [(5, 15, 16, 20), (5, 25, 26, 30), (20, 35, 40, 44)]
