@@ -42,6 +42,7 @@ from rlax_tpu.models.hf_format import (
     config_to_hf,
     tensor_mappings,
 )
+from rlax_tpu.models.layers import LoRAParam, lora_initial
 from rlax_tpu.models.sharding import logical_sharding
 from rlax_tpu.models.transformer import Transformer
 
@@ -84,7 +85,16 @@ def build_model(
         var = flat[m.path]
         value = np.asarray(m.to_model(host)).astype(dtype)
         flat[m.path] = var.replace(_to_device(value, var, mesh))
+    _init_adapters(cfg, flat, mesh)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _init_adapters(cfg: ModelConfig, flat: dict, mesh: Mesh | None) -> None:
+    """LoRA adapters are not in a base checkpoint: they start as ``init_model`` starts them."""
+    for path, var in flat.items():
+        if isinstance(var, LoRAParam):
+            value = np.asarray(lora_initial(cfg, path, var.shape))
+            flat[path] = var.replace(_to_device(value, var, mesh))
 
 
 def _check_shape(source: str, m: TensorMapping, shape: tuple[int, ...] | None) -> None:
@@ -132,12 +142,21 @@ def _to_device(value: np.ndarray, var: nnx.Variable, mesh: Mesh | None) -> jax.A
 
 
 def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
-    """The model's parameters as host arrays with HF names and layouts (gathers shards)."""
+    """The model's parameters as host arrays with HF names and layouts (gathers shards). LoRA
+    adapters are merged: W + scale·A·B in float32, then cast to W's dtype (HF checkpoints have
+    no place for them, and dropping them would export the base)."""
     flat = dict(nnx.to_flat_state(nnx.state(model)))
-    return {
-        m.hf_name: m.to_hf(np.asarray(jax.device_get(flat[m.path][...])))
-        for m in tensor_mappings(model.cfg)
-    }
+    out = {}
+    for m in tensor_mappings(model.cfg):
+        w = np.asarray(jax.device_get(flat[m.path][...]))
+        a_path = (*m.path[:-1], m.path[-1].removesuffix("_proj") + "_lora", "a")
+        if a_path in flat:
+            a = np.asarray(jax.device_get(flat[a_path][...]), np.float32)
+            b = np.asarray(jax.device_get(flat[(*a_path[:-1], "b")][...]), np.float32)
+            scale = model.cfg.lora_alpha / model.cfg.lora_rank
+            w = (w.astype(np.float32) + scale * np.tensordot(a, b, axes=1)).astype(w.dtype)
+        out[m.hf_name] = m.to_hf(w)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,6 +415,7 @@ def _build_remote(
         _check_shape(source, m, reader.shape(m.hf_name))
         var = flat[m.path]
         flat[m.path] = var.replace(_place_remote(reader, m, var, mesh, dtype))
+    _init_adapters(cfg, flat, mesh)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

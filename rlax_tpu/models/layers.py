@@ -67,11 +67,11 @@ class LoRA(nnx.Module):
         *,
         key: jax.Array,
     ):
-        r, fan_in = cfg.lora_rank, int(np.prod(in_shape))
+        r = cfg.lora_rank
         self.scale = cfg.lora_alpha / r
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         self.n_in = len(in_shape)
-        a = jax.random.normal(key, (*in_shape, r), jnp.float32) / np.sqrt(fan_in)
+        a = lora_a_init(key, (*in_shape, r))
         self.a = LoRAParam(a, eager_sharding=False, out_sharding=(*in_axes, "lora_rank"))
         self.b = LoRAParam(
             jnp.zeros((r, *out_shape), jnp.float32),
@@ -91,6 +91,29 @@ class LoRA(nnx.Module):
         return self.scale * jnp.tensordot(xa, self.b[...].astype(c), axes=1)
 
 
+def lora_a_init(key: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """A [*in, r] ~ N(0, 1/fan_in), fan_in = prod(in)."""
+    std = np.float32(1.0 / np.sqrt(float(np.prod(shape[:-1]))))
+    return jax.random.normal(key, tuple(shape), jnp.float32) * std
+
+
+def lora_key(cfg: ModelConfig, name: str, layer: int) -> jax.Array:
+    """The init key of projection ``name``'s adapter in ``layer``: (model seed, layer, name)."""
+    key = jax.random.fold_in(jax.random.key(cfg.seed), _LORA_STREAM)
+    return jax.random.fold_in(jax.random.fold_in(key, layer), LORA_TARGETS.index(name))
+
+
+def lora_initial(cfg: ModelConfig, path: Sequence[object], shape: Sequence[int]) -> jax.Array:
+    """The initial value of the adapter matrix at state ``path`` (``(..., "layers", i, module,
+    "<proj>_lora", "a" | "b")``) for a model whose base weights come from a checkpoint: the
+    draw ``init_model`` makes (equal to f32 round-off: init_model runs it inside its jit)."""
+    *_, layer, _, adapter, which = path
+    if which == "b":
+        return jnp.zeros(tuple(shape), jnp.float32)
+    name = str(adapter).removesuffix("_lora") + "_proj"
+    return lora_a_init(lora_key(cfg, name, int(layer)), shape)
+
+
 def lora(
     cfg: ModelConfig,
     name: str,
@@ -106,9 +129,7 @@ def lora(
     others exist."""
     if cfg.lora_rank == 0 or name not in cfg.lora_targets:
         return None
-    key = jax.random.fold_in(jax.random.key(cfg.seed), _LORA_STREAM)
-    key = jax.random.fold_in(jax.random.fold_in(key, layer), LORA_TARGETS.index(name))
-    return LoRA(cfg, in_shape, in_axes, out_shape, out_axes, key=key)
+    return LoRA(cfg, in_shape, in_axes, out_shape, out_axes, key=lora_key(cfg, name, layer))
 
 
 def _plus(y: jax.Array, adapter: LoRA | None, x: jax.Array) -> jax.Array:

@@ -169,3 +169,28 @@ def test_the_engine_serves_adapters_unmerged_with_the_forward_s_log_probs():
         np.testing.assert_allclose(ro.logprobs, want, rtol=0, atol=1e-5)
         merged = models.forward(_merged(model, LORA), seq)[0, len(ro.prompt_tokens) - 1 : -1]
         assert float(jnp.max(jnp.abs(jax.nn.log_softmax(merged) - logp))) < 1e-4
+
+
+def test_a_base_checkpoint_loads_with_fresh_adapters_and_exports_them_merged(tmp_path):
+    """Adapters are not in an HF checkpoint: loading one with lora_rank > 0 gives the
+    checkpoint's base and the adapters init_model gives; exporting a trained adapted model
+    writes W + scale·A·B (the merged model's logits), not the base alone."""
+    from rlax_tpu.models.checkpoint import load_safetensors, save_safetensors
+
+    base = models.init_model(dataclasses.replace(BASE, seed=7))
+    save_safetensors(base, tmp_path / "base")
+    _, loaded = load_safetensors(tmp_path / "base", cfg=LORA)
+    np.testing.assert_array_equal(models.forward(loaded, TOKENS), models.forward(base, TOKENS))
+    fresh = nnx.to_pure_dict(nnx.state(models.init_model(LORA), LoRAParam))
+    got = nnx.to_pure_dict(nnx.state(loaded, LoRAParam))
+    # The same draws; init_model makes them inside its jit, so to f32 round-off (1 ulp seen).
+    jax.tree.map(lambda g, f: np.testing.assert_allclose(g, f, rtol=1e-6, atol=0), got, fresh)
+    bs = [x for path, x in jax.tree_util.tree_leaves_with_path(got) if path[-1].key == "b"]
+    assert len(bs) == len(LORA_TARGETS) * LORA.num_layers and not any(np.any(b) for b in bs)
+
+    _randomize_b(loaded)
+    save_safetensors(loaded, tmp_path / "merged")
+    _, exported = load_safetensors(tmp_path / "merged", cfg=BASE)
+    np.testing.assert_allclose(
+        models.forward(exported, TOKENS), models.forward(loaded, TOKENS), rtol=0, atol=1e-5
+    )
