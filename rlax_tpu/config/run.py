@@ -41,13 +41,6 @@ class RunConfig:
     def __post_init__(self) -> None:
         """Rules that span components."""
         inf, model, ctl, alg = self.inference, self.model, self.controller, self.algorithm
-        if model.lora_rank:
-            raise ConfigError(
-                "model.lora_rank",
-                "LoRA runs are not built yet (issue [lora]): the model takes adapters, but the "
-                "trainer would still update the base weights and publish all of them",
-                model.lora_rank,
-            )
         needed = inf.max_prompt_len + inf.max_new_tokens
         if needed > model.max_position_embeddings:
             raise ConfigError(

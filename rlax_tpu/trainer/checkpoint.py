@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 from typing import Any
@@ -32,6 +33,7 @@ from rlax_tpu.config import ModelConfig, to_dict
 
 # Model fields that do not change what the checkpointed arrays mean.
 _RUN_FIELDS = ("weights_format", "weights_path", "tokenizer_path", "seed")
+_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
 
 
 class CheckpointMismatchError(ValueError):
@@ -106,10 +108,15 @@ def _with_dtypes(abstract: Any, names: dict[str, str]) -> Any:
 
 
 def model_signature(cfg: ModelConfig) -> dict[str, Any]:
-    """The architecture fields a checkpoint must match (resolved, run-only fields dropped)."""
-    fields = to_dict(cfg)
-    for name in _RUN_FIELDS:
-        fields.pop(name, None)
+    """The architecture fields a checkpoint must match (resolved, run-only fields dropped; as
+    JSON keeps them, lists for tuples). A LoRA checkpoint holds the adapters alone, so where
+    the base comes from is part of its identity: it keeps the weights' format, path and seed."""
+    fields = json.loads(json.dumps(to_dict(cfg)))
+    if not cfg.lora_rank:
+        for name in (*_RUN_FIELDS, *_LORA_FIELDS):  # as before LoRA: older checkpoints match
+            fields.pop(name, None)
+    else:
+        fields.pop("tokenizer_path", None)
     fields["head_dim"] = cfg.resolved_head_dim
     return fields
 

@@ -33,6 +33,7 @@ from rlax_tpu.models import UNROLLED, LayerLoop, param_shardings
 from rlax_tpu.models.paged_attention import resolve_backend
 from rlax_tpu.models.paged_cache import SequencePagedCache
 from rlax_tpu.trainer.logprobs import completion_logprobs
+from rlax_tpu.trainer.lora import join, split_adapters
 from rlax_tpu.trainer.mesh import batch_sharding, replicated
 from rlax_tpu.trainer.optimizer import make_optimizer
 from rlax_tpu.trainer.precision import to_master
@@ -65,6 +66,10 @@ class StepFunctions:
     trainable_shardings: Params
     opt_shardings: Any
     tx: optax.GradientTransformation
+    # The whole model's parameter shardings (what score and publish take); with LoRA the
+    # trainable "model" entry holds the adapters only and ``base_shardings`` the frozen rest.
+    model_shardings: Params = dataclasses.field(default_factory=dict)
+    base_shardings: Params | None = None
     loop: LayerLoop = UNROLLED  # how the training forward runs its layers
     attention: str = "dense"  # the training forward's kernel (models.NoCache)
     # The prefill-shaped π_old recompute's cache (the engine's page size and backend), or None.
@@ -97,7 +102,7 @@ class StepFunctions:
                     LayerLoop(scan=self.loop.scan),
                 ),
                 in_shardings=(
-                    self.trainable_shardings["model"],
+                    self.model_shardings,
                     self.trainable_shardings["value_head"] if with_value_head else None,
                     self.batch_shardings(),
                     rep,
@@ -124,9 +129,9 @@ class StepFunctions:
         )
 
     def accumulate_jit(self, inputs: LossInputs) -> Any:
-        """(trainable, accumulator (donated), arrays, micro-batch LossInputs, temperature, scale)
-        -> (accumulator + gradient, loss, metrics). ``inputs`` (concrete or abstract) gives the
-        LossInputs structure."""
+        """(trainable, accumulator (donated), arrays, micro-batch LossInputs, temperature, scale,
+        frozen base | None) -> (accumulator + gradient, loss, metrics). ``inputs`` (concrete or
+        abstract) gives the LossInputs structure; the base is LoRA's (None without adapters)."""
         rep = replicated(self.mesh)
         return _jit_cached(
             self,
@@ -142,6 +147,7 @@ class StepFunctions:
                     self.inputs_shardings(inputs),
                     rep,
                     rep,
+                    self.base_shardings,
                 ),
                 out_shardings=(self.trainable_shardings, rep, rep),
                 donate_argnums=(1,),
@@ -169,14 +175,13 @@ class StepFunctions:
         )
 
     def publish_jit(self, dtype: str) -> Any:
-        """model params -> a copy in ``dtype`` (what the trainer pushes), same shardings."""
-        shardings = self.trainable_shardings["model"]
+        """the whole model's params -> a copy in ``dtype`` (what the trainer pushes), same
+        shardings; LoRA adapters stay float32 (the engine's adapters are)."""
+        shardings = self.model_shardings
         return _jit_cached(
             self,
             f"publish:{dtype}",
-            lambda: jax.jit(
-                lambda t: jax.tree.map(lambda x: x.astype(dtype), t), out_shardings=shardings
-            ),
+            lambda: jax.jit(partial(_cast_base, dtype), out_shardings=shardings),
         )
 
     # ------------------------------------------------------------------ calls
@@ -208,9 +213,12 @@ class StepFunctions:
         inputs: LossInputs,
         temperature: jax.Array,
         scale: jax.Array,
+        base: Params | None = None,
     ) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
         with jax.set_mesh(self.mesh):
-            return self.accumulate_jit(inputs)(trainable, acc, arrays, inputs, temperature, scale)
+            return self.accumulate_jit(inputs)(
+                trainable, acc, arrays, inputs, temperature, scale, base
+            )
 
     def apply(
         self, trainable: Params, opt_state: Any, grads: Params, loss: jax.Array
@@ -232,11 +240,14 @@ def make_step_functions(
     objective = make_objective(config.algorithm, max_length=config.inference.max_new_tokens)
     model_shardings = nnx.to_pure_dict(param_shardings(model_state, mesh))
     shapes = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+    model_shapes = shapes(nnx.to_pure_dict(model_state))
+    base_shardings = None
+    if config.model.lora_rank:  # the adapters train, the base stays as stored
+        model_shapes = split_adapters(model_shapes)[0]
+        adapter_shardings, base_shardings = split_adapters(model_shardings)
     # The trainable copy is the master copy (trainer.master_dtype; trainer/precision.py).
-    trainable: Params = {
-        "model": to_master(shapes(nnx.to_pure_dict(model_state)), config.trainer.master_dtype)
-    }
-    shardings: Params = {"model": model_shardings}
+    trainable: Params = {"model": to_master(model_shapes, config.trainer.master_dtype)}
+    shardings: Params = {"model": adapter_shardings if base_shardings else model_shardings}
     if objective.spec.advantage == "gae":
         rep = replicated(mesh)
         e = config.model.hidden_size
@@ -263,6 +274,8 @@ def make_step_functions(
         trainable_shardings=shardings,
         opt_shardings=opt_shardings,
         tx=tx,
+        model_shardings=model_shardings,
+        base_shardings=base_shardings,
         loop=training_loop(config.trainer),
         attention=training_attention(config.trainer.attention, mesh),
         prefill=prefill_recompute(config, mesh),
@@ -341,12 +354,24 @@ def _score(graphdef, mesh, attention, loop, model_params, value_head, arrays, te
 
 
 def _accumulate(
-    graphdef, objective, mesh, loop, attention, trainable, acc, arrays, inputs, temperature, scale
+    graphdef,
+    objective,
+    mesh,
+    loop,
+    attention,
+    trainable,
+    acc,
+    arrays,
+    inputs,
+    temperature,
+    scale,
+    base,
 ):  # noqa: ANN001, ANN202
     TRACES["accumulate"] += 1  # runs once per trace
 
     def loss_fn(trainable):  # noqa: ANN001, ANN202
-        model = nnx.merge(graphdef, trainable["model"])
+        params = trainable["model"] if base is None else join(base, trainable["model"])
+        model = nnx.merge(graphdef, params)
         logp, values = completion_logprobs(
             model,
             arrays["tokens"],
@@ -364,6 +389,12 @@ def _accumulate(
 
     grads, (loss, metrics) = jax.grad(loss_fn, has_aux=True)(trainable)
     return jax.tree.map(jnp.add, acc, grads), loss, metrics
+
+
+def _cast_base(dtype: str, params: Params) -> Params:
+    """``params`` in ``dtype``, but LoRA adapters, which stay float32."""
+    adapters, base = split_adapters(params)
+    return join(jax.tree.map(lambda x: x.astype(dtype), base), adapters)
 
 
 def _apply(tx, trainable, opt_state, grads, loss):  # noqa: ANN001, ANN202

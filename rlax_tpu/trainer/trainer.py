@@ -61,6 +61,7 @@ from rlax_tpu.trainer.checkpoint import (
     abstract_like,
     signature_with,
 )
+from rlax_tpu.trainer.lora import join, split_adapters
 from rlax_tpu.trainer.optimizer import make_schedule
 from rlax_tpu.trainer.precision import check_master_dtype, to_master
 from rlax_tpu.types import TrainBatch
@@ -147,7 +148,7 @@ class Trainer:
         spec = self.objective.spec
         self.sink = sink
         shardings = self._fns.trainable_shardings
-        params = jax.device_put(nnx.to_pure_dict(state), shardings["model"])
+        params = jax.device_put(nnx.to_pure_dict(state), self._fns.model_shardings)
         if tcfg.master_dtype != "float32":
             check_master_dtype(
                 params, master_dtype=tcfg.master_dtype, learning_rate=tcfg.learning_rate
@@ -158,8 +159,16 @@ class Trainer:
         )
         # The reference stays frozen (in model.param_dtype) while the policy's buffers are
         # donated step after step; the policy is the master copy (trainer/precision.py).
-        self._ref_params = copy(params) if spec.needs_reference else None
-        trainable: dict[str, Any] = {"model": master(params)}
+        # LoRA: the adapters train; the base is frozen in the storage dtype, with no optimizer
+        # state, and the reference is the base (adapters with B = 0 add nothing).
+        self._base: dict[str, Any] | None = None
+        if config.model.lora_rank:
+            adapters, self._base = split_adapters(params)
+            self._ref_params = join(self._base, copy(adapters)) if spec.needs_reference else None
+            trainable: dict[str, Any] = {"model": master(adapters)}
+        else:
+            self._ref_params = copy(params) if spec.needs_reference else None
+            trainable = {"model": master(params)}
         if "value_head" in abstract:
             trainable["value_head"] = jax.tree.map(
                 lambda x: mesh_lib.put(np.zeros(x.shape, x.dtype), x.sharding),
@@ -203,11 +212,17 @@ class Trainer:
     def params(self) -> dict[str, Any]:
         """The current model parameters (nested dict of sharded jax arrays; do not keep across
         steps: the next step donates them)."""
-        return self._trainable["model"]
+        return self._model_params()
+
+    def _model_params(self) -> dict[str, Any]:
+        """The whole model's parameters: the trainable ones, with LoRA's frozen base."""
+        if self._base is None:
+            return self._trainable["model"]
+        return join(self._base, self._trainable["model"])
 
     def model(self) -> models.Transformer:
         """The current policy as an nnx module (a view of ``params()``)."""
-        return nnx.merge(self._graphdef, self._trainable["model"])
+        return nnx.merge(self._graphdef, self._model_params())
 
     # ------------------------------------------------------------------ train step
     def train_step(self, batch: TrainBatch, *, expect_step: int | None = None) -> dict[str, float]:
@@ -251,7 +266,7 @@ class Trainer:
         micro = [(mb, self._put_arrays(micro_arrays(batch, mb))) for mb in plan.micro_batches]
 
         t_old = time.perf_counter()
-        old_params = self._trainable["model"]
+        old_params = self._model_params()
         if step_lib.old_policy_on_published(self.config):
             old_params = self._fns.publish_cast(old_params, tcfg.publish_dtype)
         if self.old_logprobs == "replay":
@@ -275,7 +290,7 @@ class Trainer:
             logp_ref = self._score_all(self._ref_params, None, micro, width, temperature)[0]
         if "value_head" in self._trainable:
             values = self._score_all(
-                self._trainable["model"], self._trainable["value_head"], micro, width, temperature
+                self._model_params(), self._trainable["value_head"], micro, width, temperature
             )[1]
         rollout = RolloutBatch(
             logp_old=logp_old * mask,
@@ -305,7 +320,7 @@ class Trainer:
         for mb, arrays in micro:
             mb_inputs = self._put_inputs(_slice_inputs(inputs_host, mb))
             acc, loss, mb_metrics = self._fns.accumulate(
-                self._trainable, acc, arrays, mb_inputs, temperature, scale_arr
+                self._trainable, acc, arrays, mb_inputs, temperature, scale_arr, self._base
             )
             loss_total += float(loss) * scale
             parts.append((float(mask[mb.rows].sum()), jax.tree.map(float, mb_metrics)))
@@ -398,6 +413,7 @@ class Trainer:
                 self._put_inputs(zero_inputs),
                 temperature,
                 scale,
+                self._base,
             )
             jax.block_until_ready(out)
         self._precompiled = True
@@ -444,7 +460,7 @@ class Trainer:
         """Pushes the current params as version ``step`` (in ``trainer.publish_dtype``)."""
         if self.sink is None:
             raise RuntimeError("this trainer has no weight sink to publish to")
-        params = self._fns.publish_cast(self._trainable["model"], self.config.trainer.publish_dtype)
+        params = self._fns.publish_cast(self._model_params(), self.config.trainer.publish_dtype)
         if jax.process_count() == 1:
             self.sink.push(params, self._step)
             self._published = self._step

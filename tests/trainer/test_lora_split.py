@@ -1,0 +1,33 @@
+"""Splitting a model's parameters into adapters and base, and joining them back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlax_tpu import models
+from rlax_tpu.models.layers import LoRAParam
+from rlax_tpu.trainer.lora import join, split_adapters
+
+
+def test_split_puts_exactly_the_lora_params_on_the_adapter_side_and_join_inverts_it():
+    cfg = dataclasses.replace(models.preset("tiny"), num_layers=2, lora_rank=2)
+    state = nnx.state(models.init_model(cfg))
+    params = nnx.to_pure_dict(state)
+    adapters, base = split_adapters(params)
+    want = nnx.to_pure_dict(nnx.state(models.init_model(cfg), LoRAParam))
+    assert jax.tree.structure(adapters) == jax.tree.structure(want)
+    assert len(jax.tree.leaves(base)) + len(jax.tree.leaves(adapters)) == len(
+        jax.tree.leaves(params)
+    )
+    joined = join(base, adapters)
+    assert jax.tree.structure(joined) == jax.tree.structure(params)
+    assert all(
+        a is b for a, b in zip(jax.tree.leaves(joined), jax.tree.leaves(params), strict=True)
+    )
+    plain = nnx.to_pure_dict(nnx.state(models.init_model(dataclasses.replace(cfg, lora_rank=0))))
+    assert jax.tree.structure(base) == jax.tree.structure(plain)
+    np.testing.assert_array_equal(base["embed"], plain["embed"])
