@@ -128,7 +128,7 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
         AbstractProgram(
             "trainer.accumulate",
             fns.accumulate_jit(micro),
-            (trainable, trainable, arrays, micro, scalar, scalar),
+            (trainable, trainable, arrays, micro, scalar, scalar, None),  # no LoRA base
             mesh=mesh,
             held=held(trainable_k, batches=n_micro - 1, inputs=True),
             note=f"loss + gradient of one {where}",
