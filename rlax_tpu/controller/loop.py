@@ -305,14 +305,15 @@ class Controller:
             self.prompter.request(f"{stream}/{key}", p, num_samples=k, stream=stream)
             for key, p in problems
         ]
-        if episodes is not None and self.episodes is not None:
+        play = episodes is not None and self.episodes is not None
+        if play:
             requests = [self.episodes.first_turn(r) for r in requests]
         by_key = {f"{stream}/{key}": (key, p) for key, p in problems}
         rollouts = self.pool.submit(self.version, requests).result()
         items = [(by_key[ro.prompt_id][1], ro) for ro in rollouts]
         verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
         played, finals = rollouts, verdicts
-        if episodes is not None and self.episodes is not None:
+        if play:
             played, finals, _, _ = self.episodes.run(self.version, items)
         correct = {key: 0 for key, _ in problems}
         for ro, v, ep, final in zip(rollouts, verdicts, played, finals, strict=True):
