@@ -84,6 +84,7 @@ from rlax_tpu.inference.scheduler import (
     Sequence,
     block_table_rows,
 )
+from rlax_tpu.models.adapters import split_adapters
 from rlax_tpu.models.paged_cache import PagedKVCache, cache_shardings, page_bytes
 from rlax_tpu.models.programs import (
     TRACES,
@@ -154,6 +155,13 @@ class InvalidRequest(ValueError):
 
 class InvalidWeights(ValueError):
     """Weights whose structure, shapes or dtypes differ from the served model's."""
+
+
+def _leaf_paths(tree: Any) -> set[tuple[str, ...]]:
+    """A nested tree's leaf paths, keys as strings (a pulled tree's layer "0" or list item 0 is
+    the model's layer 0)."""
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) for p, _ in paths}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,9 +273,12 @@ class Engine:
         return jax.device_put(tree, models.param_shardings(tree, self.mesh))
 
     def weight_shardings(self) -> Any:
-        """Where each parameter lives, as the pure-dict tree the trainer publishes: a weight
-        source builds each array from the slices this process's devices hold."""
-        return nnx.to_pure_dict(jax.tree.map(lambda a: a.sharding, self.state))
+        """Where each parameter lives, as the pure-dict tree the trainer publishes (with LoRA
+        adapters, the adapters alone): a weight source builds each array from the slices this
+        process's devices hold."""
+        tree = nnx.to_pure_dict(jax.tree.map(lambda a: a.sharding, self.state))
+        adapters, _ = split_adapters(tree)
+        return adapters or tree
 
     @property
     def step_tokens(self) -> int:
@@ -595,6 +606,7 @@ class Engine:
 
     def _as_state(self, params: Any) -> nnx.State:
         if isinstance(params, dict) and not isinstance(params, nnx.State):
+            self._check_whole_or_adapters(params)
             state = jax.tree.map(lambda x: x, self.state)
             try:
                 nnx.replace_by_pure_dict(state, params)
@@ -613,6 +625,19 @@ class Engine:
                     f"{b.dtype}{list(b.shape)}"
                 )
         return jax.tree.map(jnp.asarray, params)
+
+    def _check_whole_or_adapters(self, params: dict) -> None:
+        """A pure dict must be the whole model or, for a LoRA model, its adapters alone (a LoRA
+        run publishes those; the base stays as loaded): any other part would leave the rest of
+        the old version in place unnoticed."""
+        ours = nnx.to_pure_dict(jax.tree.map(lambda a: 0, self.state))
+        adapters, _ = split_adapters(ours)
+        allowed = [_leaf_paths(ours)] + ([_leaf_paths(adapters)] if adapters else [])
+        if _leaf_paths(params) not in allowed:
+            raise InvalidWeights(
+                "weights must hold every parameter of the model"
+                + (" or exactly its LoRA adapters" if adapters else "")
+            )
 
     def stats(self) -> EngineStats:
         return EngineStats(

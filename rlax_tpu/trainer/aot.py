@@ -13,6 +13,8 @@ update is applied, the full batch's objective inputs from ``prepare`` on; freed 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -21,7 +23,8 @@ from flax import nnx
 
 from rlax_tpu import models
 from rlax_tpu.algorithms import RolloutBatch
-from rlax_tpu.config import ConfigError, RunConfig
+from rlax_tpu.config import RunConfig
+from rlax_tpu.models.adapters import join, split_adapters
 from rlax_tpu.models.aot import (
     AbstractProgram,
     abstract,
@@ -56,13 +59,6 @@ def micro_batch_shape(config: RunConfig) -> tuple[int, int, int]:
 def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[AbstractProgram]:
     """The trainer's programs for ``config`` on ``devices``. Raises ConfigError when the mesh
     does not fit the devices and BatchShapeError when a micro-batch does not split over it."""
-    if config.model.lora_rank:
-        raise ConfigError(
-            "model.lora_rank",
-            "the AOT check of a LoRA trainer is not built yet (issue [lora]): its update takes "
-            "the frozen base as an input the programs here do not lower",
-            config.model.lora_rank,
-        )
     mesh = mesh_lib.build_mesh(config.mesh, devices)
     b, length, width = micro_batch_shape(config)
     mesh_lib.check_rows_fit(b, mesh, f"a micro-batch (trainer.micro_batch_size = {b})")
@@ -71,8 +67,15 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
     spec_ = fns.objective.spec
     rep = mesh_lib.replicated(mesh)
     opt = abstract(jax.eval_shape(fns.tx.init, trainable), fns.opt_shardings)
+    # LoRA: the trainable copy is the adapters; the frozen base (storage dtype) is an input of
+    # every forward, and the reference is the base with a copy of the initial adapters.
+    base = None
+    if fns.base_shardings is not None:
+        base = abstract(split_adapters(nnx.to_pure_dict(state))[1], fns.base_shardings)
+    whole = (lambda adapters: join(base, adapters)) if base is not None else (lambda m: m)
     # The frozen reference stays in the storage dtype; the trainable copy is the master.
-    ref = to_master(trainable["model"], config.model.param_dtype) if spec_.needs_reference else None
+    ref_dtype = "float32" if base is not None else config.model.param_dtype
+    ref = to_master(trainable["model"], ref_dtype) if spec_.needs_reference else None
     i32, f32 = jnp.int32, jnp.float32
     arrays = {
         "tokens": spec((b, length), i32, mesh_lib.batch_sharding(mesh, 2)),
@@ -107,12 +110,14 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
     sizes = {
         f"trainable ({config.trainer.master_dtype} master)": device_bytes(trainable),
         "optimizer state": device_bytes(opt),
-        f"reference ({config.model.param_dtype})": device_bytes(ref) if ref is not None else 0,
+        f"reference ({ref_dtype})": device_bytes(ref) if ref is not None else 0,
+        f"frozen base ({config.model.param_dtype})": device_bytes(base) if base else 0,
         "micro-batch arrays": device_bytes(arrays),
         "objective inputs": device_bytes(full_abs),
     }
-    trainable_k, opt_k, ref_k, arrays_k, inputs_k = sizes
-    resident = {k: sizes[k] for k in (trainable_k, opt_k, ref_k) if sizes[k]}
+    trainable_k, opt_k, ref_k, base_k, arrays_k, inputs_k = sizes
+    resident = {k: sizes[k] for k in (trainable_k, opt_k, ref_k, base_k) if sizes[k]}
+    base_args = (base_k,) if base is not None else ()
 
     def held(*args: str, batches: int = 0, inputs: bool = False) -> dict[str, int]:
         """Resident state not among ``args``, ``batches`` micro-batches' arrays (the others of
@@ -128,9 +133,9 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
         AbstractProgram(
             "trainer.accumulate",
             fns.accumulate_jit(micro),
-            (trainable, trainable, arrays, micro, scalar, scalar, None),  # no LoRA base
+            (trainable, trainable, arrays, micro, scalar, scalar, base),
             mesh=mesh,
-            held=held(trainable_k, batches=n_micro - 1, inputs=True),
+            held=held(trainable_k, *base_args, batches=n_micro - 1, inputs=True),
             note=f"loss + gradient of one {where}",
         ),
         AbstractProgram(
@@ -158,8 +163,13 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
     # π_old on the published cast where the masters would not give the engine's values.
     on_published = old_policy_on_published(config)
     old_dtype = config.trainer.publish_dtype if on_published else config.trainer.master_dtype
-    old_model = to_master(trainable["model"], old_dtype)
-    old_args = () if on_published else (trainable_k,)  # the masters, unless the cast is used
+    if base is None:
+        old_model = to_master(trainable["model"], old_dtype)
+    else:  # the base as stored (or its publish cast), the adapters float32 as the engine's
+        base_old = base if not on_published else to_master(base, old_dtype)
+        old_model = join(base_old, to_master(trainable["model"], "float32"))
+    # The masters (and the base), unless the cast is used.
+    old_args = () if on_published else (trainable_k, *base_args)
     if mode == "replay":
         shape = models.ReplayShape.of_engine(
             config.inference, config.model, platform=devices[0].platform
@@ -199,9 +209,9 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
             AbstractProgram(
                 "trainer.score_ref",
                 fns.score_jit(False),
-                (ref, None, arrays, scalar),
+                (whole(ref), None, arrays, scalar),
                 mesh=mesh,
-                held=held(ref_k, batches=n_micro - 1),
+                held=held(ref_k, *base_args, batches=n_micro - 1),
                 note=f"π_ref {scored}",
             )
         )
@@ -210,14 +220,17 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
             AbstractProgram(
                 "trainer.values",
                 fns.score_jit(True),
-                (trainable["model"], trainable["value_head"], arrays, scalar),
+                (whole(trainable["model"]), trainable["value_head"], arrays, scalar),
                 mesh=mesh,
-                held=held(trainable_k, batches=n_micro - 1),
+                held=held(trainable_k, *base_args, batches=n_micro - 1),
                 note=f"values of one {where}",
             )
         )
-    programs.append(
-        AbstractProgram(
+    if base is None:
+        published = jax.eval_shape(
+            fns.publish_jit(config.trainer.publish_dtype), trainable["model"]
+        )
+        publish = AbstractProgram(
             "trainer.publish",
             fns.publish_jit(config.trainer.publish_dtype),
             (trainable["model"],),
@@ -226,5 +239,26 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
             note=f"params cast to {config.trainer.publish_dtype} for the parameter server",
             runs_layers=False,
         )
-    )
+    else:
+        published = jax.eval_shape(fns.adapters_jit(), trainable["model"])
+        publish = AbstractProgram(
+            "trainer.publish",
+            fns.adapters_jit(),
+            (trainable["model"],),
+            mesh=mesh,
+            held=held(trainable_k),
+            note="LoRA adapters (float32) for the parameter server",
+            runs_layers=False,
+        )
+    size = f": {_gib(tree_bytes(published))} a version"
+    programs.append(dataclasses.replace(publish, note=publish.note + size))
     return programs
+
+
+def tree_bytes(tree: object) -> int:
+    """Bytes of a whole tree of arrays or ShapeDtypeStructs (all devices' parts together)."""
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"

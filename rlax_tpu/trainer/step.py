@@ -30,10 +30,10 @@ from jax.sharding import Mesh, NamedSharding
 from rlax_tpu.algorithms import LossInputs, Objective, RolloutBatch, make_objective
 from rlax_tpu.config import RunConfig, TrainerConfig
 from rlax_tpu.models import UNROLLED, LayerLoop, param_shardings
+from rlax_tpu.models.adapters import join, split_adapters
 from rlax_tpu.models.paged_attention import resolve_backend
 from rlax_tpu.models.paged_cache import SequencePagedCache
 from rlax_tpu.trainer.logprobs import completion_logprobs
-from rlax_tpu.trainer.lora import join, split_adapters
 from rlax_tpu.trainer.mesh import batch_sharding, replicated
 from rlax_tpu.trainer.optimizer import make_optimizer
 from rlax_tpu.trainer.precision import to_master
@@ -182,6 +182,19 @@ class StepFunctions:
             self,
             f"publish:{dtype}",
             lambda: jax.jit(partial(_cast_base, dtype), out_shardings=shardings),
+        )
+
+    def adapters_jit(self) -> Any:
+        """LoRA: the trained adapters -> float32 copies, what a LoRA run publishes (the engine
+        keeps its base as loaded and applies these unmerged)."""
+        shardings = self.trainable_shardings["model"]
+        return _jit_cached(
+            self,
+            "publish:adapters",
+            lambda: jax.jit(
+                lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t),
+                out_shardings=shardings,
+            ),
         )
 
     # ------------------------------------------------------------------ calls

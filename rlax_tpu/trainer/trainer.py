@@ -46,6 +46,7 @@ from flax import nnx
 from rlax_tpu import models, multihost, storage
 from rlax_tpu.algorithms import LossInputs, RolloutBatch
 from rlax_tpu.config import InferenceConfig, ModelConfig, RunConfig
+from rlax_tpu.models.adapters import join, split_adapters
 from rlax_tpu.models.scoring import ReplayShape, replay_logprobs
 from rlax_tpu.trainer import mesh as mesh_lib
 from rlax_tpu.trainer import step as step_lib
@@ -61,7 +62,6 @@ from rlax_tpu.trainer.checkpoint import (
     abstract_like,
     signature_with,
 )
-from rlax_tpu.trainer.lora import join, split_adapters
 from rlax_tpu.trainer.optimizer import make_schedule
 from rlax_tpu.trainer.precision import check_master_dtype, to_master
 from rlax_tpu.types import TrainBatch
@@ -457,10 +457,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ publish / checkpoints
     def publish(self) -> int:
-        """Pushes the current params as version ``step`` (in ``trainer.publish_dtype``)."""
+        """Pushes the current params as version ``step`` (in ``trainer.publish_dtype``; with
+        LoRA, the adapters alone in float32: workers keep the base they loaded)."""
         if self.sink is None:
             raise RuntimeError("this trainer has no weight sink to publish to")
-        params = self._fns.publish_cast(self._model_params(), self.config.trainer.publish_dtype)
+        if self._base is None:
+            params = self._fns.publish_cast(self._model_params(), self.config.trainer.publish_dtype)
+        else:
+            params = self._fns.adapters_jit()(self._trainable["model"])
         if jax.process_count() == 1:
             self.sink.push(params, self._step)
             self._published = self._step

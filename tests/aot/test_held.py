@@ -54,6 +54,47 @@ def test_trainer_holds_float32_masters_moments_and_the_steps_batches():
     assert set(programs["trainer.publish"].held) == {"optimizer state", "reference (bfloat16)"}
 
 
+def test_a_lora_trainer_holds_its_frozen_base_and_moments_of_the_adapters_only():
+    """LoRA over a bf16 base with a KL term: AdamW's moments and the reference are the
+    adapters' (float32), the frozen base is held in bf16 beside every forward, the publish
+    program's output is the adapters alone, and every program compiles (CPU devices)."""
+    from rlax_tpu.models.adapters import split_adapters
+
+    model = models.preset(
+        "tiny", num_layers=2, param_dtype="bfloat16", compute_dtype="bfloat16", lora_rank=4
+    )
+    cfg = dataclasses.replace(
+        run_config(model=model),
+        algorithm=AlgorithmConfig(name="grpo", group_size=4, kl_estimator="k3"),
+    )
+    adapters, base = split_adapters(nnx_pure(models.abstract_model(model)))
+    n_a = sum(math.prod(x.shape) for x in jax.tree.leaves(adapters))
+    n_b = sum(math.prod(x.shape) for x in jax.tree.leaves(base))
+    assert 0 < n_a < n_b / 10
+    programs = {p.name: p for p in trainer_programs(cfg, jax.devices()[:1])}
+    acc = programs["trainer.accumulate"].held
+    assert 8 * n_a <= acc["optimizer state"] <= 8 * n_a + 64
+    assert acc["reference (float32)"] == 4 * n_a
+    assert "frozen base (bfloat16)" not in acc  # an argument of the gradient step
+    assert programs["trainer.apply"].held["frozen base (bfloat16)"] == 2 * n_b
+    publish = programs["trainer.publish"]
+    out = jax.eval_shape(publish.fn, *publish.args)
+    assert jax.tree.structure(out) == jax.tree.structure(adapters)
+    assert {x.dtype for x in jax.tree.leaves(out)} == {jnp.dtype(jnp.float32)}
+    assert f"{4 * n_a / 2**20:.1f} MiB a version" in publish.note
+    for program in programs.values():
+        report = compile_program(
+            program, component="trainer", topology="cpu", device=_device(2**34)
+        )
+        assert report.status == FITS, (program.name, report.error)
+
+
+def nnx_pure(module):  # noqa: ANN001, ANN201
+    from flax import nnx
+
+    return nnx.to_pure_dict(nnx.state(module))
+
+
 def test_inference_holds_a_second_copy_of_the_weights_during_a_reload():
     cfg = run_config(model=models.preset("tiny", num_layers=2, param_dtype="bfloat16"))
     programs = {p.name: p for p in inference_programs(cfg, jax.devices()[:1])}

@@ -172,36 +172,6 @@ def test_feedback_is_the_verdict_rendered():
     assert feedback(v).startswith("Your program failed: wrong answer.\n\nfailed: assert")
 
 
-def test_a_multi_turn_run_killed_mid_episode_resumes_to_the_same_weights(tmp_path):
-    """The tiny model's answers fail, so every episode has a second turn; a SIGKILL at a random
-    moment (mid-episode most of the time: episodes are most of a step) and a resume give the
-    weights of the run that was never stopped, with every group trained once."""
-    from tests.controller.test_resume import child_env, final_payload, killed_at_random, run, sha
-
-    env = child_env(PYTHONUNBUFFERED="1")
-    flags = [
-        "--config.controller.num_steps=3",
-        "--config.controller.warmup_steps=0",
-        "--config.data.prompt_style=chat",
-        "--config.environment.name=code_repair",
-        "--config.environment.turn_tokens=24",
-        "--config.inference.max_new_tokens=128",
-        "--config.inference.max_prompt_len=256",
-    ]
-    whole = run(env, tmp_path / "whole", *flags)
-    steps = [
-        r["scalars"] for r in read_metrics(tmp_path / "whole") if "reward/mean" in r["scalars"]
-    ]
-    assert steps and all(s["episode/turns_mean"] > 1.0 for s in steps)  # second turns happened
-    killed_at_random(env, tmp_path / "killed", *flags, after_step=1, seed=3)
-    assert not (tmp_path / "killed" / "report.md").exists()
-    resumed = run(env, tmp_path / "killed", *flags)
-    assert "resuming" in resumed
-    assert sha(resumed) == sha(whole)
-    trained = [g for g in final_payload(tmp_path / "killed")["ledger"] if g["state"] == "trained"]
-    assert len(trained) == 3 * 2 and len({g["key"] for g in trained}) == len(trained)
-
-
 class ToolPolicy(ScriptedPolicy):
     """Math with the tool: turn 0 prints the right answer from a ```python block; at turn 1
     sample 0 answers with what the tool printed, sample 1 with something else."""

@@ -169,6 +169,22 @@ def test_sigkill_and_resume_gives_the_same_weights(env, reference, tmp_path):
     assert len(trained) == 4 * 2 and len({g["key"] for g in trained}) == len(trained)
 
 
+def test_a_lora_run_killed_and_resumed_gives_the_same_adapters(env, tmp_path):
+    """LoRA (adapters on every projection, the base frozen): the versions the workers load are
+    the adapters alone, republished from the trainer's checkpoint after the kill; the resumed
+    run ends bitwise where the uninterrupted one does, every group trained once. (Multi-turn
+    episodes under kills are tests/drills/test_drill.py's short drill.)"""
+    lora = ["--config.controller.num_steps=3", "--config.model.lora_rank=4"]
+    whole = run(env, tmp_path / "whole", *lora)
+    killed_at_random(env, tmp_path / "killed", *lora, after_step=1, seed=5)
+    assert not (tmp_path / "killed" / "report.md").exists()
+    resumed = run(env, tmp_path / "killed", *lora)
+    assert "resuming" in resumed and "(the parameter server does not have it)" in resumed
+    assert sha(resumed) == sha(whole)
+    trained = [g for g in final_payload(tmp_path / "killed")["ledger"] if g["state"] == "trained"]
+    assert len(trained) == 3 * 2 and len({g["key"] for g in trained}) == len(trained)
+
+
 def test_a_finished_run_is_left_alone(env, reference):
     run_dir, _ = reference
     out = run(env, run_dir, "--config.controller.num_steps=4")

@@ -17,8 +17,7 @@ import pytest
 from flax import nnx
 
 from rlax_tpu import models
-from rlax_tpu.config import ConfigError, ModelConfig, RunConfig
-from rlax_tpu.config.convert import from_dict
+from rlax_tpu.config import ConfigError, ModelConfig
 from rlax_tpu.config.model import LORA_TARGETS
 from rlax_tpu.models.layers import LoRAParam
 
@@ -129,16 +128,11 @@ def test_adapter_gradients_are_those_of_the_merged_form(targets):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale)
 
 
-def test_lora_config_is_checked_and_the_trainer_aot_says_it_is_not_built_yet():
+def test_lora_config_is_checked():
     with pytest.raises(ConfigError, match="lora_targets"):
         dataclasses.replace(BASE, lora_rank=4, lora_targets=("qkv",))
     with pytest.raises(ConfigError, match="lora_rank"):
         dataclasses.replace(BASE, lora_rank=-1)
-    from rlax_tpu.trainer.aot import abstract_programs
-
-    config = from_dict(RunConfig, {"model": {"lora_rank": 8}})
-    with pytest.raises(ConfigError, match=r"AOT check of a LoRA trainer is not built yet"):
-        abstract_programs(config, jax.devices()[:1])
 
 
 def test_the_engine_serves_adapters_unmerged_with_the_forward_s_log_probs():

@@ -1,5 +1,6 @@
-"""LoRA in the trainer: a model's pure-dict parameters split into the adapters it trains and the
-frozen base it does not (model.lora_rank > 0), and joined back for a forward."""
+"""LoRA adapters in a model's pure-dict parameters (model.lora_rank > 0): split from the frozen
+base the trainer does not train, and joined back for a forward; the adapters alone are what a
+LoRA run publishes."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ import numpy as np
 from flax import nnx
 
 from rlax_tpu import models
+from rlax_tpu.models.adapters import join, split_adapters
 from rlax_tpu.models.layers import LoRAParam
-from rlax_tpu.trainer.lora import join, split_adapters
 
 
 def test_split_puts_exactly_the_lora_params_on_the_adapter_side_and_join_inverts_it():
