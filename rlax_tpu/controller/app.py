@@ -37,6 +37,8 @@ from rlax_tpu.rpc.transport import ComponentFailed
 
 TOKENIZER_DIR = "tokenizer"
 WARMUP_NOTE = "warmup.json"
+# A local LoRA run's warmed-up base: its trainer checkpoints hold the adapters alone.
+WARMUP_BASE = "warmup_base"
 
 
 def reference_text(problem: Problem, *, language: str) -> str | None:
@@ -178,10 +180,6 @@ def export_warmup(config: RunConfig, out_dir: str, *, stream: TextIO | None = No
     model.weights_path=out_dir``. The report's note goes to ``<run_dir>/warmup.json`` as in a
     local run. ``out_dir`` may be gs:// (written through a local copy).
     """
-    import tempfile
-
-    from rlax_tpu.models.checkpoint import save_safetensors
-
     out = stream or sys.stdout
     if config.controller.warmup_steps == 0:
         raise ValueError("controller.warmup_steps is 0: there is no warm-up to export")
@@ -189,17 +187,27 @@ def export_warmup(config: RunConfig, out_dir: str, *, stream: TextIO | None = No
     run_dir.mkdir(parents=True, exist_ok=True)
     prompter = build_prompter(config, run_dir)
     model, note = warm_up(config, models.load_model(config.model), prompter, out)
+    write_weights(model, prompter, out_dir)
+    storage.write_atomic(run_dir / WARMUP_NOTE, json.dumps({"note": note}))
+    print(f"rlax_tpu.controller: warm-up weights written to {out_dir}", file=out, flush=True)
+
+
+def write_weights(model: models.Transformer, prompter: Prompter, out_dir: str) -> None:
+    """``model`` as an HF checkpoint (config.json + safetensors, LoRA adapters merged in
+    float32) with the run's tokenizer in ``out_dir`` (local or gs://); config.json is written
+    last, so its presence says the checkpoint is complete."""
+    import tempfile
+
+    from rlax_tpu.models.checkpoint import save_safetensors
+
     with tempfile.TemporaryDirectory(prefix="rlax-warmup-") as scratch:
         files = [*save_safetensors(model, scratch), Path(scratch) / "config.json"]
         prompter.tokenizer.save(scratch)
         files += [Path(scratch) / "tokenizer.json", Path(scratch) / "tokenizer_config.json"]
         target = storage.path(out_dir)
         target.mkdir(parents=True, exist_ok=True)
-        # config.json last: its presence says the export is complete.
         for file in sorted(files, key=lambda f: f.name == "config.json"):
             storage.write_atomic(target / file.name, file.read_bytes())
-    storage.write_atomic(run_dir / WARMUP_NOTE, json.dumps({"note": note}))
-    print(f"rlax_tpu.controller: warm-up weights written to {out_dir}", file=out, flush=True)
 
 
 def _commit() -> str:
@@ -238,7 +246,18 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None, command: str = "
     elif (run_dir / WARMUP_NOTE).exists():  # also a warm-up exported for launched services
         notes.append(json.loads((run_dir / WARMUP_NOTE).read_text())["note"])
     if cc.transport == "local":
-        if not (fresh and cc.warmup_steps):
+        if config.model.lora_rank and cc.warmup_steps:
+            # The trainer's checkpoints hold the adapters alone: the warmed-up base is kept in
+            # the run directory, and every start, fresh or resumed, loads it from there.
+            base_dir = str(run_dir / WARMUP_BASE)
+            if fresh:
+                write_weights(model, prompter, base_dir)
+            model = models.load_model(
+                dataclasses.replace(
+                    config.model, weights_format="safetensors", weights_path=base_dir
+                )
+            )
+        elif not (fresh and cc.warmup_steps):
             model = models.load_model(config.model)
         comps = components_lib.build_local(
             config, model=model, eos_ids=tokenizer.stop_ids, run_dir=run_dir

@@ -26,6 +26,10 @@ _RUN_FIELDS = (
     "weights_path",
     "tokenizer_path",
     "seed",
+    # A run's adapters, never a base checkpoint's (they start fresh on top of it).
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
 )
 
 
