@@ -178,6 +178,15 @@ def test_a_base_checkpoint_loads_with_fresh_adapters_and_exports_them_merged(tmp
     save_safetensors(base, tmp_path / "base")
     _, loaded = load_safetensors(tmp_path / "base", cfg=LORA)
     np.testing.assert_array_equal(models.forward(loaded, TOKENS), models.forward(base, TOKENS))
+    # As a run loads it: the file's architecture has no adapters, the run's config adds them.
+    run_cfg = dataclasses.replace(
+        LORA, weights_format="safetensors", weights_path=str(tmp_path / "base")
+    )
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        nnx.to_pure_dict(nnx.state(models.load_model(run_cfg))),
+        nnx.to_pure_dict(nnx.state(loaded)),
+    )
     fresh = nnx.to_pure_dict(nnx.state(models.init_model(LORA), LoRAParam))
     got = nnx.to_pure_dict(nnx.state(loaded, LoRAParam))
     # The same draws; init_model makes them inside its jit, so to f32 round-off (1 ulp seen).
