@@ -73,14 +73,13 @@ def batch(case: Case, seed: int, vocab: int, group: int = GROUP) -> TrainBatch:
     )
 
 
-def timed_steps(
-    case: Case, *, steps: int, group: int = GROUP, **trainer: object
-) -> tuple[int, list[dict[str, float]]]:
-    """(parameter count, the metrics of ``steps`` timed updates) of a trainer on ``case``'s
-    model with ``trainer`` settings, after two updates that compile the shapes they use."""
-    model_cfg = models.preset(case.model)
-    cfg = RunConfig(
-        model=model_cfg,
+def case_config(
+    case: Case, *, group: int = GROUP, model: dict | None = None, **trainer: object
+) -> RunConfig:
+    """The run config of ``case``: its model (with ``model`` overrides, e.g. lora_rank), GRPO
+    groups of ``group``, ``trainer`` settings over the defaults."""
+    return RunConfig(
+        model=models.preset(case.model, **(model or {})),
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
         trainer=TrainerConfig(
             **{"learning_rate": 1e-5, "checkpoint_every": 1000, "keep_checkpoints": 2, **trainer}
@@ -95,6 +94,21 @@ def timed_steps(
         ),
         algorithm=AlgorithmConfig(name="grpo", group_size=group),
     )
+
+
+def timed_steps(
+    case: Case,
+    *,
+    steps: int,
+    group: int = GROUP,
+    model: dict | None = None,
+    **trainer: object,
+) -> tuple[int, list[dict[str, float]]]:
+    """(parameter count, the metrics of ``steps`` timed updates) of a trainer on ``case``'s
+    model (with ``model`` overrides) with ``trainer`` settings, after two updates that compile
+    the shapes they use."""
+    cfg = case_config(case, group=group, model=model, **trainer)
+    model_cfg = cfg.model
     with tempfile.TemporaryDirectory() as tmp:
         trainer_ = Trainer(cfg, checkpoint_dir=tmp)
         n_params = sum(x.size for x in jax.tree.leaves(trainer_.params()))
