@@ -169,22 +169,6 @@ def test_sigkill_and_resume_gives_the_same_weights(env, reference, tmp_path):
     assert len(trained) == 4 * 2 and len({g["key"] for g in trained}) == len(trained)
 
 
-def test_a_lora_run_killed_and_resumed_gives_the_same_adapters(env, tmp_path):
-    """LoRA (adapters on every projection, the base frozen): the versions the workers load are
-    the adapters alone, republished from the trainer's checkpoint after the kill; the resumed
-    run ends bitwise where the uninterrupted one does, every group trained once. (Multi-turn
-    episodes under kills are tests/drills/test_drill.py's short drill.)"""
-    lora = ["--config.controller.num_steps=3", "--config.model.lora_rank=4"]
-    whole = run(env, tmp_path / "whole", *lora)
-    killed_at_random(env, tmp_path / "killed", *lora, after_step=1, seed=5)
-    assert not (tmp_path / "killed" / "report.md").exists()
-    resumed = run(env, tmp_path / "killed", *lora)
-    assert "resuming" in resumed and "(the parameter server does not have it)" in resumed
-    assert sha(resumed) == sha(whole)
-    trained = [g for g in final_payload(tmp_path / "killed")["ledger"] if g["state"] == "trained"]
-    assert len(trained) == 3 * 2 and len({g["key"] for g in trained}) == len(trained)
-
-
 def test_a_finished_run_is_left_alone(env, reference):
     run_dir, _ = reference
     out = run(env, run_dir, "--config.controller.num_steps=4")
@@ -316,12 +300,16 @@ def test_throughput_mode_killed_and_resumed_loses_and_duplicates_nothing(env, tm
 
 
 @pytest.mark.slow
-def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emulator, tmp_path):
-    """Run directory (snapshots, metrics, report, tokenizer), trainer checkpoints (Orbax) and the
-    data on gs:// — a real GCS server on 127.0.0.1 (the parameter server's gs:// persistence is
-    tests/param_server/test_persistence.py) —
-    killed mid-run and resumed: the same final weights as an uninterrupted run with everything
-    local, and nothing written to a local ./gs: folder."""
+def test_a_gs_lora_run_killed_and_resumed_gives_the_local_runs_weights(
+    env, gcs_emulator, tmp_path
+):
+    """Run directory (snapshots, metrics, report, tokenizer, the warmed-up base), trainer
+    checkpoints (Orbax) and the data on gs:// — a real GCS server on 127.0.0.1 (the parameter
+    server's gs:// persistence is tests/param_server/test_persistence.py) — killed mid-run and
+    resumed: the same final weights as an uninterrupted run with everything local, and nothing
+    written to a local ./gs: folder. The run trains LoRA adapters (the base frozen): a version
+    is the adapters alone, and the resumed run loads the warmed-up base its checkpoints do not
+    hold from the run directory."""
     import uuid
 
     from rlax_tpu import storage
@@ -342,6 +330,7 @@ def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emula
         storage.write_atomic(f"{base}/data/{name}", text)
     common = (
         "--config.controller.num_steps=3",
+        "--config.model.lora_rank=4",
         "--config.data.datasets=('procedural','code_contests')",
         "--config.data.weights=(0.5,0.5)",
     )
@@ -371,7 +360,12 @@ def test_a_gs_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emula
     out = run(genv, run_dir, *extra)
     assert "resuming" in out and "run finished: 3 updates" in out, out[-3000:]
     assert sha(out) == sha(local)
-    for name in ("report.md", "plots/learning.png", "tokenizer/tokenizer.json"):
+    for name in (
+        "report.md",
+        "plots/learning.png",
+        "tokenizer/tokenizer.json",
+        "warmup_base/config.json",
+    ):
         assert (remote / name).exists(), name
 
     def steps(run_dir) -> list[int]:  # noqa: ANN001

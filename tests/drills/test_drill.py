@@ -200,7 +200,7 @@ TOPOLOGY = [
     "--config.inference.distributed.heartbeat_timeout_s=5",
     "--config.inference.mesh.tensor=2",
 ]
-STEPS = 16  # 2 x 5 kills + 1 at least (the drill refuses fewer); room for a recovery after the last
+STEPS = 12  # 2 x 5 kills + 1 at least (the drill refuses fewer), and one more
 
 
 # Code-repair episodes: each first attempt's verdict comes back as a user turn and a second
