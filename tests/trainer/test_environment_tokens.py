@@ -33,15 +33,16 @@ def _environment_mask(batch):
     return mask
 
 
-def _textbook_grad(graphdef, params, batch, mask):
-    """∇ of −1/B Σ_i 1/|M_i| Σ_{t ∈ M_i} min(ρA_i, clip(ρ)A_i) at π_θ = π_old (ρ = 1)."""
+def _textbook_grad(graphdef, batch):
+    """(params, mask M) -> ∇ of −1/B Σ_i 1/|M_i| Σ_{t ∈ M_i} min(ρA_i, clip(ρ)A_i) at π_θ = π_old
+    (ρ = 1); jitted once for every mask (an argument)."""
     r = np.asarray(batch.rewards, np.float64)
     adv = np.empty_like(r)
     for s in range(0, len(r), GROUP):
         grp = r[s : s + GROUP]
         adv[s : s + GROUP] = (grp - grp.mean()) / (np.std(grp, ddof=1) + 1e-6)
 
-    def loss(p):
+    def loss(p, mask):
         model = nnx.merge(graphdef, p)
         total = 0.0
         for i in range(batch.num_rows):
@@ -50,11 +51,12 @@ def _textbook_grad(graphdef, params, batch, mask):
             logits = forward(model, row)[0, prompt - 1 : prompt + c - 1]
             lp = jax.nn.log_softmax(logits / batch.temperature)[jnp.arange(c), row[0, prompt:]]
             ratio = jnp.exp(lp - jax.lax.stop_gradient(lp))  # 1, inside any clip range
-            m = jnp.asarray(mask[i, :c])
+            m = mask[i, :c]
             total = total + jnp.sum(ratio * adv[i] * m) / m.sum()
         return -total / batch.num_rows
 
-    return host(jax.jit(jax.grad(loss))(params))
+    grad = jax.jit(jax.grad(loss))
+    return lambda params, mask: host(grad(params, jnp.asarray(mask, jnp.float32)))
 
 
 def _adam_first_step(grad):
@@ -74,8 +76,9 @@ def test_environment_tokens_carry_no_gradient(tmp_path):
     np.testing.assert_array_equal(episodes.completion_mask(), batch.completion_mask() * mask)
 
     graphdef, before = trainer._graphdef, trainer.params()
-    model_only = _adam_first_step(_textbook_grad(graphdef, before, batch, mask))
-    every_token = _adam_first_step(_textbook_grad(graphdef, before, batch, batch.completion_mask()))
+    textbook = _textbook_grad(graphdef, batch)
+    model_only = _adam_first_step(textbook(before, mask))
+    every_token = _adam_first_step(textbook(before, batch.completion_mask()))
     theta0 = host(before)
     trainer.train_step(episodes)
     step = jax.tree.map(lambda a, b: a - b, host(trainer.params()), theta0)
