@@ -300,9 +300,7 @@ def test_throughput_mode_killed_and_resumed_loses_and_duplicates_nothing(env, tm
 
 
 @pytest.mark.slow
-def test_a_gs_lora_run_killed_and_resumed_gives_the_local_runs_weights(
-    env, gcs_emulator, tmp_path
-):
+def test_a_gs_lora_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_emulator, tmp_path):
     """Run directory (snapshots, metrics, report, tokenizer, the warmed-up base), trainer
     checkpoints (Orbax) and the data on gs:// — a real GCS server on 127.0.0.1 (the parameter
     server's gs:// persistence is tests/param_server/test_persistence.py) — killed mid-run and
