@@ -1,0 +1,151 @@
+"""A discrete-event model of the controller's throughput schedule (``controller/throughput.py``).
+
+What it models, as ``run_throughput`` does:
+
+* At the top of each round the trainer is at version v and the workers serve w = reload_point(v).
+  Groups are admitted with version w while the groups queued (in flight + buffered) are fewer
+  than the admission budget B·(η_a − (v − w) + 1) (unbounded η_a: the queue cap, every worker's
+  slots plus one batch).
+* A worker runs up to ``slots`` groups at once (continuous batching: a group's latency does not
+  depend on how many share the worker, up to the slots); an admitted group takes the slot that
+  frees first, over all workers, and a worker that holds another version loads w first
+  (``reload_s``, before the slot's group starts). A group is buffered ``group_s`` +
+  ``verify_s`` after it starts.
+* The round waits until B buffered groups are acceptable (v − version ≤ η_a). If every
+  admitted group has arrived and fewer than B are acceptable, the round admits more. Every group
+  takes the same time here, so none arrives out of order and none ages out (the budget sees to
+  it): the controller's discards come from latencies that vary, which this model does not draw
+  yet.
+* The update takes the B oldest acceptable groups and ``train_s`` (π_old, update, publish);
+  generation goes on meanwhile; then v + 1 and the next round.
+
+Costs per group (``ThroughputCosts``) come from a run's metrics or the AOT roofline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+
+from rlax_tpu.controller.staleness import StalenessPolicy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ThroughputCosts:
+    """Seconds of the pieces (module docstring)."""
+
+    group_s: float  # one group's generation on a worker's slot
+    verify_s: float = 0.0  # its verification after it
+    train_s: float  # π_old, the update and the publish
+    reload_s: float = 0.0  # a worker loading another version
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"ThroughputCosts.{f.name} must be a finite number >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """Update ``step``: when it ran, and the versions of the groups it consumed."""
+
+    step: int
+    train_start: float
+    train_end: float
+    versions: tuple[int, ...]
+    wait_s: float  # from the round's start to the update's
+
+    @property
+    def staleness(self) -> tuple[int, ...]:
+        return tuple(self.step - v for v in self.versions)
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputSchedule:
+    updates: list[Update]
+
+    def seconds_per_update(self, skip: int = 1) -> float:
+        ends = [u.train_end for u in self.updates[skip:]]
+        if len(ends) < 2:
+            raise ValueError(f"need at least {skip + 2} updates for a steady-state rate")
+        return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+    def staleness_counts(self, skip: int = 0) -> dict[int, int]:
+        """Groups consumed at each staleness, after ``skip`` updates."""
+        out: dict[int, int] = {}
+        for u in self.updates[skip:]:
+            for s in u.staleness:
+                out[s] = out.get(s, 0) + 1
+        return dict(sorted(out.items()))
+
+
+def simulate_throughput(
+    steps: int,
+    costs: ThroughputCosts,
+    policy: StalenessPolicy,
+    *,
+    batch: int,
+    slots: int,
+    workers: int = 1,
+    queue_cap: float = math.inf,
+) -> ThroughputSchedule:
+    """The schedule of ``steps`` updates of ``batch`` groups each (module docstring).
+    ``slots``: groups a worker runs at once; ``queue_cap``: the queue under unbounded η_a."""
+    if min(steps, batch, slots, workers) < 1:
+        raise ValueError("steps, batch, slots and workers must be >= 1")
+    free = [[0.0] * slots for _ in range(workers)]  # when each slot is free
+    held: list[int | None] = [None] * workers
+    arriving: list[tuple[float, int, int]] = []  # (buffered at, sequence, version)
+    buffered: list[tuple[int, int]] = []  # (version, sequence): oldest first
+    seq = 0
+    t, v = 0.0, 0
+    updates: list[Update] = []
+
+    def admit(version: int, at: float) -> None:
+        nonlocal seq
+        w, k = min(
+            ((w, k) for w in range(workers) for k in range(slots)),
+            key=lambda wk: (max(at, free[wk[0]][wk[1]]), wk),
+        )
+        start = max(at, free[w][k])
+        if held[w] != version:
+            start += costs.reload_s
+            held[w] = version
+        free[w][k] = start + costs.group_s
+        heapq.heappush(arriving, (free[w][k] + costs.verify_s, seq, version))
+        seq += 1
+
+    while len(updates) < steps:
+        w = policy.reload_point(v)
+        limit = min(policy.admission_budget(batch, v, w), queue_cap)
+        if not arriving and len(buffered) >= limit:
+            raise ValueError(f"nothing can be admitted at version {v} (budget {limit})")
+        while len(arriving) + len(buffered) < limit:
+            admit(w, t)
+        round_start = t
+        ready = [b for b in buffered if policy.accepts(v, b[0])]
+        while len(ready) < batch and arriving:
+            at, s, version = heapq.heappop(arriving)
+            t = max(t, at)
+            buffered.append((version, s))
+            ready = [b for b in buffered if policy.accepts(v, b[0])]
+        if len(ready) < batch:
+            continue  # everything admitted has arrived: admit more
+        chosen = sorted(ready)[:batch]
+        for b in chosen:
+            buffered.remove(b)
+        start = t
+        t += costs.train_s
+        updates.append(
+            Update(
+                step=v,
+                train_start=start,
+                train_end=t,
+                versions=tuple(b[0] for b in chosen),
+                wait_s=start - round_start,
+            )
+        )
+        v += 1
+    return ThroughputSchedule(updates)

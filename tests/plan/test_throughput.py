@@ -1,0 +1,75 @@
+"""The throughput schedule's simulator against schedules worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlax_tpu.controller.staleness import StalenessPolicy
+from rlax_tpu.plan.throughput import ThroughputCosts, simulate_throughput
+
+
+def _policy(eta_a: float, eta_r: int = 1) -> StalenessPolicy:
+    return StalenessPolicy(reload_staleness=eta_r, acceptance_staleness=eta_a)
+
+
+COSTS = ThroughputCosts(group_s=10.0, verify_s=1.0, train_s=4.0)
+
+
+def test_no_staleness_admits_one_batch_at_a_time():
+    """η_a = 0: the budget is B, so a batch is generated (10 + 1 s) and then trained (4 s)."""
+    sched = simulate_throughput(3, COSTS, _policy(0), batch=2, slots=2)
+    assert [(u.train_start, u.train_end) for u in sched.updates] == [(11, 15), (26, 30), (41, 45)]
+    assert sched.seconds_per_update() == 15 and sched.staleness_counts() == {0: 6}
+
+
+def test_one_step_of_staleness_overlaps_a_batch_with_each_update():
+    """η_a = 1, B = 2, 4 slots. v0 admits 4 (all in by 11): update 0 [11, 15] on two, update 1
+    [15, 19] on the other two (staleness 1); v1 admitted 2 at 15 (in at 26), v2 2 at 19 (in at
+    30): updates 2 [26, 30] and 3 [30, 34]. From then on each 15 s brings two batches: 7.5 s an
+    update, every group but the first batch one version stale."""
+    sched = simulate_throughput(8, COSTS, _policy(1), batch=2, slots=4)
+    ends = [u.train_end for u in sched.updates]
+    assert ends == [15, 19, 30, 34, 45, 49, 60, 64]
+    assert sched.seconds_per_update() == 7.5
+    assert sched.staleness_counts() == {0: 2, 1: 14}
+    assert [u.wait_s for u in sched.updates[:4]] == [11, 0, 7, 0]
+
+
+def test_unbounded_staleness_is_held_by_the_queue_cap():
+    """η_a = ∞, a queue of 3, B = 1, one worker of 2 slots. v0 admits 3 (two at 0, one at 10);
+    each update admits one more. Steady state: two groups every 10 s, so 5 s an update, each
+    consumed two versions after the one it was generated with."""
+    sched = simulate_throughput(
+        8, ThroughputCosts(group_s=10, train_s=1), _policy(math.inf), batch=1, slots=2, queue_cap=3
+    )
+    assert [(u.train_start, u.train_end) for u in sched.updates[:6]] == [
+        (10, 11), (11, 12), (20, 21), (21, 22), (30, 31), (31, 32)
+    ]  # fmt: skip
+    assert [u.staleness for u in sched.updates[:6]] == [(0,), (1,), (2,), (2,), (2,), (2,)]
+    assert sched.seconds_per_update(skip=1) == 5  # over whole pairs: ends 12, 21, 22, ..., 42
+
+
+def test_reload_staleness_lowers_the_budget_between_reload_points():
+    """η_r = 2, η_a = 1, B = 1, one slot, loading a version 0.5 s. v0 admits 2 (w = 0, after
+    the first load: [0.5, 10.5], [10.5, 20.5]); at v1 the workers still serve 0, so the budget
+    is B·(1 − 1 + 1) = 1 and nothing more is admitted; at v2 (a reload point) two again, after
+    the load: [22, 32], [32, 42]. Staleness alternates 0, 1."""
+    sched = simulate_throughput(
+        4,
+        ThroughputCosts(group_s=10, train_s=1, reload_s=0.5),
+        _policy(1, eta_r=2),
+        batch=1,
+        slots=1,
+    )
+    got = [(u.train_start, u.train_end, u.versions) for u in sched.updates]
+    assert got == [(10.5, 11.5, (0,)), (20.5, 21.5, (0,)), (32, 33, (2,)), (42, 43, (2,))]
+    assert sched.staleness_counts() == {0: 2, 1: 2}
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        simulate_throughput(1, COSTS, _policy(1), batch=0, slots=1)
+    with pytest.raises(ValueError, match="finite number"):
+        ThroughputCosts(group_s=-1, train_s=1)
