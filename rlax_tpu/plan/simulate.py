@@ -16,7 +16,8 @@ What it models, as ``controller/loop.py``'s ``run_deterministic`` and ``controll
   there (``eval_s`` once they are free), and nothing of step s is launched before it ends.
 
 Costs are seconds per step at this topology (a worker generating a whole step's prompts takes
-``generate_s``; a share of k of P prompts takes generate_s·k/P). Throughput mode is ``plan/throughput.py``.
+``generate_s``; a share of k of P prompts takes generate_s·k/P). Throughput mode is
+``plan/throughput.py``.
 """
 
 from __future__ import annotations
