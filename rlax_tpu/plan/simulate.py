@@ -64,16 +64,21 @@ class StepTimes:
         return self.step - self.version
 
 
+def mean_interval(ends: list[float], skip: int) -> float:
+    """Mean seconds between consecutive update ends, after the first ``skip``."""
+    ends = ends[skip:]
+    if len(ends) < 2:
+        raise ValueError(f"need at least {skip + 2} updates for a steady-state rate")
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     steps: list[StepTimes]
 
     def seconds_per_update(self, skip: int = 1) -> float:
         """Mean seconds between consecutive update ends, after ``skip`` warm-up steps."""
-        ends = [s.train_end for s in self.steps[skip:]]
-        if len(ends) < 2:
-            raise ValueError(f"need at least {skip + 2} steps for a steady-state rate")
-        return (ends[-1] - ends[0]) / (len(ends) - 1)
+        return mean_interval([s.train_end for s in self.steps], skip)
 
     def trainer_idle_fraction(self, skip: int = 1) -> float:
         """The fraction of the time after ``skip`` steps in which no update ran."""

@@ -29,6 +29,7 @@ import heapq
 import math
 
 from rlax_tpu.controller.staleness import StalenessPolicy
+from rlax_tpu.plan.simulate import mean_interval
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,10 +68,8 @@ class ThroughputSchedule:
     updates: list[Update]
 
     def seconds_per_update(self, skip: int = 1) -> float:
-        ends = [u.train_end for u in self.updates[skip:]]
-        if len(ends) < 2:
-            raise ValueError(f"need at least {skip + 2} updates for a steady-state rate")
-        return (ends[-1] - ends[0]) / (len(ends) - 1)
+        """Mean seconds between consecutive update ends, after ``skip`` warm-up updates."""
+        return mean_interval([u.train_end for u in self.updates], skip)
 
     def staleness_counts(self, skip: int = 0) -> dict[int, int]:
         """Groups consumed at each staleness, after ``skip`` updates."""
