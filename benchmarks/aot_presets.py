@@ -64,6 +64,20 @@ CASES: dict[str, list[str]] = {
         "--topology=v5p:2x2x1",
         "--component=inference",
     ],
+    # The same trainers with LoRA adapters (rank 16 on every projection; issue [lora]): the
+    # base frozen in bf16 with no optimizer state, a version the adapters alone.
+    "v5p_small-lora-trainer-v5p_2x2x2": [
+        "--config=configs/codeforces.py:v5p_small",
+        "--topology=v5p:2x2x2",
+        "--component=trainer",
+        "--config.model.lora_rank=16",
+    ],
+    "v5p-lora-trainer-v5p_4x8x8": [
+        "--config=configs/codeforces.py:v5p",
+        "--topology=v5p:4x8x8",
+        "--component=trainer",
+        "--config.model.lora_rank=16",
+    ],
 }
 
 
