@@ -29,14 +29,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201, ARG001 - pytest hook
-    """Modules with a slow test first, the order otherwise kept: under ``--dist loadscope`` a
-    module runs on one worker, and starting the longest first (longest-processing-time-first)
-    leaves no worker alone with a long module at the end while the others idle."""
-    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow)
-
-
 def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001, ANN201, ARG001 - pytest hook
     if "PYTEST_XDIST_WORKER" not in os.environ:  # the run's controller, after every worker
         shutil.rmtree(JAX_CACHE, ignore_errors=True)

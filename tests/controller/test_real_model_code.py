@@ -36,7 +36,6 @@ SHRUNK = {  # a few short answers of a few problems: the run's shape, not its le
 
 # ~80 s alone on 2 idle cores; beside the suite's other workers (and a busy core) several times
 # that. The subprocess's own limit comes first.
-@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_the_code_preset_trains_the_real_model_through_the_controller(tmp_path):
     run_dir = tmp_path / "run"
