@@ -179,7 +179,9 @@ def _probe(port: int, *flags: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_pods_health_probe(param_server, secrets):
     creds = [f"--token_file={secrets / 'token'}", f"--tls_cert_file={secrets / 'tls.pem'}"]
-    ok = _probe(param_server, *creds, f"--server_name={SERVICE_NAME}")
+    # A fresh process's TLS handshake can take seconds beside a busy suite (the probe's 5 s
+    # default gave "handshaker shutdown" once): the pods' probes set their own timeout.
+    ok = _probe(param_server, *creds, f"--server_name={SERVICE_NAME}", "--timeout_s=30")
     assert ok.returncode == 0 and "serving" in ok.stdout, ok.stdout + ok.stderr
     no_token = _probe(param_server, creds[1], f"--server_name={SERVICE_NAME}")
     assert no_token.returncode == 1 and "unhealthy" in no_token.stderr
