@@ -3,7 +3,7 @@
     python -m rlax_tpu COMPONENT [--config=FILE[:PRESET]] [--config.a.b=value ...]
 
 COMPONENT is one of: controller, launch, trainer, inference, param_server, verifiers, aot,
-probe (the health probe). `python -m rlax_tpu COMPONENT --help` explains each.
+plan, probe (the health probe). `python -m rlax_tpu COMPONENT --help` explains each.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ COMPONENTS = {
     "param_server": "rlax_tpu.param_server",
     "verifiers": "rlax_tpu.verifiers",
     "aot": "rlax_tpu.aot",
+    "plan": "rlax_tpu.plan",
     "probe": "rlax_tpu.rpc.probe",
 }
 

@@ -15,7 +15,7 @@ import pytest
 from rlax_tpu.cli import EXIT_USAGE, unknown_override
 
 REPO = Path(__file__).resolve().parents[1]
-COMPONENTS = ["controller", "param_server", "inference", "verifiers", "trainer", "aot"]
+COMPONENTS = ["controller", "param_server", "inference", "verifiers", "trainer", "aot", "plan"]
 LOCAL = "--config=configs/codeforces.py:local"
 
 

@@ -163,26 +163,21 @@ def format_table(reports: list[ProgramReport], specs: dict[str, DeviceSpec]) -> 
     return "\n".join(lines)
 
 
-def run_check(
+class CheckError(ValueError):
+    """Flags or a config the check cannot compile for (a usage error, exit code 2)."""
+
+
+def compile_reports(
     config: RunConfig,
     *,
     topology: str,
     inference_topology: str,
     component: str,
-    json_path: Path | None,
-    command: str,
     only: Sequence[str] = (),
-) -> int:
-    """Runs the check; returns the exit code (messages go to stdout/stderr). ``only``: the
-    program names to compile (all of the component's when empty)."""
-
-    def progress(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    def fail(msg: str) -> int:
-        print(f"rlax_tpu.aot: error: {msg}", file=sys.stderr)
-        return cli.EXIT_USAGE
-
+    progress: Callable[[str], None] = lambda msg: None,
+) -> tuple[list[ProgramReport], dict[str, DeviceSpec]]:
+    """Compiles ``component``'s programs (``only`` these names, when given) for the topologies;
+    returns their reports and each topology's device spec. Raises CheckError."""
     reports: list[ProgramReport] = []
     specs: dict[str, DeviceSpec] = {}
     built: list[tuple[str, Builder, list[AbstractProgram], list[jax.Device], str, DeviceSpec]] = []
@@ -192,7 +187,7 @@ def run_check(
         try:
             devices = topology_devices(topo, slices)
         except TopologyError as e:
-            return fail(str(e))
+            raise CheckError(str(e)) from None
         if topo not in specs:
             specs[topo] = device_spec(topo, devices[0])
         spec = specs[topo]
@@ -201,14 +196,14 @@ def run_check(
         try:
             programs = build(config, devices)
         except ValueError as e:  # ConfigError (mesh), BatchShapeError (micro-batch rows)
-            return fail(
+            raise CheckError(
                 f"the config's {name} does not fit topology {topo} ({len(devices)} devices): {e}"
-            )
+            ) from None
         built.append((name, build, programs, devices, topo, spec))
     names = [p.name for _, _, programs, *_ in built for p in programs]
     unknown = sorted(set(only) - set(names))
     if unknown:
-        return fail(f"no program {', '.join(unknown)} here; the programs: {', '.join(names)}")
+        raise CheckError(f"no program {', '.join(unknown)} here; the programs: {', '.join(names)}")
     for name, build, programs, devices, topo, spec in built:
         if only:
             programs = [p for p in programs if p.name in only]
@@ -229,6 +224,33 @@ def run_check(
                 progress=progress,
             )
         reports += compiled
+    return reports, specs
+
+
+def run_check(
+    config: RunConfig,
+    *,
+    topology: str,
+    inference_topology: str,
+    component: str,
+    json_path: Path | None,
+    command: str,
+    only: Sequence[str] = (),
+) -> int:
+    """Runs the check; returns the exit code (messages go to stdout/stderr). ``only``: the
+    program names to compile (all of the component's when empty)."""
+    try:
+        reports, specs = compile_reports(
+            config,
+            topology=topology,
+            inference_topology=inference_topology,
+            component=component,
+            only=only,
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+    except CheckError as e:
+        print(f"rlax_tpu.aot: error: {e}", file=sys.stderr)
+        return cli.EXIT_USAGE
     print(format_table(reports, specs))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -115,6 +115,38 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
 
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each projection of a layer, by its name in LORA_TARGETS."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.resolved_head_dim, self.num_kv_heads * self.resolved_head_dim
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def param_count(self) -> int:
+        """Parameters of the base model (arithmetic on the config; no weights are read)."""
+        h, hd = self.hidden_size, self.resolved_head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        layer = sum(a * b for a, b in self.projection_shapes().values()) + 2 * h
+        if self.qkv_bias:
+            layer += q + 2 * kv
+        if self.qk_norm:
+            layer += 2 * hd
+        embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * layer + embeddings + h
+
+    def adapter_count(self) -> int:
+        """Parameters of the LoRA adapters (A: in x rank, B: rank x out per target and layer)."""
+        shapes = self.projection_shapes()
+        per_layer = sum(self.lora_rank * sum(shapes[t]) for t in self.lora_targets)
+        return self.num_layers * per_layer
+
     @property
     def resolved_rope_original_max_position_embeddings(self) -> int:
         return self.rope_original_max_position_embeddings or self.max_position_embeddings

@@ -380,21 +380,6 @@ def _config_file(config_args: Sequence[str]) -> str:
     raise RenderError("the render needs the --config=FILE[:PRESET] flag the pods will use")
 
 
-def param_count(config: RunConfig) -> int:
-    """Parameters of the model (arithmetic on its config; no weights are read)."""
-    m = config.model
-    h, hd = m.hidden_size, m.resolved_head_dim
-    q, kv = m.num_heads * hd, m.num_kv_heads * hd
-    attention = h * q + 2 * h * kv + q * h
-    if m.qkv_bias:
-        attention += q + 2 * kv
-    if m.qk_norm:
-        attention += 2 * hd
-    layer = attention + 3 * h * m.intermediate_size + 2 * h
-    embeddings = m.vocab_size * h * (1 if m.tie_embeddings else 2)
-    return m.num_layers * layer + embeddings + h
-
-
 def param_server_memory_bytes(config: RunConfig) -> int:
     """Its hot versions in the publish dtype, a quarter more for the version being written and
     the serving buffers, and 2 GiB for the process."""
@@ -402,7 +387,7 @@ def param_server_memory_bytes(config: RunConfig) -> int:
         return config.topology.param_server_memory_gib * GiB
     itemsize = 2 if config.trainer.publish_dtype == "bfloat16" else 4
     versions = config.param_server.in_memory_versions
-    return int(param_count(config) * itemsize * versions * 1.25) + 2 * GiB
+    return int(config.model.param_count() * itemsize * versions * 1.25) + 2 * GiB
 
 
 def _gib(n: int) -> str:

@@ -1,6 +1,7 @@
-"""Planning a run before renting it (issue [planner]): models of the controller's schedule fed
-by per-step costs: the deterministic schedule (``simulate``) and the throughput schedule
-(``throughput``). The command, the AOT-derived costs and their calibration are not built yet."""
+"""Planning a run before renting it (issue [planner], ``python -m rlax_tpu.plan``): models of the
+controller's schedule (deterministic: ``simulate``; throughput: ``throughput``) fed by costs from
+the AOT check's program rooflines (``costs``), summarized by ``predict``. Calibrating the
+efficiency factors from a run's metrics is not built yet."""
 
 from rlax_tpu.plan.simulate import Costs, Schedule, StepTimes, simulate_deterministic
 from rlax_tpu.plan.throughput import ThroughputCosts, ThroughputSchedule, simulate_throughput

@@ -11,13 +11,14 @@ What it models, as ``run_throughput`` does:
   frees first, over all workers, and a worker that holds another version loads w first
   (``reload_s``, before the slot's group starts). A group is buffered ``group_s`` +
   ``verify_s`` after it starts.
-* The round waits until B buffered groups are acceptable (v − version ≤ η_a). If every
-  admitted group has arrived and fewer than B are acceptable, the round admits more. Every group
-  takes the same time here, so none arrives out of order and none ages out (the budget sees to
-  it): the controller's discards come from latencies that vary, which this model does not draw
-  yet.
-* The update takes the B oldest acceptable groups and ``train_s`` (π_old, update, publish);
-  generation goes on meanwhile; then v + 1 and the next round.
+* The round waits until B buffered groups are acceptable (v − version ≤ η_a). A wait buffers
+  every group done by then (the controller's ``cf.wait``) and discards the buffered groups older
+  than η_a (their prompts are admitted again as new groups). If every admitted group has arrived
+  and fewer than B are acceptable, the round admits more. With oldest-first consumption and equal
+  group times nothing ages out (the budget sees to it); freshest-first can leave old groups
+  behind, and latencies that vary (not drawn here) age some out too.
+* The update takes the B oldest acceptable groups (the B newest with ``freshest_first``) and
+  ``train_s`` (π_old, update, publish); generation goes on meanwhile; then v + 1, the next round.
 
 Costs per group (``ThroughputCosts``) come from a run's metrics or the AOT roofline.
 """
@@ -66,6 +67,7 @@ class Update:
 @dataclasses.dataclass(frozen=True)
 class ThroughputSchedule:
     updates: list[Update]
+    discarded: int = 0  # groups that aged past η_a in the buffer
 
     def seconds_per_update(self, skip: int = 1) -> float:
         """Mean seconds between consecutive update ends, after ``skip`` warm-up updates."""
@@ -89,16 +91,18 @@ def simulate_throughput(
     slots: int,
     workers: int = 1,
     queue_cap: float = math.inf,
+    freshest_first: bool = False,
 ) -> ThroughputSchedule:
     """The schedule of ``steps`` updates of ``batch`` groups each (module docstring).
-    ``slots``: groups a worker runs at once; ``queue_cap``: the queue under unbounded η_a."""
+    ``slots``: groups a worker runs at once; ``queue_cap``: the queue under unbounded η_a;
+    ``freshest_first``: the update takes the newest acceptable groups (controller.consume_order)."""
     if min(steps, batch, slots, workers) < 1:
         raise ValueError("steps, batch, slots and workers must be >= 1")
     free = [[0.0] * slots for _ in range(workers)]  # when each slot is free
     held: list[int | None] = [None] * workers
     arriving: list[tuple[float, int, int]] = []  # (buffered at, sequence, version)
-    buffered: list[tuple[int, int]] = []  # (version, sequence): oldest first
-    seq = 0
+    buffered: list[tuple[int, int]] = []  # (version, sequence) in arrival order
+    seq = discarded = 0
     t, v = 0.0, 0
     updates: list[Update] = []
 
@@ -126,13 +130,20 @@ def simulate_throughput(
         round_start = t
         ready = [b for b in buffered if policy.accepts(v, b[0])]
         while len(ready) < batch and arriving:
-            at, s, version = heapq.heappop(arriving)
-            t = max(t, at)
-            buffered.append((version, s))
-            ready = [b for b in buffered if policy.accepts(v, b[0])]
+            t = max(t, arriving[0][0])
+            # The controller's wait returns every job done by then, and buffers them all.
+            while arriving and arriving[0][0] <= t:
+                _, s, version = heapq.heappop(arriving)
+                buffered.append((version, s))
+            # ... and discards what aged past η_a (its prompt is admitted again, as a new group).
+            stale = [b for b in buffered if not policy.accepts(v, b[0])]
+            discarded += len(stale)
+            buffered = [b for b in buffered if policy.accepts(v, b[0])]
+            ready = buffered
         if len(ready) < batch:
             continue  # everything admitted has arrived: admit more
-        chosen = sorted(ready)[:batch]
+        # buffered is in arrival order: a stable sort breaks ties by it, as the controller does.
+        chosen = sorted(ready, key=lambda b: -b[0] if freshest_first else b[0])[:batch]
         for b in chosen:
             buffered.remove(b)
         start = t
@@ -147,4 +158,4 @@ def simulate_throughput(
             )
         )
         v += 1
-    return ThroughputSchedule(updates)
+    return ThroughputSchedule(updates, discarded)

@@ -584,8 +584,8 @@ def test_the_render_command_writes_an_overlay_and_refuses_with_every_problem(tmp
 def test_param_server_memory_is_sized_from_the_model():
     config = _small()
     # Qwen2.5-Coder-7B: 7.6e9 parameters (HF's count), bf16, 4 hot versions.
-    assert abs(gke.param_count(config) - 7.62e9) / 7.62e9 < 0.01
-    want = gke.param_count(config) * 2 * 4 * 1.25 + 2 * 2**30
+    assert abs(config.model.param_count() - 7.62e9) / 7.62e9 < 0.01
+    want = config.model.param_count() * 2 * 4 * 1.25 + 2 * 2**30
     assert gke.param_server_memory_bytes(config) == int(want)
 
 

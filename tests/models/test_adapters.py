@@ -31,3 +31,24 @@ def test_split_puts_exactly_the_lora_params_on_the_adapter_side_and_join_inverts
     plain = nnx.to_pure_dict(nnx.state(models.init_model(dataclasses.replace(cfg, lora_rank=0))))
     assert jax.tree.structure(base) == jax.tree.structure(plain)
     np.testing.assert_array_equal(base["embed"], plain["embed"])
+
+
+def test_the_configs_parameter_counts_equal_the_models_trees():
+    """ModelConfig.param_count / adapter_count (the planner's and the GKE sizing's arithmetic)
+    against the leaves of an initialized model, for each family's biases and norms."""
+    for arch, extra in (
+        ("llama", {}),
+        ("qwen2", {"qkv_bias": True, "tie_embeddings": False}),
+        ("qwen3", {"qk_norm": True}),
+    ):
+        cfg = dataclasses.replace(
+            models.preset("tiny"),
+            arch=arch,
+            num_layers=2,
+            lora_rank=3,
+            lora_targets=("q_proj", "v_proj", "down_proj"),
+            **extra,
+        )
+        adapters, base = split_adapters(nnx.to_pure_dict(nnx.state(models.init_model(cfg))))
+        assert sum(x.size for x in jax.tree.leaves(base)) == cfg.param_count(), arch
+        assert sum(x.size for x in jax.tree.leaves(adapters)) == cfg.adapter_count(), arch

@@ -73,3 +73,20 @@ def test_bad_inputs_are_refused():
         simulate_throughput(1, COSTS, _policy(1), batch=0, slots=1)
     with pytest.raises(ValueError, match="finite number"):
         ThroughputCosts(group_s=-1, train_s=1)
+
+
+def test_freshest_first_leaves_an_old_group_behind_and_discards_it():
+    """η_a = 2, B = 1, 4 slots, groups of 1 s, updates of 10 s. v0 admits 3 (in at 1; the wait
+    buffers all three): updates 0-2 take them at 1, 11, 21, admitting one more group of the
+    current version at 11 (v1, in at 12), 21 (v2, in at 22), 31 (v3, in at 32), 41 (v4).
+    At v3 nothing is buffered: the wait at 31 buffers v1 and v2. Oldest first takes v1, then v2
+    at v4. Freshest first takes v2, then at v4 finds v1 too old (3 > η_a): its wait at 41
+    buffers v3, discards v1 and takes v3."""
+    costs = ThroughputCosts(group_s=1, train_s=10)
+    oldest = simulate_throughput(5, costs, _policy(2), batch=1, slots=4)
+    freshest = simulate_throughput(5, costs, _policy(2), batch=1, slots=4, freshest_first=True)
+    for sched in (oldest, freshest):
+        assert [u.train_start for u in sched.updates] == [1, 11, 21, 31, 41]
+    assert [u.versions for u in oldest.updates] == [(0,), (0,), (0,), (1,), (2,)]
+    assert [u.versions for u in freshest.updates] == [(0,), (0,), (0,), (2,), (3,)]
+    assert (oldest.discarded, freshest.discarded) == (0, 1)

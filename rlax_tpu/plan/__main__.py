@@ -1,0 +1,84 @@
+"""Plan a run before renting it: predicted seconds per update, tokens/s, utilization, staleness
+and the bottleneck of a config on a TPU layout, for one or several inference worker counts.
+
+    python -m rlax_tpu.plan --config=configs/codeforces.py:v5p --workers=8,16,32,64
+    python -m rlax_tpu.plan --config=configs/codeforces.py:v5p --workers=32 \\
+        --aot=benchmarks/aot/v5p-trainer-v5p_4x8x8.json,benchmarks/aot/v5p-inference-v5p_2x2x1.json
+
+--trainer_topology / --inference_topology   default: the config's topology.trainer_tpu / inference_tpu
+--workers=N[,N...]    inference workers (default: inference.num_workers)
+--aot=A.json[,B.json] the programs' reports (``python -m rlax_tpu.aot --json``) instead of
+                      compiling them here (which needs libtpu and takes minutes for large models)
+--lengths=P,C         mean prompt and completion tokens (default: half of each budget)
+--efficiency=train=E,decode=E,prefill=E   measured time = roofline / efficiency (default 0.5 each)
+--pull_gbps / --server_gbps   a worker's pull bandwidth; a parameter-server replica's
+--verify_s            a group's verification after generation (default: verifiers.time_limit_s)
+--steps               updates simulated (default 100; the first tenth is warm-up)
+--json=PATH           also write the predictions as JSON
+
+How each cost is made, and what is not modelled, is in ``plan/costs.py`` and ``plan/predict.py``.
+Exit codes: 0 planned; 2 bad flags or config, or reports that do not match it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from absl import flags
+
+from rlax_tpu import cli
+from rlax_tpu.config import RunConfig
+
+flags.DEFINE_string("trainer_topology", None, "The trainer's TPU slice (default: the config's).")
+flags.DEFINE_string("inference_topology", None, "A worker's TPU slice (default: the config's).")
+flags.DEFINE_list("workers", [], "Inference worker counts to plan for (default: the config's).")
+flags.DEFINE_list("aot", [], "JSON reports of python -m rlax_tpu.aot instead of compiling.")
+flags.DEFINE_list("lengths", [], "Mean prompt and completion tokens: P,C.")
+flags.DEFINE_list("efficiency", [], "train=E,decode=E,prefill=E (fractions of the roofline).")
+flags.DEFINE_float("pull_gbps", 100.0, "A worker's pull bandwidth, Gbit/s.")
+flags.DEFINE_float("server_gbps", 32.0, "A parameter-server replica's bandwidth, Gbit/s.")
+flags.DEFINE_float("verify_s", None, "Seconds to verify a group (default: time_limit_s).")
+flags.DEFINE_integer("steps", 100, "Updates to simulate.")
+flags.DEFINE_string("json", None, "Write the predictions to this JSON file.")
+FLAGS = flags.FLAGS
+
+
+def run(config: RunConfig, args: list[str]) -> int:
+    from rlax_tpu.plan.command import PlanError, plan
+
+    if args:
+        print(f"rlax_tpu.plan: unexpected arguments {args}", file=sys.stderr)
+        return cli.EXIT_USAGE
+    try:
+        table, out = plan(
+            config,
+            trainer_topology=FLAGS.trainer_topology or config.topology.trainer_tpu,
+            inference_topology=FLAGS.inference_topology or config.topology.inference_tpu,
+            workers=FLAGS.workers,
+            aot=FLAGS.aot,
+            lengths=FLAGS.lengths,
+            efficiency=FLAGS.efficiency,
+            pull_gbps=FLAGS.pull_gbps,
+            server_gbps=FLAGS.server_gbps,
+            verify_s=FLAGS.verify_s,
+            steps=FLAGS.steps,
+        )
+    except PlanError as e:
+        print(f"rlax_tpu.plan: error: {e}", file=sys.stderr)
+        return cli.EXIT_USAGE
+    print(table)
+    if FLAGS.json:
+        path = Path(FLAGS.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out["command"] = "python -m rlax_tpu.plan " + " ".join(sys.argv[1:])
+        path.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    if not any(a.startswith("--config.controller.bucket=") for a in sys.argv):
+        # Planning reads no storage: a preset's "{bucket}" paths need none.
+        sys.argv.append("--config.controller.bucket=unused-by-the-planner")
+    cli.main("plan", run)

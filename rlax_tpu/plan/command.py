@@ -1,0 +1,201 @@
+"""``python -m rlax_tpu.plan``: flags -> the programs' roofline -> costs -> predictions -> a table."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlax_tpu.config import RunConfig
+from rlax_tpu.plan.costs import GBPS, Efficiency, Network, Roofline, Workload, plan_costs
+from rlax_tpu.plan.predict import Prediction, predict
+
+
+class PlanError(ValueError):
+    """Flags, a config or reports the planner cannot use (exit code 2)."""
+
+
+def read_reports(paths: Sequence[str], topologies: dict[str, str]) -> Roofline:
+    """The roofline seconds of every program in ``paths`` (``python -m rlax_tpu.aot --json``
+    files). ``topologies``: component -> the topology its programs must have been compiled for."""
+    seconds: dict[str, float] = {}
+    for path in paths:
+        try:
+            report = json.loads(Path(path).read_text())
+            programs = report["programs"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise PlanError(
+                f"--aot {path}: not a report of python -m rlax_tpu.aot --json ({e})"
+            ) from None
+        for p in programs:
+            want = topologies[p["component"]]
+            if re.sub(r"^\d+x(?=v)", "", p["topology"]) != want:  # "2xv5p:4x4x4": 2 slices
+                raise PlanError(
+                    f"--aot {path}: {p['name']} was compiled for {p['topology']}, not {want}"
+                )
+            seconds[p["name"]] = _fitting(p["name"], p["status"], p["topology"], p["roofline_s"])
+    return Roofline(seconds)
+
+
+def compile_roofline(config: RunConfig, topologies: dict[str, str]) -> Roofline:
+    from rlax_tpu.aot.report import CheckError, compile_reports
+
+    try:
+        reports, _ = compile_reports(
+            config,
+            topology=topologies["trainer"],
+            inference_topology=topologies["inference"],
+            component="all",
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+    except CheckError as e:
+        raise PlanError(str(e)) from None
+    return Roofline({r.name: _fitting(r.name, r.status, r.topology, r.roofline_s) for r in reports})
+
+
+def _fitting(name: str, status: str, topology: str, seconds: float) -> float:
+    if status != "fits":
+        raise PlanError(
+            f"{name} {status} on {topology}: a plan for a layout that cannot run is void "
+            "(python -m rlax_tpu.aot says why)"
+        )
+    return float(seconds)
+
+
+def _floats(items: Sequence[str], what: str) -> list[float]:
+    try:
+        return [float(x) for x in items]
+    except ValueError:
+        raise PlanError(f"{what}: numbers expected, got {','.join(items)}") from None
+
+
+def parse_efficiency(items: Sequence[str]) -> Efficiency:
+    values: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("train", "decode", "prefill"):
+            raise PlanError(f"--efficiency: train=E, decode=E or prefill=E expected, got {item!r}")
+        values[key] = _floats([value], "--efficiency")[0]
+    try:
+        return Efficiency(**values)
+    except ValueError as e:
+        raise PlanError(f"--efficiency: {e}") from None
+
+
+def plan(
+    config: RunConfig,
+    *,
+    trainer_topology: str,
+    inference_topology: str,
+    workers: Sequence[str] = (),
+    aot: Sequence[str] = (),
+    lengths: Sequence[str] = (),
+    efficiency: Sequence[str] = (),
+    pull_gbps: float = 100.0,
+    server_gbps: float = 32.0,
+    verify_s: float | None = None,
+    steps: int = 100,
+) -> tuple[str, dict[str, Any]]:
+    """The table and the JSON of the predictions (flags as ``__main__`` documents them)."""
+    from rlax_tpu.trainer.aot import micro_batch_shape
+
+    if not trainer_topology or not inference_topology:
+        raise PlanError(
+            "the config names no TPU topology (topology.trainer_tpu / inference_tpu): pass "
+            "--trainer_topology and --inference_topology"
+        )
+    counts = [int(n) for n in _floats(workers, "--workers")] or [config.inference.num_workers]
+    if min(counts) < 1:
+        raise PlanError("--workers: counts must be >= 1")
+    if lengths:
+        if len(lengths) != 2:
+            raise PlanError("--lengths: PROMPT,COMPLETION expected")
+        prompt, completion = _floats(lengths, "--lengths")
+        try:
+            workload = Workload(prompt=prompt, completion=completion)
+        except ValueError as e:
+            raise PlanError(f"--lengths: {e}") from None
+    else:
+        workload = Workload.half_budget(config)
+    eff = parse_efficiency(efficiency)
+    if not (pull_gbps > 0 and server_gbps > 0):
+        raise PlanError("--pull_gbps and --server_gbps must be > 0")
+    network = Network(pull_bytes_per_s=pull_gbps * GBPS, server_bytes_per_s=server_gbps * GBPS)
+    topologies = {"trainer": trainer_topology, "inference": inference_topology}
+    roofline = read_reports(aot, topologies) if aot else compile_roofline(config, topologies)
+    rows, columns, _ = micro_batch_shape(config)
+    verify = config.verifiers.time_limit_s if verify_s is None else verify_s
+    predictions: list[Prediction] = []
+    for n in counts:
+        try:
+            costs = plan_costs(
+                config,
+                roofline,
+                workload=workload,
+                efficiency=eff,
+                network=network,
+                workers=n,
+                compiled_rows=rows,
+                compiled_columns=columns,
+                verify_s=verify,
+            )
+            predictions.append(predict(config, costs, workload, workers=n, steps=steps))
+        except (KeyError, ValueError) as e:
+            raise PlanError(str(e).strip("'\"")) from None
+    assumptions = {
+        "trainer_topology": trainer_topology,
+        "inference_topology": inference_topology,
+        "mode": config.controller.mode,
+        "prompt_tokens": workload.prompt,
+        "completion_tokens": workload.completion,
+        "efficiency": {"train": eff.train, "decode": eff.decode, "prefill": eff.prefill},
+        "pull_gbps": pull_gbps,
+        "server_gbps": server_gbps,
+        "param_server_replicas": config.param_server.replicas,
+        "verify_s": verify,
+        "evaluations": "not modelled",
+    }
+    return format_table(predictions, assumptions, config), {
+        "preset": config.preset,
+        "assumptions": assumptions,
+        "predictions": [p.to_dict() for p in predictions],
+    }
+
+
+def format_table(
+    predictions: Sequence[Prediction], assumptions: dict[str, Any], config: RunConfig
+) -> str:
+    c = predictions[0].costs
+    g, rows = config.algorithm.group_size, config.inference.max_concurrent_seqs
+    lines = [
+        "assumptions: "
+        + ", ".join(f"{k} {v}" for k, v in assumptions.items() if not isinstance(v, dict))
+        + ", efficiency "
+        + ", ".join(f"{k} {v}" for k, v in assumptions["efficiency"].items()),
+        f"per update: train {c.train_s:.2f} s (update {c.detail['update_s']:.2f} s over "
+        f"{c.detail['micro_batches']:.0f} micro-batches, push {c.detail['push_s']:.2f} s of "
+        f"{c.version_bytes / 2**30:.2f} GiB); per group: {c.group_s:.2f} s on a worker "
+        f"({c.slots} at once, decode step {1e3 * c.detail['decode_step_s']:.2f} ms)",
+    ]
+    if c.slots * g < rows - g + 1:
+        lines.append(
+            f"note: a worker's KV pages hold {c.slots} group(s) of {g} at these lengths, "
+            f"{c.slots * g} of its {rows} decode rows: raise inference.kv_cache_bytes (what "
+            "python -m rlax_tpu.aot says fits) or lower inference.max_concurrent_seqs"
+        )
+    lines += [
+        "",
+        f"{'workers':>7}  {'s/update':>9}  {'tokens/s':>10}  {'trainer':>7}  {'workers':>7}  "
+        f"{'reload s':>8}  {'staleness':>9}  {'max':>3}  {'discarded':>9}  bottleneck",
+    ]
+    for p in predictions:
+        lines.append(
+            f"{p.workers:>7}  {p.seconds_per_update:>9.2f}  {p.tokens_per_s:>10.0f}  "
+            f"{100 * p.trainer_busy:>6.0f}%  {100 * p.workers_busy:>6.0f}%  "
+            f"{p.costs.reload_s:>8.2f}  {p.mean_staleness:>9.2f}  {max(p.staleness):>3}  "
+            f"{p.discarded:>9}  {p.bottleneck}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,208 @@
+"""What one update and one group cost on a TPU layout, from the AOT check's programs.
+
+Each program's roofline (``python -m rlax_tpu.aot``: per device, the slower of its FLOPs at the
+chip's peak and its bytes at the peak HBM bandwidth) over an efficiency factor is its time:
+
+* The update: prepare + m·f·(accumulate + π_old [+ π_ref]) + apply + publish cast, with
+  m = ⌈B·G / rows⌉ micro-batches of the compiled ``rows`` and f = (prompt + completion) / the
+  compiled micro-batch's columns (the trainer cuts micro-batches to length buckets), over
+  ``Efficiency.train``. Then the push: every parameter-server replica receives the whole version
+  (``param_server/client.py``), at ``Network.server_bytes_per_s``.
+* A group on a worker: its prompt prefilled once (the G samples share its pages, ``scheduler.py``)
+  in chunks of prefill_rows x prefill_len tokens per prefill call, over ``Efficiency.prefill``, and
+  ``completion`` decode steps of the decode program at the worker's full batch, over
+  ``Efficiency.decode``. A worker holds ``slots`` groups at once: max_concurrent_seqs // G, or
+  fewer when its KV pages cannot hold that many sequences of prompt + completion tokens.
+* A reload: the version's bytes at a worker's pull bandwidth, or at the replicas' egress shared
+  by every worker loading at once (throughput mode reloads them together), whichever is slower.
+
+Lengths are means: a group's time here is its mean sample's, which is what its slots are busy for
+under continuous batching; its latency (its longest sample) is longer, so staleness is
+underestimated when lengths vary widely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from rlax_tpu.config import RunConfig
+from rlax_tpu.models.paged_cache import page_bytes
+
+GBPS = 1e9 / 8  # bytes/s of one Gbit/s
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """Mean tokens of a sample: its prompt and its completion."""
+
+    prompt: float
+    completion: float
+
+    def __post_init__(self) -> None:
+        if not (self.prompt >= 1 and self.completion >= 1):
+            raise ValueError(f"mean prompt and completion lengths must be >= 1, got {self}")
+
+    @classmethod
+    def half_budget(cls, config: RunConfig) -> Workload:
+        """The default: half of the config's prompt and generation budgets."""
+        icfg = config.inference
+        return cls(prompt=icfg.max_prompt_len / 2, completion=icfg.max_new_tokens / 2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """Measured time = roofline time / efficiency, per kind of program (0 < e <= 1).
+
+    The defaults are assumptions, not measurements: about half of the roofline for training
+    (MaxText's published v5p MFU for dense models is in that range) and for batched decode and
+    prefill. ``--calibrate`` measures them on a run."""
+
+    train: float = 0.5
+    decode: float = 0.5
+    prefill: float = 0.5
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not 0 < value <= 1:
+                raise ValueError(f"efficiency {f.name} must be in (0, 1], got {value}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Network:
+    """Bandwidths of the weight traffic, bytes/s.
+
+    Defaults: a worker host pulls at 100 Gbit/s, and a parameter-server replica (a CPU node,
+    n2-highmem-64 in the GKE presets) sends and receives at 32 Gbit/s, N2's default per-VM egress
+    limit for 32 vCPUs or more (https://cloud.google.com/compute/docs/network-bandwidth; Tier_1
+    networking raises it to 100)."""
+
+    pull_bytes_per_s: float = 100 * GBPS
+    server_bytes_per_s: float = 32 * GBPS
+
+    def __post_init__(self) -> None:
+        if not (self.pull_bytes_per_s > 0 and self.server_bytes_per_s > 0):
+            raise ValueError("bandwidths must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """A program's roofline seconds per call, by name (``trainer.accumulate``, ...)."""
+
+    seconds: Mapping[str, float]
+
+    def __getitem__(self, name: str) -> float:
+        if name not in self.seconds:
+            raise KeyError(
+                f"the AOT reports have no program {name!r} (they have: "
+                f"{', '.join(sorted(self.seconds))}); compile the trainer and the inference "
+                "programs of this config"
+            )
+        return self.seconds[name]
+
+    def get(self, name: str) -> float:
+        return self.seconds.get(name, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCosts:
+    """The pieces, in seconds, with what they were made of (``detail``, for the report)."""
+
+    train_s: float  # one update: π_old, the update, the publish cast and the push
+    group_s: float  # one group's slots on a worker
+    slots: int  # groups a worker runs at once
+    reload_s: float  # one worker loading a version
+    verify_s: float  # a group's verification after it is generated
+    version_bytes: int
+    detail: dict[str, float]
+
+
+def version_bytes(config: RunConfig) -> int:
+    """Bytes of a published version: the weights in trainer.publish_dtype, or with LoRA the
+    adapters alone in float32 (``Trainer.publish``)."""
+    m = config.model
+    if m.lora_rank:
+        return 4 * m.adapter_count()
+    itemsize = 2 if config.trainer.publish_dtype == "bfloat16" else 4
+    return itemsize * m.param_count()
+
+
+def worker_slots(config: RunConfig, workload: Workload, backend: str = "tpu") -> int:
+    """Groups one worker holds at once: its decode rows, or its KV pages, whichever binds."""
+    icfg, g = config.inference, config.algorithm.group_size
+    pages = icfg.kv_cache_bytes // page_bytes(config.model, icfg.page_size, backend)
+    # The prompt's pages are shared by the group; each sample has its completion's own.
+    per_group = math.ceil(workload.prompt / icfg.page_size) + g * math.ceil(
+        workload.completion / icfg.page_size
+    )
+    return max(1, min(icfg.max_concurrent_seqs // g, pages // per_group))
+
+
+def plan_costs(
+    config: RunConfig,
+    roofline: Roofline,
+    *,
+    workload: Workload,
+    efficiency: Efficiency,
+    network: Network,
+    workers: int,
+    compiled_rows: int,
+    compiled_columns: int,
+    verify_s: float,
+) -> PlanCosts:
+    """The costs of ``config`` on the layout whose programs ``roofline`` times, with
+    ``workers`` inference workers (module docstring). ``compiled_rows`` x ``compiled_columns``:
+    the trainer's compiled micro-batch (``trainer.aot.micro_batch_shape``)."""
+    icfg, g = config.inference, config.algorithm.group_size
+    rollouts = config.rollouts_per_step
+    micro = math.ceil(rollouts / compiled_rows)
+    fill = min(1.0, (workload.prompt + workload.completion) / compiled_columns)
+    if any(name.startswith("trainer.replay") for name in roofline.seconds):
+        raise ValueError(
+            "the planner does not model π_old replayed token by token (trainer.old_logprobs = "
+            "'replay') yet; plan with trainer.old_logprobs = 'prefill'"
+        )
+    # Whichever π_old / π_ref / value scorings the config turns on, once per micro-batch.
+    per_micro = roofline["trainer.accumulate"] + sum(
+        roofline.get(f"trainer.{name}")
+        for name in ("prefill_old", "score_old", "score_ref", "values")
+    )
+    update = (
+        roofline.get("trainer.prepare")
+        + micro * fill * per_micro
+        + roofline["trainer.apply"]
+        + roofline.get("trainer.publish")
+    ) / efficiency.train
+    size = version_bytes(config)
+    push = size / network.server_bytes_per_s
+    if icfg.prefill_rows > 0:
+        calls = workload.prompt / (icfg.prefill_rows * icfg.prefill_len)
+        prefill = calls * roofline["inference.prefill"] / efficiency.prefill
+        steps = workload.completion
+    else:  # prompts run as decode rows, prefill_chunk tokens of one a step
+        prefill = 0.0
+        steps = workload.completion + workload.prompt / icfg.prefill_chunk
+    decode_step = roofline["inference.decode"] / efficiency.decode
+    replicas = max(1, config.param_server.replicas)
+    reload = size * max(
+        1 / network.pull_bytes_per_s, workers / (replicas * network.server_bytes_per_s)
+    )
+    return PlanCosts(
+        train_s=update + push,
+        group_s=prefill + steps * decode_step,
+        slots=worker_slots(config, workload),
+        reload_s=reload,
+        verify_s=verify_s,
+        version_bytes=size,
+        detail={
+            "micro_batches": float(micro),
+            "micro_batch_fill": fill,
+            "update_s": update,
+            "push_s": push,
+            "prefill_s": prefill,
+            "decode_step_s": decode_step,
+            "group_samples": float(g),
+        },
+    )

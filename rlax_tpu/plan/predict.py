@@ -1,0 +1,129 @@
+"""A config's predicted schedule: its costs through the simulator of its mode, summarized."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rlax_tpu.config import RunConfig
+from rlax_tpu.controller.staleness import StalenessPolicy
+from rlax_tpu.controller.throughput import throughput_queue_cap
+from rlax_tpu.plan.costs import PlanCosts, Workload
+from rlax_tpu.plan.simulate import Costs, simulate_deterministic
+from rlax_tpu.plan.throughput import ThroughputCosts, simulate_throughput
+
+BUSY = 0.9  # a part busier than this is the bottleneck
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    workers: int
+    seconds_per_update: float
+    tokens_per_s: float  # completion tokens generated per second
+    trainer_busy: float  # fraction of the time the trainer updates
+    workers_busy: float  # fraction of the workers' slot-seconds generating
+    staleness: dict[int, int]  # groups consumed at each staleness
+    discarded: int  # groups that aged past η_a (all of the simulated updates)
+    bottleneck: str
+    costs: PlanCosts
+
+    @property
+    def mean_staleness(self) -> float:
+        n = sum(self.staleness.values())
+        return sum(k * v for k, v in self.staleness.items()) / n if n else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        out = dataclasses.asdict(self)
+        out["staleness"] = {str(k): v for k, v in self.staleness.items()}
+        return out
+
+
+def policy_of(config: RunConfig) -> StalenessPolicy:
+    """The controller's policy for ``config`` (as ``controller/loop.py`` builds it)."""
+    cc = config.controller
+    return StalenessPolicy(
+        reload_staleness=cc.reload_staleness,
+        acceptance_staleness=cc.acceptance_bound,
+        pipeline_depth=cc.pipeline_depth if cc.mode == "deterministic" else 0,
+    )
+
+
+def predict(
+    config: RunConfig, costs: PlanCosts, workload: Workload, *, workers: int, steps: int = 100
+) -> Prediction:
+    """The steady state of ``steps`` simulated updates (the first tenth skipped as warm-up) of
+    ``config`` with ``workers`` inference workers. Held-out evaluations are not modelled."""
+    if steps < 4:
+        raise ValueError("simulate at least 4 updates")
+    policy, batch = policy_of(config), config.controller.prompts_per_step
+    skip = max(1, steps // 10)
+    if config.controller.mode == "throughput":
+        cap = (
+            throughput_queue_cap(_with_workers(config, workers))
+            if math.isinf(policy.acceptance_staleness)
+            else math.inf
+        )
+        schedule = simulate_throughput(
+            steps,
+            ThroughputCosts(
+                group_s=costs.group_s,
+                verify_s=costs.verify_s,
+                train_s=costs.train_s,
+                reload_s=costs.reload_s,
+            ),
+            policy,
+            batch=batch,
+            slots=costs.slots,
+            workers=workers,
+            queue_cap=cap,
+            freshest_first=config.controller.consume_order == "freshest_first",
+        )
+        period = schedule.seconds_per_update(skip)
+        staleness = schedule.staleness_counts(skip)
+        discarded = schedule.discarded
+    else:
+        # A step's prompts on one worker: its slots run continuously batched, so a worker's
+        # share of k prompts takes k / slots group times.
+        det = simulate_deterministic(
+            steps,
+            Costs(
+                generate_s=batch / costs.slots * costs.group_s,
+                verify_s=costs.verify_s,
+                train_s=costs.train_s,
+                reload_s=costs.reload_s,
+            ),
+            policy,
+            workers=workers,
+            prompts_per_step=batch,
+        )
+        period = det.seconds_per_update(skip)
+        discarded = 0
+        staleness = {}
+        for s in det.steps[skip:]:
+            staleness[s.staleness] = staleness.get(s.staleness, 0) + batch
+        staleness = dict(sorted(staleness.items()))
+    trainer_busy = min(1.0, costs.train_s / period)
+    workers_busy = min(1.0, batch * costs.group_s / (workers * costs.slots * period))
+    if trainer_busy >= BUSY:
+        bottleneck = "trainer"
+    elif workers_busy >= BUSY:
+        bottleneck = "generation"
+    else:
+        bottleneck = "the schedule (staleness bound, weight loads or verification)"
+    return Prediction(
+        workers=workers,
+        seconds_per_update=period,
+        tokens_per_s=config.rollouts_per_step * workload.completion / period,
+        trainer_busy=trainer_busy,
+        workers_busy=workers_busy,
+        staleness=staleness,
+        discarded=discarded,
+        bottleneck=bottleneck,
+        costs=costs,
+    )
+
+
+def _with_workers(config: RunConfig, workers: int) -> RunConfig:
+    return dataclasses.replace(
+        config, inference=dataclasses.replace(config.inference, num_workers=workers)
+    )

@@ -1,0 +1,132 @@
+"""The planner's costs from program rooflines, against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlax_tpu.controller.staleness import StalenessPolicy
+from rlax_tpu.plan.costs import (
+    Efficiency,
+    Network,
+    Roofline,
+    Workload,
+    plan_costs,
+    version_bytes,
+    worker_slots,
+)
+from rlax_tpu.plan.predict import predict
+from rlax_tpu.plan.throughput import ThroughputCosts, simulate_throughput
+from tests.config.test_validation import build
+
+# The local preset: 8 prompts x 8 samples, micro-batches of 16 rows x 304 columns, a float32
+# model of 853,120 parameters (4 layers, 2 KV heads of 32, padded to 128 in TPU pages: 131,072
+# bytes a page of 16 tokens), 64 decode rows, prefill calls of 4 x 16 tokens.
+ROOFLINE = Roofline(
+    {
+        "trainer.prepare": 0.1,
+        "trainer.accumulate": 1.0,
+        "trainer.prefill_old": 0.5,
+        "trainer.apply": 0.2,
+        "trainer.publish": 0.05,
+        "inference.decode": 0.01,
+        "inference.prefill": 0.04,
+        "inference.copy_pages": 9.0,  # not a cost of the schedule
+    }
+)
+WORKLOAD = Workload(prompt=100, completion=40)
+
+
+def _costs(config, workers: int = 3):  # noqa: ANN001, ANN202
+    return plan_costs(
+        config,
+        ROOFLINE,
+        workload=WORKLOAD,
+        efficiency=Efficiency(train=0.5, decode=0.25, prefill=0.8),
+        network=Network(pull_bytes_per_s=2e6, server_bytes_per_s=1e6),
+        workers=workers,
+        compiled_rows=16,
+        compiled_columns=304,
+        verify_s=0.5,
+    )
+
+
+def test_costs_of_the_local_preset_by_hand():
+    config = build({})
+    c = _costs(config)
+    # 64 rollouts in 4 micro-batches of 16, each (100 + 40) / 304 full:
+    # (0.1 + 4 * 140/304 * (1.0 + 0.5) + 0.2 + 0.05) / 0.5 = 6.2263157...
+    assert c.detail["update_s"] == pytest.approx(6.226315789473684, rel=1e-12)
+    # 853,120 float32 parameters = 3,412,480 bytes, received by the one replica at 1 MB/s.
+    assert c.version_bytes == 3_412_480
+    assert c.train_s == pytest.approx(6.226315789473684 + 3.41248, rel=1e-12)
+    # 100 prompt tokens in calls of 64: 1.5625 * 0.04 / 0.8; 40 decode steps of 0.01 / 0.25.
+    assert c.group_s == pytest.approx(0.078125 + 1.6, rel=1e-12)
+    # Three workers loading at once share the replica's 1 MB/s: 3 * 3.41248 s.
+    assert c.reload_s == pytest.approx(10.23744, rel=1e-12)
+    # One worker alone: the slower of its own 2 MB/s and the replica's 1 MB/s.
+    assert _costs(config, workers=1).reload_s == pytest.approx(3.41248, rel=1e-12)
+    # 256 pages of 32 MiB hold 8 groups of 7 prompt + 8 * 3 completion pages; 64 rows hold 8.
+    assert c.slots == 8 and c.verify_s == 0.5
+
+
+def test_kv_pages_bind_the_slots_before_the_decode_rows():
+    # 8 MiB: 64 pages, 31 a group -> 2 groups, though 64 rows would hold 8.
+    assert worker_slots(build({"inference.kv_cache_bytes": 2**23}), WORKLOAD) == 2
+    # Room for less than one group still runs one (the engine preempts and recomputes).
+    assert worker_slots(build({"inference.kv_cache_bytes": 2**20}), WORKLOAD) == 1
+
+
+def test_a_lora_version_is_its_float32_adapters_and_bf16_publishing_halves_a_full_one():
+    lora = build({"model.lora_rank": 4})
+    assert version_bytes(lora) == 4 * lora.model.adapter_count()
+    # rank 4 over 7 projections of a 128-wide model (k, v: 64 wide; MLP 384), 4 layers.
+    assert lora.model.adapter_count() == 4 * 4 * (256 + 192 + 192 + 256 + 512 + 512 + 512)
+    assert version_bytes(build({"trainer.publish_dtype": "bfloat16"})) == 2 * 853_120
+
+
+def test_a_program_the_reports_lack_is_named():
+    partial = Roofline({k: v for k, v in ROOFLINE.seconds.items() if k != "inference.decode"})
+    with pytest.raises(KeyError, match="no program 'inference.decode'"):
+        plan_costs(
+            build({}),
+            partial,
+            workload=WORKLOAD,
+            efficiency=Efficiency(),
+            network=Network(),
+            workers=1,
+            compiled_rows=16,
+            compiled_columns=304,
+            verify_s=0,
+        )
+
+
+def test_throughput_predictions_are_the_simulators_schedule_of_those_costs():
+    """The wiring: policy, batch, slots, the freshest-first order and the queue cap of
+    unbounded staleness go to the simulator as the controller would use them."""
+    config = build(
+        {
+            "controller.mode": "throughput",
+            "controller.acceptance_staleness": -1,
+            "controller.pipeline_depth": 0,
+            "controller.consume_order": "freshest_first",
+        }
+    )
+    c = _costs(config, workers=2)
+    got = predict(config, c, WORKLOAD, workers=2, steps=40)
+    want = simulate_throughput(
+        40,
+        ThroughputCosts(group_s=c.group_s, verify_s=0.5, train_s=c.train_s, reload_s=c.reload_s),
+        StalenessPolicy(reload_staleness=1, acceptance_staleness=math.inf),
+        batch=8,
+        slots=8,
+        workers=2,
+        queue_cap=2 * 8 + 8,  # every worker's slots plus one batch
+        freshest_first=True,
+    )
+    assert got.seconds_per_update == want.seconds_per_update(4)
+    assert got.staleness == want.staleness_counts(4)
+    assert got.tokens_per_s == pytest.approx(64 * 40 / got.seconds_per_update)
+    # The trainer (9.6 s) is slower than two workers' 16 slots making 8 groups of 1.7 s.
+    assert got.bottleneck == "trainer" and got.trainer_busy > 0.9
