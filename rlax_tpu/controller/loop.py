@@ -799,6 +799,8 @@ class Controller:
             "updates/skipped": float(self.counters.updates_skipped),
             "groups/verifier_failed": float(self.counters.groups_verifier_failed),
         }
+        # The workers' load and generation seconds since the last step (the planner's costs).
+        scalars |= {f"pool/{k}": v for k, v in self.pool.take_times().items()}
         scalars |= {
             f"verdict/{k}": float(v) for k, v in groups_lib.verdict_counts(results).items() if v
         }

@@ -74,6 +74,7 @@ class WorkerPool:
         self._threads = cf.ThreadPoolExecutor(64, "gen")
         self._coordinator = cf.ThreadPoolExecutor(64, "gen-jobs")
         self.generated_tokens = 0
+        self._times = {"load_s": 0.0, "loads": 0.0, "generate_s": 0.0, "groups": 0.0}
         # Set by close(): a job waiting for a worker to come back gives up at once (a stopped
         # controller must not outlive its SIGTERM by the retry window).
         self._closing = threading.Event()
@@ -117,7 +118,7 @@ class WorkerPool:
             held = self._held[i]
             if held is None or held < version:
                 try:
-                    self.workers[i].load_weights(version)
+                    self._load(i, version)
                 except Exception as e:
                     self._held[i] = None
                     return self._fail(i, requests, [], e)
@@ -134,7 +135,7 @@ class WorkerPool:
             with epochs.load_lock:  # the epoch's first job loads its weights, the others wait
                 if self._held[i] != version:
                     try:
-                        self.workers[i].load_weights(version)
+                        self._load(i, version)
                     except Exception as e:
                         self._held[i] = None
                         return self._fail(i, requests, [], e)
@@ -142,6 +143,24 @@ class WorkerPool:
             return self._run(i, version, requests)
         finally:
             epochs.leave(ticket)
+
+    def _load(self, i: int, version: int) -> None:
+        t0 = time.perf_counter()
+        self.workers[i].load_weights(version)
+        self._count(load_s=time.perf_counter() - t0, loads=1.0)
+
+    def _count(self, **amounts: float) -> None:
+        with self._lock:
+            for k, v in amounts.items():
+                self._times[k] += v
+
+    def take_times(self) -> dict[str, float]:
+        """Since the last call: seconds the workers spent loading weights (``load_s``, over
+        ``loads`` loads) and generating (``generate_s``, summed over workers, for ``groups``
+        finished groups). The planner calibrates its costs on them."""
+        with self._lock:
+            out, self._times = self._times, dict.fromkeys(self._times, 0.0)
+        return out
 
     def _gather(self, version: int, futures: dict[int, cf.Future]) -> list[Rollout]:
         out: list[Rollout] = []
@@ -179,8 +198,10 @@ class WorkerPool:
         try:
             for _attempt in range(3):
                 by_key: dict[str, list[Rollout]] = {r.prompt_id: [] for r in todo}
+                t0 = time.perf_counter()
                 for ro in worker.generate(todo, version=version):
                     by_key[ro.prompt_id].append(ro)
+                self._count(generate_s=time.perf_counter() - t0)
                 again = []
                 for r in todo:
                     got = by_key[r.prompt_id]
@@ -190,6 +211,7 @@ class WorkerPool:
                         done += got
                         with self._lock:
                             self.generated_tokens += sum(len(ro.tokens) for ro in got)
+                            self._times["groups"] += 1
                 todo = again
                 if not todo:
                     return [], done, None

@@ -4,11 +4,17 @@ and the bottleneck of a config on a TPU layout, for one or several inference wor
     python -m rlax_tpu.plan --config=configs/codeforces.py:v5p --workers=8,16,32,64
     python -m rlax_tpu.plan --config=configs/codeforces.py:v5p --workers=32 \\
         --aot=benchmarks/aot/v5p-trainer-v5p_4x8x8.json,benchmarks/aot/v5p-inference-v5p_2x2x1.json
+    python -m rlax_tpu.plan --config=configs/codeforces.py:local --calibrate=runs/local \\
+        --workers=1,2,3,4 --parallel_workers=1
 
 --trainer_topology / --inference_topology   default: the config's topology.trainer_tpu / inference_tpu
 --workers=N[,N...]    inference workers (default: inference.num_workers)
 --aot=A.json[,B.json] the programs' reports (``python -m rlax_tpu.aot --json``) instead of
                       compiling them here (which needs libtpu and takes minutes for large models)
+--calibrate=RUN_DIR   the costs measured on a deterministic-mode run of this config (its
+                      metrics.jsonl) instead of the rooflines; no topology needed
+--parallel_workers=K  workers that generate at full speed at once (default 0: each has chips
+                      of its own; 1 for workers sharing this host's one inference core)
 --lengths=P,C         mean prompt and completion tokens (default: half of each budget)
 --efficiency=train=E,decode=E,prefill=E   measured time = roofline / efficiency (default 0.5 each)
 --pull_gbps / --server_gbps   a worker's pull bandwidth; a parameter-server replica's
@@ -35,6 +41,10 @@ flags.DEFINE_string("trainer_topology", None, "The trainer's TPU slice (default:
 flags.DEFINE_string("inference_topology", None, "A worker's TPU slice (default: the config's).")
 flags.DEFINE_list("workers", [], "Inference worker counts to plan for (default: the config's).")
 flags.DEFINE_list("aot", [], "JSON reports of python -m rlax_tpu.aot instead of compiling.")
+flags.DEFINE_string("calibrate", "", "A deterministic-mode run directory to measure costs on.")
+flags.DEFINE_float(
+    "parallel_workers", 0.0, "Workers that generate at full speed at once (0: all of them)."
+)
 flags.DEFINE_list("lengths", [], "Mean prompt and completion tokens: P,C.")
 flags.DEFINE_list("efficiency", [], "train=E,decode=E,prefill=E (fractions of the roofline).")
 flags.DEFINE_float("pull_gbps", 100.0, "A worker's pull bandwidth, Gbit/s.")
@@ -58,6 +68,8 @@ def run(config: RunConfig, args: list[str]) -> int:
             inference_topology=FLAGS.inference_topology or config.topology.inference_tpu,
             workers=FLAGS.workers,
             aot=FLAGS.aot,
+            calibrate=FLAGS.calibrate,
+            parallel_workers=FLAGS.parallel_workers,
             lengths=FLAGS.lengths,
             efficiency=FLAGS.efficiency,
             pull_gbps=FLAGS.pull_gbps,

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rlax_tpu.config import RunConfig
-from rlax_tpu.plan.costs import GBPS, Efficiency, Network, Roofline, Workload, plan_costs
+from rlax_tpu.plan.calibrate import describe, measure
+from rlax_tpu.plan.costs import (
+    GBPS,
+    Efficiency,
+    Network,
+    PlanCosts,
+    Roofline,
+    Workload,
+    plan_costs,
+)
 from rlax_tpu.plan.predict import Prediction, predict
 
 
@@ -92,6 +102,8 @@ def plan(
     inference_topology: str,
     workers: Sequence[str] = (),
     aot: Sequence[str] = (),
+    calibrate: str = "",
+    parallel_workers: float = 0.0,
     lengths: Sequence[str] = (),
     efficiency: Sequence[str] = (),
     pull_gbps: float = 100.0,
@@ -100,16 +112,86 @@ def plan(
     steps: int = 100,
 ) -> tuple[str, dict[str, Any]]:
     """The table and the JSON of the predictions (flags as ``__main__`` documents them)."""
+    counts = [int(n) for n in _floats(workers, "--workers")] or [config.inference.num_workers]
+    if min(counts) < 1:
+        raise PlanError("--workers: counts must be >= 1")
+    if parallel_workers < 0:
+        raise PlanError("--parallel_workers must be >= 0 (0: every worker on chips of its own)")
+    parallel = parallel_workers or float("inf")
+    if calibrate:
+        if aot or lengths or efficiency:
+            raise PlanError(
+                "--calibrate measures the costs on a run: --aot, --lengths and --efficiency "
+                "do not apply"
+            )
+        try:
+            measured = measure(calibrate, config)
+        except (OSError, ValueError) as e:
+            raise PlanError(f"--calibrate: {e}") from None
+        workload = measured.workload
+        verify = measured.verify_s if verify_s is None else verify_s
+
+        def cost_of(n: int) -> PlanCosts:
+            c = measured.costs(config, workers=n, parallel_workers=parallel)
+            return dataclasses.replace(c, verify_s=verify)
+
+        source: dict[str, Any] = {"calibrated_on": str(calibrate)} | describe(measured)
+    else:
+        cost_of, workload, verify, source = _from_rooflines(
+            config,
+            trainer_topology=trainer_topology,
+            inference_topology=inference_topology,
+            aot=aot,
+            lengths=lengths,
+            efficiency=efficiency,
+            pull_gbps=pull_gbps,
+            server_gbps=server_gbps,
+            verify_s=verify_s,
+            parallel=parallel,
+        )
+    predictions: list[Prediction] = []
+    for n in counts:
+        try:
+            predictions.append(predict(config, cost_of(n), workload, workers=n, steps=steps))
+        except (KeyError, ValueError) as e:
+            raise PlanError(str(e).strip("'\"")) from None
+    assumptions = source | {
+        "mode": config.controller.mode,
+        "prompt_tokens": workload.prompt,
+        "completion_tokens": workload.completion,
+        "verify_s": verify,
+        "parallel_workers": parallel_workers or "every worker on its own chips",
+        "evaluations": "not modelled",
+    }
+    return format_table(predictions, assumptions, config), {
+        "preset": config.preset,
+        "assumptions": assumptions,
+        "predictions": [p.to_dict() for p in predictions],
+    }
+
+
+def _from_rooflines(
+    config: RunConfig,
+    *,
+    trainer_topology: str,
+    inference_topology: str,
+    aot: Sequence[str],
+    lengths: Sequence[str],
+    efficiency: Sequence[str],
+    pull_gbps: float,
+    server_gbps: float,
+    verify_s: float | None,
+    parallel: float,
+) -> tuple[Callable[[int], PlanCosts], Workload, float, dict[str, Any]]:
+    """Costs from the AOT programs' rooflines: (costs of N workers, workload, verify_s, the
+    assumptions)."""
     from rlax_tpu.trainer.aot import micro_batch_shape
 
     if not trainer_topology or not inference_topology:
         raise PlanError(
             "the config names no TPU topology (topology.trainer_tpu / inference_tpu): pass "
-            "--trainer_topology and --inference_topology"
+            "--trainer_topology and --inference_topology, or --calibrate=RUN_DIR"
         )
-    counts = [int(n) for n in _floats(workers, "--workers")] or [config.inference.num_workers]
-    if min(counts) < 1:
-        raise PlanError("--workers: counts must be >= 1")
     if lengths:
         if len(lengths) != 2:
             raise PlanError("--lengths: PROMPT,COMPLETION expected")
@@ -128,41 +210,30 @@ def plan(
     roofline = read_reports(aot, topologies) if aot else compile_roofline(config, topologies)
     rows, columns, _ = micro_batch_shape(config)
     verify = config.verifiers.time_limit_s if verify_s is None else verify_s
-    predictions: list[Prediction] = []
-    for n in counts:
-        try:
-            costs = plan_costs(
-                config,
-                roofline,
-                workload=workload,
-                efficiency=eff,
-                network=network,
-                workers=n,
-                compiled_rows=rows,
-                compiled_columns=columns,
-                verify_s=verify,
-            )
-            predictions.append(predict(config, costs, workload, workers=n, steps=steps))
-        except (KeyError, ValueError) as e:
-            raise PlanError(str(e).strip("'\"")) from None
-    assumptions = {
+
+    def cost_of(n: int) -> PlanCosts:
+        c = plan_costs(
+            config,
+            roofline,
+            workload=workload,
+            efficiency=eff,
+            network=network,
+            workers=n,
+            compiled_rows=rows,
+            compiled_columns=columns,
+            verify_s=verify,
+        )
+        return dataclasses.replace(c, group_s=c.group_s * max(1.0, n / parallel))
+
+    source = {
         "trainer_topology": trainer_topology,
         "inference_topology": inference_topology,
-        "mode": config.controller.mode,
-        "prompt_tokens": workload.prompt,
-        "completion_tokens": workload.completion,
         "efficiency": {"train": eff.train, "decode": eff.decode, "prefill": eff.prefill},
         "pull_gbps": pull_gbps,
         "server_gbps": server_gbps,
         "param_server_replicas": config.param_server.replicas,
-        "verify_s": verify,
-        "evaluations": "not modelled",
     }
-    return format_table(predictions, assumptions, config), {
-        "preset": config.preset,
-        "assumptions": assumptions,
-        "predictions": [p.to_dict() for p in predictions],
-    }
+    return cost_of, workload, verify, source
 
 
 def format_table(
@@ -170,16 +241,28 @@ def format_table(
 ) -> str:
     c = predictions[0].costs
     g, rows = config.algorithm.group_size, config.inference.max_concurrent_seqs
-    lines = [
+    lines: list[str] = [
         "assumptions: "
-        + ", ".join(f"{k} {v}" for k, v in assumptions.items() if not isinstance(v, dict))
-        + ", efficiency "
-        + ", ".join(f"{k} {v}" for k, v in assumptions["efficiency"].items()),
-        f"per update: train {c.train_s:.2f} s (update {c.detail['update_s']:.2f} s over "
-        f"{c.detail['micro_batches']:.0f} micro-batches, push {c.detail['push_s']:.2f} s of "
-        f"{c.version_bytes / 2**30:.2f} GiB); per group: {c.group_s:.2f} s on a worker "
-        f"({c.slots} at once, decode step {1e3 * c.detail['decode_step_s']:.2f} ms)",
+        + ", ".join(
+            f"{k} {v}"
+            if not isinstance(v, dict)
+            else f"{k} " + ", ".join(f"{a} {b}" for a, b in v.items())
+            for k, v in assumptions.items()
+        ),
     ]
+    if "groups_per_s" in c.detail:
+        lines.append(
+            f"measured: train {c.train_s:.2f} s an update, verify {c.verify_s:.2f} s, a load "
+            f"{c.reload_s:.2f} s, a worker {c.detail['groups_per_s']:.3f} groups/s ({c.slots} "
+            "at once)"
+        )
+    else:
+        lines.append(
+            f"per update: train {c.train_s:.2f} s (update {c.detail['update_s']:.2f} s over "
+            f"{c.detail['micro_batches']:.0f} micro-batches, push {c.detail['push_s']:.2f} s of "
+            f"{c.version_bytes / 2**30:.2f} GiB); per group: {c.group_s:.2f} s on a worker "
+            f"({c.slots} at once, decode step {1e3 * c.detail['decode_step_s']:.2f} ms)"
+        )
     if c.slots * g < rows - g + 1:
         lines.append(
             f"note: a worker's KV pages hold {c.slots} group(s) of {g} at these lengths, "

@@ -176,3 +176,23 @@ def test_a_sessions_requests_go_to_the_worker_of_its_first_and_reuse_its_pages(w
         assert len(got) == 8 and pool.live == [1]
     finally:
         pool.close()
+
+
+def test_the_pool_counts_its_loads_and_generation_since_the_last_take(workers):
+    """What the planner calibrates on: loads happen once per worker and version, every
+    finished group is counted once, and a take resets the counters."""
+    pool = WorkerPool(workers)
+    try:
+        pool.submit(0, requests(6)).result()
+        first = pool.take_times()
+        pool.submit(0, requests(4)).result()  # the workers hold version 0 already
+        second = pool.take_times()
+        pool.submit(1, requests(2)).result()
+        third = pool.take_times()
+    finally:
+        pool.close()
+    assert (first["loads"], first["groups"]) == (2, 6) and first["load_s"] > 0
+    assert (second["loads"], second["load_s"], second["groups"]) == (0, 0, 4)
+    assert (third["loads"], third["groups"]) == (2, 2)
+    assert all(t["generate_s"] > 0 for t in (first, second, third))
+    assert pool.take_times() == dict.fromkeys(first, 0.0)

@@ -1,0 +1,113 @@
+"""Costs measured on a run (``--calibrate=RUN_DIR``): what the planner's pieces took there.
+
+From the run's per-step metrics, after ``skip`` warm-up steps (compiles):
+
+* train_s: the median ``time/train`` (π_old, the update, the publish and push);
+* verify_s: the median ``time/verify`` (a step's slowest group, after its generation);
+* reload_s: ``pool/load_s`` over ``pool/loads``, every load of every worker;
+* a worker's generation rate: ``pool/groups`` over ``pool/generate_s`` (groups per second of
+  a worker's generation calls). With ``slots`` groups at once (the config's decode rows or KV
+  pages, as on a TPU), a group takes slots / rate.
+* lengths: the mean completion (``rollout/length_mean``) and prompt tokens of a rollout.
+
+The run must be in deterministic mode: its jobs hold a worker alone, so the seconds of the
+workers' calls add up to their busy time (in throughput mode jobs share a worker's engine and
+their calls overlap).
+
+Workers that share one machine (this host's CPU cores) do not each generate at that rate:
+``parallel_workers`` says how many can at once, and with N workers each group takes
+max(1, N / parallel_workers) times longer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from pathlib import Path
+from typing import Any
+
+from rlax_tpu.config import RunConfig
+from rlax_tpu.observability.metrics import read_metrics
+from rlax_tpu.plan.costs import PlanCosts, Workload, version_bytes, worker_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A deterministic run's pieces (module docstring)."""
+
+    steps: int  # the steps measured (after the warm-up)
+    train_s: float
+    verify_s: float
+    reload_s: float
+    groups_per_s: float  # one worker's generation rate
+    workload: Workload
+
+    def costs(
+        self,
+        config: RunConfig,
+        *,
+        workers: int,
+        parallel_workers: float,
+        backend: str = "cpu",
+    ) -> PlanCosts:
+        """The planner's costs with ``workers`` workers, ``parallel_workers`` of which generate
+        at the measured rate at once."""
+        slots = worker_slots(config, self.workload, backend)
+        share = max(1.0, workers / parallel_workers)
+        return PlanCosts(
+            train_s=self.train_s,
+            group_s=slots / self.groups_per_s * share,
+            slots=slots,
+            reload_s=self.reload_s,
+            verify_s=self.verify_s,
+            version_bytes=version_bytes(config),
+            detail={
+                "measured_steps": float(self.steps),
+                "groups_per_s": self.groups_per_s,
+                "worker_share": share,
+            },
+        )
+
+
+def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measured:
+    """The pieces of the run in ``run_dir`` (made with ``config``'s batch shape). Raises
+    ValueError when it has too few steps or was not in deterministic mode."""
+    steps = [r["scalars"] for r in read_metrics(run_dir) if "time/train" in r.get("scalars", {})]
+    if not steps:
+        raise ValueError(f"{run_dir}: no training steps in its metrics")
+    if any("groups/queued" in s for s in steps):
+        raise ValueError(
+            f"{run_dir} ran in throughput mode: its jobs share a worker's engine, so their "
+            "generation seconds overlap; calibrate on a deterministic-mode run"
+        )
+    if any("pool/groups" not in s for s in steps):
+        raise ValueError(f"{run_dir}: its metrics have no pool/ times (a run before the planner)")
+    steady = steps[skip:]
+    if len(steady) < 2:
+        raise ValueError(f"{run_dir}: {len(steps)} steps; calibrating needs at least {skip + 2}")
+
+    def total(key: str) -> float:
+        return sum(s[key] for s in steady)
+
+    if total("pool/groups") <= 0 or total("pool/generate_s") <= 0:
+        raise ValueError(f"{run_dir}: no generation measured after step {skip}")
+    loads = total("pool/loads")
+    rollouts = config.rollouts_per_step
+    prompt = statistics.mean(
+        (s["trainer/sequence_tokens"] - s["trainer/completion_tokens"]) / rollouts for s in steady
+    )
+    return Measured(
+        steps=len(steady),
+        train_s=statistics.median(s["time/train"] for s in steady),
+        verify_s=statistics.median(s["time/verify"] for s in steady),
+        reload_s=total("pool/load_s") / loads if loads else 0.0,
+        groups_per_s=total("pool/groups") / total("pool/generate_s"),
+        workload=Workload(
+            prompt=max(1.0, prompt),
+            completion=max(1.0, statistics.mean(s["rollout/length_mean"] for s in steady)),
+        ),
+    )
+
+
+def describe(m: Measured) -> dict[str, Any]:
+    return dataclasses.asdict(m) | {"workload": dataclasses.asdict(m.workload)}

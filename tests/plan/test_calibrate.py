@@ -1,0 +1,79 @@
+"""Costs measured on a run's metrics, and plans made from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlax_tpu.observability.metrics import MetricsWriter
+from rlax_tpu.plan.calibrate import measure
+from rlax_tpu.plan.command import PlanError, plan
+from tests.config.test_validation import build
+
+
+def _step(i: int, **extra: float) -> dict[str, float]:
+    """Step i of a made-up deterministic run of the local preset (64 rollouts a step)."""
+    return {
+        "time/train": 2.0 + (i % 3),  # 2, 3, 4, 2, 3, 4, ...
+        "time/verify": 0.5,
+        "pool/load_s": 0.3,
+        "pool/loads": 1.0,
+        "pool/generate_s": 4.0,
+        "pool/groups": 8.0,
+        "rollout/length_mean": 30.0 + i,
+        "trainer/sequence_tokens": 64 * 100.0 + 64 * 30,
+        "trainer/completion_tokens": 64 * 30.0,
+    } | extra
+
+
+def _run(tmp_path, steps: int = 7, **extra: float):  # noqa: ANN003, ANN202
+    writer = MetricsWriter(tmp_path)
+    for i in range(steps):
+        writer.write(i + 1, _step(i, **extra))
+        writer.write(i + 1, {"eval/pass@1": 0.5})  # an evaluation record: not a step
+    writer.close()
+    return tmp_path
+
+
+def test_the_pieces_are_the_runs_steps_after_the_warm_up(tmp_path):
+    m = measure(_run(tmp_path), build({}), skip=2)
+    # Steps 3..7: train 4, 2, 3, 4, 2 -> median 3; 40 groups in 20 s of generation calls.
+    assert (m.steps, m.train_s, m.verify_s, m.reload_s) == (5, 3.0, 0.5, 0.3)
+    assert m.groups_per_s == 2.0
+    assert m.workload.prompt == 100 and m.workload.completion == 34  # mean of 32..36
+    c = m.costs(build({}), workers=3, parallel_workers=1)
+    # The local preset's 64 rows hold 8 groups of 8: a group holds its slot 8 / 2 s, three
+    # times longer when three workers share one worker's speed.
+    assert (c.slots, c.group_s) == (8, 12.0)
+    assert m.costs(build({}), workers=3, parallel_workers=float("inf")).group_s == 4.0
+
+
+def test_runs_that_cannot_be_measured_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="throughput mode"):
+        measure(_run(tmp_path / "a", **{"groups/queued": 3.0}), build({}))
+    with pytest.raises(ValueError, match="at least 4"):
+        measure(_run(tmp_path / "b", steps=3), build({}))
+    with pytest.raises(ValueError, match="no training steps"):
+        measure(tmp_path / "missing", build({}))
+
+
+def test_a_calibrated_plan_of_one_worker_predicts_the_measured_step(tmp_path):
+    """Lock-step on-policy (d = 0): an update every load + generation + verify + train, the
+    identity the calibration must keep on the run it came from."""
+    config = build({"controller.pipeline_depth": 0, "controller.acceptance_staleness": 0})
+    _, out = plan(
+        config,
+        trainer_topology="",
+        inference_topology="",
+        calibrate=str(_run(tmp_path)),
+        workers=["1", "2"],
+        parallel_workers=1,
+        steps=20,
+    )
+    one, two = out["predictions"]
+    # 8 groups at 2 groups/s = 4 s, a load 0.3 s, verify 0.5 s, train 3 s.
+    assert one["seconds_per_update"] == pytest.approx(7.8)
+    # Two workers sharing one's speed: each makes 4 groups in 4 s and loads; no faster.
+    assert two["seconds_per_update"] == pytest.approx(7.8)
+    assert out["assumptions"]["calibrated_on"] == str(tmp_path)
+    with pytest.raises(PlanError, match="do not apply"):
+        plan(config, trainer_topology="", inference_topology="", calibrate="x", aot=["y"])
