@@ -212,3 +212,32 @@ def test_a_scanned_trainer_over_two_slices_counts_every_layer_at_half_the_rows_p
 
 def _programs(reports: dict, name: str) -> dict[str, dict]:
     return {p["name"]: p for p in reports[name][2]["programs"]}
+
+
+def test_the_planner_plans_from_the_checks_own_report(reports, tmp_path):
+    """``python -m rlax_tpu.plan --aot`` on the local preset's real report: the decode step
+    and the update are the report's rooflines over the efficiency factors."""
+    from rlax_tpu.plan.command import plan
+    from tests.config.test_validation import build
+
+    _, _, report = reports["local"]
+    path = tmp_path / "local.json"
+    path.write_text(json.dumps(report))
+    config = build({"inference.max_concurrent_seqs": 8})
+    _, out = plan(
+        config,
+        trainer_topology="v5e:2x2",
+        inference_topology="v5e:2x2",
+        aot=[str(path)],
+        efficiency=["train=0.25", "decode=0.5", "prefill=0.5"],
+        workers=["1", "2"],
+        steps=12,
+    )
+    roofline = {p["name"]: p["roofline_s"] for p in report["programs"]}
+    costs = out["predictions"][0]["costs"]
+    assert costs["detail"]["decode_step_s"] == pytest.approx(roofline["inference.decode"] / 0.5)
+    # 64 rollouts of 128 + 24 tokens in micro-batches of 16 x 304 columns: 4 half-full ones.
+    per_micro = roofline["trainer.accumulate"] + roofline["trainer.prefill_old"]
+    fixed = roofline["trainer.prepare"] + roofline["trainer.apply"] + roofline["trainer.publish"]
+    assert costs["detail"]["update_s"] == pytest.approx((fixed + 4 * 0.5 * per_micro) / 0.25)
+    assert [p["workers"] for p in out["predictions"]] == [1, 2]

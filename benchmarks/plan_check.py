@@ -1,0 +1,176 @@
+"""The planner against reality on this machine: predicted vs measured seconds per update and
+staleness, for 1-4 inference workers in both modes.
+
+    .venv/bin/python benchmarks/plan_check.py [--workers 1 2 3 4] [--steps 16] [--skip 4]
+
+Runs the main job (local transport, ``configs/codeforces.py:local`` with the workload of
+``benchmarks/async_speedup.py``: 8 prompts x 8 samples, up to 96 new tokens, a 150-step warm-up
+so that programs run and rewards vary) once to calibrate (deterministic, on-policy lock-step,
+one worker) and then once per mode and worker count:
+
+* ``deterministic``: pipeline depth 1, η_r = 1, η_a = 1 (one-step off-policy);
+* ``throughput``: η_r = 1, η_a = 2, oldest first.
+
+The topology is the CPU stand-in of separate accelerators (as in ``async_speedup.py``): the trainer
+in a child process on CPU 1, the controller's process (the in-process workers, the verifier and its
+sandboxes) on CPU 0, single-threaded XLA ops. So the workers share one core:
+``--parallel_workers=1`` tells the planner.
+
+For each run: measured seconds per update (the mean interval between update records after
+``--skip``), predicted by ``python -m rlax_tpu.plan --calibrate=<the calibration run>`` for that
+config, and the staleness of the groups trained after ``--skip`` from the run's ledger against the
+plan's. Writes ``benchmarks/plan_check.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+MODES = {
+    "calibration": {"mode": "deterministic", "pipeline_depth": 0, "acceptance_staleness": 0},
+    "deterministic": {"mode": "deterministic", "pipeline_depth": 1, "acceptance_staleness": 1},
+    "throughput": {"mode": "throughput", "pipeline_depth": 0, "acceptance_staleness": 2},
+}
+
+
+def build_config(mode: str, workers: int, steps: int, run_dir: str):  # noqa: ANN201
+    from configs.codeforces import get_config
+    from rlax_tpu.config import RunConfig, from_dict
+
+    cfg = get_config("local")
+    cfg.controller.update(
+        run_dir=run_dir,
+        num_steps=steps,
+        prompts_per_step=8,
+        reload_staleness=1,
+        warmup_steps=150,
+        seed=0,
+        trainer_process=True,
+        trainer_cpus=(1,),
+        **MODES[mode],
+    )
+    cfg.algorithm.group_size = 8
+    cfg.inference.update(max_new_tokens=96, num_workers=workers)
+    cfg.trainer.update(micro_batch_size=4, length_bucket=64, precompile=True)
+    cfg.verifiers.workers = 1
+    cfg.data.update(eval_problems=1, eval_samples=1)
+    return from_dict(RunConfig, cfg)
+
+
+def child(args: argparse.Namespace) -> None:
+    from rlax_tpu.controller.app import run_job
+
+    config = build_config(args.child, args.child_workers, args.steps, args.run_dir)
+    with open(Path(args.run_dir).parent / f"{Path(args.run_dir).name}.log", "w") as log:
+        run_job(config, stream=log)
+
+
+def measured(run_dir: Path, skip: int) -> dict:
+    from rlax_tpu.observability.metrics import read_metrics
+
+    steps = {r["step"]: r for r in read_metrics(run_dir) if "time/train" in r["scalars"]}
+    n = max(steps)
+    intervals = [steps[k]["wall_time"] - steps[k - 1]["wall_time"] for k in range(skip + 1, n + 1)]
+    stale: dict[int, int] = {}
+    for path in sorted((run_dir / "ledger").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("state") == "trained" and rec["trained_at"] >= skip:
+                s = rec["trained_at"] - rec["version"]
+                stale[s] = stale.get(s, 0) + 1
+    return {
+        "steps": n,
+        "seconds_per_update": statistics.fmean(intervals),
+        "staleness": dict(sorted(stale.items())),
+    }
+
+
+def predicted(mode: str, workers: int, steps: int, calibration: Path) -> dict:
+    from rlax_tpu.plan.command import plan
+
+    config = build_config(mode, workers, steps, str(calibration))
+    _, out = plan(
+        config,
+        trainer_topology="",
+        inference_topology="",
+        calibrate=str(calibration),
+        workers=[str(workers)],
+        parallel_workers=1,
+    )
+    return out["predictions"][0] | {"assumptions": out["assumptions"]}
+
+
+def mean_staleness(counts: dict) -> float:
+    n = sum(counts.values())
+    return sum(int(k) * v for k, v in counts.items()) / n if n else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--modes", nargs="+", default=["deterministic", "throughput"])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--skip", type=int, default=4, help="first updates left out (compiles)")
+    parser.add_argument("--out", default=str(HERE / "plan_check.json"))
+    parser.add_argument("--keep", default="", help="copy the run directories here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-workers", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    if (os.cpu_count() or 1) < 2:
+        raise SystemExit("needs 2 CPUs: the trainer on one, the workers on the other")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + SINGLE_THREAD).strip()
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="rlax-plan-"))
+    runs = [("calibration", 1)] + [(m, n) for m in args.modes for n in args.workers]
+    rows, out = [], {"workload": "benchmarks/async_speedup.py's", "runs": []}
+    for mode, n in runs:
+        run_dir = root / f"{mode}-{n}"
+        argv = [sys.executable, __file__, "--child", mode, "--child-workers", str(n)]
+        argv += ["--steps", str(args.steps), "--run-dir", str(run_dir)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            argv, cwd=REPO, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {0})
+        )
+        if proc.returncode:
+            log = root / f"{mode}-{n}.log"
+            print(log.read_text()[-4000:] if log.exists() else "(no log)")
+            raise SystemExit(f"{mode} with {n} workers failed: exit code {proc.returncode}")
+        got = measured(run_dir, args.skip)
+        want = predicted(mode, n, args.steps, root / "calibration-1")
+        error = want["seconds_per_update"] / got["seconds_per_update"] - 1
+        out["runs"].append(
+            {"mode": mode, "workers": n, "wall_s": time.perf_counter() - t0}
+            | {"measured": got, "predicted": want, "error": error}
+        )
+        rows.append(
+            f"| {mode} | {n} | {got['seconds_per_update']:.2f} | {want['seconds_per_update']:.2f} "
+            f"| {100 * error:+.0f}% | {mean_staleness(got['staleness']):.2f} "
+            f"| {mean_staleness(want['staleness']):.2f} | {want['bottleneck']} |"
+        )
+        print(rows[-1], flush=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    print(
+        "| mode | workers | measured s/update | predicted | error | measured staleness (mean) "
+        "| predicted | predicted bottleneck |\n|" + "---|" * 8
+    )
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
