@@ -6,16 +6,19 @@ from typing import Literal
 
 from rlax_tpu.config.checks import bad, frozen, non_negative, positive
 
+# Families whose MLPs are experts.
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 # The projections LoRA adapters may sit beside (their parameter names in models/layers.py).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @frozen
 class ModelConfig:
-    """Decoder-only transformer (Llama / Qwen2 / Qwen3 families)."""
+    """Decoder-only transformer (Llama / Qwen2 / Qwen3 families; Qwen3-MoE and Mixtral experts)."""
 
     # Family: tensor names, biases and norms follow it.
-    arch: Literal["llama", "qwen2", "qwen3"] = "llama"
+    arch: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "llama"
     vocab_size: int = 512  # tokens in the vocabulary (embedding rows)
     hidden_size: int = 128  # model width
     intermediate_size: int = 384  # MLP hidden width
@@ -56,6 +59,14 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank
     lora_targets: tuple[str, ...] = LORA_TARGETS  # projections that get an adapter
+    # Mixture of experts: every layer's MLP is num_experts SwiGLU experts (qwen3_moe and
+    # mixtral need them; 0: a dense MLP in every layer).
+    num_experts: int = 0
+    experts_per_token: int = 2  # experts a token goes to: those of highest router softmax
+    expert_intermediate_size: int = 0  # an expert's MLP width; 0: intermediate_size
+    # The chosen experts' weights renormalized to sum to 1 (Mixtral always; Qwen3-MoE's config);
+    # False: the router's softmax probabilities as they are.
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         positive(
@@ -70,8 +81,16 @@ class ModelConfig:
             "max_position_embeddings",
             "rms_norm_eps",
         )
-        non_negative(self, "head_dim", "lora_rank")
+        non_negative(self, "head_dim", "lora_rank", "num_experts", "expert_intermediate_size")
         positive(self, "lora_alpha")
+        if self.arch in MOE_ARCHS and not self.num_experts:
+            raise bad(self, "num_experts", f"must be > 0 for arch {self.arch!r}")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise bad(
+                self, "experts_per_token", f"must be in [1, num_experts = {self.num_experts}]"
+            )
+        if self.num_experts and self.lora_rank:
+            raise bad(self, "lora_rank", "LoRA on mixture-of-experts models is not built yet")
         unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
         if unknown or not self.lora_targets:
             raise bad(self, "lora_targets", f"must name some of {list(LORA_TARGETS)}")
@@ -133,13 +152,23 @@ class ModelConfig:
         """Parameters of the base model (arithmetic on the config; no weights are read)."""
         h, hd = self.hidden_size, self.resolved_head_dim
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
-        layer = sum(a * b for a, b in self.projection_shapes().values()) + 2 * h
+        shapes = self.projection_shapes()
+        layer = sum(a * b for name, (a, b) in shapes.items() if name in ATTENTION) + 2 * h
+        if self.num_experts:
+            f = self.resolved_expert_intermediate_size
+            layer += self.num_experts * 3 * h * f + h * self.num_experts  # experts + router
+        else:
+            layer += sum(a * b for name, (a, b) in shapes.items() if name not in ATTENTION)
         if self.qkv_bias:
             layer += q + 2 * kv
         if self.qk_norm:
             layer += 2 * hd
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * layer + embeddings + h
+
+    @property
+    def resolved_expert_intermediate_size(self) -> int:
+        return self.expert_intermediate_size or self.intermediate_size
 
     def adapter_count(self) -> int:
         """Parameters of the LoRA adapters (A: in x rank, B: rank x out per target and layer)."""

@@ -78,15 +78,23 @@ def build_model(
     dtype = _NP_DTYPES[cfg.param_dtype]
     mappings = tensor_mappings(cfg)
     if names is not None:
-        _check_all_used(cfg, get, source, names, {m.hf_name for m in mappings})
+        _check_all_used(cfg, get, source, names, {n for m in mappings for n in m.hf_names})
     for m in mappings:
-        host = get(m.hf_name)
-        _check_shape(source, m, None if host is None else tuple(host.shape))
         var = flat[m.path]
-        value = np.asarray(m.to_model(host)).astype(dtype)
+        value = _host_value(m, get, source).astype(dtype)
         flat[m.path] = var.replace(_to_device(value, var, mesh))
     _init_adapters(cfg, flat, mesh)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _host_value(m: TensorMapping, get: TensorGetter, source: str) -> np.ndarray:
+    """The parameter's value from its HF tensor (or, for experts, its HF tensors stacked)."""
+    parts = []
+    for name in m.hf_names:
+        host = get(name)
+        _check_shape(source, m, None if host is None else tuple(host.shape), name)
+        parts.append(np.asarray(m.to_model(host)))
+    return np.stack(parts) if m.experts else parts[0]
 
 
 def _init_adapters(cfg: ModelConfig, flat: dict, mesh: Mesh | None) -> None:
@@ -97,12 +105,15 @@ def _init_adapters(cfg: ModelConfig, flat: dict, mesh: Mesh | None) -> None:
             flat[path] = var.replace(_to_device(value, var, mesh))
 
 
-def _check_shape(source: str, m: TensorMapping, shape: tuple[int, ...] | None) -> None:
+def _check_shape(
+    source: str, m: TensorMapping, shape: tuple[int, ...] | None, name: str | None = None
+) -> None:
+    name = name or m.hf_name
     if shape is None:
-        raise ModelLoadError(source, f"tensor {m.hf_name!r} is missing from the checkpoint")
+        raise ModelLoadError(source, f"tensor {name!r} is missing from the checkpoint")
     if shape != m.hf_shape:
         raise ModelLoadError(
-            source, f"tensor {m.hf_name!r} has shape {shape}, the config expects {m.hf_shape}"
+            source, f"tensor {name!r} has shape {shape}, the config expects {m.hf_shape}"
         )
 
 
@@ -149,6 +160,9 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     out = {}
     for m in tensor_mappings(model.cfg):
         w = np.asarray(jax.device_get(flat[m.path][...]))
+        if m.experts:  # no LoRA on experts (ModelConfig refuses it)
+            out.update({n: m.to_hf(w[j]) for j, n in enumerate(m.hf_names)})
+            continue
         a_path = (*m.path[:-1], m.path[-1].removesuffix("_proj") + "_lora", "a")
         if a_path in flat:
             a = np.asarray(jax.device_get(flat[a_path][...]), np.float32)
@@ -410,10 +424,15 @@ def _build_remote(
     flat = dict(nnx.to_flat_state(state))
     dtype = _NP_DTYPES[cfg.param_dtype]
     mappings = tensor_mappings(cfg)
-    _check_all_used(cfg, reader.get, source, reader.file_of.keys(), {m.hf_name for m in mappings})
+    mapped = {n for m in mappings for n in m.hf_names}
+    _check_all_used(cfg, reader.get, source, reader.file_of.keys(), mapped)
     for m in mappings:
-        _check_shape(source, m, reader.shape(m.hf_name))
         var = flat[m.path]
+        if m.experts:  # each expert's tensor whole on every host, stacked
+            value = _host_value(m, reader.get, source).astype(dtype)
+            flat[m.path] = var.replace(_to_device(value, var, mesh))
+            continue
+        _check_shape(source, m, reader.shape(m.hf_name))
         flat[m.path] = var.replace(_place_remote(reader, m, var, mesh, dtype))
     _init_adapters(cfg, flat, mesh)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -21,6 +21,14 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+# Where a MoE layer's router and experts sit in each family's checkpoints: (module prefix,
+# router, expert gate / up / down projection names).
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
 }
 _ROPE_TYPES = {
     "default": "none",
@@ -35,11 +43,22 @@ Path = tuple[str | int, ...]
 
 @dataclasses.dataclass(frozen=True)
 class TensorMapping:
+    """One parameter and its HF tensor; with ``experts`` > 0 the parameter stacks that many HF
+    tensors on a leading axis, ``hf_name`` a template with ``{j}`` for the expert and
+    ``hf_shape``, ``to_model``, ``to_hf`` of one of them."""
+
     hf_name: str
     path: Path  # path of the nnx.Param in the model's state
     hf_shape: tuple[int, ...]
     to_model: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    experts: int = 0
+
+    @property
+    def hf_names(self) -> list[str]:
+        if not self.experts:
+            return [self.hf_name]
+        return [self.hf_name.format(j=j) for j in range(self.experts)]
 
 
 def _same(x: np.ndarray) -> np.ndarray:
@@ -52,7 +71,7 @@ def _transpose(x: np.ndarray) -> np.ndarray:
 
 def tensor_mappings(cfg: ModelConfig) -> list[TensorMapping]:
     """Every parameter of a model built from ``cfg``, with its HF name and layout."""
-    e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    e, v = cfg.hidden_size, cfg.vocab_size
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
 
     def qkv(heads: int) -> tuple[Callable, Callable]:
@@ -95,24 +114,8 @@ def tensor_mappings(cfg: ModelConfig) -> list[TensorMapping]:
                 lambda w: np.ascontiguousarray(w.T.reshape(h, d, e)),
                 lambda w: np.ascontiguousarray(w.reshape(h * d, e).T),
             ),
-            TensorMapping(
-                p + "mlp.gate_proj.weight",
-                layer + ("mlp", "gate_proj"),
-                (f, e),
-                _transpose,
-                _transpose,
-            ),
-            TensorMapping(
-                p + "mlp.up_proj.weight", layer + ("mlp", "up_proj"), (f, e), _transpose, _transpose
-            ),
-            TensorMapping(
-                p + "mlp.down_proj.weight",
-                layer + ("mlp", "down_proj"),
-                (e, f),
-                _transpose,
-                _transpose,
-            ),
         ]
+        out += _moe_mappings(cfg, p, layer) if cfg.num_experts else _mlp_mappings(cfg, p, layer)
         if cfg.qkv_bias:
             for name, heads in (("q", h), ("k", hkv), ("v", hkv)):
                 out.append(
@@ -140,6 +143,85 @@ def tensor_mappings(cfg: ModelConfig) -> list[TensorMapping]:
                     )
                 )
     return out
+
+
+def _mlp_mappings(cfg: ModelConfig, p: str, layer: Path) -> list[TensorMapping]:
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    return [
+        TensorMapping(
+            p + "mlp.gate_proj.weight", layer + ("mlp", "gate_proj"), (f, e), _transpose, _transpose
+        ),
+        TensorMapping(
+            p + "mlp.up_proj.weight", layer + ("mlp", "up_proj"), (f, e), _transpose, _transpose
+        ),
+        TensorMapping(
+            p + "mlp.down_proj.weight", layer + ("mlp", "down_proj"), (e, f), _transpose, _transpose
+        ),
+    ]
+
+
+def _moe_mappings(cfg: ModelConfig, p: str, layer: Path) -> list[TensorMapping]:
+    e, f, x = cfg.hidden_size, cfg.resolved_expert_intermediate_size, cfg.num_experts
+    module, router, (gate, up, down) = _MOE_NAMES[cfg.arch]
+    q = f"{p}{module}."
+    mlp = layer + ("mlp",)
+    return [
+        TensorMapping(f"{q}{router}.weight", mlp + ("router",), (x, e), _transpose, _transpose),
+        TensorMapping(
+            q + "experts.{j}." + gate + ".weight",
+            mlp + ("gate_proj",),
+            (f, e),
+            _transpose,
+            _transpose,
+            x,
+        ),
+        TensorMapping(
+            q + "experts.{j}." + up + ".weight",
+            mlp + ("up_proj",),
+            (f, e),
+            _transpose,
+            _transpose,
+            x,
+        ),
+        TensorMapping(
+            q + "experts.{j}." + down + ".weight",
+            mlp + ("down_proj",),
+            (e, f),
+            _transpose,
+            _transpose,
+            x,
+        ),
+    ]
+
+
+def _moe_from_hf(hf: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The MoE fields of a qwen3_moe / mixtral config.json (refusing what the model lacks)."""
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise ModelLoadError(
+            source,
+            "dense layers among the MoE layers (decoder_sparse_step, mlp_only_layers) "
+            "are not supported: every layer must be MoE",
+        )
+    if hf.get("sliding_window") and model_type == "mixtral":
+        raise ModelLoadError(
+            source, "field 'sliding_window' is set: sliding-window attention is not supported"
+        )
+    if hf.get("router_jitter_noise"):
+        raise ModelLoadError(source, "field 'router_jitter_noise' > 0 is not supported")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ModelLoadError(source, "shared experts are not supported")
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if not experts:
+        raise ModelLoadError(
+            source, "required field 'num_experts' (or 'num_local_experts') is missing"
+        )
+    return dict(
+        num_experts=experts,
+        experts_per_token=hf.get("num_experts_per_tok", 2),
+        expert_intermediate_size=hf.get("moe_intermediate_size") or 0,
+        # Mixtral renormalizes the chosen experts' weights always; Qwen3-MoE when configured.
+        norm_topk_prob=model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+    )
 
 
 def config_from_hf(hf: Mapping[str, Any], source: str, **overrides: Any) -> ModelConfig:
@@ -176,9 +258,11 @@ def config_from_hf(hf: Mapping[str, Any], source: str, **overrides: Any) -> Mode
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
+        if model_type in _MOE_NAMES:
+            kw.update(_moe_from_hf(hf, model_type, source))
     except KeyError as e:
         raise ModelLoadError(source, f"required field {e.args[0]!r} is missing") from None
     kw.update(_rope_from_hf(hf, source))
@@ -252,8 +336,35 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta,
         "dtype": cfg.param_dtype,
     }
-    if cfg.arch != "qwen2":
+    if cfg.arch == "mixtral" and cfg.qkv_bias:
+        raise ModelLoadError(
+            "config.json", "mixtral has no attention biases; qkv_bias=True cannot be exported"
+        )
+    if cfg.arch not in ("qwen2", "mixtral"):
         out["attention_bias"] = cfg.qkv_bias  # q, k, v and o_proj biases (see has_o_bias)
+    if cfg.num_experts:
+        out.update(
+            num_experts_per_tok=cfg.experts_per_token,
+            num_local_experts=cfg.num_experts,
+            router_aux_loss_coef=0.0,
+            output_router_logits=False,
+        )
+    if cfg.arch == "qwen3_moe":
+        out.update(
+            num_experts=cfg.num_experts,
+            moe_intermediate_size=cfg.resolved_expert_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if cfg.arch == "mixtral":
+        if not cfg.norm_topk_prob or cfg.resolved_expert_intermediate_size != cfg.intermediate_size:
+            raise ModelLoadError(
+                "config.json",
+                "mixtral renormalizes the top-k weights and its experts are intermediate_size "
+                "wide: norm_topk_prob=False or expert_intermediate_size cannot be exported",
+            )
+        out["sliding_window"] = None
     if cfg.arch == "qwen2" and not cfg.qkv_bias:
         raise ModelLoadError(
             "config.json", "qwen2 always has QKV bias; qkv_bias=False cannot be exported"

@@ -1,5 +1,5 @@
 """Transformer building blocks: RMSNorm, grouped-query attention (optional QKV bias / QK-norm),
-SwiGLU MLP, and the pre-norm decoder layer.
+and the SwiGLU MLP (the decoder layer that joins them is in ``transformer.py``).
 
 Parameters are stored in ``param_dtype`` and cast to ``compute_dtype`` where used. Every
 parameter carries logical axis names (see ``sharding.LOGICAL_AXIS_RULES``). Shapes:
@@ -241,18 +241,3 @@ class MLP(nnx.Module):
         up = _plus(x @ self.up_proj[...].astype(c), self.up_lora, x)
         hidden = jax.nn.silu(gate) * up
         return _plus(hidden @ self.down_proj[...].astype(c), self.down_lora, hidden)
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, "norm", rngs=rngs)
-        self.attn = Attention(cfg, layer, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, "norm", rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs, layer=layer)
-
-    def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, cache: KVCache
-    ) -> tuple[jax.Array, KVCache]:
-        h, cache = self.attn(self.input_norm(x), cos, sin, positions, cache)
-        x = x + h
-        return x + self.mlp(self.post_attn_norm(x)), cache

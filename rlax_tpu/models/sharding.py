@@ -36,6 +36,8 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "norm": None,
     "lora_rank": None,  # a LoRA adapter's rank: small, replicated
+    # A MoE layer's experts: replicated until the mesh has an expert axis (issue [moe]).
+    "experts": None,
 }
 
 LogicalAxes = Sequence[str | None]

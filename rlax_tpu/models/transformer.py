@@ -24,7 +24,8 @@ from jax.sharding import Mesh
 
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.models.attention import DenseKVCache, KVCache, NoCache
-from rlax_tpu.models.layers import DecoderLayer, RMSNorm, dtypes, normal_init, param
+from rlax_tpu.models.layers import MLP, Attention, RMSNorm, dtypes, normal_init, param
+from rlax_tpu.models.moe import MoE
 from rlax_tpu.models.rope import rope_tables
 from rlax_tpu.models.sharding import constrain, param_shardings
 
@@ -62,14 +63,36 @@ class LayerLoop:
 UNROLLED = LayerLoop()  # layers one after the other, nothing rematerialized
 
 
+class DecoderLayer(nnx.Module):
+    """Pre-norm: x + attn(norm(x)), then + mlp(norm(x)) (a MoE when the config has experts)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, "norm", rngs=rngs)
+        self.attn = Attention(cfg, layer, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, "norm", rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if cfg.num_experts else MLP(cfg, rngs=rngs, layer=layer)
+
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        h, cache = self.attn(self.input_norm(x), cos, sin, positions, cache)
+        x = x + h
+        out = self.mlp(self.post_attn_norm(x))
+        if isinstance(out, tuple):  # MoE: (y, router logits, experts)
+            out = out[0]
+        return x + out, cache
+
+
 class Transformer(nnx.Module):
-    """Llama / Qwen2 / Qwen3 decoder. Parameter tree (logical axes in brackets):
+    """Llama / Qwen2 / Qwen3 (and Qwen3-MoE / Mixtral) decoder. Parameter tree (logical axes in brackets):
 
     embed [vocab, embed]; layers[i].{input_norm, post_attn_norm}.weight [norm];
     layers[i].attn.{q,k,v}_proj [embed, heads|kv_heads, head_dim], o_proj [heads, head_dim, embed],
     optional {q,k,v}_bias [heads|kv_heads, head_dim], optional o_bias [embed] (Llama / Qwen3
     attention_bias), optional {q,k}_norm.weight [head_dim];
-    layers[i].mlp.{gate,up}_proj [embed, mlp], down_proj [mlp, embed]; final_norm.weight [norm];
+    layers[i].mlp.{gate,up}_proj [embed, mlp], down_proj [mlp, embed], or with experts
+    (``moe.py``) layers[i].mlp.router [embed, experts], {gate,up}_proj [experts, embed, mlp],
+    down_proj [experts, mlp, embed]; final_norm.weight [norm];
     lm_head [embed, vocab] unless embeddings are tied.
     """
 

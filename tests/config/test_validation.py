@@ -164,7 +164,8 @@ def test_int_is_accepted_for_float_fields():
         ({"trainer": {"remat": 1}}, "trainer.remat = 1: expected a bool, got int"),
         (
             {"model": {"arch": "mistral"}},
-            "model.arch = 'mistral': must be one of 'llama', 'qwen2', 'qwen3'",
+            "model.arch = 'mistral': must be one of 'llama', 'qwen2', 'qwen3', 'qwen3_moe', "
+            "'mixtral'; did you mean 'mixtral'?",
         ),
         (
             {"controller": {"mode": "determinstic"}},

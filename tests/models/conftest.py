@@ -8,13 +8,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from rlax_tpu.models.gguf_file import GGUFFile
 from rlax_tpu.models.gguf_io import load_gguf
 from rlax_tpu.models.tokenizer import Tokenizer
 
-HF_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+HF_CONFIGS = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "qwen3_moe": Qwen3MoeConfig,
+    "mixtral": MixtralConfig,
+}
 TINY_HF = dict(
     vocab_size=96,
     hidden_size=64,

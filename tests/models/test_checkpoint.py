@@ -169,7 +169,7 @@ def test_unsupported_architecture(checkpoint):
         load_safetensors(checkpoint)
     assert str(info.value) == (
         f"{checkpoint / 'config.json'}: field 'model_type' = 'gpt2' is not a supported "
-        "architecture; supported: llama, qwen2, qwen3"
+        "architecture; supported: llama, qwen2, qwen3, qwen3_moe, mixtral"
     )
 
 

@@ -1,0 +1,158 @@
+"""Mixture-of-experts layers: logits against HF transformers' Qwen3-MoE and Mixtral (tiny random
+configs), the grouped matmuls against a dense all-experts reference (values and gradients), and
+forced routing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from transformers import AutoModelForCausalLM
+
+from rlax_tpu import models
+from rlax_tpu.config import ConfigError
+from rlax_tpu.models.checkpoint import load_safetensors, save_safetensors
+from rlax_tpu.models.moe import grouped_swiglu, route
+from rlax_tpu.models.transformer import forward
+
+from .conftest import hf_logits, random_hf_model
+
+TOL = 1e-4  # max abs logit difference in f32, as for the dense families
+TOKENS = np.random.default_rng(0).integers(0, 96, size=(2, 24))
+MOE_HF = {
+    # Qwen3-MoE: QK-norm, experts narrower than the dense width, 8 experts, top 2 (both the
+    # renormalized and the raw-softmax weighting).
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+    ),
+    "qwen3_moe_raw_weights": (
+        "qwen3_moe",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": False,
+        },
+    ),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_HF))
+def test_logits_match_hf_and_survive_a_safetensors_round_trip(case, tmp_path):
+    arch, overrides = MOE_HF[case]
+    hf = random_hf_model(arch, **overrides)
+    reference = hf_logits(hf, TOKENS)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, model = load_safetensors(tmp_path / "hf")
+    assert cfg.arch == arch and cfg.num_experts == (
+        overrides.get("num_experts") or overrides.get("num_local_experts")
+    )
+    ours = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32)))
+    assert np.abs(ours - reference).max() <= TOL
+    save_safetensors(model, tmp_path / "ours")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert np.abs(hf_logits(reloaded, TOKENS) - reference).max() <= TOL
+
+
+def _dense_reference(x, router, gate, up, down, k, normalize):
+    """Every expert on every token, then the top-k mixture: the textbook MoE."""
+    probs = jax.nn.softmax(x @ router, axis=-1)
+    top = jnp.argsort(-probs, axis=-1)[:, :k]
+    w = jnp.take_along_axis(probs, top, axis=-1)
+    if normalize:
+        w = w / w.sum(-1, keepdims=True)
+    outs = jnp.stack(
+        [(jax.nn.silu(x @ gate[j]) * (x @ up[j])) @ down[j] for j in range(gate.shape[0])], axis=1
+    )  # [N, X, E]
+    picked = jnp.take_along_axis(outs, top[:, :, None], axis=1)  # [N, k, E]
+    return jnp.einsum("nke,nk->ne", picked, w)
+
+
+def _sparse(x, router, gate, up, down, k, normalize):
+    w, experts = route(x @ router, k, normalize=normalize)
+    return jnp.einsum("nke,nk->ne", grouped_swiglu(x, experts, gate, up, down), w)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_grouped_matmuls_equal_every_expert_on_every_token_values_and_gradients(normalize):
+    rng = np.random.default_rng(1)
+    n, e, f, x_, k = 13, 8, 6, 5, 2
+    args = [
+        jnp.asarray(rng.normal(size=s), jnp.float32)
+        for s in ((n, e), (e, x_), (x_, e, f), (x_, e, f), (x_, f, e))
+    ]
+    np.testing.assert_allclose(
+        _sparse(*args, k, normalize), _dense_reference(*args, k, normalize), rtol=1e-5, atol=1e-6
+    )
+    # Gradients for every input (the router's through the weights of the chosen experts).
+    for i in range(5):
+        g_sparse, g_dense = (
+            jax.grad(lambda a, f=f, i=i: f(*args[:i], a, *args[i + 1 :], k, normalize).sum())(
+                args[i]
+            )
+            for f in (_sparse, _dense_reference)
+        )
+        np.testing.assert_allclose(g_sparse, g_dense, rtol=1e-4, atol=1e-5)
+
+
+def test_forced_routes_use_the_given_experts_weighted_by_the_routers_probabilities():
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(size=(7, 6)), jnp.float32)
+    w, chosen = route(logits, 2, normalize=True)
+    w2, again = route(logits, 2, normalize=True, forced=chosen)
+    np.testing.assert_array_equal(again, chosen)
+    np.testing.assert_array_equal(w2, w)  # the router's own choice, forced: the same bits
+    other = (chosen + 1) % 6
+    w3, used = route(logits, 2, normalize=False, forced=other)
+    np.testing.assert_array_equal(used, other)
+    probs = jax.nn.softmax(logits, axis=-1)
+    np.testing.assert_allclose(w3, jnp.take_along_axis(probs, other, axis=-1), rtol=1e-6)
+
+
+def test_a_moe_model_forces_its_routes_through_the_layer():
+    cfg = dataclasses.replace(
+        models.preset("tiny"), arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2
+    )
+    layer = models.init_model(cfg).layers[0].mlp
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, cfg.hidden_size)), jnp.float32)
+    y, logits, experts = layer(x)
+    assert logits.shape == (2, 5, 4) and experts.shape == (2, 5, 2)
+    y2, _, experts2 = layer(x, forced=experts)
+    np.testing.assert_array_equal(experts2, experts)
+    np.testing.assert_array_equal(y2, y)
+    y3, _, experts3 = layer(x, forced=(experts + 1) % 4)
+    assert not np.allclose(y3, y)
+
+
+def test_moe_configs_are_checked():
+    base = models.preset("tiny")
+    with pytest.raises(ConfigError, match="num_experts.*must be > 0 for arch 'mixtral'"):
+        dataclasses.replace(base, arch="mixtral")
+    with pytest.raises(ConfigError, match=r"experts_per_token.*\[1, num_experts = 4\]"):
+        dataclasses.replace(base, num_experts=4, experts_per_token=5)
+    with pytest.raises(ConfigError, match="LoRA on mixture-of-experts models is not built yet"):
+        dataclasses.replace(base, num_experts=4, lora_rank=2)
+
+
+def test_the_configs_parameter_count_equals_a_moe_models_tree():
+    for arch in ("qwen3_moe", "mixtral"):
+        cfg = dataclasses.replace(
+            models.preset("tiny"),
+            arch=arch,
+            qk_norm=arch == "qwen3_moe",
+            num_experts=4,
+            expert_intermediate_size=24 if arch == "qwen3_moe" else 0,
+        )
+        tree = nnx.to_pure_dict(nnx.state(models.init_model(cfg)))
+        assert sum(x.size for x in jax.tree.leaves(tree)) == cfg.param_count(), arch
