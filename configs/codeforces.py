@@ -292,7 +292,10 @@ def _v5p(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         backend="tpu",
         max_concurrent_seqs=256,
         page_size=64,
-        kv_cache_bytes=48 * 2**30,
+        # 48 GiB of pages a chip (256 KiB a token over the 4): ~768k tokens, 6 groups of 16 at
+        # 8k tokens a sample. The planner found 48 GiB a worker held one such group, 16 of the
+        # 256 decode rows (benchmarks/RESULTS.md, "Planning a run").
+        kv_cache_bytes=192 * 2**30,
         prefill_chunk=2048,
         max_prompt_len=2048,
         max_new_tokens=14_336,

@@ -103,3 +103,28 @@ class MoE(nnx.Module):
             logits.astype(jnp.float32).reshape(b, t, -1),
             experts.reshape(b, t, self.k),
         )
+
+
+def load_balancing_loss(
+    logits: jax.Array, k: int, mask: jax.Array | None = None, experts: jax.Array | None = None
+) -> jax.Array:
+    """The auxiliary load-balancing loss of Switch Transformer (Fedus et al. 2021, eqs. 4-6)
+    with top-k routing, over every layer's tokens together as HF's ``load_balancing_loss_func``
+    computes it: X · Σ_x f_x · P_x, where over the (layer, token) rows R with mask 1, f_x is the
+    number of assignments to expert x over R (the f sum to k) and P_x the mean router
+    probability of x. Only P carries a gradient.
+
+    logits [L, B, T, X]; mask [B, T] (default: every token); experts [L, B, T, k]: the
+    assignments made (default: each row's top k, as without forced routes)."""
+    x = logits.shape[-1]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if experts is None:
+        _, experts = jax.lax.top_k(probs, k)
+    w = jnp.ones(logits.shape[:-1], jnp.float32)
+    if mask is not None:
+        w = w * mask.astype(jnp.float32)[None]
+    rows = jnp.maximum(jnp.sum(w), 1.0)
+    assigned = jnp.sum(jax.nn.one_hot(experts, x, dtype=jnp.float32), axis=-2)  # [L, B, T, X]
+    f = jnp.sum(assigned * w[..., None], axis=(0, 1, 2)) / rows
+    p = jnp.sum(probs * w[..., None], axis=(0, 1, 2)) / rows
+    return x * jnp.sum(jax.lax.stop_gradient(f) * p)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,14 +74,30 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if cfg.num_experts else MLP(cfg, rngs=rngs, layer=layer)
 
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, cache: KVCache
-    ) -> tuple[jax.Array, KVCache]:
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        routes: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache, Routing | None]:
+        """x [B, T, E] -> (x, cache, this layer's routing or None for a dense MLP); ``routes``
+        [B, T, k]: the experts to force (``moe.py``)."""
         h, cache = self.attn(self.input_norm(x), cos, sin, positions, cache)
         x = x + h
-        out = self.mlp(self.post_attn_norm(x))
-        if isinstance(out, tuple):  # MoE: (y, router logits, experts)
-            out = out[0]
-        return x + out, cache
+        if isinstance(self.mlp, MoE):
+            y, logits, experts = self.mlp(self.post_attn_norm(x), forced=routes)
+            return x + y, cache, Routing(logits, experts)
+        return x + self.mlp(self.post_attn_norm(x)), cache, None
+
+
+class Routing(NamedTuple):
+    """A MoE model's routing: router logits [L, B, T, X] f32 and the experts each token went
+    to [L, B, T, k] int32 (one layer's without the L axis)."""
+
+    logits: jax.Array
+    experts: jax.Array
 
 
 class Transformer(nnx.Module):
@@ -119,16 +136,40 @@ class Transformer(nnx.Module):
         loop: LayerLoop = UNROLLED,
     ) -> tuple[jax.Array, KVCache]:
         """tokens, positions [B, T] int32 -> (final-normed hidden states [B, T, E], cache)."""
+        hidden, cache, _ = self.run(tokens, positions, cache, loop)
+        return hidden, cache
+
+    def run(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        loop: LayerLoop = UNROLLED,
+        routes: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache, Routing | None]:
+        """``__call__`` and, for a MoE model, its :class:`Routing` (None for a dense one).
+        ``routes`` [L, B, T, k]: the experts every layer must use (routing replay)."""
+        if routes is not None and not self.cfg.num_experts:
+            raise ValueError("routes given to a model without experts")
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.compute_dtype)
         x = constrain(x, _ACT)
         cos, sin = rope_tables(self.cfg, positions)
         if loop.plain:
-            for layer in self.layers:
-                x, cache = layer(x, cos, sin, positions, cache)
+            per_layer = []
+            for i, layer in enumerate(self.layers):
+                x, cache, routing = layer(
+                    x, cos, sin, positions, cache, None if routes is None else routes[i]
+                )
                 x = constrain(x, _ACT)
+                per_layer.append(routing)
+            routing = (
+                Routing(*(jnp.stack(parts) for parts in zip(*per_layer, strict=True)))
+                if self.cfg.num_experts
+                else None
+            )
         else:
-            x = self._layer_loop(x, cos, sin, positions, cache, loop)
-        return self.final_norm(x), cache
+            x, routing = self._layer_loop(x, cos, sin, positions, cache, loop, routes)
+        return self.final_norm(x), cache, routing
 
     def _layer_loop(
         self,
@@ -138,7 +179,8 @@ class Transformer(nnx.Module):
         positions: jax.Array,
         cache: KVCache,
         loop: LayerLoop,
-    ) -> jax.Array:
+        routes: jax.Array | None,
+    ) -> tuple[jax.Array, Routing | None]:
         if not getattr(cache, "stateless", False):
             raise ValueError(
                 f"scanned or rematerialized layers need a stateless cache (one that stores "
@@ -148,20 +190,26 @@ class Transformer(nnx.Module):
         # every layer runs layer 0's graph with its own parameters.
         graphdef = nnx.graphdef(self.layers[0])
 
-        def run(state: nnx.State, x: jax.Array) -> jax.Array:
-            y, _ = nnx.merge(graphdef, state)(x, cos, sin, positions, cache)
-            return constrain(y, _ACT)
+        def run(
+            state: nnx.State, x: jax.Array, forced: jax.Array | None
+        ) -> tuple[jax.Array, Routing | None]:
+            y, _, routing = nnx.merge(graphdef, state)(x, cos, sin, positions, cache, forced)
+            return constrain(y, _ACT), routing
 
         if loop.remat is not None:
             run = jax.checkpoint(run, policy=REMAT_POLICIES[loop.remat])
         states = [nnx.state(layer) for layer in self.layers]
         if not loop.scan:
-            for state in states:
-                x = run(state, x)
-            return x
+            per_layer = []
+            for i, state in enumerate(states):
+                x, routing = run(state, x, None if routes is None else routes[i])
+                per_layer.append(routing)
+            if not self.cfg.num_experts:
+                return x, None
+            return x, Routing(*(jnp.stack(parts) for parts in zip(*per_layer, strict=True)))
         stacked = jax.tree.map(_stack_layers, *states, is_leaf=_is_variable)
-        x, _ = jax.lax.scan(lambda h, state: (run(state, h), None), x, stacked)
-        return x
+        x, routing = jax.lax.scan(lambda h, xs: run(xs[0], h, xs[1]), x, (stacked, routes))
+        return x, routing
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, T, E] -> logits [B, T, V], accumulated and returned in f32."""

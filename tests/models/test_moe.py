@@ -10,14 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from rlax_tpu import models
 from rlax_tpu.config import ConfigError
+from rlax_tpu.models.attention import NoCache
 from rlax_tpu.models.checkpoint import load_safetensors, save_safetensors
-from rlax_tpu.models.moe import grouped_swiglu, route
-from rlax_tpu.models.transformer import forward
+from rlax_tpu.models.moe import grouped_swiglu, load_balancing_loss, route
+from rlax_tpu.models.transformer import LayerLoop, forward
 
 from .conftest import hf_logits, random_hf_model
 
@@ -156,3 +159,51 @@ def test_the_configs_parameter_count_equals_a_moe_models_tree():
         )
         tree = nnx.to_pure_dict(nnx.state(models.init_model(cfg)))
         assert sum(x.size for x in jax.tree.leaves(tree)) == cfg.param_count(), arch
+
+
+def test_the_load_balancing_loss_equals_hfs_and_its_gradient_the_closed_form():
+    """Values against transformers' load_balancing_loss_func (the same Switch Transformer
+    formula over all layers' rows); the gradient against d/dz_j = (X/R)·w·p_j·(f_j − Σ f·p),
+    the softmax Jacobian applied to X·Σ f·P by hand."""
+    rng = np.random.default_rng(4)
+    layers, b, t, x, k = 3, 2, 5, 6, 2
+    logits = jnp.asarray(rng.normal(size=(layers, b, t, x)), jnp.float32)
+    mask = jnp.asarray(rng.integers(0, 2, size=(b, t)), jnp.float32).at[0, 0].set(1.0)
+    ours = load_balancing_loss(logits, k, mask)
+    hf = load_balancing_loss_func(
+        tuple(torch.tensor(np.array(logits[i]).reshape(b * t, x)) for i in range(layers)),
+        x,
+        k,
+        torch.tensor(np.array(mask)),
+    )
+    np.testing.assert_allclose(float(ours), float(hf), rtol=1e-6)
+
+    grad = np.asarray(jax.grad(lambda z: load_balancing_loss(z, k, mask))(logits))
+    p = np.asarray(jax.nn.softmax(logits, axis=-1))
+    top = np.argsort(-p, axis=-1)[..., :k]
+    w = np.broadcast_to(np.asarray(mask), (layers, b, t))
+    rows = w.sum()
+    f = np.zeros(x)
+    for idx in np.ndindex(layers, b, t):
+        f[top[idx]] += w[idx] / rows
+    want = (x / rows) * w[..., None] * p * (f - (p * f).sum(-1, keepdims=True))
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_moe_models_routing_comes_out_and_forced_routes_go_in():
+    cfg = models.preset("tiny", arch="mixtral", num_experts=4, experts_per_token=2, num_layers=3)
+    model = models.init_model(cfg)
+    tokens = jnp.asarray(TOKENS % cfg.vocab_size, jnp.int32)
+    positions = models.default_positions(tokens)
+    hidden, _, routing = model.run(tokens, positions, NoCache())
+    assert routing.logits.shape == (3, 2, 24, 4) and routing.experts.shape == (3, 2, 24, 2)
+    # The scanned, rematerialized loop routes the same and replays the given routes.
+    scanned = LayerLoop(scan=True, remat="nothing_saveable")
+    h2, _, r2 = model.run(tokens, positions, NoCache(), scanned, routes=routing.experts)
+    np.testing.assert_array_equal(r2.experts, routing.experts)
+    np.testing.assert_allclose(h2, hidden, rtol=1e-5, atol=1e-5)
+    other = (routing.experts + 1) % 4
+    _, _, r3 = model.run(tokens, positions, NoCache(), routes=other)
+    np.testing.assert_array_equal(r3.experts, other)
+    with pytest.raises(ValueError, match="without experts"):
+        models.init_model(models.preset("tiny")).run(tokens, positions, NoCache(), routes=other)
