@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import re
 import textwrap
+import threading
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
@@ -121,11 +122,24 @@ _DEFINITIONS = (
 )
 
 
+# CPython 3.11's ast.parse keeps its recursion depth in the interpreter's shared AST state, and
+# parses in two threads at once can fail with "SystemError: AST constructor recursion depth
+# mismatch" (python/cpython gh-106905). The controller verifies in threads, and a repair run
+# died of it (benchmarks/RESULTS.md, multi-turn): its parses take turns.
+_PARSE_LOCK = threading.Lock()
+
+
+def parse_python(code: str) -> ast.Module:
+    """``ast.parse``, one thread at a time (see _PARSE_LOCK). Raises SyntaxError."""
+    with _PARSE_LOCK:
+        return ast.parse(code)
+
+
 def _definitions(code: str) -> str:
     """``code``'s top-level imports, definitions and assignments, in order; ``code`` unchanged if
     it does not parse (the syntax check reports it) or holds none of them."""
     try:
-        tree = ast.parse(code)
+        tree = parse_python(code)
     except SyntaxError:
         return code
     lines = code.splitlines(keepends=True)

@@ -219,3 +219,42 @@ def test_identical_programs_run_once(verifier):
     assert [reward(v) for v in verdicts] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
     assert verdicts[3].detail == "no program in the completion"
     assert counting.sent == 2  # one run per distinct program
+
+
+def test_parses_from_many_threads_take_turns(monkeypatch):
+    """The controller's verify threads parse answers at once; CPython 3.11's ast.parse can then
+    fail with "AST constructor recursion depth mismatch" (gh-106905; a repair run died of it),
+    so parse_python serializes them: no two parses overlap."""
+    import ast
+    import threading
+    import time
+
+    from rlax_tpu.controller import tasks
+
+    inside, most = [0], [0]
+    lock = threading.Lock()
+    real_parse = ast.parse
+
+    def slow_parse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - ast.parse's own
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.01)  # long enough for another thread to enter, were it let in
+        try:
+            return real_parse(*args, **kwargs)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(tasks.ast, "parse", slow_parse)
+
+    def parse_some() -> None:
+        for _ in range(5):
+            tasks.parse_python("def f():\n    return 1\n")
+
+    threads = [threading.Thread(target=parse_some) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
