@@ -381,8 +381,13 @@ def trainer_fraction() -> dict:
     )
 
 
+def _crashed(result: dict) -> bool:
+    """The run ended on its own with an error, before its wall-time budget stopped it."""
+    return result["stopped_at_minutes"] is None and result["exit_code"] != 0
+
+
 def report(steps: bool = False) -> None:
-    seeds = sorted(OUT.glob("seed*.json"))
+    seeds = sorted(p for p in OUT.glob("seed*.json") if not p.name.endswith(".crashed.json"))
     print(
         "| seed | pass@1 at v0 | last pass@1 (version, minutes) | best (version) | gain (best) "
         "| first +10 points (version, minutes) | steps in budget |"
@@ -510,6 +515,14 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         for seed in args.seeds:
             result = _run_seed(seed, args.minutes, root)
+            if _crashed(result):  # not a result: kept aside, named, and left out of the report
+                (OUT / f"seed{seed}.crashed.json").write_text(json.dumps(result, indent=2))
+                print(
+                    f"seed {seed} CRASHED (exit code {result['exit_code']}) before its budget: "
+                    f"not a result, rerun it (log: {root / f'seed{seed}.log'})",
+                    flush=True,
+                )
+                continue
             (OUT / f"seed{seed}.json").write_text(json.dumps(result, indent=2))
             print(
                 f"seed {seed}: pass@1 {result['evals'][0]['pass1']:.3f} -> "
