@@ -159,8 +159,8 @@ class ModelConfig:
             layer += self.num_experts * 3 * h * f + h * self.num_experts  # experts + router
         else:
             layer += sum(a * b for name, (a, b) in shapes.items() if name not in ATTENTION)
-        if self.qkv_bias:
-            layer += q + 2 * kv
+        if self.qkv_bias:  # and o_proj's, but in qwen2 (models/layers.py has_o_bias)
+            layer += q + 2 * kv + (h if self.arch != "qwen2" else 0)
         if self.qk_norm:
             layer += 2 * hd
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)

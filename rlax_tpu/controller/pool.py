@@ -1,6 +1,7 @@
 """The inference workers as one pool: versioned generation jobs, failover, and rejoin.
 
-A job (version v, requests) is split round-robin over the live workers; requests of one session
+A job (version v, requests) is split over the live workers, each request to the one with the
+fewest groups outstanding (ties in turn, so small jobs spread too); requests of one session
 (``Request.session``: a group's episode turns) go where the session's first request went while
 that worker is live, since its engine may still hold the earlier turns' pages. Each worker serves
 its jobs in *epochs*: consecutive jobs of one version run concurrently (the engine batches them
@@ -34,6 +35,9 @@ from rlax_tpu.types import FinishReason, Rollout
 log = logging.getLogger(__name__)
 
 _SESSIONS = 1 << 16  # sessions remembered (oldest forgotten: their requests go round-robin)
+# Generation calls at once (threads start as needed): shares of every worker's slots, and
+# shares waiting for their worker's epoch, each hold one.
+_MAX_CALLS = 4096
 
 
 class NoWorkers(RuntimeError):
@@ -71,8 +75,12 @@ class WorkerPool:
         self._down: set[int] = set()
         self._lock = threading.Lock()
         self._epochs = [_Epochs(exclusive_jobs) for _ in workers]
-        self._threads = cf.ThreadPoolExecutor(64, "gen")
-        self._coordinator = cf.ThreadPoolExecutor(64, "gen-jobs")
+        # A thread per share being generated or waiting for its epoch (a worker runs several
+        # shares at once in throughput mode): a small cap would idle workers' slots at scale.
+        self._threads = cf.ThreadPoolExecutor(_MAX_CALLS, "gen")
+        self._coordinator = cf.ThreadPoolExecutor(_MAX_CALLS, "gen-jobs")
+        self._outstanding = [0] * len(workers)  # groups given to each worker, not yet back
+        self._rotation = 0  # where the search for the least-loaded worker starts
         self.generated_tokens = 0
         self._times = {"load_s": 0.0, "loads": 0.0, "generate_s": 0.0, "groups": 0.0}
         # Set by close(): a job waiting for a worker to come back gives up at once (a stopped
@@ -91,25 +99,42 @@ class WorkerPool:
         self._probe_down()
         live = self.live or list(range(len(self.workers)))
         shares: dict[int, list[Request]] = {i: [] for i in live}
-        turn = 0  # round-robin over the requests without a live session worker
         with self._lock:
             for r in requests:
                 i = self._sessions.get(r.session) if r.session else None
                 if i not in shares:
-                    i, turn = live[turn % len(live)], turn + 1
+                    i = self._least_loaded(live)
                     if r.session:
                         self._sessions[r.session] = i
                         while len(self._sessions) > _SESSIONS:
                             self._sessions.popitem(last=False)
                 shares[i].append(r)
+                self._outstanding[i] += 1
         futures = {i: self._start(i, version, reqs) for i, reqs in shares.items() if reqs}
         return self._coordinator.submit(self._gather, version, futures)
 
+    def _least_loaded(self, live: list[int]) -> int:
+        """The live worker with the fewest groups outstanding; ties go round-robin (a job of
+        fewer groups than workers does not always land on the first ones). Holds _lock."""
+        n = len(live)
+        order = [live[(self._rotation + j) % n] for j in range(n)]
+        i = min(order, key=lambda w: self._outstanding[w])
+        self._rotation = (live.index(i) + 1) % n
+        return i
+
     def _start(self, i: int, version: int, requests: list[Request]) -> cf.Future:
         if self.continue_on_reload:
-            return self._threads.submit(self._run_continuing, i, version, requests)
-        ticket = self._epochs[i].join(version)
-        return self._threads.submit(self._run_in_epoch, i, ticket, version, requests)
+            fut = self._threads.submit(self._run_continuing, i, version, requests)
+        else:
+            ticket = self._epochs[i].join(version)
+            fut = self._threads.submit(self._run_in_epoch, i, ticket, version, requests)
+        groups = len(requests)
+        fut.add_done_callback(lambda _: self._returned(i, groups))
+        return fut
+
+    def _returned(self, i: int, groups: int) -> None:
+        with self._lock:
+            self._outstanding[i] -= groups
 
     def _run_continuing(
         self, i: int, version: int, requests: list[Request]
@@ -185,6 +210,8 @@ class WorkerPool:
                 self._on_event(
                     f"reassigning {len(reqs)} prompt groups from {self.names[i]} to {self.names[j]}"
                 )
+            with self._lock:
+                self._outstanding[j] += len(reqs)
             pending.append((j, self._start(j, version, reqs)))
         return out
 

@@ -162,11 +162,7 @@ class Transformer(nnx.Module):
                 )
                 x = constrain(x, _ACT)
                 per_layer.append(routing)
-            routing = (
-                Routing(*(jnp.stack(parts) for parts in zip(*per_layer, strict=True)))
-                if self.cfg.num_experts
-                else None
-            )
+            routing = _stacked(per_layer)
         else:
             x, routing = self._layer_loop(x, cos, sin, positions, cache, loop, routes)
         return self.final_norm(x), cache, routing
@@ -204,9 +200,7 @@ class Transformer(nnx.Module):
             for i, state in enumerate(states):
                 x, routing = run(state, x, None if routes is None else routes[i])
                 per_layer.append(routing)
-            if not self.cfg.num_experts:
-                return x, None
-            return x, Routing(*(jnp.stack(parts) for parts in zip(*per_layer, strict=True)))
+            return x, _stacked(per_layer)
         stacked = jax.tree.map(_stack_layers, *states, is_leaf=_is_variable)
         x, routing = jax.lax.scan(lambda h, xs: run(xs[0], h, xs[1]), x, (stacked, routes))
         return x, routing
@@ -219,6 +213,13 @@ class Transformer(nnx.Module):
             return jnp.einsum("bte,ve->btv", hidden, w, preferred_element_type=jnp.float32)
         w = self.lm_head[...].astype(c)
         return jnp.einsum("bte,ev->btv", hidden, w, preferred_element_type=jnp.float32)
+
+
+def _stacked(per_layer: list[Routing | None]) -> Routing | None:
+    """The layers' routings on a leading layer axis (None for a dense model)."""
+    if per_layer[0] is None:
+        return None
+    return Routing(*(jnp.stack(parts) for parts in zip(*per_layer, strict=True)))
 
 
 def _is_variable(x: object) -> bool:

@@ -61,6 +61,7 @@ class Measured:
             reload_s=self.reload_s,
             verify_s=self.verify_s,
             version_bytes=version_bytes(config),
+            batched=False,
             detail={
                 "measured_steps": float(self.steps),
                 "groups_per_s": self.groups_per_s,

@@ -8,10 +8,11 @@ chip's peak and its bytes at the peak HBM bandwidth) over an efficiency factor i
   compiled micro-batch's columns (the trainer cuts micro-batches to length buckets), over
   ``Efficiency.train``. Then the push: every parameter-server replica receives the whole version
   (``param_server/client.py``), at ``Network.server_bytes_per_s``.
-* A group on a worker: its prompt prefilled once (the G samples share its pages, ``scheduler.py``)
-  in chunks of prefill_rows x prefill_len tokens per prefill call, over ``Efficiency.prefill``, and
-  ``completion`` decode steps of the decode program at the worker's full batch, over
-  ``Efficiency.decode``. A worker holds ``slots`` groups at once: max_concurrent_seqs // G, or
+* A group on a worker: ``completion`` decode steps of the decode program at the worker's full
+  batch, over ``Efficiency.decode``, and the prefill calls that stall them: its prompt's (the G
+  samples share its pages, ``scheduler.py``; chunks of prefill_rows x prefill_len tokens a call,
+  over ``Efficiency.prefill``) and, in the steady state, those of the ``slots`` - 1 groups that
+  start while it runs. A worker holds ``slots`` groups at once: max_concurrent_seqs // G, or
   fewer when its KV pages cannot hold that many sequences of prompt + completion tokens.
 * A reload: the version's bytes at a worker's pull bandwidth, or at the replicas' egress shared
   by every worker loading at once (throughput mode reloads them together), whichever is slower.
@@ -117,6 +118,10 @@ class PlanCosts:
     verify_s: float  # a group's verification after it is generated
     version_bytes: int
     detail: dict[str, float]
+    # True: a worker's step costs the same for fewer groups (an accelerator's fixed-shape
+    # programs), so k < slots groups take group_s; False: k groups take k/slots of it (measured
+    # rates on a CPU, whose steps cost what their rows do).
+    batched: bool = True
 
 
 def version_bytes(config: RunConfig) -> int:
@@ -185,14 +190,17 @@ def plan_costs(
         prefill = 0.0
         steps = workload.completion + workload.prompt / icfg.prefill_chunk
     decode_step = roofline["inference.decode"] / efficiency.decode
+    slots = worker_slots(config, workload)
     replicas = max(1, config.param_server.replicas)
     reload = size * max(
         1 / network.pull_bytes_per_s, workers / (replicas * network.server_bytes_per_s)
     )
     return PlanCosts(
         train_s=update + push,
-        group_s=prefill + steps * decode_step,
-        slots=worker_slots(config, workload),
+        # Each prefill call stalls every slot's decode: a group sees its own and, in the steady
+        # state, those of the slots - 1 others that start while it runs.
+        group_s=slots * prefill + steps * decode_step,
+        slots=slots,
         reload_s=reload,
         verify_s=verify_s,
         version_bytes=size,

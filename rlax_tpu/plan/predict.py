@@ -82,12 +82,13 @@ def predict(
         staleness = schedule.staleness_counts(skip)
         discarded = schedule.discarded
     else:
-        # A step's prompts on one worker: its slots run continuously batched, so a worker's
-        # share of k prompts takes k / slots group times.
+        # A step's prompts on one worker: ⌈P/slots⌉ group times when a step costs the same for
+        # fewer rows (``batched``), else P/slots of them.
+        waves = math.ceil(batch / costs.slots) if costs.batched else batch / costs.slots
         det = simulate_deterministic(
             steps,
             Costs(
-                generate_s=batch / costs.slots * costs.group_s,
+                generate_s=waves * costs.group_s,
                 verify_s=costs.verify_s,
                 train_s=costs.train_s,
                 reload_s=costs.reload_s,
@@ -95,6 +96,7 @@ def predict(
             policy,
             workers=workers,
             prompts_per_step=batch,
+            slots=costs.slots if costs.batched else 0,
         )
         period = det.seconds_per_update(skip)
         discarded = 0
@@ -104,12 +106,17 @@ def predict(
         staleness = dict(sorted(staleness.items()))
     trainer_busy = min(1.0, costs.train_s / period)
     workers_busy = min(1.0, batch * costs.group_s / (workers * costs.slots * period))
+    # Each worker loads a version every η_r updates.
+    loading = min(1.0, costs.reload_s / (policy.reload_staleness * period))
     if trainer_busy >= BUSY:
         bottleneck = "trainer"
     elif workers_busy >= BUSY:
         bottleneck = "generation"
+    elif workers_busy + loading >= BUSY:
+        bottleneck = f"weight loads ({100 * loading:.0f}% of the workers' time)"
     else:
-        bottleneck = "the schedule (staleness bound, weight loads or verification)"
+        idle = 100 * (1 - workers_busy - loading)
+        bottleneck = f"the schedule: workers idle {idle:.0f}% (staleness bound, verification)"
     return Prediction(
         workers=workers,
         seconds_per_update=period,

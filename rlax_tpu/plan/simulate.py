@@ -88,6 +88,13 @@ class Schedule:
         return 1.0 - busy / span if span > 0 else 0.0
 
 
+def _fraction(k: int, prompts: int, slots: int) -> float:
+    """The part of a whole step's generation time a share of k of ``prompts`` takes."""
+    if slots <= 0:
+        return k / prompts
+    return math.ceil(k / slots) / math.ceil(prompts / slots)
+
+
 def simulate_deterministic(
     steps: int,
     costs: Costs,
@@ -96,8 +103,12 @@ def simulate_deterministic(
     workers: int = 1,
     prompts_per_step: int = 1,
     eval_every: int = 0,
+    slots: int = 0,
 ) -> Schedule:
-    """The schedule of ``steps`` updates (module docstring)."""
+    """The schedule of ``steps`` updates (module docstring). ``slots`` > 0: a worker generates
+    that many prompts at once in the time of one (continuous batching on an accelerator, whose
+    step costs the same for fewer rows), so a share of k prompts takes
+    generate_s·⌈k/slots⌉/⌈P/slots⌉; 0: k/P of generate_s."""
     if steps < 1 or workers < 1 or prompts_per_step < 1:
         raise ValueError("steps, workers and prompts_per_step must be >= 1")
     d = policy.pipeline_depth
@@ -121,7 +132,7 @@ def simulate_deterministic(
             if held[w] != version:
                 start += costs.reload_s
                 held[w] = version
-            free[w] = start + costs.generate_s * k / prompts_per_step
+            free[w] = start + costs.generate_s * _fraction(k, prompts_per_step, slots)
             done = max(done, free[w])
         generated[t] = done
 

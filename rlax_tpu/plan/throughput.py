@@ -7,10 +7,11 @@ What it models, as ``run_throughput`` does:
   than the admission budget B·(η_a − (v − w) + 1) (unbounded η_a: the queue cap, every worker's
   slots plus one batch).
 * A worker runs up to ``slots`` groups at once (continuous batching: a group's latency does not
-  depend on how many share the worker, up to the slots); an admitted group takes the slot that
-  frees first, over all workers, and a worker that holds another version loads w first
-  (``reload_s``, before the slot's group starts). A group is buffered ``group_s`` +
-  ``verify_s`` after it starts.
+  depend on how many share the worker, up to the slots); an admitted group takes the slot where
+  it can start first, over all workers (the pool gives it to the least-loaded worker). A worker
+  that holds another version first lets its running groups finish, then loads w (``reload_s``),
+  and none of its slots starts before that (the pool's epochs). A group is buffered ``group_s``
+  + ``verify_s`` after it starts.
 * The round waits until B buffered groups are acceptable (v − version ≤ η_a). A wait buffers
   every group done by then (the controller's ``cf.wait``) and discards the buffered groups older
   than η_a (their prompts are admitted again as new groups). If every admitted group has arrived
@@ -106,16 +107,22 @@ def simulate_throughput(
     t, v = 0.0, 0
     updates: list[Update] = []
 
+    def start_time(w: int, k: int, version: int, at: float) -> float:
+        if held[w] == version:
+            return max(at, free[w][k])
+        # The worker's running groups drain (the pool's epochs), then it loads the version.
+        return max(at, *free[w]) + costs.reload_s
+
     def admit(version: int, at: float) -> None:
         nonlocal seq
         w, k = min(
             ((w, k) for w in range(workers) for k in range(slots)),
-            key=lambda wk: (max(at, free[wk[0]][wk[1]]), wk),
+            key=lambda wk: (start_time(*wk, version, at), wk),
         )
-        start = max(at, free[w][k])
+        start = start_time(w, k, version, at)
         if held[w] != version:
-            start += costs.reload_s
             held[w] = version
+            free[w] = [max(f, start) for f in free[w]]  # no slot of it starts before the load
         free[w][k] = start + costs.group_s
         heapq.heappush(arriving, (free[w][k] + costs.verify_s, seq, version))
         seq += 1

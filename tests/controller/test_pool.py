@@ -48,15 +48,16 @@ class Flaky:
     """A worker that is unreachable while ``down`` is set (as a dead gRPC endpoint would be)."""
 
     def __init__(self, inner):
-        self.inner, self.down, self.calls = inner, False, 0
+        self.inner, self.down, self.calls, self.log = inner, False, 0, []
 
-    def _check(self):
+    def _check(self, what: str = ""):
         self.calls += 1
+        self.log.append(what)
         if self.down:
             raise ConnectionError("worker unreachable")
 
     def generate(self, requests, *, version=None):
-        self._check()
+        self._check("generate")
         return self.inner.generate(requests, version=version)
 
     def load_weights(self, version):
@@ -196,3 +197,18 @@ def test_the_pool_counts_its_loads_and_generation_since_the_last_take(workers):
     assert (third["loads"], third["groups"]) == (2, 2)
     assert all(t["generate_s"] > 0 for t in (first, second, third))
     assert pool.take_times() == dict.fromkeys(first, 0.0)
+
+
+def test_small_jobs_spread_over_the_workers_by_their_load(workers):
+    """Throughput mode submits jobs of a few groups: each goes to the least-loaded worker (ties
+    in turn), not always to the first, which left the others idle."""
+    flaky = [Flaky(w) for w in workers]
+    pool = WorkerPool(flaky)
+    try:
+        for job in [pool.submit(0, requests(1)) for _ in range(4)]:
+            job.result()
+    finally:
+        pool.close()
+    generated = [sum(1 for c in f.log if c == "generate") for f in flaky]
+    assert generated == [2, 2]
+    assert pool._outstanding == [0, 0]  # every group given out came back

@@ -33,6 +33,29 @@ def assert_greedy(tokens: np.ndarray, logits: np.ndarray, *, tol: float) -> None
     assert (picked >= top2[:, 1] - 2 * tol).all()
 
 
+def assert_the_replay(
+    model: models.Transformer, engine: Engine, rollouts: list, *, temperature: float
+) -> np.ndarray:
+    """The rollouts' log-probs are the trainer's replay of them (bitwise where the engine's
+    start-up check found rows independent, else to 1e-5); returns the replay [N, T]."""
+    tokens = np.zeros((len(rollouts), 48), np.int32)
+    for i, ro in enumerate(rollouts):
+        seq = [*ro.prompt_tokens.tolist(), *ro.tokens.tolist()]
+        tokens[i, : len(seq)] = seq
+    prompt = np.array([len(ro.prompt_tokens) for ro in rollouts])
+    completion = np.array([len(ro.tokens) for ro in rollouts])
+    replay = models.replay_logprobs(
+        model, tokens, prompt, completion, shape=engine.replay_shape, temperature=temperature
+    )
+    for i, ro in enumerate(rollouts):
+        if engine.rows_bitwise:
+            np.testing.assert_array_equal(ro.logprobs, replay[i, : len(ro.tokens)])
+        else:  # this host rounds rows by their index: the tolerance mode (engine.py)
+            np.testing.assert_allclose(ro.logprobs, replay[i, : len(ro.tokens)], atol=1e-5)
+        assert ro.logprobs.dtype == np.float32
+    return replay
+
+
 def _run_checked(engine: Engine) -> list:
     """Steps to completion, checking the scheduler's invariants after every step."""
     out = []
@@ -63,22 +86,9 @@ def test_logprobs_are_bitwise_the_replay_and_close_to_a_dense_reference(tiny_mod
     # start-up check finds rows independent (engine.py).
     # Rows in another order than the engine ran them, several rollouts per step.
     rollouts.sort(key=lambda ro: (-len(ro.tokens), ro.prompt_id, ro.sample_index))
-    width = max(len(ro.tokens) for ro in rollouts)
-    tokens = np.zeros((len(rollouts), 48), np.int32)
-    for i, ro in enumerate(rollouts):
-        seq = [*ro.prompt_tokens.tolist(), *ro.tokens.tolist()]
-        tokens[i, : len(seq)] = seq
-    prompt = np.array([len(ro.prompt_tokens) for ro in rollouts])
+    replay = assert_the_replay(tiny_model, engine, rollouts, temperature=0.8)
     completion = np.array([len(ro.tokens) for ro in rollouts])
-    replay = models.replay_logprobs(
-        tiny_model, tokens, prompt, completion, shape=engine.replay_shape, temperature=0.8
-    )
-    for i, ro in enumerate(rollouts):
-        if engine.rows_bitwise:
-            np.testing.assert_array_equal(ro.logprobs, replay[i, : len(ro.tokens)])
-        else:  # this host rounds rows by their index: the tolerance mode (engine.py)
-            np.testing.assert_allclose(ro.logprobs, replay[i, : len(ro.tokens)], atol=1e-5)
-        assert ro.logprobs.dtype == np.float32
+    width = max(len(ro.tokens) for ro in rollouts)
     assert np.count_nonzero(replay) == completion.sum() and replay.shape[1] == width
     # Another program for the same math (dense cache, separate log-softmax) agrees to f32
     # round-off; how far depends on the host's XLA choices (observed <= 5e-7).

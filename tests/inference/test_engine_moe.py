@@ -12,7 +12,7 @@ import pytest
 from rlax_tpu import models
 
 from .conftest import make_engine, random_requests
-from .test_engine import _run_checked, assert_greedy
+from .test_engine import _run_checked, assert_greedy, assert_the_replay
 
 
 @pytest.fixture(scope="module")
@@ -27,21 +27,7 @@ def test_logprobs_are_the_replay_and_greedy_tokens_the_forwards(moe_model):
     engine = make_engine(moe_model, prefill_rows=2, prefill_len=3)
     for r in random_requests(4, num_samples=2, temperature=0.8):
         engine.submit(r)
-    rollouts = _run_checked(engine)
-    tokens = np.zeros((len(rollouts), 48), np.int32)
-    for i, ro in enumerate(rollouts):
-        seq = [*ro.prompt_tokens.tolist(), *ro.tokens.tolist()]
-        tokens[i, : len(seq)] = seq
-    prompt = np.array([len(ro.prompt_tokens) for ro in rollouts])
-    completion = np.array([len(ro.tokens) for ro in rollouts])
-    replay = models.replay_logprobs(
-        moe_model, tokens, prompt, completion, shape=engine.replay_shape, temperature=0.8
-    )
-    for i, ro in enumerate(rollouts):
-        if engine.rows_bitwise:
-            np.testing.assert_array_equal(ro.logprobs, replay[i, : len(ro.tokens)])
-        else:
-            np.testing.assert_allclose(ro.logprobs, replay[i, : len(ro.tokens)], atol=1e-5)
+    assert_the_replay(moe_model, engine, _run_checked(engine), temperature=0.8)
 
     greedy = make_engine(moe_model)
     for r in random_requests(3, seed=1, temperature=0.0):

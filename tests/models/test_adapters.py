@@ -40,6 +40,7 @@ def test_the_configs_parameter_counts_equal_the_models_trees():
         ("llama", {}),
         ("qwen2", {"qkv_bias": True, "tie_embeddings": False}),
         ("qwen3", {"qk_norm": True}),
+        ("llama", {"qkv_bias": True}),  # HF attention_bias: o_proj's bias too
     ):
         cfg = dataclasses.replace(
             models.preset("tiny"),

@@ -61,8 +61,10 @@ def test_costs_of_the_local_preset_by_hand():
     # 853,120 float32 parameters = 3,412,480 bytes, received by the one replica at 1 MB/s.
     assert c.version_bytes == 3_412_480
     assert c.train_s == pytest.approx(6.226315789473684 + 3.41248, rel=1e-12)
-    # 100 prompt tokens in calls of 64: 1.5625 * 0.04 / 0.8; 40 decode steps of 0.01 / 0.25.
-    assert c.group_s == pytest.approx(0.078125 + 1.6, rel=1e-12)
+    # 100 prompt tokens in calls of 64: 1.5625 * 0.04 / 0.8 = 0.078125 a prefill, 8 of them
+    # while a group runs (its own and those of the 7 others that start meanwhile); 40 decode
+    # steps of 0.01 / 0.25.
+    assert c.group_s == pytest.approx(8 * 0.078125 + 1.6, rel=1e-12)
     # Three workers loading at once share the replica's 1 MB/s: 3 * 3.41248 s.
     assert c.reload_s == pytest.approx(10.23744, rel=1e-12)
     # One worker alone: the slower of its own 2 MB/s and the replica's 1 MB/s.

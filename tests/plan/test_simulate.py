@@ -99,3 +99,14 @@ def test_an_evaluation_holds_the_step_that_begins_with_it():
     # Step 2 begins 30: evaluation after the worker's queue (35): [35, 40]; job 3 at 40 is past
     # the 3 steps; update 2 needs job 2 (verified 36) and the evaluation: [40, 44].
     assert got == [(5, 15, 16, 20), (5, 25, 26, 30), (20, 35, 40, 44)]
+
+
+def test_on_an_accelerator_a_small_share_costs_a_whole_wave():
+    """4 prompts over 4 workers of 2 slots, 10 s for all 4 on one worker (2 waves of 5 s): a
+    share of 1 prompt takes a wave, 5 s, not a quarter of 10 (a step costs the same for fewer
+    rows). On-policy: 5 + 1 + 4 = 10 s an update."""
+    sched = simulate_deterministic(3, COSTS, _policy(0), workers=4, prompts_per_step=4, slots=2)
+    assert [s.generated - s.launched for s in sched.steps] == [5, 5, 5]
+    assert sched.seconds_per_update() == 10
+    linear = simulate_deterministic(3, COSTS, _policy(0), workers=4, prompts_per_step=4)
+    assert [s.generated - s.launched for s in linear.steps] == [2.5, 2.5, 2.5]

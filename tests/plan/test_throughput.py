@@ -26,29 +26,31 @@ def test_no_staleness_admits_one_batch_at_a_time():
 
 def test_one_step_of_staleness_overlaps_a_batch_with_each_update():
     """η_a = 1, B = 2, 4 slots. v0 admits 4 (all in by 11): update 0 [11, 15] on two, update 1
-    [15, 19] on the other two (staleness 1); v1 admitted 2 at 15 (in at 26), v2 2 at 19 (in at
-    30): updates 2 [26, 30] and 3 [30, 34]. From then on each 15 s brings two batches: 7.5 s an
-    update, every group but the first batch one version stale."""
+    [15, 19] on the other two (staleness 1). v1's 2 groups, admitted at 15, start at 15 (the
+    worker's v0 groups are done); v2's, admitted at 19, wait for v1's to drain (the pool's
+    epochs: one version at a time on a worker) and start at 25. So from then on one batch every
+    10 s: updates 2, 3, ... at [26, 30], [36, 40], ..., each one version stale."""
     sched = simulate_throughput(8, COSTS, _policy(1), batch=2, slots=4)
     ends = [u.train_end for u in sched.updates]
-    assert ends == [15, 19, 30, 34, 45, 49, 60, 64]
-    assert sched.seconds_per_update() == 7.5
+    assert ends == [15, 19, 30, 40, 50, 60, 70, 80]
+    assert sched.seconds_per_update() == pytest.approx(61 / 6)
     assert sched.staleness_counts() == {0: 2, 1: 14}
-    assert [u.wait_s for u in sched.updates[:4]] == [11, 0, 7, 0]
+    assert [u.wait_s for u in sched.updates[:4]] == [11, 0, 7, 6]
 
 
 def test_unbounded_staleness_is_held_by_the_queue_cap():
-    """η_a = ∞, a queue of 3, B = 1, one worker of 2 slots. v0 admits 3 (two at 0, one at 10);
-    each update admits one more. Steady state: two groups every 10 s, so 5 s an update, each
-    consumed two versions after the one it was generated with."""
+    """η_a = ∞, a queue of 3, B = 1, one worker of 2 slots. v0 admits 3 (two at 0, one at 10).
+    Each update admits one group of the next version, which waits for the worker's older groups
+    to drain: v1's starts at 20, v2's at 30, ... Steady state: one group every 10 s, so 10 s an
+    update, each consumed two versions after the one it was generated with."""
     sched = simulate_throughput(
         8, ThroughputCosts(group_s=10, train_s=1), _policy(math.inf), batch=1, slots=2, queue_cap=3
     )
     assert [(u.train_start, u.train_end) for u in sched.updates[:6]] == [
-        (10, 11), (11, 12), (20, 21), (21, 22), (30, 31), (31, 32)
+        (10, 11), (11, 12), (20, 21), (30, 31), (40, 41), (50, 51)
     ]  # fmt: skip
     assert [u.staleness for u in sched.updates[:6]] == [(0,), (1,), (2,), (2,), (2,), (2,)]
-    assert sched.seconds_per_update(skip=1) == 5  # over whole pairs: ends 12, 21, 22, ..., 42
+    assert sched.seconds_per_update(skip=2) == 10
 
 
 def test_reload_staleness_lowers_the_budget_between_reload_points():
@@ -66,6 +68,22 @@ def test_reload_staleness_lowers_the_budget_between_reload_points():
     got = [(u.train_start, u.train_end, u.versions) for u in sched.updates]
     assert got == [(10.5, 11.5, (0,)), (20.5, 21.5, (0,)), (32, 33, (2,)), (42, 43, (2,))]
     assert sched.staleness_counts() == {0: 2, 1: 2}
+
+
+def test_a_reload_waits_for_the_workers_groups_and_holds_all_its_slots():
+    """η_a = 1, B = 1, one worker of 2 slots, loads of 2 s. v0's two groups start after the
+    first load, at 2 (in at 12): updates 0 and 1 at 12 and 13. v1's group (admitted at 13)
+    waits for the load, 15..25; v2's (admitted at 14) for v1's group to finish and its load,
+    27..37. One update per group and load: 12 s."""
+    sched = simulate_throughput(
+        5,
+        ThroughputCosts(group_s=10, train_s=1, reload_s=2),
+        _policy(1),
+        batch=1,
+        slots=2,
+    )
+    assert [u.train_start for u in sched.updates] == [12, 13, 25, 37, 49]
+    assert [u.staleness for u in sched.updates] == [(0,), (1,), (1,), (1,), (1,)]
 
 
 def test_bad_inputs_are_refused():
