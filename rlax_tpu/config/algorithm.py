@@ -103,6 +103,9 @@ class AlgorithmConfig:
     vespo_k_neg: float = 3.0  # VESPO's exponent k for A < 0
     vespo_lambda_neg: float = 2.0  # VESPO's decay λ for A < 0
     reward_kl_coef: float = 0.0  # KL folded into the reward (ppo, reinforce_pp); 0 = default
+    # Mixture of experts: weight of the load-balancing loss (Switch Transformer, over the batch's
+    # tokens and every layer) added to the objective; 0 = off (pretraining used ~0.001).
+    router_aux_loss_coef: float = 0.0
     # Token weights: per-sequence mean, token mean, or 1/(B·L_max).
     aggregation: Literal["default", "seq_mean_token_mean", "token_mean", "max_length"] = "default"
     is_cap: float = 0.0  # AIPO truncation c; 0 = algorithm default
@@ -179,6 +182,7 @@ class AlgorithmConfig:
         in_range(self, "eps_low", 0.0, 1.0, hi_open=True)
         non_negative(self, "eps_high", "kl_coef", "is_cap", "overlong_buffer", "value_clip")
         non_negative(self, "reward_kl_coef", "value_coef", "tb_beta_decay_steps")
+        non_negative(self, "router_aux_loss_coef")
         positive(
             self,
             "group_std_eps",

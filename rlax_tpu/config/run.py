@@ -75,6 +75,12 @@ class RunConfig:
                 f"{rows // data} (step_tokens 0: max_concurrent_seqs)",
                 alg.group_size,
             )
+        if alg.router_aux_loss_coef and not model.num_experts:
+            raise ConfigError(
+                "algorithm.router_aux_loss_coef",
+                "balances a mixture of experts' routing: the model has no experts",
+                alg.router_aux_loss_coef,
+            )
         self._check_slices()
         self._check_environment()
         replicas = self.param_server.replicas

@@ -133,7 +133,7 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
         AbstractProgram(
             "trainer.accumulate",
             fns.accumulate_jit(micro),
-            (trainable, trainable, arrays, micro, scalar, scalar, base),
+            (trainable, trainable, arrays, micro, scalar, {"loss": scalar, "aux": scalar}, base),
             mesh=mesh,
             held=held(trainable_k, *base_args, batches=n_micro - 1, inputs=True),
             note=f"loss + gradient of one {where}",

@@ -29,14 +29,14 @@ def hidden_states(
     *,
     loop: models.LayerLoop = models.UNROLLED,
     attention: str | models.KVCache = "dense",
-) -> jax.Array:
-    """tokens, positions [B, L] -> final-normed hidden states [B, L, E]; ``attention`` is the
-    kernel of ``models.NoCache`` (splash needs each row's tokens first, as batching lays them)
-    or a stateless cache (the prefill-shaped π_old recompute), ``loop`` how the layers run
-    (scanned or unrolled, remat policy)."""
+) -> tuple[jax.Array, models.Routing | None]:
+    """tokens, positions [B, L] -> (final-normed hidden states [B, L, E], a MoE model's routing
+    or None); ``attention`` is the kernel of ``models.NoCache`` (splash needs each row's tokens
+    first, as batching lays them) or a stateless cache (the prefill-shaped π_old recompute),
+    ``loop`` how the layers run (scanned or unrolled, remat policy)."""
     cache = models.NoCache(kernel=attention) if isinstance(attention, str) else attention
-    hidden, _ = model(tokens, positions, cache, loop)
-    return hidden
+    hidden, _, routing = model.run(tokens, positions, cache, loop)
+    return hidden, routing
 
 
 def gather_completion(hidden: jax.Array, prompt_lengths: jax.Array, width: int) -> jax.Array:
@@ -111,10 +111,11 @@ def completion_logprobs(
     mesh: Mesh | None,
     value_head: dict[str, jax.Array] | None = None,
     attention: str | models.KVCache = "dense",
-) -> tuple[jax.Array, jax.Array | None]:
-    """Log-probs [B, T] of the completion ``targets`` [B, T] and, with a value head, the values
-    [B, T] (f32) of the states that emit them. tokens/positions [B, L] (padding at position -1)."""
-    hidden = hidden_states(model, tokens, positions, loop=loop, attention=attention)
+) -> tuple[jax.Array, jax.Array | None, models.Routing | None]:
+    """Log-probs [B, T] of the completion ``targets`` [B, T]; with a value head, the values
+    [B, T] (f32) of the states that emit them; a MoE model's routing of every token [L, B, L]
+    (else None). tokens/positions [B, L] (padding at position -1)."""
+    hidden, routing = hidden_states(model, tokens, positions, loop=loop, attention=attention)
     hidden = gather_completion(hidden, prompt_lengths, targets.shape[1])
     if use_vocab_parallel(mesh, model.cfg.vocab_size):
         logp = vocab_parallel_logprobs(model, hidden, targets, temperature, mesh)
@@ -124,4 +125,4 @@ def completion_logprobs(
     if value_head is not None:
         h = hidden.astype(jnp.float32)
         values = h @ value_head["w"].astype(jnp.float32) + value_head["b"].astype(jnp.float32)
-    return logp, values
+    return logp, values, routing

@@ -31,6 +31,7 @@ from rlax_tpu.algorithms import LossInputs, Objective, RolloutBatch, make_object
 from rlax_tpu.config import RunConfig, TrainerConfig
 from rlax_tpu.models import UNROLLED, LayerLoop, param_shardings
 from rlax_tpu.models.adapters import join, split_adapters
+from rlax_tpu.models.moe import load_balancing_loss
 from rlax_tpu.models.paged_attention import resolve_backend
 from rlax_tpu.models.paged_cache import SequencePagedCache
 from rlax_tpu.trainer.logprobs import completion_logprobs
@@ -225,9 +226,11 @@ class StepFunctions:
         arrays: dict[str, jax.Array],
         inputs: LossInputs,
         temperature: jax.Array,
-        scale: jax.Array,
+        scale: dict[str, jax.Array],
         base: Params | None = None,
     ) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
+        """``scale``: {"loss": the objective's micro-batch weight, "aux": a MoE load-balancing
+        term's (algorithm.router_aux_loss_coef over the micro-batches; 0 off)}."""
         with jax.set_mesh(self.mesh):
             return self.accumulate_jit(inputs)(
                 trainable, acc, arrays, inputs, temperature, scale, base
@@ -352,7 +355,7 @@ def _jit_cached(owner: StepFunctions, name: str, build: Any) -> Any:
 
 def _score(graphdef, mesh, attention, loop, model_params, value_head, arrays, temperature):  # noqa: ANN001, ANN202
     model = nnx.merge(graphdef, model_params)
-    return completion_logprobs(
+    logp, values, _ = completion_logprobs(
         model,
         arrays["tokens"],
         arrays["positions"],
@@ -364,6 +367,7 @@ def _score(graphdef, mesh, attention, loop, model_params, value_head, arrays, te
         value_head=value_head,
         attention=attention,
     )
+    return logp, values
 
 
 def _accumulate(
@@ -385,7 +389,7 @@ def _accumulate(
     def loss_fn(trainable):  # noqa: ANN001, ANN202
         params = trainable["model"] if base is None else join(base, trainable["model"])
         model = nnx.merge(graphdef, params)
-        logp, values = completion_logprobs(
+        logp, values, routing = completion_logprobs(
             model,
             arrays["tokens"],
             arrays["positions"],
@@ -398,7 +402,14 @@ def _accumulate(
             attention=attention,
         )
         loss, metrics = objective.loss(logp, inputs, values=values)
-        return loss * scale, (loss, metrics)
+        out = loss * scale["loss"]
+        if routing is not None:
+            aux = load_balancing_loss(
+                routing.logits, routing.experts.shape[-1], arrays["positions"] >= 0
+            )
+            metrics = metrics | {"router_aux_loss": aux}
+            out = out + scale["aux"] * aux
+        return out, (loss, metrics)
 
     grads, (loss, metrics) = jax.grad(loss_fn, has_aux=True)(trainable)
     return jax.tree.map(jnp.add, acc, grads), loss, metrics

@@ -310,7 +310,13 @@ class Trainer:
 
         t_update = time.perf_counter()
         scale = 1.0 if spec.kind == "eq3" else 1.0 / plan.num_micro_batches
-        scale_arr = mesh_lib.put(np.float32(scale), rep)
+        # A MoE's load-balancing term: the mean of the micro-batches' (eq3 objectives weight
+        # their micro-batches by the batch's own normalizer, which the term does not share).
+        aux = self.config.algorithm.router_aux_loss_coef / plan.num_micro_batches
+        scale_arr = {
+            "loss": mesh_lib.put(np.float32(scale), rep),
+            "aux": mesh_lib.put(np.float32(aux), rep),
+        }
         if tcfg.precompile and not self._precompiled:
             self._precompile(
                 micro[0], _slice_inputs(inputs_host, micro[0][0]), temperature, scale_arr

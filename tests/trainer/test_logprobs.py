@@ -41,7 +41,7 @@ def test_vocab_parallel_equals_plain(mesh_shape, tied):
 
     def both(params):
         m = nnx.merge(graphdef, params)
-        hidden = hidden_states(m, tokens, models.default_positions(tokens))
+        hidden, _ = hidden_states(m, tokens, models.default_positions(tokens))
         return (
             plain_logprobs(m, hidden, targets, temperature),
             vocab_parallel_logprobs(m, hidden, targets, temperature, mesh),
