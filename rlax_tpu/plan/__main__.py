@@ -12,7 +12,8 @@ and the bottleneck of a config on a TPU layout, for one or several inference wor
 --aot=A.json[,B.json] the programs' reports (``python -m rlax_tpu.aot --json``) instead of
                       compiling them here (which needs libtpu and takes minutes for large models)
 --calibrate=RUN_DIR   the costs measured on a deterministic-mode run of this config (its
-                      metrics.jsonl) instead of the rooflines; no topology needed
+                      metrics.jsonl) instead of the rooflines; no topology needed. With --aot
+                      of the run's own layout, also the efficiency the run reached
 --parallel_workers=K  workers that generate at full speed at once (default 0: each has chips
                       of its own; 1 for workers sharing this host's one inference core)
 --lengths=P,C         mean prompt and completion tokens (default: half of each budget)

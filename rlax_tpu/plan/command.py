@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlax_tpu.config import RunConfig
-from rlax_tpu.plan.calibrate import describe, measure
+from rlax_tpu.plan.calibrate import Measured, describe, measure
 from rlax_tpu.plan.costs import (
     GBPS,
     Efficiency,
@@ -119,10 +119,9 @@ def plan(
         raise PlanError("--parallel_workers must be >= 0 (0: every worker on chips of its own)")
     parallel = parallel_workers or float("inf")
     if calibrate:
-        if aot or lengths or efficiency:
+        if lengths or efficiency:
             raise PlanError(
-                "--calibrate measures the costs on a run: --aot, --lengths and --efficiency "
-                "do not apply"
+                "--calibrate measures the costs on a run: --lengths and --efficiency do not apply"
             )
         try:
             measured = measure(calibrate, config)
@@ -136,6 +135,22 @@ def plan(
             return dataclasses.replace(c, verify_s=verify)
 
         source: dict[str, Any] = {"calibrated_on": str(calibrate)} | describe(measured)
+        if aot:  # the run's own layout: what fraction of its rooflines the run reached
+            roofline_of, *_ = _from_rooflines(
+                config,
+                trainer_topology=trainer_topology,
+                inference_topology=inference_topology,
+                aot=aot,
+                lengths=[str(workload.prompt), str(workload.completion)],
+                efficiency=["train=1", "decode=1", "prefill=1"],
+                pull_gbps=pull_gbps,
+                server_gbps=server_gbps,
+                verify_s=verify_s,
+                parallel=parallel,
+            )
+            source["measured_efficiency"] = measured_efficiency(
+                roofline_of(1), cost_of(1), measured
+            )
     else:
         cost_of, workload, verify, source = _from_rooflines(
             config,
@@ -234,6 +249,26 @@ def _from_rooflines(
         "param_server_replicas": config.param_server.replicas,
     }
     return cost_of, workload, verify, source
+
+
+def measured_efficiency(
+    roofline: PlanCosts, measured: PlanCosts, run: Measured
+) -> dict[str, float]:
+    """The fraction of the rooflines (at efficiency 1) a run reached: for the update (its push
+    left out, as the rooflines do not time it) and a group's generation. Pass them as
+    ``--efficiency`` to plan another layout from this run."""
+    update = measured.train_s - roofline.detail["push_s"]
+    if update <= 0:
+        raise PlanError(
+            f"the run's update ({measured.train_s:.2f} s) is shorter than the push the "
+            f"network assumptions give ({roofline.detail['push_s']:.2f} s): check --server_gbps"
+        )
+    # The run made run.groups_per_s groups a second on a worker; the rooflines, slots groups
+    # every group_s.
+    return {
+        "train": roofline.detail["update_s"] / update,
+        "generate": roofline.group_s * run.groups_per_s / roofline.slots,
+    }
 
 
 def format_table(

@@ -76,4 +76,28 @@ def test_a_calibrated_plan_of_one_worker_predicts_the_measured_step(tmp_path):
     assert two["seconds_per_update"] == pytest.approx(7.8)
     assert out["assumptions"]["calibrated_on"] == str(tmp_path)
     with pytest.raises(PlanError, match="do not apply"):
-        plan(config, trainer_topology="", inference_topology="", calibrate="x", aot=["y"])
+        plan(config, trainer_topology="", inference_topology="", calibrate="x", lengths=["9", "9"])
+
+
+def test_a_run_with_its_layouts_reports_gives_the_efficiency_it_reached(tmp_path):
+    """--calibrate with --aot: the run's measured pieces against its own layout's rooflines.
+    The made-up run trains in 3 s (median) and makes 2 groups a second on a worker; the
+    rooflines of tests/plan/test_costs.py at efficiency 1 (100-token prompts and 34-token
+    completions, the run's means): an update of (0.1 + 4·(134/304)·1.5 + 0.25) s, a group of
+    8 prefills of 1.5625·0.04 s and 34 decode steps of 0.01 s, 8 at once."""
+    from tests.plan.test_command import _reports
+
+    _, out = plan(
+        build({}),
+        trainer_topology="v5e:2x2",
+        inference_topology="v5e:2x2",
+        calibrate=str(_run(tmp_path / "run")),
+        aot=[_reports(tmp_path)],
+        server_gbps=8000.0,  # a push of 3.4 ms: nearly all of the 3 s is the update
+        steps=12,
+    )
+    eff = out["assumptions"]["measured_efficiency"]
+    update = 0.1 + 4 * (134 / 304) * 1.5 + 0.25
+    assert eff["train"] == pytest.approx(update / (3.0 - 3_412_480 / 1e12), rel=1e-9)
+    group = 8 * 1.5625 * 0.04 + 34 * 0.01
+    assert eff["generate"] == pytest.approx(group * 2.0 / 8, rel=1e-9)
