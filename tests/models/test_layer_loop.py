@@ -32,7 +32,7 @@ def _loss_and_grads(graphdef, params, loop: models.LayerLoop, mesh=None):  # noq
     tokens, positions, prompt, targets = _batch()
 
     def f(params):  # noqa: ANN001, ANN202
-        logp, _ = completion_logprobs(
+        logp, _, _ = completion_logprobs(
             nnx.merge(graphdef, params),
             tokens,
             positions,
@@ -95,7 +95,7 @@ def _dots(num_layers: int, scan: bool) -> int:
     tokens, positions, prompt, targets = _batch()
 
     def f(params):  # noqa: ANN001, ANN202
-        logp, _ = completion_logprobs(
+        logp, _, _ = completion_logprobs(
             nnx.merge(graphdef, params),
             tokens,
             positions,

@@ -44,7 +44,7 @@ def _batch(rows: int = 4, length: int = 40, width: int = 12, seed: int = 0) -> d
 def _loss_and_grads(state, graphdef, batch, attention: str, mesh=None):  # noqa: ANN001, ANN202
     def loss(state):  # noqa: ANN001, ANN202
         model = nnx.merge(graphdef, state)
-        logp, _ = completion_logprobs(
+        logp, _, _ = completion_logprobs(
             model,
             batch["tokens"],
             batch["positions"],

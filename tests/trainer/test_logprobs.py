@@ -78,7 +78,7 @@ def test_remat_forward_and_grad_equal_plain():
     positions = models.default_positions(tokens)
 
     def f(params, remat):
-        logp, _ = completion_logprobs(
+        logp, _, _ = completion_logprobs(
             nnx.merge(graphdef, params),
             tokens,
             positions,
