@@ -125,7 +125,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip", type=int, default=4, help="first updates left out (compiles)")
     parser.add_argument("--out", default=str(HERE / "plan_check.json"))
-    parser.add_argument("--keep", default="", help="copy the run directories here")
+    parser.add_argument("--keep", default="", help="keep the run directories here")
+    parser.add_argument(
+        "--analyse", action="store_true", help="only compare again: the runs kept in --keep"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-workers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -139,18 +142,21 @@ def main() -> None:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="rlax-plan-"))
     runs = [("calibration", 1)] + [(m, n) for m in args.modes for n in args.workers]
     rows, out = [], {"workload": "benchmarks/async_speedup.py's", "runs": []}
+    if args.analyse and not args.keep:
+        raise SystemExit("--analyse compares the runs kept by an earlier --keep DIR")
     for mode, n in runs:
         run_dir = root / f"{mode}-{n}"
         argv = [sys.executable, __file__, "--child", mode, "--child-workers", str(n)]
         argv += ["--steps", str(args.steps), "--run-dir", str(run_dir)]
         t0 = time.perf_counter()
-        proc = subprocess.run(
-            argv, cwd=REPO, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {0})
-        )
-        if proc.returncode:
-            log = root / f"{mode}-{n}.log"
-            print(log.read_text()[-4000:] if log.exists() else "(no log)")
-            raise SystemExit(f"{mode} with {n} workers failed: exit code {proc.returncode}")
+        if not args.analyse:
+            proc = subprocess.run(
+                argv, cwd=REPO, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {0})
+            )
+            if proc.returncode:
+                log = root / f"{mode}-{n}.log"
+                print(log.read_text()[-4000:] if log.exists() else "(no log)")
+                raise SystemExit(f"{mode} with {n} workers failed: exit code {proc.returncode}")
         got = measured(run_dir, args.skip)
         want = predicted(mode, n, args.steps, root / "calibration-1")
         error = want["seconds_per_update"] / got["seconds_per_update"] - 1

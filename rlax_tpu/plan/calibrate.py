@@ -2,8 +2,11 @@
 
 From the run's per-step metrics, after ``skip`` warm-up steps (compiles):
 
-* train_s: the median ``time/train`` (π_old, the update, the publish and push);
-* verify_s: the median ``time/verify`` (a step's slowest group, after its generation);
+* train_s: the mean ``time/train`` (π_old, the update, the publish and push), plus the
+  controller's own time between updates (snapshots, ledger, metrics: the mean of each step's
+  interval less its ``time/wait`` and ``time/train``), which is as serial as the update;
+* verify_s: the mean ``time/verify`` (a step's slowest group, after its generation). Means,
+  not medians: a steady state's period is a mean (the warm-up's compiles are skipped);
 * reload_s: ``pool/load_s`` over ``pool/loads``, every load of every worker;
 * a worker's generation rate: ``pool/groups`` over ``pool/generate_s`` (groups per second of
   a worker's generation calls). With ``slots`` groups at once (the config's decode rows or KV
@@ -36,7 +39,8 @@ class Measured:
     """A deterministic run's pieces (module docstring)."""
 
     steps: int  # the steps measured (after the warm-up)
-    train_s: float
+    train_s: float  # the update and the controller's own time between updates (overhead_s)
+    overhead_s: float
     verify_s: float
     reload_s: float
     groups_per_s: float  # one worker's generation rate
@@ -73,7 +77,8 @@ class Measured:
 def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measured:
     """The pieces of the run in ``run_dir`` (made with ``config``'s batch shape). Raises
     ValueError when it has too few steps or was not in deterministic mode."""
-    steps = [r["scalars"] for r in read_metrics(run_dir) if "time/train" in r.get("scalars", {})]
+    records = [r for r in read_metrics(run_dir) if "time/train" in r.get("scalars", {})]
+    steps = [r["scalars"] for r in records]
     if not steps:
         raise ValueError(f"{run_dir}: no training steps in its metrics")
     if any("groups/queued" in s for s in steps):
@@ -97,10 +102,27 @@ def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measure
     prompt = statistics.mean(
         (s["trainer/sequence_tokens"] - s["trainer/completion_tokens"]) / rollouts for s in steady
     )
+    # What the controller does between updates besides waiting for rollouts and training
+    # (snapshots, ledger, metrics): each interval less its wait and its update.
+    overhead = (
+        statistics.fmean(
+            max(
+                0.0,
+                b["wall_time"]
+                - a["wall_time"]
+                - b["scalars"]["time/wait"]
+                - b["scalars"]["time/train"],
+            )
+            for a, b in zip(records[skip - 1 : -1], records[skip:], strict=True)
+        )
+        if skip >= 1
+        else 0.0
+    )
     return Measured(
         steps=len(steady),
-        train_s=statistics.median(s["time/train"] for s in steady),
-        verify_s=statistics.median(s["time/verify"] for s in steady),
+        train_s=statistics.fmean(s["time/train"] for s in steady) + overhead,
+        overhead_s=overhead,
+        verify_s=statistics.fmean(s["time/verify"] for s in steady),
         reload_s=total("pool/load_s") / loads if loads else 0.0,
         groups_per_s=total("pool/groups") / total("pool/generate_s"),
         workload=Workload(

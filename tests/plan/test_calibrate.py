@@ -15,6 +15,7 @@ def _step(i: int, **extra: float) -> dict[str, float]:
     return {
         "time/train": 2.0 + (i % 3),  # 2, 3, 4, 2, 3, 4, ...
         "time/verify": 0.5,
+        "time/wait": 5.0,
         "pool/load_s": 0.3,
         "pool/loads": 1.0,
         "pool/generate_s": 4.0,
@@ -27,8 +28,8 @@ def _step(i: int, **extra: float) -> dict[str, float]:
 
 def _run(tmp_path, steps: int = 7, **extra: float):  # noqa: ANN003, ANN202
     writer = MetricsWriter(tmp_path)
-    for i in range(steps):
-        writer.write(i + 1, _step(i, **extra))
+    for i in range(steps):  # an update every 10 s
+        writer.write(i + 1, _step(i, **extra), wall_time=10.0 * i)
         writer.write(i + 1, {"eval/pass@1": 0.5})  # an evaluation record: not a step
     writer.close()
     return tmp_path
@@ -36,8 +37,10 @@ def _run(tmp_path, steps: int = 7, **extra: float):  # noqa: ANN003, ANN202
 
 def test_the_pieces_are_the_runs_steps_after_the_warm_up(tmp_path):
     m = measure(_run(tmp_path), build({}), skip=2)
-    # Steps 3..7: train 4, 2, 3, 4, 2 -> median 3; 40 groups in 20 s of generation calls.
-    assert (m.steps, m.train_s, m.verify_s, m.reload_s) == (5, 3.0, 0.5, 0.3)
+    # Steps 3..7: train 4, 2, 3, 4, 2 -> median 3; each 10 s interval less its 5 s wait and its
+    # train leaves 1, 3, 2, 1, 3 s of the controller's own -> median 2, counted with the
+    # update; 40 groups in 20 s of generation calls.
+    assert (m.steps, m.overhead_s, m.train_s, m.verify_s, m.reload_s) == (5, 2.0, 5.0, 0.5, 0.3)
     assert m.groups_per_s == 2.0
     assert m.workload.prompt == 100 and m.workload.completion == 34  # mean of 32..36
     c = m.costs(build({}), workers=3, parallel_workers=1)
@@ -70,10 +73,11 @@ def test_a_calibrated_plan_of_one_worker_predicts_the_measured_step(tmp_path):
         steps=20,
     )
     one, two = out["predictions"]
-    # 8 groups at 2 groups/s = 4 s, a load 0.3 s, verify 0.5 s, train 3 s.
-    assert one["seconds_per_update"] == pytest.approx(7.8)
+    # 8 groups at 2 groups/s = 4 s, a load 0.3 s, verify 0.5 s, train 3 s and 2 s of the
+    # controller's own.
+    assert one["seconds_per_update"] == pytest.approx(9.8)
     # Two workers sharing one's speed: each makes 4 groups in 4 s and loads; no faster.
-    assert two["seconds_per_update"] == pytest.approx(7.8)
+    assert two["seconds_per_update"] == pytest.approx(9.8)
     assert out["assumptions"]["calibrated_on"] == str(tmp_path)
     with pytest.raises(PlanError, match="do not apply"):
         plan(config, trainer_topology="", inference_topology="", calibrate="x", lengths=["9", "9"])
@@ -81,7 +85,8 @@ def test_a_calibrated_plan_of_one_worker_predicts_the_measured_step(tmp_path):
 
 def test_a_run_with_its_layouts_reports_gives_the_efficiency_it_reached(tmp_path):
     """--calibrate with --aot: the run's measured pieces against its own layout's rooflines.
-    The made-up run trains in 3 s (median) and makes 2 groups a second on a worker; the
+    The made-up run trains in 3 s (median; 5 s with the controller's own 2 s between updates,
+    which counts as the update's) and makes 2 groups a second on a worker; the
     rooflines of tests/plan/test_costs.py at efficiency 1 (100-token prompts and 34-token
     completions, the run's means): an update of (0.1 + 4·(134/304)·1.5 + 0.25) s, a group of
     8 prefills of 1.5625·0.04 s and 34 decode steps of 0.01 s, 8 at once."""
@@ -98,6 +103,6 @@ def test_a_run_with_its_layouts_reports_gives_the_efficiency_it_reached(tmp_path
     )
     eff = out["assumptions"]["measured_efficiency"]
     update = 0.1 + 4 * (134 / 304) * 1.5 + 0.25
-    assert eff["train"] == pytest.approx(update / (3.0 - 3_412_480 / 1e12), rel=1e-9)
+    assert eff["train"] == pytest.approx(update / (5.0 - 3_412_480 / 1e12), rel=1e-9)
     group = 8 * 1.5625 * 0.04 + 34 * 0.01
     assert eff["generate"] == pytest.approx(group * 2.0 / 8, rel=1e-9)
