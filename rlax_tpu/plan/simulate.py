@@ -8,7 +8,8 @@ What it models, as ``controller/loop.py``'s ``run_deterministic`` and ``controll
 * A job's prompts are split round-robin over the N workers; each worker runs its shares one job
   at a time in launch order (``exclusive_jobs``), loading the job's version first when it holds
   another (``reload_s``). A job is generated when every share is; its verification follows
-  (``verify_s``, the verifiers beside the workers).
+  (``verify_s``, the verifiers beside the workers), one job's after another's: when steps
+  overlap, the verifiers' sandboxes bound them, not a job's latency.
 * Update s starts when step s's job is verified and update s - 1 is done; it takes π_old +
   update + publish (``train_s``), then step s + 1 begins.
 * With ``eval_every`` = k > 0, step s begins with a held-out evaluation when s is a multiple of
@@ -119,7 +120,7 @@ def simulate_deterministic(
     launched: dict[int, float] = {}
     generated: dict[int, float] = {}
     out: list[StepTimes] = []
-    train_end = 0.0
+    train_end = verifier_free = 0.0
 
     def launch(t: int, at: float) -> None:
         version = policy.generation_version(t)
@@ -144,7 +145,9 @@ def simulate_deterministic(
         for t in range(s, min(steps, s + d + 1)):
             if t not in launched:
                 launch(t, begin)
-        verified = generated[s] + costs.verify_s
+        # The verifiers take one step's rollouts at a time (their sandboxes are the limit).
+        verified = max(generated[s], verifier_free) + costs.verify_s
+        verifier_free = verified
         start = max(begin, verified)
         train_end = start + costs.train_s
         out.append(

@@ -110,3 +110,15 @@ def test_on_an_accelerator_a_small_share_costs_a_whole_wave():
     assert sched.seconds_per_update() == 10
     linear = simulate_deterministic(3, COSTS, _policy(0), workers=4, prompts_per_step=4)
     assert [s.generated - s.launched for s in linear.steps] == [2.5, 2.5, 2.5]
+
+
+def test_the_verifiers_take_one_steps_rollouts_at_a_time():
+    """d = 1, generation 1 s, verification 4 s, updates 1 s. Jobs 0 and 1 are generated at 1
+    and 2; job 0 is verified [1, 5], job 1 must wait for the verifiers: [5, 9]. Update 0 runs
+    [5, 6], update 1 [9, 10]: one update per 4 s of verification (overlapping them would have
+    given 2 s)."""
+    costs = Costs(generate_s=1.0, verify_s=4.0, train_s=1.0)
+    sched = simulate_deterministic(5, costs, _policy(1))
+    assert [s.verified for s in sched.steps[:2]] == [5, 9]
+    assert [s.train_end for s in sched.steps[:2]] == [6, 10]
+    assert sched.seconds_per_update() == 4
