@@ -152,23 +152,6 @@ def test_deterministic_mode_is_bitwise_reproducible(env, reference, tmp_path):
     assert not cmdline.exists() or b"rlax_tpu" not in cmdline.read_bytes()
 
 
-def test_sigkill_and_resume_gives_the_same_weights(env, reference, tmp_path):
-    _, digest = reference
-    run_dir = tmp_path / "killed"
-    killed_at_random(env, run_dir, "--config.controller.num_steps=4", after_step=1, seed=7)
-    assert not (run_dir / "report.md").exists()  # it really died mid-run
-    out = run(env, run_dir, "--config.controller.num_steps=4")
-    assert "resuming" in out
-    # The restarted in-process parameter server is empty: the versions the resumed steps need
-    # are republished from the trainer's checkpoints.
-    assert "(the parameter server does not have it)" in out, out[-3000:]
-    assert "leasing versions" not in out, out[-3000:]  # only versions it generates with
-    assert sha(out) == digest
-    payload = final_payload(run_dir)
-    trained = [g for g in payload["ledger"] if g["state"] == "trained"]
-    assert len(trained) == 4 * 2 and len({g["key"] for g in trained}) == len(trained)
-
-
 def test_a_finished_run_is_left_alone(env, reference):
     run_dir, _ = reference
     out = run(env, run_dir, "--config.controller.num_steps=4")
@@ -376,11 +359,15 @@ def test_a_gs_lora_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_
     assert not (REPO / "gs:").exists()
 
 
-def test_sigterm_stops_cleanly_and_the_same_command_resumes_bitwise(env, reference, tmp_path):
+def test_sigterm_then_sigkill_each_resumed_gives_the_uninterrupted_weights(
+    env, reference, tmp_path
+):
     """SIGTERM mid-run (a drained node, kubectl delete): the step in flight is abandoned, the
-    components close, the process exits 143 with a message saying how to resume; the same
-    command then finishes with the uninterrupted run's weights."""
-    run_dir = tmp_path / "term"
+    components close, the process exits 143 with a message saying how to resume. The same
+    command resumes; SIGKILLed at a random moment after step 2 (a lost node), it resumes again
+    and finishes with the uninterrupted run's weights, every group trained once. (One run for
+    both kinds of stop: each start costs the suite a process and its compiles.)"""
+    run_dir = tmp_path / "stopped"
     extra = ("--config.controller.num_steps=4",)
     proc = started(env, run_dir, *extra, after_step=1)
     watchdog = threading.Timer(600, proc.kill)
@@ -396,9 +383,17 @@ def test_sigterm_stops_cleanly_and_the_same_command_resumes_bitwise(env, referen
     assert proc.returncode == 143, rest[-3000:]
     assert "stopped by SIGTERM; the same command resumes the run" in rest, rest[-3000:]
     assert "Traceback" not in rest and not (run_dir / "report.md").exists()
+    killed_at_random(env, run_dir, *extra, after_step=2, seed=7)
+    assert not (run_dir / "report.md").exists()  # it really died mid-run
     out = run(env, run_dir, *extra)
     assert "resuming" in out and "run finished: 4 updates" in out, out[-3000:]
+    # The restarted in-process parameter server is empty: the versions the resumed steps need
+    # are republished from the trainer's checkpoints.
+    assert "(the parameter server does not have it)" in out, out[-3000:]
+    assert "leasing versions" not in out, out[-3000:]  # only versions it generates with
     assert sha(out) == reference[1]
+    trained = [g for g in final_payload(run_dir)["ledger"] if g["state"] == "trained"]
+    assert len(trained) == 4 * 2 and len({g["key"] for g in trained}) == len(trained)
 
 
 def test_an_algorithm_of_the_users_own_trains_from_the_main_command(env, tmp_path):
