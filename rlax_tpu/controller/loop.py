@@ -147,11 +147,7 @@ class Controller:
         self.objective: Objective = make_objective(
             config.algorithm, max_length=config.inference.max_new_tokens
         )
-        self.policy = StalenessPolicy(
-            reload_staleness=cc.reload_staleness,
-            acceptance_staleness=cc.acceptance_bound,
-            pipeline_depth=cc.pipeline_depth if cc.mode == "deterministic" else 0,
-        )
+        self.policy = StalenessPolicy.of(cc)
         self.group_size = config.algorithm.group_size
         self.mixture = self._mixture(self._prefiltered())
         self.ledger = Ledger()

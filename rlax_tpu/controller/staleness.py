@@ -23,6 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlax_tpu.config import ControllerConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +40,15 @@ class StalenessPolicy:
             raise ValueError(f"reload_staleness must be >= 1, got {self.reload_staleness}")
         if self.acceptance_staleness < 0 or self.pipeline_depth < 0:
             raise ValueError("acceptance_staleness and pipeline_depth must be >= 0")
+
+    @classmethod
+    def of(cls, cc: ControllerConfig) -> StalenessPolicy:
+        """The policy of ``controller`` settings (pipeline depth only in deterministic mode)."""
+        return cls(
+            reload_staleness=cc.reload_staleness,
+            acceptance_staleness=cc.acceptance_bound,
+            pipeline_depth=cc.pipeline_depth if cc.mode == "deterministic" else 0,
+        )
 
     def reload_point(self, version: int) -> int:
         """The version a worker holds when the newest published version is ``version``."""

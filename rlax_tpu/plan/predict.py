@@ -38,16 +38,6 @@ class Prediction:
         return out
 
 
-def policy_of(config: RunConfig) -> StalenessPolicy:
-    """The controller's policy for ``config`` (as ``controller/loop.py`` builds it)."""
-    cc = config.controller
-    return StalenessPolicy(
-        reload_staleness=cc.reload_staleness,
-        acceptance_staleness=cc.acceptance_bound,
-        pipeline_depth=cc.pipeline_depth if cc.mode == "deterministic" else 0,
-    )
-
-
 def predict(
     config: RunConfig, costs: PlanCosts, workload: Workload, *, workers: int, steps: int = 100
 ) -> Prediction:
@@ -55,7 +45,7 @@ def predict(
     ``config`` with ``workers`` inference workers. Held-out evaluations are not modelled."""
     if steps < 4:
         raise ValueError("simulate at least 4 updates")
-    policy, batch = policy_of(config), config.controller.prompts_per_step
+    policy, batch = StalenessPolicy.of(config.controller), config.controller.prompts_per_step
     skip = max(1, steps // 10)
     if config.controller.mode == "throughput":
         cap = (
