@@ -33,6 +33,12 @@ class Rollout:
     environment's replies: ``sampled`` [T] bool is False on the environment's tokens (their
     ``logprobs`` are 0 and their ``versions`` those of the turn before them), which the loss
     masks. None: every token was sampled.
+
+    ``routes`` [S, L, k] int16: a MoE model's experts (k of each of L layers) at every position
+    of the sequence the worker computed, S = P + any continuation the request carried + T
+    (an episode's last turn: the whole episode), -1 where it computed none (the last token,
+    positions whose pages it reused without their record). The trainer can force them (routing
+    replay). None: a dense model.
     """
 
     prompt_id: str
@@ -44,9 +50,18 @@ class Rollout:
     finish_reason: FinishReason
     logprob_policy: str = "temperature_scaled"  # which distribution ``logprobs`` are under
     sampled: np.ndarray | None = None  # [T] bool; None: every token was sampled
+    routes: np.ndarray | None = None  # [S, L, k] int16, S >= P + T; None: no experts
 
     def __post_init__(self) -> None:
         t = len(self.tokens)
+        if self.routes is not None and (
+            np.ndim(self.routes) != 3 or len(self.routes) < len(self.prompt_tokens) + t
+        ):
+            raise ValueError(
+                f"rollout {self.prompt_id}/{self.sample_index}: routes has shape "
+                f"{np.shape(self.routes)}, expected (S, layers, k) with S >= prompt + tokens = "
+                f"{len(self.prompt_tokens) + t}"
+            )
         if len(self.logprobs) != t or len(self.versions) != t:
             raise ValueError(
                 f"rollout {self.prompt_id}/{self.sample_index}: tokens, logprobs and versions "
@@ -139,6 +154,9 @@ class TrainBatch:
     loss_mask: [B, T] float32 like behaviour_logprobs, 1 on the completion tokens the loss
         trains on and 0 on an environment's tokens within a multi-turn episode
         (``Rollout.sampled``); None: every completion token.
+    routes: [B, L, layers, k] int16 like tokens: a MoE model's experts at each position as the
+        worker chose them (``Rollout.routes``), -1 where it recorded none (padding included);
+        the trainer forces them when ``trainer.routing_replay`` says so. None: none recorded.
     """
 
     tokens: np.ndarray
@@ -150,6 +168,7 @@ class TrainBatch:
     group_size: int
     temperature: float = 1.0
     loss_mask: np.ndarray | None = None
+    routes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is not None:
@@ -163,6 +182,13 @@ class TrainBatch:
         if np.ndim(self.tokens) != 2:
             raise ValueError(f"TrainBatch.tokens must be [B, L], got shape {np.shape(self.tokens)}")
         b, length = np.shape(self.tokens)
+        if self.routes is not None and (
+            np.ndim(self.routes) != 4 or np.shape(self.routes)[:2] != (b, length)
+        ):
+            raise ValueError(
+                f"TrainBatch.routes has shape {np.shape(self.routes)}, expected ({b}, {length}, "
+                "layers, k) (tokens' rows and columns)"
+            )
         for name in ("prompt_lengths", "completion_lengths", "rewards", "versions"):
             if np.shape(getattr(self, name)) != (b,):
                 raise ValueError(
@@ -233,6 +259,7 @@ class TrainBatch:
             if loss_mask is not None:
                 loss_mask[i, :c] = 1.0 if r.sampled is None else np.asarray(r.sampled, bool)
         return cls(
+            routes=_batch_routes(rollouts, length),
             tokens=tokens,
             prompt_lengths=np.array([len(r.prompt_tokens) for r in rollouts], np.int32),
             completion_lengths=np.array([len(r.tokens) for r in rollouts], np.int32),
@@ -243,3 +270,25 @@ class TrainBatch:
             temperature=temperature,
             loss_mask=loss_mask,
         )
+
+
+def _batch_routes(rollouts: list[Rollout], length: int) -> np.ndarray | None:
+    """The rollouts' routes as TrainBatch.routes [B, length, layers, k] (-1 on padding and on
+    rows without any); None when no rollout has routes."""
+    first = next((r.routes for r in rollouts if r.routes is not None), None)
+    if first is None:
+        return None
+    routes = np.full((len(rollouts), length, *np.shape(first)[1:]), -1, np.int16)
+    for i, r in enumerate(rollouts):
+        if r.routes is None:
+            continue
+        n = len(r.prompt_tokens) + len(r.tokens)
+        if np.shape(r.routes) != (n, *np.shape(first)[1:]):
+            raise ValueError(
+                f"rollout {r.prompt_id}/{r.sample_index}: routes of shape "
+                f"{np.shape(r.routes)} for {n} positions (prompt + tokens) with "
+                f"{np.shape(first)[1:]} experts a position: a turn that continued a sequence "
+                "goes into a batch as its episode"
+            )
+        routes[i, :n] = r.routes
+    return routes

@@ -81,6 +81,12 @@ class RunConfig:
                 "balances a mixture of experts' routing: the model has no experts",
                 alg.router_aux_loss_coef,
             )
+        if self.trainer.routing_replay != "off" and not model.num_experts:
+            raise ConfigError(
+                "trainer.routing_replay",
+                "replays a mixture of experts' routing: the model has no experts",
+                self.trainer.routing_replay,
+            )
         self._check_slices()
         self._check_environment()
         replicas = self.param_server.replicas

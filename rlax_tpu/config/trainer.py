@@ -48,6 +48,12 @@ class TrainerConfig:
     # per micro-batch on the trainer's mesh through the engine's paged-attention backend (the
     # ragged kernel on TPU; RLAX §5.1), to round-off. "auto": replay on CPU, prefill elsewhere.
     old_logprobs: Literal["auto", "replay", "prefill"] = "auto"
+    # Routing replay (a mixture-of-experts model): the trainer's forwards use the experts the
+    # inference worker chose for each token (TrainBatch.routes) instead of their own router's
+    # top k, so a router that rounds differently cannot send a token elsewhere. "old": the π_old
+    # forward only; "both": π_old and the π_θ training forward; "off": neither. (The CPU
+    # "replay" π_old runs the engine's own programs, so its routes are the engine's anyway.)
+    routing_replay: Literal["off", "old", "both"] = "off"
     # Publish dtype: the weights pushed to the parameter server (what inference workers pull).
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     # Master dtype: the trainer's trainable weights, AdamW moments and gradient accumulator,

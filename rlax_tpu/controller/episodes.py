@@ -70,11 +70,19 @@ def episode_rollout(
         logprobs.append(np.asarray(turn.logprobs, np.float32))
         versions.append(np.asarray(turn.versions, np.int64))
         sampled.append(np.ones(len(turn.tokens), bool))
+    tokens = np.concatenate(tokens)
+    routes = turns[-1].routes  # the last turn's sequence is the whole episode's
+    if routes is not None and len(routes) != len(prompt) + len(tokens):
+        raise ValueError(
+            f"episode {prompt_id}/{sample_index}: its last turn's routes cover {len(routes)} "
+            f"positions, the episode has {len(prompt) + len(tokens)}"
+        )
     return Rollout(
         prompt_id=prompt_id,
         sample_index=sample_index,
         prompt_tokens=prompt,
-        tokens=np.concatenate(tokens),
+        tokens=tokens,
+        routes=routes,
         logprobs=np.concatenate(logprobs),
         versions=np.concatenate(versions),
         finish_reason=turns[-1].finish_reason,

@@ -131,6 +131,7 @@ def split_rollouts(
             "logprob_policy": r.logprob_policy,
         }
         | ({"multi_turn": True} if r.sampled is not None else {})
+        | ({"routes": list(np.shape(r.routes)[1:])} if r.routes is not None else {})
         for r in rollouts
     ]
     arrays = {}
@@ -140,6 +141,10 @@ def split_rollouts(
         arrays[f"{k}_lengths"] = np.asarray([len(p) for p in parts], np.int64)
     if any(r.sampled is not None for r in rollouts):  # single-turn state keeps its old layout
         arrays["sampled"] = np.concatenate([_sampled(r) for r in rollouts])
+    routed = [np.asarray(r.routes, np.int16).reshape(-1) for r in rollouts if r.routes is not None]
+    if routed:  # a MoE model's: each rollout's [S, layers, k] flattened, their sizes
+        arrays["routes"] = np.concatenate(routed)
+        arrays["routes_lengths"] = np.asarray([len(x) for x in routed], np.int64)
     return meta, arrays
 
 
@@ -156,13 +161,22 @@ def join_rollouts(meta: Sequence[dict[str, Any]], arrays: dict[str, np.ndarray])
     if "sampled" in arrays:
         cuts = np.cumsum(arrays["tokens_lengths"])[:-1]
         split["sampled"] = np.split(np.asarray(arrays["sampled"], bool), cuts)
+    routed = iter([])
+    if "routes" in arrays:
+        cuts = np.cumsum(arrays["routes_lengths"])[:-1]
+        routed = iter(np.split(np.asarray(arrays["routes"], np.int16), cuts))
     return [
         Rollout(
             **(
-                {k: v for k, v in r.items() if k != "multi_turn"}
+                {k: v for k, v in r.items() if k not in ("multi_turn", "routes")}
                 | {k: split[k][i].copy() for k in _ARRAYS}
                 | {"finish_reason": FinishReason(r["finish_reason"])}
                 | ({"sampled": split["sampled"][i].copy()} if r.get("multi_turn") else {})
+                | (
+                    {"routes": next(routed).reshape(-1, *r["routes"]).copy()}
+                    if "routes" in r
+                    else {}
+                )
             )
         )
         for i, r in enumerate(meta)
@@ -181,6 +195,9 @@ def _rollout_state(r: Rollout) -> dict[str, Any]:
     arrays = {k: _pack(np.asarray(getattr(r, k), t)) for k, t in _ARRAYS.items()}
     if r.sampled is not None:
         arrays["sampled"] = _pack(np.asarray(r.sampled, bool))
+    if r.routes is not None:
+        arrays["routes"] = _pack(np.asarray(r.routes, np.int16))
+        arrays["routes_shape"] = list(np.shape(r.routes))
     return arrays | {
         "prompt_id": r.prompt_id,
         "sample_index": r.sample_index,
@@ -190,8 +207,11 @@ def _rollout_state(r: Rollout) -> dict[str, Any]:
 
 
 def _rollout_from_state(s: dict[str, Any]) -> Rollout:
-    arrays = {k: _unpack(s[k]) for k in (*_ARRAYS, "sampled") if k in s}
-    return Rollout(**(s | arrays | {"finish_reason": FinishReason(s["finish_reason"])}))
+    arrays = {k: _unpack(s[k]) for k in (*_ARRAYS, "sampled", "routes") if k in s}
+    if "routes" in s:
+        arrays["routes"] = arrays["routes"].reshape(s["routes_shape"])
+    fields = {k: v for k, v in s.items() if k != "routes_shape"}
+    return Rollout(**(fields | arrays | {"finish_reason": FinishReason(s["finish_reason"])}))
 
 
 class Prompter:

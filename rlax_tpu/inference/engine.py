@@ -90,6 +90,7 @@ from rlax_tpu.models.programs import (
     TRACES,
     copy_pages,
     decode_program,
+    host_copy,
     idle_sampling,
     prefill_program,
     rows_are_independent,
@@ -487,7 +488,7 @@ class Engine:
             )
         if self.cfg.prefill_rows:
             r, c = self.cfg.prefill_rows, self.cfg.prefill_len
-            self.cache = prefill_program(
+            self.cache, _ = prefill_program(
                 self.state,
                 self.cache,
                 jnp.zeros((r, c), jnp.int32),
@@ -507,7 +508,7 @@ class Engine:
             positions[i, : ch.stop - ch.start] = np.arange(ch.start, ch.stop)
         tables = np.zeros((r, self.pages_per_seq), np.int32)
         tables[index] = block_table_rows(chunks, self.pages_per_seq, len(chunks))
-        self.cache = prefill_program(
+        self.cache, experts = prefill_program(
             self.state,
             self.cache,
             jnp.asarray(tokens),
@@ -516,11 +517,28 @@ class Engine:
             graphdef=self.graphdef,
         )
         self.prefill_calls += 1
+        if experts is not None:
+            experts = host_copy(experts)  # [L, R, C, k]
+            for i, ch in zip(index, chunks, strict=True):
+                span = np.arange(ch.start, ch.stop)
+                self._record(ch.seq, span, experts[:, i, : len(span)].swapaxes(0, 1))
+
+    def _record(self, seq: Sequence, positions: np.ndarray, experts: np.ndarray) -> None:
+        """A MoE model's experts [n, L, k] of ``seq``'s ``positions`` [n] (routing replay)."""
+        if seq.routes is None:
+            cfg = self.model_cfg
+            seq.routes = np.full(
+                (self.cache_len, cfg.num_layers, cfg.experts_per_token), -1, np.int16
+            )
+        seq.routes[positions] = experts
 
     def _apply_results(
         self, plan: Plan, out: dict[str, np.ndarray] | None, index: list[int]
     ) -> list[Rollout]:
         finished: list[Rollout] = []
+        if out is not None and "experts" in out:  # before a fork copies a parent's
+            for r, row in zip(index, plan.rows, strict=True):
+                self._record(row.seq, np.asarray([row.position]), out["experts"][:, r][None])
         computed: dict[int, tuple[Sequence, int]] = {}
         for ch in plan.chunks:
             computed[id(ch.seq)] = (ch.seq, ch.stop)
@@ -567,6 +585,9 @@ class Engine:
             versions=np.asarray(seq.versions, np.int64),
             finish_reason=reason,
             logprob_policy=s.logprob_policy,
+            # Every position of the sequence: prompt, continuation, tokens (the last one never
+            # ran, -1).
+            routes=None if seq.routes is None else seq.routes[: len(seq.tokens)].copy(),
         )
 
     def run(self) -> list[Rollout]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import numpy as np
+
 from rlax_tpu.inference.pages import PageAllocator
 
 
@@ -24,6 +26,7 @@ class Entry:
     shard: int
     tokens: tuple[int, ...]  # positions 0..len-1 whose keys/values ``pages`` hold
     pages: list[int]
+    routes: np.ndarray | None = None  # a MoE model's experts of those positions (Sequence.routes)
 
 
 class PrefixCache:
@@ -39,7 +42,13 @@ class PrefixCache:
         return len(self._entries)
 
     def put(
-        self, allocator: PageAllocator, shard: int, tokens: list[int], pages: list[int]
+        self,
+        allocator: PageAllocator,
+        shard: int,
+        tokens: list[int],
+        pages: list[int],
+        *,
+        routes: np.ndarray | None = None,
     ) -> None:
         """Keeps ``pages`` (their references pass to the cache) holding ``tokens``' keys/values;
         pages past the tokens are released. An entry for the same tokens is replaced."""
@@ -52,7 +61,7 @@ class PrefixCache:
         if old is not None:
             self._lengths[len(key)] -= 1
             allocator.release(old.pages)
-        self._entries[key] = Entry(shard, key, pages[:n])
+        self._entries[key] = Entry(shard, key, pages[:n], routes)
         self._lengths[len(key)] += 1
 
     def find(self, tokens: list[int]) -> Entry | None:

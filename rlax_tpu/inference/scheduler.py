@@ -90,6 +90,9 @@ class Sequence:
     num_computed: int = 0  # positions whose keys/values are in the cache
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    # A MoE model's experts of each position computed so far [cache positions, L, k] int16, -1
+    # where none was (the engine records them; routing replay). None: a dense model.
+    routes: np.ndarray | None = None
 
     @property
     def num_prompt(self) -> int:
@@ -278,6 +281,9 @@ class Scheduler:
             if reuse:
                 seq.table.pages = self.kept.take(reuse[0], alloc, reuse[1])
                 seq.num_computed = reuse[1]
+                if reuse[0].routes is not None:  # the kept positions' experts come along
+                    seq.routes = reuse[0].routes.copy()
+                    seq.routes[reuse[1] :] = -1
             self.running.append(seq)
             if seq.sample_index is None and seq.num_computed >= seq.target:
                 self.fork(seq)  # nothing left to share-compute (a one-token prompt, kept pages)
@@ -355,6 +361,7 @@ class Scheduler:
                 parent.order,
                 shard=parent.shard,  # its pages are the parent's
                 num_computed=parent.num_computed,
+                routes=None if parent.routes is None else parent.routes.copy(),
             )
             children.append(child)
         parent.table.release(self.alloc(parent))
@@ -365,7 +372,11 @@ class Scheduler:
         self.running.remove(seq)
         if seq.request.keep_pages and seq.sample_index is not None:
             self.kept.put(
-                self.alloc(seq), seq.shard, seq.tokens[: seq.num_computed], seq.table.pages
+                self.alloc(seq),
+                seq.shard,
+                seq.tokens[: seq.num_computed],
+                seq.table.pages,
+                routes=seq.routes,
             )
             seq.table.pages = []
         else:

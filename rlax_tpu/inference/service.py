@@ -96,6 +96,13 @@ def rollout_to_pb(r: Rollout) -> pb.Rollout:
         versions=r.versions.tolist(),
         finish_reason=r.finish_reason.value,
         logprob_policy=r.logprob_policy,
+        **(
+            {}
+            if r.routes is None
+            else dict(
+                routes=np.asarray(r.routes, "<i2").tobytes(), routes_shape=list(r.routes.shape)
+            )
+        ),
     )
 
 
@@ -109,7 +116,17 @@ def rollout_from_pb(m: pb.Rollout) -> Rollout:
         versions=np.asarray(m.versions, np.int64),
         finish_reason=FinishReason(m.finish_reason),
         logprob_policy=m.logprob_policy,
+        routes=_routes_from_pb(m),
     )
+
+
+def _routes_from_pb(m: pb.Rollout) -> np.ndarray | None:
+    if not m.routes_shape:
+        return None
+    shape = tuple(m.routes_shape)
+    if len(m.routes) != 2 * int(np.prod(shape, dtype=np.int64)):
+        raise ValueError(f"Rollout.routes: {len(m.routes)} bytes do not hold int16{list(shape)}")
+    return np.frombuffer(m.routes, "<i2").reshape(shape).astype(np.int16)
 
 
 # -- server -----------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ no capacity limit drops one (every assignment is computed; the sort's cost is NÂ
 
 ``forced`` routes: the experts to use instead of the router's top k (routing replay: the engine's
 choices in the trainer's forward). The weights are then the router's current probabilities of
-those experts, so the router still learns.
+those experts, so the router still learns. A token whose forced row holds a negative entry (a
+position the engine did not record, padding) takes the router's own top k.
 
 Shapes: N tokens, E hidden, X experts, k experts per token, F expert width.
 """
@@ -28,12 +29,13 @@ def route(
     logits: jax.Array, k: int, *, normalize: bool, forced: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Router logits [N, X] -> (weights [N, k] f32, experts [N, k] int32), per the module
-    docstring; ``forced`` [N, k] gives the experts."""
+    docstring; ``forced`` [N, k] gives the experts (a row with a negative entry: the top k)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    if forced is None:
-        weights, experts = jax.lax.top_k(probs, k)
-    else:
-        experts = forced.astype(jnp.int32)
+    weights, experts = jax.lax.top_k(probs, k)
+    if forced is not None:
+        forced = forced.astype(jnp.int32)
+        given = jnp.all(forced >= 0, axis=-1, keepdims=True)
+        experts = jnp.where(given, forced, experts)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)

@@ -17,9 +17,10 @@ fails, reports log-probs that are bitwise only up to that round-off (one warning
 ``EngineStats.rows_bitwise`` = False).
 
 ``decode_program``   tokens/positions [N] (one token per row, -1 = padding row) -> sampled or
-                     forced tokens and their two log-probs ([N] each), the cache with their keys/values.
+                     forced tokens and their two log-probs ([N] each), the cache with their keys/values;
+                     a MoE model's experts of each row's token too ([L, N, k] int16).
 ``prefill_program``  tokens/positions [R, C] prompt chunks -> the cache with their keys/values
-                     (no logits).
+                     (no logits); a MoE model's experts of each token ([L, R, C, k] int16).
 ``copy_program``     page copies (copy-on-write).
 ``rows_are_independent``  the start-up check above.
 """
@@ -39,7 +40,6 @@ from jax.experimental import multihost_utils
 from rlax_tpu.models.paged_cache import PagedKVCache, one_device
 from rlax_tpu.models.sampling import sample
 from rlax_tpu.models.sharding import constrain
-from rlax_tpu.models.transformer import step
 
 # Incremented inside the traced functions, i.e. once per trace (= compilation); jax's cache is
 # process-wide, so engines and replays with the same shapes share compiled programs.
@@ -73,17 +73,27 @@ def decode_program(
     spans: tuple[tuple[int, int], ...] = (),
 ) -> tuple[dict[str, jax.Array], PagedKVCache]:
     """tokens, positions [N]; tables [N, M]; sampling: :func:`idle_sampling`'s arrays [N]
-    -> ({tokens, logprob_temperature_scaled, logprob_sampler} [N], cache)."""
+    -> ({tokens, logprob_temperature_scaled, logprob_sampler} [N], and for a MoE model
+    experts [L, N, k] int16, cache)."""
     TRACES["step"] += 1
     model = nnx.merge(graphdef, state)
-    logits, cache = step(
-        model, tokens[:, None], positions[:, None], cache.with_tables(tables, spans)
+    hidden, cache, routing = model.run(
+        tokens[:, None], positions[:, None], cache.with_tables(tables, spans)
     )
+    logits = model.logits(hidden)  # as transformer.step
     out = sample(logits[:, 0], **sampling, native=cache.native and one_device())
     # Replicated under a mesh, so every process of a multi-host engine reads every row's token
     # (a no-op on one device).
     out = {k: constrain(v, (None,)) for k, v in dataclasses.asdict(out).items()}
+    if routing is not None:
+        out["experts"] = _recorded(routing.experts[:, :, 0])
     return out, cache.with_tables(cache.block_tables)  # spans: no retrace
+
+
+def _recorded(experts: jax.Array) -> jax.Array:
+    """A MoE model's chosen experts as the engine records them: int16 (expert ids < 2^15),
+    replicated so every process of a multi-host engine reads them."""
+    return constrain(experts.astype(jnp.int16), (None,) * experts.ndim)
 
 
 @partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
@@ -95,12 +105,16 @@ def prefill_program(
     tables: jax.Array,
     *,
     graphdef: nnx.GraphDef,
-) -> PagedKVCache:
-    """tokens, positions [R, C]; tables [R, M] -> the cache with the chunks' keys/values."""
+) -> tuple[PagedKVCache, jax.Array | None]:
+    """tokens, positions [R, C]; tables [R, M] -> (the cache with the chunks' keys/values, a MoE
+    model's experts of each token [L, R, C, k] int16 or None)."""
     TRACES["prefill"] += 1
     model = nnx.merge(graphdef, state)
-    _, written = model(tokens, positions, cache.with_tables(tables))  # the hidden states are dead
-    return written.with_tables(cache.block_tables)  # the decode step's table shape: no retrace
+    # The hidden states are dead.
+    _, written, routing = model.run(tokens, positions, cache.with_tables(tables))
+    experts = None if routing is None else _recorded(routing.experts)
+    # The decode step's table shape: no retrace.
+    return written.with_tables(cache.block_tables), experts
 
 
 @partial(jax.jit, donate_argnames="cache")
@@ -164,7 +178,11 @@ def rows_are_independent(
             sampling,
             graphdef=graphdef,
         )
-        return np.stack([np.asarray(out[k]).view(np.int32) for k in sorted(out)], axis=1)
+        rows = [np.asarray(out[k]).view(np.int32) for k in sorted(out) if k != "experts"]
+        if "experts" in out:  # [L, N, k] -> a row's experts
+            experts = np.asarray(out["experts"]).astype(np.int32)
+            rows += list(experts.transpose(1, 0, 2).reshape(n, -1).T)
+        return np.stack(rows, axis=1)
 
     every = decode(np.full(n, 2), np.zeros(n))  # position 0, then 1: attention over 2 keys
     ok &= bool((every == every[:1]).all())
@@ -188,7 +206,7 @@ def rows_are_independent(
             positions = np.full((prefill_rows, prefill_len), -1, np.int32)
             tokens[row, :c] = np.arange(c) % 7 + 2
             positions[row, :c] = np.arange(c)
-            cache = prefill_program(
+            cache, _ = prefill_program(
                 state,
                 cache,
                 jnp.asarray(tokens),

@@ -271,7 +271,7 @@ def _prefill(graphdef, state, cache, tokens, prompt, tables, shape):  # noqa: AN
                 if stop > a:
                     chunk[j, : stop - a] = tokens[i, a:stop]
                     positions[j, : stop - a] = np.arange(a, stop)
-            cache = prefill_program(
+            cache, _ = prefill_program(
                 state,
                 cache,
                 jnp.asarray(chunk),

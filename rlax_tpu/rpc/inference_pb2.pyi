@@ -52,7 +52,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompts: _Optional[_Iterable[_Union[PromptRequest, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("prompt_id", "sample_index", "prompt_tokens", "tokens", "logprobs", "versions", "finish_reason", "logprob_policy")
+    __slots__ = ("prompt_id", "sample_index", "prompt_tokens", "tokens", "logprobs", "versions", "finish_reason", "logprob_policy", "routes", "routes_shape")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,8 @@ class Rollout(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_SHAPE_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     sample_index: int
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -69,7 +71,9 @@ class Rollout(_message.Message):
     versions: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     logprob_policy: str
-    def __init__(self, prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprob_policy: _Optional[str] = ...) -> None: ...
+    routes: bytes
+    routes_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprob_policy: _Optional[str] = ..., routes: _Optional[bytes] = ..., routes_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("version",)

@@ -18,7 +18,7 @@ class TrainerArray(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class TrainBatchMessage(_message.Message):
-    __slots__ = ("tokens", "prompt_lengths", "completion_lengths", "behaviour_logprobs", "rewards", "versions", "group_size", "temperature", "loss_mask")
+    __slots__ = ("tokens", "prompt_lengths", "completion_lengths", "behaviour_logprobs", "rewards", "versions", "group_size", "temperature", "loss_mask", "routes")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_LENGTHS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class TrainBatchMessage(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
     tokens: TrainerArray
     prompt_lengths: TrainerArray
     completion_lengths: TrainerArray
@@ -37,7 +38,8 @@ class TrainBatchMessage(_message.Message):
     group_size: int
     temperature: float
     loss_mask: TrainerArray
-    def __init__(self, tokens: _Optional[_Union[TrainerArray, _Mapping]] = ..., prompt_lengths: _Optional[_Union[TrainerArray, _Mapping]] = ..., completion_lengths: _Optional[_Union[TrainerArray, _Mapping]] = ..., behaviour_logprobs: _Optional[_Union[TrainerArray, _Mapping]] = ..., rewards: _Optional[_Union[TrainerArray, _Mapping]] = ..., versions: _Optional[_Union[TrainerArray, _Mapping]] = ..., group_size: _Optional[int] = ..., temperature: _Optional[float] = ..., loss_mask: _Optional[_Union[TrainerArray, _Mapping]] = ...) -> None: ...
+    routes: TrainerArray
+    def __init__(self, tokens: _Optional[_Union[TrainerArray, _Mapping]] = ..., prompt_lengths: _Optional[_Union[TrainerArray, _Mapping]] = ..., completion_lengths: _Optional[_Union[TrainerArray, _Mapping]] = ..., behaviour_logprobs: _Optional[_Union[TrainerArray, _Mapping]] = ..., rewards: _Optional[_Union[TrainerArray, _Mapping]] = ..., versions: _Optional[_Union[TrainerArray, _Mapping]] = ..., group_size: _Optional[int] = ..., temperature: _Optional[float] = ..., loss_mask: _Optional[_Union[TrainerArray, _Mapping]] = ..., routes: _Optional[_Union[TrainerArray, _Mapping]] = ...) -> None: ...
 
 class TrainStepReply(_message.Message):
     __slots__ = ("metrics",)

@@ -119,7 +119,8 @@ def micro_arrays(batch: TrainBatch, mb: MicroBatch) -> dict[str, np.ndarray]:
     """Padded host arrays of one micro-batch.
 
     tokens, positions: [b, L] int32 (padding at position -1); prompt_lengths: [b] int32;
-    targets: [b, T] int32 completion tokens (0 on padding).
+    targets: [b, T] int32 completion tokens (0 on padding); when the batch carries routes,
+    routes: [b, L, layers, k] int16 (-1 on padding).
     """
     tokens = np.asarray(batch.tokens)[mb.rows]
     prompt = np.asarray(batch.prompt_lengths, np.int32)[mb.rows]
@@ -134,4 +135,10 @@ def micro_arrays(batch: TrainBatch, mb: MicroBatch) -> dict[str, np.ndarray]:
     targets = np.take_along_axis(padded, np.minimum(tcols, mb.length - 1), axis=1)
     completion = np.asarray(batch.completion_lengths)[mb.rows]
     targets = np.where(np.arange(mb.width)[None, :] < completion[:, None], targets, 0)
-    return dict(tokens=padded, positions=positions, prompt_lengths=prompt, targets=targets)
+    arrays = dict(tokens=padded, positions=positions, prompt_lengths=prompt, targets=targets)
+    if batch.routes is not None:
+        routes = np.asarray(batch.routes, np.int16)[mb.rows]
+        arrays["routes"] = np.full((b, mb.length, *routes.shape[2:]), -1, np.int16)
+        arrays["routes"][:, : min(have, mb.length)] = routes[:, : mb.length]
+        arrays["routes"][positions < 0] = -1
+    return arrays

@@ -29,13 +29,16 @@ def hidden_states(
     *,
     loop: models.LayerLoop = models.UNROLLED,
     attention: str | models.KVCache = "dense",
+    routes: jax.Array | None = None,
 ) -> tuple[jax.Array, models.Routing | None]:
     """tokens, positions [B, L] -> (final-normed hidden states [B, L, E], a MoE model's routing
     or None); ``attention`` is the kernel of ``models.NoCache`` (splash needs each row's tokens
     first, as batching lays them) or a stateless cache (the prefill-shaped π_old recompute),
-    ``loop`` how the layers run (scanned or unrolled, remat policy)."""
+    ``loop`` how the layers run (scanned or unrolled, remat policy); ``routes`` [B, L, layers,
+    k] the experts to force (routing replay; -1: the router's own, ``models.moe``)."""
     cache = models.NoCache(kernel=attention) if isinstance(attention, str) else attention
-    hidden, _, routing = model.run(tokens, positions, cache, loop)
+    forced = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [layers, B, L, k]
+    hidden, _, routing = model.run(tokens, positions, cache, loop, forced)
     return hidden, routing
 
 
@@ -111,11 +114,15 @@ def completion_logprobs(
     mesh: Mesh | None,
     value_head: dict[str, jax.Array] | None = None,
     attention: str | models.KVCache = "dense",
+    routes: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, models.Routing | None]:
     """Log-probs [B, T] of the completion ``targets`` [B, T]; with a value head, the values
-    [B, T] (f32) of the states that emit them; a MoE model's routing of every token [L, B, L]
-    (else None). tokens/positions [B, L] (padding at position -1)."""
-    hidden, routing = hidden_states(model, tokens, positions, loop=loop, attention=attention)
+    [B, T] (f32) of the states that emit them; a MoE model's routing of every token (layers
+    first, ``models.Routing``; else None). tokens/positions [B, L] (padding at position -1);
+    ``routes`` [B, L, layers, k]: the experts to force (:func:`hidden_states`)."""
+    hidden, routing = hidden_states(
+        model, tokens, positions, loop=loop, attention=attention, routes=routes
+    )
     hidden = gather_completion(hidden, prompt_lengths, targets.shape[1])
     if use_vocab_parallel(mesh, model.cfg.vocab_size):
         logp = vocab_parallel_logprobs(model, hidden, targets, temperature, mesh)

@@ -44,8 +44,10 @@ Params = dict[str, Any]
 # Traces (so compilations) of the update, one per micro-batch shape, in this process.
 TRACES: collections.Counter[str] = collections.Counter()
 
-# Micro-batch arrays: tokens, positions [b, L]; prompt_lengths [b]; targets [b, T].
+# Micro-batch arrays: tokens, positions [b, L]; prompt_lengths [b]; targets [b, T]; with
+# routing replay, routes [b, L, layers, k].
 _BATCH_NDIM = {"tokens": 2, "positions": 2, "prompt_lengths": 1, "targets": 2}
+_ROUTES_NDIM = 4
 
 
 def _finite(tree: Any) -> jax.Array:
@@ -76,24 +78,27 @@ class StepFunctions:
     # The prefill-shaped π_old recompute's cache (the engine's page size and backend), or None.
     prefill: SequencePagedCache | None = None
 
-    def batch_shardings(self) -> dict[str, NamedSharding]:
-        return {k: batch_sharding(self.mesh, n) for k, n in _BATCH_NDIM.items()}
+    def batch_shardings(self, routes: bool = False) -> dict[str, NamedSharding]:
+        """The micro-batch arrays' shardings (``routes``: with the replayed experts)."""
+        ndims = _BATCH_NDIM | ({"routes": _ROUTES_NDIM} if routes else {})
+        return {k: batch_sharding(self.mesh, n) for k, n in ndims.items()}
 
     def inputs_shardings(self, inputs: LossInputs) -> LossInputs:
         rep = replicated(self.mesh)
         return jax.tree.map(lambda x: batch_sharding(self.mesh, x.ndim) if x.ndim else rep, inputs)
 
     # ------------------------------------------------------------------ jitted functions
-    def score_jit(self, with_value_head: bool, prefill: bool = False) -> Any:
+    def score_jit(self, with_value_head: bool, prefill: bool = False, routes: bool = False) -> Any:
         """(model params, value head | None, micro-batch arrays, temperature) -> (log-probs
         [b, T], values [b, T] | None), replicated. ``prefill``: through the engine's paged
-        attention (``self.prefill``), the π_old recompute of RLAX §5.1."""
+        attention (``self.prefill``), the π_old recompute of RLAX §5.1; ``routes``: the arrays
+        carry the experts to force (routing replay)."""
         rep = replicated(self.mesh)
         if prefill and self.prefill is None:
             raise ValueError("these step functions have no prefill-shaped recompute")
         return _jit_cached(
             self,
-            f"score:{with_value_head}:{prefill}",
+            f"score:{with_value_head}:{prefill}:{routes}",
             lambda: jax.jit(
                 partial(
                     _score,
@@ -105,7 +110,7 @@ class StepFunctions:
                 in_shardings=(
                     self.model_shardings,
                     self.trainable_shardings["value_head"] if with_value_head else None,
-                    self.batch_shardings(),
+                    self.batch_shardings(routes),
                     rep,
                 ),
                 out_shardings=rep,
@@ -129,14 +134,15 @@ class StepFunctions:
             ),
         )
 
-    def accumulate_jit(self, inputs: LossInputs) -> Any:
+    def accumulate_jit(self, inputs: LossInputs, routes: bool = False) -> Any:
         """(trainable, accumulator (donated), arrays, micro-batch LossInputs, temperature, scale,
         frozen base | None) -> (accumulator + gradient, loss, metrics). ``inputs`` (concrete or
-        abstract) gives the LossInputs structure; the base is LoRA's (None without adapters)."""
+        abstract) gives the LossInputs structure; the base is LoRA's (None without adapters);
+        ``routes``: the arrays carry the experts to force (routing replay)."""
         rep = replicated(self.mesh)
         return _jit_cached(
             self,
-            "accumulate",
+            f"accumulate:{routes}",
             lambda: jax.jit(
                 partial(
                     _accumulate, self.graphdef, self.objective, self.mesh, self.loop, self.attention
@@ -144,7 +150,7 @@ class StepFunctions:
                 in_shardings=(
                     self.trainable_shardings,
                     self.trainable_shardings,
-                    self.batch_shardings(),
+                    self.batch_shardings(routes),
                     self.inputs_shardings(inputs),
                     rep,
                     rep,
@@ -208,7 +214,7 @@ class StepFunctions:
         prefill: bool = False,
     ) -> tuple[jax.Array, jax.Array | None]:
         with jax.set_mesh(self.mesh):
-            return self.score_jit(value_head is not None, prefill)(
+            return self.score_jit(value_head is not None, prefill, "routes" in arrays)(
                 model_params, value_head, arrays, temperature
             )
 
@@ -232,7 +238,7 @@ class StepFunctions:
         """``scale``: {"loss": the objective's micro-batch weight, "aux": a MoE load-balancing
         term's (algorithm.router_aux_loss_coef over the micro-batches; 0 off)}."""
         with jax.set_mesh(self.mesh):
-            return self.accumulate_jit(inputs)(
+            return self.accumulate_jit(inputs, "routes" in arrays)(
                 trainable, acc, arrays, inputs, temperature, scale, base
             )
 
@@ -366,6 +372,7 @@ def _score(graphdef, mesh, attention, loop, model_params, value_head, arrays, te
         mesh=mesh,
         value_head=value_head,
         attention=attention,
+        routes=arrays.get("routes"),
     )
     return logp, values
 
@@ -400,12 +407,17 @@ def _accumulate(
             mesh=mesh,
             value_head=trainable.get("value_head"),
             attention=attention,
+            routes=arrays.get("routes"),
         )
         loss, metrics = objective.loss(logp, inputs, values=values)
         out = loss * scale["loss"]
         if routing is not None:
+            # Counted over the experts the tokens went to (the replayed ones when forced).
             aux = load_balancing_loss(
-                routing.logits, routing.experts.shape[-1], arrays["positions"] >= 0
+                routing.logits,
+                routing.experts.shape[-1],
+                arrays["positions"] >= 0,
+                experts=routing.experts,
             )
             metrics = metrics | {"router_aux_loss": aux}
             out = out + scale["aux"] * aux

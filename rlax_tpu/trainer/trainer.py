@@ -263,7 +263,9 @@ class Trainer:
         behaviour[:, :have] = np.asarray(batch.behaviour_logprobs, np.float32)[:, :have]
         behaviour = np.where(mask > 0, behaviour, 0.0)
         temperature = mesh_lib.put(np.float32(batch.temperature), mesh_lib.replicated(self.mesh))
+        replay = tcfg.routing_replay if batch.routes is not None else "off"
         micro = [(mb, self._put_arrays(micro_arrays(batch, mb))) for mb in plan.micro_batches]
+        unrouted = [(mb, _without_routes(arrays)) for mb, arrays in micro]
 
         t_old = time.perf_counter()
         old_params = self._model_params()
@@ -281,16 +283,21 @@ class Trainer:
             )
         else:
             logp_old = self._score_all(
-                old_params, None, micro, width, temperature, prefill=self.old_logprobs == "prefill"
+                old_params,
+                None,
+                unrouted if replay == "off" else micro,
+                width,
+                temperature,
+                prefill=self.old_logprobs == "prefill",
             )[0]
         del old_params
         t_old = time.perf_counter() - t_old
         logp_ref = values = None
         if spec.needs_reference:
-            logp_ref = self._score_all(self._ref_params, None, micro, width, temperature)[0]
+            logp_ref = self._score_all(self._ref_params, None, unrouted, width, temperature)[0]
         if "value_head" in self._trainable:
             values = self._score_all(
-                self._model_params(), self._trainable["value_head"], micro, width, temperature
+                self._model_params(), self._trainable["value_head"], unrouted, width, temperature
             )[1]
         rollout = RolloutBatch(
             logp_old=logp_old * mask,
@@ -318,12 +325,13 @@ class Trainer:
             "aux": mesh_lib.put(np.float32(aux), rep),
         }
         if tcfg.precompile and not self._precompiled:
+            template = micro[0] if replay == "both" else unrouted[0]
             self._precompile(
-                micro[0], _slice_inputs(inputs_host, micro[0][0]), temperature, scale_arr
+                template, _slice_inputs(inputs_host, micro[0][0]), temperature, scale_arr
             )
         acc = self._fns.zeros_like_trainable(self._trainable)
         loss_total, parts = 0.0, []
-        for mb, arrays in micro:
+        for mb, arrays in micro if replay == "both" else unrouted:
             mb_inputs = self._put_inputs(_slice_inputs(inputs_host, mb))
             acc, loss, mb_metrics = self._fns.accumulate(
                 self._trainable, acc, arrays, mb_inputs, temperature, scale_arr, self._base
@@ -336,7 +344,7 @@ class Trainer:
         self._trainable, self._opt_state = new_trainable, new_opt
         # The step's device arrays go before publish casts a copy of the weights (the AOT
         # check counts them up to the update: trainer/aot.py).
-        del micro, inputs, acc, arrays, mb_inputs
+        del micro, unrouted, inputs, acc, arrays, mb_inputs
         ok = bool(stats["update_ok"])
         t_update = time.perf_counter() - t_update
 
@@ -354,6 +362,7 @@ class Trainer:
             "logp_old_behaviour_diff_max": float(diff.max()) if diff.size else 0.0,
             "aligned_logprobs": float(tcfg.align_logprobs),
             "logp_old_prefill": float(self.old_logprobs == "prefill"),
+            "routing_replay": {"off": 0.0, "old": 1.0, "both": 2.0}[replay],
             "padding_fraction": plan.padding_fraction,
             "padding_fraction_unsorted": plan.padding_fraction_unsorted,
             "micro_batches": float(plan.num_micro_batches),
@@ -407,7 +416,7 @@ class Trainer:
         _, arrays = template
         for length, width in shapes:
             zeros = {
-                k: _zeros_like(x, length if k in ("tokens", "positions") else width)
+                k: _zeros_like(x, length if k in ("tokens", "positions", "routes") else width)
                 for k, x in arrays.items()
             }
             zero_inputs = jax.tree.map(lambda x, w=width: _zeros_like(x, w), inputs)
@@ -574,9 +583,14 @@ class Trainer:
         self._checkpointer.close()
 
 
+def _without_routes(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """A micro-batch's arrays for a forward that routes by its own router."""
+    return {k: v for k, v in arrays.items() if k != "routes"}
+
+
 def _zeros_like(x: Any, columns: int) -> np.ndarray:
-    """Zeros of x's dtype and rows, with ``columns`` columns if x is 2-D."""
-    return np.zeros((*x.shape[:1], columns)[: x.ndim], x.dtype)
+    """Zeros of x's dtype and rows, with ``columns`` columns if x is 2-D or more."""
+    return np.zeros((*x.shape[:1], columns, *x.shape[2:])[: x.ndim], x.dtype)
 
 
 def _slice_inputs(inputs: LossInputs, mb: MicroBatch) -> LossInputs:

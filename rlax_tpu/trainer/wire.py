@@ -47,6 +47,8 @@ def batch_to_chunks(
     arrays = {name: np.asarray(getattr(batch, name)) for name in _ARRAYS}
     if batch.loss_mask is not None:
         arrays["loss_mask"] = np.asarray(batch.loss_mask, np.float32)
+    if batch.routes is not None:
+        arrays["routes"] = np.asarray(batch.routes, np.int16)
     rows = len(arrays["tokens"])
     row_bytes = sum(a[:1].nbytes for a in arrays.values())
     step = max(1, chunk_bytes // max(row_bytes, 1))
@@ -69,7 +71,7 @@ def batch_from_chunks(messages: Iterable[pb.TrainBatchMessage]) -> TrainBatch:
         if (m.group_size, m.temperature) != (first.group_size, first.temperature):
             raise ValueError("TrainStep: slices disagree on group_size or temperature")
         if arrays.keys() != parts[0][1].keys():
-            raise ValueError("TrainStep: some slices carry a loss_mask and others do not")
+            raise ValueError("TrainStep: some slices carry a loss_mask or routes and others do not")
         for name, a in arrays.items():
             if a.shape[1:] != parts[0][1][name].shape[1:]:
                 raise ValueError(
@@ -81,4 +83,4 @@ def batch_from_chunks(messages: Iterable[pb.TrainBatchMessage]) -> TrainBatch:
 
 
 def _names(m: pb.TrainBatchMessage) -> tuple[str, ...]:
-    return (*_ARRAYS, "loss_mask") if m.HasField("loss_mask") else _ARRAYS
+    return (*_ARRAYS, *(name for name in ("loss_mask", "routes") if m.HasField(name)))

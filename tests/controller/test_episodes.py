@@ -72,3 +72,19 @@ def test_a_turn_from_another_prompt_is_refused(tok):
     ok = dataclasses.replace(stray, prompt_tokens=np.array([1, 2], np.int32))
     ep = episode_rollout([turn0, ok], [[8, 8]], prompt_id="k", sample_index=0)
     assert ep.versions.tolist() == [0, 0, 0, 0, 0]
+
+
+def test_an_episode_carries_its_last_turns_routes_into_the_batch():
+    # A MoE worker's routes cover the whole sequence a turn computed: the last turn's is the
+    # episode's (prompt, earlier turns, replies, its own tokens).
+    turn0 = _turn([1, 2], [3, 4], 0, 0)
+    whole = np.arange(2 + 2 + 2 + 3 * 1, dtype=np.int16)[:, None, None].repeat(2, 1)  # [S, 2, 1]
+    turn1 = dataclasses.replace(_turn([1, 2], [5, 6, 7], 0, 1), routes=whole[: 2 + 2 + 2 + 3])
+    ep = episode_rollout([turn0, turn1], [[8, 8]], prompt_id="k", sample_index=0)
+    np.testing.assert_array_equal(ep.routes, turn1.routes)
+    batch = TrainBatch.from_rollouts([ep, turn0], np.zeros(2), group_size=2)
+    np.testing.assert_array_equal(batch.routes[0, :9], whole[:9])
+    assert (batch.routes[1] == -1).all()  # a rollout without routes: the router's own
+    short = dataclasses.replace(_turn([1, 2], [5, 6], 0, 1), routes=whole[:7])
+    with pytest.raises(ValueError, match="routes cover 7 positions, the episode has 9"):
+        episode_rollout([turn0, short], [[8, 8, 8]], prompt_id="k", sample_index=0)

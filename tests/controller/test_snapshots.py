@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -92,6 +93,8 @@ def test_a_buffered_group_round_trips_through_its_array_form():
             finish_reason=FinishReason.EOS,
             # The last is a multi-turn episode: tokens 2..4 are the environment's.
             sampled=np.arange(n) % 5 < 2 if i == 2 else None,
+            # A MoE model's experts (2 layers, top 3) of every position; none on rollout 1.
+            routes=None if i == 1 else rng.integers(-1, 8, (5 + n, 2, 3)).astype(np.int16),
         )
         for i, n in enumerate((4, 0, 7))
     ]
@@ -116,11 +119,20 @@ def test_a_buffered_group_round_trips_through_its_array_form():
             for k in ("prompt_tokens", "tokens", "logprobs", "versions"):
                 np.testing.assert_array_equal(getattr(a, k), getattr(b, k))
                 assert getattr(a, k).dtype == getattr(b, k).dtype
+            assert (a.routes is None) == (b.routes is None)
+            if b.routes is not None:
+                assert a.routes.dtype == np.int16
+                np.testing.assert_array_equal(a.routes, b.routes)
             assert (a.sampled is None) == (b.sampled is None)
             if b.sampled is not None:
                 assert a.sampled.dtype == bool
                 np.testing.assert_array_equal(a.sampled, b.sampled)
     # Single-turn groups keep the layout snapshots had before episodes existed.
-    single = GroupResult(**{**group.__dict__, "rollouts": rollouts[:2]})
+    single = GroupResult(
+        **{
+            **group.__dict__,
+            "rollouts": [dataclasses.replace(r, routes=None) for r in rollouts[:2]],
+        }
+    )
     assert "sampled" not in single.split_state()[1]
     assert "sampled" not in str(single.state())

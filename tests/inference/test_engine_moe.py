@@ -4,14 +4,18 @@ forward's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rlax_tpu import models
+from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.models.paged_cache import page_bytes
 
-from .conftest import make_engine, random_requests
+from .conftest import by_key, make_engine, random_requests
 from .test_engine import _run_checked, assert_greedy, assert_the_replay
 
 
@@ -39,3 +43,95 @@ def test_logprobs_are_the_replay_and_greedy_tokens_the_forwards(moe_model):
         seq[0, : p + n] = [*ro.prompt_tokens.tolist(), *ro.tokens.tolist()]
         logits = forward(moe_model, jnp.asarray(seq))[0, p - 1 : p + n - 1]
         assert_greedy(ro.tokens, np.asarray(logits), tol=1e-5)
+
+
+def _own_routes(model: models.Transformer, ro) -> np.ndarray:
+    """The experts the uncached forward's router picks at each position of ``ro``'s sequence
+    [S, L, k]."""
+    seq = np.asarray([[*ro.prompt_tokens.tolist(), *ro.tokens.tolist()]], np.int32)
+    _, _, routing = model.run(
+        jnp.asarray(seq), models.default_positions(jnp.asarray(seq)), models.NoCache()
+    )
+    return np.asarray(routing.experts)[:, 0].swapaxes(0, 1)
+
+
+def test_the_engine_records_the_experts_of_every_position_it_computed(moe_model):
+    # Prompts through the prefill program (chunks of 3 over 2 rows) and through decode rows,
+    # groups of 2 forked from a shared prompt.
+    engine = make_engine(moe_model, prefill_rows=2, prefill_len=3)
+    for r in random_requests(5, num_samples=2, temperature=1.0):
+        engine.submit(r)
+    rollouts = _run_checked(engine)
+    cfg = moe_model.cfg
+    agree = total = 0
+    for ro in rollouts:
+        n = len(ro.prompt_tokens) + len(ro.tokens)
+        assert ro.routes.shape == (n, cfg.num_layers, cfg.experts_per_token)
+        assert ro.routes.dtype == np.int16
+        # The last token was sampled, never fed: nothing routed it.
+        assert (ro.routes[-1] == -1).all() and (ro.routes[:-1] >= 0).all()
+        own = _own_routes(moe_model, ro)[:-1]
+        # Another program (the uncached forward) agrees but where f32 round-off reorders two
+        # near-equal router probabilities; top-k is a set, so compare sorted.
+        agree += int((np.sort(own, -1) == np.sort(ro.routes[:-1], -1)).all(-1).sum())
+        total += own.shape[0] * own.shape[1]
+    assert agree >= 0.99 * total
+
+
+def test_routes_survive_preemption_and_come_with_kept_pages(moe_model):
+    requests = random_requests(6, seed=3, num_samples=2, temperature=1.0)
+    roomy = make_engine(moe_model)
+    for r in requests:
+        roomy.submit(r)
+    want = by_key(roomy.run())
+    starved = make_engine(moe_model, kv_cache_bytes=16 * page_bytes(moe_model.cfg, 4))
+    for r in requests:
+        starved.submit(r)
+    got = by_key(_run_checked(starved))
+    assert starved.scheduler.num_preemptions > 0
+    for key, ro in want.items():
+        if starved.rows_bitwise:  # recomputed positions route as the first time, bit for bit
+            np.testing.assert_array_equal(got[key].routes, ro.routes)
+
+    # A continuation that takes a finished sample's kept pages takes their routes too: its
+    # sequence's routes are the ones recomputing every position gives.
+    first = dataclasses.replace(requests[0], num_samples=1)
+    results, reused = [], []
+    for keep in (True, False):
+        engine = make_engine(moe_model)
+        engine.submit(dataclasses.replace(first, keep_pages=keep))
+        [ro] = engine.run()
+        engine.submit(
+            Request(
+                prompt_id="next",
+                prompt_tokens=tuple(ro.prompt_tokens.tolist()),
+                continuation=(*ro.tokens.tolist(), 9, 10),
+                sampling=dataclasses.replace(first.sampling, max_new_tokens=4),
+            )
+        )
+        [nxt] = engine.run()
+        results.append(nxt)
+        reused.append(engine.stats().prefix_tokens_reused)
+    assert reused[0] > 0 and reused[1] == 0
+    kept, recomputed = results
+    assert kept.routes.shape == recomputed.routes.shape
+    assert (kept.routes[:-1] >= 0).all()
+    if engine.rows_bitwise:
+        np.testing.assert_array_equal(kept.routes, recomputed.routes)
+
+
+def test_routes_cross_the_wire_exactly(moe_model):
+    from rlax_tpu.inference.service import rollout_from_pb, rollout_to_pb
+
+    engine = make_engine(moe_model)
+    engine.submit(random_requests(1, seed=4, temperature=1.0)[0])
+    [ro] = engine.run()
+    back = rollout_from_pb(rollout_to_pb(ro))
+    assert back.routes.dtype == np.int16
+    np.testing.assert_array_equal(back.routes, ro.routes)
+    dense = dataclasses.replace(ro, routes=None)
+    assert rollout_from_pb(rollout_to_pb(dense)).routes is None
+    msg = rollout_to_pb(ro)
+    msg.routes = msg.routes[:-2]
+    with pytest.raises(ValueError, match="bytes do not hold int16"):
+        rollout_from_pb(msg)

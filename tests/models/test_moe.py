@@ -123,6 +123,23 @@ def test_forced_routes_use_the_given_experts_weighted_by_the_routers_probabiliti
     np.testing.assert_allclose(w3, jnp.take_along_axis(probs, other, axis=-1), rtol=1e-6)
 
 
+def test_a_token_with_an_unrecorded_route_takes_the_routers_own_choice():
+    # -1 marks a position the engine did not record (padding, a prompt it never saw): that
+    # token's row is the router's top k, the others stay forced.
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(5, 6)), jnp.float32)
+    w, chosen = route(logits, 2, normalize=True)
+    forced = np.array((chosen + 1) % 6)
+    forced[1] = [-1, -1]
+    forced[3, 0] = -1  # one entry missing: the whole row is the router's
+    w2, used = route(logits, 2, normalize=True, forced=jnp.asarray(forced))
+    for row in range(5):
+        want = chosen[row] if row in (1, 3) else forced[row]
+        np.testing.assert_array_equal(used[row], want)
+    np.testing.assert_array_equal(w2[1], w[1])
+    np.testing.assert_array_equal(w2[3], w[3])
+
+
 def test_a_moe_model_forces_its_routes_through_the_layer():
     cfg = dataclasses.replace(
         models.preset("tiny"), arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2

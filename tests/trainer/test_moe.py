@@ -6,14 +6,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rlax_tpu import models
 from rlax_tpu.config import ConfigError
 from rlax_tpu.trainer import Trainer
+from rlax_tpu.trainer.batching import MicroBatch, micro_arrays
+from rlax_tpu.trainer.logprobs import completion_logprobs
 
-from .helpers import host, random_batch, run_config
+from .helpers import WIDTH, host, random_batch, run_config
 
 
 def test_a_moe_model_trains_with_the_load_balancing_term(tmp_path):
@@ -42,3 +45,63 @@ def test_the_term_needs_experts():
         dataclasses.replace(
             cfg, algorithm=dataclasses.replace(cfg.algorithm, router_aux_loss_coef=0.01)
         )
+
+
+def _replay_case(tmp_path, replay: str) -> tuple[dict[str, float], np.ndarray]:
+    """One update on a batch whose behaviour log-probs come from the model forced to routes
+    its own router would not choose (each token's top k shifted by one expert), as a worker's
+    would after its router rounded differently; returns the metrics and the batch's routes."""
+    cfg = models.preset(
+        "tiny", arch="qwen3_moe", qk_norm=True, num_layers=2, num_experts=4, experts_per_token=2
+    )
+    model = models.init_model(cfg)
+    batch = random_batch(3)
+    arrays = micro_arrays(batch, MicroBatch(np.arange(batch.num_rows), 64, WIDTH))
+    tokens, positions = jnp.asarray(arrays["tokens"]), jnp.asarray(arrays["positions"])
+    _, _, own = model.run(tokens, positions, models.NoCache())
+    routes = np.asarray((own.experts + 1) % 4).transpose(1, 2, 0, 3).astype(np.int16)
+    routes[np.asarray(arrays["positions"]) < 0] = -1
+    length = batch.tokens.shape[1]
+    logp, _, _ = completion_logprobs(
+        model,
+        tokens,
+        positions,
+        jnp.asarray(arrays["prompt_lengths"]),
+        jnp.asarray(arrays["targets"]),
+        jnp.float32(1.0),
+        loop=models.UNROLLED,
+        mesh=None,
+        routes=jnp.asarray(routes),
+    )
+    batch = dataclasses.replace(
+        batch, behaviour_logprobs=np.asarray(logp), routes=routes[:, :length]
+    )
+    trainer = Trainer(
+        run_config(model=cfg, routing_replay=replay),
+        devices=jax.devices()[:1],
+        checkpoint_dir=tmp_path / replay,
+        model=model,
+    )
+    metrics = trainer.train_step(batch)
+    trainer.close()
+    return metrics, routes
+
+
+def test_routing_replay_forces_the_workers_experts_on_the_chosen_forwards(tmp_path):
+    got = {replay: _replay_case(tmp_path, replay)[0] for replay in ("off", "old", "both")}
+    # π_old routed by the trainer's own router misses the worker's log-probs by far more than
+    # f32 round-off; forced to the worker's experts it is the same computation (to ~1e-6).
+    assert got["off"]["logp_old_behaviour_diff_max"] > 1e-2
+    for replay in ("old", "both"):
+        assert got[replay]["logp_old_behaviour_diff_max"] < 1e-4
+        assert got[replay]["routing_replay"] == {"old": 1.0, "both": 2.0}[replay]
+    # The update's π_θ: routed by its own router ("old") it is not π_old, so the first update's
+    # importance ratio is off 1; forced as π_old was ("both"), the ratio is 1 to round-off.
+    assert abs(got["old"]["ratio_max"] - 1.0) > 1e-2
+    assert abs(got["both"]["ratio_max"] - 1.0) < 1e-4
+    assert abs(got["both"]["ratio_mean"] - 1.0) < 1e-5
+
+
+def test_routing_replay_needs_experts():
+    with pytest.raises(ConfigError, match="routing_replay.*has no experts"):
+        run_config(routing_replay="both")

@@ -130,7 +130,7 @@ def test_grpc_errors_are_clear(served):
         assert client.status().step == step + 1
 
 
-@pytest.mark.parametrize("multi_turn", [False, True])
+@pytest.mark.parametrize("multi_turn", [False, True])  # with a loss mask and MoE routes
 @pytest.mark.parametrize("chunk_bytes", [1, 3000, 2**30])
 def test_wire_roundtrip(chunk_bytes, multi_turn):
     """A batch streamed as row slices (one row each, a few rows, all at once) joins back equal,
@@ -140,7 +140,12 @@ def test_wire_roundtrip(chunk_bytes, multi_turn):
     batch = random_batch(2)
     if multi_turn:
         mask = (np.arange(batch.behaviour_logprobs.size) % 3 > 0).astype(np.float32)
-        batch = dataclasses.replace(batch, loss_mask=mask.reshape(batch.behaviour_logprobs.shape))
+        routes = np.random.default_rng(0).integers(-1, 8, (*batch.tokens.shape, 2, 3))
+        batch = dataclasses.replace(
+            batch,
+            loss_mask=mask.reshape(batch.behaviour_logprobs.shape),
+            routes=routes.astype(np.int16),
+        )
     chunks = list(batch_to_chunks(batch, chunk_bytes))
     rows = [len(c.prompt_lengths.shape) and c.prompt_lengths.shape[0] for c in chunks]
     assert sum(rows) == len(batch.tokens)
@@ -155,12 +160,12 @@ def test_wire_roundtrip(chunk_bytes, multi_turn):
         "behaviour_logprobs",
         "rewards",
         "versions",
-        *(("loss_mask",) if multi_turn else ()),
+        *(("loss_mask", "routes") if multi_turn else ()),
     ):
         a, b = getattr(batch, name), getattr(back, name)
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
-    assert (back.loss_mask is None) == (not multi_turn)
+    assert (back.loss_mask is None) == (back.routes is None) == (not multi_turn)
     assert (back.group_size, back.temperature) == (batch.group_size, batch.temperature)
     with pytest.raises(ValueError, match="no batch"):
         batch_from_chunks([])
