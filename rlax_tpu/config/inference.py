@@ -22,7 +22,7 @@ class InferenceConfig:
     # "tpu_emulated": the TPU cache layout and packing with an XLA stand-in for the kernel (tests
     # of the TPU path on CPU; see models/paged_attention.py).
     backend: Literal["auto", "cpu", "gpu", "tpu", "tpu_emulated"] = "auto"
-    # Each worker's device mesh (the first data*fsdp*tensor devices it sees; -1: all of them):
+    # Each worker's device mesh (the first data*fsdp*expert*tensor devices it sees; -1: all):
     # weights and KV pages split over heads on tensor, decode rows over data; fsdp must be 1
     # (decode would all-gather the weights at every step). Default one device.
     mesh: MeshConfig = dataclasses.field(default_factory=one_device)

@@ -6,45 +6,60 @@ import math
 
 from rlax_tpu.config.checks import ConfigError, bad, frozen, non_negative, positive
 
+# The mesh's axes, outermost first. expert sits inside fsdp: a MoE layer's token exchange over
+# it is on every layer's critical path, fsdp's weight gathers can be issued ahead.
+AXES = ("data", "fsdp", "expert", "tensor")
+
 
 @frozen
 class MeshConfig:
     """Device mesh axes. One axis may be -1: it takes the devices the others leave.
 
+    ``expert`` splits a mixture-of-experts model's experts (each device holds 1/expert of them)
+    and, like fsdp, the batch and the other parameters (expert parallelism carved out of data
+    parallelism: models/moe.py); a dense model uses it as one more fsdp axis.
+
     With ``slices`` > 1 (multislice: TPU slices joined by the data-center network, DCN) data,
-    fsdp and tensor lay out each slice's devices over its own interconnect (ICI), and the mesh's
-    data axis is ``slices`` x data: only data parallelism crosses slices, its one gradient
-    all-reduce per step the traffic DCN carries (MaxText's default: "product of the DCN axes
-    should equal number of slices", dcn_data_parallelism -1; src/maxtext/configs/base.yml).
+    fsdp, expert and tensor lay out each slice's devices over its own interconnect (ICI), and
+    the mesh's data axis is ``slices`` x data: only data parallelism crosses slices, its one
+    gradient all-reduce per step the traffic DCN carries (MaxText's default: "product of the
+    DCN axes should equal number of slices", dcn_data_parallelism -1;
+    src/maxtext/configs/base.yml).
     """
 
     data: int = 1  # data-parallel axis (batch rows), within a slice
     fsdp: int = -1  # fully sharded axis (parameters and batch)
     tensor: int = 1  # tensor-parallel axis (heads, MLP width)
     slices: int = 1  # TPU slices the mesh spans (data-parallel over DCN); the trainer's only
+    expert: int = 1  # expert-parallel axis (a MoE's experts; batch and parameters as fsdp)
 
     def __post_init__(self) -> None:
-        for n in ("data", "fsdp", "tensor"):
+        for n in AXES:
             if getattr(self, n) == 0 or getattr(self, n) < -1:
                 raise bad(self, n, "must be >= 1, or -1 for 'the remaining devices'")
-        if sum(getattr(self, n) == -1 for n in ("data", "fsdp", "tensor")) > 1:
-            raise ConfigError("", "at most one of data, fsdp, tensor may be -1")
+        if sum(getattr(self, n) == -1 for n in AXES) > 1:
+            raise ConfigError("", "at most one of data, fsdp, expert, tensor may be -1")
         positive(self, "slices")
 
-    def global_shape(self, num_devices: int) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) of the whole mesh over ``num_devices`` devices of every slice:
-        the data axis is ``slices`` x the per-slice data degree."""
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """The configured sizes in :data:`AXES` order (-1 where one takes the rest)."""
+        return tuple(getattr(self, n) for n in AXES)  # type: ignore[return-value]
+
+    def global_shape(self, num_devices: int) -> tuple[int, int, int, int]:
+        """The whole mesh's shape (:data:`AXES` order) over ``num_devices`` devices of every
+        slice: the data axis is ``slices`` x the per-slice data degree."""
         if num_devices % self.slices:
             raise ConfigError(
                 "mesh.slices", f"{num_devices} devices do not split into {self.slices} slices"
             )
-        data, fsdp, tensor = self.shape(num_devices // self.slices)
-        return data * self.slices, fsdp, tensor
+        data, *rest = self.shape(num_devices // self.slices)
+        return (data * self.slices, *rest)  # type: ignore[return-value]
 
-    def shape(self, num_devices: int) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) for ``num_devices`` devices of one slice; raises ConfigError if
-        they don't fit."""
-        sizes = [self.data, self.fsdp, self.tensor]
+    def shape(self, num_devices: int) -> tuple[int, int, int, int]:
+        """The shape (:data:`AXES` order) for ``num_devices`` devices of one slice; raises
+        ConfigError if they don't fit."""
+        sizes = list(self.sizes)
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             if num_devices % known:
@@ -54,7 +69,9 @@ class MeshConfig:
                 )
             sizes[sizes.index(-1)] = num_devices // known
         elif known != num_devices:
-            raise ConfigError("mesh", f"data*fsdp*tensor = {known} but {num_devices} devices exist")
+            raise ConfigError(
+                "mesh", f"data*fsdp*expert*tensor = {known} but {num_devices} devices exist"
+            )
         return tuple(sizes)  # type: ignore[return-value]
 
 

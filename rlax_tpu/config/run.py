@@ -145,11 +145,11 @@ class RunConfig:
                     "trainer_process False",
                     self.topology.trainer_devices,
                 )
-            if -1 in (inf.mesh.data, inf.mesh.fsdp, inf.mesh.tensor):
+            if -1 in inf.mesh.sizes:
                 raise ConfigError(
                     "inference.mesh",
                     "needs explicit sizes (no -1) when topology.trainer_devices splits the devices",
-                    (inf.mesh.data, inf.mesh.fsdp, inf.mesh.tensor),
+                    inf.mesh.sizes,
                 )
         if self.data.language not in self.verifiers.languages:
             raise ConfigError(

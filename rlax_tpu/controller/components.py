@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import tempfile
 import time
 from collections.abc import Callable, Collection
@@ -69,7 +70,7 @@ class DeviceSplit:
         devices = jax.devices()
         k = config.topology.trainer_devices
         m = config.inference.mesh
-        per_worker = m.data * m.fsdp * m.tensor
+        per_worker = math.prod(m.sizes)
         need = k + per_worker * config.inference.num_workers
         if need > len(devices):
             raise ValueError(

@@ -73,6 +73,7 @@ from jax.sharding import Mesh
 
 from rlax_tpu import models
 from rlax_tpu.config import InferenceConfig
+from rlax_tpu.config.mesh import AXES as MESH_AXES
 from rlax_tpu.inference.pages import PageAllocator
 from rlax_tpu.inference.sampler import InvalidSampling, SamplingParams
 from rlax_tpu.inference.scheduler import (
@@ -136,13 +137,13 @@ def engine_mesh(cfg: InferenceConfig, devices: list[jax.Device] | None = None) -
     """The mesh ``inference.mesh`` lays out over the first of ``devices`` (default: all of this
     process's view), or None for one device (the programs then carry no shardings at all)."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    sizes = cfg.mesh.sizes
     if -1 not in sizes:
         need = math.prod(sizes)
         if need > len(devices):
+            axes = " x ".join(f"{a} {n}" for a, n in zip(MESH_AXES, sizes, strict=True))
             raise ValueError(
-                f"inference.mesh needs {need} devices (data {sizes[0]} x fsdp {sizes[1]} x "
-                f"tensor {sizes[2]}); this worker has {len(devices)}"
+                f"inference.mesh needs {need} devices ({axes}); this worker has {len(devices)}"
             )
         devices = devices[:need]
     if len(devices) == 1:

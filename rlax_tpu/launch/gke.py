@@ -47,6 +47,7 @@ Objects (``<name>`` is topology.name, every one in topology.namespace):
 from __future__ import annotations
 
 import dataclasses
+import math
 import posixpath
 from collections.abc import Sequence
 from typing import Any
@@ -354,14 +355,15 @@ def mesh_problems(mesh: MeshConfig, tpu: TpuSlice, section: str) -> list[str]:
         shape = mesh.shape(tpu.devices)
     except ConfigError as e:
         return [f"{where} does not fit {tpu.name} ({tpu.devices} devices): {e.why}"]
-    total = shape[0] * shape[1] * shape[2]
+    total = math.prod(shape)
     if total != tpu.devices:
         return [f"{where} {shape} uses {total} of {tpu.name}'s {tpu.devices} devices"]
     # JAX lays v4, v5p and v6e slices past 8 chips out by whole torus axes (slices of up to 8
     # chips have orderings of their own, and v5e may split torus axes: both take any shape).
     if tpu.generation in ("v4", "v5p", "v6e") and tpu.chips > 8 and not lays_out(shape, tpu.dims):
         return [
-            f"{where} (data, fsdp, tensor) = {shape} does not map onto {tpu.name}'s torus: "
+            f"{where} (data, fsdp, expert, tensor) = {shape} does not map onto {tpu.name}'s "
+            "torus: "
             "each mesh axis must be a product of some of its dimensions "
             f"({', '.join(map(str, tpu.dims))})"
         ]

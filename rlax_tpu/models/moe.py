@@ -12,17 +12,38 @@ choices in the trainer's forward). The weights are then the router's current pro
 those experts, so the router still learns. A token whose forced row holds a negative entry (a
 position the engine did not record, padding) takes the router's own top k.
 
+Expert parallelism (a mesh whose ``expert`` axis has D > 1 devices): each device holds X/D of the
+experts (the rules put a layer's experts axis on it) and, the batch being split over expert as
+over fsdp, its own rows. In a ``jax.shard_map`` every device routes its rows, all-gathers the
+rows, their experts and weights of its expert group, runs its own experts on the rows routed to
+them (the others give zeros), and a reduce-scatter over the group sums each row's pairs and
+hands it back to its device. No capacity: every assignment is computed, nothing is dropped
+(the buffer is the group's N·k rows). Bytes: the gather and the reduce-scatter each move
+(D - 1)/D of the group's N·E activations a device, as one all-to-all dispatch of top-k rows
+moves k·(D - 1)/D of its own N·E, and its return as much again: the same for D = k, less for
+D < k (Qwen3-30B-A3B's k = 8 over up to 8 expert devices), more past it. Rows the batch axes do
+not split (a decode step's) are on every device already and only the sum remains (a psum).
+With a tensor axis each expert's width is split too, and its partial sums psum'd.
+
 Shapes: N tokens, E hidden, X experts, k experts per token, F expert width.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from rlax_tpu.config import ModelConfig
 from rlax_tpu.models.layers import dtypes, normal_init, param
+from rlax_tpu.models.sharding import LOGICAL_AXIS_RULES, manual_axes
+
+EXPERT_AXIS = LOGICAL_AXIS_RULES["experts"]  # the mesh axis a layer's experts are split over
+TENSOR_AXIS = LOGICAL_AXIS_RULES["mlp"]  # and each expert's width
 
 
 def route(
@@ -50,16 +71,21 @@ def grouped_swiglu(
     down: jax.Array,
 ) -> jax.Array:
     """Each row of x [N, E] through each of its experts [N, k]: [N, k, E]. gate, up [X, E, F],
-    down [X, F, E]. Rows are sorted by expert so each expert multiplies only its own."""
+    down [X, F, E]. Rows are sorted by expert so each expert multiplies only its own. An expert
+    id outside [0, X) (another device's expert under expert parallelism) gives zeros."""
     n, k = experts.shape
+    num = gate.shape[0]
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    mine = (flat >= 0) & (flat < num)
+    key = jnp.where(mine, flat, num)  # the others sort last, past every group
+    order = jnp.argsort(key, stable=True)
     rows = jnp.take(x, order // k, axis=0)  # [N·k, E], grouped by expert
-    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(key, length=num + 1)[:num].astype(jnp.int32)
     hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(
         rows, up, sizes
     )
     out = jax.lax.ragged_dot(hidden, down, sizes)  # [N·k, E] in sorted order
+    out = jnp.where(jnp.take(mine, order)[:, None], out, jnp.zeros_like(out))
     unsorted = jnp.zeros_like(out).at[order].set(out)
     return unsorted.reshape(n, k, -1)
 
@@ -85,26 +111,98 @@ class MoE(nnx.Module):
         c = self.compute_dtype
         b, t, e = x.shape
         flat = x.reshape(b * t, e)
-        logits = flat @ self.router[...].astype(c)
-        weights, experts = route(
-            logits,
-            self.k,
-            normalize=self.normalize,
-            forced=None if forced is None else forced.reshape(b * t, self.k),
-        )
-        outs = grouped_swiglu(
-            flat,
-            experts,
-            self.gate_proj[...].astype(c),
-            self.up_proj[...].astype(c),
-            self.down_proj[...].astype(c),
-        )
-        y = jnp.einsum("nke,nk->ne", outs, weights.astype(c))
+        weights = [
+            w[...].astype(c) for w in (self.router, self.gate_proj, self.up_proj, self.down_proj)
+        ]
+        if forced is not None:
+            forced = forced.reshape(b * t, self.k)
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and mesh.shape.get(EXPERT_AXIS, 1) > 1:
+            y, logits, experts = _expert_parallel(self._local, mesh, flat, *weights, forced)
+        else:
+            y, logits, experts = self._local(flat, *weights, forced)
         return (
             y.reshape(b, t, e),
-            logits.astype(jnp.float32).reshape(b, t, -1),
+            logits.reshape(b, t, -1),
             experts.reshape(b, t, self.k),
         )
+
+    def _local(
+        self,
+        x: jax.Array,
+        router: jax.Array,
+        gate: jax.Array,
+        up: jax.Array,
+        down: jax.Array,
+        forced: jax.Array | None,
+        gather: Callable[[jax.Array], jax.Array] = lambda a: a,
+        first: jax.Array | int = 0,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [N, E] -> (y [N', E], logits [N, X] f32, experts [N, k]) through the experts of
+        gate/up/down, which are experts first..first+X' of the layer. ``gather`` makes the rows
+        y covers (N' of them) from each row's own (x, experts, weights): identity on one device."""
+        logits = x @ router
+        weights, experts = route(logits, self.k, normalize=self.normalize, forced=forced)
+        xs, es, ws = gather(x), gather(experts), gather(weights)
+        outs = grouped_swiglu(xs, es - first, gate, up, down)
+        y = jnp.einsum("nke,nk->ne", outs, ws.astype(x.dtype))
+        return y, logits.astype(jnp.float32), experts
+
+
+def _expert_parallel(
+    local: Callable[..., tuple[jax.Array, jax.Array, jax.Array]],
+    mesh: jax.sharding.AbstractMesh,
+    x: jax.Array,
+    router: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    forced: jax.Array | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The MoE with its experts split over the mesh's expert axis (module docstring, "Expert
+    parallelism"): x [N, E] -> (y [N, E], logits [N, X], experts [N, k]), as ``local``."""
+    names, manual = mesh.axis_names, manual_axes(mesh)
+    batch = tuple(
+        a
+        for a in LOGICAL_AXIS_RULES["batch"]
+        if a in names and mesh.shape[a] > 1 and a not in manual
+    )
+    rows = batch if batch and x.shape[0] % math.prod(mesh.shape[a] for a in batch) == 0 else ()
+    width = gate.shape[-1]
+    tp = mesh.shape.get(TENSOR_AXIS, 1)
+    tensor = TENSOR_AXIS if tp > 1 and width % tp == 0 and TENSOR_AXIS not in manual else None
+    row_spec = P(rows or None, None)
+    ep = mesh.shape[EXPERT_AXIS]
+    if gate.shape[0] % ep:
+        raise ValueError(f"mesh.expert = {ep} does not divide the model's {gate.shape[0]} experts")
+    spread = EXPERT_AXIS in rows  # each expert device holds other tokens
+
+    def body(x, router, gate, up, down, forced):  # noqa: ANN001, ANN202
+        first = jax.lax.axis_index(EXPERT_AXIS) * gate.shape[0]
+        if spread:
+            gather = lambda a: jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)  # noqa: E731
+        else:
+            # Said outright: the rows feed each device's experts, so their gradient is the sum
+            # over the group (without it the take of sorted rows left it per device).
+            gather = lambda a: jax.lax.pcast(a, EXPERT_AXIS, to="varying")  # noqa: E731
+        y, logits, experts = local(x, router, gate, up, down, forced, gather, first)
+        if tensor is not None:  # each device's slice of the expert width: partial sums
+            y = jax.lax.psum(y, tensor)
+        # Every (token, expert) pair was computed on the one device holding the expert.
+        if spread:
+            y = jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+        else:
+            y = jax.lax.psum(y, EXPERT_AXIS)
+        return y, logits, experts
+
+    w_in, w_out = P(EXPERT_AXIS, None, tensor), P(EXPERT_AXIS, tensor, None)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(row_spec, P(), w_in, w_in, w_out, None if forced is None else row_spec),
+        out_specs=(row_spec, row_spec, row_spec),
+        axis_names=set(names) - manual,
+    )(x, router, gate, up, down, forced)
 
 
 def load_balancing_loss(

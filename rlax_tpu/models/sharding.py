@@ -2,7 +2,7 @@
 
 Every parameter carries logical axis names (``out_sharding`` metadata on its ``nnx.Param``);
 activations are constrained with the same names. Parallelism changes by changing the mesh shape
-in ``MeshConfig`` (data, fsdp, tensor), never the model code.
+in ``MeshConfig`` (data, fsdp, expert, tensor), never the model code.
 
 The mesh uses ``AxisType.Auto`` axes (``jax.make_mesh`` defaults to Explicit): parameters and a
 few activations are annotated and XLA's sharding propagation partitions the rest, so the model's
@@ -20,37 +20,40 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from rlax_tpu.config import ConfigError, MeshConfig
-
-MESH_AXES = ("data", "fsdp", "tensor")
+from rlax_tpu.config.mesh import AXES as MESH_AXES
 
 # Logical axis -> mesh axis (or axes, or None = replicated).
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),  # activations: the batch is split over data and fsdp
+    # Activations: the batch is split over data, fsdp and expert (expert parallelism is carved
+    # out of data parallelism: models/moe.py).
+    "batch": ("data", "fsdp", "expert"),
     "length": None,
     "act_embed": None,
     "vocab": "tensor",
-    "embed": "fsdp",  # parameters' model dimension: ZeRO-3 style sharding
+    # Parameters' model dimension: ZeRO-3 style sharding (over expert too, but in an expert's
+    # own weights, whose experts axis takes it).
+    "embed": ("fsdp", "expert"),
     "mlp": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
     "norm": None,
     "lora_rank": None,  # a LoRA adapter's rank: small, replicated
-    # A MoE layer's experts: replicated until the mesh has an expert axis (issue [moe]).
-    "experts": None,
+    "experts": "expert",  # a MoE layer's experts
 }
 
 LogicalAxes = Sequence[str | None]
 
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over ``devices`` (default: all) shaped by ``mesh_cfg``.
+    """A (data, fsdp, expert, tensor) mesh over ``devices`` (default: all) shaped by
+    ``mesh_cfg``.
 
-    Over several slices (``mesh_cfg.slices``) each slice's devices form their own (data, fsdp,
-    tensor) mesh, laid out over its interconnect, and the slices' meshes are stacked along data:
-    a device's fsdp and tensor neighbours are always in its own slice."""
+    Over several slices (``mesh_cfg.slices``) each slice's devices form their own mesh, laid out
+    over its interconnect, and the slices' meshes are stacked along data: a device's fsdp,
+    expert and tensor neighbours are always in its own slice."""
     devices = list(devices if devices is not None else jax.devices())
-    axis_types = (AxisType.Auto,) * 3
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if mesh_cfg.slices == 1:
         shape = mesh_cfg.shape(len(devices))
         return Mesh(_grid(shape, devices), MESH_AXES, axis_types=axis_types)
@@ -60,8 +63,8 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None)
     return Mesh(np.concatenate(grids, axis=0), MESH_AXES, axis_types=axis_types)
 
 
-def _grid(shape: tuple[int, int, int], devices: list[jax.Device]) -> np.ndarray:
-    """``devices`` laid out as a (data, fsdp, tensor) array over their interconnect. On a TPU
+def _grid(shape: tuple[int, ...], devices: list[jax.Device]) -> np.ndarray:
+    """``devices`` laid out as a (data, fsdp, expert, tensor) array over their interconnect. On a TPU
     slice each mesh axis must be a product of some of the slice's physical dimensions (JAX's
     mesh_utils assigns whole torus axes, e.g. tensor 8 does not fit v5p:4x4x4, 4 or 16 do);
     that is said as a config error naming the axes, not JAX's NotImplementedError."""
@@ -72,7 +75,7 @@ def _grid(shape: tuple[int, int, int], devices: list[jax.Device]) -> np.ndarray:
         dims = "x".join(str(len({c[i] for c in coords})) for i in range(3)) if all(coords) else "?"
         raise ConfigError(
             "mesh",
-            f"(data, fsdp, tensor) = {shape} does not map onto the slice's physical axes "
+            f"(data, fsdp, expert, tensor) = {shape} does not map onto the slice's physical axes "
             f"{dims}: each mesh axis must be a product of some of them (each axis of a TPU "
             "slice's torus goes whole to one mesh axis)",
         ) from e

@@ -67,7 +67,7 @@ def run(config: RunConfig, args: list[str]) -> int:
 
 def _layout(mesh: Any, config: RunConfig) -> str:
     """This process's place in the job and the mesh's shape, e.g. "process 3 of 4 (slice 1),
-    mesh data 2 x fsdp 2 x tensor 1 over 2 slices"."""
+    mesh data 2 x fsdp 2 x expert 1 x tensor 1 over 2 slices"."""
     import jax
 
     slices = config.mesh.slices

@@ -1,7 +1,7 @@
 """The trainer's device mesh and the shardings of its inputs.
 
 Parameters follow the model's logical-axis rules (``models.LOGICAL_AXIS_RULES``); batch rows are
-split over the axes the rules give the logical ``batch`` axis (data and fsdp), so a micro-batch's
+split over the axes the rules give the logical ``batch`` axis (data, fsdp, expert), so a micro-batch's
 row count must be a multiple of their product.
 """
 
@@ -17,7 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlax_tpu import models
 from rlax_tpu.config import MeshConfig
 
-BATCH_AXES: tuple[str, ...] = tuple(models.LOGICAL_AXIS_RULES["batch"])  # ("data", "fsdp")
+# ("data", "fsdp", "expert")
+BATCH_AXES: tuple[str, ...] = tuple(models.LOGICAL_AXIS_RULES["batch"])
 TENSOR_AXIS = "tensor"
 
 
@@ -26,7 +27,7 @@ class BatchShapeError(ValueError):
 
 
 def build_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh over ``devices`` (default: every device of every process)."""
+    """The (data, fsdp, expert, tensor) mesh over ``devices`` (default: every device of every process)."""
     return models.make_mesh(cfg, devices)
 
 

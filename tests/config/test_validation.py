@@ -384,7 +384,7 @@ def test_empty_datasets():
         ),
         (
             {"mesh.data": -1, "mesh.fsdp": -1},
-            "mesh: at most one of data, fsdp, tensor may be -1",
+            "mesh: at most one of data, fsdp, expert, tensor may be -1",
         ),
         (
             {"trainer.schedule": "warmup_stable_decay"},
@@ -658,7 +658,7 @@ def test_multislice_numbers_processes_slice_by_slice_and_stacks_data():
     )
     assert ok.trainer.distributed.job_process_id(ok.mesh.slices) == 7
     mesh = MeshConfig(data=1, fsdp=-1, tensor=2, slices=2)
-    assert mesh.shape(8) == (1, 4, 2) and mesh.global_shape(16) == (2, 4, 2)
+    assert mesh.shape(8) == (1, 4, 1, 2) and mesh.global_shape(16) == (2, 4, 1, 2)
     with pytest.raises(ConfigError, match="9 devices do not split into 2 slices"):
         mesh.global_shape(9)
 
@@ -672,14 +672,15 @@ def test_tensor_parallel_may_exceed_kv_heads_when_a_multiple():
 
 
 def test_mesh_shape():
-    assert MeshConfig(data=1, fsdp=-1, tensor=2).shape(8) == (1, 4, 2)
-    assert MeshConfig(data=2, fsdp=4, tensor=1).shape(8) == (2, 4, 1)
+    assert MeshConfig(data=1, fsdp=-1, tensor=2).shape(8) == (1, 4, 1, 2)
+    assert MeshConfig(data=2, fsdp=4, tensor=1).shape(8) == (2, 4, 1, 1)
+    assert MeshConfig(data=1, fsdp=2, expert=-1, tensor=2).shape(16) == (1, 2, 4, 2)
     with pytest.raises(ConfigError) as info:
         MeshConfig(data=3, fsdp=-1, tensor=1).shape(8)
     assert str(info.value) == "mesh: 8 devices are not divisible by the fixed axes' product 3"
     with pytest.raises(ConfigError) as info:
         MeshConfig(data=2, fsdp=2, tensor=1).shape(8)
-    assert str(info.value) == "mesh: data*fsdp*tensor = 4 but 8 devices exist"
+    assert str(info.value) == "mesh: data*fsdp*expert*tensor = 4 but 8 devices exist"
 
 
 # --------------------------------------------------------------------------------------------

@@ -549,7 +549,7 @@ def test_a_mesh_axis_that_splits_a_torus_axis_is_refused_before_deploying():
     ]
     with pytest.raises(
         gke.RenderError,
-        match=r"mesh \(data, fsdp, tensor\) = \(1, 8, 8\) does not "
+        match=r"mesh \(data, fsdp, expert, tensor\) = \(1, 8, 1, 8\) does not "
         r"map onto v5p:4x4x4's torus",
     ):
         gke.render(_config(two), two)

@@ -100,7 +100,9 @@ def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tm
     trainer_log = (run_dir / "logs" / "trainer.0.log").read_text()
     assert "serving on 127.0.0.1:" in trainer_log
     # 2 processes of one CPU device: per slice fsdp 1 (the preset's fsdp=-1), data 2 across.
-    assert "process 0 of 2 (slice 0), mesh data 2 x fsdp 1 x tensor 1 over 2 slices" in trainer_log
+    assert (
+        "process 0 of 2 (slice 0), mesh data 2 x fsdp 1 x expert 1 x tensor 1 over 2 slices"
+    ) in trainer_log
     log = (run_dir / "logs" / "trainer.1.log").read_text()
     assert "process 1 of 2 (slice 1)" in log, log[-2000:]
     assert "follower stopped" in log, log[-2000:]

@@ -87,7 +87,13 @@ def test_start_on_one_vm_runs_the_controller_with_the_tpu_vm_preset():
     assert config["controller"]["run_dir"] == "gs://my-bucket/runs/codeforces-tpu-vm"
     # Where JAX sees no TPU the preset assumes an 8-chip host: 4 train, 4 generate.
     assert config["topology"]["trainer_devices"] == 4
-    assert config["inference"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 4, "slices": 1}
+    assert config["inference"]["mesh"] == {
+        "data": 1,
+        "fsdp": 1,
+        "tensor": 4,
+        "slices": 1,
+        "expert": 1,
+    }
 
 
 def _print_config(module: str, flags: list[str]) -> dict:

@@ -86,7 +86,7 @@ def test_a_mesh_over_slices_keeps_fsdp_and_tensor_inside_each_slice():
     """mesh.slices = 2 over one process's 8 devices (emulated: in order, 4 per slice): each
     slice's devices form the (1, 2, 2) mesh of one data row; the whole mesh is (2, 2, 2)."""
     mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2, slices=2), jax.devices())
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
     ids = [sorted(d.id for d in row.flat) for row in mesh.devices]
     assert ids == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ValueError, match="3 slices"):
@@ -101,5 +101,5 @@ def test_a_tpu_multislice_mesh_groups_devices_by_their_slice_index():
     devices = topology_devices("v5p:2x2x1", slices=2)
     assert sorted({d.slice_index for d in devices}) == [0, 1]
     mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, slices=2), devices[::-1])
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
     assert [{d.slice_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]
