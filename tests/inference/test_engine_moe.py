@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from rlax_tpu import models
+from rlax_tpu.config import MeshConfig
 from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.models.paged_cache import page_bytes
 
@@ -135,3 +136,32 @@ def test_routes_cross_the_wire_exactly(moe_model):
     msg.routes = msg.routes[:-2]
     with pytest.raises(ValueError, match="bytes do not hold int16"):
         rollout_from_pb(msg)
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        MeshConfig(data=1, fsdp=1, expert=4, tensor=1),
+        MeshConfig(data=2, fsdp=1, expert=2, tensor=2),
+    ],
+    ids=["expert4", "data2-expert2-tensor2"],
+)
+def test_an_expert_parallel_engine_samples_the_single_devices_tokens(moe_model, mesh):
+    """Experts split over the engine's expert axis (each device runs its own on every row of a
+    step and the group sums them): the greedy tokens and the recorded experts of one device."""
+    requests = random_requests(6, seed=5, num_samples=2, temperature=0.0)
+    runs = []
+    for cfg in (None, mesh):
+        engine = make_engine(moe_model, **({} if cfg is None else {"mesh": cfg}))
+        for r in requests:
+            engine.submit(r)
+        runs.append(by_key(_run_checked(engine)))
+    assert engine.mesh is not None and engine.mesh.shape["expert"] == mesh.expert
+    gate = engine.state["layers"][0]["mlp"]["gate_proj"][...]
+    assert gate.addressable_shards[0].data.shape[0] == moe_model.cfg.num_experts // mesh.expert
+    single, sharded = runs
+    assert single.keys() == sharded.keys()
+    for key, ro in single.items():
+        np.testing.assert_array_equal(sharded[key].tokens, ro.tokens)
+        np.testing.assert_array_equal(sharded[key].routes, ro.routes)
+        np.testing.assert_allclose(sharded[key].logprobs, ro.logprobs, atol=1e-5)
