@@ -11,6 +11,9 @@ Presets:
              η_a = 32, GRPO-style clipping.
   v5p_small  the same on a small v5p allocation: Qwen2.5-Coder-7B-Instruct trained on v5p:2x2x2
              (2 hosts), 2 inference workers on v5p:2x2x1.
+  v5p_moe    a mixture of experts: Qwen3-30B-A3B (128 experts, top 8) trained on v5p:4x4x4 (16
+             hosts) with its experts split 4 ways (mesh.expert) and routing replay, 8 inference
+             workers on v5p:2x2x1.
 The GKE presets take their storage from --config.controller.bucket=gs://NAME (weights, data and
 the run under NAME) and are deployed with `python -m rlax_tpu.launch --render=gke`
 (docs/deployment.md); every endpoint is a Service of that render, every service uses TLS and a token.
@@ -29,7 +32,7 @@ import ml_collections
 from rlax_tpu.config import base_config_dict, detect_accelerator
 from rlax_tpu.config.smollm2 import smollm2_model
 
-PRESETS = ("local", "smollm2", "tpu_vm", "v5p", "v5p_small")
+PRESETS = ("local", "smollm2", "tpu_vm", "v5p", "v5p_small", "v5p_moe")
 SECRETS = "/var/run/secrets/rlax"  # the credentials Secret's mount in every pod
 PORTS = {"inference": 50051, "param_server": 50052, "trainer": 50053, "verifiers": 50054}
 
@@ -48,6 +51,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
         "tpu_vm": _tpu_vm,
         "v5p": _v5p,
         "v5p_small": _v5p_small,
+        "v5p_moe": _v5p_moe,
     }
     return builders[preset](cfg)
 
@@ -414,6 +418,104 @@ def _v5p_small(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )
     cfg.algorithm.update(name="grpo", group_size=8, eps_low=0.2, eps_high=0.28)
     cfg.topology.update(trainer_tpu="v5p:2x2x2", inference_tpu="v5p:2x2x1", verifier_replicas=2)
+    return _on_gke(cfg)
+
+
+def _v5p_moe(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    # Qwen3-30B-A3B's shape (its HF config.json): 48 layers, 32 q / 4 KV heads of 128, every
+    # MLP a MoE of 128 experts of width 768, top 8 renormalized; 30.5B parameters, 3.3B active.
+    cfg.model.update(
+        arch="qwen3_moe",
+        vocab_size=151_936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        qk_norm=True,
+        num_experts=128,
+        experts_per_token=8,
+        expert_intermediate_size=768,
+        norm_topk_prob=True,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40_960,
+        rms_norm_eps=1e-6,
+        tie_embeddings=False,
+        param_dtype="bfloat16",
+        compute_dtype="bfloat16",
+        weights_format="safetensors",
+        weights_path="{bucket}/Qwen3-30B-A3B",
+    )
+    # 64 chips: experts 4 ways (32 a chip; 4 <= top 8, so the expert group's gather and
+    # reduce-scatter move no more than an all-to-all dispatch would: models/moe.py), fsdp 16.
+    # Each axis is a product of whole torus axes of 4x4x4.
+    cfg.mesh.update(data=1, fsdp=16, expert=4, tensor=1)
+    cfg.trainer.update(
+        learning_rate=1e-6,
+        schedule="warmup_cosine",
+        warmup_steps=10,
+        weight_decay=0.1,
+        grad_clip_norm=1.0,
+        micro_batch_size=64,  # a row per batch shard (fsdp 16 x expert 4)
+        publish_dtype="bfloat16",
+        checkpoint_every=10,
+        scan_layers=True,
+        # The π_old and π_θ forwards take the experts the workers chose (RLAX names the routing
+        # mismatch as the MoE divergence; Rollout Routing Replay, R3, replays them in both).
+        routing_replay="both",
+    )
+    cfg.algorithm.update(router_aux_loss_coef=0.001)  # Qwen3-MoE's router_aux_loss_coef
+    cfg.trainer.distributed.update(coordinator_address="auto", num_processes=16)
+    # Each worker a v5p:2x2x1 slice: heads (32 q, 4 KV) and each expert's width split 4 ways;
+    # every chip holds every expert's quarter (15 GB of weights a chip), decode needs no expert
+    # exchange.
+    cfg.inference.mesh.update(data=1, fsdp=1, tensor=4)
+    cfg.inference.update(
+        num_workers=8,
+        backend="tpu",
+        max_concurrent_seqs=256,
+        page_size=64,
+        kv_cache_bytes=128 * 2**30,  # 96 KiB a token: ~1.4M tokens, 160 samples of 8k
+        prefill_chunk=2048,
+        max_prompt_len=2048,
+        max_new_tokens=14_336,
+        temperature=1.0,
+    )
+    cfg.param_server.update(
+        in_memory_versions=4,
+        persist_every=16,
+        persist_path="{bucket}/runs/codeforces-moe/ps",
+        replicas=2,
+    )
+    cfg.verifiers.update(workers=16, time_limit_s=2.0, memory_limit_mb=256)
+    cfg.data.update(
+        datasets=("codeforces",),
+        weights=(1.0,),
+        data_dir="{bucket}/codeforces",
+        eval_samples=16,
+        eval_problems=256,
+        eval_every=20,
+    )
+    cfg.controller.update(
+        run_dir="{bucket}/runs/codeforces-moe",
+        num_steps=1000,
+        prompts_per_step=32,
+        mode="throughput",
+        reload_staleness=8,
+        acceptance_staleness=16,
+        pipeline_depth=1,
+        consume_order="freshest_first",
+        snapshot_keep=12,
+    )
+    cfg.algorithm.update(name="grpo", group_size=16, eps_low=0.2, eps_high=0.28)
+    cfg.topology.update(
+        trainer_tpu="v5p:4x4x4",
+        inference_tpu="v5p:2x2x1",
+        verifier_replicas=8,
+        cpu_node_vcpus=64,
+        cpu_node_memory_gb=512,
+    )
     return _on_gke(cfg)
 
 

@@ -81,6 +81,22 @@ class RunConfig:
                 "balances a mixture of experts' routing: the model has no experts",
                 alg.router_aux_loss_coef,
             )
+        for name, m in (("mesh", self.mesh), ("inference.mesh", inf.mesh)):
+            if m.expert > 1 and model.num_experts % m.expert:
+                raise ConfigError(
+                    f"{name}.expert",
+                    f"must divide the model's {model.num_experts} experts (each device holds an "
+                    "equal share)",
+                    m.expert,
+                )
+        if inf.mesh.expert > 1 and not model.num_experts:
+            # For a dense model the axis is one more fsdp: decode would gather the weights.
+            raise ConfigError(
+                "inference.mesh.expert",
+                "splits a mixture of experts' experts: the model has none (a worker would "
+                "all-gather its weights at every decode step); split them over tensor",
+                inf.mesh.expert,
+            )
         if self.trainer.routing_replay != "off" and not model.num_experts:
             raise ConfigError(
                 "trainer.routing_replay",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rlax_tpu import models
-from rlax_tpu.config import ConfigError
+from rlax_tpu.config import ConfigError, MeshConfig
 from rlax_tpu.trainer import Trainer
 from rlax_tpu.trainer.batching import MicroBatch, micro_arrays
 from rlax_tpu.trainer.logprobs import completion_logprobs
@@ -105,3 +105,27 @@ def test_routing_replay_forces_the_workers_experts_on_the_chosen_forwards(tmp_pa
 def test_routing_replay_needs_experts():
     with pytest.raises(ConfigError, match="routing_replay.*has no experts"):
         run_config(routing_replay="both")
+
+
+def test_the_expert_axes_must_divide_the_experts():
+    moe = models.preset("tiny", arch="qwen3_moe", num_experts=4)
+    cfg = run_config(model=moe)
+    for section in ("mesh", "inference.mesh"):
+        mesh = MeshConfig(data=1, fsdp=1, expert=8, tensor=1)
+        replace = (
+            {"mesh": mesh}
+            if section == "mesh"
+            else {"inference": dataclasses.replace(cfg.inference, mesh=mesh)}
+        )
+        with pytest.raises(ConfigError, match=f"{section}.expert.*divide the model's 4 experts"):
+            dataclasses.replace(cfg, **replace)
+    dense = run_config()
+    with pytest.raises(ConfigError, match="inference.mesh.expert.*the model has none"):
+        dataclasses.replace(
+            dense,
+            inference=dataclasses.replace(
+                dense.inference, mesh=MeshConfig(data=1, fsdp=1, expert=2, tensor=1)
+            ),
+        )
+    # The trainer's axis on a dense model is one more fsdp: allowed.
+    dataclasses.replace(dense, mesh=MeshConfig(data=1, fsdp=-1, expert=2, tensor=1))
