@@ -78,6 +78,18 @@ CASES: dict[str, list[str]] = {
         "--component=trainer",
         "--config.model.lora_rank=16",
     ],
+    # A mixture of experts (issue [moe]): Qwen3-30B-A3B, its 128 experts split 4 ways over the
+    # trainer's expert axis (fsdp 16 x expert 4), the workers' split over tensor.
+    "v5p_moe-trainer-v5p_4x4x4": [
+        "--config=configs/codeforces.py:v5p_moe",
+        "--topology=v5p:4x4x4",
+        "--component=trainer",
+    ],
+    "v5p_moe-inference-v5p_2x2x1": [
+        "--config=configs/codeforces.py:v5p_moe",
+        "--topology=v5p:2x2x1",
+        "--component=inference",
+    ],
 }
 
 

@@ -242,8 +242,10 @@ class TrainBatch:
         *,
         group_size: int,
         temperature: float = 1.0,
+        routes: bool = True,
     ) -> TrainBatch:
-        """Packs group-major rollouts (right padding) into a TrainBatch."""
+        """Packs group-major rollouts (right padding) into a TrainBatch; ``routes``: with
+        their MoE routes, if any."""
         if not rollouts:
             raise ValueError("TrainBatch.from_rollouts: no rollouts")
         length = max(len(r.prompt_tokens) + len(r.tokens) for r in rollouts)
@@ -259,7 +261,7 @@ class TrainBatch:
             if loss_mask is not None:
                 loss_mask[i, :c] = 1.0 if r.sampled is None else np.asarray(r.sampled, bool)
         return cls(
-            routes=_batch_routes(rollouts, length),
+            routes=_batch_routes(rollouts, length) if routes else None,
             tokens=tokens,
             prompt_lengths=np.array([len(r.prompt_tokens) for r in rollouts], np.int32),
             completion_lengths=np.array([len(r.tokens) for r in rollouts], np.int32),

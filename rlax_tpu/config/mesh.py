@@ -39,6 +39,8 @@ class MeshConfig:
                 raise bad(self, n, "must be >= 1, or -1 for 'the remaining devices'")
         if sum(getattr(self, n) == -1 for n in AXES) > 1:
             raise ConfigError("", "at most one of data, fsdp, expert, tensor may be -1")
+        if self.expert == -1:  # its size must divide the model's experts: say it
+            raise bad(self, "expert", "must be >= 1 (a size that divides the model's experts)")
         positive(self, "slices")
 
     @property

@@ -388,10 +388,11 @@ def plan_batch(
     group_size: int,
     temperature: float,
     max_groups: int | None = None,
+    routes: bool = True,
 ) -> BatchPlan:
     """The TrainBatch of a step: verifier failures dropped, dynamic sampling, at most
     ``max_groups`` kept groups (the first ones; DAPO trims a refilled batch to its size), reward
-    shaping."""
+    shaping; ``routes``: with the rollouts' MoE routes (routing replay)."""
     ok = [r for r in results if not r.verifier_failed]
     failed = [r.key for r in results if r.verifier_failed]
     if not ok:
@@ -408,7 +409,7 @@ def plan_batch(
     lengths = np.array([len(ro.tokens) for ro in rollouts])
     shaped = objective.shape_rewards(np.concatenate([r.rewards for r in kept]), lengths)
     batch = TrainBatch.from_rollouts(
-        rollouts, shaped, group_size=group_size, temperature=temperature
+        rollouts, shaped, group_size=group_size, temperature=temperature, routes=routes
     )
     return BatchPlan(batch, [r.key for r in kept], filtered, failed, surplus)
 

@@ -696,6 +696,9 @@ class Controller:
             group_size=self.group_size,
             temperature=self.config.inference.temperature,
             max_groups=self.cc.prompts_per_step,
+            # A MoE worker's routes go to the trainer only if it replays them (they are
+            # layers x k entries a token).
+            routes=self.config.trainer.routing_replay != "off",
         )
         if self.replay is None:
             consumed = plan.trained

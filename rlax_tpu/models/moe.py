@@ -79,13 +79,16 @@ def grouped_swiglu(
     mine = (flat >= 0) & (flat < num)
     key = jnp.where(mine, flat, num)  # the others sort last, past every group
     order = jnp.argsort(key, stable=True)
-    rows = jnp.take(x, order // k, axis=0)  # [N·k, E], grouped by expert
+    used = jnp.take(mine, order)[:, None]
+    # Rows past the groups are zeroed going in as coming out: what a ragged_dot kernel leaves
+    # there (forward or transposed) is not specified, and must reach no gradient.
+    rows = jnp.where(used, jnp.take(x, order // k, axis=0), 0)  # [N·k, E], grouped by expert
     sizes = jnp.bincount(key, length=num + 1)[:num].astype(jnp.int32)
     hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(
         rows, up, sizes
     )
     out = jax.lax.ragged_dot(hidden, down, sizes)  # [N·k, E] in sorted order
-    out = jnp.where(jnp.take(mine, order)[:, None], out, jnp.zeros_like(out))
+    out = jnp.where(used, out, jnp.zeros_like(out))
     unsorted = jnp.zeros_like(out).at[order].set(out)
     return unsorted.reshape(n, k, -1)
 

@@ -31,6 +31,7 @@ global arrays and every value read back to the host is replicated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Collection, Sequence
@@ -264,6 +265,10 @@ class Trainer:
         behaviour = np.where(mask > 0, behaviour, 0.0)
         temperature = mesh_lib.put(np.float32(batch.temperature), mesh_lib.replicated(self.mesh))
         replay = tcfg.routing_replay if batch.routes is not None else "off"
+        if replay != tcfg.routing_replay:
+            _warn_no_routes(tcfg.routing_replay)
+        if batch.routes is not None:
+            self._check_routes(np.asarray(batch.routes))
         micro = [(mb, self._put_arrays(micro_arrays(batch, mb))) for mb in plan.micro_batches]
         unrouted = [(mb, _without_routes(arrays)) for mb, arrays in micro]
 
@@ -434,6 +439,22 @@ class Trainer:
         self._precompiled = True
         log.info("trainer: compiled %d shapes in %.1f s", len(shapes), time.perf_counter() - t0)
 
+    def _check_routes(self, routes: np.ndarray) -> None:
+        """ValueError unless ``routes`` [B, L, layers, k] fit the model: its layers, its k,
+        expert ids below its experts (or -1)."""
+        cfg = self.config.model
+        want = (cfg.num_layers, cfg.experts_per_token)
+        if routes.shape[2:] != want or not cfg.num_experts:
+            raise ValueError(
+                f"TrainBatch.routes give {routes.shape[2:]} (layers, experts a token) per "
+                f"position; the model has {want}" + ("" if cfg.num_experts else " and no experts")
+            )
+        if routes.size and (routes.min() < -1 or routes.max() >= cfg.num_experts):
+            raise ValueError(
+                f"TrainBatch.routes hold expert ids in [{routes.min()}, {routes.max()}]; the "
+                f"model has experts 0..{cfg.num_experts - 1} (-1: none recorded)"
+            )
+
     def _put_arrays(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return {
             k: mesh_lib.put(v, mesh_lib.batch_sharding(self.mesh, v.ndim))
@@ -581,6 +602,15 @@ class Trainer:
 
     def close(self) -> None:
         self._checkpointer.close()
+
+
+@functools.cache  # once per process and mode
+def _warn_no_routes(mode: str) -> None:
+    log.warning(
+        "trainer.routing_replay = %r but the batch carries no routes (its workers recorded "
+        "none): the trainer's forwards route by their own router",
+        mode,
+    )
 
 
 def _without_routes(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -67,7 +67,7 @@ def test_a_mesh_axis_must_be_a_product_of_the_slices_physical_axes():
     from rlax_tpu.models.sharding import make_mesh
 
     devices = topology_devices("v5p:4x4x4")
-    with pytest.raises(ConfigError, match=r"\(1, 8, 8\) does not map onto .* axes 4x4x4"):
+    with pytest.raises(ConfigError, match=r"\(1, 8, 1, 8\) does not map onto .* axes 4x4x4"):
         make_mesh(MeshConfig(data=1, fsdp=-1, tensor=8), devices)
     assert make_mesh(MeshConfig(data=1, fsdp=-1, tensor=4), devices).shape["fsdp"] == 16
     assert make_mesh(MeshConfig(data=1, fsdp=-1, tensor=8), topology_devices("v5p:4x8x8"))

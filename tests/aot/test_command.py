@@ -190,7 +190,8 @@ def test_the_engine_compiles_on_its_mesh(reports):
     one, two = (_programs(reports, name)["inference.decode"] for name in ("local", "local-tensor2"))
     assert one["note"].startswith("one chip of 4")
     assert two["note"].startswith(
-        "inference.mesh {'data': 1, 'fsdp': 1, 'tensor': 2} over 2 of 4 chips; KV pages "
+        "inference.mesh {'data': 1, 'fsdp': 1, 'expert': 1, 'tensor': 2} over 2 of 4 chips; KV "
+        "pages "
     )
     # The cache dominates the arguments and splits over the 2 KV heads.
     assert two["argument_bytes"] < 0.6 * one["argument_bytes"]

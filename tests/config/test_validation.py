@@ -674,7 +674,9 @@ def test_tensor_parallel_may_exceed_kv_heads_when_a_multiple():
 def test_mesh_shape():
     assert MeshConfig(data=1, fsdp=-1, tensor=2).shape(8) == (1, 4, 1, 2)
     assert MeshConfig(data=2, fsdp=4, tensor=1).shape(8) == (2, 4, 1, 1)
-    assert MeshConfig(data=1, fsdp=2, expert=-1, tensor=2).shape(16) == (1, 2, 4, 2)
+    assert MeshConfig(data=1, fsdp=-1, expert=4, tensor=2).shape(16) == (1, 2, 4, 2)
+    with pytest.raises(ConfigError, match="expert = -1: must be >= 1"):
+        MeshConfig(data=1, fsdp=1, expert=-1)
     with pytest.raises(ConfigError) as info:
         MeshConfig(data=3, fsdp=-1, tensor=1).shape(8)
     assert str(info.value) == "mesh: 8 devices are not divisible by the fixed axes' product 3"

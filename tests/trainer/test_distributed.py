@@ -104,7 +104,7 @@ def test_two_slices_of_two_processes_equal_one_process(one_process, tmp_path):
     whole."""
     got, published, pushed = run_processes(tmp_path, 4, "1,2,2,2")
     layout = (tmp_path / "mesh-0").read_text()
-    assert layout == "{'data': 2, 'fsdp': 2, 'tensor': 2} [[0, 1], [2, 3]]", layout
+    assert layout == "{'data': 2, 'fsdp': 2, 'expert': 1, 'tensor': 2} [[0, 1], [2, 3]]", layout
     assert_same_step(got, published, one_process)
     whole = sum(x.nbytes for x in one_process[1])
     assert sum(pushed) == whole and max(pushed) < 0.6 * whole, pushed

@@ -129,3 +129,23 @@ def test_the_expert_axes_must_divide_the_experts():
         )
     # The trainer's axis on a dense model is one more fsdp: allowed.
     dataclasses.replace(dense, mesh=MeshConfig(data=1, fsdp=-1, expert=2, tensor=1))
+
+
+def test_routes_that_do_not_fit_the_model_are_refused(tmp_path):
+    cfg = models.preset("tiny", arch="qwen3_moe", num_layers=2, num_experts=4)
+    trainer = Trainer(
+        run_config(model=cfg, routing_replay="both"),
+        devices=jax.devices()[:1],
+        checkpoint_dir=tmp_path,
+    )
+    batch = random_batch(1)
+    shape = batch.tokens.shape
+    bad = {
+        "no expert 4": np.full((*shape, 2, 2), 4, np.int16),
+        r"\(3, 2\) \(layers, experts a token\)": np.zeros((*shape, 3, 2), np.int16),
+    }
+    for match, routes in bad.items():
+        with pytest.raises(ValueError, match=match.replace("no expert 4", r"\[4, 4\]")):
+            trainer.train_step(dataclasses.replace(batch, routes=routes))
+    assert trainer.step == 0
+    trainer.close()

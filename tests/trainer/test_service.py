@@ -58,7 +58,12 @@ def test_module_entry_point_serves_publishes_and_stops(tmp_path):
         with TrainerClient(endpoint) as client:
             client.wait_ready(30)
             status = client.status()
-            assert status.step == 0 and status.mesh == {"data": 1, "fsdp": 2, "tensor": 1}
+            assert status.step == 0 and status.mesh == {
+                "data": 1,
+                "fsdp": 2,
+                "expert": 1,
+                "tensor": 1,
+            }
             assert client.health().serving
             client.publish()  # version 0 goes to the parameter server
         versions, latest = ParamServerClient(f"127.0.0.1:{ps_port}").list_versions()
