@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from rlax_tpu import models
 from rlax_tpu.config import MeshConfig
@@ -165,3 +166,46 @@ def test_an_expert_parallel_engine_samples_the_single_devices_tokens(moe_model, 
         np.testing.assert_array_equal(sharded[key].tokens, ro.tokens)
         np.testing.assert_array_equal(sharded[key].routes, ro.routes)
         np.testing.assert_allclose(sharded[key].logprobs, ro.logprobs, atol=1e-5)
+
+
+def test_the_trainers_forward_forced_to_the_recorded_routes_takes_the_engines_experts(moe_model):
+    """What routing replay rests on: the recorded routes, forced in a full-sequence forward
+    (the trainer's), are exactly the experts that forward uses at every recorded position, and
+    its log-probs are the engine's (to f32 round-off: another program)."""
+    from rlax_tpu.trainer.logprobs import completion_logprobs
+
+    engine = make_engine(moe_model, prefill_rows=2, prefill_len=3)
+    for r in random_requests(4, seed=6, num_samples=2, temperature=1.0):
+        engine.submit(r)
+    rollouts = _run_checked(engine)
+    width = max(len(ro.tokens) for ro in rollouts)
+    length = max(len(ro.prompt_tokens) + len(ro.tokens) for ro in rollouts)
+    cfg = moe_model.cfg
+    tokens = np.zeros((len(rollouts), length), np.int32)
+    positions = np.full((len(rollouts), length), -1, np.int32)
+    routes = np.full((len(rollouts), length, cfg.num_layers, cfg.experts_per_token), -1, np.int16)
+    targets = np.zeros((len(rollouts), width), np.int32)
+    for i, ro in enumerate(rollouts):
+        n = len(ro.prompt_tokens) + len(ro.tokens)
+        tokens[i, :n] = [*ro.prompt_tokens.tolist(), *ro.tokens.tolist()]
+        positions[i, :n] = np.arange(n)
+        routes[i, :n] = ro.routes
+        targets[i, : len(ro.tokens)] = ro.tokens
+    prompt = np.array([len(ro.prompt_tokens) for ro in rollouts], np.int32)
+    graphdef, state = nnx.split(moe_model)
+
+    @jax.jit
+    def trainer_forward(state, *arrays):  # noqa: ANN001, ANN202
+        model = nnx.merge(graphdef, state)
+        *inputs, forced = arrays
+        logp, _, routing = completion_logprobs(
+            model, *inputs, jnp.float32(1.0), loop=models.UNROLLED, mesh=None, routes=forced
+        )
+        return logp, routing
+
+    logp, routing = trainer_forward(state, tokens, positions, prompt, targets, routes)
+    used = np.asarray(routing.experts).transpose(1, 2, 0, 3)  # [B, L, layers, k]
+    recorded = routes >= 0
+    np.testing.assert_array_equal(used[recorded], routes[recorded])
+    for i, ro in enumerate(rollouts):
+        np.testing.assert_allclose(np.asarray(logp)[i, : len(ro.tokens)], ro.logprobs, atol=1e-5)
