@@ -52,7 +52,7 @@ def _replay_case(tmp_path, replay: str) -> tuple[dict[str, float], np.ndarray]:
     its own router would not choose (each token's top k shifted by one expert), as a worker's
     would after its router rounded differently; returns the metrics and the batch's routes."""
     cfg = models.preset(
-        "tiny", arch="qwen3_moe", qk_norm=True, num_layers=2, num_experts=4, experts_per_token=2
+        "tiny", arch="qwen3_moe", qk_norm=True, num_layers=1, num_experts=4, experts_per_token=2
     )
     model = models.init_model(cfg)
     batch = random_batch(3)
