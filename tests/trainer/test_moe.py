@@ -77,7 +77,7 @@ def _replay_case(tmp_path, replay: str) -> tuple[dict[str, float], np.ndarray]:
         batch, behaviour_logprobs=np.asarray(logp), routes=routes[:, :length]
     )
     trainer = Trainer(
-        run_config(model=cfg, routing_replay=replay),
+        run_config(model=cfg, routing_replay=replay, micro_batch_size=16),  # one program each
         devices=jax.devices()[:1],
         checkpoint_dir=tmp_path / replay,
         model=model,
