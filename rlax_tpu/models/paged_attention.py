@@ -45,6 +45,7 @@ from rlax_tpu.models.attention import causal_mask, dot_product_attention
 from rlax_tpu.models.sharding import kernel_axes, manual_axes
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+_KV_BLOCK_BYTES = 2**20  # a ragged kernel block's keys and values, compiled off a TPU host
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -307,10 +308,15 @@ def _mosaic_ragged_kernel(
     blocks: dict[str, int] = {}
     if jax.default_backend() != "tpu":
         # Compiling for a TPU from another host (python -m rlax_tpu.aot): the kernel's tuned
-        # table keys on the local device, so take its untuned default at the size that fits
-        # v4's VMEM (what it picks there); on a TPU host it looks up its tuned sizes itself.
+        # table keys on the local device, so take its untuned default (32 pages, 32 queries a
+        # block), with fewer pages where a block's keys and values would pass 1 MiB: 32 pages
+        # of the v5p preset's (64 tokens x 2 KV heads x 128 in bf16 a device) compile; the
+        # v5p_moe trainer's 4 KV heads a device made 4 MiB blocks, which double-buffered ran
+        # out of scoped VMEM (CompileTimeScopedVmemOom). A TPU host looks up tuned sizes itself.
+        page_bytes = math.prod(kv_pages.shape[1:]) * kv_pages.dtype.itemsize
+        pages = min(page_indices.shape[1], 32, _KV_BLOCK_BYTES // page_bytes)
         blocks = dict(
-            num_kv_pages_per_block=min(page_indices.shape[1], 32),
+            num_kv_pages_per_block=max(1, pages),
             num_queries_per_block=min(q.shape[0], 32),
         )
     return ragged_paged_attention(
