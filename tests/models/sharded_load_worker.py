@@ -34,9 +34,9 @@ def main() -> None:
     jax.distributed.initialize(coordinator, num_processes=2, process_id=pid)
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
     # fsdp index 0-1 on process 0's devices, 2-3 on process 1's.
-    assert [sorted({d.process_index for d in row}) for row in mesh.devices[0]] == [[0]] * 2 + [
-        [1]
-    ] * 2
+    assert [sorted({d.process_index for d in row}) for row in mesh.devices[0, :, 0]] == [
+        [0]
+    ] * 2 + [[1]] * 2
     model = load_model(model_config(weights), mesh=mesh)
     leaves = jax.tree.leaves(nnx.state(model))
     gathered = multihost_utils.process_allgather(leaves, tiled=True)
