@@ -115,12 +115,12 @@ def plan_micro_batches(
     return Plan(mbatches, 1.0 - real / slots, 1.0 - real / unsorted)
 
 
-def micro_arrays(batch: TrainBatch, mb: MicroBatch) -> dict[str, np.ndarray]:
+def micro_arrays(batch: TrainBatch, mb: MicroBatch, routes: bool = True) -> dict[str, np.ndarray]:
     """Padded host arrays of one micro-batch.
 
     tokens, positions: [b, L] int32 (padding at position -1); prompt_lengths: [b] int32;
-    targets: [b, T] int32 completion tokens (0 on padding); when the batch carries routes,
-    routes: [b, L, layers, k] int16 (-1 on padding).
+    targets: [b, T] int32 completion tokens (0 on padding); when the batch carries routes and
+    ``routes`` asks for them, routes: [b, L, layers, k] int16 (-1 on padding).
     """
     tokens = np.asarray(batch.tokens)[mb.rows]
     prompt = np.asarray(batch.prompt_lengths, np.int32)[mb.rows]
@@ -136,9 +136,9 @@ def micro_arrays(batch: TrainBatch, mb: MicroBatch) -> dict[str, np.ndarray]:
     completion = np.asarray(batch.completion_lengths)[mb.rows]
     targets = np.where(np.arange(mb.width)[None, :] < completion[:, None], targets, 0)
     arrays = dict(tokens=padded, positions=positions, prompt_lengths=prompt, targets=targets)
-    if batch.routes is not None:
-        routes = np.asarray(batch.routes, np.int16)[mb.rows]
-        arrays["routes"] = np.full((b, mb.length, *routes.shape[2:]), -1, np.int16)
-        arrays["routes"][:, : min(have, mb.length)] = routes[:, : mb.length]
+    if routes and batch.routes is not None:
+        rows = np.asarray(batch.routes, np.int16)[mb.rows]
+        arrays["routes"] = np.full((b, mb.length, *rows.shape[2:]), -1, np.int16)
+        arrays["routes"][:, : min(have, mb.length)] = rows[:, : mb.length]
         arrays["routes"][positions < 0] = -1
     return arrays

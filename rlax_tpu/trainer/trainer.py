@@ -269,7 +269,10 @@ class Trainer:
             _warn_no_routes(tcfg.routing_replay)
         if batch.routes is not None:
             self._check_routes(np.asarray(batch.routes))
-        micro = [(mb, self._put_arrays(micro_arrays(batch, mb))) for mb in plan.micro_batches]
+        micro = [
+            (mb, self._put_arrays(micro_arrays(batch, mb, routes=replay != "off")))
+            for mb in plan.micro_batches
+        ]
         unrouted = [(mb, _without_routes(arrays)) for mb, arrays in micro]
 
         t_old = time.perf_counter()
