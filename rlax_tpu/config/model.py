@@ -8,6 +8,7 @@ from rlax_tpu.config.checks import bad, frozen, non_negative, positive
 
 # Families whose MLPs are experts.
 MOE_ARCHS = ("qwen3_moe", "mixtral")
+EXPERT_KERNELS = ("auto", "ragged_dot", "megablox", "megablox_interpret")
 # The projections LoRA adapters may sit beside (their parameter names in models/layers.py).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -67,6 +68,10 @@ class ModelConfig:
     # The chosen experts' weights renormalized to sum to 1 (Mixtral always; Qwen3-MoE's config);
     # False: the router's softmax probabilities as they are.
     norm_topk_prob: bool = True
+    # The experts' grouped matmuls (rlax_tpu.models.grouped_matmul): "auto" (megablox's Pallas
+    # kernels when compiled for TPU, jax.lax.ragged_dot elsewhere), "ragged_dot", "megablox",
+    # or "megablox_interpret" (the kernels in Pallas's interpreter: CPU tests).
+    expert_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         positive(
@@ -89,6 +94,8 @@ class ModelConfig:
             raise bad(
                 self, "experts_per_token", f"must be in [1, num_experts = {self.num_experts}]"
             )
+        if self.expert_kernel not in EXPERT_KERNELS:
+            raise bad(self, "expert_kernel", f"must be one of {list(EXPERT_KERNELS)}")
         if self.num_experts and self.lora_rank:
             raise bad(self, "lora_rank", "LoRA on mixture-of-experts models is not built yet")
         unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))

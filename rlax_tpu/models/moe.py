@@ -4,7 +4,8 @@ experts computed as grouped matmuls over the tokens each expert received.
 Routing (as the HF implementations do): p = softmax(x · router) in f32 over the E experts; each
 token takes the k experts of highest p, weighted by their p, renormalized to sum to 1 when
 ``norm_topk_prob``. The chosen (token, expert) pairs are sorted by expert and each expert's SwiGLU
-runs on its rows only (``jax.lax.ragged_dot``): no expert computes a token it was not given, and
+runs on its rows only (a grouped matmul, :mod:`rlax_tpu.models.grouped_matmul`: XLA's
+``jax.lax.ragged_dot`` or, on TPU, the megablox Pallas kernels): no expert computes a token it was not given, and
 no capacity limit drops one (every assignment is computed; the sort's cost is N·k rows).
 
 ``forced`` routes: the experts to use instead of the router's top k (routing replay: the engine's
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from rlax_tpu.config import ModelConfig
+from rlax_tpu.models.grouped_matmul import grouped_matmul, resolve_kernel
 from rlax_tpu.models.layers import dtypes, normal_init, param
 from rlax_tpu.models.sharding import LOGICAL_AXIS_RULES, manual_axes
 
@@ -69,10 +72,12 @@ def grouped_swiglu(
     gate: jax.Array,
     up: jax.Array,
     down: jax.Array,
+    kernel: str = "ragged_dot",
 ) -> jax.Array:
     """Each row of x [N, E] through each of its experts [N, k]: [N, k, E]. gate, up [X, E, F],
     down [X, F, E]. Rows are sorted by expert so each expert multiplies only its own. An expert
-    id outside [0, X) (another device's expert under expert parallelism) gives zeros."""
+    id outside [0, X) (another device's expert under expert parallelism) gives zeros.
+    ``kernel``: the grouped matmul's (``model.expert_kernel``)."""
     n, k = experts.shape
     num = gate.shape[0]
     flat = experts.reshape(-1)
@@ -80,14 +85,13 @@ def grouped_swiglu(
     key = jnp.where(mine, flat, num)  # the others sort last, past every group
     order = jnp.argsort(key, stable=True)
     used = jnp.take(mine, order)[:, None]
-    # Rows past the groups are zeroed going in as coming out: what a ragged_dot kernel leaves
+    # Rows past the groups are zeroed going in as coming out: what a grouped kernel leaves
     # there (forward or transposed) is not specified, and must reach no gradient.
     rows = jnp.where(used, jnp.take(x, order // k, axis=0), 0)  # [N·k, E], grouped by expert
     sizes = jnp.bincount(key, length=num + 1)[:num].astype(jnp.int32)
-    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(
-        rows, up, sizes
-    )
-    out = jax.lax.ragged_dot(hidden, down, sizes)  # [N·k, E] in sorted order
+    matmul = partial(grouped_matmul, sizes=sizes, kernel=resolve_kernel(kernel))
+    hidden = jax.nn.silu(matmul(rows, gate)) * matmul(rows, up)
+    out = matmul(hidden, down)  # [N·k, E] in sorted order
     out = jnp.where(used, out, jnp.zeros_like(out))
     unsorted = jnp.zeros_like(out).at[order].set(out)
     return unsorted.reshape(n, k, -1)
@@ -101,6 +105,7 @@ class MoE(nnx.Module):
         pdtype, self.compute_dtype = dtypes(cfg)
         e, x, f = cfg.hidden_size, cfg.num_experts, cfg.resolved_expert_intermediate_size
         self.k, self.normalize = cfg.experts_per_token, cfg.norm_topk_prob
+        self.kernel = cfg.expert_kernel
         self.router = param(rngs, normal_init, (e, x), ("embed", "experts"), pdtype)
         self.gate_proj = param(rngs, normal_init, (x, e, f), ("experts", "embed", "mlp"), pdtype)
         self.up_proj = param(rngs, normal_init, (x, e, f), ("experts", "embed", "mlp"), pdtype)
@@ -147,7 +152,7 @@ class MoE(nnx.Module):
         logits = x @ router
         weights, experts = route(logits, self.k, normalize=self.normalize, forced=forced)
         xs, es, ws = gather(x), gather(experts), gather(weights)
-        outs = grouped_swiglu(xs, es - first, gate, up, down)
+        outs = grouped_swiglu(xs, es - first, gate, up, down, self.kernel)
         y = jnp.einsum("nke,nk->ne", outs, ws.astype(x.dtype))
         return y, logits.astype(jnp.float32), experts
 
@@ -182,12 +187,11 @@ def _expert_parallel(
 
     def body(x, router, gate, up, down, forced):  # noqa: ANN001, ANN202
         first = jax.lax.axis_index(EXPERT_AXIS) * gate.shape[0]
-        if spread:
-            gather = lambda a: jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)  # noqa: E731
-        else:
-            # Said outright: the rows feed each device's experts, so their gradient is the sum
-            # over the group (without it the take of sorted rows left it per device).
-            gather = lambda a: jax.lax.pcast(a, EXPERT_AXIS, to="varying")  # noqa: E731
+        gather = (
+            (lambda a: jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True))
+            if spread
+            else (lambda a: a)
+        )
         y, logits, experts = local(x, router, gate, up, down, forced, gather, first)
         if tensor is not None:  # each device's slice of the expert width: partial sums
             y = jax.lax.psum(y, tensor)
@@ -205,6 +209,10 @@ def _expert_parallel(
         in_specs=(row_spec, P(), w_in, w_in, w_out, None if forced is None else row_spec),
         out_specs=(row_spec, row_spec, row_spec),
         axis_names=set(names) - manual,
+        # Off: the megablox kernels' outputs declare no varying axes, which the check requires.
+        # Unchecked, the transpose sums a replicated input's cotangent over the axes it is
+        # replicated on (the tests compare every gradient with one device's).
+        check_vma=False,
     )(x, router, gate, up, down, forced)
 
 

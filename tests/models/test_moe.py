@@ -5,6 +5,7 @@ forced routing."""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -82,21 +83,25 @@ def _dense_reference(x, router, gate, up, down, k, normalize):
     return jnp.einsum("nke,nk->ne", picked, w)
 
 
-def _sparse(x, router, gate, up, down, k, normalize):
+def _sparse(x, router, gate, up, down, k, normalize, kernel="ragged_dot"):
     w, experts = route(x @ router, k, normalize=normalize)
-    return jnp.einsum("nke,nk->ne", grouped_swiglu(x, experts, gate, up, down), w)
+    return jnp.einsum("nke,nk->ne", grouped_swiglu(x, experts, gate, up, down, kernel), w)
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-def test_grouped_matmuls_equal_every_expert_on_every_token_values_and_gradients(normalize):
+@pytest.mark.parametrize(
+    "normalize, kernel",
+    [(True, "ragged_dot"), (False, "ragged_dot"), (True, "megablox_interpret")],
+)
+def test_grouped_matmuls_equal_every_expert_on_every_token_values_and_gradients(normalize, kernel):
     rng = np.random.default_rng(1)
     n, e, f, x_, k = 13, 8, 6, 5, 2
     args = [
         jnp.asarray(rng.normal(size=s), jnp.float32)
         for s in ((n, e), (e, x_), (x_, e, f), (x_, e, f), (x_, f, e))
     ]
+    sparse = partial(_sparse, kernel=kernel)
     np.testing.assert_allclose(
-        _sparse(*args, k, normalize), _dense_reference(*args, k, normalize), rtol=1e-5, atol=1e-6
+        sparse(*args, k, normalize), _dense_reference(*args, k, normalize), rtol=1e-5, atol=1e-6
     )
     # Gradients for every input (the router's through the weights of the chosen experts).
     for i in range(5):
@@ -104,7 +109,7 @@ def test_grouped_matmuls_equal_every_expert_on_every_token_values_and_gradients(
             jax.grad(lambda a, f=f, i=i: f(*args[:i], a, *args[i + 1 :], k, normalize).sum())(
                 args[i]
             )
-            for f in (_sparse, _dense_reference)
+            for f in (sparse, _dense_reference)
         )
         np.testing.assert_allclose(g_sparse, g_dense, rtol=1e-4, atol=1e-5)
 

@@ -46,7 +46,10 @@ def _loss_and_grads(model: models.Transformer, tokens: jax.Array, forced: jax.Ar
     return logits, routing, grads
 
 
-def _compare(mesh_cfg: MeshConfig, batch: int, length: int, *, forced: bool = False) -> None:
+def _compare(
+    mesh_cfg: MeshConfig, batch: int, length: int, *, forced: bool = False, kernel: str = "auto"
+) -> None:
+    """The sharded model (its experts' matmuls by ``kernel``) against one device's (ragged_dot)."""
     tokens = jax.random.randint(jax.random.key(1), (batch, length), 0, CFG.vocab_size, jnp.int32)
     routes = None
     if forced:  # another expert than the router's first choice, in every layer
@@ -54,7 +57,8 @@ def _compare(mesh_cfg: MeshConfig, batch: int, length: int, *, forced: bool = Fa
         routes = (routing.experts + 3) % CFG.num_experts
     want = _loss_and_grads(models.init_model(CFG, seed=3), tokens, routes)
     mesh = make_mesh(mesh_cfg)
-    model = shard_model(models.init_model(CFG, seed=3), mesh)
+    cfg = dataclasses.replace(CFG, expert_kernel=kernel)
+    model = shard_model(models.init_model(cfg, seed=3), mesh)
     with jax.set_mesh(mesh):
         got = _loss_and_grads(model, tokens, routes)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=TOL, rtol=0)
@@ -85,6 +89,11 @@ def test_expert_parallel_forward_and_gradient_equal_one_devices(mesh_cfg):
 def test_rows_the_batch_axes_do_not_split_and_forced_routes():
     # 3 rows do not split 8 ways: every device holds them all and only sums its experts' part.
     _compare(MeshConfig(data=1, fsdp=1, expert=8, tensor=1), batch=3, length=5, forced=True)
+
+
+def test_megablox_kernels_in_the_expert_parallel_layer():
+    # The TPU kernels (interpreted) on each device's local experts, rows past them zeroed.
+    _compare(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 4, 6, kernel="megablox_interpret")
 
 
 def test_each_device_holds_its_experts_only():
