@@ -4,7 +4,7 @@ matrix, and nothing computed for the rows past the last group.
 Kernels (``model.expert_kernel``):
 
 * ``ragged_dot``: ``jax.lax.ragged_dot``, XLA's. On TPU it computes every row it is given and,
-  in its weight gradient, every group densely (``tests/aot/test_ragged_dot_cost.py``): under
+  in its weight gradient, every group densely (``tests/aot/test_grouped_matmul_cost.py``): under
   expert parallelism D x the rows a device's experts received, and G x the weight gradient.
 * ``megablox``: the Pallas TPU grouped matmul of ``jax.experimental.pallas.ops.tpu.megablox``
   (``gmm`` forward and for the rows' gradient, ``tgmm`` for the weights'). Its grid visits only
