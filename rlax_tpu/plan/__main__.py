@@ -19,7 +19,9 @@ and the bottleneck of a config on a TPU layout, for one or several inference wor
 --lengths=P,C         mean prompt and completion tokens (default: half of each budget)
 --efficiency=train=E,decode=E,prefill=E   measured time = roofline / efficiency (default 0.5 each)
 --pull_gbps / --server_gbps   a worker's pull bandwidth; a parameter-server replica's
---verify_s            a group's verification after generation (default: verifiers.time_limit_s)
+--check_s             a sample's verification on one sandbox (default: verifiers.time_limit_s;
+                      with --calibrate, the run's); the verifier has verifiers.workers x
+                      topology.verifier_replicas sandboxes
 --steps               updates simulated (default 100; the first tenth is warm-up)
 --json=PATH           also write the predictions as JSON
 
@@ -50,7 +52,7 @@ flags.DEFINE_list("lengths", [], "Mean prompt and completion tokens: P,C.")
 flags.DEFINE_list("efficiency", [], "train=E,decode=E,prefill=E (fractions of the roofline).")
 flags.DEFINE_float("pull_gbps", 100.0, "A worker's pull bandwidth, Gbit/s.")
 flags.DEFINE_float("server_gbps", 32.0, "A parameter-server replica's bandwidth, Gbit/s.")
-flags.DEFINE_float("verify_s", None, "Seconds to verify a group (default: time_limit_s).")
+flags.DEFINE_float("check_s", None, "Seconds to verify a sample on a sandbox.")
 flags.DEFINE_integer("steps", 100, "Updates to simulate.")
 flags.DEFINE_string("json", None, "Write the predictions to this JSON file.")
 FLAGS = flags.FLAGS
@@ -75,7 +77,7 @@ def run(config: RunConfig, args: list[str]) -> int:
             efficiency=FLAGS.efficiency,
             pull_gbps=FLAGS.pull_gbps,
             server_gbps=FLAGS.server_gbps,
-            verify_s=FLAGS.verify_s,
+            check_s=FLAGS.check_s,
             steps=FLAGS.steps,
         )
     except PlanError as e:

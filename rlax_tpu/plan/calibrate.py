@@ -6,7 +6,10 @@ From the run's per-step metrics, after ``skip`` warm-up steps (compiles):
   controller's own time between updates (snapshots, ledger, metrics: the mean of each step's
   interval less its ``time/wait`` and ``time/train``), which is as serial as the update;
 * verify_s: the mean ``time/verify`` (a step's slowest group, after its generation). Means,
-  not medians: a steady state's period is a mean (the warm-up's compiles are skipped);
+  not medians: a steady state's period is a mean (the warm-up's compiles are skipped). A
+  sample's check on one sandbox (the planner's check_s) is that over the rounds the step's
+  samples take on the verifier's sandboxes, ⌈B·G / slots⌉ (its samples end generation together
+  in a lock-step run);
 * reload_s: ``pool/load_s`` over ``pool/loads``, every load of every worker;
 * a worker's generation rate: ``pool/groups`` over ``pool/generate_s`` (groups per second of
   a worker's generation calls). With ``slots`` groups at once (the config's decode rows or KV
@@ -25,13 +28,14 @@ max(1, N / parallel_workers) times longer.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.observability.metrics import read_metrics
-from rlax_tpu.plan.costs import PlanCosts, Workload, version_bytes, worker_slots
+from rlax_tpu.plan.costs import PlanCosts, Workload, verifier_slots, version_bytes, worker_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +62,15 @@ class Measured:
         at the measured rate at once."""
         slots = worker_slots(config, self.workload, backend)
         share = max(1.0, workers / parallel_workers)
+        sandboxes = verifier_slots(config)
+        rounds = math.ceil(config.rollouts_per_step / sandboxes)
         return PlanCosts(
             train_s=self.train_s,
             group_s=slots / self.groups_per_s * share,
             slots=slots,
             reload_s=self.reload_s,
-            verify_s=self.verify_s,
+            check_s=self.verify_s / rounds,
+            verifier_slots=sandboxes,
             version_bytes=version_bytes(config),
             batched=False,
             detail={

@@ -20,6 +20,7 @@ from rlax_tpu.plan.costs import (
     Roofline,
     Workload,
     plan_costs,
+    verifier_slots,
 )
 from rlax_tpu.plan.predict import Prediction, predict
 
@@ -108,7 +109,7 @@ def plan(
     efficiency: Sequence[str] = (),
     pull_gbps: float = 100.0,
     server_gbps: float = 32.0,
-    verify_s: float | None = None,
+    check_s: float | None = None,
     steps: int = 100,
 ) -> tuple[str, dict[str, Any]]:
     """The table and the JSON of the predictions (flags as ``__main__`` documents them)."""
@@ -128,11 +129,12 @@ def plan(
         except (OSError, ValueError) as e:
             raise PlanError(f"--calibrate: {e}") from None
         workload = measured.workload
-        verify = measured.verify_s if verify_s is None else verify_s
 
         def cost_of(n: int) -> PlanCosts:
             c = measured.costs(config, workers=n, parallel_workers=parallel)
-            return dataclasses.replace(c, verify_s=verify)
+            return c if check_s is None else dataclasses.replace(c, check_s=check_s)
+
+        check = cost_of(1).check_s
 
         source: dict[str, Any] = {"calibrated_on": str(calibrate)} | describe(measured)
         if aot:  # the run's own layout: what fraction of its rooflines the run reached
@@ -145,14 +147,14 @@ def plan(
                 efficiency=["train=1", "decode=1", "prefill=1"],
                 pull_gbps=pull_gbps,
                 server_gbps=server_gbps,
-                verify_s=verify_s,
+                check_s=check_s,
                 parallel=parallel,
             )
             source["measured_efficiency"] = measured_efficiency(
                 roofline_of(1), cost_of(1), measured
             )
     else:
-        cost_of, workload, verify, source = _from_rooflines(
+        cost_of, workload, check, source = _from_rooflines(
             config,
             trainer_topology=trainer_topology,
             inference_topology=inference_topology,
@@ -161,7 +163,7 @@ def plan(
             efficiency=efficiency,
             pull_gbps=pull_gbps,
             server_gbps=server_gbps,
-            verify_s=verify_s,
+            check_s=check_s,
             parallel=parallel,
         )
     predictions: list[Prediction] = []
@@ -174,7 +176,8 @@ def plan(
         "mode": config.controller.mode,
         "prompt_tokens": workload.prompt,
         "completion_tokens": workload.completion,
-        "verify_s": verify,
+        "check_s": check,
+        "verifier_slots": verifier_slots(config),
         "parallel_workers": parallel_workers or "every worker on its own chips",
         "evaluations": "not modelled",
     }
@@ -195,10 +198,10 @@ def _from_rooflines(
     efficiency: Sequence[str],
     pull_gbps: float,
     server_gbps: float,
-    verify_s: float | None,
+    check_s: float | None,
     parallel: float,
 ) -> tuple[Callable[[int], PlanCosts], Workload, float, dict[str, Any]]:
-    """Costs from the AOT programs' rooflines: (costs of N workers, workload, verify_s, the
+    """Costs from the AOT programs' rooflines: (costs of N workers, workload, check_s, the
     assumptions)."""
     from rlax_tpu.trainer.aot import micro_batch_shape
 
@@ -224,7 +227,9 @@ def _from_rooflines(
     topologies = {"trainer": trainer_topology, "inference": inference_topology}
     roofline = read_reports(aot, topologies) if aot else compile_roofline(config, topologies)
     rows, columns, _ = micro_batch_shape(config)
-    verify = config.verifiers.time_limit_s if verify_s is None else verify_s
+    check = config.verifiers.time_limit_s if check_s is None else check_s
+    if check < 0:
+        raise PlanError("--check_s must be >= 0")
 
     def cost_of(n: int) -> PlanCosts:
         c = plan_costs(
@@ -236,7 +241,7 @@ def _from_rooflines(
             workers=n,
             compiled_rows=rows,
             compiled_columns=columns,
-            verify_s=verify,
+            check_s=check,
         )
         return dataclasses.replace(c, group_s=c.group_s * max(1.0, n / parallel))
 
@@ -248,7 +253,7 @@ def _from_rooflines(
         "server_gbps": server_gbps,
         "param_server_replicas": config.param_server.replicas,
     }
-    return cost_of, workload, verify, source
+    return cost_of, workload, check, source
 
 
 def measured_efficiency(
@@ -287,7 +292,8 @@ def format_table(
     ]
     if "groups_per_s" in c.detail:
         lines.append(
-            f"measured: train {c.train_s:.2f} s an update, verify {c.verify_s:.2f} s, a load "
+            f"measured: train {c.train_s:.2f} s an update, a sample's check {c.check_s:.3f} s "
+            f"({c.verifier_slots} sandboxes), a load "
             f"{c.reload_s:.2f} s, a worker {c.detail['groups_per_s']:.3f} groups/s ({c.slots} "
             "at once)"
         )
@@ -307,12 +313,13 @@ def format_table(
     lines += [
         "",
         f"{'workers':>7}  {'s/update':>9}  {'tokens/s':>10}  {'trainer':>7}  {'workers':>7}  "
-        f"{'reload s':>8}  {'staleness':>9}  {'max':>3}  {'discarded':>9}  bottleneck",
+        f"{'verifier':>8}  {'reload s':>8}  {'staleness':>9}  {'max':>3}  {'discarded':>9}  bottleneck",
     ]
     for p in predictions:
         lines.append(
             f"{p.workers:>7}  {p.seconds_per_update:>9.2f}  {p.tokens_per_s:>10.0f}  "
             f"{100 * p.trainer_busy:>6.0f}%  {100 * p.workers_busy:>6.0f}%  "
+            f"{100 * p.verifier_busy:>7.0f}%  "
             f"{p.costs.reload_s:>8.2f}  {p.mean_staleness:>9.2f}  {max(p.staleness):>3}  "
             f"{p.discarded:>9}  {p.bottleneck}"
         )

@@ -16,6 +16,8 @@ chip's peak and its bytes at the peak HBM bandwidth) over an efficiency factor i
   fewer when its KV pages cannot hold that many sequences of prompt + completion tokens.
 * A reload: the version's bytes at a worker's pull bandwidth, or at the replicas' egress shared
   by every worker loading at once (throughput mode reloads them together), whichever is slower.
+* Verification: ``check_s`` a sample on one of the verifier's sandboxes (verifiers.workers x
+  topology.verifier_replicas of them), given (the rooflines say nothing of it).
 
 Lengths are means: a group's time here is its mean sample's, which is what its slots are busy for
 under continuous batching; its latency (its longest sample) is longer, so staleness is
@@ -115,7 +117,8 @@ class PlanCosts:
     group_s: float  # one group's slots on a worker
     slots: int  # groups a worker runs at once
     reload_s: float  # one worker loading a version
-    verify_s: float  # a group's verification after it is generated
+    check_s: float  # a sample's verification on one sandbox
+    verifier_slots: int  # sandboxes verifying at once (verifier_slots_of)
     version_bytes: int
     detail: dict[str, float]
     # True: a worker's step costs the same for fewer groups (an accelerator's fixed-shape
@@ -132,6 +135,16 @@ def version_bytes(config: RunConfig) -> int:
         return 4 * m.adapter_count()
     itemsize = 2 if config.trainer.publish_dtype == "bfloat16" else 4
     return itemsize * m.param_count()
+
+
+def verifier_slots(config: RunConfig) -> int:
+    """Sandboxes verifying at once: every verifier replica's."""
+    return config.verifiers.workers * config.topology.verifier_replicas
+
+
+def step_verify_s(costs: PlanCosts, samples: int) -> float:
+    """Seconds to verify ``samples`` generated together: ⌈samples / slots⌉ rounds of check_s."""
+    return math.ceil(samples / max(1, costs.verifier_slots)) * costs.check_s
 
 
 def worker_slots(config: RunConfig, workload: Workload, backend: str = "tpu") -> int:
@@ -155,7 +168,7 @@ def plan_costs(
     workers: int,
     compiled_rows: int,
     compiled_columns: int,
-    verify_s: float,
+    check_s: float,
 ) -> PlanCosts:
     """The costs of ``config`` on the layout whose programs ``roofline`` times, with
     ``workers`` inference workers (module docstring). ``compiled_rows`` x ``compiled_columns``:
@@ -202,7 +215,8 @@ def plan_costs(
         group_s=slots * prefill + steps * decode_step,
         slots=slots,
         reload_s=reload,
-        verify_s=verify_s,
+        check_s=check_s,
+        verifier_slots=verifier_slots(config),
         version_bytes=size,
         detail={
             "micro_batches": float(micro),

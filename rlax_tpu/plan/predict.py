@@ -8,7 +8,7 @@ import math
 from rlax_tpu.config import RunConfig
 from rlax_tpu.controller.staleness import StalenessPolicy
 from rlax_tpu.controller.throughput import throughput_queue_cap
-from rlax_tpu.plan.costs import PlanCosts, Workload
+from rlax_tpu.plan.costs import PlanCosts, Workload, step_verify_s
 from rlax_tpu.plan.simulate import Costs, simulate_deterministic
 from rlax_tpu.plan.throughput import ThroughputCosts, simulate_throughput
 
@@ -22,6 +22,7 @@ class Prediction:
     tokens_per_s: float  # completion tokens generated per second
     trainer_busy: float  # fraction of the time the trainer updates
     workers_busy: float  # fraction of the workers' slot-seconds generating
+    verifier_busy: float  # fraction of the sandboxes' seconds verifying (0: unbounded)
     staleness: dict[int, int]  # groups consumed at each staleness
     discarded: int  # groups that aged past η_a (all of the simulated updates)
     bottleneck: str
@@ -46,6 +47,7 @@ def predict(
     if steps < 4:
         raise ValueError("simulate at least 4 updates")
     policy, batch = StalenessPolicy.of(config.controller), config.controller.prompts_per_step
+    group = config.algorithm.group_size
     skip = max(1, steps // 10)
     if config.controller.mode == "throughput":
         cap = (
@@ -57,9 +59,10 @@ def predict(
             steps,
             ThroughputCosts(
                 group_s=costs.group_s,
-                verify_s=costs.verify_s,
+                check_s=costs.check_s,
                 train_s=costs.train_s,
                 reload_s=costs.reload_s,
+                samples=group,
             ),
             policy,
             batch=batch,
@@ -67,6 +70,7 @@ def predict(
             workers=workers,
             queue_cap=cap,
             freshest_first=config.controller.consume_order == "freshest_first",
+            verifier_slots=costs.verifier_slots,
         )
         period = schedule.seconds_per_update(skip)
         staleness = schedule.staleness_counts(skip)
@@ -79,7 +83,7 @@ def predict(
             steps,
             Costs(
                 generate_s=waves * costs.group_s,
-                verify_s=costs.verify_s,
+                verify_s=step_verify_s(costs, batch * group),
                 train_s=costs.train_s,
                 reload_s=costs.reload_s,
             ),
@@ -96,23 +100,31 @@ def predict(
         staleness = dict(sorted(staleness.items()))
     trainer_busy = min(1.0, costs.train_s / period)
     workers_busy = min(1.0, batch * costs.group_s / (workers * costs.slots * period))
+    verifier_busy = (
+        min(1.0, batch * group * costs.check_s / (costs.verifier_slots * period))
+        if costs.verifier_slots
+        else 0.0
+    )
     # Each worker loads a version every η_r updates.
     loading = min(1.0, costs.reload_s / (policy.reload_staleness * period))
-    if trainer_busy >= BUSY:
-        bottleneck = "trainer"
-    elif workers_busy >= BUSY:
-        bottleneck = "generation"
+    busiest = max(
+        ("trainer", trainer_busy), ("generation", workers_busy), ("verification", verifier_busy),
+        key=lambda part: part[1],
+    )  # fmt: skip
+    if busiest[1] >= BUSY:
+        bottleneck = busiest[0]
     elif workers_busy + loading >= BUSY:
         bottleneck = f"weight loads ({100 * loading:.0f}% of the workers' time)"
     else:
         idle = 100 * (1 - workers_busy - loading)
-        bottleneck = f"the schedule: workers idle {idle:.0f}% (staleness bound, verification)"
+        bottleneck = f"the schedule: workers idle {idle:.0f}% (staleness bound, latencies)"
     return Prediction(
         workers=workers,
         seconds_per_update=period,
         tokens_per_s=config.rollouts_per_step * workload.completion / period,
         trainer_busy=trainer_busy,
         workers_busy=workers_busy,
+        verifier_busy=verifier_busy,
         staleness=staleness,
         discarded=discarded,
         bottleneck=bottleneck,

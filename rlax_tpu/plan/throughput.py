@@ -10,8 +10,12 @@ What it models, as ``run_throughput`` does:
   depend on how many share the worker, up to the slots); an admitted group takes the slot where
   it can start first, over all workers (the pool gives it to the least-loaded worker). A worker
   that holds another version first lets its running groups finish, then loads w (``reload_s``),
-  and none of its slots starts before that (the pool's epochs). A group is buffered ``group_s``
-  + ``verify_s`` after it starts.
+  and none of its slots starts before that (the pool's epochs). A group is buffered when its
+  verification ends.
+* The verifier: ``verifier_slots`` sandboxes (every verifier replica's) taking the groups'
+  samples in the order their generation ended, each sample the slot free first, for ``check_s``
+  seconds; a group is verified when its last sample is. ``verifier_slots`` 0: as many as there
+  are samples (a group is verified ``check_s`` after its generation).
 * The round waits until B buffered groups are acceptable (v − version ≤ η_a). A wait buffers
   every group done by then (the controller's ``cf.wait``) and discards the buffered groups older
   than η_a (their prompts are admitted again as new groups). If every admitted group has arrived
@@ -39,15 +43,41 @@ class ThroughputCosts:
     """Seconds of the pieces (module docstring)."""
 
     group_s: float  # one group's generation on a worker's slot
-    verify_s: float = 0.0  # its verification after it
+    check_s: float = 0.0  # one of its samples' verification on a sandbox slot
     train_s: float  # π_old, the update and the publish
     reload_s: float = 0.0  # a worker loading another version
+    samples: int = 1  # a group's samples
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"ThroughputCosts.{f.name} must be a finite number >= 0")
+        if self.samples < 1:
+            raise ValueError("ThroughputCosts.samples must be >= 1")
+
+
+class _Verifier:
+    """FIFO sandbox slots (module docstring): each sample of a group on the slot free first."""
+
+    def __init__(self, slots: int, costs: ThroughputCosts):
+        self.free = [0.0] * slots  # a heap of when each slot is free; [] unbounded
+        self.costs = costs
+
+    def first_start(self, generated: float) -> float:
+        """When a group generated at ``generated`` would start its verification."""
+        return max(generated, self.free[0]) if self.free else generated
+
+    def run(self, generated: float) -> float:
+        """Verify a group generated at ``generated``; returns when its last sample is done."""
+        if not self.free:
+            return generated + self.costs.check_s
+        done = generated
+        for _ in range(self.costs.samples):
+            end = max(generated, heapq.heappop(self.free)) + self.costs.check_s
+            heapq.heappush(self.free, end)
+            done = max(done, end)
+        return done
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,15 +123,21 @@ def simulate_throughput(
     workers: int = 1,
     queue_cap: float = math.inf,
     freshest_first: bool = False,
+    verifier_slots: int = 0,
 ) -> ThroughputSchedule:
     """The schedule of ``steps`` updates of ``batch`` groups each (module docstring).
     ``slots``: groups a worker runs at once; ``queue_cap``: the queue under unbounded η_a;
-    ``freshest_first``: the update takes the newest acceptable groups (controller.consume_order)."""
+    ``freshest_first``: the update takes the newest acceptable groups (controller.consume_order);
+    ``verifier_slots``: the sandboxes verifying samples at once (0: unbounded)."""
     if min(steps, batch, slots, workers) < 1:
         raise ValueError("steps, batch, slots and workers must be >= 1")
+    if verifier_slots < 0:
+        raise ValueError("verifier_slots must be >= 0 (0: unbounded)")
     free = [[0.0] * slots for _ in range(workers)]  # when each slot is free
     held: list[int | None] = [None] * workers
-    arriving: list[tuple[float, int, int]] = []  # (buffered at, sequence, version)
+    verifier = _Verifier(verifier_slots, costs)
+    generated: list[tuple[float, int, int]] = []  # (generated at, sequence, version)
+    arriving: list[tuple[float, int, int]] = []  # (buffered at, sequence, version): verifying
     buffered: list[tuple[int, int]] = []  # (version, sequence) in arrival order
     seq = discarded = 0
     t, v = 0.0, 0
@@ -124,20 +160,36 @@ def simulate_throughput(
             held[w] = version
             free[w] = [max(f, start) for f in free[w]]  # no slot of it starts before the load
         free[w][k] = start + costs.group_s
-        heapq.heappush(arriving, (free[w][k] + costs.verify_s, seq, version))
+        heapq.heappush(generated, (free[w][k], seq, version))
         seq += 1
+
+    def verify_through(limit: float) -> None:
+        # The verifier takes groups in the order their generation ended: one whose verification
+        # starts by ``limit`` is committed (a group admitted later ends its generation later).
+        while generated and verifier.first_start(generated[0][0]) <= limit:
+            at, s, version = heapq.heappop(generated)
+            heapq.heappush(arriving, (verifier.run(at), s, version))
+
+    def next_arrival() -> float:
+        while True:
+            first = arriving[0][0] if arriving else math.inf
+            if not generated or verifier.first_start(generated[0][0]) >= first:
+                return first
+            at, s, version = heapq.heappop(generated)
+            heapq.heappush(arriving, (verifier.run(at), s, version))
 
     while len(updates) < steps:
         w = policy.reload_point(v)
         limit = min(policy.admission_budget(batch, v, w), queue_cap)
-        if not arriving and len(buffered) >= limit:
+        if not arriving and not generated and len(buffered) >= limit:
             raise ValueError(f"nothing can be admitted at version {v} (budget {limit})")
-        while len(arriving) + len(buffered) < limit:
+        while len(generated) + len(arriving) + len(buffered) < limit:
             admit(w, t)
         round_start = t
         ready = [b for b in buffered if policy.accepts(v, b[0])]
-        while len(ready) < batch and arriving:
-            t = max(t, arriving[0][0])
+        while len(ready) < batch and (arriving or generated):
+            t = max(t, next_arrival())
+            verify_through(t)
             # The controller's wait returns every job done by then, and buffers them all.
             while arriving and arriving[0][0] <= t:
                 _, s, version = heapq.heappop(arriving)

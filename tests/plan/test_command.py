@@ -41,7 +41,7 @@ def _plan(tmp_path: Path, **kw):  # noqa: ANN003, ANN202
         "efficiency": ["train=0.5", "decode=0.25", "prefill=0.8"],
         "server_gbps": 8.0,  # 1 GB/s
         "pull_gbps": 16.0,
-        "verify_s": 0.5,
+        "check_s": 0.5,
         "steps": 20,
     } | kw
     return plan(build({}), **args)

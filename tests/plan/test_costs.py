@@ -48,7 +48,7 @@ def _costs(config, workers: int = 3):  # noqa: ANN001, ANN202
         workers=workers,
         compiled_rows=16,
         compiled_columns=304,
-        verify_s=0.5,
+        check_s=0.5,
     )
 
 
@@ -70,7 +70,9 @@ def test_costs_of_the_local_preset_by_hand():
     # One worker alone: the slower of its own 2 MB/s and the replica's 1 MB/s.
     assert _costs(config, workers=1).reload_s == pytest.approx(3.41248, rel=1e-12)
     # 256 pages of 32 MiB hold 8 groups of 7 prompt + 8 * 3 completion pages; 64 rows hold 8.
-    assert c.slots == 8 and c.verify_s == 0.5
+    assert c.slots == 8
+    # The local preset's verifier: 2 sandboxes (verifiers.workers) in 1 replica.
+    assert (c.check_s, c.verifier_slots) == (0.5, 2)
 
 
 def test_kv_pages_bind_the_slots_before_the_decode_rows():
@@ -100,7 +102,7 @@ def test_a_program_the_reports_lack_is_named():
             workers=1,
             compiled_rows=16,
             compiled_columns=304,
-            verify_s=0,
+            check_s=0,
         )
 
 
@@ -113,22 +115,44 @@ def test_throughput_predictions_are_the_simulators_schedule_of_those_costs():
             "controller.acceptance_staleness": -1,
             "controller.pipeline_depth": 0,
             "controller.consume_order": "freshest_first",
+            "verifiers.workers": 16,
         }
     )
     c = _costs(config, workers=2)
     got = predict(config, c, WORKLOAD, workers=2, steps=40)
     want = simulate_throughput(
         40,
-        ThroughputCosts(group_s=c.group_s, verify_s=0.5, train_s=c.train_s, reload_s=c.reload_s),
+        ThroughputCosts(
+            group_s=c.group_s, check_s=0.5, train_s=c.train_s, reload_s=c.reload_s, samples=8
+        ),
         StalenessPolicy(reload_staleness=1, acceptance_staleness=math.inf),
         batch=8,
         slots=8,
         workers=2,
         queue_cap=2 * 8 + 8,  # every worker's slots plus one batch
         freshest_first=True,
+        verifier_slots=16,
     )
     assert got.seconds_per_update == want.seconds_per_update(4)
     assert got.staleness == want.staleness_counts(4)
     assert got.tokens_per_s == pytest.approx(64 * 40 / got.seconds_per_update)
-    # The trainer (9.6 s) is slower than two workers' 16 slots making 8 groups of 1.7 s.
+    # The trainer (9.6 s) is slower than two workers' 16 slots making 8 groups of 1.7 s, and
+    # than 16 sandboxes checking 64 samples of 0.5 s (2 s).
     assert got.bottleneck == "trainer" and got.trainer_busy > 0.9
+    assert got.verifier_busy == pytest.approx(2 / got.seconds_per_update)
+
+
+def test_a_verifier_of_few_sandboxes_is_the_bottleneck():
+    """The local preset's 2 sandboxes: 64 samples of 0.5 s are 16 s of verification an update,
+    longer than the update (9.6 s) or the generation: with staleness enough to keep it fed
+    (η_a = 4), one update every 16 s."""
+    config = build(
+        {
+            "controller.mode": "throughput",
+            "controller.pipeline_depth": 0,
+            "controller.acceptance_staleness": 4,
+        }
+    )
+    got = predict(config, _costs(config, workers=2), WORKLOAD, workers=2, steps=40)
+    assert got.seconds_per_update == pytest.approx(16, rel=0.02)
+    assert got.bottleneck == "verification" and got.verifier_busy > 0.98

@@ -14,7 +14,7 @@ def _policy(eta_a: float, eta_r: int = 1) -> StalenessPolicy:
     return StalenessPolicy(reload_staleness=eta_r, acceptance_staleness=eta_a)
 
 
-COSTS = ThroughputCosts(group_s=10.0, verify_s=1.0, train_s=4.0)
+COSTS = ThroughputCosts(group_s=10.0, check_s=1.0, train_s=4.0)
 
 
 def test_no_staleness_admits_one_batch_at_a_time():
@@ -108,3 +108,26 @@ def test_freshest_first_leaves_an_old_group_behind_and_discards_it():
     assert [u.versions for u in oldest.updates] == [(0,), (0,), (0,), (1,), (2,)]
     assert [u.versions for u in freshest.updates] == [(0,), (0,), (0,), (2,), (3,)]
     assert (oldest.discarded, freshest.discarded) == (0, 1)
+
+
+def test_a_verifier_of_few_slots_queues_the_groups_samples():
+    """η_a = 0, B = 2 groups of 3 samples, 2 slots on one worker: both generated at 10. The
+    verifier's 2 sandboxes take the 6 samples (1 s each) in order: group 0's on both slots
+    [10, 11] and one [11, 12]; group 1's on the free slot [11, 12] and both [12, 13]. The batch
+    is in at 13, trained [13, 17]; the next one 4 + 13 later. Unbounded, each group is in at 11."""
+    costs = ThroughputCosts(group_s=10, check_s=1, train_s=4, samples=3)
+    queued = simulate_throughput(3, costs, _policy(0), batch=2, slots=2, verifier_slots=2)
+    assert [(u.train_start, u.train_end) for u in queued.updates] == [(13, 17), (30, 34), (47, 51)]
+    free = simulate_throughput(3, costs, _policy(0), batch=2, slots=2)
+    assert [u.train_end for u in free.updates] == [15, 30, 45]
+
+
+def test_the_verifier_binds_when_its_samples_outlast_generation():
+    """η_a = 1, B = 1 group of 4 samples on 1 sandbox (4 s a group) and generation of 1 s on a
+    worker of 2 slots: the verifier finishes a group every 4 s and the updates (1 s) follow it,
+    one every 4 s in the steady state; groups queue for it and every one is trained one version
+    stale."""
+    costs = ThroughputCosts(group_s=1, check_s=1, train_s=1, samples=4)
+    sched = simulate_throughput(12, costs, _policy(1), batch=1, slots=2, verifier_slots=1)
+    assert sched.seconds_per_update(skip=4) == pytest.approx(4)
+    assert set(sched.staleness_counts(skip=4)) == {1}
