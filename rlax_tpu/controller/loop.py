@@ -811,7 +811,11 @@ class Controller:
                 scalars["episode/first_turn_pass_rate"] = float(
                     (np.nan_to_num(np.concatenate(first)) > 0).mean()
                 )
-        hist = {"staleness": [float(self.version - r.version) for r in results]}
+        hist = {
+            "staleness": [float(self.version - r.version) for r in results],
+            # G a group, in the groups' order: the planner's length distribution of a run.
+            "lengths/trained": [float(n) for n in lengths],
+        }
         return scalars, hist
 
     # ------------------------------------------------------------------ deterministic mode

@@ -157,7 +157,6 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
             now - last_log, 1e-9
         )
         last_log, tokens_at_log = now, ctl.pool.generated_tokens
-        hist["lengths/trained"] = [float(len(ro.tokens)) for r in chosen for ro in r.rollouts]
         hist["lengths/generated"], generated_lengths = generated_lengths, []
         trained = ctl.train(chosen)
         if trained is None:  # every chosen group failed verification

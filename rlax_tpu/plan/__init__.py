@@ -1,7 +1,7 @@
 """Planning a run before renting it (issue [planner], ``python -m rlax_tpu.plan``): models of the
 controller's schedule (deterministic: ``simulate``; throughput: ``throughput``) fed by costs from
-the AOT check's program rooflines (``costs``), summarized by ``predict``. Calibrating the
-efficiency factors from a run's metrics is not built yet."""
+the AOT check's program rooflines (``costs``) or a run's metrics (``calibrate``), with groups'
+lengths drawn from a distribution (``lengths``), summarized by ``predict``."""
 
 from rlax_tpu.plan.simulate import Costs, Schedule, StepTimes, simulate_deterministic
 from rlax_tpu.plan.throughput import ThroughputCosts, ThroughputSchedule, simulate_throughput

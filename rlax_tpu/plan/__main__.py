@@ -22,6 +22,10 @@ and the bottleneck of a config on a TPU layout, for one or several inference wor
 --check_s             a sample's verification on one sandbox (default: verifiers.time_limit_s;
                       with --calibrate, the run's); the verifier has verifiers.workers x
                       topology.verifier_replicas sandboxes
+--length_dist=D       completion lengths a group draws: fixed (every sample the mean),
+                      lognormal:CV (the mean completion, coefficient of variation CV, cut at
+                      max_new_tokens) or run:RUN_DIR (a run's trained groups); default: the
+                      --calibrate run's groups when its metrics have them, else fixed
 --steps               updates simulated (default 100; the first tenth is warm-up)
 --json=PATH           also write the predictions as JSON
 
@@ -53,6 +57,7 @@ flags.DEFINE_list("efficiency", [], "train=E,decode=E,prefill=E (fractions of th
 flags.DEFINE_float("pull_gbps", 100.0, "A worker's pull bandwidth, Gbit/s.")
 flags.DEFINE_float("server_gbps", 32.0, "A parameter-server replica's bandwidth, Gbit/s.")
 flags.DEFINE_float("check_s", None, "Seconds to verify a sample on a sandbox.")
+flags.DEFINE_string("length_dist", "", "fixed, lognormal:CV or run:RUN_DIR.")
 flags.DEFINE_integer("steps", 100, "Updates to simulate.")
 flags.DEFINE_string("json", None, "Write the predictions to this JSON file.")
 FLAGS = flags.FLAGS
@@ -78,6 +83,7 @@ def run(config: RunConfig, args: list[str]) -> int:
             pull_gbps=FLAGS.pull_gbps,
             server_gbps=FLAGS.server_gbps,
             check_s=FLAGS.check_s,
+            length_dist=FLAGS.length_dist,
             steps=FLAGS.steps,
         )
     except PlanError as e:

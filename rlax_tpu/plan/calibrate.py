@@ -4,7 +4,8 @@ From the run's per-step metrics, after ``skip`` warm-up steps (compiles):
 
 * train_s: the mean ``time/train`` (π_old, the update, the publish and push), plus the
   controller's own time between updates (snapshots, ledger, metrics: the mean of each step's
-  interval less its ``time/wait`` and ``time/train``), which is as serial as the update;
+  interval less its ``time/wait``, its ``time/train`` and the ``time/eval`` of a held-out
+  evaluation run in it, which the planner models apart), which is as serial as the update;
 * verify_s: the mean ``time/verify`` (a step's slowest group, after its generation). Means,
   not medians: a steady state's period is a mean (the warm-up's compiles are skipped). A
   sample's check on one sandbox (the planner's check_s) is that over the rounds the step's
@@ -84,7 +85,13 @@ class Measured:
 def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measured:
     """The pieces of the run in ``run_dir`` (made with ``config``'s batch shape). Raises
     ValueError when it has too few steps or was not in deterministic mode."""
-    records = [r for r in read_metrics(run_dir) if "time/train" in r.get("scalars", {})]
+    records, evals = [], [0.0]  # evals[i]: evaluation seconds before step record i
+    for r in read_metrics(run_dir):
+        scalars = r.get("scalars", {})
+        if "time/train" in scalars:
+            records.append(r)
+            evals.append(0.0)
+        evals[-1] += scalars.get("time/eval", 0.0)
     steps = [r["scalars"] for r in records]
     if not steps:
         raise ValueError(f"{run_dir}: no training steps in its metrics")
@@ -118,9 +125,12 @@ def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measure
                 b["wall_time"]
                 - a["wall_time"]
                 - b["scalars"]["time/wait"]
-                - b["scalars"]["time/train"],
+                - b["scalars"]["time/train"]
+                - evaluated,
             )
-            for a, b in zip(records[skip - 1 : -1], records[skip:], strict=True)
+            for a, b, evaluated in zip(
+                records[skip - 1 : -1], records[skip:], evals[skip:-1], strict=True
+            )
         )
         if skip >= 1
         else 0.0

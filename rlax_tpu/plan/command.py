@@ -21,7 +21,9 @@ from rlax_tpu.plan.costs import (
     Workload,
     plan_costs,
     verifier_slots,
+    with_eval,
 )
+from rlax_tpu.plan.lengths import GroupLengths, from_run, parse
 from rlax_tpu.plan.predict import Prediction, predict
 
 
@@ -110,6 +112,7 @@ def plan(
     pull_gbps: float = 100.0,
     server_gbps: float = 32.0,
     check_s: float | None = None,
+    length_dist: str = "",
     steps: int = 100,
 ) -> tuple[str, dict[str, Any]]:
     """The table and the JSON of the predictions (flags as ``__main__`` documents them)."""
@@ -166,12 +169,17 @@ def plan(
             check_s=check_s,
             parallel=parallel,
         )
+    lengths = _lengths(config, length_dist, workload, calibrate)
     predictions: list[Prediction] = []
     for n in counts:
         try:
-            predictions.append(predict(config, cost_of(n), workload, workers=n, steps=steps))
+            costs = with_eval(config, cost_of(n), n)
+            predictions.append(
+                predict(config, costs, workload, workers=n, steps=steps, lengths=lengths)
+            )
         except (KeyError, ValueError) as e:
             raise PlanError(str(e).strip("'\"")) from None
+    k = config.data.eval_every
     assumptions = source | {
         "mode": config.controller.mode,
         "prompt_tokens": workload.prompt,
@@ -179,13 +187,42 @@ def plan(
         "check_s": check,
         "verifier_slots": verifier_slots(config),
         "parallel_workers": parallel_workers or "every worker on its own chips",
-        "evaluations": "not modelled",
+        "lengths": lengths.describe if lengths else "fixed (every sample the mean length)",
+        "evaluations": (
+            f"every {k} updates, {predictions[0].costs.eval_s:.1f} s at {counts[0]} worker(s)"
+            if k > 0
+            else "only at the start and the end (data.eval_every 0)"
+        ),
     }
     return format_table(predictions, assumptions, config), {
         "preset": config.preset,
         "assumptions": assumptions,
         "predictions": [p.to_dict() for p in predictions],
     }
+
+
+def _lengths(
+    config: RunConfig, spec: str, workload: Workload, calibrate: str
+) -> GroupLengths | None:
+    """--length_dist (default: a calibration run's own groups when it recorded them, else
+    every sample the mean)."""
+    g = config.algorithm.group_size
+    try:
+        if spec:
+            return parse(
+                spec,
+                mean=workload.completion,
+                group_size=g,
+                cap=config.inference.max_new_tokens,
+                seed=config.controller.seed,
+            )
+        return from_run(calibrate, g) if calibrate else None
+    except ValueError as e:
+        if not spec:  # a calibration run from before the histograms: the mean, as before
+            return None
+        raise PlanError(f"--length_dist: {e}") from None
+    except OSError as e:
+        raise PlanError(f"--length_dist: {e}") from None
 
 
 def _from_rooflines(

@@ -18,6 +18,10 @@ chip's peak and its bytes at the peak HBM bandwidth) over an efficiency factor i
   by every worker loading at once (throughput mode reloads them together), whichever is slower.
 * Verification: ``check_s`` a sample on one of the verifier's sandboxes (verifiers.workers x
   topology.verifier_replicas of them), given (the rooflines say nothing of it).
+* A held-out evaluation (data.eval_every > 0): its eval_problems x eval_samples samples as
+  groups of G on every worker's slots, in waves of a group's time at the mean length, then
+  verified on the sandboxes (``with_eval``). With eval_every 0 a run evaluates only at its start
+  and end, outside the steady state.
 
 Lengths are means: a group's time here is its mean sample's, which is what its slots are busy for
 under continuous batching; its latency (its longest sample) is longer, so staleness is
@@ -125,6 +129,7 @@ class PlanCosts:
     # programs), so k < slots groups take group_s; False: k groups take k/slots of it (measured
     # rates on a CPU, whose steps cost what their rows do).
     batched: bool = True
+    eval_s: float = 0.0  # one held-out evaluation (with_eval)
 
 
 def version_bytes(config: RunConfig) -> int:
@@ -145,6 +150,18 @@ def verifier_slots(config: RunConfig) -> int:
 def step_verify_s(costs: PlanCosts, samples: int) -> float:
     """Seconds to verify ``samples`` generated together: ⌈samples / slots⌉ rounds of check_s."""
     return math.ceil(samples / max(1, costs.verifier_slots)) * costs.check_s
+
+
+def with_eval(config: RunConfig, costs: PlanCosts, workers: int) -> PlanCosts:
+    """``costs`` with the held-out evaluation's seconds on ``workers`` workers (module
+    docstring; 0 when data.eval_every is 0)."""
+    d = config.data
+    if d.eval_every <= 0:
+        return dataclasses.replace(costs, eval_s=0.0)
+    samples = d.eval_problems * d.eval_samples
+    waves = math.ceil(samples / config.algorithm.group_size / (workers * costs.slots))
+    verify = math.ceil(samples / max(1, costs.verifier_slots)) * costs.check_s
+    return dataclasses.replace(costs, eval_s=waves * costs.group_s + verify)
 
 
 def worker_slots(config: RunConfig, workload: Workload, backend: str = "tpu") -> int:

@@ -9,6 +9,7 @@ from rlax_tpu.config import RunConfig
 from rlax_tpu.controller.staleness import StalenessPolicy
 from rlax_tpu.controller.throughput import throughput_queue_cap
 from rlax_tpu.plan.costs import PlanCosts, Workload, step_verify_s
+from rlax_tpu.plan.lengths import GroupLengths
 from rlax_tpu.plan.simulate import Costs, simulate_deterministic
 from rlax_tpu.plan.throughput import ThroughputCosts, simulate_throughput
 
@@ -40,10 +41,18 @@ class Prediction:
 
 
 def predict(
-    config: RunConfig, costs: PlanCosts, workload: Workload, *, workers: int, steps: int = 100
+    config: RunConfig,
+    costs: PlanCosts,
+    workload: Workload,
+    *,
+    workers: int,
+    steps: int = 100,
+    lengths: GroupLengths | None = None,
 ) -> Prediction:
     """The steady state of ``steps`` simulated updates (the first tenth skipped as warm-up) of
-    ``config`` with ``workers`` inference workers. Held-out evaluations are not modelled."""
+    ``config`` with ``workers`` inference workers, groups' lengths drawn from ``lengths``
+    (seeded by controller.seed; None: every sample the mean), held-out evaluations every
+    data.eval_every updates at ``costs.eval_s``."""
     if steps < 4:
         raise ValueError("simulate at least 4 updates")
     policy, batch = StalenessPolicy.of(config.controller), config.controller.prompts_per_step
@@ -63,6 +72,7 @@ def predict(
                 train_s=costs.train_s,
                 reload_s=costs.reload_s,
                 samples=group,
+                eval_s=costs.eval_s,
             ),
             policy,
             batch=batch,
@@ -71,6 +81,8 @@ def predict(
             queue_cap=cap,
             freshest_first=config.controller.consume_order == "freshest_first",
             verifier_slots=costs.verifier_slots,
+            lengths=lengths.drawer(config.controller.seed) if lengths else None,
+            eval_every=config.data.eval_every,
         )
         period = schedule.seconds_per_update(skip)
         staleness = schedule.staleness_counts(skip)
@@ -79,18 +91,27 @@ def predict(
         # A step's prompts on one worker: ⌈P/slots⌉ group times when a step costs the same for
         # fewer rows (``batched``), else P/slots of them.
         waves = math.ceil(batch / costs.slots) if costs.batched else batch / costs.slots
+        # Fixed-shape steps: a wave of groups started together ends with its slowest. A CPU's
+        # steps cost what their rows do: its time is its tokens', the mean's.
+        slowest = (
+            lengths.expected_max_latency(min(costs.slots, math.ceil(batch / workers)))
+            if lengths and costs.batched
+            else 1.0
+        )
         det = simulate_deterministic(
             steps,
             Costs(
-                generate_s=waves * costs.group_s,
+                generate_s=waves * costs.group_s * slowest,
                 verify_s=step_verify_s(costs, batch * group),
                 train_s=costs.train_s,
                 reload_s=costs.reload_s,
+                eval_s=costs.eval_s,
             ),
             policy,
             workers=workers,
             prompts_per_step=batch,
             slots=costs.slots if costs.batched else 0,
+            eval_every=config.data.eval_every,
         )
         period = det.seconds_per_update(skip)
         discarded = 0
@@ -105,18 +126,22 @@ def predict(
         if costs.verifier_slots
         else 0.0
     )
-    # Each worker loads a version every η_r updates.
+    # Each worker loads a version every η_r updates, and evaluates every eval_every.
     loading = min(1.0, costs.reload_s / (policy.reload_staleness * period))
+    k = config.data.eval_every
+    evaluating = min(1.0, costs.eval_s / (k * period)) if k > 0 else 0.0
     busiest = max(
         ("trainer", trainer_busy), ("generation", workers_busy), ("verification", verifier_busy),
         key=lambda part: part[1],
     )  # fmt: skip
+    besides = {"weight loads": loading, "evaluations": evaluating}
     if busiest[1] >= BUSY:
         bottleneck = busiest[0]
-    elif workers_busy + loading >= BUSY:
-        bottleneck = f"weight loads ({100 * loading:.0f}% of the workers' time)"
+    elif workers_busy + sum(besides.values()) >= BUSY:
+        parts = ", ".join(f"{name} {100 * v:.0f}%" for name, v in besides.items() if v >= 0.005)
+        bottleneck = f"the workers: generation {100 * workers_busy:.0f}%, {parts}"
     else:
-        idle = 100 * (1 - workers_busy - loading)
+        idle = 100 * (1 - workers_busy - sum(besides.values()))
         bottleneck = f"the schedule: workers idle {idle:.0f}% (staleness bound, latencies)"
     return Prediction(
         workers=workers,

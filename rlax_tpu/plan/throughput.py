@@ -24,6 +24,12 @@ What it models, as ``run_throughput`` does:
   behind, and latencies that vary (not drawn here) age some out too.
 * The update takes the B oldest acceptable groups (the B newest with ``freshest_first``) and
   ``train_s`` (π_old, update, publish); generation goes on meanwhile; then v + 1, the next round.
+* Group lengths (``lengths``, :mod:`rlax_tpu.plan.lengths`): each group draws (occupancy,
+  latency) factors; it holds its slot for occupancy x group_s and its generation ends after
+  latency x group_s. Without them both are 1.
+* A held-out evaluation at the top of rounds v = 0, k, 2k, ... (``eval_every`` = k > 0; the
+  controller's ``_eval_due``): the controller waits ``eval_s`` for it, and every slot of every
+  worker gives it that long (from when its group ends) before it starts another.
 
 Costs per group (``ThroughputCosts``) come from a run's metrics or the AOT roofline.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+from collections.abc import Callable
 
 from rlax_tpu.controller.staleness import StalenessPolicy
 from rlax_tpu.plan.simulate import mean_interval
@@ -47,6 +54,7 @@ class ThroughputCosts:
     train_s: float  # π_old, the update and the publish
     reload_s: float = 0.0  # a worker loading another version
     samples: int = 1  # a group's samples
+    eval_s: float = 0.0  # one held-out evaluation on the workers, verified
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -124,11 +132,15 @@ def simulate_throughput(
     queue_cap: float = math.inf,
     freshest_first: bool = False,
     verifier_slots: int = 0,
+    lengths: Callable[[], tuple[float, float]] | None = None,
+    eval_every: int = 0,
 ) -> ThroughputSchedule:
     """The schedule of ``steps`` updates of ``batch`` groups each (module docstring).
     ``slots``: groups a worker runs at once; ``queue_cap``: the queue under unbounded η_a;
     ``freshest_first``: the update takes the newest acceptable groups (controller.consume_order);
-    ``verifier_slots``: the sandboxes verifying samples at once (0: unbounded)."""
+    ``verifier_slots``: the sandboxes verifying samples at once (0: unbounded); ``lengths``:
+    draws a group's (occupancy, latency) factors; ``eval_every``: updates between held-out
+    evaluations (0: none in the steady state)."""
     if min(steps, batch, slots, workers) < 1:
         raise ValueError("steps, batch, slots and workers must be >= 1")
     if verifier_slots < 0:
@@ -141,6 +153,7 @@ def simulate_throughput(
     buffered: list[tuple[int, int]] = []  # (version, sequence) in arrival order
     seq = discarded = 0
     t, v = 0.0, 0
+    evaluated = -1
     updates: list[Update] = []
 
     def start_time(w: int, k: int, version: int, at: float) -> float:
@@ -159,8 +172,9 @@ def simulate_throughput(
         if held[w] != version:
             held[w] = version
             free[w] = [max(f, start) for f in free[w]]  # no slot of it starts before the load
-        free[w][k] = start + costs.group_s
-        heapq.heappush(generated, (free[w][k], seq, version))
+        occupancy, latency = lengths() if lengths is not None else (1.0, 1.0)
+        free[w][k] = start + occupancy * costs.group_s
+        heapq.heappush(generated, (start + latency * costs.group_s, seq, version))
         seq += 1
 
     def verify_through(limit: float) -> None:
@@ -179,6 +193,10 @@ def simulate_throughput(
             heapq.heappush(arriving, (verifier.run(at), s, version))
 
     while len(updates) < steps:
+        if eval_every > 0 and v % eval_every == 0 and evaluated < v:
+            evaluated = v
+            free = [[max(f, t) + costs.eval_s for f in slots_of] for slots_of in free]
+            t += costs.eval_s
         w = policy.reload_point(v)
         limit = min(policy.admission_budget(batch, v, w), queue_cap)
         if not arriving and not generated and len(buffered) >= limit:

@@ -182,6 +182,19 @@ def test_freshest_first_consumption_keeps_the_bound_and_the_ledger(tmp_path):
     check_ledger(ctl, eta_a=1, steps=3, batch=2)
 
 
+def test_a_deterministic_run_records_each_trained_groups_lengths_for_the_planner(tmp_path):
+    """The planner's ``run:`` length distribution reads them: G lengths a group, in order."""
+    from rlax_tpu.plan.lengths import from_run
+
+    steps, batch = 2, 2
+    config = make_config(tmp_path, num_steps=steps, prompts_per_step=batch)
+    run_controller(config, lambda c: setattr(c, "workers", [VaryingLengths(w) for w in c.workers]))
+    groups = from_run(tmp_path, config.algorithm.group_size).groups
+    assert len(groups) == steps * batch
+    # VaryingLengths caps a prompt's samples at 1 or 10 tokens: each group is one or the other.
+    assert {g for g in groups} <= {(1.0,) * len(groups[0]), (10.0,) * len(groups[0])}
+
+
 def test_throughput_mode_trains_long_and_short_rollouts_alike(tmp_path):
     """Lengths vary 10x and long rollouts finish late; admission control keeps the trained length
     distribution that of the generated one (discard-and-requeue alone would favour short ones)."""

@@ -26,11 +26,12 @@ def _step(i: int, **extra: float) -> dict[str, float]:
     } | extra
 
 
-def _run(tmp_path, steps: int = 7, **extra: float):  # noqa: ANN003, ANN202
+def _run(tmp_path, steps: int = 7, eval_s: float | None = None, **extra: float):  # noqa: ANN003, ANN202
     writer = MetricsWriter(tmp_path)
+    timed = {} if eval_s is None else {"time/eval": eval_s}
     for i in range(steps):  # an update every 10 s
         writer.write(i + 1, _step(i, **extra), wall_time=10.0 * i)
-        writer.write(i + 1, {"eval/pass@1": 0.5})  # an evaluation record: not a step
+        writer.write(i + 1, {"eval/pass@1": 0.5} | timed)  # an evaluation record: not a step
     writer.close()
     return tmp_path
 
@@ -50,6 +51,12 @@ def test_the_pieces_are_the_runs_steps_after_the_warm_up(tmp_path):
     assert m.costs(build({}), workers=3, parallel_workers=float("inf")).group_s == 4.0
 
 
+def test_evaluations_between_updates_are_not_the_controllers_own_time(tmp_path):
+    # Each interval held a 1 s evaluation: 0, 2, 1, 0, 2 s of the controller's own.
+    m = measure(_run(tmp_path, eval_s=1.0), build({}), skip=2)
+    assert (m.overhead_s, m.train_s) == (1.0, 4.0)
+
+
 def test_runs_that_cannot_be_measured_are_refused(tmp_path):
     with pytest.raises(ValueError, match="throughput mode"):
         measure(_run(tmp_path / "a", **{"groups/queued": 3.0}), build({}))
@@ -61,8 +68,14 @@ def test_runs_that_cannot_be_measured_are_refused(tmp_path):
 
 def test_a_calibrated_plan_of_one_worker_predicts_the_measured_step(tmp_path):
     """Lock-step on-policy (d = 0): an update every load + generation + verify + train, the
-    identity the calibration must keep on the run it came from."""
-    config = build({"controller.pipeline_depth": 0, "controller.acceptance_staleness": 0})
+    identity the calibration must keep on the run it came from (no evaluations between)."""
+    config = build(
+        {
+            "controller.pipeline_depth": 0,
+            "controller.acceptance_staleness": 0,
+            "data.eval_every": 0,
+        }
+    )
     _, out = plan(
         config,
         trainer_topology="",

@@ -14,6 +14,7 @@ from rlax_tpu.plan.costs import (
     Workload,
     plan_costs,
     version_bytes,
+    with_eval,
     worker_slots,
 )
 from rlax_tpu.plan.predict import predict
@@ -73,6 +74,16 @@ def test_costs_of_the_local_preset_by_hand():
     assert c.slots == 8
     # The local preset's verifier: 2 sandboxes (verifiers.workers) in 1 replica.
     assert (c.check_s, c.verifier_slots) == (0.5, 2)
+
+
+def test_a_held_out_evaluation_is_its_samples_in_waves_then_verified():
+    config = build({})  # 48 problems x 8 samples every 10 updates, groups of 8, 2 sandboxes
+    c = _costs(config, workers=3)
+    # 48 groups over 3 workers x 8 slots: 2 waves of a group's time; 384 samples on 2
+    # sandboxes at 0.5 s: 96 s.
+    assert with_eval(config, c, 3).eval_s == pytest.approx(2 * c.group_s + 96, rel=1e-12)
+    assert with_eval(config, c, 1).eval_s == pytest.approx(6 * c.group_s + 96, rel=1e-12)
+    assert with_eval(build({"data.eval_every": 0}), c, 3).eval_s == 0
 
 
 def test_kv_pages_bind_the_slots_before_the_decode_rows():
@@ -156,3 +167,18 @@ def test_a_verifier_of_few_sandboxes_is_the_bottleneck():
     got = predict(config, _costs(config, workers=2), WORKLOAD, workers=2, steps=40)
     assert got.seconds_per_update == pytest.approx(16, rel=0.02)
     assert got.bottleneck == "verification" and got.verifier_busy > 0.98
+
+
+def test_evaluations_are_modelled_and_named_when_they_take_the_workers():
+    """An evaluation every update: 48 problems x 8 samples, 48 groups of 8 on 3 workers' 24
+    slots (2 waves of a group's time) and 384 samples on 2 sandboxes. Without it generation is
+    8 groups an update; with it the workers spend most of their time evaluating, and the label
+    says so."""
+    plain = build({"controller.mode": "throughput", "data.eval_every": 0})
+    every = build({"controller.mode": "throughput", "data.eval_every": 1})
+    base = predict(plain, with_eval(plain, _costs(plain), 3), WORKLOAD, workers=3, steps=40)
+    c = with_eval(every, _costs(every), 3)
+    assert c.eval_s == pytest.approx(2 * c.group_s + 96)
+    got = predict(every, c, WORKLOAD, workers=3, steps=40)
+    assert got.seconds_per_update > base.seconds_per_update + c.eval_s * 0.9
+    assert "evaluations" in got.bottleneck

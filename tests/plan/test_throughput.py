@@ -131,3 +131,22 @@ def test_the_verifier_binds_when_its_samples_outlast_generation():
     sched = simulate_throughput(12, costs, _policy(1), batch=1, slots=2, verifier_slots=1)
     assert sched.seconds_per_update(skip=4) == pytest.approx(4)
     assert set(sched.staleness_counts(skip=4)) == {1}
+
+
+def test_a_batch_waits_for_its_longest_group():
+    """η_a = 0, B = 2 on 2 slots, groups of 10 s at the mean: the draws alternate a group of
+    latency 1.5 (its longest sample half again the mean) and one of 0.5. Each batch ends 15 s
+    after it starts, then trains 4 s: an update every 19 s, not 14."""
+    draws = iter([(1.0, 1.5), (1.0, 0.5)] * 10)
+    costs = ThroughputCosts(group_s=10, train_s=4)
+    sched = simulate_throughput(3, costs, _policy(0), batch=2, slots=2, lengths=lambda: next(draws))
+    assert [u.train_end for u in sched.updates] == [19, 38, 57]
+
+
+def test_held_out_evaluations_stall_the_controller_and_take_the_slots():
+    """η_a = 0, B = 1 on 1 slot, 10 s a group, 4 s an update, an evaluation of 3 s before rounds
+    0 and 2: round 0 admits at 3 (generated 13, trained to 17); round 1 at 17 (to 31); round 2
+    evaluates [31, 34], admits at 34 (to 48); round 3 at 48 (to 62)."""
+    costs = ThroughputCosts(group_s=10, train_s=4, eval_s=3)
+    sched = simulate_throughput(4, costs, _policy(0), batch=1, slots=1, eval_every=2)
+    assert [u.train_end for u in sched.updates] == [17, 31, 48, 62]
