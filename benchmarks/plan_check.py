@@ -1,12 +1,20 @@
 """The planner against reality on this machine: predicted vs measured seconds per update and
 staleness, for 1-4 inference workers in both modes.
 
-    .venv/bin/python benchmarks/plan_check.py [--workers 1 2 3 4] [--steps 16] [--skip 4]
+    .venv/bin/python benchmarks/plan_check.py [--preset local|smollm2] [--workers 1 2 3 4]
+        [--steps 16] [--skip 4]
 
-Runs the main job (local transport, ``configs/codeforces.py:local`` with the workload of
-``benchmarks/async_speedup.py``: 8 prompts x 8 samples, up to 96 new tokens, a 150-step warm-up
-so that programs run and rewards vary) once to calibrate (deterministic, on-policy lock-step,
-one worker) and then once per mode and worker count:
+Runs the main job (local transport) of a preset once to calibrate (deterministic, on-policy
+lock-step, one worker) and then once per mode and worker count. The presets:
+
+* ``local``: ``configs/codeforces.py:local`` with the workload of ``benchmarks/async_speedup.py``
+  (8 prompts x 8 samples, up to 96 new tokens, a 150-step warm-up so that programs run and
+  rewards vary);
+* ``smollm2``: ``configs/smollm2_math.py:cpu`` as it is (SmolLM2-135M-Instruct, 8 prompts x 8
+  samples of two-term sums, up to 64 new tokens), its held-out evaluations cut to 8 problems x 1
+  sample at the start and the end (outside the measured steps).
+
+The modes:
 
 * ``deterministic``: pipeline depth 1, η_r = 1, η_a = 1 (one-step off-policy);
 * ``throughput``: η_r = 1, η_a = 2, oldest first.
@@ -46,22 +54,30 @@ MODES = {
 }
 
 
-def build_config(mode: str, workers: int, steps: int, run_dir: str):  # noqa: ANN201
-    from configs.codeforces import get_config
+def build_config(preset: str, mode: str, workers: int, steps: int, run_dir: str):  # noqa: ANN201
     from rlax_tpu.config import RunConfig, from_dict
 
-    cfg = get_config("local")
-    cfg.controller.update(
+    common = dict(  # noqa: C408
         run_dir=run_dir,
         num_steps=steps,
-        prompts_per_step=8,
         reload_staleness=1,
-        warmup_steps=150,
         seed=0,
         trainer_process=True,
         trainer_cpus=(1,),
         **MODES[mode],
     )
+    if preset == "smollm2":
+        from configs.smollm2_math import get_config
+
+        cfg = get_config("cpu")
+        cfg.controller.update(**common)
+        cfg.inference.num_workers = workers
+        cfg.data.update(eval_problems=8, eval_samples=1, eval_every=0)
+        return from_dict(RunConfig, cfg)
+    from configs.codeforces import get_config
+
+    cfg = get_config("local")
+    cfg.controller.update(prompts_per_step=8, warmup_steps=150, **common)
     cfg.algorithm.group_size = 8
     cfg.inference.update(max_new_tokens=96, num_workers=workers)
     cfg.trainer.update(micro_batch_size=4, length_bucket=64, precompile=True)
@@ -73,7 +89,7 @@ def build_config(mode: str, workers: int, steps: int, run_dir: str):  # noqa: AN
 def child(args: argparse.Namespace) -> None:
     from rlax_tpu.controller.app import run_job
 
-    config = build_config(args.child, args.child_workers, args.steps, args.run_dir)
+    config = build_config(args.preset, args.child, args.child_workers, args.steps, args.run_dir)
     with open(Path(args.run_dir).parent / f"{Path(args.run_dir).name}.log", "w") as log:
         run_job(config, stream=log)
 
@@ -98,10 +114,10 @@ def measured(run_dir: Path, skip: int) -> dict:
     }
 
 
-def predicted(mode: str, workers: int, steps: int, calibration: Path) -> dict:
+def predicted(preset: str, mode: str, workers: int, steps: int, calibration: Path) -> dict:
     from rlax_tpu.plan.command import plan
 
-    config = build_config(mode, workers, steps, str(calibration))
+    config = build_config(preset, mode, workers, steps, str(calibration))
     _, out = plan(
         config,
         trainer_topology="",
@@ -120,11 +136,12 @@ def mean_staleness(counts: dict) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=["local", "smollm2"], default="local")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--modes", nargs="+", default=["deterministic", "throughput"])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip", type=int, default=4, help="first updates left out (compiles)")
-    parser.add_argument("--out", default=str(HERE / "plan_check.json"))
+    parser.add_argument("--out", default="", help="default: benchmarks/plan_check[_PRESET].json")
     parser.add_argument("--keep", default="", help="keep the run directories here")
     parser.add_argument(
         "--analyse", action="store_true", help="only compare again: the runs kept in --keep"
@@ -141,12 +158,15 @@ def main() -> None:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + SINGLE_THREAD).strip()
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="rlax-plan-"))
     runs = [("calibration", 1)] + [(m, n) for m in args.modes for n in args.workers]
-    rows, out = [], {"workload": "benchmarks/async_speedup.py's", "runs": []}
+    rows, out = [], {"preset": args.preset, "runs": []}
+    suffix = "" if args.preset == "local" else f"_{args.preset}"
+    out_path = args.out or str(HERE / f"plan_check{suffix}.json")
     if args.analyse and not args.keep:
         raise SystemExit("--analyse compares the runs kept by an earlier --keep DIR")
     for mode, n in runs:
         run_dir = root / f"{mode}-{n}"
         argv = [sys.executable, __file__, "--child", mode, "--child-workers", str(n)]
+        argv += ["--preset", args.preset]
         argv += ["--steps", str(args.steps), "--run-dir", str(run_dir)]
         t0 = time.perf_counter()
         if not args.analyse:
@@ -158,7 +178,7 @@ def main() -> None:
                 print(log.read_text()[-4000:] if log.exists() else "(no log)")
                 raise SystemExit(f"{mode} with {n} workers failed: exit code {proc.returncode}")
         got = measured(run_dir, args.skip)
-        want = predicted(mode, n, args.steps, root / "calibration-1")
+        want = predicted(args.preset, mode, n, args.steps, root / "calibration-1")
         error = want["seconds_per_update"] / got["seconds_per_update"] - 1
         out["runs"].append(
             {"mode": mode, "workers": n, "wall_s": time.perf_counter() - t0}
@@ -170,7 +190,7 @@ def main() -> None:
             f"| {mean_staleness(want['staleness']):.2f} | {want['bottleneck']} |"
         )
         print(rows[-1], flush=True)
-        Path(args.out).write_text(json.dumps(out, indent=2))
+        Path(out_path).write_text(json.dumps(out, indent=2))
     print(
         "| mode | workers | measured s/update | predicted | error | measured staleness (mean) "
         "| predicted | predicted bottleneck |\n|" + "---|" * 8
