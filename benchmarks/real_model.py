@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import signal
 import subprocess
 import sys
@@ -139,7 +140,12 @@ def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
         raise SystemExit(
             f"seed {seed}: the run wrote no metrics (exit {proc.returncode}):\n" + "\n".join(tail)
         )
-    result = _summarize(seed, run_dir, t0, minutes, stopped, proc.returncode) | {"commit": commit}
+    result = _summarize(seed, run_dir, t0, minutes, stopped, proc.returncode) | {
+        "commit": commit,
+        # The largest process this script has waited for: the controller, whose process holds
+        # the trainer and the workers (local transport). Linux reports KiB.
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
+    }
     if TASK == "code":
         before_dir = run_root / f"seed{seed}-v0"
         result["external"] = {
@@ -451,6 +457,8 @@ def report(steps: bool = False) -> None:
         _report_code(seeds)
     if any("episode_pass1" in json.loads(p.read_text())["evals"][0] for p in seeds):
         _report_repair(seeds)
+    if TASK in ("lora", "full"):
+        _report_lora()
     trainer = OUT / "trainer.json"
     if trainer.exists():
         t = json.loads(trainer.read_text())
@@ -465,6 +473,42 @@ def report(steps: bool = False) -> None:
                 f"| {r['tokens']:.0f} | {r['fraction_of_peak']:.1%} "
                 f"| {r['update_fraction_of_peak']:.1%} |"
             )
+
+
+def _report_lora() -> None:
+    """LoRA against full fine-tuning, seed by seed: held-out pass@1 at v0 and at the last
+    evaluation within the same wall-time budget, the steps each made and their mean step."""
+    print(
+        "\n| seed | full: v0 -> last (version) | gain | steps | s a step | LoRA: v0 -> last "
+        "(version) | gain | steps | s a step | peak RSS GiB full / LoRA |"
+    )
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|---|")
+    gains: dict[str, list[float]] = {"full": [], "lora": []}
+    for path in sorted((TASKS["full"][1]).glob("seed*.json")):
+        other = TASKS["lora"][1] / path.name
+        if path.name.endswith(".crashed.json") or not other.exists():
+            continue
+        row = [path.stem.removeprefix("seed")]
+        rss = []
+        for task, p in (("full", path), ("lora", other)):
+            r = json.loads(p.read_text())
+            e0, e1, st = r["evals"][0], r["evals"][-1], r["steps"]
+            gains[task].append(e1["pass1"] - e0["pass1"])
+            step_s = (st[-1]["minutes"] - st[0]["minutes"]) * 60 / max(len(st) - 1, 1)
+            row += [
+                f"{e0['pass1']:.3f} -> {e1['pass1']:.3f} (v{e1['version']})",
+                f"{100 * (e1['pass1'] - e0['pass1']):+.1f}",
+                str(len(st)),
+                f"{step_s:.0f}",
+            ]
+            rss.append(f"{r['peak_rss_gib']:.1f}" if "peak_rss_gib" in r else "-")
+        print("| " + " | ".join(row + [" / ".join(rss)]) + " |")
+    if gains["full"]:
+        print(
+            f"\nmean gain at the last evaluation: full {100 * sum(gains['full']) / len(gains['full']):+.1f}"
+            f", LoRA {100 * sum(gains['lora']) / len(gains['lora']):+.1f} points "
+            f"({len(gains['full'])} seeds)"
+        )
 
 
 def _report_repair(seeds: list[Path]) -> None:
