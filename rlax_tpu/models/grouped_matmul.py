@@ -36,9 +36,11 @@ megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm
 # loads each weight tile a quarter as often; the contracted and output dims: at most 512, which
 # with bf16 operands, f32 accumulation and double buffering is ~4 MiB of VMEM (TPU scoped VMEM
 # defaults to 16 MiB or more). A dim of at most 512 is one tile of its full size, which Mosaic
-# accepts at any size (a block equal to the array's dim).
+# accepts at any size (a block equal to the array's dim); a longer one takes the largest
+# multiple of 128 up to 512 that divides it (768: 384), so that no tile is partly masked.
 _ROW_TILES = (128, 512)
 _MAX_TILE = 512
+_LANE = 128
 
 
 def resolve_kernel(name: str) -> str:
@@ -66,9 +68,17 @@ def grouped_matmul(
     return _megablox(rows, weights, sizes.astype(jnp.int32), kernel == "megablox_interpret")
 
 
+def _tile(dim: int) -> int:
+    if dim <= _MAX_TILE:
+        return dim
+    return next((t for t in range(_MAX_TILE, 0, -_LANE) if dim % t == 0), _MAX_TILE)
+
+
 def _tiling(m: int, k: int, n: int, groups: int) -> tuple[int, int, int]:
+    # Rows per group counts the rows past the groups too (another device's experts under
+    # expert parallelism): an overestimate there, which only picks the larger row tile sooner.
     tm = _ROW_TILES[1] if m // max(groups, 1) >= _ROW_TILES[1] else _ROW_TILES[0]
-    return tm, min(k, _MAX_TILE), min(n, _MAX_TILE)
+    return tm, _tile(k), _tile(n)
 
 
 def _valid(m: int, sizes: jax.Array) -> jax.Array:

@@ -5,8 +5,9 @@ Routing (as the HF implementations do): p = softmax(x · router) in f32 over the
 token takes the k experts of highest p, weighted by their p, renormalized to sum to 1 when
 ``norm_topk_prob``. The chosen (token, expert) pairs are sorted by expert and each expert's SwiGLU
 runs on its rows only (a grouped matmul, :mod:`rlax_tpu.models.grouped_matmul`: XLA's
-``jax.lax.ragged_dot`` or, on TPU, the megablox Pallas kernels): no expert computes a token it was not given, and
-no capacity limit drops one (every assignment is computed; the sort's cost is N·k rows).
+``jax.lax.ragged_dot`` or, on TPU, the megablox Pallas kernels): no expert computes a token it
+was not given, and no capacity limit drops one (every assignment is computed; the sort's cost
+is N·k rows).
 
 ``forced`` routes: the experts to use instead of the router's top k (routing replay: the engine's
 choices in the trainer's forward). The weights are then the router's current probabilities of

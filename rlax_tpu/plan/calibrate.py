@@ -4,8 +4,7 @@ From the run's per-step metrics, after ``skip`` warm-up steps (compiles):
 
 * train_s: the mean ``time/train`` (π_old, the update, the publish and push), plus the
   controller's own time between updates (snapshots, ledger, metrics: the mean of each step's
-  interval less its ``time/wait``, its ``time/train`` and the ``time/eval`` of a held-out
-  evaluation run in it, which the planner models apart), which is as serial as the update;
+  interval less its ``time/wait`` and ``time/train``), which is as serial as the update;
 * verify_s: the mean ``time/verify`` (a step's slowest group, after its generation). Means,
   not medians: a steady state's period is a mean (the warm-up's compiles are skipped). A
   sample's check on one sandbox (the planner's check_s) is that over the rounds the step's
@@ -16,6 +15,10 @@ From the run's per-step metrics, after ``skip`` warm-up steps (compiles):
   a worker's generation calls). With ``slots`` groups at once (the config's decode rows or KV
   pages, as on a TPU), a group takes slots / rate.
 * lengths: the mean completion (``rollout/length_mean``) and prompt tokens of a rollout.
+
+A step with a held-out evaluation before it (an evaluation record with ``time/eval`` between it
+and the step before) is left out of all of these: its wait holds the evaluation, and the pool's
+counts its generation, which the planner models apart.
 
 The run must be in deterministic mode: its jobs hold a worker alone, so the seconds of the
 workers' calls add up to their busy time (in throughput mode jobs share a worker's engine and
@@ -85,13 +88,14 @@ class Measured:
 def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measured:
     """The pieces of the run in ``run_dir`` (made with ``config``'s batch shape). Raises
     ValueError when it has too few steps or was not in deterministic mode."""
-    records, evals = [], [0.0]  # evals[i]: evaluation seconds before step record i
+    records, evaluated, pending = [], [], False  # evaluated[i]: an evaluation before record i
     for r in read_metrics(run_dir):
         scalars = r.get("scalars", {})
+        pending = pending or "time/eval" in scalars
         if "time/train" in scalars:
             records.append(r)
-            evals.append(0.0)
-        evals[-1] += scalars.get("time/eval", 0.0)
+            evaluated.append(pending)
+            pending = False
     steps = [r["scalars"] for r in records]
     if not steps:
         raise ValueError(f"{run_dir}: no training steps in its metrics")
@@ -102,9 +106,13 @@ def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measure
         )
     if any("pool/groups" not in s for s in steps):
         raise ValueError(f"{run_dir}: its metrics have no pool/ times (a run before the planner)")
-    steady = steps[skip:]
+    kept = [i for i in range(skip, len(steps)) if not evaluated[i]]
+    steady = [steps[i] for i in kept]
     if len(steady) < 2:
-        raise ValueError(f"{run_dir}: {len(steps)} steps; calibrating needs at least {skip + 2}")
+        raise ValueError(
+            f"{run_dir}: {len(steps)} steps, {len(steady)} after {skip} and without an "
+            f"evaluation; calibrating needs at least 2"
+        )
 
     def total(key: str) -> float:
         return sum(s[key] for s in steady)
@@ -118,21 +126,19 @@ def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measure
     )
     # What the controller does between updates besides waiting for rollouts and training
     # (snapshots, ledger, metrics): each interval less its wait and its update.
+    intervals = [i for i in kept if i >= 1]
     overhead = (
         statistics.fmean(
             max(
                 0.0,
-                b["wall_time"]
-                - a["wall_time"]
-                - b["scalars"]["time/wait"]
-                - b["scalars"]["time/train"]
-                - evaluated,
+                records[i]["wall_time"]
+                - records[i - 1]["wall_time"]
+                - steps[i]["time/wait"]
+                - steps[i]["time/train"],
             )
-            for a, b, evaluated in zip(
-                records[skip - 1 : -1], records[skip:], evals[skip:-1], strict=True
-            )
+            for i in intervals
         )
-        if skip >= 1
+        if intervals
         else 0.0
     )
     return Measured(

@@ -23,7 +23,7 @@ from rlax_tpu.plan.costs import (
     verifier_slots,
     with_eval,
 )
-from rlax_tpu.plan.lengths import GroupLengths, from_run, parse
+from rlax_tpu.plan.lengths import GroupLengths, NoLengths, from_run, parse
 from rlax_tpu.plan.predict import Prediction, predict
 
 
@@ -217,9 +217,11 @@ def _lengths(
                 seed=config.controller.seed,
             )
         return from_run(calibrate, g) if calibrate else None
-    except ValueError as e:
+    except NoLengths as e:
         if not spec:  # a calibration run from before the histograms: the mean, as before
             return None
+        raise PlanError(f"--length_dist: {e}") from None
+    except ValueError as e:
         raise PlanError(f"--length_dist: {e}") from None
     except OSError as e:
         raise PlanError(f"--length_dist: {e}") from None

@@ -129,7 +129,8 @@ class PlanCosts:
     # programs), so k < slots groups take group_s; False: k groups take k/slots of it (measured
     # rates on a CPU, whose steps cost what their rows do).
     batched: bool = True
-    eval_s: float = 0.0  # one held-out evaluation (with_eval)
+    eval_s: float = 0.0  # one held-out evaluation's generation on the workers (with_eval)
+    eval_verify_s: float = 0.0  # and its verification after it
 
 
 def version_bytes(config: RunConfig) -> int:
@@ -148,8 +149,10 @@ def verifier_slots(config: RunConfig) -> int:
 
 
 def step_verify_s(costs: PlanCosts, samples: int) -> float:
-    """Seconds to verify ``samples`` generated together: ⌈samples / slots⌉ rounds of check_s."""
-    return math.ceil(samples / max(1, costs.verifier_slots)) * costs.check_s
+    """Seconds to verify ``samples`` generated together: ⌈samples / slots⌉ rounds of check_s
+    (one round with unbounded sandboxes, verifier_slots 0)."""
+    rounds = math.ceil(samples / costs.verifier_slots) if costs.verifier_slots else 1
+    return rounds * costs.check_s
 
 
 def with_eval(config: RunConfig, costs: PlanCosts, workers: int) -> PlanCosts:
@@ -157,11 +160,14 @@ def with_eval(config: RunConfig, costs: PlanCosts, workers: int) -> PlanCosts:
     docstring; 0 when data.eval_every is 0)."""
     d = config.data
     if d.eval_every <= 0:
-        return dataclasses.replace(costs, eval_s=0.0)
+        return dataclasses.replace(costs, eval_s=0.0, eval_verify_s=0.0)
     samples = d.eval_problems * d.eval_samples
-    waves = math.ceil(samples / config.algorithm.group_size / (workers * costs.slots))
-    verify = math.ceil(samples / max(1, costs.verifier_slots)) * costs.check_s
-    return dataclasses.replace(costs, eval_s=waves * costs.group_s + verify)
+    waves = samples / config.algorithm.group_size / (workers * costs.slots)
+    if costs.batched:  # fixed-shape steps: a partial wave costs a whole one
+        waves = math.ceil(waves)
+    return dataclasses.replace(
+        costs, eval_s=waves * costs.group_s, eval_verify_s=step_verify_s(costs, samples)
+    )
 
 
 def worker_slots(config: RunConfig, workload: Workload, backend: str = "tpu") -> int:

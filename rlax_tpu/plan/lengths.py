@@ -35,7 +35,7 @@ class GroupLengths:
 
     def __post_init__(self) -> None:
         if not self.groups or any(not g or min(g) <= 0 for g in self.groups):
-            raise ValueError("every group needs at least one positive length")
+            raise ValueError("groups must be non-empty, of lengths > 0")
 
     @property
     def mean(self) -> float:
@@ -82,13 +82,18 @@ def lognormal(
     return GroupLengths(drawn, f"lognormal (mean {mean:.0f}, CV {cv:g}, cut at {cap:.0f})")
 
 
+class NoLengths(ValueError):
+    """The run's metrics record no lengths (a run from before they were recorded)."""
+
+
 def from_run(run_dir: str | Path, group_size: int, *, skip: int = 0) -> GroupLengths:
     """Every trained group's completion lengths in a run's metrics (``lengths/trained``), after
-    ``skip`` steps. Raises ValueError when the run recorded none."""
+    its first ``skip`` steps. Raises NoLengths when the run recorded none, ValueError when they
+    are not whole groups."""
     groups: list[tuple[float, ...]] = []
     for record in read_metrics(run_dir):
         lengths: Sequence[float] = record.get("histograms", {}).get("lengths/trained", ())
-        if record.get("step", 0) < skip or not lengths:
+        if record.get("step", 0) <= skip or not lengths:
             continue
         if len(lengths) % group_size:
             raise ValueError(
@@ -100,7 +105,7 @@ def from_run(run_dir: str | Path, group_size: int, *, skip: int = 0) -> GroupLen
             for i in range(0, len(lengths), group_size)
         ]
     if not groups:
-        raise ValueError(f"{run_dir}: its metrics record no lengths/trained (a run before them)")
+        raise NoLengths(f"{run_dir}: its metrics record no lengths/trained (a run before them)")
     return GroupLengths(tuple(groups), f"{len(groups)} groups of {run_dir}")
 
 

@@ -57,7 +57,10 @@ def predict(
         raise ValueError("simulate at least 4 updates")
     policy, batch = StalenessPolicy.of(config.controller), config.controller.prompts_per_step
     group = config.algorithm.group_size
-    skip = max(1, steps // 10)
+    skip, k = max(1, steps // 10), config.data.eval_every
+    if k > 0:  # a window of whole evaluation cycles, so that it holds its share of them
+        skip = -(-skip // k) * k
+        steps = skip + max(1, (steps - 1 - skip) // k) * k + 1
     if config.controller.mode == "throughput":
         cap = (
             throughput_queue_cap(_with_workers(config, workers))
@@ -73,6 +76,7 @@ def predict(
                 reload_s=costs.reload_s,
                 samples=group,
                 eval_s=costs.eval_s,
+                eval_verify_s=costs.eval_verify_s,
             ),
             policy,
             batch=batch,
@@ -94,7 +98,9 @@ def predict(
         # Fixed-shape steps: a wave of groups started together ends with its slowest. A CPU's
         # steps cost what their rows do: its time is its tokens', the mean's.
         slowest = (
-            lengths.expected_max_latency(min(costs.slots, math.ceil(batch / workers)))
+            lengths.expected_max_latency(
+                min(costs.slots, math.ceil(batch / workers)), seed=config.controller.seed
+            )
             if lengths and costs.batched
             else 1.0
         )
@@ -106,6 +112,7 @@ def predict(
                 train_s=costs.train_s,
                 reload_s=costs.reload_s,
                 eval_s=costs.eval_s,
+                eval_verify_s=costs.eval_verify_s,
             ),
             policy,
             workers=workers,
@@ -121,14 +128,13 @@ def predict(
         staleness = dict(sorted(staleness.items()))
     trainer_busy = min(1.0, costs.train_s / period)
     workers_busy = min(1.0, batch * costs.group_s / (workers * costs.slots * period))
-    verifier_busy = (
-        min(1.0, batch * group * costs.check_s / (costs.verifier_slots * period))
-        if costs.verifier_slots
-        else 0.0
-    )
+    # The sandboxes' share: the updates' samples, and an evaluation's every k updates (its
+    # verification holds them all for eval_verify_s).
+    verifying = batch * group * costs.check_s / costs.verifier_slots if costs.verifier_slots else 0
+    verifying_evals = costs.eval_verify_s / k if k > 0 and costs.verifier_slots else 0.0
+    verifier_busy = min(1.0, (verifying + verifying_evals) / period)
     # Each worker loads a version every η_r updates, and evaluates every eval_every.
     loading = min(1.0, costs.reload_s / (policy.reload_staleness * period))
-    k = config.data.eval_every
     evaluating = min(1.0, costs.eval_s / (k * period)) if k > 0 else 0.0
     busiest = max(
         ("trainer", trainer_busy), ("generation", workers_busy), ("verification", verifier_busy),
@@ -137,12 +143,16 @@ def predict(
     besides = {"weight loads": loading, "evaluations": evaluating}
     if busiest[1] >= BUSY:
         bottleneck = busiest[0]
+        if busiest[0] == "verification" and verifying_evals >= 0.005 * period:
+            share = verifying_evals / (verifying + verifying_evals)
+            bottleneck += f" ({100 * share:.0f}% of it evaluations')"
     elif workers_busy + sum(besides.values()) >= BUSY:
-        parts = ", ".join(f"{name} {100 * v:.0f}%" for name, v in besides.items() if v >= 0.005)
-        bottleneck = f"the workers: generation {100 * workers_busy:.0f}%, {parts}"
+        parts = [f"{name} {100 * v:.0f}%" for name, v in besides.items() if v >= 0.005]
+        bottleneck = ", ".join([f"the workers: generation {100 * workers_busy:.0f}%", *parts])
     else:
         idle = 100 * (1 - workers_busy - sum(besides.values()))
-        bottleneck = f"the schedule: workers idle {idle:.0f}% (staleness bound, latencies)"
+        why = "staleness bound, latencies" + (", evaluations' drains" if k > 0 else "")
+        bottleneck = f"the schedule: workers idle {idle:.0f}% ({why})"
     return Prediction(
         workers=workers,
         seconds_per_update=period,

@@ -14,7 +14,8 @@ What it models, as ``controller/loop.py``'s ``run_deterministic`` and ``controll
   update + publish (``train_s``), then step s + 1 begins.
 * With ``eval_every`` = k > 0, step s begins with a held-out evaluation when s is a multiple of
   k (the controller's ``_eval_due``): it is generated on the workers after the shares queued
-  there (``eval_s`` once they are free), and nothing of step s is launched before it ends.
+  there (``eval_s`` once they are free) and graded (``eval_verify_s``, the workers free again),
+  and nothing of step s is launched before it is graded.
 
 Costs are seconds per step at this topology (a worker generating a whole step's prompts takes
 ``generate_s``; a share of k of P prompts takes generate_s·k/P). Throughput mode is
@@ -37,10 +38,11 @@ class Costs:
     verify_s: float = 0.0
     train_s: float  # π_old, the update and the publish
     reload_s: float = 0.0  # a worker loading another version (pull + device put)
-    eval_s: float = 0.0  # one held-out evaluation, generated on the workers and graded
+    eval_s: float = 0.0  # one held-out evaluation's generation on the workers
+    eval_verify_s: float = 0.0  # and its grading after it
 
     def __post_init__(self) -> None:
-        for name in ("generate_s", "verify_s", "train_s", "reload_s", "eval_s"):
+        for name in ("generate_s", "verify_s", "train_s", "reload_s", "eval_s", "eval_verify_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"Costs.{name} must be a finite number >= 0, got {value!r}")
@@ -140,8 +142,9 @@ def simulate_deterministic(
     for s in range(steps):
         begin = train_end  # step s begins when update s - 1 is done
         if eval_every > 0 and s % eval_every == 0:
-            begin = max(begin, *free) + costs.eval_s
-            free = [begin] * workers
+            generated_at = max(begin, *free) + costs.eval_s
+            free = [generated_at] * workers
+            begin = generated_at + costs.eval_verify_s
         for t in range(s, min(steps, s + d + 1)):
             if t not in launched:
                 launch(t, begin)

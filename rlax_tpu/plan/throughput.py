@@ -28,8 +28,10 @@ What it models, as ``run_throughput`` does:
   latency) factors; it holds its slot for occupancy x group_s and its generation ends after
   latency x group_s. Without them both are 1.
 * A held-out evaluation at the top of rounds v = 0, k, 2k, ... (``eval_every`` = k > 0; the
-  controller's ``_eval_due``): the controller waits ``eval_s`` for it, and every slot of every
-  worker gives it that long (from when its group ends) before it starts another.
+  controller's ``_eval_due``) with version v: each worker takes it after the groups it holds
+  (its requests queue behind theirs), loading v first if it holds another, and generates it for
+  ``eval_s``; the controller waits for the last worker's, then ``eval_verify_s`` for its
+  verdicts, before it admits anything more.
 
 Costs per group (``ThroughputCosts``) come from a run's metrics or the AOT roofline.
 """
@@ -54,7 +56,8 @@ class ThroughputCosts:
     train_s: float  # π_old, the update and the publish
     reload_s: float = 0.0  # a worker loading another version
     samples: int = 1  # a group's samples
-    eval_s: float = 0.0  # one held-out evaluation on the workers, verified
+    eval_s: float = 0.0  # one held-out evaluation's generation on the workers
+    eval_verify_s: float = 0.0  # and its verification after it
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -194,12 +197,19 @@ def simulate_throughput(
 
     while len(updates) < steps:
         if eval_every > 0 and v % eval_every == 0 and evaluated < v:
-            evaluated = v
-            free = [[max(f, t) + costs.eval_s for f in slots_of] for slots_of in free]
-            t += costs.eval_s
+            evaluated, ends = v, []
+            for w in range(workers):
+                start = max(t, *free[w])
+                if held[w] != v:
+                    start += costs.reload_s
+                    held[w] = v
+                free[w] = [start + costs.eval_s] * slots
+                ends.append(free[w][0])
+            t = max(ends) + costs.eval_verify_s
         w = policy.reload_point(v)
         limit = min(policy.admission_budget(batch, v, w), queue_cap)
-        if not arriving and not generated and len(buffered) >= limit:
+        acceptable = sum(policy.accepts(v, b[0]) for b in buffered)
+        if not arriving and not generated and len(buffered) >= limit and acceptable < batch:
             raise ValueError(f"nothing can be admitted at version {v} (budget {limit})")
         while len(generated) + len(arriving) + len(buffered) < limit:
             admit(w, t)
@@ -218,7 +228,11 @@ def simulate_throughput(
             buffered = [b for b in buffered if policy.accepts(v, b[0])]
             ready = buffered
         if len(ready) < batch:
-            continue  # everything admitted has arrived: admit more
+            # Everything admitted has arrived: the controller's wait (on no jobs) discards what
+            # aged past η_a, and the next round admits more.
+            discarded += sum(not policy.accepts(v, b[0]) for b in buffered)
+            buffered = [b for b in buffered if policy.accepts(v, b[0])]
+            continue
         # buffered is in arrival order: a stable sort breaks ties by it, as the controller does.
         chosen = sorted(ready, key=lambda b: -b[0] if freshest_first else b[0])[:batch]
         for b in chosen:

@@ -92,8 +92,16 @@ def test_rows_the_batch_axes_do_not_split_and_forced_routes():
 
 
 def test_megablox_kernels_in_the_expert_parallel_layer():
-    # The TPU kernels (interpreted) on each device's local experts, rows past them zeroed.
+    # The TPU kernels (interpreted) on each device's local experts, rows past them zeroed:
+    # rows spread over the expert group, and rows every device holds whole.
     _compare(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 4, 6, kernel="megablox_interpret")
+    _compare(
+        MeshConfig(data=1, fsdp=1, expert=8, tensor=1),
+        3,
+        5,
+        forced=True,
+        kernel="megablox_interpret",
+    )
 
 
 def test_each_device_holds_its_experts_only():

@@ -26,12 +26,21 @@ def _step(i: int, **extra: float) -> dict[str, float]:
     } | extra
 
 
-def _run(tmp_path, steps: int = 7, eval_s: float | None = None, **extra: float):  # noqa: ANN003, ANN202
+def _run(tmp_path, steps: int = 7, evaluated: tuple[int, ...] = (), **extra: float):  # noqa: ANN003, ANN202
+    """An update every 10 s; before the steps of index ``evaluated``, a 3 s held-out evaluation
+    as the controller runs it: inside the step's wait, its generation in the pool's counts."""
     writer = MetricsWriter(tmp_path)
-    timed = {} if eval_s is None else {"time/eval": eval_s}
-    for i in range(steps):  # an update every 10 s
-        writer.write(i + 1, _step(i, **extra), wall_time=10.0 * i)
-        writer.write(i + 1, {"eval/pass@1": 0.5} | timed)  # an evaluation record: not a step
+    late = 0.0
+    for i in range(steps):
+        step = _step(i, **extra)
+        if i in evaluated:
+            writer.write(i + 1, {"eval/pass@1": 0.5, "time/eval": 3.0})
+            late += 3.0
+            step["time/wait"] += 3.0
+            step["pool/generate_s"] += 2.0
+            step["pool/groups"] += 48.0
+        writer.write(i + 1, step, wall_time=10.0 * i + late)
+        writer.write(i + 1, {"eval/pass@1": 0.5})  # a record of no step, without a time
     writer.close()
     return tmp_path
 
@@ -51,16 +60,17 @@ def test_the_pieces_are_the_runs_steps_after_the_warm_up(tmp_path):
     assert m.costs(build({}), workers=3, parallel_workers=float("inf")).group_s == 4.0
 
 
-def test_evaluations_between_updates_are_not_the_controllers_own_time(tmp_path):
-    # Each interval held a 1 s evaluation: 0, 2, 1, 0, 2 s of the controller's own.
-    m = measure(_run(tmp_path, eval_s=1.0), build({}), skip=2)
-    assert (m.overhead_s, m.train_s) == (1.0, 4.0)
+def test_steps_with_an_evaluation_are_left_out(tmp_path):
+    # Steps 2..6 without 3 and 5 (evaluated): trains 4, 3, 2 s and 1, 2, 3 s of the
+    # controller's own; 8 groups in 4 s each, the evaluations' groups not counted.
+    m = measure(_run(tmp_path, evaluated=(3, 5)), build({}), skip=2)
+    assert (m.steps, m.overhead_s, m.train_s, m.groups_per_s) == (3, 2.0, 5.0, 2.0)
 
 
 def test_runs_that_cannot_be_measured_are_refused(tmp_path):
     with pytest.raises(ValueError, match="throughput mode"):
         measure(_run(tmp_path / "a", **{"groups/queued": 3.0}), build({}))
-    with pytest.raises(ValueError, match="at least 4"):
+    with pytest.raises(ValueError, match="calibrating needs at least 2"):
         measure(_run(tmp_path / "b", steps=3), build({}))
     with pytest.raises(ValueError, match="no training steps"):
         measure(tmp_path / "missing", build({}))

@@ -81,8 +81,9 @@ def test_a_held_out_evaluation_is_its_samples_in_waves_then_verified():
     c = _costs(config, workers=3)
     # 48 groups over 3 workers x 8 slots: 2 waves of a group's time; 384 samples on 2
     # sandboxes at 0.5 s: 96 s.
-    assert with_eval(config, c, 3).eval_s == pytest.approx(2 * c.group_s + 96, rel=1e-12)
-    assert with_eval(config, c, 1).eval_s == pytest.approx(6 * c.group_s + 96, rel=1e-12)
+    three = with_eval(config, c, 3)
+    assert (three.eval_s, three.eval_verify_s) == pytest.approx((2 * c.group_s, 96), rel=1e-12)
+    assert with_eval(config, c, 1).eval_s == pytest.approx(6 * c.group_s, rel=1e-12)
     assert with_eval(build({"data.eval_every": 0}), c, 3).eval_s == 0
 
 
@@ -127,6 +128,7 @@ def test_throughput_predictions_are_the_simulators_schedule_of_those_costs():
             "controller.pipeline_depth": 0,
             "controller.consume_order": "freshest_first",
             "verifiers.workers": 16,
+            "data.eval_every": 0,
         }
     )
     c = _costs(config, workers=2)
@@ -169,7 +171,7 @@ def test_a_verifier_of_few_sandboxes_is_the_bottleneck():
     assert got.bottleneck == "verification" and got.verifier_busy > 0.98
 
 
-def test_evaluations_are_modelled_and_named_when_they_take_the_workers():
+def test_evaluations_are_modelled_and_named_where_they_bind():
     """An evaluation every update: 48 problems x 8 samples, 48 groups of 8 on 3 workers' 24
     slots (2 waves of a group's time) and 384 samples on 2 sandboxes. Without it generation is
     8 groups an update; with it the workers spend most of their time evaluating, and the label
@@ -178,7 +180,9 @@ def test_evaluations_are_modelled_and_named_when_they_take_the_workers():
     every = build({"controller.mode": "throughput", "data.eval_every": 1})
     base = predict(plain, with_eval(plain, _costs(plain), 3), WORKLOAD, workers=3, steps=40)
     c = with_eval(every, _costs(every), 3)
-    assert c.eval_s == pytest.approx(2 * c.group_s + 96)
+    assert (c.eval_s, c.eval_verify_s) == pytest.approx((2 * c.group_s, 96))
     got = predict(every, c, WORKLOAD, workers=3, steps=40)
-    assert got.seconds_per_update > base.seconds_per_update + c.eval_s * 0.9
-    assert "evaluations" in got.bottleneck
+    # The controller waits for each: its generation, then its verdicts. The 2 sandboxes bind:
+    # 16 s of the update's samples and 96 s of the evaluation's an update.
+    assert got.seconds_per_update > base.seconds_per_update + 0.9 * (c.eval_s + 96)
+    assert got.bottleneck == "verification (86% of it evaluations')"

@@ -143,6 +143,17 @@ def test_a_batch_waits_for_its_longest_group():
     assert [u.train_end for u in sched.updates] == [19, 38, 57]
 
 
+def test_an_evaluation_waits_for_the_groups_a_worker_holds():
+    """η_a = 1, B = 1 on 1 slot, 10 s a group, 1 s an update, a 3 s evaluation before rounds
+    0 and 2. Round 0: evaluation [0, 3], then g0 [3, 13] and g1 [13, 23] (budget 2); update 0
+    [13, 14]. Round 1 admits g2 (v1) behind g1: [23, 33]; update 1 on g1 [23, 24]. Round 2: the
+    evaluation queues behind g2, [33, 36]; g3 (v2) [36, 46]; update 2 on g2 [36, 37]. Round 3:
+    g4 [46, 56]; update 3 on g3 [46, 47]."""
+    costs = ThroughputCosts(group_s=10, train_s=1, eval_s=3)
+    sched = simulate_throughput(4, costs, _policy(1), batch=1, slots=1, eval_every=2)
+    assert [u.train_end for u in sched.updates] == [14, 24, 37, 47]
+
+
 def test_held_out_evaluations_stall_the_controller_and_take_the_slots():
     """η_a = 0, B = 1 on 1 slot, 10 s a group, 4 s an update, an evaluation of 3 s before rounds
     0 and 2: round 0 admits at 3 (generated 13, trained to 17); round 1 at 17 (to 31); round 2
@@ -150,3 +161,21 @@ def test_held_out_evaluations_stall_the_controller_and_take_the_slots():
     costs = ThroughputCosts(group_s=10, train_s=4, eval_s=3)
     sched = simulate_throughput(4, costs, _policy(0), batch=1, slots=1, eval_every=2)
     assert [u.train_end for u in sched.updates] == [17, 31, 48, 62]
+
+
+def test_a_round_with_everything_arrived_takes_what_is_buffered():
+    """η_r = 2, η_a = 1, B = 1, 2 workers of 1 slot, an evaluation of 5 s before even rounds.
+    Round 0: the evaluation [0, 5] on both, then 2 groups of v0 [5, 15]; update 0 takes one
+    [15, 16], the other stays buffered. Round 1 serves v0 still (η_r = 2): its budget of 1 is
+    full with the buffered group and nothing is in flight, which is acceptable (staleness 1):
+    update 1 [16, 17] trains it. Round 2: the evaluation [17, 22], then two of v2 [22, 32]."""
+    costs = ThroughputCosts(group_s=10, train_s=1, eval_s=5)
+    sched = simulate_throughput(
+        3, costs, _policy(1, eta_r=2), batch=1, slots=1, workers=2, eval_every=2,
+        freshest_first=True,
+    )  # fmt: skip
+    assert [(u.train_end, u.versions) for u in sched.updates] == [
+        (16, (0,)),
+        (17, (0,)),
+        (33, (2,)),
+    ]
