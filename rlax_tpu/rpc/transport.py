@@ -279,7 +279,10 @@ def make_channel(
     endpoint's host (a pod probing itself on 127.0.0.1 with a certificate for its Service name).
     """
     # A restarted peer (a rescheduled pod) is found again within ~2 s, not after gRPC's default
-    # reconnect backoff of up to 120 s.
+    # reconnect backoff of up to 120 s. "min_reconnect_backoff_ms" is no backoff: gRPC core reads
+    # it as the least time a connection attempt gets to receive the server's SETTINGS frame
+    # (subchannel.cc, ParseArgsForBackoffValues); at 250 ms a server on a loaded host failed
+    # every call (tests/rpc/test_transport.py). Its default, 20 s.
     # Its own subchannels, not gRPC's process-wide pool: a call on a fresh channel to a peer
     # that had just stopped, sharing the subchannel of an older channel, hung past its deadline
     # and its cancel() in about 1 of 100 tries on a busy host (grpcio 1.85; 0 of 800 with a
@@ -288,7 +291,7 @@ def make_channel(
         *_channel_options(max_message_bytes),
         ("grpc.use_local_subchannel_pool", 1),
         ("grpc.initial_reconnect_backoff_ms", 250),
-        ("grpc.min_reconnect_backoff_ms", 250),
+        ("grpc.min_reconnect_backoff_ms", 20_000),
         ("grpc.max_reconnect_backoff_ms", 2000),
     ]
     if server_name:

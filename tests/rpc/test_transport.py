@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import threading
 import time
@@ -204,3 +205,62 @@ def test_a_call_to_a_peer_that_just_stopped_ends_within_its_deadline():
         first.close()
         second.close()
     assert not hung, f"calls {hung} outlived their 2 s deadline by 28 s"
+
+
+class _SlowProxy:
+    """A TCP relay to ``target`` that holds the server's first bytes (its HTTP/2 SETTINGS
+    frame) for ``delay_s``: a server on a loaded host that is slow to answer a new connection."""
+
+    def __init__(self, target: tuple[str, int], delay_s: float):
+        self.target, self.delay_s = target, delay_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, upstream, 0.0), daemon=True).start()
+            threading.Thread(
+                target=self._pipe, args=(upstream, client, self.delay_s), daemon=True
+            ).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, delay_s: float) -> None:
+        try:
+            while data := src.recv(65536):
+                time.sleep(delay_s)
+                delay_s = 0.0
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_server_slow_to_answer_a_new_connection_is_still_reached():
+    """gRPC core gives a connection attempt max(its backoff, grpc.min_reconnect_backoff_ms) to
+    receive the server's SETTINGS frame (src/core/client_channel/subchannel.cc,
+    ParseArgsForBackoffValues: the option is the minimum connect timeout). With 250 ms there, a
+    parameter server on a loaded host answering in 1 s failed every publish with "connection
+    attempt timed out before receiving SETTINGS frame" (tests/trainer/test_distributed.py on a
+    busy CI host)."""
+    server, port = make_server("127.0.0.1:0", _add_echo)
+    proxy = _SlowProxy(("127.0.0.1", port), delay_s=1.0)
+    try:
+        unary = make_channel(f"127.0.0.1:{proxy.port}").unary_unary(f"/{SERVICE}/Unary")
+        assert unary(b"abc", timeout=10) == b"cba"
+    finally:
+        proxy.close()
+        server.stop(None)
