@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import threading
@@ -240,10 +241,8 @@ class _SlowProxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self.listener.close()
