@@ -126,10 +126,17 @@ class MoE(nnx.Module):
         if forced is not None:
             forced = forced.reshape(b * t, self.k)
         mesh = jax.sharding.get_abstract_mesh()
-        if not mesh.empty and mesh.shape.get(EXPERT_AXIS, 1) > 1:
-            y, logits, experts = _expert_parallel(self._local, mesh, flat, *weights, forced)
+        kernel = resolve_kernel(self.kernel)
+        # A Pallas kernel cannot be partitioned by XLA: on any mesh of several devices the
+        # layer runs in its shard_map, which is expert parallelism over an expert axis of 1.
+        manual = (not mesh.empty) and (
+            mesh.shape.get(EXPERT_AXIS, 1) > 1 or (kernel != "ragged_dot" and mesh.size > 1)
+        )
+        local = partial(self._local, kernel=kernel)
+        if manual:
+            y, logits, experts = _expert_parallel(local, mesh, flat, *weights, forced)
         else:
-            y, logits, experts = self._local(flat, *weights, forced)
+            y, logits, experts = local(flat, *weights, forced)
         return (
             y.reshape(b, t, e),
             logits.reshape(b, t, -1),
@@ -146,6 +153,8 @@ class MoE(nnx.Module):
         forced: jax.Array | None,
         gather: Callable[[jax.Array], jax.Array] = lambda a: a,
         first: jax.Array | int = 0,
+        *,
+        kernel: str = "ragged_dot",
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, E] -> (y [N', E], logits [N, X] f32, experts [N, k]) through the experts of
         gate/up/down, which are experts first..first+X' of the layer. ``gather`` makes the rows
@@ -153,7 +162,7 @@ class MoE(nnx.Module):
         logits = x @ router
         weights, experts = route(logits, self.k, normalize=self.normalize, forced=forced)
         xs, es, ws = gather(x), gather(experts), gather(weights)
-        outs = grouped_swiglu(xs, es - first, gate, up, down, self.kernel)
+        outs = grouped_swiglu(xs, es - first, gate, up, down, kernel)
         y = jnp.einsum("nke,nk->ne", outs, ws.astype(x.dtype))
         return y, logits.astype(jnp.float32), experts
 
@@ -169,7 +178,8 @@ def _expert_parallel(
     forced: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The MoE with its experts split over the mesh's expert axis (module docstring, "Expert
-    parallelism"): x [N, E] -> (y [N, E], logits [N, X], experts [N, k]), as ``local``."""
+    parallelism"; an axis of 1 leaves each device every expert, its rows and its slice of the
+    width): x [N, E] -> (y [N, E], logits [N, X], experts [N, k]), as ``local``."""
     names, manual = mesh.axis_names, manual_axes(mesh)
     batch = tuple(
         a
@@ -181,13 +191,14 @@ def _expert_parallel(
     tp = mesh.shape.get(TENSOR_AXIS, 1)
     tensor = TENSOR_AXIS if tp > 1 and width % tp == 0 and TENSOR_AXIS not in manual else None
     row_spec = P(rows or None, None)
-    ep = mesh.shape[EXPERT_AXIS]
+    experts_axis = EXPERT_AXIS if EXPERT_AXIS in names and EXPERT_AXIS not in manual else None
+    ep = mesh.shape[experts_axis] if experts_axis else 1
     if gate.shape[0] % ep:
         raise ValueError(f"mesh.expert = {ep} does not divide the model's {gate.shape[0]} experts")
     spread = EXPERT_AXIS in rows  # each expert device holds other tokens
 
     def body(x, router, gate, up, down, forced):  # noqa: ANN001, ANN202
-        first = jax.lax.axis_index(EXPERT_AXIS) * gate.shape[0]
+        first = jax.lax.axis_index(experts_axis) * gate.shape[0] if experts_axis else 0
         gather = (
             (lambda a: jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True))
             if spread
@@ -199,11 +210,11 @@ def _expert_parallel(
         # Every (token, expert) pair was computed on the one device holding the expert.
         if spread:
             y = jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
-        else:
-            y = jax.lax.psum(y, EXPERT_AXIS)
+        elif experts_axis:
+            y = jax.lax.psum(y, experts_axis)
         return y, logits, experts
 
-    w_in, w_out = P(EXPERT_AXIS, None, tensor), P(EXPERT_AXIS, tensor, None)
+    w_in, w_out = P(experts_axis, None, tensor), P(experts_axis, tensor, None)
     return jax.shard_map(
         body,
         mesh=mesh,

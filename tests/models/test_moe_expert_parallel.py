@@ -122,3 +122,9 @@ def test_experts_must_divide_over_the_axis():
     tokens = jnp.zeros((8, 4), jnp.int32)
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="does not divide the model's 4"):
         models.forward(model, tokens)
+
+
+def test_megablox_on_a_mesh_without_an_expert_axis_runs_in_the_layers_shard_map():
+    # XLA cannot partition a Pallas kernel: on a data x tensor mesh (an engine's) the layer
+    # takes its shard_map with an expert axis of 1, rows over data and the width over tensor.
+    _compare(MeshConfig(data=4, fsdp=1, expert=1, tensor=2), 4, 6, kernel="megablox_interpret")
