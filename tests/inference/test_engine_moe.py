@@ -47,14 +47,22 @@ def test_logprobs_are_the_replay_and_greedy_tokens_the_forwards(moe_model):
         assert_greedy(ro.tokens, np.asarray(logits), tol=1e-5)
 
 
-def _own_routes(model: models.Transformer, ro) -> np.ndarray:
-    """The experts the uncached forward's router picks at each position of ``ro``'s sequence
-    [S, L, k]."""
-    seq = np.asarray([[*ro.prompt_tokens.tolist(), *ro.tokens.tolist()]], np.int32)
-    _, _, routing = model.run(
-        jnp.asarray(seq), models.default_positions(jnp.asarray(seq)), models.NoCache()
-    )
-    return np.asarray(routing.experts)[:, 0].swapaxes(0, 1)
+def _own_routes(model: models.Transformer, rollouts) -> list[np.ndarray]:
+    """The experts the uncached forward's router picks at each position of each rollout's
+    sequence, [S, L, k] each: one causal forward over them all, padded at the end (which no
+    earlier position sees)."""
+    seqs = [[*ro.prompt_tokens.tolist(), *ro.tokens.tolist()] for ro in rollouts]
+    width = max(map(len, seqs))
+    batch = jnp.asarray([s + [0] * (width - len(s)) for s in seqs], jnp.int32)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def experts(state, tokens):  # noqa: ANN001, ANN202
+        m = nnx.merge(graphdef, state)
+        return m.run(tokens, models.default_positions(tokens), models.NoCache())[2].experts
+
+    got = np.asarray(experts(state, batch))  # [L, B, S, k]
+    return [got[:, i, : len(s)].swapaxes(0, 1) for i, s in enumerate(seqs)]
 
 
 def test_the_engine_records_the_experts_of_every_position_it_computed(moe_model):
@@ -66,13 +74,13 @@ def test_the_engine_records_the_experts_of_every_position_it_computed(moe_model)
     rollouts = _run_checked(engine)
     cfg = moe_model.cfg
     agree = total = 0
-    for ro in rollouts:
+    for ro, own in zip(rollouts, _own_routes(moe_model, rollouts), strict=True):
         n = len(ro.prompt_tokens) + len(ro.tokens)
         assert ro.routes.shape == (n, cfg.num_layers, cfg.experts_per_token)
         assert ro.routes.dtype == np.int16
         # The last token was sampled, never fed: nothing routed it.
         assert (ro.routes[-1] == -1).all() and (ro.routes[:-1] >= 0).all()
-        own = _own_routes(moe_model, ro)[:-1]
+        own = own[:-1]
         # Another program (the uncached forward) agrees but where f32 round-off reorders two
         # near-equal router probabilities; top-k is a set, so compare sorted.
         agree += int((np.sort(own, -1) == np.sort(ro.routes[:-1], -1)).all(-1).sum())
