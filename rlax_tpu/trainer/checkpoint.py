@@ -34,6 +34,8 @@ from rlax_tpu.config import ModelConfig, to_dict
 # Model fields that do not change what the checkpointed arrays mean.
 _RUN_FIELDS = ("weights_format", "weights_path", "tokenizer_path", "seed")
 _LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
+# How the model is computed, not what it computes: never part of a checkpoint's identity.
+_EXECUTION_FIELDS = ("expert_kernel",)
 
 
 class CheckpointMismatchError(ValueError):
@@ -112,6 +114,8 @@ def model_signature(cfg: ModelConfig) -> dict[str, Any]:
     JSON keeps them, lists for tuples). A LoRA checkpoint holds the adapters alone, so where
     the base comes from is part of its identity: it keeps the weights' format, path and seed."""
     fields = json.loads(json.dumps(to_dict(cfg)))
+    for name in _EXECUTION_FIELDS:
+        fields.pop(name, None)
     if not cfg.lora_rank:
         for name in (*_RUN_FIELDS, *_LORA_FIELDS):  # as before LoRA: older checkpoints match
             fields.pop(name, None)
@@ -119,6 +123,9 @@ def model_signature(cfg: ModelConfig) -> dict[str, Any]:
         fields.pop("tokenizer_path", None)
     fields["head_dim"] = cfg.resolved_head_dim
     return fields
+
+
+_MODEL_DEFAULTS = json.loads(json.dumps(to_dict(ModelConfig())))
 
 
 class Checkpointer:
@@ -213,6 +220,10 @@ class Checkpointer:
         return step, jax.tree.map(cast, restored, abstract_state)
 
     def _check_signature(self, step: int, saved: dict[str, Any]) -> None:
+        # A field the checkpoint does not record was added to the model config after it was
+        # written: its default is what the checkpoint's model was (a dense model has
+        # num_experts 0), so only another value is a mismatch.
+        saved = _MODEL_DEFAULTS | saved
         diffs = [
             f"{k}: checkpoint {saved.get(k)!r}, config {v!r}"
             for k, v in self.signature.items()

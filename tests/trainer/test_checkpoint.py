@@ -195,3 +195,27 @@ def test_a_checkpoint_restores_into_other_master_dtypes_verified(tmp_path):
         np.testing.assert_array_equal(x, y.astype(np.float32))
     b.train_step(random_batch(1))  # and it trains on from there
     b.close()
+
+
+def test_fields_added_after_a_checkpoint_compare_as_their_defaults(tmp_path):
+    """A checkpoint from before the model config had a field (the MoE fields, say) restores into
+    a config that leaves it at its default, and only there; how the experts are computed
+    (model.expert_kernel) is never part of the identity."""
+    from rlax_tpu.trainer.checkpoint import Checkpointer, model_signature
+
+    dense = models.preset("tiny")
+    older = {
+        k: v
+        for k, v in model_signature(dense).items()
+        if k not in ("num_experts", "experts_per_token", "expert_intermediate_size")
+    }
+    assert "expert_kernel" not in model_signature(
+        dataclasses.replace(dense, expert_kernel="megablox")
+    )
+    ckpt = Checkpointer(tmp_path, keep=1, signature=model_signature(dense))
+    ckpt._check_signature(3, older)  # a dense model then and now
+    moe = models.preset("tiny", arch="qwen3_moe", num_experts=4)
+    ckpt.signature = model_signature(moe)
+    with pytest.raises(CheckpointMismatchError, match="num_experts: checkpoint 0, config 4"):
+        ckpt._check_signature(3, older)
+    ckpt.close()
