@@ -90,7 +90,7 @@ def grouped_swiglu(
     # there (forward or transposed) is not specified, and must reach no gradient.
     rows = jnp.where(used, jnp.take(x, order // k, axis=0), 0)  # [N·k, E], grouped by expert
     sizes = jnp.bincount(key, length=num + 1)[:num].astype(jnp.int32)
-    matmul = partial(grouped_matmul, sizes=sizes, kernel=resolve_kernel(kernel))
+    matmul = partial(grouped_matmul, sizes=sizes, kernel=kernel)
     hidden = jax.nn.silu(matmul(rows, gate)) * matmul(rows, up)
     out = matmul(hidden, down)  # [N·k, E] in sorted order
     out = jnp.where(used, out, jnp.zeros_like(out))
@@ -129,11 +129,11 @@ class MoE(nnx.Module):
         kernel = resolve_kernel(self.kernel)
         # A Pallas kernel cannot be partitioned by XLA: on any mesh of several devices the
         # layer runs in its shard_map, which is expert parallelism over an expert axis of 1.
-        manual = (not mesh.empty) and (
+        in_shard_map = (not mesh.empty) and (
             mesh.shape.get(EXPERT_AXIS, 1) > 1 or (kernel != "ragged_dot" and mesh.size > 1)
         )
         local = partial(self._local, kernel=kernel)
-        if manual:
+        if in_shard_map:
             y, logits, experts = _expert_parallel(local, mesh, flat, *weights, forced)
         else:
             y, logits, experts = local(flat, *weights, forced)
