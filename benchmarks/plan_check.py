@@ -21,7 +21,7 @@ The modes:
 
 The topology is the CPU stand-in of separate accelerators (as in ``async_speedup.py``): the trainer
 in a child process on CPU 1, the controller's process (the in-process workers, the verifier and its
-sandboxes) on CPU 0, single-threaded XLA ops. So the workers share one core:
+sandboxes) on CPU 0, single-threaded XLA ops. So the workers share one core, with the sandboxes:
 ``--parallel_workers=1`` tells the planner.
 
 For each run: measured seconds per update (the mean interval between update records after

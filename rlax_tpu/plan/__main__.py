@@ -15,7 +15,8 @@ and the bottleneck of a config on a TPU layout, for one or several inference wor
                       metrics.jsonl) instead of the rooflines; no topology needed. With --aot
                       of the run's own layout, also the efficiency the run reached
 --parallel_workers=K  workers that generate at full speed at once (default 0: each has chips
-                      of its own; 1 for workers sharing this host's one inference core)
+                      of its own; 1 for workers sharing this host's one inference core). With
+                      --calibrate, the verifier's sandboxes share those K cores too
 --lengths=P,C         mean prompt and completion tokens (default: half of each budget)
 --efficiency=train=E,decode=E,prefill=E   measured time = roofline / efficiency (default 0.5 each)
 --pull_gbps / --server_gbps   a worker's pull bandwidth; a parameter-server replica's
@@ -50,7 +51,10 @@ flags.DEFINE_list("workers", [], "Inference worker counts to plan for (default: 
 flags.DEFINE_list("aot", [], "JSON reports of python -m rlax_tpu.aot instead of compiling.")
 flags.DEFINE_string("calibrate", "", "A deterministic-mode run directory to measure costs on.")
 flags.DEFINE_float(
-    "parallel_workers", 0.0, "Workers that generate at full speed at once (0: all of them)."
+    "parallel_workers",
+    0.0,
+    "Workers that generate at full speed at once (0: all of them); with --calibrate, the cores "
+    "they share with the verifier's sandboxes.",
 )
 flags.DEFINE_list("lengths", [], "Mean prompt and completion tokens: P,C.")
 flags.DEFINE_list("efficiency", [], "train=E,decode=E,prefill=E (fractions of the roofline).")

@@ -24,9 +24,16 @@ The run must be in deterministic mode: its jobs hold a worker alone, so the seco
 workers' calls add up to their busy time (in throughput mode jobs share a worker's engine and
 their calls overlap).
 
+A worker's decode step has the same rows however few groups it holds (``Engine.step_tokens``,
+on every backend), so its groups started together end with their slowest: the measured time of
+``slots`` groups is the mean group's times the expected longest latency among them (the run's
+own lengths, ``plan/lengths.py``; 1 when its metrics record none), and the costs are the mean
+group's.
+
 Workers that share one machine (this host's CPU cores) do not each generate at that rate:
 ``parallel_workers`` says how many can at once, and with N workers each group takes
-max(1, N / parallel_workers) times longer.
+max(1, N / parallel_workers) times longer. The verifier's sandboxes run on those cores too
+(``PlanCosts.shared_cores``): the planner adds up what an update asks of them.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Any
 from rlax_tpu.config import RunConfig
 from rlax_tpu.observability.metrics import read_metrics
 from rlax_tpu.plan.costs import PlanCosts, Workload, verifier_slots, version_bytes, worker_slots
+from rlax_tpu.plan.lengths import NoLengths, from_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +61,9 @@ class Measured:
     reload_s: float
     groups_per_s: float  # one worker's generation rate
     workload: Workload
+    # The expected longest latency, over the mean group's, of the groups a wave of the run held
+    # together (module docstring).
+    wave_latency: float = 1.0
 
     def costs(
         self,
@@ -68,19 +79,22 @@ class Measured:
         share = max(1.0, workers / parallel_workers)
         sandboxes = verifier_slots(config)
         rounds = math.ceil(config.rollouts_per_step / sandboxes)
+        group = slots / self.groups_per_s / self.wave_latency  # the mean group's, alone
         return PlanCosts(
             train_s=self.train_s,
-            group_s=slots / self.groups_per_s * share,
+            group_s=group * share,
             slots=slots,
             reload_s=self.reload_s,
             check_s=self.verify_s / rounds,
             verifier_slots=sandboxes,
             version_bytes=version_bytes(config),
-            batched=False,
+            shared_cores=parallel_workers if math.isfinite(parallel_workers) else 0.0,
+            group_core_s=group,
             detail={
                 "measured_steps": float(self.steps),
                 "groups_per_s": self.groups_per_s,
                 "worker_share": share,
+                "wave_latency": self.wave_latency,
             },
         )
 
@@ -141,6 +155,16 @@ def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measure
         if intervals
         else 0.0
     )
+    workload = Workload(
+        prompt=max(1.0, prompt),
+        completion=max(1.0, statistics.mean(s["rollout/length_mean"] for s in steady)),
+    )
+    try:
+        lengths = from_run(run_dir, config.algorithm.group_size, skip=skip)
+        wave = min(worker_slots(config, workload, "cpu"), config.controller.prompts_per_step)
+        wave_latency = lengths.expected_max_latency(wave, seed=config.controller.seed)
+    except NoLengths:
+        wave_latency = 1.0
     return Measured(
         steps=len(steady),
         train_s=statistics.fmean(s["time/train"] for s in steady) + overhead,
@@ -148,10 +172,8 @@ def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measure
         verify_s=statistics.fmean(s["time/verify"] for s in steady),
         reload_s=total("pool/load_s") / loads if loads else 0.0,
         groups_per_s=total("pool/groups") / total("pool/generate_s"),
-        workload=Workload(
-            prompt=max(1.0, prompt),
-            completion=max(1.0, statistics.mean(s["rollout/length_mean"] for s in steady)),
-        ),
+        workload=workload,
+        wave_latency=wave_latency,
     )
 
 

@@ -125,12 +125,17 @@ class PlanCosts:
     verifier_slots: int  # sandboxes verifying at once (verifier_slots_of)
     version_bytes: int
     detail: dict[str, float]
-    # True: a worker's step costs the same for fewer groups (an accelerator's fixed-shape
-    # programs), so k < slots groups take group_s; False: k groups take k/slots of it (measured
-    # rates on a CPU, whose steps cost what their rows do).
+    # True: a worker's step costs the same for fewer groups (the engine's fixed-shape decode
+    # program, on every backend), so k < slots groups take group_s; False: k groups take
+    # k/slots of it (a model of an engine whose steps cost what their rows do).
     batched: bool = True
     eval_s: float = 0.0  # one held-out evaluation's generation on the workers (with_eval)
     eval_verify_s: float = 0.0  # and its verification after it
+    # > 0: the workers and the verifier's sandboxes share this many cores (the CPU stand-in,
+    # one machine), and an update cannot take less than the seconds it asks of them over this
+    # (``predict.core_seconds``); 0: each has its own chips or machines.
+    shared_cores: float = 0.0
+    group_core_s: float = 0.0  # a group's seconds of those cores: group_s without the sharing
 
 
 def version_bytes(config: RunConfig) -> int:

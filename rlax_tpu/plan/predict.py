@@ -126,6 +126,13 @@ def predict(
         for s in det.steps[skip:]:
             staleness[s.staleness] = staleness.get(s.staleness, 0) + batch
         staleness = dict(sorted(staleness.items()))
+    cores_busy = 0.0
+    if costs.shared_cores > 0:
+        # The cores the workers share with the sandboxes are a resource the simulators do not
+        # see: an update takes at least what it asks of them (the bottleneck law).
+        demand = core_seconds(config, costs, workers, lengths)
+        period = max(period, demand.total / costs.shared_cores)
+        cores_busy = min(1.0, demand.total / (costs.shared_cores * period))
     trainer_busy = min(1.0, costs.train_s / period)
     workers_busy = min(1.0, batch * costs.group_s / (workers * costs.slots * period))
     # The sandboxes' share: the updates' samples, and an evaluation's every k updates (its
@@ -141,7 +148,12 @@ def predict(
         key=lambda part: part[1],
     )  # fmt: skip
     besides = {"weight loads": loading, "evaluations": evaluating}
-    if busiest[1] >= BUSY:
+    if cores_busy >= max(BUSY, busiest[1]):
+        parts = dataclasses.asdict(demand)
+        bottleneck = "the shared cores: " + ", ".join(
+            f"{name} {100 * v / demand.total:.0f}%" for name, v in parts.items() if v > 0
+        )
+    elif busiest[1] >= BUSY:
         bottleneck = busiest[0]
         if busiest[0] == "verification" and verifying_evals >= 0.005 * period:
             share = verifying_evals / (verifying + verifying_evals)
@@ -164,6 +176,52 @@ def predict(
         discarded=discarded,
         bottleneck=bottleneck,
         costs=costs,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreSeconds:
+    """Seconds of the shared cores an update asks for, by what asks."""
+
+    generation: float
+    loads: float
+    verification: float
+    evaluations: float
+
+    @property
+    def total(self) -> float:
+        return self.generation + self.loads + self.verification + self.evaluations
+
+
+def core_seconds(
+    config: RunConfig, costs: PlanCosts, workers: int, lengths: GroupLengths | None
+) -> CoreSeconds:
+    """What one update asks of the cores the workers share with the sandboxes: each worker's
+    waves of its share of the B groups (a wave costs a whole wave's fixed-shape steps however
+    few groups it holds, and ends with its slowest), its load of a version every η_r updates,
+    every sample's check, and an evaluation's generation and checks every eval_every updates.
+    Throughput mode deals groups to the least-loaded worker as the round-robin of a step's
+    does, and its waves are taken as full as that allows (a lower bound)."""
+    batch, slots, seed = config.controller.prompts_per_step, costs.slots, config.controller.seed
+    generation = 0.0
+    for share in (len(range(w, batch, workers)) for w in range(workers)):
+        if share:
+            wave = min(slots, share)
+            slowest = lengths.expected_max_latency(wave, seed=seed) if lengths else 1.0
+            generation += math.ceil(share / slots) * costs.group_core_s * slowest
+    policy = StalenessPolicy.of(config.controller)
+    k = config.data.eval_every
+    # Every worker generates its part of an evaluation at once, for eval_s, at the sharing's
+    # pace; more sandboxes than cores check slower than alone (check_s measured so).
+    unshared = costs.group_core_s / costs.group_s if costs.group_s else 1.0
+    checking = min(max(1, costs.verifier_slots), costs.shared_cores)  # cores the checks use
+    per_check = costs.check_s * checking / max(1, costs.verifier_slots)
+    evaluation = workers * costs.eval_s * unshared + costs.eval_verify_s * checking
+    return CoreSeconds(
+        generation=generation,
+        loads=workers * costs.reload_s / policy.reload_staleness,
+        verification=config.rollouts_per_step * per_check,
+        evaluations=evaluation / k if k > 0 else 0.0,
     )
 
 

@@ -26,9 +26,10 @@ def _step(i: int, **extra: float) -> dict[str, float]:
     } | extra
 
 
-def _run(tmp_path, steps: int = 7, evaluated: tuple[int, ...] = (), **extra: float):  # noqa: ANN003, ANN202
+def _run(tmp_path, steps: int = 7, evaluated: tuple[int, ...] = (), lengths=None, **extra: float):  # noqa: ANN001, ANN003, ANN202
     """An update every 10 s; before the steps of index ``evaluated``, a 3 s held-out evaluation
-    as the controller runs it: inside the step's wait, its generation in the pool's counts."""
+    as the controller runs it: inside the step's wait, its generation in the pool's counts.
+    ``lengths``: every step's trained completion lengths (the lengths/trained histogram)."""
     writer = MetricsWriter(tmp_path)
     late = 0.0
     for i in range(steps):
@@ -39,7 +40,8 @@ def _run(tmp_path, steps: int = 7, evaluated: tuple[int, ...] = (), **extra: flo
             step["time/wait"] += 3.0
             step["pool/generate_s"] += 2.0
             step["pool/groups"] += 48.0
-        writer.write(i + 1, step, wall_time=10.0 * i + late)
+        hist = {"lengths/trained": lengths} if lengths else None
+        writer.write(i + 1, step, hist, wall_time=10.0 * i + late)
         writer.write(i + 1, {"eval/pass@1": 0.5})  # a record of no step, without a time
     writer.close()
     return tmp_path
@@ -99,8 +101,10 @@ def test_a_calibrated_plan_of_one_worker_predicts_the_measured_step(tmp_path):
     # 8 groups at 2 groups/s = 4 s, a load 0.3 s, verify 0.5 s, train 3 s and 2 s of the
     # controller's own.
     assert one["seconds_per_update"] == pytest.approx(9.8)
-    # Two workers sharing one's speed: each makes 4 groups in 4 s and loads; no faster.
-    assert two["seconds_per_update"] == pytest.approx(9.8)
+    # Two workers sharing one's core: each runs its 4 groups as a wave of the engine's
+    # fixed-shape steps, which costs a whole wave's 4 s alone and 8 s at half the core. Slower.
+    assert two["seconds_per_update"] == pytest.approx(13.8)
+    assert one["bottleneck"].startswith("the schedule") and "cores" not in two["bottleneck"]
     assert out["assumptions"]["calibrated_on"] == str(tmp_path)
     with pytest.raises(PlanError, match="do not apply"):
         plan(config, trainer_topology="", inference_topology="", calibrate="x", lengths=["9", "9"])
@@ -129,3 +133,24 @@ def test_a_run_with_its_layouts_reports_gives_the_efficiency_it_reached(tmp_path
     assert eff["train"] == pytest.approx(update / (5.0 - 3_412_480 / 1e12), rel=1e-9)
     group = 8 * 1.5625 * 0.04 + 34 * 0.01
     assert eff["generate"] == pytest.approx(group * 2.0 / 8, rel=1e-9)
+
+
+def test_a_wave_ends_with_its_slowest_group_and_the_costs_are_the_mean_groups(tmp_path):
+    """Every group of the run: seven samples of 10 tokens and one of 30 (mean 12.5), so each is
+    done 30 / 12.5 = 2.4 mean samples' time after it starts. The 4 s of a wave of 8 groups is
+    2.4 times the mean group's; the plan puts the 2.4 back for a wave, and the calibration keeps
+    its identity on its own run."""
+    run = _run(tmp_path, lengths=([10.0] * 7 + [30.0]) * 8)
+    config = build(
+        {
+            "controller.pipeline_depth": 0,
+            "controller.acceptance_staleness": 0,
+            "data.eval_every": 0,
+        }
+    )
+    m = measure(run, config, skip=2)
+    assert m.wave_latency == pytest.approx(2.4)
+    c = m.costs(config, workers=1, parallel_workers=1)
+    assert (c.group_s, c.group_core_s, c.shared_cores) == pytest.approx((4 / 2.4, 4 / 2.4, 1))
+    _, out = plan(config, trainer_topology="", inference_topology="", calibrate=str(run), steps=20)
+    assert out["predictions"][0]["seconds_per_update"] == pytest.approx(9.8)
