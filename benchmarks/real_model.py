@@ -3,7 +3,9 @@ the project's own functions graded in the sandbox (``--task code``: configs/code
 or those functions as 2-attempt code-repair episodes (``--task repair``: the same preset with
 ``environment.name=code_repair``; the evaluations report pass@1 after each attempt), or the math
 preset with LoRA adapters (``--task lora``) against full fine-tuning run on the same host
-(``--task full``: the math preset as it is, into its own directory).
+(``--task full``: the math preset as it is, into its own directory), or the code preset with
+LoRA adapters (``--task code_lora``, run alone on the host as the code task's seeds were, whose
+``real_model_code/seed<N>.json`` it is compared with).
 
     .venv/bin/python benchmarks/real_model.py [--task code] run --seeds 0 1 2 [--minutes 60]
     .venv/bin/python benchmarks/real_model.py trainer      # the trainer step, before and after
@@ -52,7 +54,15 @@ TASKS = {  # task -> (preset, output directory)
     # issue [lora] (held-out gain in the same wall time).
     "lora": ("configs/smollm2_math.py:cpu", Path(__file__).with_name("real_model_lora") / "lora"),
     "full": ("configs/smollm2_math.py:cpu", Path(__file__).with_name("real_model_lora") / "full"),
+    # The code preset with LoRA, run alone on the host as the code task's seeds were (their
+    # seed<N>.json are its full fine-tuning side).
+    "code_lora": (
+        "configs/codeforces.py:smollm2",
+        Path(__file__).with_name("real_model_lora") / "code_lora",
+    ),
 }
+# LoRA against full fine-tuning: LoRA task -> the full fine-tuning task it is compared with.
+LORA_PAIRS = {"lora": "full", "code_lora": "code"}
 # The repair task: the code preset with 2-attempt code_repair episodes. An episode's two turns
 # and the verdict's feedback share max_new_tokens (a first turn of at most 192, the feedback
 # up to ~200, the rest for the second); micro-batches of 2, as rollouts are about twice the
@@ -62,6 +72,12 @@ TASK_FLAGS = {
     # fine-tuning's (Schulman et al., "LoRA Without Regret", Thinking Machines, 2025); the
     # preset's full fine-tuning runs at 1e-5.
     "lora": (
+        "--config.model.lora_rank=16",
+        "--config.model.lora_alpha=32",
+        "--config.trainer.learning_rate=1e-4",
+    ),
+    # 10x the code preset's 1e-5, as the math task's.
+    "code_lora": (
         "--config.model.lora_rank=16",
         "--config.model.lora_alpha=32",
         "--config.trainer.learning_rate=1e-4",
@@ -146,7 +162,7 @@ def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
         # the trainer and the workers (local transport). Linux reports KiB.
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
     }
-    if TASK == "code":
+    if TASK in ("code", "code_lora"):
         before_dir = run_root / f"seed{seed}-v0"
         result["external"] = {
             "before": _evaluate(before_dir, seed, [EXTERNAL], run_root / f"seed{seed}-v0.log")[
@@ -457,8 +473,9 @@ def report(steps: bool = False) -> None:
         _report_code(seeds)
     if any("episode_pass1" in json.loads(p.read_text())["evals"][0] for p in seeds):
         _report_repair(seeds)
-    if TASK in ("lora", "full"):
-        _report_lora()
+    for lora, full in LORA_PAIRS.items():
+        if TASK in (lora, full):
+            _report_lora(TASKS[full][1], TASKS[lora][1])
     trainer = OUT / "trainer.json"
     if trainer.exists():
         t = json.loads(trainer.read_text())
@@ -475,21 +492,27 @@ def report(steps: bool = False) -> None:
             )
 
 
-def _report_lora() -> None:
-    """LoRA against full fine-tuning, seed by seed: held-out pass@1 at v0 and at the last
-    evaluation within the same wall-time budget, the steps each made and their mean step."""
+def _report_lora(full_dir: Path, lora_dir: Path) -> None:
+    """LoRA (``lora_dir``) against full fine-tuning (``full_dir``), seed by seed: held-out
+    pass@1 at v0 and at the last evaluation within the same wall-time budget, the steps each
+    made and their mean step."""
+    pairs = [
+        (path, lora_dir / path.name)
+        for path in sorted(full_dir.glob("seed*.json"))
+        if not path.name.endswith(".crashed.json") and (lora_dir / path.name).exists()
+    ]
+    if not pairs:
+        return
     print(
         "\n| seed | full: v0 -> last (version) | gain | steps | s a step | LoRA: v0 -> last "
-        "(version) | gain | steps | s a step | peak RSS GiB full / LoRA |"
+        "(version) | gain | steps | s a step | peak RSS GiB full / LoRA | external after, full "
+        "/ LoRA |"
     )
-    print("|---|---|---:|---:|---:|---|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|---|---|")
     gains: dict[str, list[float]] = {"full": [], "lora": []}
-    for path in sorted((TASKS["full"][1]).glob("seed*.json")):
-        other = TASKS["lora"][1] / path.name
-        if path.name.endswith(".crashed.json") or not other.exists():
-            continue
+    for path, other in pairs:
         row = [path.stem.removeprefix("seed")]
-        rss = []
+        rss, external = [], []
         for task, p in (("full", path), ("lora", other)):
             r = json.loads(p.read_text())
             e0, e1, st = r["evals"][0], r["evals"][-1], r["steps"]
@@ -502,7 +525,9 @@ def _report_lora() -> None:
                 f"{step_s:.0f}",
             ]
             rss.append(f"{r['peak_rss_gib']:.1f}" if "peak_rss_gib" in r else "-")
-        print("| " + " | ".join(row + [" / ".join(rss)]) + " |")
+            ext = r.get("external", {}).get("after", {})
+            external.append(f"{ext['eval/pass@1']:.3f}" if "eval/pass@1" in ext else "-")
+        print("| " + " | ".join(row + [" / ".join(rss), " / ".join(external)]) + " |")
     if gains["full"]:
         print(
             f"\nmean gain at the last evaluation: full {100 * sum(gains['full']) / len(gains['full']):+.1f}"
