@@ -82,7 +82,7 @@ class WorkerPool:
         self._outstanding = [0] * len(workers)  # groups given to each worker, not yet back
         self._rotation = 0  # where the search for the least-loaded worker starts
         self.generated_tokens = 0
-        self._times = {"load_s": 0.0, "loads": 0.0, "generate_s": 0.0, "groups": 0.0}
+        self._times = {"load_s": 0.0, "loads": 0.0, "generate_s": 0.0, "calls": 0.0, "groups": 0.0}
         # Set by close(): a job waiting for a worker to come back gives up at once (a stopped
         # controller must not outlive its SIGTERM by the retry window).
         self._closing = threading.Event()
@@ -181,8 +181,9 @@ class WorkerPool:
 
     def take_times(self) -> dict[str, float]:
         """Since the last call: seconds the workers spent loading weights (``load_s``, over
-        ``loads`` loads) and generating (``generate_s``, summed over workers, for ``groups``
-        finished groups). The planner calibrates its costs on them."""
+        ``loads`` loads) and generating (``generate_s``, summed over workers, in ``calls``
+        generation calls, each a worker's share of a job, for ``groups`` finished groups). The
+        planner calibrates its costs on them."""
         with self._lock:
             out, self._times = self._times, dict.fromkeys(self._times, 0.0)
         return out
@@ -228,7 +229,7 @@ class WorkerPool:
                 t0 = time.perf_counter()
                 for ro in worker.generate(todo, version=version):
                     by_key[ro.prompt_id].append(ro)
-                self._count(generate_s=time.perf_counter() - t0)
+                self._count(generate_s=time.perf_counter() - t0, calls=1.0)
                 again = []
                 for r in todo:
                     got = by_key[r.prompt_id]

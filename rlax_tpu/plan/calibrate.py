@@ -25,15 +25,19 @@ workers' calls add up to their busy time (in throughput mode jobs share a worker
 their calls overlap).
 
 A worker's decode step has the same rows however few groups it holds (``Engine.step_tokens``,
-on every backend), so its groups started together end with their slowest: the measured time of
-``slots`` groups is the mean group's times the expected longest latency among them (the run's
-own lengths, ``plan/lengths.py``; 1 when its metrics record none), and the costs are the mean
-group's.
+on every backend), so a generation call of k groups (``pool/calls``: a worker's share of a job)
+runs ⌈k / slots⌉ waves, each ending with its slowest group. A wave's time (``pool/generate_s``
+over the waves) is the mean group's times the expected longest latency among the groups a wave
+held (the run's own lengths after the warm-up, ``plan/lengths.py``; 1 when its metrics record
+none), and the costs are the mean group's. Runs from before ``pool/calls`` count one call a step
+(one worker).
 
 Workers that share one machine (this host's CPU cores) do not each generate at that rate:
 ``parallel_workers`` says how many can at once, and with N workers each group takes
 max(1, N / parallel_workers) times longer. The verifier's sandboxes run on those cores too
-(``PlanCosts.shared_cores``): the planner adds up what an update asks of them.
+(``PlanCosts.shared_cores``): the planner adds up what an update asks of them. Calibrate such a
+layout on a run of one worker: the calls of several that shared a core took their sharing's
+time, which the measurement cannot take apart.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from typing import Any
 from rlax_tpu.config import RunConfig
 from rlax_tpu.observability.metrics import read_metrics
 from rlax_tpu.plan.costs import PlanCosts, Workload, verifier_slots, version_bytes, worker_slots
-from rlax_tpu.plan.lengths import NoLengths, from_run
+from rlax_tpu.plan.lengths import GroupLengths, NoLengths, from_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +65,11 @@ class Measured:
     reload_s: float
     groups_per_s: float  # one worker's generation rate
     workload: Workload
+    wave_s: float  # a generation wave's mean seconds (module docstring)
     # The expected longest latency, over the mean group's, of the groups a wave of the run held
-    # together (module docstring).
+    # together, from ``lengths``, the run's groups (None: it recorded none; every group the mean).
     wave_latency: float = 1.0
+    lengths: GroupLengths | None = None
 
     def costs(
         self,
@@ -79,7 +85,7 @@ class Measured:
         share = max(1.0, workers / parallel_workers)
         sandboxes = verifier_slots(config)
         rounds = math.ceil(config.rollouts_per_step / sandboxes)
-        group = slots / self.groups_per_s / self.wave_latency  # the mean group's, alone
+        group = self.wave_s / self.wave_latency  # the mean group's, alone
         return PlanCosts(
             train_s=self.train_s,
             group_s=group * share,
@@ -94,6 +100,7 @@ class Measured:
                 "measured_steps": float(self.steps),
                 "groups_per_s": self.groups_per_s,
                 "worker_share": share,
+                "wave_s": self.wave_s,
                 "wave_latency": self.wave_latency,
             },
         )
@@ -159,12 +166,20 @@ def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measure
         prompt=max(1.0, prompt),
         completion=max(1.0, statistics.mean(s["rollout/length_mean"] for s in steady)),
     )
+    slots = worker_slots(config, workload, "cpu")
+    waves, calls = 0, 0.0
+    for s in steady:
+        n = s.get("pool/calls") or 1.0  # before the count: one worker, a call a step
+        waves += round(n) * math.ceil(s["pool/groups"] / n / slots)
+        calls += n
+    held = max(1, min(slots, round(total("pool/groups") / calls)))  # groups a wave held
     try:
-        lengths = from_run(run_dir, config.algorithm.group_size, skip=skip)
-        wave = min(worker_slots(config, workload, "cpu"), config.controller.prompts_per_step)
-        wave_latency = lengths.expected_max_latency(wave, seed=config.controller.seed)
+        lengths: GroupLengths | None = from_run(run_dir, config.algorithm.group_size, skip=skip)
     except NoLengths:
-        wave_latency = 1.0
+        lengths = None
+    wave_latency = (
+        lengths.expected_max_latency(held, seed=config.controller.seed) if lengths else 1.0
+    )
     return Measured(
         steps=len(steady),
         train_s=statistics.fmean(s["time/train"] for s in steady) + overhead,
@@ -173,9 +188,13 @@ def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measure
         reload_s=total("pool/load_s") / loads if loads else 0.0,
         groups_per_s=total("pool/groups") / total("pool/generate_s"),
         workload=workload,
+        wave_s=total("pool/generate_s") / waves,
         wave_latency=wave_latency,
+        lengths=lengths,
     )
 
 
 def describe(m: Measured) -> dict[str, Any]:
-    return dataclasses.asdict(m) | {"workload": dataclasses.asdict(m.workload)}
+    """The measured pieces for a plan's assumptions (the lengths are named there apart)."""
+    fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "lengths"}
+    return fields | {"workload": dataclasses.asdict(m.workload)}

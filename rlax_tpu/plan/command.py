@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlax_tpu.config import RunConfig
-from rlax_tpu.plan.calibrate import Measured, describe, measure
+from rlax_tpu.plan.calibrate import describe, measure
 from rlax_tpu.plan.costs import (
     GBPS,
     Efficiency,
@@ -23,7 +23,7 @@ from rlax_tpu.plan.costs import (
     verifier_slots,
     with_eval,
 )
-from rlax_tpu.plan.lengths import GroupLengths, NoLengths, from_run, parse
+from rlax_tpu.plan.lengths import GroupLengths, parse
 from rlax_tpu.plan.predict import Prediction, predict
 
 
@@ -153,9 +153,7 @@ def plan(
                 check_s=check_s,
                 parallel=parallel,
             )
-            source["measured_efficiency"] = measured_efficiency(
-                roofline_of(1), cost_of(1), measured
-            )
+            source["measured_efficiency"] = measured_efficiency(roofline_of(1), cost_of(1))
     else:
         cost_of, workload, check, source = _from_rooflines(
             config,
@@ -169,11 +167,11 @@ def plan(
             check_s=check_s,
             parallel=parallel,
         )
-    lengths = _lengths(config, length_dist, workload, calibrate)
+    lengths = _lengths(config, length_dist, workload, measured.lengths if calibrate else None)
     predictions: list[Prediction] = []
     for n in counts:
         try:
-            costs = with_eval(config, cost_of(n), n)
+            costs = with_eval(config, cost_of(n), n, lengths)
             predictions.append(
                 predict(config, costs, workload, workers=n, steps=steps, lengths=lengths)
             )
@@ -202,28 +200,21 @@ def plan(
 
 
 def _lengths(
-    config: RunConfig, spec: str, workload: Workload, calibrate: str
+    config: RunConfig, spec: str, workload: Workload, calibrated: GroupLengths | None
 ) -> GroupLengths | None:
-    """--length_dist (default: a calibration run's own groups when it recorded them, else
-    every sample the mean)."""
-    g = config.algorithm.group_size
+    """--length_dist (default: the groups a calibration run trained after its warm-up, the ones
+    its costs were measured with; None: every sample the mean)."""
+    if not spec:
+        return calibrated
     try:
-        if spec:
-            return parse(
-                spec,
-                mean=workload.completion,
-                group_size=g,
-                cap=config.inference.max_new_tokens,
-                seed=config.controller.seed,
-            )
-        return from_run(calibrate, g) if calibrate else None
-    except NoLengths as e:
-        if not spec:  # a calibration run from before the histograms: the mean, as before
-            return None
-        raise PlanError(f"--length_dist: {e}") from None
-    except ValueError as e:
-        raise PlanError(f"--length_dist: {e}") from None
-    except OSError as e:
+        return parse(
+            spec,
+            mean=workload.completion,
+            group_size=config.algorithm.group_size,
+            cap=config.inference.max_new_tokens,
+            seed=config.controller.seed,
+        )
+    except (ValueError, OSError) as e:  # NoLengths is a ValueError
         raise PlanError(f"--length_dist: {e}") from None
 
 
@@ -295,9 +286,7 @@ def _from_rooflines(
     return cost_of, workload, check, source
 
 
-def measured_efficiency(
-    roofline: PlanCosts, measured: PlanCosts, run: Measured
-) -> dict[str, float]:
+def measured_efficiency(roofline: PlanCosts, measured: PlanCosts) -> dict[str, float]:
     """The fraction of the rooflines (at efficiency 1) a run reached: for the update (its push
     left out, as the rooflines do not time it) and a group's generation. Pass them as
     ``--efficiency`` to plan another layout from this run."""
@@ -307,11 +296,10 @@ def measured_efficiency(
             f"the run's update ({measured.train_s:.2f} s) is shorter than the push the "
             f"network assumptions give ({roofline.detail['push_s']:.2f} s): check --server_gbps"
         )
-    # The run made run.groups_per_s groups a second on a worker; the rooflines, slots groups
-    # every group_s.
+    # A group's time at the mean lengths, alone on its worker: the rooflines' and the run's.
     return {
         "train": roofline.detail["update_s"] / update,
-        "generate": roofline.group_s * run.groups_per_s / roofline.slots,
+        "generate": roofline.group_s / measured.group_core_s,
     }
 
 

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.models.paged_cache import page_bytes
+from rlax_tpu.plan.lengths import GroupLengths
 
 GBPS = 1e9 / 8  # bytes/s of one Gbit/s
 
@@ -160,18 +161,26 @@ def step_verify_s(costs: PlanCosts, samples: int) -> float:
     return rounds * costs.check_s
 
 
-def with_eval(config: RunConfig, costs: PlanCosts, workers: int) -> PlanCosts:
+def with_eval(
+    config: RunConfig, costs: PlanCosts, workers: int, lengths: GroupLengths | None = None
+) -> PlanCosts:
     """``costs`` with the held-out evaluation's seconds on ``workers`` workers (module
-    docstring; 0 when data.eval_every is 0)."""
+    docstring; 0 when data.eval_every is 0). With fixed-shape steps (``batched``) a wave ends
+    with its slowest group, drawn from ``lengths`` (None: every group the mean)."""
     d = config.data
     if d.eval_every <= 0:
         return dataclasses.replace(costs, eval_s=0.0, eval_verify_s=0.0)
     samples = d.eval_problems * d.eval_samples
-    waves = samples / config.algorithm.group_size / (workers * costs.slots)
+    groups = samples / config.algorithm.group_size
+    waves = groups / (workers * costs.slots)
+    slowest = 1.0
     if costs.batched:  # fixed-shape steps: a partial wave costs a whole one
         waves = math.ceil(waves)
+        if lengths is not None:
+            held = min(costs.slots, math.ceil(groups / workers))
+            slowest = lengths.expected_max_latency(held, seed=config.controller.seed)
     return dataclasses.replace(
-        costs, eval_s=waves * costs.group_s, eval_verify_s=step_verify_s(costs, samples)
+        costs, eval_s=waves * costs.group_s * slowest, eval_verify_s=step_verify_s(costs, samples)
     )
 
 

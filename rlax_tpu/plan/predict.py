@@ -134,7 +134,12 @@ def predict(
         period = max(period, demand.total / costs.shared_cores)
         cores_busy = min(1.0, demand.total / (costs.shared_cores * period))
     trainer_busy = min(1.0, costs.train_s / period)
-    workers_busy = min(1.0, batch * costs.group_s / (workers * costs.slots * period))
+    if config.controller.mode == "throughput" or not costs.batched:
+        # A group holds its slot for its own time (its mean sample's: occupancy).
+        generating = batch * costs.group_s / costs.slots
+    else:  # a step's waves hold every slot of the worker until their slowest group is done
+        generating = sum(step_waves(config, costs, workers, lengths)) * costs.group_s
+    workers_busy = min(1.0, generating / (workers * period))
     # The sandboxes' share: the updates' samples, and an evaluation's every k updates (its
     # verification holds them all for eval_verify_s).
     verifying = batch * group * costs.check_s / costs.verifier_slots if costs.verifier_slots else 0
@@ -193,34 +198,45 @@ class CoreSeconds:
         return self.generation + self.loads + self.verification + self.evaluations
 
 
+def step_waves(
+    config: RunConfig, costs: PlanCosts, workers: int, lengths: GroupLengths | None
+) -> list[float]:
+    """Each generating worker's waves of its share of a step's B groups (dealt round-robin), in
+    mean groups' times: a wave holds at most ``slots`` groups and ends with its slowest (the
+    expected longest latency of that many groups drawn from ``lengths``; 1 without them)."""
+    batch, slots, seed = config.controller.prompts_per_step, costs.slots, config.controller.seed
+    out = []
+    for share in (len(range(w, batch, workers)) for w in range(workers)):
+        if share:
+            held = min(slots, share)
+            slowest = lengths.expected_max_latency(held, seed=seed) if lengths else 1.0
+            out.append(math.ceil(share / slots) * slowest)
+    return out
+
+
 def core_seconds(
     config: RunConfig, costs: PlanCosts, workers: int, lengths: GroupLengths | None
 ) -> CoreSeconds:
     """What one update asks of the cores the workers share with the sandboxes: each worker's
-    waves of its share of the B groups (a wave costs a whole wave's fixed-shape steps however
-    few groups it holds, and ends with its slowest), its load of a version every η_r updates,
-    every sample's check, and an evaluation's generation and checks every eval_every updates.
-    Throughput mode deals groups to the least-loaded worker as the round-robin of a step's
-    does, and its waves are taken as full as that allows (a lower bound)."""
-    batch, slots, seed = config.controller.prompts_per_step, costs.slots, config.controller.seed
-    generation = 0.0
-    for share in (len(range(w, batch, workers)) for w in range(workers)):
-        if share:
-            wave = min(slots, share)
-            slowest = lengths.expected_max_latency(wave, seed=seed) if lengths else 1.0
-            generation += math.ceil(share / slots) * costs.group_core_s * slowest
+    waves of its share of the B groups (``step_waves``: a wave costs a whole wave's fixed-shape
+    steps however few groups it holds, and ends with its slowest), its load of a version every
+    η_r updates, every sample's check, and an evaluation's generation and checks every
+    eval_every updates. An estimate in throughput mode, whose workers refill slots as groups end
+    rather than in waves."""
+    waves = step_waves(config, costs, workers, lengths)
     policy = StalenessPolicy.of(config.controller)
     k = config.data.eval_every
     # Every worker generates its part of an evaluation at once, for eval_s, at the sharing's
-    # pace; more sandboxes than cores check slower than alone (check_s measured so).
+    # pace; more sandboxes than cores check slower than alone (check_s measured so). The
+    # calibration counts at least one sandbox (verifier_slots 0 is the rooflines' unbounded).
     unshared = costs.group_core_s / costs.group_s if costs.group_s else 1.0
-    checking = min(max(1, costs.verifier_slots), costs.shared_cores)  # cores the checks use
-    per_check = costs.check_s * checking / max(1, costs.verifier_slots)
+    sandboxes = max(1, costs.verifier_slots)
+    checking = min(sandboxes, costs.shared_cores)  # cores the checks use
     evaluation = workers * costs.eval_s * unshared + costs.eval_verify_s * checking
     return CoreSeconds(
-        generation=generation,
-        loads=workers * costs.reload_s / policy.reload_staleness,
-        verification=config.rollouts_per_step * per_check,
+        generation=sum(waves) * costs.group_core_s,
+        loads=len(waves) * costs.reload_s / policy.reload_staleness,
+        verification=config.rollouts_per_step * costs.check_s * checking / sandboxes,
         evaluations=evaluation / k if k > 0 else 0.0,
     )
 

@@ -192,9 +192,10 @@ def test_the_pool_counts_its_loads_and_generation_since_the_last_take(workers):
         third = pool.take_times()
     finally:
         pool.close()
-    assert (first["loads"], first["groups"]) == (2, 6) and first["load_s"] > 0
-    assert (second["loads"], second["load_s"], second["groups"]) == (0, 0, 4)
-    assert (third["loads"], third["groups"]) == (2, 2)
+    # Each job's groups spread over both workers: a call each.
+    assert (first["loads"], first["calls"], first["groups"]) == (2, 2, 6) and first["load_s"] > 0
+    assert (second["loads"], second["load_s"], second["calls"], second["groups"]) == (0, 0, 2, 4)
+    assert (third["loads"], third["calls"], third["groups"]) == (2, 2, 2)
     assert all(t["generate_s"] > 0 for t in (first, second, third))
     assert pool.take_times() == dict.fromkeys(first, 0.0)
 

@@ -29,7 +29,8 @@ def _step(i: int, **extra: float) -> dict[str, float]:
 def _run(tmp_path, steps: int = 7, evaluated: tuple[int, ...] = (), lengths=None, **extra: float):  # noqa: ANN001, ANN003, ANN202
     """An update every 10 s; before the steps of index ``evaluated``, a 3 s held-out evaluation
     as the controller runs it: inside the step's wait, its generation in the pool's counts.
-    ``lengths``: every step's trained completion lengths (the lengths/trained histogram)."""
+    ``lengths``: step i's trained completion lengths (the lengths/trained histogram), a list
+    for every step or a function of i."""
     writer = MetricsWriter(tmp_path)
     late = 0.0
     for i in range(steps):
@@ -40,7 +41,8 @@ def _run(tmp_path, steps: int = 7, evaluated: tuple[int, ...] = (), lengths=None
             step["time/wait"] += 3.0
             step["pool/generate_s"] += 2.0
             step["pool/groups"] += 48.0
-        hist = {"lengths/trained": lengths} if lengths else None
+        trained = lengths(i) if callable(lengths) else lengths
+        hist = {"lengths/trained": trained} if trained else None
         writer.write(i + 1, step, hist, wall_time=10.0 * i + late)
         writer.write(i + 1, {"eval/pass@1": 0.5})  # a record of no step, without a time
     writer.close()
@@ -135,19 +137,57 @@ def test_a_run_with_its_layouts_reports_gives_the_efficiency_it_reached(tmp_path
     assert eff["generate"] == pytest.approx(group * 2.0 / 8, rel=1e-9)
 
 
-def test_a_wave_ends_with_its_slowest_group_and_the_costs_are_the_mean_groups(tmp_path):
-    """Every group of the run: seven samples of 10 tokens and one of 30 (mean 12.5), so each is
-    done 30 / 12.5 = 2.4 mean samples' time after it starts. The 4 s of a wave of 8 groups is
-    2.4 times the mean group's; the plan puts the 2.4 back for a wave, and the calibration keeps
-    its identity on its own run."""
-    run = _run(tmp_path, lengths=([10.0] * 7 + [30.0]) * 8)
-    config = build(
-        {
-            "controller.pipeline_depth": 0,
-            "controller.acceptance_staleness": 0,
-            "data.eval_every": 0,
-        }
+LOCK_STEP = {
+    "controller.pipeline_depth": 0,
+    "controller.acceptance_staleness": 0,
+    "data.eval_every": 0,
+}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pool", "workers", "want"),
+    [
+        # 4 groups on 8 slots: a wave of fixed-shape steps all the same (4 s, as 8 would take).
+        ({"controller.prompts_per_step": 4}, {"pool/groups": 4.0}, 1, 9.8),
+        # 12 groups on 8 slots: 2 waves of 2 s.
+        (
+            {"controller.prompts_per_step": 12, "trainer.micro_batch_size": 32},
+            {"pool/groups": 12.0},
+            1,
+            9.8,
+        ),
+        # Two workers, a call of 4 groups each (one wave of 2 s): 2 s, not 4.
+        ({"inference.num_workers": 2}, {"pool/calls": 2.0}, 2, 7.8),
+    ],
+)
+def test_a_lock_step_plan_predicts_the_run_it_was_calibrated_on(
+    tmp_path, overrides, pool, workers, want
+):
+    """A worker's share of a job is ⌈k / slots⌉ waves whatever k is: the calibration counts a
+    run's waves from its calls (pool/calls; one a step before the count), and the plan of the
+    run's own layout gives its generation back (4 s of calls a step, a load 0.3 s, verify 0.5
+    s, train 3 s and 2 s of the controller's own)."""
+    config = build(LOCK_STEP | overrides)
+    _, out = plan(
+        config,
+        trainer_topology="",
+        inference_topology="",
+        calibrate=str(_run(tmp_path, **pool)),
+        workers=[str(workers)],
+        steps=20,
     )
+    assert out["predictions"][0]["seconds_per_update"] == pytest.approx(want)
+
+
+def test_a_wave_ends_with_its_slowest_group_and_the_costs_are_the_mean_groups(tmp_path):
+    """Every group of the run after its 2 warm-up steps: seven samples of 10 tokens and one of
+    30 (mean 12.5), so each is done 30 / 12.5 = 2.4 mean samples' time after it starts. The 4 s
+    of a wave of 8 groups is 2.4 times the mean group's; the plan puts the 2.4 back for a wave
+    from the same groups (not the warm-up's, all 10 tokens), and the calibration keeps its
+    identity on its own run."""
+    spread = ([10.0] * 7 + [30.0]) * 8
+    run = _run(tmp_path, lengths=lambda i: [10.0] * 64 if i < 2 else spread)
+    config = build(LOCK_STEP)
     m = measure(run, config, skip=2)
     assert m.wave_latency == pytest.approx(2.4)
     c = m.costs(config, workers=1, parallel_workers=1)

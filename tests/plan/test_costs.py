@@ -17,6 +17,7 @@ from rlax_tpu.plan.costs import (
     with_eval,
     worker_slots,
 )
+from rlax_tpu.plan.lengths import GroupLengths
 from rlax_tpu.plan.predict import predict
 from rlax_tpu.plan.throughput import ThroughputCosts, simulate_throughput
 from tests.config.test_validation import build
@@ -181,6 +182,10 @@ def test_evaluations_are_modelled_and_named_where_they_bind():
     base = predict(plain, with_eval(plain, _costs(plain), 3), WORKLOAD, workers=3, steps=40)
     c = with_eval(every, _costs(every), 3)
     assert (c.eval_s, c.eval_verify_s) == pytest.approx((2 * c.group_s, 96))
+    # Spread lengths: each of the 2 waves of 8 groups ends with its slowest. Every group here
+    # is a sample of 1 token and one of 3 (mean 2): done at 1.5 mean samples' time.
+    spread = with_eval(every, _costs(every), 3, GroupLengths(((1.0, 3.0),), "one group"))
+    assert spread.eval_s == pytest.approx(2 * c.group_s * 1.5)
     got = predict(every, c, WORKLOAD, workers=3, steps=40)
     # The controller waits for each: its generation, then its verdicts. The 2 sandboxes bind:
     # 16 s of the update's samples and 96 s of the evaluation's an update.
