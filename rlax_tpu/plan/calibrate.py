@@ -25,12 +25,11 @@ workers' calls add up to their busy time (in throughput mode jobs share a worker
 their calls overlap).
 
 A worker's decode step has the same rows however few groups it holds (``Engine.step_tokens``,
-on every backend), so a generation call of k groups (``pool/calls``: a worker's share of a job)
-runs ⌈k / slots⌉ waves, each ending with its slowest group. A wave's time (``pool/generate_s``
-over the waves) is the mean group's times the expected longest latency among the groups a wave
-held (the run's own lengths after the warm-up, ``plan/lengths.py``; 1 when its metrics record
-none), and the costs are the mean group's. Runs from before ``pool/calls`` count one call a step
-(one worker).
+on every backend), so a generation call of k groups (``pool/calls``: a worker's share of a job,
+dealt round-robin) takes ``costs.share_time(k)`` mean groups' times: ⌈k / slots⌉ waves, the last
+ending with its slowest group (the run's own lengths after the warm-up, ``plan/lengths.py``;
+every group the mean when its metrics record none). A group's cost is ``pool/generate_s`` over
+the calls' share times. Runs from before ``pool/calls`` count one call a step (one worker).
 
 Workers that share one machine (this host's CPU cores) do not each generate at that rate:
 ``parallel_workers`` says how many can at once, and with N workers each group takes
@@ -50,7 +49,14 @@ from typing import Any
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.observability.metrics import read_metrics
-from rlax_tpu.plan.costs import PlanCosts, Workload, verifier_slots, version_bytes, worker_slots
+from rlax_tpu.plan.costs import (
+    PlanCosts,
+    Workload,
+    share_time,
+    verifier_slots,
+    version_bytes,
+    worker_slots,
+)
 from rlax_tpu.plan.lengths import GroupLengths, NoLengths, from_run
 
 
@@ -65,11 +71,8 @@ class Measured:
     reload_s: float
     groups_per_s: float  # one worker's generation rate
     workload: Workload
-    wave_s: float  # a generation wave's mean seconds (module docstring)
-    # The expected longest latency, over the mean group's, of the groups a wave of the run held
-    # together, from ``lengths``, the run's groups (None: it recorded none; every group the mean).
-    wave_latency: float = 1.0
-    lengths: GroupLengths | None = None
+    group_s: float  # the mean group's seconds on a worker alone (module docstring)
+    lengths: GroupLengths | None = None  # the run's groups after the warm-up (None: none)
 
     def costs(
         self,
@@ -85,7 +88,7 @@ class Measured:
         share = max(1.0, workers / parallel_workers)
         sandboxes = verifier_slots(config)
         rounds = math.ceil(config.rollouts_per_step / sandboxes)
-        group = self.wave_s / self.wave_latency  # the mean group's, alone
+        group = self.group_s
         return PlanCosts(
             train_s=self.train_s,
             group_s=group * share,
@@ -100,8 +103,6 @@ class Measured:
                 "measured_steps": float(self.steps),
                 "groups_per_s": self.groups_per_s,
                 "worker_share": share,
-                "wave_s": self.wave_s,
-                "wave_latency": self.wave_latency,
             },
         )
 
@@ -167,19 +168,15 @@ def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measure
         completion=max(1.0, statistics.mean(s["rollout/length_mean"] for s in steady)),
     )
     slots = worker_slots(config, workload, "cpu")
-    waves, calls = 0, 0.0
-    for s in steady:
-        n = s.get("pool/calls") or 1.0  # before the count: one worker, a call a step
-        waves += round(n) * math.ceil(s["pool/groups"] / n / slots)
-        calls += n
-    held = max(1, min(slots, round(total("pool/groups") / calls)))  # groups a wave held
     try:
         lengths: GroupLengths | None = from_run(run_dir, config.algorithm.group_size, skip=skip)
     except NoLengths:
         lengths = None
-    wave_latency = (
-        lengths.expected_max_latency(held, seed=config.controller.seed) if lengths else 1.0
-    )
+    seed, units = config.controller.seed, 0.0  # the calls' times in mean groups' times
+    for s in steady:
+        calls, groups = round(s.get("pool/calls") or 1), round(s["pool/groups"])
+        for c in range(calls):
+            units += share_time(len(range(c, groups, calls)), slots, lengths, seed)
     return Measured(
         steps=len(steady),
         train_s=statistics.fmean(s["time/train"] for s in steady) + overhead,
@@ -188,8 +185,7 @@ def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measure
         reload_s=total("pool/load_s") / loads if loads else 0.0,
         groups_per_s=total("pool/groups") / total("pool/generate_s"),
         workload=workload,
-        wave_s=total("pool/generate_s") / waves,
-        wave_latency=wave_latency,
+        group_s=total("pool/generate_s") / units,
         lengths=lengths,
     )
 

@@ -161,26 +161,37 @@ def step_verify_s(costs: PlanCosts, samples: int) -> float:
     return rounds * costs.check_s
 
 
+def share_time(k: int, slots: int, lengths: GroupLengths | None = None, seed: int = 0) -> float:
+    """A worker's time for k groups started together, in mean groups' times, with fixed-shape
+    decode steps (a step costs the same however few rows are busy): ⌈k / slots⌉ waves, the full
+    ones at the mean (continuous batching refills slots as groups end) and the last ending with
+    its slowest group, the expected longest latency of min(k, slots) groups drawn from
+    ``lengths`` (None: every group the mean, so ⌈k / slots⌉)."""
+    if k <= 0:
+        return 0.0
+    held = min(k, slots)
+    slowest = lengths.expected_max_latency(held, seed=seed) if lengths is not None else 1.0
+    return math.ceil(k / slots) - 1 + slowest
+
+
 def with_eval(
     config: RunConfig, costs: PlanCosts, workers: int, lengths: GroupLengths | None = None
 ) -> PlanCosts:
     """``costs`` with the held-out evaluation's seconds on ``workers`` workers (module
-    docstring; 0 when data.eval_every is 0). With fixed-shape steps (``batched``) a wave ends
-    with its slowest group, drawn from ``lengths`` (None: every group the mean)."""
+    docstring; 0 when data.eval_every is 0). With fixed-shape steps (``batched``) the last
+    wave ends with its slowest group, drawn from ``lengths`` (None: every group the mean)."""
     d = config.data
     if d.eval_every <= 0:
         return dataclasses.replace(costs, eval_s=0.0, eval_verify_s=0.0)
     samples = d.eval_problems * d.eval_samples
     groups = samples / config.algorithm.group_size
-    waves = groups / (workers * costs.slots)
-    slowest = 1.0
-    if costs.batched:  # fixed-shape steps: a partial wave costs a whole one
-        waves = math.ceil(waves)
-        if lengths is not None:
-            held = min(costs.slots, math.ceil(groups / workers))
-            slowest = lengths.expected_max_latency(held, seed=config.controller.seed)
+    if costs.batched:  # the worker with the most groups ends it (share_time)
+        k = math.ceil(groups / workers)
+        waves = share_time(k, costs.slots, lengths, config.controller.seed)
+    else:
+        waves = groups / (workers * costs.slots)
     return dataclasses.replace(
-        costs, eval_s=waves * costs.group_s * slowest, eval_verify_s=step_verify_s(costs, samples)
+        costs, eval_s=waves * costs.group_s, eval_verify_s=step_verify_s(costs, samples)
     )
 
 

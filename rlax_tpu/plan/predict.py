@@ -8,7 +8,7 @@ import math
 from rlax_tpu.config import RunConfig
 from rlax_tpu.controller.staleness import StalenessPolicy
 from rlax_tpu.controller.throughput import throughput_queue_cap
-from rlax_tpu.plan.costs import PlanCosts, Workload, step_verify_s
+from rlax_tpu.plan.costs import PlanCosts, Workload, share_time, step_verify_s
 from rlax_tpu.plan.lengths import GroupLengths
 from rlax_tpu.plan.simulate import Costs, simulate_deterministic
 from rlax_tpu.plan.throughput import ThroughputCosts, simulate_throughput
@@ -92,22 +92,21 @@ def predict(
         staleness = schedule.staleness_counts(skip)
         discarded = schedule.discarded
     else:
-        # A step's prompts on one worker: ⌈P/slots⌉ group times when a step costs the same for
-        # fewer rows (``batched``), else P/slots of them.
-        waves = math.ceil(batch / costs.slots) if costs.batched else batch / costs.slots
-        # Fixed-shape steps: a wave of groups started together ends with its slowest. A CPU's
-        # steps cost what their rows do: its time is its tokens', the mean's.
-        slowest = (
-            lengths.expected_max_latency(
-                min(costs.slots, math.ceil(batch / workers)), seed=config.controller.seed
+        # A step's prompts on one worker: waves of fixed-shape steps (``batched``), else P/slots
+        # group times (an engine whose steps cost what their rows do).
+        if costs.batched:
+            # The simulator scales a whole step's time on one worker by ⌈k/slots⌉/⌈P/slots⌉ for
+            # a share of k: made exact for the largest share (share_time).
+            largest = math.ceil(batch / workers)
+            whole = share_time(largest, costs.slots, lengths, config.controller.seed) * (
+                math.ceil(batch / costs.slots) / math.ceil(largest / costs.slots)
             )
-            if lengths and costs.batched
-            else 1.0
-        )
+        else:
+            whole = batch / costs.slots
         det = simulate_deterministic(
             steps,
             Costs(
-                generate_s=waves * costs.group_s * slowest,
+                generate_s=whole * costs.group_s,
                 verify_s=step_verify_s(costs, batch * group),
                 train_s=costs.train_s,
                 reload_s=costs.reload_s,
@@ -137,7 +136,7 @@ def predict(
     if config.controller.mode == "throughput" or not costs.batched:
         # A group holds its slot for its own time (its mean sample's: occupancy).
         generating = batch * costs.group_s / costs.slots
-    else:  # a step's waves hold every slot of the worker until their slowest group is done
+    else:  # a step's waves hold every slot of the worker until its last group is done
         generating = sum(step_waves(config, costs, workers, lengths)) * costs.group_s
     workers_busy = min(1.0, generating / (workers * period))
     # The sandboxes' share: the updates' samples, and an evaluation's every k updates (its
@@ -201,25 +200,19 @@ class CoreSeconds:
 def step_waves(
     config: RunConfig, costs: PlanCosts, workers: int, lengths: GroupLengths | None
 ) -> list[float]:
-    """Each generating worker's waves of its share of a step's B groups (dealt round-robin), in
-    mean groups' times: a wave holds at most ``slots`` groups and ends with its slowest (the
-    expected longest latency of that many groups drawn from ``lengths``; 1 without them)."""
-    batch, slots, seed = config.controller.prompts_per_step, costs.slots, config.controller.seed
-    out = []
-    for share in (len(range(w, batch, workers)) for w in range(workers)):
-        if share:
-            held = min(slots, share)
-            slowest = lengths.expected_max_latency(held, seed=seed) if lengths else 1.0
-            out.append(math.ceil(share / slots) * slowest)
-    return out
+    """Each generating worker's time for its share of a step's B groups (dealt round-robin), in
+    mean groups' times (``share_time``)."""
+    batch, seed = config.controller.prompts_per_step, config.controller.seed
+    shares = (len(range(w, batch, workers)) for w in range(workers))
+    return [share_time(k, costs.slots, lengths, seed) for k in shares if k]
 
 
 def core_seconds(
     config: RunConfig, costs: PlanCosts, workers: int, lengths: GroupLengths | None
 ) -> CoreSeconds:
     """What one update asks of the cores the workers share with the sandboxes: each worker's
-    waves of its share of the B groups (``step_waves``: a wave costs a whole wave's fixed-shape
-    steps however few groups it holds, and ends with its slowest), its load of a version every
+    waves of its share of the B groups (``step_waves``: fixed-shape steps cost the same however
+    few groups a wave holds, and the last ends with its slowest), its load of a version every
     η_r updates, every sample's check, and an evaluation's generation and checks every
     eval_every updates. An estimate in throughput mode, whose workers refill slots as groups end
     rather than in waves."""

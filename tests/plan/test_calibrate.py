@@ -156,6 +156,14 @@ LOCK_STEP = {
             1,
             9.8,
         ),
+        # 12 groups of spread lengths (each done at 2.4 mean groups' times): a full wave at the
+        # mean and the last ending with its slowest, 1 + 2.4 mean groups in the 4 s.
+        (
+            {"controller.prompts_per_step": 12, "trainer.micro_batch_size": 32},
+            {"pool/groups": 12.0, "lengths": ([10.0] * 7 + [30.0]) * 12},
+            1,
+            9.8,
+        ),
         # Two workers, a call of 4 groups each (one wave of 2 s): 2 s, not 4.
         ({"inference.num_workers": 2}, {"pool/calls": 2.0}, 2, 7.8),
     ],
@@ -189,7 +197,7 @@ def test_a_wave_ends_with_its_slowest_group_and_the_costs_are_the_mean_groups(tm
     run = _run(tmp_path, lengths=lambda i: [10.0] * 64 if i < 2 else spread)
     config = build(LOCK_STEP)
     m = measure(run, config, skip=2)
-    assert m.wave_latency == pytest.approx(2.4)
+    assert m.group_s == pytest.approx(4 / 2.4)
     c = m.costs(config, workers=1, parallel_workers=1)
     assert (c.group_s, c.group_core_s, c.shared_cores) == pytest.approx((4 / 2.4, 4 / 2.4, 1))
     _, out = plan(config, trainer_topology="", inference_topology="", calibrate=str(run), steps=20)

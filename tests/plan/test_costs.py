@@ -13,6 +13,7 @@ from rlax_tpu.plan.costs import (
     Roofline,
     Workload,
     plan_costs,
+    share_time,
     version_bytes,
     with_eval,
     worker_slots,
@@ -182,12 +183,21 @@ def test_evaluations_are_modelled_and_named_where_they_bind():
     base = predict(plain, with_eval(plain, _costs(plain), 3), WORKLOAD, workers=3, steps=40)
     c = with_eval(every, _costs(every), 3)
     assert (c.eval_s, c.eval_verify_s) == pytest.approx((2 * c.group_s, 96))
-    # Spread lengths: each of the 2 waves of 8 groups ends with its slowest. Every group here
-    # is a sample of 1 token and one of 3 (mean 2): done at 1.5 mean samples' time.
+    # Spread lengths: of the 2 waves of 8 groups, the last ends with its slowest. Every group
+    # here is a sample of 1 token and one of 3 (mean 2): done at 1.5 mean samples' time.
     spread = with_eval(every, _costs(every), 3, GroupLengths(((1.0, 3.0),), "one group"))
-    assert spread.eval_s == pytest.approx(2 * c.group_s * 1.5)
+    assert spread.eval_s == pytest.approx((1 + 1.5) * c.group_s)
     got = predict(every, c, WORKLOAD, workers=3, steps=40)
     # The controller waits for each: its generation, then its verdicts. The 2 sandboxes bind:
     # 16 s of the update's samples and 96 s of the evaluation's an update.
     assert got.seconds_per_update > base.seconds_per_update + 0.9 * (c.eval_s + 96)
     assert got.bottleneck == "verification (86% of it evaluations')"
+
+
+def test_a_share_is_its_waves_the_last_ending_with_its_slowest_group():
+    """share_time in mean groups' times, on 8 slots: fixed-shape steps cost a whole wave for
+    fewer groups; with spread lengths (every group a sample of 1 token and one of 3: done at 1.5
+    mean samples' time) only the last wave waits for its slowest."""
+    one = GroupLengths(((1.0, 3.0),), "one group")
+    assert [share_time(k, 8) for k in (0, 1, 8, 9, 16, 17)] == [0, 1, 1, 2, 2, 3]
+    assert [share_time(k, 8, one) for k in (1, 8, 12, 17)] == pytest.approx([1.5, 1.5, 2.5, 3.5])
