@@ -163,16 +163,24 @@ def _run_seed(seed: int, minutes: float, run_root: Path) -> dict:
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
     }
     if TASK in ("code", "code_lora"):
-        before_dir = run_root / f"seed{seed}-v0"
         result["external"] = {
-            "before": _evaluate(before_dir, seed, [EXTERNAL], run_root / f"seed{seed}-v0.log")[
-                EXTERNAL
-            ],
+            "before": _external_before(seed, run_root),
             "after": _evaluate(run_dir, seed, [EXTERNAL], run_root / f"seed{seed}-eval.log")[
                 EXTERNAL
             ],
         }
     return result
+
+
+def _external_before(seed: int, run_root: Path) -> dict:
+    """HumanEval at version 0. A LoRA run starts as its base (B = 0, ``models/layers.py``), the
+    code task's initial model, so code_lora takes the code task's seed's when it has one (15
+    minutes of evaluation saved a seed)."""
+    full = TASKS["code"][1] / f"seed{seed}.json"
+    if TASK == "code_lora" and full.exists():
+        return json.loads(full.read_text())["external"]["before"] | {"from": str(full.name)}
+    before_dir = run_root / f"seed{seed}-v0"
+    return _evaluate(before_dir, seed, [EXTERNAL], run_root / f"seed{seed}-v0.log")[EXTERNAL]
 
 
 def _evaluate(
