@@ -178,7 +178,9 @@ def _external_before(seed: int, run_root: Path) -> dict:
     minutes of evaluation saved a seed)."""
     full = TASKS["code"][1] / f"seed{seed}.json"
     if TASK == "code_lora" and full.exists():
-        return json.loads(full.read_text())["external"]["before"] | {"from": f"{full.parent.name}/{full.name}"}
+        return json.loads(full.read_text())["external"]["before"] | {
+            "from": f"{full.parent.name}/{full.name}"
+        }
     before_dir = run_root / f"seed{seed}-v0"
     return _evaluate(before_dir, seed, [EXTERNAL], run_root / f"seed{seed}-v0.log")[EXTERNAL]
 
