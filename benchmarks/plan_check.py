@@ -2,7 +2,7 @@
 staleness, for 1-4 inference workers in both modes.
 
     .venv/bin/python benchmarks/plan_check.py [--preset local|smollm2] [--workers 1 2 3 4]
-        [--steps 16] [--skip 4]
+        [--steps 16] [--skip 4] [--keep DIR [--resume | --analyse]]
 
 Runs the main job (local transport) of a preset once to calibrate (deterministic, on-policy
 lock-step, one worker) and then once per mode and worker count. The presets:
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -114,6 +115,15 @@ def measured(run_dir: Path, skip: int) -> dict:
     }
 
 
+def finished(run_dir: Path, steps: int) -> bool:
+    """Whether ``run_dir`` holds a run that logged all ``steps`` updates."""
+    from rlax_tpu.observability.metrics import read_metrics
+
+    if not (run_dir / "metrics.jsonl").exists():
+        return False
+    return sum("time/train" in r["scalars"] for r in read_metrics(run_dir)) >= steps
+
+
 def predicted(preset: str, mode: str, workers: int, steps: int, calibration: Path) -> dict:
     from rlax_tpu.plan.command import plan
 
@@ -146,6 +156,11 @@ def main() -> None:
     parser.add_argument(
         "--analyse", action="store_true", help="only compare again: the runs kept in --keep"
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --keep: run only what is not there yet (a check split over sessions)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-workers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -161,15 +176,17 @@ def main() -> None:
     rows, out = [], {"preset": args.preset, "runs": []}
     suffix = "" if args.preset == "local" else f"_{args.preset}"
     out_path = args.out or str(HERE / f"plan_check{suffix}.json")
-    if args.analyse and not args.keep:
-        raise SystemExit("--analyse compares the runs kept by an earlier --keep DIR")
+    if (args.analyse or args.resume) and not args.keep:
+        raise SystemExit("--analyse and --resume use the runs kept by an earlier --keep DIR")
     for mode, n in runs:
         run_dir = root / f"{mode}-{n}"
         argv = [sys.executable, __file__, "--child", mode, "--child-workers", str(n)]
         argv += ["--preset", args.preset]
         argv += ["--steps", str(args.steps), "--run-dir", str(run_dir)]
         t0 = time.perf_counter()
-        if not args.analyse:
+        if not args.analyse and not (args.resume and finished(run_dir, args.steps)):
+            # A fresh run: a directory left by a killed one would be resumed, not measured.
+            shutil.rmtree(run_dir, ignore_errors=True)
             proc = subprocess.run(
                 argv, cwd=REPO, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {0})
             )
