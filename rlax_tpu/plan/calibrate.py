@@ -11,9 +11,9 @@ From the run's per-step metrics, after ``skip`` warm-up steps (compiles):
   samples take on the verifier's sandboxes, ⌈B·G / slots⌉ (its samples end generation together
   in a lock-step run);
 * reload_s: ``pool/load_s`` over ``pool/loads``, every load of every worker;
-* a worker's generation rate: ``pool/groups`` over ``pool/generate_s`` (groups per second of
-  a worker's generation calls). With ``slots`` groups at once (the config's decode rows or KV
-  pages, as on a TPU), a group takes slots / rate.
+* a group's generation: ``pool/generate_s`` over the waves of the workers' calls (below),
+  ``slots`` groups at once (the config's decode rows or KV pages, as on a TPU); the rate
+  ``pool/groups`` over ``pool/generate_s`` is reported beside it;
 * lengths: the mean completion (``rollout/length_mean``) and prompt tokens of a rollout.
 
 A step with a held-out evaluation before it (an evaluation record with ``time/eval`` between it
@@ -58,6 +58,7 @@ from rlax_tpu.plan.costs import (
     worker_slots,
 )
 from rlax_tpu.plan.lengths import GroupLengths, NoLengths, from_run
+from rlax_tpu.plan.simulate import dealt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,17 +89,16 @@ class Measured:
         share = max(1.0, workers / parallel_workers)
         sandboxes = verifier_slots(config)
         rounds = math.ceil(config.rollouts_per_step / sandboxes)
-        group = self.group_s
         return PlanCosts(
             train_s=self.train_s,
-            group_s=group * share,
+            group_s=self.group_s * share,
             slots=slots,
             reload_s=self.reload_s,
             check_s=self.verify_s / rounds,
             verifier_slots=sandboxes,
             version_bytes=version_bytes(config),
             shared_cores=parallel_workers if math.isfinite(parallel_workers) else 0.0,
-            group_core_s=group,
+            group_core_s=self.group_s,
             detail={
                 "measured_steps": float(self.steps),
                 "groups_per_s": self.groups_per_s,
@@ -175,8 +175,7 @@ def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measure
     seed, units = config.controller.seed, 0.0  # the calls' times in mean groups' times
     for s in steady:
         calls, groups = round(s.get("pool/calls") or 1), round(s["pool/groups"])
-        for c in range(calls):
-            units += share_time(len(range(c, groups, calls)), slots, lengths, seed)
+        units += sum(share_time(k, slots, lengths, seed) for k in dealt(groups, calls))
     return Measured(
         steps=len(steady),
         train_s=statistics.fmean(s["time/train"] for s in steady) + overhead,

@@ -10,7 +10,7 @@ from rlax_tpu.controller.staleness import StalenessPolicy
 from rlax_tpu.controller.throughput import throughput_queue_cap
 from rlax_tpu.plan.costs import PlanCosts, Workload, share_time, step_verify_s
 from rlax_tpu.plan.lengths import GroupLengths
-from rlax_tpu.plan.simulate import Costs, simulate_deterministic
+from rlax_tpu.plan.simulate import Costs, dealt, simulate_deterministic
 from rlax_tpu.plan.throughput import ThroughputCosts, simulate_throughput
 
 BUSY = 0.9  # a part busier than this is the bottleneck
@@ -203,8 +203,7 @@ def step_waves(
     """Each generating worker's time for its share of a step's B groups (dealt round-robin), in
     mean groups' times (``share_time``)."""
     batch, seed = config.controller.prompts_per_step, config.controller.seed
-    shares = (len(range(w, batch, workers)) for w in range(workers))
-    return [share_time(k, costs.slots, lengths, seed) for k in shares if k]
+    return [share_time(k, costs.slots, lengths, seed) for k in dealt(batch, workers) if k]
 
 
 def core_seconds(

@@ -91,6 +91,12 @@ class Schedule:
         return 1.0 - busy / span if span > 0 else 0.0
 
 
+def dealt(groups: int, workers: int) -> list[int]:
+    """Groups each worker gets when ``groups`` are dealt round-robin over ``workers`` (as
+    WorkerPool.submit deals a job's)."""
+    return [len(range(w, groups, workers)) for w in range(workers)]
+
+
 def _fraction(k: int, prompts: int, slots: int) -> float:
     """The part of a whole step's generation time a share of k of ``prompts`` takes."""
     if slots <= 0:
@@ -116,7 +122,7 @@ def simulate_deterministic(
         raise ValueError("steps, workers and prompts_per_step must be >= 1")
     d = policy.pipeline_depth
     # Prompts of a step per worker, as WorkerPool.submit's round-robin deals them.
-    shares = [len(range(k, prompts_per_step, workers)) for k in range(workers)]
+    shares = dealt(prompts_per_step, workers)
     free = [0.0] * workers  # when each worker finishes its queued shares
     held: list[int | None] = [None] * workers  # the version each worker holds
     launched: dict[int, float] = {}
