@@ -172,6 +172,7 @@ def main() -> None:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + SINGLE_THREAD).strip()
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="rlax-plan-"))
+    root.mkdir(parents=True, exist_ok=True)  # a --keep DIR that does not exist yet
     runs = [("calibration", 1)] + [(m, n) for m in args.modes for n in args.workers]
     rows, out = [], {"preset": args.preset, "runs": []}
     suffix = "" if args.preset == "local" else f"_{args.preset}"
