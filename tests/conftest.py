@@ -118,3 +118,19 @@ def _release_memory_after_each_module():  # noqa: ANN202 - a fixture generator
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed pages unless asked
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201, ARG001 - pytest hook
+    """With RLAX_TEST_CPU_LOG=<file>: each test's CPU seconds (this process's and those of the
+    processes it started and waited for) appended to the file, to find where the suite's CPU
+    goes (wall times under xdist mostly measure contention)."""
+    path = os.environ.get("RLAX_TEST_CPU_LOG")
+    if not path:
+        return (yield)
+    before = sum(os.times()[:4])
+    try:
+        return (yield)
+    finally:
+        with open(path, "a") as f:
+            f.write(f"{sum(os.times()[:4]) - before:.2f}\t{item.nodeid}\n")
