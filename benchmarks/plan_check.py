@@ -108,10 +108,15 @@ def measured(run_dir: Path, skip: int) -> dict:
             if rec.get("state") == "trained" and rec["trained_at"] >= skip:
                 s = rec["trained_at"] - rec["version"]
                 stale[s] = stale.get(s, 0) + 1
+    kept = [steps[k]["scalars"] for k in range(skip + 1, n + 1)]
     return {
         "steps": n,
         "seconds_per_update": statistics.fmean(intervals),
         "staleness": dict(sorted(stale.items())),
+        # Where the time went: the trainer's step (its own process, its own core) and the
+        # workers' generation (the other core).
+        "train_s": statistics.fmean(s["time/train"] for s in kept),
+        "generate_s": statistics.fmean(s["time/generate"] for s in kept),
     }
 
 
@@ -205,13 +210,14 @@ def main() -> None:
         rows.append(
             f"| {mode} | {n} | {got['seconds_per_update']:.2f} | {want['seconds_per_update']:.2f} "
             f"| {100 * error:+.0f}% | {mean_staleness(got['staleness']):.2f} "
-            f"| {mean_staleness(want['staleness']):.2f} | {want['bottleneck']} |"
+            f"| {mean_staleness(want['staleness']):.2f} | {got['train_s']:.1f} "
+            f"| {want['costs']['train_s']:.1f} | {want['bottleneck']} |"
         )
         print(rows[-1], flush=True)
         Path(out_path).write_text(json.dumps(out, indent=2))
     print(
         "| mode | workers | measured s/update | predicted | error | measured staleness (mean) "
-        "| predicted | predicted bottleneck |\n|" + "---|" * 8
+        "| predicted | measured train s | predicted | predicted bottleneck |\n|" + "---|" * 10
     )
     print("\n".join(rows))
 
