@@ -146,7 +146,9 @@ def main() -> None:
         want = payload(step)
         assert got["step"] == step and np.array_equal(got["data"], want["data"]), step
     client = multihost._client()
-    client.wait_at_barrier("rlax-test-done", 60_000)
+    # The lead never waits for a follower's read, so on a loaded host (CI) a follower ended more
+    # than 60 s after it: the bound is the test's own 180 s, not a speed claim.
+    client.wait_at_barrier("rlax-test-done", 170_000)
     left = client.key_value_dir_get_bytes(multihost._PREFIX)
     print(f"compiles after warm-up: {len(compiles)}; keys left: {len(left)}", flush=True)
     jax.distributed.shutdown()

@@ -30,7 +30,11 @@ def test_the_cpu_log_counts_each_tests_own_and_its_childrens_cpu(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = dict(reversed(line.split("\t")) for line in log.read_text().splitlines())
+    # Node ids are relative to the rootdir pytest picks, which depends on where tmp_path is.
+    rows = {
+        node.rsplit("/", 1)[-1]: cpu
+        for cpu, node in (line.split("\t") for line in log.read_text().splitlines())
+    }
     assert sorted(rows) == ["test_burn.py::test_child_burns", "test_burn.py::test_idle"]
     # The child's loop is CPU the worker itself never spent: it is counted.
     assert float(rows["test_burn.py::test_child_burns"]) > float(rows["test_burn.py::test_idle"])
