@@ -120,17 +120,71 @@ def _release_memory_after_each_module():  # noqa: ANN202 - a fixture generator
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+# Each test's CPU seconds: its worker's and those of the processes it started and waited for
+# (under -n 3 on 2 cores a test's wall time mostly measures the others beside it). A module's
+# fixtures count in its first test. `make test` ends with the costliest; RLAX_TEST_CPU_LOG=<file>
+# also writes every test's (docs/tests.md).
+# Above the budget a test says why in a "Cost:" note (its or its module's docstring).
+CPU_BUDGET_S = float(os.environ.get("RLAX_TEST_CPU_BUDGET_S", "60"))
+TOP_CPU = 10
+_cpu_start: dict[str, float] = {}
+_cpu_seen: list[tuple[float, str, bool]] = []  # (CPU s, node id, has a Cost: note)
+_is_xdist_worker = [False]
+
+
+def pytest_configure(config):  # noqa: ANN001, ANN201 - pytest hook
+    # Not PYTEST_XDIST_WORKER: a pytest that a test starts inherits it.
+    _is_xdist_worker[0] = hasattr(config, "workerinput")
+
+
+def _cpu_now() -> float:
+    return sum(os.times()[:4])
+
+
+def _has_cost_note(item: pytest.Item) -> bool:
+    owners = (getattr(item, "obj", None), getattr(item, "module", None))
+    return any("Cost:" in (getattr(o, "__doc__", None) or "") for o in owners if o is not None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):  # noqa: ANN001, ANN201 - pytest hook
+    _cpu_start[item.nodeid] = _cpu_now()
+
+
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201, ARG001 - pytest hook
-    """With RLAX_TEST_CPU_LOG=<file>: each test's CPU seconds (this process's and those of the
-    processes it started and waited for) appended to the file, to find where the suite's CPU
-    goes (wall times under xdist mostly measure contention)."""
+def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201 - pytest hook
+    report = yield
+    if call.when == "teardown" and item.nodeid in _cpu_start:
+        cpu = _cpu_now() - _cpu_start.pop(item.nodeid)
+        report.user_properties.append(("cpu_s", round(cpu, 2)))
+        report.user_properties.append(("cost_note", _has_cost_note(item)))
+    return report
+
+
+def pytest_runtest_logreport(report):  # noqa: ANN001, ANN201 - pytest hook
+    """In the run's controller (xdist's, or the only process): every test's CPU seconds."""
+    props = dict(report.user_properties)
+    if report.when != "teardown" or "cpu_s" not in props or _is_xdist_worker[0]:
+        return
+    _cpu_seen.append((props["cpu_s"], report.nodeid, bool(props.get("cost_note"))))
     path = os.environ.get("RLAX_TEST_CPU_LOG")
-    if not path:
-        return (yield)
-    before = sum(os.times()[:4])
-    try:
-        return (yield)
-    finally:
+    if path:
         with open(path, "a") as f:
-            f.write(f"{sum(os.times()[:4]) - before:.2f}\t{item.nodeid}\n")
+            f.write(f"{props['cpu_s']:.2f}\t{report.nodeid}\n")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ANN001, ANN201, ARG001
+    if not _cpu_seen:
+        return
+    tr = terminalreporter
+    total = sum(c for c, _, _ in _cpu_seen)
+    tr.section(f"the {TOP_CPU} costliest tests by CPU seconds (of {total:.0f} s in all tests)")
+    for cpu, node, _ in sorted(_cpu_seen, reverse=True)[:TOP_CPU]:
+        tr.write_line(f"{cpu:8.1f} s  {node}")
+    over = [(c, n) for c, n, noted in _cpu_seen if c > CPU_BUDGET_S and not noted]
+    for cpu, node in sorted(over, reverse=True):
+        tr.write_line(
+            f"over the {CPU_BUDGET_S:.0f} CPU-s budget with no 'Cost:' note in its docstring: "
+            f"{node} ({cpu:.0f} s)",
+            yellow=True,
+        )

@@ -13,18 +13,21 @@ def test_eight_cpu_devices_for_sharding_tests():
     assert {d.platform for d in jax.devices()} == {"cpu"}
 
 
+BURN = "    subprocess.run([sys.executable, '-c', 'sum(range(30_000_000))'], check=True)\n"
+
+
 def test_the_cpu_log_counts_each_tests_own_and_its_childrens_cpu(tmp_path):
     (tmp_path / "test_burn.py").write_text(
         "import subprocess, sys\n"
         "def test_idle():\n    pass\n"
-        "def test_child_burns():\n"
-        "    subprocess.run([sys.executable, '-c', 'sum(range(30_000_000))'], check=True)\n"
+        "def test_child_burns():\n" + BURN + "def test_child_burns_and_says_why():\n"
+        '    """Cost: a child that burns on purpose."""\n' + BURN
     )
     log = tmp_path / "cpu.tsv"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", str(tmp_path)],
         cwd=REPO,
-        env=os.environ | {"RLAX_TEST_CPU_LOG": str(log)},
+        env=os.environ | {"RLAX_TEST_CPU_LOG": str(log), "RLAX_TEST_CPU_BUDGET_S": "0.3"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -32,9 +35,17 @@ def test_the_cpu_log_counts_each_tests_own_and_its_childrens_cpu(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     # Node ids are relative to the rootdir pytest picks, which depends on where tmp_path is.
     rows = {
-        node.rsplit("/", 1)[-1]: cpu
+        node.rsplit("/", 1)[-1]: float(cpu)
         for cpu, node in (line.split("\t") for line in log.read_text().splitlines())
     }
-    assert sorted(rows) == ["test_burn.py::test_child_burns", "test_burn.py::test_idle"]
+    burns, why, idle = (
+        f"test_burn.py::test_{n}" for n in ("child_burns", "child_burns_and_says_why", "idle")
+    )
+    assert sorted(rows) == [burns, why, idle]
     # The child's loop is CPU the worker itself never spent: it is counted.
-    assert float(rows["test_burn.py::test_child_burns"]) > float(rows["test_burn.py::test_idle"])
+    assert rows[burns] > 0.3 > rows[idle] and rows[why] > 0.3
+    # The run ends with the costliest tests and names the one over budget that does not say why.
+    summary = done.stdout[done.stdout.index("costliest tests by CPU seconds") :]
+    assert sum(ln.endswith(("child_burns", "says_why", "idle")) for ln in summary.splitlines()) == 3
+    over = [ln for ln in summary.splitlines() if "budget" in ln]
+    assert len(over) == 1 and over[0].endswith(f"{burns} ({rows[burns]:.0f} s)"), summary

@@ -9,6 +9,9 @@ grows with them) and each compiles only the programs its test reads: the module 
 after another in about 80 s of CPU. SmolLM2's shapes against a textbook count are in
 test_smollm2_counts.py; the presets exactly as shipped (and the whole 30-layer SmolLM2) compile in
 `python benchmarks/aot_presets.py` (benchmarks/RESULTS.md).
+
+Cost: about 80 CPU-s in the first test (the module's three libtpu compiles): TPU programs
+cannot come from the CPU tests' cache.
 """
 
 from __future__ import annotations

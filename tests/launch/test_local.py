@@ -75,6 +75,9 @@ def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tm
         "--config.trainer.distributed.coordinator_address=auto",
         "--config.trainer.distributed.num_processes=2",
         "--config.mesh.slices=2",
+        # π_old in one pass (the CPU default replays it token by token, a collective across
+        # the two trainer processes a token); what this test observes does not depend on it.
+        "--config.trainer.old_logprobs=prefill",
     ]
     done = _launch([*_tiny(run_dir, 2), *topology])
     out = done.stdout
