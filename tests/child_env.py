@@ -10,7 +10,13 @@ import os
 # LLVM's optimizations off, and XLA:CPU's older loop emitters instead of its fusion emitters:
 # the new emitters took half as much CPU again to compile the suite's small programs (two
 # sample module pairs: 62 -> 43 s and 87 -> 59 s of CPU), which it mostly runs a few times.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# And one LLVM module a program, not split for parallel code generation: the split costs more
+# CPU than it saves time on 2 shared cores (six compiles of a 4-layer model's gradient, three
+# runs each, alternating: 4.2-5.1 s of CPU split, 2.6-4.0 s not); the same code either way.
+FAST_COMPILE = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+    "--xla_cpu_parallel_codegen_split_count=1"
+)
 
 
 def xla_flags(devices: int = 1) -> str:

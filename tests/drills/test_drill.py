@@ -219,6 +219,9 @@ EPISODES = [
     "--config.data.prompt_style=chat",
     "--config.inference.max_new_tokens=160",  # two turns of 16 and the verdict's feedback
     "--config.controller.warmup_steps=0",
+    # Held-out evaluations at the start and the end only (the preset adds one at step 10): a
+    # kill can still land in one, and each costs both runs episodes over the 2-process worker.
+    "--config.data.eval_every=0",
 ]
 
 
@@ -235,7 +238,7 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     topology), no partial version served, every checkpoint and snapshot complete; a restarted
     process reuses the compilation cache. The rollouts are two-turn code-repair episodes.
 
-    Cost: about 210 CPU-s, the suite's largest: an uninterrupted run and a drilled one of 12
+    Cost: about 145 CPU-s, the suite's largest: an uninterrupted run and a drilled one of 12
     steps each (five kills need that many), 8 processes each with its own compiles, as the
     drill runs in production (its own cache), then two checking processes."""
     run_dir = tmp_path / "run"
