@@ -73,14 +73,6 @@ def _finished(config: RunConfig) -> bool:
 
 
 def run(config: RunConfig, args: list[str]) -> int:
-    from absl import logging as absl_logging
-
-    from rlax_tpu.controller.app import run_job
-    from rlax_tpu.controller.loop import IncompatibleResume, NothingToLearn
-    from rlax_tpu.data.problems import DataError
-    from rlax_tpu.rpc.transport import ComponentFailed, ComponentUnreachable
-
-    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
     if args:
         print(f"rlax_tpu.controller: unexpected arguments {args}", file=sys.stderr)
         return cli.EXIT_USAGE
@@ -96,6 +88,16 @@ def run(config: RunConfig, args: list[str]) -> int:
             file=sys.stderr,
         )
         return cli.EXIT_USAGE
+    # Imported once the flags are known good: a usage error answers at once (JAX and the
+    # components take about 2 s of CPU to import).
+    from absl import logging as absl_logging
+
+    from rlax_tpu.controller.app import run_job
+    from rlax_tpu.controller.loop import IncompatibleResume, NothingToLearn
+    from rlax_tpu.data.problems import DataError
+    from rlax_tpu.rpc.transport import ComponentFailed, ComponentUnreachable
+
+    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
     # SIGTERM abandons the step in flight (the newest snapshot says what to re-issue, so nothing
     # is lost or trained twice), closes the components as an error would, and exits
     # EXIT_TERMINATED, or 0 if the run had finished.
