@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -127,8 +128,26 @@ def _release_memory_after_each_module():  # noqa: ANN202 - a fixture generator
 # Above the budget a test says why in a "Cost:" note (its or its module's docstring).
 CPU_BUDGET_S = float(os.environ.get("RLAX_TEST_CPU_BUDGET_S", "60"))
 TOP_CPU = 10
-_cpu_start: dict[str, float] = {}
-_cpu_seen: list[tuple[float, str, bool]] = []  # (CPU s, node id, has a Cost: note)
+_cpu_start: dict[str, tuple[float, int]] = {}  # node id -> (CPU s, compiles) at its setup
+_cpu_seen: list[tuple[float, str, bool, int]] = []  # (CPU s, node id, Cost: note, compiles)
+_compiles = [0, False]  # XLA compiles in this process (the run's cache missed); counting?
+
+
+def _count_compiles() -> None:
+    """Counts from the first call once JAX is imported: each program the run's compilation cache
+    did not have is compiled and written to it (tests/conftest.py writes every one)."""
+    if _compiles[1] or "jax" not in sys.modules:
+        return
+    from jax import monitoring
+
+    def on_event(event: str, **_: object) -> None:
+        if event == "/jax/compilation_cache/cache_misses":
+            _compiles[0] += 1
+
+    monitoring.register_event_listener(on_event)
+    _compiles[1] = True
+
+
 _is_xdist_worker = [False]
 
 
@@ -148,15 +167,17 @@ def _has_cost_note(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):  # noqa: ANN001, ANN201 - pytest hook
-    _cpu_start[item.nodeid] = _cpu_now()
+    _count_compiles()
+    _cpu_start[item.nodeid] = (_cpu_now(), _compiles[0])
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201 - pytest hook
     report = yield
     if call.when == "teardown" and item.nodeid in _cpu_start:
-        cpu = _cpu_now() - _cpu_start.pop(item.nodeid)
-        report.user_properties.append(("cpu_s", round(cpu, 2)))
+        cpu, compiles = _cpu_start.pop(item.nodeid)
+        report.user_properties.append(("cpu_s", round(_cpu_now() - cpu, 2)))
+        report.user_properties.append(("compiles", _compiles[0] - compiles))
         report.user_properties.append(("cost_note", _has_cost_note(item)))
     return report
 
@@ -166,22 +187,27 @@ def pytest_runtest_logreport(report):  # noqa: ANN001, ANN201 - pytest hook
     props = dict(report.user_properties)
     if report.when != "teardown" or "cpu_s" not in props or _is_xdist_worker[0]:
         return
-    _cpu_seen.append((props["cpu_s"], report.nodeid, bool(props.get("cost_note"))))
+    compiles = props.get("compiles", 0)
+    _cpu_seen.append((props["cpu_s"], report.nodeid, bool(props.get("cost_note")), compiles))
     path = os.environ.get("RLAX_TEST_CPU_LOG")
     if path:
         with open(path, "a") as f:
-            f.write(f"{props['cpu_s']:.2f}\t{report.nodeid}\n")
+            f.write(f"{props['cpu_s']:.2f}\t{report.nodeid}\t{compiles}\n")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ANN001, ANN201, ARG001
     if not _cpu_seen:
         return
     tr = terminalreporter
-    total = sum(c for c, _, _ in _cpu_seen)
-    tr.section(f"the {TOP_CPU} costliest tests by CPU seconds (of {total:.0f} s in all tests)")
-    for cpu, node, _ in sorted(_cpu_seen, reverse=True)[:TOP_CPU]:
-        tr.write_line(f"{cpu:8.1f} s  {node}")
-    over = [(c, n) for c, n, noted in _cpu_seen if c > CPU_BUDGET_S and not noted]
+    total = sum(row[0] for row in _cpu_seen)
+    compiles = sum(row[3] for row in _cpu_seen)
+    tr.section(
+        f"the {TOP_CPU} costliest tests by CPU seconds (of {total:.0f} s in all tests; "
+        f"{compiles} XLA compiles in the test processes)"
+    )
+    for cpu, node, _, n in sorted(_cpu_seen, reverse=True)[:TOP_CPU]:
+        tr.write_line(f"{cpu:8.1f} s {n:5d} compiles  {node}")
+    over = [(c, n) for c, n, noted, _ in _cpu_seen if c > CPU_BUDGET_S and not noted]
     for cpu, node in sorted(over, reverse=True):
         tr.write_line(
             f"over the {CPU_BUDGET_S:.0f} CPU-s budget with no 'Cost:' note in its docstring: "

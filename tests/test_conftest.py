@@ -19,7 +19,10 @@ BURN = "    subprocess.run([sys.executable, '-c', 'sum(range(30_000_000))'], che
 def test_the_cpu_log_counts_each_tests_own_and_its_childrens_cpu(tmp_path):
     (tmp_path / "test_burn.py").write_text(
         "import subprocess, sys\n"
+        "import jax\n"
         "def test_idle():\n    pass\n"
+        # A program no other test compiles (the constant): the run's cache does not have it.
+        "def test_compiles():\n    jax.jit(lambda x: x * 0.918273645)(1.0)\n"
         "def test_child_burns():\n" + BURN + "def test_child_burns_and_says_why():\n"
         '    """Cost: a child that burns on purpose."""\n' + BURN
     )
@@ -36,16 +39,25 @@ def test_the_cpu_log_counts_each_tests_own_and_its_childrens_cpu(tmp_path):
     # Node ids are relative to the rootdir pytest picks, which depends on where tmp_path is.
     rows = {
         node.rsplit("/", 1)[-1]: float(cpu)
-        for cpu, node in (line.split("\t") for line in log.read_text().splitlines())
+        for cpu, node, _ in (line.split("\t") for line in log.read_text().splitlines())
     }
     burns, why, idle = (
         f"test_burn.py::test_{n}" for n in ("child_burns", "child_burns_and_says_why", "idle")
     )
+    compiles = {
+        node.rsplit("/", 1)[-1]: int(n)
+        for _, node, n in (line.split("\t") for line in log.read_text().splitlines())
+    }
+    assert compiles["test_burn.py::test_compiles"] >= 1 and compiles[idle] == 0
+    del rows["test_burn.py::test_compiles"]
     assert sorted(rows) == [burns, why, idle]
     # The child's loop is CPU the worker itself never spent: it is counted.
     assert rows[burns] > 0.3 > rows[idle] and rows[why] > 0.3
     # The run ends with the costliest tests and names the one over budget that does not say why.
     summary = done.stdout[done.stdout.index("costliest tests by CPU seconds") :]
-    assert sum(ln.endswith(("child_burns", "says_why", "idle")) for ln in summary.splitlines()) == 3
+    assert (
+        sum(ln.endswith(("burns", "says_why", "idle", "compiles")) for ln in summary.splitlines())
+        == 4
+    )
     over = [ln for ln in summary.splitlines() if "budget" in ln]
     assert len(over) == 1 and over[0].endswith(f"{burns} ({rows[burns]:.0f} s)"), summary
