@@ -37,20 +37,17 @@ def test_the_cpu_log_counts_each_tests_own_and_its_childrens_cpu(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     # Node ids are relative to the rootdir pytest picks, which depends on where tmp_path is.
-    rows = {
-        node.rsplit("/", 1)[-1]: float(cpu)
-        for cpu, node, _ in (line.split("\t") for line in log.read_text().splitlines())
+    logged = {  # node -> (CPU s, compiles)
+        node.rsplit("/", 1)[-1]: (float(cpu), int(n))
+        for cpu, node, n in (line.split("\t") for line in log.read_text().splitlines())
     }
-    burns, why, idle = (
-        f"test_burn.py::test_{n}" for n in ("child_burns", "child_burns_and_says_why", "idle")
+    burns, why, idle, compiled = (
+        f"test_burn.py::test_{n}"
+        for n in ("child_burns", "child_burns_and_says_why", "idle", "compiles")
     )
-    compiles = {
-        node.rsplit("/", 1)[-1]: int(n)
-        for _, node, n in (line.split("\t") for line in log.read_text().splitlines())
-    }
-    assert compiles["test_burn.py::test_compiles"] >= 1 and compiles[idle] == 0
-    del rows["test_burn.py::test_compiles"]
-    assert sorted(rows) == [burns, why, idle]
+    assert sorted(logged) == [burns, why, compiled, idle]
+    assert logged[compiled][1] >= 1 and logged[idle][1] == 0
+    rows = {node: cpu for node, (cpu, _) in logged.items()}
     # The child's loop is CPU the worker itself never spent: it is counted.
     assert rows[burns] > 0.3 > rows[idle] and rows[why] > 0.3
     # The run ends with the costliest tests and names the one over budget that does not say why.
@@ -59,5 +56,7 @@ def test_the_cpu_log_counts_each_tests_own_and_its_childrens_cpu(tmp_path):
         sum(ln.endswith(("burns", "says_why", "idle", "compiles")) for ln in summary.splitlines())
         == 4
     )
+    # (test_compiles may be over too: it starts the process's JAX backend.)
     over = [ln for ln in summary.splitlines() if "budget" in ln]
-    assert len(over) == 1 and over[0].endswith(f"{burns} ({rows[burns]:.0f} s)"), summary
+    assert any(ln.endswith(f"{burns} ({rows[burns]:.0f} s)") for ln in over), summary
+    assert not any(why in ln for ln in over), summary
