@@ -33,6 +33,11 @@ class ParamServerConfig:
     # A publish refused for room (every hot version still read, persisted or leased) is
     # retried with backoff for this long before the trainer's publish fails. 0: not retried.
     publish_room_wait_s: float = 300.0
+    # One process holding the trainer and the workers (local transport, trainer in process): the
+    # newest versions handed to the workers device to device, held on the trainer's devices
+    # (each one published copy of their memory); the parameter server gets every version from a
+    # background copy and serves the older ones. 0: workers pull every version from it.
+    device_versions: int = 1
 
     def __post_init__(self) -> None:
         positive(
@@ -44,7 +49,9 @@ class ParamServerConfig:
             "replica_lease_s",
             "publish_quorum",
         )
-        non_negative(self, "persist_every", "persist_keep", "publish_room_wait_s")
+        non_negative(
+            self, "persist_every", "persist_keep", "publish_room_wait_s", "device_versions"
+        )
         if self.replicas > 1 and 0 < self.publish_room_wait_s <= self.replica_lease_s:
             # A publish refused for room while a dead replica still holds GC back waits for
             # its lease to lapse: a shorter wait fails the publish first.

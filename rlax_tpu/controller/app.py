@@ -275,6 +275,14 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None, command: str = "
         if holder[0].params_digest is not None:
             summary.weights_sha256 = holder[0].params_digest()
     finally:
+        if holder[0].handoff is not None:
+            n = holder[0].handoff.counts
+            print(
+                f"weight loads: {n['device_loads']} device to device, {n['server_loads']} from "
+                "the parameter server",
+                file=out,
+                flush=True,
+            )
         holder[0].close()
     if summary.already_finished:
         print(

@@ -1,9 +1,11 @@
 """The two transports: the same set of components, in this process or behind gRPC endpoints.
 
-``local``: a parameter server (a real gRPC server on 127.0.0.1, so weights travel the same path as
-in production; in memory only, the trainer's checkpoints being the persistent copy; one per
-``param_server.replicas``, worker i reading replica i mod replicas), the trainer, the inference
-workers and the verifier service, all in this process.
+``local``: a parameter server (a real gRPC server on 127.0.0.1; in memory only, the trainer's
+checkpoints being the persistent copy; one per ``param_server.replicas``, worker i reading replica
+i mod replicas), the trainer, the inference workers and the verifier service, all in this process.
+With the trainer in this process (and ``param_server.device_versions``), versions go from the
+trainer to the workers device to device (controller/handoff.py) and reach the parameter server
+from a background copy; with the trainer in a child process they travel through it.
 ``distributed``: gRPC clients to the endpoints of ``controller.*_endpoint(s)``; a component that does
 not answer raises ``ComponentUnreachable`` naming it and its endpoint.
 """
@@ -38,6 +40,8 @@ class Components:
     trainer: TrainerPort
     param_server: ParamServerPort
     endpoints: dict[str, str]  # component name -> where it runs ("in-process" or host:port)
+    # versions handed device to device (local transport, trainer in process); None: pulled
+    handoff: Any = None
     # SHA-256 of the trainer's current parameters (local transport; None where they are remote)
     params_digest: Callable[[], str] | None = None
     _closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
@@ -122,6 +126,7 @@ def build_local(
         verifier = VerifierService(config.verifiers, scratch_dir=Path(scratch.name))
         closers.append(verifier.close)
         trainer_where = "in-process"
+        handoff = None
         if config.controller.trainer_process:
             from rlax_tpu.controller.trainer_process import TrainerProcess
 
@@ -136,9 +141,15 @@ def build_local(
             digest = child.params_sha256
             trainer_where = f"{child.endpoint} (child process {child.process.pid})"
         else:
+            sink: Any = ps_client
+            if ps_config.device_versions and jax.process_count() == 1:
+                from rlax_tpu.controller.handoff import DeviceHandoff
+
+                handoff = sink = DeviceHandoff(ps_client, keep=ps_config.device_versions)
+                closers.append(handoff.close)
             trainer = Trainer(
                 config,
-                sink=ps_client,
+                sink=sink,
                 model=model,
                 devices=trainer_devices,
                 checkpoint_dir=run_dir / "trainer",
@@ -160,7 +171,12 @@ def build_local(
                 ps_config, replicas, replica=replica if replica >= 0 else i % len(replicas)
             )
             closers.append(reader.close)
-            worker.weight_source = PulledWeights(reader, worker.engine.weight_shardings())
+            pulled = PulledWeights(reader, worker.engine.weight_shardings())
+            worker.weight_source = (
+                pulled
+                if handoff is None
+                else handoff.source(worker.engine.weight_shardings(), pulled)
+            )
     except BaseException:
         _close_all(closers)
         raise
@@ -168,10 +184,12 @@ def build_local(
         workers=workers,
         verifier=verifier,
         trainer=trainer,
-        param_server=ps_client,
+        param_server=ps_client if handoff is None else handoff.port(ps_client),
         params_digest=digest,
+        handoff=handoff,
         endpoints={
-            "param_server": endpoint,
+            "param_server": endpoint
+            + ("" if handoff is None else " (versions reach the workers device to device)"),
             "trainer": trainer_where + (placed(trainer) if split else ""),
             "verifiers": "in-process",
             "inference": f"in-process x{len(workers)}"

@@ -1,5 +1,6 @@
 """One process's devices split between the trainer and the inference workers
-(topology.trainer_devices), as on a single TPU VM, driven from the main command."""
+(topology.trainer_devices), as on a single TPU VM, driven from the main command: the versions go
+from the trainer's devices to the workers' (controller/handoff.py)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ def test_the_trainer_and_two_workers_run_on_their_own_devices(tmp_path):
     line = next(x for x in done.stdout.splitlines() if x.startswith("components:"))
     assert "trainer in-process on devices [0, 1, 2, 3]" in line, line
     assert "on devices [4, 5], on devices [6, 7]" in line, line
+    # Versions 0 and 1 reach each worker from the trainer's devices, none through the server.
+    loads = next(x for x in done.stdout.splitlines() if x.startswith("weight loads:"))
+    device, server = (int(w) for w in loads.split() if w.isdigit())
+    assert device >= 2 and server == 0, loads
 
 
 def test_a_split_that_does_not_fit_is_refused(tmp_path):

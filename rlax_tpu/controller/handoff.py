@@ -1,0 +1,172 @@
+"""Versions handed from the trainer to the inference workers of the same process, device to device.
+
+One process holding the trainer and the workers (the local transport with the trainer in
+process: a single TPU VM's chips split by ``topology.trainer_devices``, or a CPU run) moves a
+version with one ``jax.device_put`` of the trainer's published cast onto a worker's shardings:
+over ICI on a TPU VM, with no host copy and no gRPC on the path from the trainer to the engine.
+
+The parameter server still gets every version, from a background thread (a host copy and a
+gRPC push off that path): workers asking for a version the hand-off no longer holds, the
+controller's version list and a resumed run read it there. At most ``max_pending`` copies wait
+at once; a trainer that publishes faster waits for the oldest (bounded versions in flight), and
+a copy that failed is raised by the next push or flush.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+
+log = logging.getLogger(__name__)
+
+
+class _Sink(Protocol):
+    def push(self, params: Any, version: int) -> Any: ...
+
+
+class _Source(Protocol):
+    def fetch(self, version: int) -> Any: ...
+
+
+class _Port(Protocol):
+    def list_versions(self) -> tuple[list[Any], int | None]: ...
+
+    def lease(self, consumer: str, versions: Sequence[int], ttl_s: float = 0.0) -> float: ...
+
+
+class DeviceHandoff:
+    """The trainer's weight sink (``push``) and, per worker, a weight source (``source``).
+
+    ``keep``: the newest versions held on the trainer's devices (each costs one published copy
+    of the trainer's memory); older ones come from ``copy_to`` (the parameter-server client).
+    """
+
+    def __init__(self, copy_to: _Sink, *, keep: int = 1, max_pending: int = 1):
+        if keep < 1 or max_pending < 1:
+            raise ValueError(f"keep ({keep}) and max_pending ({max_pending}) must be >= 1")
+        self.copy_to, self.keep, self.max_pending = copy_to, keep, max_pending
+        self._held: dict[int, Any] = {}  # version -> the published tree (jax arrays)
+        self._queue: list[tuple[int, Any]] = []  # copies to the parameter server, in order
+        self._copying = 0  # copies taken by the thread and not yet done
+        self._error: BaseException | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+        self.counts = {"device_loads": 0, "server_loads": 0, "copies": 0}
+        self._thread = threading.Thread(target=self._copy_loop, name="handoff-copy", daemon=True)
+        self._thread.start()
+
+    # -- the trainer's side ------------------------------------------------------------------
+
+    def push(self, params: Any, version: int) -> None:
+        """Holds ``params`` (the published cast: nested dict of jax arrays the trainer no longer
+        writes) as ``version`` and queues its copy to the parameter server."""
+        with self._cond:
+            self._raise_failed()
+            while len(self._queue) + self._copying >= self.max_pending and self._error is None:
+                self._cond.wait()
+            self._raise_failed()
+            self._held[version] = params
+            for old in sorted(self._held)[: -self.keep]:
+                del self._held[old]
+            self._queue.append((version, params))
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Waits until every pushed version is on the parameter server; raises a failed copy."""
+        with self._cond:
+            while (self._queue or self._copying) and self._error is None:
+                self._cond.wait()
+            self._raise_failed()
+
+    def held(self) -> list[int]:
+        with self._cond:
+            return sorted(self._held)
+
+    def _raise_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(
+                f"copying a version to the parameter server failed: {self._error}"
+            ) from self._error
+
+    def _copy_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                version, params = self._queue.pop(0)
+                self._copying += 1
+            try:
+                self.copy_to.push(params, version)
+                failure = None
+            except BaseException as e:  # noqa: BLE001 - handed to the trainer's next push
+                log.error("copying version %d to the parameter server failed: %s", version, e)
+                failure = e
+            with self._cond:
+                self._copying -= 1
+                self.counts["copies"] += failure is None
+                if failure is not None and self._error is None:
+                    self._error = failure
+                self._cond.notify_all()
+
+    # -- the workers' side -------------------------------------------------------------------
+
+    def source(self, shardings: Any, fallback: _Source) -> HandedWeights:
+        """A worker's weight source: versions held here go onto ``shardings`` (the engine's
+        ``weight_shardings()``) device to device, the others come from ``fallback``."""
+        return HandedWeights(self, shardings, fallback)
+
+    def _take(self, version: int) -> Any | None:
+        with self._cond:
+            tree = self._held.get(version)
+            self.counts["device_loads" if tree is not None else "server_loads"] += 1
+            return tree
+
+    def port(self, param_server: _Port) -> FlushedPort:
+        """``param_server`` as the controller sees it: what it lists includes every version
+        pushed here (their copies are waited for first)."""
+        return FlushedPort(self, param_server)
+
+    def close(self) -> None:
+        """Stops the copy thread after the copy under way (the queued ones are dropped: the local
+        parameter server they go to stops with the run)."""
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+        with self._cond:
+            self._held.clear()
+
+
+class HandedWeights:
+    """A worker's weight source over a ``DeviceHandoff`` (``fetch(version)``)."""
+
+    def __init__(self, handoff: DeviceHandoff, shardings: Any, fallback: _Source):
+        self.handoff, self.shardings, self.fallback = handoff, shardings, fallback
+
+    def fetch(self, version: int) -> Any:
+        tree = self.handoff._take(version)
+        if tree is None:
+            self.handoff.flush()  # a version pushed here is on the parameter server first
+            return self.fallback.fetch(version)
+        return jax.block_until_ready(jax.device_put(tree, self.shardings))
+
+
+class FlushedPort:
+    """The parameter server's controller port, its version list taken after the pending copies."""
+
+    def __init__(self, handoff: DeviceHandoff, param_server: _Port):
+        self.handoff, self.param_server = handoff, param_server
+
+    def list_versions(self) -> tuple[list[Any], int | None]:
+        self.handoff.flush()
+        return self.param_server.list_versions()
+
+    def lease(self, consumer: str, versions: Sequence[int], ttl_s: float = 0.0) -> float:
+        return self.param_server.lease(consumer, versions, ttl_s)
