@@ -12,8 +12,21 @@ CPU, so the fetch beside it is reported too). Baseline: the path before it, the 
 through loopback gRPC into a real parameter server and the worker pulling from it. The bytes the
 parameter server serves during the hand-off are counted (zero expected).
 
-Parts (b) (several processes, an emulated NIC, fan-out to 1, 2 and 4 workers) and (c) (delta
-bytes over a real run) of [weight-sync] are not built yet.
+(c) Delta bytes per version over consecutive versions of a real run:
+
+    .venv/bin/python -m rlax_tpu.controller --config=configs/smollm2_math.py:cpu \
+        --config.controller.run_dir=RUN --config.controller.num_steps=21 \
+        --config.trainer.checkpoint_every=1 --config.trainer.keep_checkpoints=30 \
+        --config.data.eval_every=0
+    .venv/bin/python benchmarks/weight_sync.py deltas RUN
+
+reads the trainer's checkpoints (the float32 masters of every version), casts each to the
+published dtypes (float32, bf16: the trainer's cast, round to nearest even) and encodes every
+version against the one before with ``param_server/delta.py`` (each array the smallest of
+unchanged / changed entries / changed 4 KiB chunks / whole), checking the rebuilt version bitwise.
+
+Part (b) (several processes, an emulated NIC, fan-out to 1, 2 and 4 workers) of [weight-sync] is
+not built yet.
 
 Writes JSON next to this file.
 """
@@ -27,13 +40,17 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import itertools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rlax_tpu import models  # noqa: E402
@@ -135,7 +152,92 @@ def one_host() -> dict:
     }
 
 
+def _masters(run_dir: Path) -> dict[int, list]:
+    """{version: the model's float32 master arrays (sorted by path)} from the trainer's
+    checkpoints under ``run_dir``."""
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(os.fspath(run_dir / "trainer"))
+    out = {}
+    for step in sorted(manager.all_steps()):
+        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))[
+            "state"
+        ]
+        leaves = jax.tree_util.tree_leaves_with_path(state["params"]["model"])
+        out[step] = [np.asarray(x) for _, x in sorted(leaves, key=lambda kv: str(kv[0]))]
+    manager.close()
+    return out
+
+
+def deltas(run_dir: Path) -> dict:
+    from rlax_tpu.param_server.delta import apply_tree, encode_tree
+
+    masters = _masters(run_dir)
+    versions = sorted(masters)
+    if len(versions) < 2:
+        raise SystemExit(f"{run_dir}: fewer than two checkpoints ({versions})")
+    gaps = [b - a for a, b in itertools.pairwise(versions)]
+    if set(gaps) != {1}:
+        raise SystemExit(f"{run_dir}: checkpoints are not of consecutive versions ({versions})")
+    out = {}
+    for name, dtype in (("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16)):
+        cast = {v: [a.astype(dtype) for a in masters[v]] for v in versions}
+        full = sum(a.nbytes for a in cast[versions[0]])
+        rows = []
+        for prev, v in itertools.pairwise(versions):
+            delta = encode_tree(cast[prev], cast[v], base_version=prev)
+            rebuilt = apply_tree(cast[prev], delta)
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(rebuilt, cast[v], strict=True))
+            changed = sum(
+                int(np.count_nonzero(a.view(f"u{a.itemsize}") != b.view(f"u{b.itemsize}")))
+                for a, b in zip(cast[prev], cast[v], strict=True)
+            )
+            elems = sum(a.size for a in cast[v])
+            rows.append(
+                {
+                    "version": v,
+                    "delta_bytes": delta.nbytes,
+                    "ratio": delta.nbytes / full,
+                    "changed_fraction": changed / elems,
+                    "kinds": delta.kinds(),
+                }
+            )
+        out[name] = {"full_bytes": full, "versions": rows}
+    return out
+
+
+def print_deltas(d: dict) -> None:
+    for name, r in d.items():
+        ratios = [x["ratio"] for x in r["versions"]]
+        changed = [x["changed_fraction"] for x in r["versions"]]
+        print(
+            f"(c) {name}: {len(ratios)} versions, full {r['full_bytes'] / 2**20:.1f} MiB; "
+            f"delta/full median {statistics.median(ratios):.4f} (min {min(ratios):.4f}, max "
+            f"{max(ratios):.4f}); values changed median {statistics.median(changed):.4f}"
+        )
+        print(
+            "| version | delta MiB | delta / full | values changed | arrays same/entries/chunks/full |"
+        )
+        print("|---:|---:|---:|---:|---|")
+        for x in r["versions"]:
+            k = x["kinds"]
+            print(
+                f"| {x['version']} | {x['delta_bytes'] / 2**20:.2f} | {x['ratio']:.4f} | "
+                f"{x['changed_fraction']:.4f} | {k['same']}/{k['entries']}/{k['chunks']}/{k['full']} |"
+            )
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "deltas":
+        d = deltas(Path(sys.argv[2]))
+        print_deltas(d)
+        (HERE / "weight_sync_deltas.json").write_text(json.dumps(d, indent=2))
+        return
+    if len(sys.argv) != 1:
+        raise SystemExit(
+            "usage: weight_sync.py            (part a: one host)\n"
+            "       weight_sync.py deltas RUN (part c: a run's checkpoints)"
+        )
     a = one_host()
     gib = a["bytes"] / 2**30
     print(

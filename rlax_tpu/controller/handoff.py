@@ -7,7 +7,8 @@ over ICI on a TPU VM, with no host copy and no gRPC on the path from the trainer
 
 The parameter server still gets every version, from a background thread (a host copy and a
 gRPC push off that path): workers asking for a version the hand-off no longer holds, the
-controller's version list and a resumed run read it there. At most ``max_pending`` copies wait
+controller's version list and a resumed run read it there. The controller's leases of versions
+still being copied are set once their copies land. At most ``max_pending`` copies wait
 at once; a trainer that publishes faster waits for the oldest (bounded versions in flight), and
 a copy that failed is raised by the next push or flush.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -51,7 +52,8 @@ class DeviceHandoff:
         self.copy_to, self.keep, self.max_pending = copy_to, keep, max_pending
         self._held: dict[int, Any] = {}  # version -> the published tree (jax arrays)
         self._queue: list[tuple[int, Any]] = []  # copies to the parameter server, in order
-        self._copying = 0  # copies taken by the thread and not yet done
+        self._copying: int | None = None  # the version the thread is copying
+        self._after: Callable[[], Any] | None = None  # run once no copy is pending (a lease)
         self._error: BaseException | None = None
         self._closed = False
         self._cond = threading.Condition()
@@ -66,7 +68,7 @@ class DeviceHandoff:
         writes) as ``version`` and queues its copy to the parameter server."""
         with self._cond:
             self._raise_failed()
-            while len(self._queue) + self._copying >= self.max_pending and self._error is None:
+            while len(self._pending()) >= self.max_pending and self._error is None:
                 self._cond.wait()
             self._raise_failed()
             self._held[version] = params
@@ -78,9 +80,26 @@ class DeviceHandoff:
     def flush(self) -> None:
         """Waits until every pushed version is on the parameter server; raises a failed copy."""
         with self._cond:
-            while (self._queue or self._copying) and self._error is None:
+            while self._pending() and self._error is None:
                 self._cond.wait()
             self._raise_failed()
+
+    def pending(self) -> set[int]:
+        """The versions pushed here and not yet on the parameter server."""
+        with self._cond:
+            return self._pending()
+
+    def _pending(self) -> set[int]:
+        return {v for v, _ in self._queue} | ({self._copying} - {None})
+
+    def after_copies(self, call: Callable[[], Any]) -> None:
+        """Runs ``call`` once every version pushed so far is on the parameter server (at once if
+        none is pending); a later call replaces one still waiting. Its failure is logged."""
+        with self._cond:
+            if self._pending():
+                self._after = call
+                return
+        _logged(call)
 
     def held(self) -> list[int]:
         with self._cond:
@@ -100,19 +119,26 @@ class DeviceHandoff:
                 if not self._queue:
                     return
                 version, params = self._queue.pop(0)
-                self._copying += 1
+                self._copying = version
             try:
                 self.copy_to.push(params, version)
                 failure = None
             except BaseException as e:  # noqa: BLE001 - handed to the trainer's next push
                 log.error("copying version %d to the parameter server failed: %s", version, e)
                 failure = e
-            with self._cond:
-                self._copying -= 1
-                self.counts["copies"] += failure is None
-                if failure is not None and self._error is None:
-                    self._error = failure
-                self._cond.notify_all()
+            while True:  # the deferred call runs before the copy counts as done (flush waits)
+                with self._cond:
+                    after = None
+                    if failure is None and not self._queue and self._after is not None:
+                        after, self._after = self._after, None
+                    else:
+                        self._copying = None
+                        self.counts["copies"] += failure is None
+                        if failure is not None and self._error is None:
+                            self._error = failure
+                        self._cond.notify_all()
+                        break
+                _logged(after)
 
     # -- the workers' side -------------------------------------------------------------------
 
@@ -169,4 +195,19 @@ class FlushedPort:
         return self.param_server.list_versions()
 
     def lease(self, consumer: str, versions: Sequence[int], ttl_s: float = 0.0) -> float:
-        return self.param_server.lease(consumer, versions, ttl_s)
+        """Leases ``versions`` (replacing the consumer's set); those still being copied are
+        leased with the rest once their copies land, the others at once."""
+        pending = self.handoff.pending()
+        ready = [v for v in versions if v not in pending]
+        if len(ready) < len(versions):
+            self.handoff.after_copies(
+                lambda: self.param_server.lease(consumer, list(versions), ttl_s)
+            )
+        return self.param_server.lease(consumer, ready, ttl_s) if ready else ttl_s
+
+
+def _logged(call: Callable[[], Any]) -> None:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - a lease is an optimization of GC
+        log.warning("a deferred parameter-server call failed: %s", e)

@@ -6,7 +6,9 @@ fewest groups outstanding (ties in turn, so small jobs spread too); requests of 
 that worker is live, since its engine may still hold the earlier turns' pages. Each worker serves
 its jobs in *epochs*: consecutive jobs of one version run concurrently (the engine batches them
 continuously); a job of another version waits until the earlier epoch drains, then loads its
-weights (a reload between engine steps, never under a running request). A worker that fails
+weights (a reload between engine steps, never under a running request); the worker is asked to
+stage that version (fetch it into a standby copy) as soon as the job arrives, so the load that
+follows the drain is a swap. A worker that fails
 (unreachable, shut down, an RPC error) is marked down and its share goes to another live worker;
 a down worker is probed before each job and takes work again once it answers. Aborted samples are
 generated again: with per-group seeds that gives the same tokens, so failover does not change
@@ -72,6 +74,7 @@ class WorkerPool:
         self.retry_s = retry_s
         self._on_event = on_event or (lambda text: log.warning("%s", text))
         self._held: list[int | None] = [None] * len(workers)  # version each worker holds
+        self._staged: list[int | None] = [None] * len(workers)  # last version asked to stage
         self._down: set[int] = set()
         self._lock = threading.Lock()
         self._epochs = [_Epochs(exclusive_jobs) for _ in workers]
@@ -127,10 +130,28 @@ class WorkerPool:
             fut = self._threads.submit(self._run_continuing, i, version, requests)
         else:
             ticket = self._epochs[i].join(version)
+            self._stage_ahead(i, version)
             fut = self._threads.submit(self._run_in_epoch, i, ticket, version, requests)
         groups = len(requests)
         fut.add_done_callback(lambda _: self._returned(i, groups))
         return fut
+
+    def _stage_ahead(self, i: int, version: int) -> None:
+        """Has worker i fetch ``version`` while it still generates the earlier epoch's jobs, so
+        the epoch's load is a swap (a worker without ``stage`` fetches at the load)."""
+        stage = getattr(self.workers[i], "stage", None)
+        with self._lock:
+            if stage is None or version in (self._held[i], self._staged[i]):
+                return
+            self._staged[i] = version
+
+        def call() -> None:
+            try:
+                stage(version)
+            except Exception as e:  # noqa: BLE001 - the load fetches it then, or fails loudly
+                log.info("%s could not stage version %d: %s", self.names[i], version, e)
+
+        self._threads.submit(call)
 
     def _returned(self, i: int, groups: int) -> None:
         with self._lock:

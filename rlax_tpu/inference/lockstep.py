@@ -7,9 +7,11 @@ one (requests submitted, a weight version loaded, shutdown) and every follower a
 calls and steps too. The engine is deterministic given its calls (scheduling, sampling seeds),
 so the processes stay in step without exchanging anything else.
 
-    commands = [("submit", request), ("load", version), ("abort",), ("step",), ("stop",)]
+    commands = [("submit", request), ("stage", version), ("load", version), ("abort",),
+                ("step",), ("stop",)]
 
-Followers load a version from their own weight source (the parameter server), so every process
+Followers stage ("stage": fetch ahead, inference/standby.py) and load a version from their own
+weight source (the parameter server), so every process
 pulls its weights itself; loading is a collective, so a round's loads are first agreed
 (:func:`agree_on_loads`): a version some process could not fetch is loaded by none, and the
 lead's caller is told which process lacked it. Any other failure, on any process, ends every
@@ -52,9 +54,12 @@ def agree_on_loads(versions: list[int], errors: list[str | None]) -> dict[int, s
     return {version: "; ".join(whys) for version, whys in refused.items()}
 
 
-def follow(engine: Any, fetch: Callable[[int], Any]) -> int:
+def follow(
+    engine: Any, fetch: Callable[[int], Any], stage: Callable[[int], None] | None = None
+) -> int:
     """A follower's loop: applies the lead's broadcast commands to ``engine`` until "stop";
-    ``fetch(version)`` gives a version's weights. Returns the steps taken."""
+    ``fetch(version)`` gives a version's weights, ``stage(version)`` starts fetching it ahead
+    (None: "stage" is ignored). Returns the steps taken."""
     me, steps = jax.process_index(), 0
     while True:
         try:
@@ -67,6 +72,9 @@ def follow(engine: Any, fetch: Callable[[int], Any]) -> int:
             try:
                 if kind == "submit":
                     engine.submit(command[1])
+                elif kind == "stage":
+                    if stage is not None:
+                        stage(command[1])
                 elif kind == "load":
                     if command[1] in weights:
                         engine.load_weights(command[1], weights[command[1]])

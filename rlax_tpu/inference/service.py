@@ -158,6 +158,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         aborted = self._worker.load_weights(request.version)
         return pb.LoadWeightsReply(version=self._worker.version, aborted=aborted)
 
+    @_statuses
+    def StageWeights(self, request: pb.LoadWeightsRequest, context) -> common_pb2.Empty:  # noqa: ANN001
+        self._worker.stage(request.version)
+        return common_pb2.Empty()
+
     def Status(self, request: common_pb2.Empty, context) -> pb.StatusReply:  # noqa: ANN001
         return status_to_pb(self._worker.status())
 
@@ -269,6 +274,12 @@ class InferenceClient:
     def load_weights(self, version: int) -> int:
         try:
             return self._stub.LoadWeights(pb.LoadWeightsRequest(version=version)).aborted
+        except grpc.RpcError as e:
+            _raise(e)
+
+    def stage(self, version: int) -> None:
+        try:
+            self._stub.StageWeights(pb.LoadWeightsRequest(version=version))
         except grpc.RpcError as e:
             _raise(e)
 

@@ -33,6 +33,7 @@ from rlax_tpu.config import InferenceConfig, RunConfig
 from rlax_tpu.inference import lockstep
 from rlax_tpu.inference.engine import Engine, EngineStats, InvalidRequest
 from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.inference.standby import Standby
 from rlax_tpu.types import Rollout
 
 
@@ -106,6 +107,7 @@ class InferenceWorker:
         self.cfg = cfg
         self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids, devices=devices)
         self.weight_source = weight_source
+        self.standby = Standby(self._fetch)  # the next version, fetched while generating
         # Several processes: this one leads; the engine calls since the last step go to the
         # followers before each step (see lockstep.py).
         self._lockstep = lockstep.is_multi_process()
@@ -173,10 +175,8 @@ class InferenceWorker:
                 "(every process pulls its own copy)"
             )
         if params is None:
-            if self.weight_source is None:
-                raise UnknownVersion(f"version {version}: this worker has no weight source")
             try:
-                params = self.weight_source.fetch(version)
+                params = self.standby.take(version)
             except KeyError as e:
                 raise UnknownVersion(f"no weights for version {version}") from e
         with self._cond:  # waits for the running step to end
@@ -196,6 +196,22 @@ class InferenceWorker:
             if load.error is not None:
                 raise load.error
             return load.aborted
+
+    def stage(self, version: int) -> None:
+        """Starts fetching ``version`` from the weight source into a standby copy while the
+        engine goes on generating; a later ``load_weights(version)`` swaps it in (standby.py).
+        With several processes, every follower stages its own copy too."""
+        if self.weight_source is None:
+            raise UnknownVersion(f"version {version}: this worker has no weight source")
+        self.standby.stage(version)
+        if self._lockstep:
+            with self._cond:  # told to the followers at the next lockstep point
+                self._pending.append(("stage", version))
+
+    def _fetch(self, version: int) -> Any:
+        if self.weight_source is None:
+            raise UnknownVersion(f"version {version}: this worker has no weight source")
+        return self.weight_source.fetch(version)
 
     def status(self) -> WorkerStatus:
         with self._cond:
@@ -317,6 +333,7 @@ class Follower:
     ):
         self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids)
         self.weight_source = weight_source
+        self.standby = Standby(self._fetch)
 
     @classmethod
     def from_config(cls, config: RunConfig) -> Follower:
@@ -325,7 +342,7 @@ class Follower:
 
     def run(self) -> int:
         """Follows until the lead shuts down; returns the engine steps taken."""
-        return lockstep.follow(self.engine, self._fetch)
+        return lockstep.follow(self.engine, self.standby.take, stage=self.standby.stage)
 
     def _fetch(self, version: int) -> Any:
         if self.weight_source is None:

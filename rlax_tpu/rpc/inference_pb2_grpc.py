@@ -45,6 +45,11 @@ class InferenceStub:
                 request_serializer=rlax__tpu_dot_rpc_dot_inference__pb2.LoadWeightsRequest.SerializeToString,
                 response_deserializer=rlax__tpu_dot_rpc_dot_inference__pb2.LoadWeightsReply.FromString,
                 _registered_method=True)
+        self.StageWeights = channel.unary_unary(
+                '/rlax_tpu.Inference/StageWeights',
+                request_serializer=rlax__tpu_dot_rpc_dot_inference__pb2.LoadWeightsRequest.SerializeToString,
+                response_deserializer=rlax__tpu_dot_rpc_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/rlax_tpu.Inference/Status',
                 request_serializer=rlax__tpu_dot_rpc_dot_common__pb2.Empty.SerializeToString,
@@ -73,6 +78,13 @@ class InferenceServicer:
 
     def LoadWeights(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageWeights(self, request, context):
+        """Starts fetching a version into a standby copy while generating; returns at once.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -107,6 +119,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.LoadWeights,
                     request_deserializer=rlax__tpu_dot_rpc_dot_inference__pb2.LoadWeightsRequest.FromString,
                     response_serializer=rlax__tpu_dot_rpc_dot_inference__pb2.LoadWeightsReply.SerializeToString,
+            ),
+            'StageWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageWeights,
+                    request_deserializer=rlax__tpu_dot_rpc_dot_inference__pb2.LoadWeightsRequest.FromString,
+                    response_serializer=rlax__tpu_dot_rpc_dot_common__pb2.Empty.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -178,6 +195,33 @@ class Inference:
             '/rlax_tpu.Inference/LoadWeights',
             rlax__tpu_dot_rpc_dot_inference__pb2.LoadWeightsRequest.SerializeToString,
             rlax__tpu_dot_rpc_dot_inference__pb2.LoadWeightsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlax_tpu.Inference/StageWeights',
+            rlax__tpu_dot_rpc_dot_inference__pb2.LoadWeightsRequest.SerializeToString,
+            rlax__tpu_dot_rpc_dot_common__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

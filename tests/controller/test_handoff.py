@@ -129,3 +129,27 @@ def test_a_failed_copy_is_raised_by_the_next_push_and_by_flush(ps):
 def test_bad_sizes_are_refused(ps):
     with pytest.raises(ValueError, match="keep"):
         DeviceHandoff(ps.client, keep=0)
+
+
+def test_a_lease_of_a_version_still_being_copied_lands_with_its_copy(ps):
+    gate = threading.Event()
+
+    class Gated:
+        def push(self, params, version):
+            gate.wait(timeout=60)
+            return ps.client.push(params, version)
+
+    ps.client.push(make_tree(0), 0)
+    handoff = DeviceHandoff(Gated(), keep=1)
+    port = handoff.port(ps.client)
+    try:
+        handoff.push(make_tree(1), 1)
+        port.lease("controller", [0, 1])  # 1 is not on the server yet: no error
+        assert ps.store.list_versions()[0].leased_by == ("controller",)  # 0 leased at once
+        gate.set()
+        handoff.flush()  # the deferred lease runs before the copy counts as done
+        leased = {v.version: v.leased_by for v in ps.store.list_versions()}
+        assert leased == {0: ("controller",), 1: ("controller",)}
+    finally:
+        gate.set()
+        handoff.close()

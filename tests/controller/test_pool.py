@@ -213,3 +213,20 @@ def test_small_jobs_spread_over_the_workers_by_their_load(workers):
     generated = [sum(1 for c in f.log if c == "generate") for f in flaky]
     assert generated == [2, 2]
     assert pool._outstanding == [0, 0]  # every group given out came back
+
+
+def test_a_job_of_a_new_version_has_its_worker_stage_it_while_the_last_job_runs(weights):
+    """Deterministic mode (one job at a time): the second job's version is fetched into the
+    worker's standby copy as soon as the job is queued, and its load takes that copy."""
+    model, source = weights
+    worker = InferenceWorker(model, CFG, weight_source=source)
+    pool = WorkerPool([worker], exclusive_jobs=True)
+    try:
+        first = pool.submit(0, requests(4))
+        second = pool.submit(1, requests(4))
+        assert {v for _, v in tokens(first.result()).values()} == {0}
+        assert {v for _, v in tokens(second.result()).values()} == {1}
+    finally:
+        pool.close()
+        worker.shutdown()
+    assert worker.standby.counts == {"staged": 2, "taken_staged": 2, "fetched_at_load": 0}
