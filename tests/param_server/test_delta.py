@@ -84,9 +84,7 @@ def test_a_tree_rebuilds_against_its_base_only():
     other = [_changed(base[0], np.array([9]), rng), base[1]]  # not the base it was made against
     with pytest.raises(DataLoss, match="against version 7 fails its checksum"):
         apply_tree(other, delta)
-    damaged = dataclasses.replace(
-        delta.deltas[0], values=delta.deltas[0].values[::-1].copy()
-    )
+    damaged = dataclasses.replace(delta.deltas[0], values=delta.deltas[0].values[::-1].copy())
     with pytest.raises(DataLoss):
         apply_tree(base, dataclasses.replace(delta, deltas=(damaged, delta.deltas[1])))
 
