@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import statistics
 import subprocess
 import sys
 import time
@@ -381,6 +383,13 @@ def print_summary(s: RunSummary, report: Path, out: TextIO) -> None:
         f"{c['groups_verifier_failed']} dropped on verifier errors",
         f"tokens generated: {c['tokens_generated']}",
     ]
+    if s.publish_to_serve_s:
+        t = sorted(s.publish_to_serve_s)
+        p95 = t[max(0, math.ceil(0.95 * len(t)) - 1)]
+        lines.append(
+            f"publish to serve (trainer's publish -> every worker serving the version): median "
+            f"{statistics.median(t):.2f} s, p95 {p95:.2f} s over {len(t)} versions"
+        )
     if c.get("groups_refilled") or c.get("updates_skipped"):
         lines.insert(
             4,

@@ -124,6 +124,8 @@ class RunSummary:
     evals: dict[int, dict[str, float]]  # version -> eval metrics
     wall_s: float
     weights_sha256: str = ""  # of the final parameters (local transport), for reproducibility
+    # per version every worker loaded: seconds from the trainer's publish to the last load
+    publish_to_serve_s: list[float] = dataclasses.field(default_factory=list)
 
 
 class Controller:
@@ -160,6 +162,7 @@ class Controller:
         self._split: dict[str, tuple[dict, dict]] = {}
         self.specs = SpecCache(components.verifier)
         self._event = on_event or (lambda text: print(text, flush=True))
+        self.publish_to_serve: list[float] = []  # seconds, per version every worker loaded
         self.pool = WorkerPool(
             components.workers,
             retry_s=cc.rpc_timeout_s,
@@ -732,6 +735,7 @@ class Controller:
         self._mark_trained(consumed)  # only once the update happened
         self.version += 1
         self.step += 1
+        self.pool.published(self.version)
         return (
             {f"trainer/{k}": float(v) for k, v in metrics.items()}
             | extra
@@ -800,6 +804,10 @@ class Controller:
         }
         # The workers' load and generation seconds since the last step (the planner's costs).
         scalars |= {f"pool/{k}": v for k, v in self.pool.take_times().items()}
+        served = self.pool.take_publish_to_serve()
+        if served:  # a version from the trainer's publish to the last worker serving it
+            scalars["time/publish_to_serve"] = max(served)
+            self.publish_to_serve += served
         scalars |= {
             f"verdict/{k}": float(v) for k, v in groups_lib.verdict_counts(results).items() if v
         }
@@ -950,6 +958,7 @@ class Controller:
             counters=dataclasses.asdict(self.counters),
             evals=dict(self.evals),
             wall_s=time.perf_counter() - t0,
+            publish_to_serve_s=list(self.publish_to_serve),
         )
 
 

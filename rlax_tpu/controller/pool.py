@@ -40,6 +40,7 @@ _SESSIONS = 1 << 16  # sessions remembered (oldest forgotten: their requests go 
 # Generation calls at once (threads start as needed): shares of every worker's slots, and
 # shares waiting for their worker's epoch, each hold one.
 _MAX_CALLS = 4096
+_PUBLISHED_TRACKED = 64  # versions awaiting every worker's load (older ones forgotten)
 
 
 class NoWorkers(RuntimeError):
@@ -75,6 +76,11 @@ class WorkerPool:
         self._on_event = on_event or (lambda text: log.warning("%s", text))
         self._held: list[int | None] = [None] * len(workers)  # version each worker holds
         self._staged: list[int | None] = [None] * len(workers)  # last version asked to stage
+        # version -> (when the trainer published it, the workers that serve it since)
+        self._published: collections.OrderedDict[int, tuple[float, set[int]]] = (
+            collections.OrderedDict()
+        )
+        self._publish_to_serve: list[float] = []
         self._down: set[int] = set()
         self._lock = threading.Lock()
         self._epochs = [_Epochs(exclusive_jobs) for _ in workers]
@@ -194,6 +200,32 @@ class WorkerPool:
         t0 = time.perf_counter()
         self.workers[i].load_weights(version)
         self._count(load_s=time.perf_counter() - t0, loads=1.0)
+        self._served(i, version)
+
+    def published(self, version: int) -> None:
+        """The trainer has just published ``version``: from now until every worker serves it
+        is its publish-to-serve time (``take_publish_to_serve``)."""
+        with self._lock:
+            self._published[version] = (time.perf_counter(), set())
+            while len(self._published) > _PUBLISHED_TRACKED:  # never loaded by every worker
+                self._published.popitem(last=False)
+
+    def _served(self, i: int, version: int) -> None:
+        with self._lock:
+            entry = self._published.get(version)
+            if entry is None:
+                return
+            entry[1].add(i)
+            if len(entry[1]) == len(self.workers):
+                self._publish_to_serve.append(time.perf_counter() - entry[0])
+                del self._published[version]
+
+    def take_publish_to_serve(self) -> list[float]:
+        """Since the last call: for each version every worker came to serve, the seconds from
+        its publication (``published``) to the last worker's load of it."""
+        with self._lock:
+            out, self._publish_to_serve = self._publish_to_serve, []
+        return out
 
     def _count(self, **amounts: float) -> None:
         with self._lock:

@@ -24,7 +24,7 @@ def test_the_trainer_and_two_workers_run_on_their_own_devices(tmp_path):
             "rlax_tpu.controller",
             "--config=configs/codeforces.py:local",
             f"--config.controller.run_dir={tmp_path / 'run'}",
-            "--config.controller.num_steps=2",
+            "--config.controller.num_steps=3",
             "--config.controller.prompts_per_step=2",
             "--config.algorithm.group_size=2",
             "--config.trainer.micro_batch_size=4",
@@ -46,14 +46,16 @@ def test_the_trainer_and_two_workers_run_on_their_own_devices(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "run finished: 2 updates" in done.stdout
+    assert "run finished: 3 updates" in done.stdout
     line = next(x for x in done.stdout.splitlines() if x.startswith("components:"))
     assert "trainer in-process on devices [0, 1, 2, 3]" in line, line
     assert "on devices [4, 5], on devices [6, 7]" in line, line
-    # Versions 0 and 1 reach each worker from the trainer's devices, none through the server.
+    # Every version the workers load comes from the trainer's devices, none through the server;
+    # version 1 reaches both workers, which the summary times.
     loads = next(x for x in done.stdout.splitlines() if x.startswith("weight loads:"))
     device, server = (int(w) for w in loads.split() if w.isdigit())
     assert device >= 2 and server == 0, loads
+    assert "publish to serve (trainer's publish -> every worker serving the version)" in done.stdout
 
 
 def test_a_split_that_does_not_fit_is_refused(tmp_path):

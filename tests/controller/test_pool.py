@@ -223,9 +223,15 @@ def test_a_job_of_a_new_version_has_its_worker_stage_it_while_the_last_job_runs(
     pool = WorkerPool([worker], exclusive_jobs=True)
     try:
         first = pool.submit(0, requests(4))
+        pool.published(1)  # the trainer publishes version 1 while the first job runs
         second = pool.submit(1, requests(4))
         assert {v for _, v in tokens(first.result()).values()} == {0}
         assert {v for _, v in tokens(second.result()).values()} == {1}
+        # Version 1 from its publication to the (only) worker serving it; version 0 was never
+        # published through the pool: not counted.
+        served = pool.take_publish_to_serve()
+        assert len(served) == 1 and served[0] > 0
+        assert pool.take_publish_to_serve() == []
     finally:
         pool.close()
         worker.shutdown()
