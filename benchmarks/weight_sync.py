@@ -1,6 +1,8 @@
 """A new version from the trainer to the inference engines: the paths, against their limits.
 
-    .venv/bin/python benchmarks/weight_sync.py
+    .venv/bin/python benchmarks/weight_sync.py                 # (a)
+    .venv/bin/python benchmarks/weight_sync.py fanout          # (b)
+    .venv/bin/python benchmarks/weight_sync.py deltas RUN      # (c), RUN as below
 
 (a) One host (a single TPU VM's layout, ``topology.trainer_devices``): 8 forced CPU devices, the
 trainer's mesh on devices 0-3 (fsdp 4), one worker's engine on 4-7 (tensor 4), a Llama-shaped
@@ -25,8 +27,16 @@ published dtypes (float32, bf16: the trainer's cast, round to nearest even) and 
 version against the one before with ``param_server/delta.py`` (each array the smallest of
 unchanged / changed entries / changed 4 KiB chunks / whole), checking the rebuilt version bitwise.
 
-Part (b) (several processes, an emulated NIC, fan-out to 1, 2 and 4 workers) of [weight-sync] is
-not built yet.
+(b) Several processes on loopback (``fanout``): a publisher (this process: a ``relay.Publisher``
+filling its buffer from host arrays, as the trainer's host would) and 1, 2 and 4 worker processes,
+each a ``relay.RelayServer`` that receives the version (``relay.fetch_to_device``: received,
+checked and uploaded to its CPU device in overlap) and passes it on. First with every process's
+egress held to a fixed rate (``relay.Egress``, the emulated NIC, so the network and not these
+2 cores binds), then without. Ours: the workers in a chain (worker k reads from worker k-1, the
+first from the publisher). Baseline: a star (every worker reads from the publisher, as every
+worker pulls from the parameter server today). Limit without the NIC: raw bytes streamed over
+loopback gRPC from this process to a worker process, in the same run. The relay is not wired
+into the run yet ([weight-sync]).
 
 Writes JSON next to this file.
 """
@@ -227,7 +237,170 @@ def print_deltas(d: dict) -> None:
             )
 
 
+def _raw_server(total: int, chunk: int):
+    """Opaque bytes streamed down over loopback gRPC: the transfer's physical limit here."""
+    import grpc
+
+    from rlax_tpu.rpc.transport import make_server
+
+    payload = np.random.default_rng(1).integers(0, 256, total, dtype=np.uint8)
+
+    def down(request, context):  # noqa: ANN001, ANN202
+        for i in range(0, total, chunk):
+            yield payload[i : i + chunk].tobytes()
+
+    def add(server) -> None:  # noqa: ANN001
+        handlers = {"Down": grpc.unary_stream_rpc_method_handler(down)}
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("bench.Raw", handlers),)
+        )
+
+    return make_server("127.0.0.1:0", add)
+
+
+def worker_role() -> None:
+    """A worker process: serves its relay, then on each stdin line (JSON {version, sources} or
+    {raw}) receives and reports the wall time it finished."""
+    from rlax_tpu.param_server.relay import RelayServer, fetch_to_device
+    from rlax_tpu.rpc.transport import make_channel
+
+    rate = float(sys.argv[3])
+    server = RelayServer(egress_bytes_per_s=rate, keep=1)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    print(json.dumps({"endpoint": server.endpoint}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        if "raw" in job:
+            channel = make_channel(job["raw"])
+            n = sum(len(m) for m in channel.unary_stream("/bench.Raw/Down")(b""))
+            channel.close()
+            print(json.dumps({"done": time.time(), "bytes": n}), flush=True)
+            continue
+        count = job["arrays"]
+        arrays = fetch_to_device(job["version"], job["sources"], server, [device] * count)
+        jax.block_until_ready(arrays)
+        del arrays
+        print(json.dumps({"done": time.time(), "sent": server.bytes_sent}), flush=True)
+
+
+def fanout(total_bytes: int, rate: float, counts: tuple[int, ...]) -> dict:
+    import subprocess
+
+    from rlax_tpu.param_server.relay import Publisher, RelayServer
+
+    n_arrays = 16
+    per = total_bytes // n_arrays // 2
+    rng = np.random.default_rng(0)
+    arrays = [
+        (f"w{i}", rng.integers(0, 2**16, per, dtype=np.uint16).view(ml_dtypes.bfloat16))
+        for i in range(n_arrays)
+    ]
+    nbytes = sum(a.nbytes for _, a in arrays)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "worker", "-", str(rate)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"XLA_FLAGS": ""},
+        )
+        for _ in range(max(counts))
+    ]
+    endpoints = [json.loads(p.stdout.readline())["endpoint"] for p in procs]
+    root = RelayServer(egress_bytes_per_s=rate, keep=1)
+    publisher = Publisher(root)
+    raw, raw_port = _raw_server(nbytes, 4 * 2**20)
+    version = 0
+    results: dict = {"bytes": nbytes, "rate": rate, "runs": []}
+    try:
+        # Warm-up, not timed: each worker's first upload starts its JAX runtime.
+        small = [(p, a[:1024]) for p, a in arrays]
+        publisher.publish(version, small)
+        for k in range(len(procs)):
+            job = {"version": version, "sources": [root.endpoint], "arrays": n_arrays}
+            procs[k].stdin.write(json.dumps(job) + "\n")
+            procs[k].stdin.flush()
+        for k in range(len(procs)):
+            procs[k].stdout.readline()
+        for shape in ("star", "chain"):
+            for n in counts:
+                version += 1
+                sent0 = root.bytes_sent
+                start = time.time()
+                publisher.publish(version, arrays)
+                for k in range(n):
+                    chain = [*reversed(endpoints[:k]), root.endpoint]
+                    sources = chain if shape == "chain" else [root.endpoint]
+                    job = {"version": version, "sources": sources, "arrays": n_arrays}
+                    procs[k].stdin.write(json.dumps(job) + "\n")
+                    procs[k].stdin.flush()
+                done = [json.loads(procs[k].stdout.readline())["done"] for k in range(n)]
+                seconds = max(done) - start
+                results["runs"].append(
+                    {
+                        "shape": shape,
+                        "workers": n,
+                        "seconds": seconds,
+                        "root_bytes": root.bytes_sent - sent0,
+                        "per_worker_bytes_per_s": nbytes / seconds,
+                    }
+                )
+                print(
+                    f"  {shape} x{n}: {seconds:.2f} s, publisher sent "
+                    f"{(root.bytes_sent - sent0) / nbytes:.2f} versions",
+                    flush=True,
+                )
+        if not rate:
+            start = time.time()
+            procs[0].stdin.write(json.dumps({"raw": f"127.0.0.1:{raw_port}"}) + "\n")
+            procs[0].stdin.flush()
+            results["raw_loopback_s"] = json.loads(procs[0].stdout.readline())["done"] - start
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=60)
+        root.stop()
+        raw.stop(None)
+    return results
+
+
+def print_fanout(r: dict) -> None:
+    limit = f"egress {r['rate'] / 2**20:.0f} MiB/s a process" if r["rate"] else "no egress limit"
+    print(f"(b) {r['bytes'] / 2**30:.2f} GiB to 1, 2, 4 worker processes, {limit}")
+    print(
+        "| shape | workers | seconds | vs one worker | publisher sent (versions) | GiB/s a worker |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for x in r["runs"]:
+        one = next(y for y in r["runs"] if y["shape"] == x["shape"] and y["workers"] == 1)
+        print(
+            f"| {x['shape']} | {x['workers']} | {x['seconds']:.2f} | "
+            f"{x['seconds'] / one['seconds']:.2f} | {x['root_bytes'] / r['bytes']:.2f} | "
+            f"{r['bytes'] / x['seconds'] / 2**30:.2f} |"
+        )
+    one = next(y for y in r["runs"] if y["shape"] == "chain" and y["workers"] == 1)
+    if r["rate"]:
+        print(f"one worker at {r['bytes'] / one['seconds'] / r['rate']:.2f} of the egress rate")
+    else:
+        print(
+            f"raw loopback gRPC: {r['raw_loopback_s']:.2f} s; one worker at "
+            f"{r['raw_loopback_s'] / one['seconds']:.2f} of it"
+        )
+
+
 def main() -> None:
+    if len(sys.argv) >= 2 and sys.argv[1] == "worker":
+        worker_role()
+        return
+    if len(sys.argv) >= 2 and sys.argv[1] == "fanout":
+        total = int(float(sys.argv[2]) * 2**30) if len(sys.argv) > 2 else 2**30
+        rate = float(sys.argv[3]) * 2**20 if len(sys.argv) > 3 else 100 * 2**20
+        out = {}
+        for name, r in (("limited", rate), ("unlimited", 0.0)):
+            out[name] = fanout(total, r, (1, 2, 4))
+            print_fanout(out[name])
+        (HERE / "weight_sync_fanout.json").write_text(json.dumps(out, indent=2))
+        return
     if len(sys.argv) == 3 and sys.argv[1] == "deltas":
         d = deltas(Path(sys.argv[2]))
         print_deltas(d)
@@ -235,8 +408,9 @@ def main() -> None:
         return
     if len(sys.argv) != 1:
         raise SystemExit(
-            "usage: weight_sync.py            (part a: one host)\n"
-            "       weight_sync.py deltas RUN (part c: a run's checkpoints)"
+            "usage: weight_sync.py                      (a: one host)\n"
+            "       weight_sync.py fanout [GIB [MIB_S]] (b: processes; 1 GiB, 100 MiB/s)\n"
+            "       weight_sync.py deltas RUN           (c: a run's checkpoints)"
         )
     a = one_host()
     gib = a["bytes"] / 2**30

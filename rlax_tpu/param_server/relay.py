@@ -1,0 +1,454 @@
+"""Versions relayed from worker to worker in pipelined, checksummed buckets.
+
+Every worker pulling the whole version from a few parameter-server replicas makes reload time
+grow with the workers. Here a version travels as one flat byte layout cut into buckets; the
+publisher makes the buckets available as it fills them (with a CRC32C each, computed once), and
+every process that holds or is receiving a version serves the buckets it has already verified to
+the next. Workers form a chain (worker k reads from worker k-1, the first from the publisher):
+each bucket is forwarded as soon as it is verified, so the last worker finishes about one
+bucket per hop after the first, and the publisher sends each version once whatever the number
+of workers.
+
+Failover: a reader's sources are tried in order (its parent, the parent's parent, ...,
+the publisher); when one dies or sends a bucket that fails its checksum, the reader goes on
+from the next source at the first bucket it lacks. A buffer serves only buckets it verified, and
+a version whose every source failed is marked failed: its readers fail over in turn, and its
+arrays are never handed out.
+
+Host copies per byte: the receiver's gRPC message and its copy into the buffer (then checked
+against the bucket's CRC32C); the sender's message made from the buffer (gRPC core adds its own).
+The publisher's device-to-host copy lands in its buffer after one more (``np.asarray``).
+
+Wire: ``/rlax_tpu.Relay/Manifest`` (JSON {"version"}) -> the layout as JSON;
+``/rlax_tpu.Relay/Stream`` (JSON {"version", "first"}) -> messages of a 12-byte header
+(bucket index, CRC32C, length; little-endian uint32) and the bucket's bytes, from bucket
+``first`` to the last, each sent once it is verified here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import jax
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+import numpy as np
+
+from rlax_tpu.param_server.codec import checksum, np_dtype
+from rlax_tpu.param_server.errors import DataLoss
+from rlax_tpu.rpc.transport import Credentials, make_channel, make_server
+
+log = logging.getLogger(__name__)
+
+SERVICE = "rlax_tpu.Relay"
+BUCKET_BYTES = 4 * 2**20
+_HEADER = struct.Struct("<III")
+_ALIGN = 64
+_NO_CREDENTIALS = Credentials()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A version's arrays (path, shape, dtype name) at byte offsets of one flat buffer."""
+
+    paths: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    offsets: tuple[int, ...]
+    total: int
+    bucket_bytes: int
+
+    @classmethod
+    def of(cls, arrays: Sequence[tuple[str, Any]], bucket_bytes: int = BUCKET_BYTES) -> Layout:
+        """``arrays``: (path, array or ShapeDtypeStruct), in the order they are laid out."""
+        offsets, at = [], 0
+        for _, a in arrays:
+            offsets.append(at)
+            at += -(-int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize // _ALIGN) * _ALIGN
+        return cls(
+            paths=tuple(p for p, _ in arrays),
+            shapes=tuple(tuple(int(d) for d in a.shape) for _, a in arrays),
+            dtypes=tuple(np.dtype(a.dtype).name for _, a in arrays),
+            offsets=tuple(offsets),
+            total=max(at, 1),
+            bucket_bytes=bucket_bytes,
+        )
+
+    @property
+    def buckets(self) -> int:
+        return -(-self.total // self.bucket_bytes)
+
+    def nbytes(self, i: int) -> int:
+        return int(np.prod(self.shapes[i])) * np_dtype(self.dtypes[i]).itemsize
+
+    def last_bucket(self, i: int) -> int:
+        """The bucket holding array i's last byte."""
+        return (self.offsets[i] + max(self.nbytes(i), 1) - 1) // self.bucket_bytes
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Layout:
+        d = json.loads(data)
+        return cls(
+            paths=tuple(d["paths"]),
+            shapes=tuple(tuple(s) for s in d["shapes"]),
+            dtypes=tuple(d["dtypes"]),
+            offsets=tuple(d["offsets"]),
+            total=d["total"],
+            bucket_bytes=d["bucket_bytes"],
+        )
+
+
+class RelayFailed(RuntimeError):
+    """Every source of a version failed before it was whole."""
+
+
+class VersionBuffer:
+    """One version's bytes on this host, filled bucket by bucket in order; each bucket can be
+    read (served, or used) once it is verified."""
+
+    def __init__(self, version: int, layout: Layout):
+        self.version, self.layout = version, layout
+        self.data = np.empty(layout.total, np.uint8)
+        self.crcs: list[int] = []  # of the buckets filled so far
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    @property
+    def filled(self) -> int:
+        return len(self.crcs)
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == self.layout.buckets
+
+    def _span(self, k: int) -> tuple[int, int]:
+        b = self.layout.bucket_bytes
+        return k * b, min((k + 1) * b, self.layout.total)
+
+    def put(self, k: int, payload: bytes | memoryview, crc: int) -> None:
+        """Stores bucket k (the next one) after checking it against ``crc`` (DataLoss if not)."""
+        if k != self.filled:
+            raise DataLoss(f"version {self.version}: bucket {k} came where {self.filled} belongs")
+        lo, hi = self._span(k)
+        view = np.frombuffer(payload, np.uint8)
+        if len(view) != hi - lo:
+            raise DataLoss(
+                f"version {self.version}: bucket {k} has {len(view)} bytes, not {hi - lo}"
+            )
+        self.data[lo:hi] = view
+        if checksum(self.data[lo:hi]) != crc:
+            raise DataLoss(f"version {self.version}: bucket {k} fails its checksum")
+        with self._cond:
+            self.crcs.append(crc)
+            self._cond.notify_all()
+
+    def fill(self, k: int) -> None:
+        """Bucket k (the next) was written into ``data`` by its owner: checksums it."""
+        lo, hi = self._span(k)
+        with self._cond:
+            self.crcs.append(checksum(self.data[lo:hi]))
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self.error = error
+            self._cond.notify_all()
+
+    def wait(self, k: int, timeout_s: float | None = None) -> None:
+        """Blocks until bucket k is verified; raises the buffer's failure (RelayFailed)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self.filled <= k:
+                if self.error is not None:
+                    raise RelayFailed(
+                        f"version {self.version} failed at bucket {self.filled}: {self.error}"
+                    ) from self.error
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"version {self.version}: bucket {k} not here in time")
+                self._cond.wait(left)
+
+    def bucket(self, k: int) -> tuple[int, memoryview]:
+        """(CRC32C, bytes) of verified bucket k."""
+        lo, hi = self._span(k)
+        return self.crcs[k], memoryview(self.data[lo:hi])
+
+    def array(self, i: int) -> np.ndarray:
+        """Array i (a view of the buffer) once its bytes are verified."""
+        self.wait(self.layout.last_bucket(i))
+        lo = self.layout.offsets[i]
+        dtype = np_dtype(self.layout.dtypes[i])
+        flat = self.data[lo : lo + self.layout.nbytes(i)].view(dtype)
+        return flat.reshape(self.layout.shapes[i])
+
+
+class Egress:
+    """A process's send rate held to ``bytes_per_s`` (0: unlimited), shared by its streams: the
+    emulated NIC of a benchmark."""
+
+    def __init__(self, bytes_per_s: float = 0.0):
+        self.rate = bytes_per_s
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def take(self, nbytes: int) -> None:
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + nbytes / self.rate
+        if start > now:
+            time.sleep(start - now)
+
+
+class RelayServer:
+    """Serves the versions this process holds or is receiving (the newest ``keep``)."""
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:0",
+        *,
+        credentials: Credentials = _NO_CREDENTIALS,
+        egress_bytes_per_s: float = 0.0,
+        keep: int = 2,
+        wait_s: float = 600.0,
+        appear_s: float = 30.0,
+    ):
+        """``wait_s``: how long a stream waits for its next bucket; ``appear_s``: how long a
+        reader waits for a version this relay has not started receiving."""
+        host = address.rsplit(":", 1)[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1") and not credentials.token():
+            raise ValueError(
+                f"a relay on {address} (beyond loopback) needs an auth token: it serves weights"
+            )
+        self.egress = Egress(egress_bytes_per_s)
+        self.keep, self.wait_s, self.appear_s = keep, wait_s, appear_s
+        self._versions: dict[int, VersionBuffer] = {}
+        self._lock = threading.Lock()
+        self._added = threading.Condition(self._lock)
+        self.bytes_sent = 0
+        handlers = {
+            "Manifest": grpc.unary_unary_rpc_method_handler(
+                self._manifest, request_deserializer=json.loads, response_serializer=None
+            ),
+            "Stream": grpc.unary_stream_rpc_method_handler(
+                self._stream, request_deserializer=json.loads, response_serializer=None
+            ),
+        }
+        self._server, self.port = make_server(
+            address,
+            lambda s: s.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(SERVICE, handlers),)
+            ),
+            credentials=credentials,
+            max_workers=32,
+        )
+        self.endpoint = f"{host}:{self.port}"
+
+    def add(self, buffer: VersionBuffer) -> None:
+        with self._added:
+            self._versions[buffer.version] = buffer
+            for old in sorted(self._versions)[: -self.keep]:
+                del self._versions[old]
+            self._added.notify_all()
+
+    def get(self, version: int) -> VersionBuffer | None:
+        with self._lock:
+            return self._versions.get(version)
+
+    def stop(self) -> None:
+        """Stops serving at once (in-flight streams are cut: their readers fail over)."""
+        self._server.stop(None).wait()
+
+    def _buffer(self, version: int, context: grpc.ServicerContext) -> VersionBuffer:
+        """The version's buffer, waited for up to ``appear_s``: the workers of a chain are told
+        to load at about the same time, and a reader may ask before its source does."""
+        deadline = time.monotonic() + self.appear_s
+        with self._added:
+            while version not in self._versions:
+                left = deadline - time.monotonic()
+                if left <= 0 or (self._versions and max(self._versions) > version):
+                    context.abort(
+                        grpc.StatusCode.NOT_FOUND, f"this relay has no version {version}"
+                    )
+                self._added.wait(left)
+            return self._versions[version]
+
+    def _manifest(self, request: dict, context: grpc.ServicerContext) -> bytes:
+        return self._buffer(int(request["version"]), context).layout.to_json()
+
+    def _stream(self, request: dict, context: grpc.ServicerContext) -> Iterator[bytes]:
+        buffer = self._buffer(int(request["version"]), context)
+        for k in range(int(request["first"]), buffer.layout.buckets):
+            try:
+                buffer.wait(k, self.wait_s)
+            except (RelayFailed, TimeoutError) as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            crc, data = buffer.bucket(k)
+            self.egress.take(len(data))
+            message = _HEADER.pack(k, crc, len(data)) + data
+            with self._lock:
+                self.bytes_sent += len(data)
+            yield message
+
+
+class Publisher:
+    """The root of the chain (the trainer's host): a version's arrays copied into a buffer
+    bucket by bucket on a thread, each bucket served as soon as it is filled."""
+
+    def __init__(self, server: RelayServer, *, bucket_bytes: int = BUCKET_BYTES):
+        self.server, self.bucket_bytes = server, bucket_bytes
+
+    def publish(self, version: int, arrays: Sequence[tuple[str, Any]]) -> VersionBuffer:
+        """Starts serving ``arrays`` ((path, jax or numpy array)) as ``version``; returns its
+        buffer at once (``buffer.wait(buffer.layout.buckets - 1)`` waits for the last bucket)."""
+        layout = Layout.of(arrays, self.bucket_bytes)
+        buffer = VersionBuffer(version, layout)
+        self.server.add(buffer)
+        threading.Thread(
+            target=self._fill, args=(buffer, [a for _, a in arrays]), daemon=True
+        ).start()
+        return buffer
+
+    @staticmethod
+    def _fill(buffer: VersionBuffer, arrays: list[Any]) -> None:
+        try:
+            layout, done = buffer.layout, 0
+            for i, a in enumerate(arrays):
+                host = np.ascontiguousarray(np.asarray(a)).reshape(-1).view(np.uint8)
+                lo = layout.offsets[i]
+                end = layout.offsets[i + 1] if i + 1 < len(arrays) else layout.total
+                buffer.data[lo : lo + host.size] = host
+                buffer.data[lo + host.size : end] = 0  # alignment padding
+                while (done + 1) * layout.bucket_bytes <= end or (
+                    i + 1 == len(arrays) and done < layout.buckets
+                ):
+                    buffer.fill(done)
+                    done += 1
+        except BaseException as e:  # noqa: BLE001 - its readers fail over
+            buffer.fail(e)
+
+
+def fetch(
+    version: int,
+    sources: Sequence[str],
+    into: RelayServer,
+    *,
+    credentials: Credentials = _NO_CREDENTIALS,
+    timeout_s: float = 600.0,
+    on_source: Callable[[str], None] | None = None,
+    on_buffer: Callable[[VersionBuffer], None] | None = None,
+) -> VersionBuffer:
+    """Receives ``version`` into a buffer that ``into`` serves as it fills, from ``sources`` in
+    order (failing over at the first bucket missing). Returns the whole, verified buffer; raises
+    RelayFailed (the buffer marked failed) when every source failed. ``on_source(endpoint)``:
+    called as each source is tried; ``on_buffer(buffer)``: once the buffer exists."""
+    buffer: VersionBuffer | None = None
+    errors: list[str] = []
+    for source in sources:
+        channel = make_channel(source, credentials=credentials)
+        try:
+            if buffer is None:
+                raw = channel.unary_unary(
+                    f"/{SERVICE}/Manifest", request_serializer=_json, response_deserializer=None
+                )({"version": version}, timeout=timeout_s)
+                buffer = VersionBuffer(version, Layout.from_json(raw))
+                into.add(buffer)
+                if on_buffer is not None:
+                    on_buffer(buffer)
+            if on_source is not None:
+                on_source(source)
+            stream = channel.unary_stream(
+                f"/{SERVICE}/Stream", request_serializer=_json, response_deserializer=None
+            )({"version": version, "first": buffer.filled}, timeout=timeout_s)
+            for message in stream:
+                k, crc, n = _HEADER.unpack_from(message)
+                buffer.put(k, memoryview(message)[_HEADER.size : _HEADER.size + n], crc)
+            if buffer.complete:
+                return buffer
+            errors.append(f"{source}: the stream ended at bucket {buffer.filled}")
+        except (grpc.RpcError, DataLoss) as e:
+            why = e.details() if isinstance(e, grpc.RpcError) else str(e)
+            errors.append(f"{source}: {why}")
+            log.warning(
+                "relay of version %d from %s failed (%s); next source", version, source, why
+            )
+        finally:
+            channel.close()
+    failure = RelayFailed(f"version {version}: every source failed: {'; '.join(errors)}")
+    if buffer is not None:
+        buffer.fail(failure)
+    raise failure
+
+
+def to_device(buffer: VersionBuffer, shardings: Sequence[Any]) -> list[jax.Array]:
+    """The buffer's arrays on ``shardings`` (in layout order), each uploaded as soon as its
+    bytes are verified (while later buckets still arrive)."""
+    out = []
+    for i, sharding in enumerate(shardings):
+        host = buffer.array(i)
+        out.append(
+            jax.make_array_from_callback(host.shape, sharding, lambda index, h=host: h[index])
+        )
+    return out
+
+
+def fetch_to_device(
+    version: int,
+    sources: Sequence[str],
+    into: RelayServer,
+    shardings: Sequence[Any],
+    *,
+    credentials: Credentials = _NO_CREDENTIALS,
+    timeout_s: float = 600.0,
+) -> list[jax.Array]:
+    """``fetch`` on a thread while ``to_device`` uploads each array as its bytes arrive:
+    receiving, checking and uploading overlap. Raises what the fetch raised."""
+    got: dict[str, Any] = {}
+    started = threading.Event()
+
+    def on_buffer(buffer: VersionBuffer) -> None:
+        got["buffer"] = buffer
+        started.set()
+
+    def run() -> None:
+        try:
+            fetch(
+                version,
+                sources,
+                into,
+                credentials=credentials,
+                timeout_s=timeout_s,
+                on_buffer=on_buffer,
+            )
+        except BaseException as e:  # noqa: BLE001 - raised by the caller's thread
+            got["error"] = e
+        started.set()
+
+    thread = threading.Thread(target=run, name=f"relay-v{version}", daemon=True)
+    thread.start()
+    started.wait()
+    try:
+        if "buffer" in got:
+            arrays = to_device(got["buffer"], shardings)
+    except RelayFailed:
+        pass  # the fetch's own error is raised below
+    thread.join()
+    if "error" in got:
+        raise got["error"]
+    return arrays
+
+
+def _json(obj: dict) -> bytes:
+    return json.dumps(obj).encode()

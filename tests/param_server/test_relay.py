@@ -1,0 +1,191 @@
+"""Versions relayed worker to worker (param_server/relay.py) over real gRPC on 127.0.0.1: a chain
+gets the publisher's bytes exactly, the publisher sends them once, and a relay that dies or
+serves a damaged bucket mid-transfer is routed around without anything partial being used."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rlax_tpu.param_server.relay import (
+    Layout,
+    Publisher,
+    RelayFailed,
+    RelayServer,
+    fetch,
+    fetch_to_device,
+)
+
+from .conftest import random_bits
+
+BUCKET = 4096
+
+
+def _arrays(seed: int = 0) -> list[tuple[str, np.ndarray]]:
+    """Arrays of mixed dtypes and sizes: some inside a bucket, some across several."""
+    rng = np.random.default_rng(seed)
+    return [
+        ("embed", random_bits(rng, (300, 16), "bfloat16")),  # 9,600 bytes: 3 buckets
+        ("norm", random_bits(rng, (7,), "float32")),  # 28 bytes
+        ("w", random_bits(rng, (64, 40), "float32")),  # 10,240 bytes
+        ("scalar", random_bits(rng, (), "float32")),
+    ]
+
+
+def _same(buffer, arrays) -> None:
+    for i, (_, a) in enumerate(arrays):
+        got = buffer.array(i)
+        assert got.dtype == a.dtype and got.shape == a.shape
+        assert got.tobytes() == a.tobytes()
+
+
+@pytest.fixture
+def servers():
+    made: list[RelayServer] = []
+
+    def make(**kw) -> RelayServer:
+        made.append(RelayServer(**kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def _chain(root: RelayServer, relays: list[RelayServer], version: int) -> list:
+    """Each relay fetches from the one before it (falling back to all before it, the root last),
+    all at once; returns each one's buffer or error."""
+    out: list = [None] * len(relays)
+
+    def run(k: int) -> None:
+        sources = [r.endpoint for r in reversed(relays[:k])] + [root.endpoint]
+        try:
+            out[k] = fetch(version, sources, relays[k], timeout_s=60)
+        except Exception as e:  # noqa: BLE001 - checked by the test
+            out[k] = e
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(relays))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return out
+
+
+def test_a_chain_gets_the_version_exactly_and_the_publisher_sends_it_once(servers):
+    root = servers()
+    relays = [servers() for _ in range(3)]
+    arrays = _arrays()
+    Publisher(root, bucket_bytes=BUCKET).publish(5, arrays)
+    buffers = _chain(root, relays, 5)
+    layout = Layout.of(arrays, BUCKET)
+    for b in buffers:
+        assert not isinstance(b, Exception), b
+        assert b.complete and b.layout == layout
+        _same(b, arrays)
+    # The root sent the version once; each relay but the last passed it on once.
+    assert root.bytes_sent == layout.total
+    assert [r.bytes_sent for r in relays] == [layout.total, layout.total, 0]
+
+
+def test_a_relay_killed_mid_transfer_is_routed_around(servers):
+    arrays = _arrays(1)
+    rate = 20_000  # bytes/s each process sends: the ~20 KB version takes about a second a hop
+    root = servers(egress_bytes_per_s=rate)
+    relays = [servers(egress_bytes_per_s=rate) for _ in range(3)]
+    Publisher(root, bucket_bytes=BUCKET).publish(1, arrays)
+    killed = threading.Event()
+
+    def kill_when_passed_on() -> None:  # relay 0 dies once relay 1 has a bucket from it
+        while not killed.is_set():
+            b = relays[1].get(1)
+            if b is not None and b.filled >= 1:
+                relays[0].stop()
+                killed.set()
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_when_passed_on)
+    killer.start()
+    buffers = _chain(root, relays, 1)
+    killed.set()
+    killer.join()
+    for b in buffers[1:]:  # the others finished from another source
+        assert not isinstance(b, Exception), b
+        _same(b, arrays)
+    # Relay 0's server was cut while relay 1 read it: relay 1 went on from the root.
+    assert relays[1].bytes_sent > 0 and root.bytes_sent > root.get(1).layout.total
+
+
+def test_a_failed_source_fails_its_readers_over_and_its_arrays_are_never_handed_out(servers):
+    arrays = _arrays(2)
+    root = servers(egress_bytes_per_s=20_000)
+    middle, last = servers(), servers()
+    Publisher(root, bucket_bytes=BUCKET).publish(3, arrays)
+    seen: list[str] = []
+    t = threading.Thread(
+        target=lambda: seen.append(
+            fetch(3, [middle.endpoint, root.endpoint], last, on_source=seen.append, timeout_s=60)
+        )
+    )
+    # The middle relay has only the first bucket, then its fetch fails for good.
+    partial = _partial_copy(root, middle, 3, buckets=1)
+    t.start()
+    time.sleep(0.3)
+    partial.fail(RuntimeError("its sources are gone"))
+    t.join(timeout=60)
+    assert seen[:2] == [middle.endpoint, root.endpoint]
+    _same(seen[-1], arrays)
+    with pytest.raises(RelayFailed, match="its sources are gone"):
+        partial.array(len(arrays) - 1)  # never complete: never handed out
+
+
+def _partial_copy(root: RelayServer, into: RelayServer, version: int, *, buckets: int):
+    """``into`` holds ``version``'s first ``buckets`` buckets, copied from ``root``, and waits."""
+    from rlax_tpu.param_server.relay import VersionBuffer
+
+    src = root.get(version)
+    buffer = VersionBuffer(version, src.layout)
+    into.add(buffer)
+    for k in range(buckets):
+        src.wait(k, 60)
+        crc, data = src.bucket(k)
+        buffer.put(k, bytes(data), crc)
+    return buffer
+
+
+def test_a_damaged_bucket_is_refused_and_fetched_elsewhere(servers):
+    arrays = _arrays(3)
+    root, bad, reader = servers(), servers(), servers()
+    Publisher(root, bucket_bytes=BUCKET).publish(2, arrays)
+    copy = _partial_copy(root, bad, 2, buckets=root.get(2).layout.buckets)
+    copy.data[5] ^= 0xFF  # storage damage after the check: its CRC no longer matches
+    got = fetch(2, [bad.endpoint, root.endpoint], reader, timeout_s=60)
+    _same(got, arrays)
+
+
+def test_uploads_overlap_the_transfer_and_land_on_the_shardings(servers):
+    arrays = _arrays(4)
+    root, worker = servers(egress_bytes_per_s=40_000), servers()
+    Publisher(root, bucket_bytes=BUCKET).publish(7, arrays)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    shardings = [
+        NamedSharding(mesh, P("x") if a.ndim and a.shape[0] % 2 == 0 else P())
+        for _, a in arrays
+    ]
+    placed = fetch_to_device(7, [root.endpoint], worker, shardings, timeout_s=60)
+    for x, s, (_, a) in zip(placed, shardings, arrays, strict=True):
+        assert x.sharding == s
+        assert np.asarray(x).tobytes() == a.tobytes()
+    with pytest.raises(RelayFailed, match="every source failed"):
+        fetch_to_device(8, [root.endpoint], worker, shardings, timeout_s=5)  # no version 8
+
+
+def test_a_relay_beyond_loopback_needs_a_token():
+    with pytest.raises(ValueError, match="needs an auth token"):
+        RelayServer("0.0.0.0:0")
