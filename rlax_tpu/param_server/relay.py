@@ -279,9 +279,7 @@ class RelayServer:
             while version not in self._versions:
                 left = deadline - time.monotonic()
                 if left <= 0 or (self._versions and max(self._versions) > version):
-                    context.abort(
-                        grpc.StatusCode.NOT_FOUND, f"this relay has no version {version}"
-                    )
+                    context.abort(grpc.StatusCode.NOT_FOUND, f"this relay has no version {version}")
                 self._added.wait(left)
             return self._versions[version]
 

@@ -175,8 +175,7 @@ def test_uploads_overlap_the_transfer_and_land_on_the_shardings(servers):
     Publisher(root, bucket_bytes=BUCKET).publish(7, arrays)
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
     shardings = [
-        NamedSharding(mesh, P("x") if a.ndim and a.shape[0] % 2 == 0 else P())
-        for _, a in arrays
+        NamedSharding(mesh, P("x") if a.ndim and a.shape[0] % 2 == 0 else P()) for _, a in arrays
     ]
     placed = fetch_to_device(7, [root.endpoint], worker, shardings, timeout_s=60)
     for x, s, (_, a) in zip(placed, shardings, arrays, strict=True):
