@@ -50,7 +50,6 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import itertools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -162,57 +161,62 @@ def one_host() -> dict:
     }
 
 
-def _masters(run_dir: Path) -> dict[int, list]:
-    """{version: the model's float32 master arrays (sorted by path)} from the trainer's
-    checkpoints under ``run_dir``."""
+def _masters(run_dir: Path):
+    """(version, the model's float32 master arrays sorted by path) from the trainer's
+    checkpoints under ``run_dir``, one version at a time."""
     import orbax.checkpoint as ocp
 
     manager = ocp.CheckpointManager(os.fspath(run_dir / "trainer"))
-    out = {}
-    for step in sorted(manager.all_steps()):
-        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))[
-            "state"
-        ]
-        leaves = jax.tree_util.tree_leaves_with_path(state["params"]["model"])
-        out[step] = [np.asarray(x) for _, x in sorted(leaves, key=lambda kv: str(kv[0]))]
-    manager.close()
-    return out
+    try:
+        for step in sorted(manager.all_steps()):
+            state = manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore())
+            )["state"]
+            leaves = jax.tree_util.tree_leaves_with_path(state["params"]["model"])
+            yield step, [np.asarray(x) for _, x in sorted(leaves, key=lambda kv: str(kv[0]))]
+            del state, leaves
+    finally:
+        manager.close()
 
 
 def deltas(run_dir: Path) -> dict:
     from rlax_tpu.param_server.delta import apply_tree, encode_tree
 
-    masters = _masters(run_dir)
-    versions = sorted(masters)
-    if len(versions) < 2:
-        raise SystemExit(f"{run_dir}: fewer than two checkpoints ({versions})")
-    gaps = [b - a for a, b in itertools.pairwise(versions)]
-    if set(gaps) != {1}:
-        raise SystemExit(f"{run_dir}: checkpoints are not of consecutive versions ({versions})")
-    out = {}
-    for name, dtype in (("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16)):
-        cast = {v: [a.astype(dtype) for a in masters[v]] for v in versions}
-        full = sum(a.nbytes for a in cast[versions[0]])
-        rows = []
-        for prev, v in itertools.pairwise(versions):
-            delta = encode_tree(cast[prev], cast[v], base_version=prev)
-            rebuilt = apply_tree(cast[prev], delta)
-            assert all(a.tobytes() == b.tobytes() for a, b in zip(rebuilt, cast[v], strict=True))
+    dtypes = (("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16))
+    out: dict = {name: {"full_bytes": 0, "versions": []} for name, _ in dtypes}
+    prev_version, prev = None, {}
+    for version, masters in _masters(run_dir):
+        cast = {name: [a.astype(dtype) for a in masters] for name, dtype in dtypes}
+        del masters
+        if prev_version is not None and version != prev_version + 1:
+            raise SystemExit(f"{run_dir}: checkpoints {prev_version} and {version} not consecutive")
+        for name, _ in dtypes:
+            new = cast[name]
+            full = sum(a.nbytes for a in new)
+            out[name]["full_bytes"] = full
+            if prev_version is None:
+                continue
+            delta = encode_tree(prev[name], new, base_version=prev_version)
+            rebuilt = apply_tree(prev[name], delta)
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(rebuilt, new, strict=True))
+            del rebuilt
             changed = sum(
                 int(np.count_nonzero(a.view(f"u{a.itemsize}") != b.view(f"u{b.itemsize}")))
-                for a, b in zip(cast[prev], cast[v], strict=True)
+                for a, b in zip(prev[name], new, strict=True)
             )
-            elems = sum(a.size for a in cast[v])
-            rows.append(
+            out[name]["versions"].append(
                 {
-                    "version": v,
+                    "version": version,
                     "delta_bytes": delta.nbytes,
                     "ratio": delta.nbytes / full,
-                    "changed_fraction": changed / elems,
+                    "changed_fraction": changed / sum(a.size for a in new),
                     "kinds": delta.kinds(),
                 }
             )
-        out[name] = {"full_bytes": full, "versions": rows}
+        prev_version, prev = version, cast
+        print(f"  version {version} read", flush=True)
+    if prev_version is None or not out["float32"]["versions"]:
+        raise SystemExit(f"{run_dir}: fewer than two checkpoints")
     return out
 
 
