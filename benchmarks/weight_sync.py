@@ -272,8 +272,26 @@ def worker_role() -> None:
     server = RelayServer(egress_bytes_per_s=rate, keep=1)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     print(json.dumps({"endpoint": server.endpoint}), flush=True)
+    state: dict = {}
     for line in sys.stdin:
         job = json.loads(line)
+        if "jax_pull" in job:  # jax.experimental.transfer from the publisher's server
+            from jax.experimental import transfer
+
+            specs = [
+                jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=device)
+                for shape, dtype in job["specs"]
+            ]
+            if "conn" not in state:
+                ts = transfer.start_transfer_server(
+                    jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"]
+                )
+                state["conn"] = (ts, ts.connect(job["jax_pull"]))
+            arrays = state["conn"][1].pull(job["uuid"], specs)
+            jax.block_until_ready(arrays)
+            del arrays
+            print(json.dumps({"done": time.time()}), flush=True)
+            continue
         if "raw" in job:
             channel = make_channel(job["raw"])
             n = sum(len(m) for m in channel.unary_stream("/bench.Raw/Down")(b""))
@@ -359,6 +377,7 @@ def fanout(total_bytes: int, rate: float, counts: tuple[int, ...]) -> dict:
             procs[0].stdin.write(json.dumps({"raw": f"127.0.0.1:{raw_port}"}) + "\n")
             procs[0].stdin.flush()
             results["raw_loopback_s"] = json.loads(procs[0].stdout.readline())["done"] - start
+            results["jax_transfer_s"] = _jax_transfer(arrays, procs[0])
     finally:
         for p in procs:
             p.stdin.close()
@@ -366,6 +385,25 @@ def fanout(total_bytes: int, rate: float, counts: tuple[int, ...]) -> dict:
         root.stop()
         raw.stop(None)
     return results
+
+
+def _jax_transfer(arrays: list, proc) -> list[float]:  # noqa: ANN001
+    """Seconds for a worker process to pull ``arrays`` from this process's devices with
+    ``jax.experimental.transfer`` (three rounds; the first opens the connection)."""
+    from jax.experimental import transfer
+
+    server = transfer.start_transfer_server(jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
+    on_device = [jax.device_put(a) for _, a in arrays]
+    specs = [(list(a.shape), a.dtype.name) for a in on_device]
+    times = []
+    for uuid in (1, 2, 3):
+        server.await_pull(uuid, on_device)
+        start = time.time()
+        job = {"jax_pull": server.address(), "uuid": uuid, "specs": specs}
+        proc.stdin.write(json.dumps(job) + "\n")
+        proc.stdin.flush()
+        times.append(json.loads(proc.stdout.readline())["done"] - start)
+    return times
 
 
 def print_fanout(r: dict) -> None:
@@ -388,7 +426,8 @@ def print_fanout(r: dict) -> None:
     else:
         print(
             f"raw loopback gRPC: {r['raw_loopback_s']:.2f} s; one worker at "
-            f"{r['raw_loopback_s'] / one['seconds']:.2f} of it"
+            f"{r['raw_loopback_s'] / one['seconds']:.2f} of it; jax.experimental.transfer "
+            f"pull into a worker process: {', '.join(f'{t:.2f}' for t in r['jax_transfer_s'])} s"
         )
 
 

@@ -274,3 +274,13 @@ class RunConfig:
                     f"{dist.num_processes} processes over {slices} slices",
                     dist.slice_index,
                 )
+
+
+def handoff_versions(config: RunConfig) -> int:
+    """Versions the trainer keeps on its devices for the workers of its own process
+    (``param_server.device_versions``, controller/handoff.py): with the local transport, the
+    trainer in the controller's process and one trainer process; else 0."""
+    c = config.controller
+    if c.transport != "local" or c.trainer_process or config.trainer.distributed.num_processes > 1:
+        return 0
+    return config.param_server.device_versions

@@ -26,6 +26,7 @@ import jax
 
 from rlax_tpu import models, storage
 from rlax_tpu.config import RunConfig
+from rlax_tpu.config.run import handoff_versions
 from rlax_tpu.controller.ports import InferencePort, ParamServerPort, TrainerPort, VerifierPort
 from rlax_tpu.param_server.client import ParamServerClient, PulledWeights
 from rlax_tpu.rpc.transport import Credentials, Named
@@ -142,10 +143,11 @@ def build_local(
             trainer_where = f"{child.endpoint} (child process {child.process.pid})"
         else:
             sink: Any = ps_client
-            if ps_config.device_versions and jax.process_count() == 1:
+            keep = handoff_versions(config)
+            if keep and jax.process_count() == 1:
                 from rlax_tpu.controller.handoff import DeviceHandoff
 
-                handoff = sink = DeviceHandoff(ps_client, keep=ps_config.device_versions)
+                handoff = sink = DeviceHandoff(ps_client, keep=keep)
                 closers.append(handoff.close)
             trainer = Trainer(
                 config,

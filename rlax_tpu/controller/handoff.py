@@ -54,7 +54,7 @@ class DeviceHandoff:
         self._queue: list[tuple[int, Any]] = []  # copies to the parameter server, in order
         self._copying: int | None = None  # the version the thread is copying
         self._after: Callable[[], Any] | None = None  # run once no copy is pending (a lease)
-        self._error: BaseException | None = None
+        self._failed: dict[int, BaseException] = {}  # version -> why its copy failed
         self._closed = False
         self._cond = threading.Condition()
         self.counts = {"device_loads": 0, "server_loads": 0, "copies": 0}
@@ -68,7 +68,7 @@ class DeviceHandoff:
         writes) as ``version`` and queues its copy to the parameter server."""
         with self._cond:
             self._raise_failed()
-            while len(self._pending()) >= self.max_pending and self._error is None:
+            while len(self._pending()) >= self.max_pending and not (self._failed or self._closed):
                 self._cond.wait()
             self._raise_failed()
             self._held[version] = params
@@ -77,12 +77,20 @@ class DeviceHandoff:
             self._queue.append((version, params))
             self._cond.notify_all()
 
-    def flush(self) -> None:
-        """Waits until every pushed version is on the parameter server; raises a failed copy."""
+    def flush(self, version: int | None = None) -> None:
+        """Waits until every pushed version (or ``version``) is on the parameter server; raises
+        the failure of a copy (of ``version``'s)."""
         with self._cond:
-            while self._pending() and self._error is None:
+            while not self._closed and (
+                (version in self._pending()) if version is not None else self._pending()
+            ):
+                if version is None and self._failed:
+                    break
                 self._cond.wait()
-            self._raise_failed()
+            if version is None:
+                self._raise_failed()
+            elif version in self._failed:
+                self._raise_failed(version)
 
     def pending(self) -> set[int]:
         """The versions pushed here and not yet on the parameter server."""
@@ -105,11 +113,16 @@ class DeviceHandoff:
         with self._cond:
             return sorted(self._held)
 
-    def _raise_failed(self) -> None:
-        if self._error is not None:
+    def _raise_failed(self, version: int | None = None) -> None:
+        if self._closed:
+            raise RuntimeError("the weight hand-off is closed")
+        if version is None and self._failed:
+            version = min(self._failed)
+        if version is not None and version in self._failed:
+            error = self._failed[version]
             raise RuntimeError(
-                f"copying a version to the parameter server failed: {self._error}"
-            ) from self._error
+                f"copying version {version} to the parameter server failed: {error}"
+            ) from error
 
     def _copy_loop(self) -> None:
         while True:
@@ -126,6 +139,7 @@ class DeviceHandoff:
             except BaseException as e:  # noqa: BLE001 - handed to the trainer's next push
                 log.error("copying version %d to the parameter server failed: %s", version, e)
                 failure = e
+            params = None  # the hand-off's own hold decides how long the arrays live
             while True:  # the deferred call runs before the copy counts as done (flush waits)
                 with self._cond:
                     after = None
@@ -134,8 +148,8 @@ class DeviceHandoff:
                     else:
                         self._copying = None
                         self.counts["copies"] += failure is None
-                        if failure is not None and self._error is None:
-                            self._error = failure
+                        if failure is not None:
+                            self._failed[version] = failure
                         self._cond.notify_all()
                         break
                 _logged(after)
@@ -179,7 +193,7 @@ class HandedWeights:
     def fetch(self, version: int) -> Any:
         tree = self.handoff._take(version)
         if tree is None:
-            self.handoff.flush()  # a version pushed here is on the parameter server first
+            self.handoff.flush(version)  # a version pushed here is on the parameter server first
             return self.fallback.fetch(version)
         return jax.block_until_ready(jax.device_put(tree, self.shardings))
 
@@ -199,11 +213,12 @@ class FlushedPort:
         leased with the rest once their copies land, the others at once."""
         pending = self.handoff.pending()
         ready = [v for v in versions if v not in pending]
-        if len(ready) < len(versions):
+        out = self.param_server.lease(consumer, ready, ttl_s) if ready else ttl_s
+        if len(ready) < len(versions):  # after the partial lease: the whole set lands last
             self.handoff.after_copies(
                 lambda: self.param_server.lease(consumer, list(versions), ttl_s)
             )
-        return self.param_server.lease(consumer, ready, ttl_s) if ready else ttl_s
+        return out
 
 
 def _logged(call: Callable[[], Any]) -> None:

@@ -735,7 +735,7 @@ class Controller:
         self._mark_trained(consumed)  # only once the update happened
         self.version += 1
         self.step += 1
-        self.pool.published(self.version)
+        self.pool.published(self.version, float(metrics.get("time_since_publish_s", 0.0)))
         return (
             {f"trainer/{k}": float(v) for k, v in metrics.items()}
             | extra

@@ -202,11 +202,11 @@ class WorkerPool:
         self._count(load_s=time.perf_counter() - t0, loads=1.0)
         self._served(i, version)
 
-    def published(self, version: int) -> None:
-        """The trainer has just published ``version``: from now until every worker serves it
-        is its publish-to-serve time (``take_publish_to_serve``)."""
+    def published(self, version: int, seconds_ago: float = 0.0) -> None:
+        """The trainer published ``version`` ``seconds_ago``: from then until every worker
+        serves it is its publish-to-serve time (``take_publish_to_serve``)."""
         with self._lock:
-            self._published[version] = (time.perf_counter(), set())
+            self._published[version] = (time.perf_counter() - seconds_ago, set())
             while len(self._published) > _PUBLISHED_TRACKED:  # never loaded by every worker
                 self._published.popitem(last=False)
 
@@ -305,6 +305,7 @@ class WorkerPool:
     ) -> tuple[list[Request], list[Rollout], Exception]:
         with self._lock:
             self._down.add(i)
+            self._staged[i] = None  # a restarted worker staged nothing
         self._held[i] = None
         self._on_event(f"inference {self.names[i]} failed and is out of the pool: {e}")
         return todo, done, e

@@ -55,17 +55,25 @@ def agree_on_loads(versions: list[int], errors: list[str | None]) -> dict[int, s
 
 
 def follow(
-    engine: Any, fetch: Callable[[int], Any], stage: Callable[[int], None] | None = None
+    engine: Any,
+    fetch: Callable[[int], Any],
+    stage: Callable[[int], None] | None = None,
+    loaded: Callable[[], None] | None = None,
 ) -> int:
     """A follower's loop: applies the lead's broadcast commands to ``engine`` until "stop";
     ``fetch(version)`` gives a version's weights, ``stage(version)`` starts fetching it ahead
-    (None: "stage" is ignored). Returns the steps taken."""
+    (applied before the round's loads; None: "stage" is ignored), ``loaded()`` is told after a
+    round's loads are swapped in. Returns the steps taken."""
     me, steps = jax.process_index(), 0
     while True:
         try:
             commands = broadcast(None)
         except Exception as e:  # noqa: BLE001 - the key-value store (in the lead) is gone
             multihost.fail(f"lost the lead (process 0) waiting for its next step: {e}")
+        if stage is not None:  # before this round's loads: a version staged and loaded in one
+            for command in commands:  # round is fetched once, by the load
+                if command[0] == "stage":
+                    stage(command[1])
         weights = _fetch_agreed([c[1] for c in commands if c[0] == "load"], fetch)
         for command in commands:
             kind = command[0]
@@ -73,8 +81,7 @@ def follow(
                 if kind == "submit":
                     engine.submit(command[1])
                 elif kind == "stage":
-                    if stage is not None:
-                        stage(command[1])
+                    pass  # staged above
                 elif kind == "load":
                     if command[1] in weights:
                         engine.load_weights(command[1], weights[command[1]])
@@ -90,6 +97,8 @@ def follow(
                     raise ValueError(f"unknown lockstep command {kind!r}")
             except Exception as e:  # noqa: BLE001 - the job must not go on out of step
                 multihost.fail(f"inference {kind} failed on process {me}: {type(e).__name__}: {e}")
+        if loaded is not None and any(c[0] == "load" for c in commands):
+            loaded()  # this round's versions are swapped in: the next may be staged
 
 
 def _fetch_agreed(versions: list[int], fetch: Callable[[int], Any]) -> dict[int, Any]:

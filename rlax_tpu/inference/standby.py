@@ -3,10 +3,12 @@
 A worker told which version it will load next (``stage``) fetches it on a thread of its own into a
 standby copy (a second set of weights on its devices, which the AOT check budgets); the load
 then takes that copy (``take``) between two engine steps instead of fetching under an idle engine.
-Versions are staged in the order asked, one fetched copy at a time: a version asked while another
-is fetched or waits to be taken is fetched after it is taken (jobs load versions in that order),
-or dropped when a load skips past it. A staged fetch that failed (say, asked before the version
-was published) is tried again by the ``take`` of its version, which raises if that fails too.
+At most one fetch runs and one fetched copy waits at a time, and the next staged version starts
+only once the copy taken before it is swapped in (``loaded``): the devices never hold more than
+the served weights and one standby copy. Versions are staged in the order asked; a version at or
+below the last one taken is not staged again, and a load past staged versions drops them. A staged
+fetch that failed (say, asked before the version was published) is tried again by the ``take`` of
+its version, which raises if that fails too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class _Slot:
         self.done = threading.Event()
         self.params: Any = None
         self.error: BaseException | None = None
+        self.dropped = False  # a load went past it: its copy is let go
 
 
 class Standby:
@@ -34,15 +37,20 @@ class Standby:
     def __init__(self, fetch: Callable[[int], Any]):
         self._fetch = fetch
         self._lock = threading.Lock()
-        self._slot: _Slot | None = None  # fetched or being fetched
+        self._slot: _Slot | None = None  # fetched or being fetched, for a take
+        self._running = False  # a fetch thread is running (its slot possibly dropped)
+        self._swapping = False  # a taken copy is not swapped in yet
+        self._taken: int | None = None  # the last version taken
         self._queue: collections.deque[int] = collections.deque()  # asked, not started
         self.counts = {"staged": 0, "taken_staged": 0, "fetched_at_load": 0}
 
     def stage(self, version: int) -> None:
         """Fetches ``version`` in the background (after the copy waiting to be taken, if any)."""
         with self._lock:
-            if (self._slot is not None and self._slot.version == version) or (
-                version in self._queue
+            if (
+                (self._taken is not None and version <= self._taken)
+                or (self._slot is not None and self._slot.version == version)
+                or version in self._queue
             ):
                 return
             self._queue.append(version)
@@ -50,55 +58,47 @@ class Standby:
 
     def take(self, version: int) -> Any:
         """``version``'s weights: the staged copy (waited for if still being fetched), else
-        fetched now. Drops the staged versions older than it (a load went past them)."""
+        fetched now. Drops the staged versions older than it (a load went past them). The caller
+        reports the swap with ``loaded``."""
         with self._lock:
-            while self._queue and self._queue[0] < version:
-                self._queue.popleft()
+            self._taken = version if self._taken is None else max(self._taken, version)
+            self._swapping = True
+            self._queue = collections.deque(v for v in self._queue if v > version)
             slot = self._slot
-            if slot is not None and slot.version == version:
-                staged = True
-            else:
-                staged = False
-                if slot is not None and slot.version < version:
-                    self._drop()
-                if version in self._queue:
-                    self._queue.remove(version)
-        if not staged:
-            return self._fetch_now(version)
-        slot.done.wait()
-        with self._lock:
-            if self._slot is slot:
-                self._slot = None
-            self.counts["taken_staged"] += slot.error is None
+            staged = slot is not None and slot.version == version
+            if slot is not None and slot.version <= version:
+                self._slot = None  # taken, or past it
+                slot.dropped = not staged
+        if staged:
+            slot.done.wait()
             if slot.error is None:
-                self._start_next()
-        if slot.error is None:
-            return slot.params
-        # Staged too early (say, before the version was published): the load asks again.
-        return self._fetch_now(version)
+                with self._lock:
+                    self.counts["taken_staged"] += 1
+                return slot.params
+            # Staged too early (say, before the version was published): the load asks again.
+        params = self._fetch(version)
+        with self._lock:
+            self.counts["fetched_at_load"] += 1
+        return params
 
-    def _fetch_now(self, version: int) -> Any:
-        try:
-            return self._fetch(version)
-        finally:
-            with self._lock:
-                self.counts["fetched_at_load"] += 1
-                self._start_next()
+    def loaded(self) -> None:
+        """The copy last taken is swapped in (or was refused): the next staged fetch may start."""
+        with self._lock:
+            self._swapping = False
+            self._start_next()
 
     def staged(self) -> int | None:
         """The version fetched or being fetched ahead (None: none)."""
         with self._lock:
             return None if self._slot is None else self._slot.version
 
-    def _drop(self) -> None:
-        """Lets go of the slot (its thread, if running, finishes into nothing). Holds _lock."""
-        self._slot = None
-
     def _start_next(self) -> None:
-        """Starts fetching the next asked version if no copy is held. Holds _lock."""
-        if self._slot is not None or not self._queue:
+        """Starts fetching the next asked version when no copy waits, none is being fetched and
+        none is being swapped in. Holds _lock."""
+        if self._slot is not None or self._running or self._swapping or not self._queue:
             return
         slot = self._slot = _Slot(self._queue.popleft())
+        self._running = True
         self.counts["staged"] += 1
         threading.Thread(
             target=self._run, args=(slot,), name=f"standby-v{slot.version}", daemon=True
@@ -107,7 +107,12 @@ class Standby:
     def _run(self, slot: _Slot) -> None:
         try:
             slot.params = self._fetch(slot.version)
-        except BaseException as e:  # noqa: BLE001 - raised by the take of this version
+        except BaseException as e:  # noqa: BLE001 - the take of this version fetches again
             log.warning("fetching version %d ahead failed: %s", slot.version, e)
             slot.error = e
-        slot.done.set()
+        with self._lock:
+            self._running = False
+            if slot.dropped:  # a load went past it while it ran: let its copy go
+                slot.params = None
+            slot.done.set()
+            self._start_next()

@@ -176,9 +176,16 @@ class InferenceWorker:
             )
         if params is None:
             try:
-                params = self.standby.take(version)
-            except KeyError as e:
-                raise UnknownVersion(f"no weights for version {version}") from e
+                try:
+                    params = self.standby.take(version)
+                except KeyError as e:
+                    raise UnknownVersion(f"no weights for version {version}") from e
+                return self._swap(version, params)
+            finally:  # swapped in (or refused): the next staged version may be fetched
+                self.standby.loaded()
+        return self._swap(version, params)
+
+    def _swap(self, version: int, params: Any) -> int:
         with self._cond:  # waits for the running step to end
             if self._stopped:
                 raise WorkerShutdown("the inference worker is shut down")
@@ -342,7 +349,9 @@ class Follower:
 
     def run(self) -> int:
         """Follows until the lead shuts down; returns the engine steps taken."""
-        return lockstep.follow(self.engine, self.standby.take, stage=self.standby.stage)
+        return lockstep.follow(
+            self.engine, self.standby.take, stage=self.standby.stage, loaded=self.standby.loaded
+        )
 
     def _fetch(self, version: int) -> Any:
         if self.weight_source is None:

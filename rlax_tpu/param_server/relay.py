@@ -90,7 +90,8 @@ class Layout:
 
     def last_bucket(self, i: int) -> int:
         """The bucket holding array i's last byte."""
-        return (self.offsets[i] + max(self.nbytes(i), 1) - 1) // self.bucket_bytes
+        last = (self.offsets[i] + max(self.nbytes(i), 1) - 1) // self.bucket_bytes
+        return min(last, self.buckets - 1)  # an empty last array sits at the very end
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -329,11 +330,12 @@ class Publisher:
                 end = layout.offsets[i + 1] if i + 1 < len(arrays) else layout.total
                 buffer.data[lo : lo + host.size] = host
                 buffer.data[lo + host.size : end] = 0  # alignment padding
-                while (done + 1) * layout.bucket_bytes <= end or (
-                    i + 1 == len(arrays) and done < layout.buckets
-                ):
+                while (done + 1) * layout.bucket_bytes <= end:
                     buffer.fill(done)
                     done += 1
+            while done < layout.buckets:  # the tail (every bucket, with no arrays at all)
+                buffer.fill(done)
+                done += 1
         except BaseException as e:  # noqa: BLE001 - its readers fail over
             buffer.fail(e)
 
@@ -352,6 +354,25 @@ def fetch(
     order (failing over at the first bucket missing). Returns the whole, verified buffer; raises
     RelayFailed (the buffer marked failed) when every source failed. ``on_source(endpoint)``:
     called as each source is tried; ``on_buffer(buffer)``: once the buffer exists."""
+    holder: list[VersionBuffer] = []
+    try:
+        return _fetch(version, sources, into, credentials, timeout_s, on_source, on_buffer, holder)
+    except BaseException as e:
+        if holder and not holder[0].complete:  # its readers fail over, its arrays stay hidden
+            holder[0].fail(e)
+        raise
+
+
+def _fetch(
+    version: int,
+    sources: Sequence[str],
+    into: RelayServer,
+    credentials: Credentials,
+    timeout_s: float,
+    on_source: Callable[[str], None] | None,
+    on_buffer: Callable[[VersionBuffer], None] | None,
+    holder: list[VersionBuffer],
+) -> VersionBuffer:
     buffer: VersionBuffer | None = None
     errors: list[str] = []
     for source in sources:
@@ -362,37 +383,42 @@ def fetch(
                     f"/{SERVICE}/Manifest", request_serializer=_json, response_deserializer=None
                 )({"version": version}, timeout=timeout_s)
                 buffer = VersionBuffer(version, Layout.from_json(raw))
+                holder.append(buffer)
                 into.add(buffer)
                 if on_buffer is not None:
                     on_buffer(buffer)
             if on_source is not None:
                 on_source(source)
+            # No deadline on the whole stream: a long chain waits on its upstream hops; the
+            # source gives up on a bucket that does not come within its own wait_s.
             stream = channel.unary_stream(
                 f"/{SERVICE}/Stream", request_serializer=_json, response_deserializer=None
-            )({"version": version, "first": buffer.filled}, timeout=timeout_s)
+            )({"version": version, "first": buffer.filled})
             for message in stream:
                 k, crc, n = _HEADER.unpack_from(message)
                 buffer.put(k, memoryview(message)[_HEADER.size : _HEADER.size + n], crc)
             if buffer.complete:
                 return buffer
             errors.append(f"{source}: the stream ended at bucket {buffer.filled}")
-        except (grpc.RpcError, DataLoss) as e:
-            why = e.details() if isinstance(e, grpc.RpcError) else str(e)
+        except Exception as e:  # noqa: BLE001 - whatever a source did wrong, the next one is tried
+            why = e.details() if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
             errors.append(f"{source}: {why}")
             log.warning(
                 "relay of version %d from %s failed (%s); next source", version, source, why
             )
         finally:
             channel.close()
-    failure = RelayFailed(f"version {version}: every source failed: {'; '.join(errors)}")
-    if buffer is not None:
-        buffer.fail(failure)
-    raise failure
+    raise RelayFailed(f"version {version}: every source failed: {'; '.join(errors)}")
 
 
 def to_device(buffer: VersionBuffer, shardings: Sequence[Any]) -> list[jax.Array]:
     """The buffer's arrays on ``shardings`` (in layout order), each uploaded as soon as its
     bytes are verified (while later buckets still arrive)."""
+    if len(shardings) != len(buffer.layout.paths):
+        raise ValueError(
+            f"{len(shardings)} shardings for the {len(buffer.layout.paths)} arrays of version "
+            f"{buffer.version}"
+        )
     out = []
     for i, sharding in enumerate(shardings):
         host = buffer.array(i)

@@ -24,6 +24,7 @@ from flax import nnx
 from rlax_tpu import models
 from rlax_tpu.algorithms import RolloutBatch
 from rlax_tpu.config import RunConfig
+from rlax_tpu.config.run import handoff_versions
 from rlax_tpu.models.adapters import join, split_adapters
 from rlax_tpu.models.aot import (
     AbstractProgram,
@@ -117,6 +118,14 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
     }
     trainable_k, opt_k, ref_k, base_k, arrays_k, inputs_k = sizes
     resident = {k: sizes[k] for k in (trainable_k, opt_k, ref_k, base_k) if sizes[k]}
+    kept = handoff_versions(config)
+    if kept:  # the published versions the workers of this process take from its devices
+        cast = (
+            trainable["model"]
+            if base is not None
+            else to_master(trainable["model"], config.trainer.publish_dtype)
+        )
+        resident[f"published versions kept for the workers (x{kept})"] = kept * device_bytes(cast)
     base_args = (base_k,) if base is not None else ()
 
     def held(*args: str, batches: int = 0, inputs: bool = False) -> dict[str, int]:

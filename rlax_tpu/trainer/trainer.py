@@ -396,11 +396,17 @@ class Trainer:
         self._rng = jax.random.key_data(
             jax.random.fold_in(jax.random.wrap_key_data(self._rng), self._step)
         )
+        t_publish = time.perf_counter()
         if self.sink is not None:
             self.publish()
         if self._step % tcfg.checkpoint_every == 0:
             self.save()
-        metrics |= {"step": float(self._step), "time_step_s": time.perf_counter() - t_start}
+        metrics |= {
+            "step": float(self._step),
+            "time_step_s": time.perf_counter() - t_start,
+            # The publish's start (the cast, the push) is where publish-to-serve times from.
+            "time_since_publish_s": time.perf_counter() - t_publish,
+        }
         self._last_metrics = metrics
         return metrics
 

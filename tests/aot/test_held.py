@@ -50,8 +50,18 @@ def test_trainer_holds_float32_masters_moments_and_the_steps_batches():
     trainable = programs["trainer.apply"].args[0]["model"]
     assert {x.dtype for x in jax.tree.leaves(trainable)} == {jnp.dtype(jnp.float32)}
     assert programs["trainer.score_ref"].held["trainable (float32 master)"] == 4 * n
-    # The step's arrays are freed before publish (trainer.train_step).
-    assert set(programs["trainer.publish"].held) == {"optimizer state", "reference (bfloat16)"}
+    # The step's arrays are freed before publish (trainer.train_step); the published version
+    # the workers of this process take from the trainer's devices stays (controller/handoff.py,
+    # param_server.device_versions, one by default), unless none is kept.
+    kept = "published versions kept for the workers (x1)"
+    held = programs["trainer.publish"].held
+    assert set(held) == {"optimizer state", "reference (bfloat16)", kept}
+    assert acc[kept] == jnp.dtype(cfg.trainer.publish_dtype).itemsize * n
+    off = dataclasses.replace(
+        cfg, param_server=dataclasses.replace(cfg.param_server, device_versions=0)
+    )
+    none = {p.name: p for p in trainer_programs(off, jax.devices()[:1])}
+    assert kept not in none["trainer.publish"].held
 
 
 def test_a_lora_trainer_holds_its_frozen_base_and_moments_of_the_adapters_only():

@@ -118,10 +118,11 @@ def test_a_failed_copy_is_raised_by_the_next_push_and_by_flush(ps):
     handoff = DeviceHandoff(ps.client, keep=1)
     try:
         handoff.push(make_tree(2), 1)  # other content for a version the server has
-        with pytest.raises(RuntimeError, match="copying a version to the parameter server failed"):
+        with pytest.raises(RuntimeError, match="copying version 1 to the parameter server failed"):
             handoff.flush()
-        with pytest.raises(RuntimeError, match="copying a version to the parameter server failed"):
+        with pytest.raises(RuntimeError, match="copying version 1 to the parameter server failed"):
             handoff.push(make_tree(3), 3)
+        handoff.flush(0)  # a version that did not fail is not blamed for it
     finally:
         handoff.close()
 
@@ -153,3 +154,11 @@ def test_a_lease_of_a_version_still_being_copied_lands_with_its_copy(ps):
     finally:
         gate.set()
         handoff.close()
+
+
+def test_a_closed_hand_off_refuses_pushes_instead_of_hanging(ps):
+    handoff = DeviceHandoff(ps.client, keep=1)
+    handoff.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        handoff.push(make_tree(1), 1)
+    handoff.flush(1)  # returns: nothing will ever copy it

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import threading
+import time
 
 import jax
 import numpy as np
@@ -219,12 +221,26 @@ def test_a_job_of_a_new_version_has_its_worker_stage_it_while_the_last_job_runs(
     """Deterministic mode (one job at a time): the second job's version is fetched into the
     worker's standby copy as soon as the job is queued, and its load takes that copy."""
     model, source = weights
-    worker = InferenceWorker(model, CFG, weight_source=source)
+    asked, gate = [], threading.Event()
+
+    class Recording:  # the source, recording each fetch; version 1's waits for the gate
+        def fetch(self, version):
+            asked.append(version)
+            if version == 1:
+                assert gate.wait(timeout=60)
+            return source.fetch(version)
+
+    worker = InferenceWorker(model, CFG, weight_source=Recording())
     pool = WorkerPool([worker], exclusive_jobs=True)
     try:
         first = pool.submit(0, requests(4))
         pool.published(1)  # the trainer publishes version 1 while the first job runs
         second = pool.submit(1, requests(4))
+        deadline = time.monotonic() + 60
+        while 1 not in asked and time.monotonic() < deadline:  # staged while the first job runs
+            time.sleep(0.01)
+        assert asked == [0, 1] and not second.done()
+        gate.set()
         assert {v for _, v in tokens(first.result()).values()} == {0}
         assert {v for _, v in tokens(second.result()).values()} == {1}
         # Version 1 from its publication to the (only) worker serving it; version 0 was never

@@ -43,21 +43,30 @@ def test_a_staged_version_is_fetched_once_and_taken_by_its_load():
     assert standby.staged() == 1
     source.gate.set()
     assert standby.take(1) == "one"
-    assert standby.take(2) == "two"  # started when 1 was taken
+    # Until version 1 is swapped in, version 2 is not fetched: the devices hold the served
+    # weights and one standby copy at most.
+    assert standby.staged() is None and source.asked == [1]
+    standby.stage(1)  # at or below the version taken: not staged again
+    standby.loaded()
+    assert standby.take(2) == "two"
+    standby.loaded()
     assert source.asked == [1, 2]
     assert standby.take(3) == "three"  # never staged: fetched at the load
+    standby.loaded()
     assert source.asked == [1, 2, 3]
     assert standby.counts == {"staged": 2, "taken_staged": 2, "fetched_at_load": 1}
 
 
 def test_a_load_past_staged_versions_drops_them():
-    source = Gated({1: "one", 2: "two", 3: "three"})
+    source = Gated({1: "one", 2: "two", 3: "three", 4: "four"})
     standby = Standby(source.fetch)
-    standby.stage(1)
     standby.stage(2)
-    assert standby.take(3) == "three"  # 1 (fetched) and 2 (asked) are skipped
-    assert standby.staged() is None
-    assert 2 not in source.asked
+    standby.stage(1)  # asked out of order
+    standby.stage(4)
+    assert standby.take(3) == "three"  # 2 (fetched) and 1 (asked) are skipped
+    standby.loaded()
+    assert standby.take(4) == "four"  # 4 was kept
+    assert source.asked.count(1) == 0 and source.asked[-1] == 4
 
 
 def test_a_failed_staged_fetch_is_tried_again_by_the_load():
@@ -68,6 +77,7 @@ def test_a_failed_staged_fetch_is_tried_again_by_the_load():
         standby._slot.done.wait(0.01)
     source.inner.versions[4] = "four"  # published now
     assert standby.take(4) == "four"
+    standby.loaded()
     assert source.asked == [4, 4]
     standby.stage(5)
     with pytest.raises(UnknownVersion, match="no weights for version 5"):

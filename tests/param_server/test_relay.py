@@ -188,3 +188,19 @@ def test_uploads_overlap_the_transfer_and_land_on_the_shardings(servers):
 def test_a_relay_beyond_loopback_needs_a_token():
     with pytest.raises(ValueError, match="needs an auth token"):
         RelayServer("0.0.0.0:0")
+
+
+@pytest.mark.parametrize(
+    "arrays",
+    [
+        [("a", np.ones(1024, np.float32)), ("empty", np.zeros((0, 3), np.float32))],
+        [],
+    ],
+    ids=["an empty last array at a bucket's end", "no arrays"],
+)
+def test_edge_layouts_arrive_whole(servers, arrays):
+    root, reader = servers(), servers()
+    Publisher(root, bucket_bytes=BUCKET).publish(1, arrays)
+    got = fetch(1, [root.endpoint], reader, timeout_s=30)
+    assert got.complete
+    _same(got, arrays)
