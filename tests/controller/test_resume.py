@@ -290,7 +290,11 @@ def test_a_gs_lora_run_killed_and_resumed_gives_the_local_runs_weights(env, gcs_
     resumed: the same final weights as an uninterrupted run with everything local, and nothing
     written to a local ./gs: folder. The run trains LoRA adapters (the base frozen): a version
     is the adapters alone, and the resumed run loads the warmed-up base its checkpoints do not
-    hold from the run directory."""
+    hold from the run directory.
+
+    Cost: about 50-65 CPU-s: three controller processes (the local reference, the gs:// run
+    killed, its resume), each with its warm-up, through the GCS server; one run on gs:// cannot
+    show it resumes to the local run's weights."""
     import uuid
 
     from rlax_tpu import storage
