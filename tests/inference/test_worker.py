@@ -285,8 +285,8 @@ def _own_slice_bytes(shardings: Any, shapes: Any, hosts: list[set]) -> int:
 def test_python_m_rlax_tpu_inference_over_two_processes(tmp_path):
     """One worker over two hosts, as `python -m rlax_tpu.inference` twice (jax.distributed on
     127.0.0.1, gloo, 2 CPU devices each) on a tensor-4 mesh that spans both: process 0 serves,
-    process 1 follows. Both pull version 1 from a parameter server, each only its own devices'
-    slices (bytes counted by the server). Greedy tokens before and after the reload equal a
+    process 1 follows. Both pull version 1 from a parameter server, staged ahead while a batch
+    runs, each once and only its own devices' slices (bytes counted by the server). Greedy tokens before and after the reload equal a
     one-device worker's."""
     from flax import nnx
 
@@ -351,8 +351,12 @@ def test_python_m_rlax_tpu_inference_over_two_processes(tmp_path):
         assert "serving on 127.0.0.1:" in line, procs[0].stderr.read()[-3000:]
         client = InferenceClient(line.split("serving on ", 1)[1].split()[0])
         client.wait_ready(60)
-        got = [by_key(client.generate(batches[0]))]
         served = ps_store.bytes_served()
+        stream = client.generate(batches[0])
+        # Both processes fetch version 1 ahead (the lead's standby, the follower's at its next
+        # lockstep point): the load swaps it in, and each still pulls it once (counted below).
+        client.stage(1)
+        got = [by_key(stream)]
         assert client.load_weights(1) == 0 and client.status().version == 1
         got.append(by_key(client.generate(batches[1])))
         for g, w in zip(got, want, strict=True):
