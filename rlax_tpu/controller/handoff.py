@@ -18,25 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import jax
 
+from rlax_tpu.controller.ports import ParamServerPort
+
+if TYPE_CHECKING:
+    from rlax_tpu.inference.worker import WeightSource
+    from rlax_tpu.trainer.trainer import WeightSink
+
 log = logging.getLogger(__name__)
-
-
-class _Sink(Protocol):
-    def push(self, params: Any, version: int) -> Any: ...
-
-
-class _Source(Protocol):
-    def fetch(self, version: int) -> Any: ...
-
-
-class _Port(Protocol):
-    def list_versions(self) -> tuple[list[Any], int | None]: ...
-
-    def lease(self, consumer: str, versions: Sequence[int], ttl_s: float = 0.0) -> float: ...
 
 
 class DeviceHandoff:
@@ -46,7 +38,7 @@ class DeviceHandoff:
     of the trainer's memory); older ones come from ``copy_to`` (the parameter-server client).
     """
 
-    def __init__(self, copy_to: _Sink, *, keep: int = 1, max_pending: int = 1):
+    def __init__(self, copy_to: WeightSink, *, keep: int = 1, max_pending: int = 1):
         if keep < 1 or max_pending < 1:
             raise ValueError(f"keep ({keep}) and max_pending ({max_pending}) must be >= 1")
         self.copy_to, self.keep, self.max_pending = copy_to, keep, max_pending
@@ -81,15 +73,14 @@ class DeviceHandoff:
         """Waits until every pushed version (or ``version``) is on the parameter server; raises
         the failure of a copy (of ``version``'s)."""
         with self._cond:
-            while not self._closed and (
-                (version in self._pending()) if version is not None else self._pending()
-            ):
-                if version is None and self._failed:
-                    break
-                self._cond.wait()
             if version is None:
+                while self._pending() and not (self._failed or self._closed):
+                    self._cond.wait()
                 self._raise_failed()
-            elif version in self._failed:
+                return
+            while version in self._pending() and not self._closed:
+                self._cond.wait()
+            if version in self._failed:
                 self._raise_failed(version)
 
     def pending(self) -> set[int]:
@@ -156,7 +147,7 @@ class DeviceHandoff:
 
     # -- the workers' side -------------------------------------------------------------------
 
-    def source(self, shardings: Any, fallback: _Source) -> HandedWeights:
+    def source(self, shardings: Any, fallback: WeightSource) -> HandedWeights:
         """A worker's weight source: versions held here go onto ``shardings`` (the engine's
         ``weight_shardings()``) device to device, the others come from ``fallback``."""
         return HandedWeights(self, shardings, fallback)
@@ -167,7 +158,7 @@ class DeviceHandoff:
             self.counts["device_loads" if tree is not None else "server_loads"] += 1
             return tree
 
-    def port(self, param_server: _Port) -> FlushedPort:
+    def port(self, param_server: ParamServerPort) -> FlushedPort:
         """``param_server`` as the controller sees it: what it lists includes every version
         pushed here (their copies are waited for first)."""
         return FlushedPort(self, param_server)
@@ -187,7 +178,7 @@ class DeviceHandoff:
 class HandedWeights:
     """A worker's weight source over a ``DeviceHandoff`` (``fetch(version)``)."""
 
-    def __init__(self, handoff: DeviceHandoff, shardings: Any, fallback: _Source):
+    def __init__(self, handoff: DeviceHandoff, shardings: Any, fallback: WeightSource):
         self.handoff, self.shardings, self.fallback = handoff, shardings, fallback
 
     def fetch(self, version: int) -> Any:
@@ -201,7 +192,7 @@ class HandedWeights:
 class FlushedPort:
     """The parameter server's controller port, its version list taken after the pending copies."""
 
-    def __init__(self, handoff: DeviceHandoff, param_server: _Port):
+    def __init__(self, handoff: DeviceHandoff, param_server: ParamServerPort):
         self.handoff, self.param_server = handoff, param_server
 
     def list_versions(self) -> tuple[list[Any], int | None]:

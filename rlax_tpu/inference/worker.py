@@ -107,7 +107,8 @@ class InferenceWorker:
         self.cfg = cfg
         self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids, devices=devices)
         self.weight_source = weight_source
-        self.standby = Standby(self._fetch)  # the next version, fetched while generating
+        # The next version, fetched while generating.
+        self.standby = Standby(lambda v: _fetch(self.weight_source, v, "worker"))
         # Several processes: this one leads; the engine calls since the last step go to the
         # followers before each step (see lockstep.py).
         self._lockstep = lockstep.is_multi_process()
@@ -214,11 +215,6 @@ class InferenceWorker:
         if self._lockstep:
             with self._cond:  # told to the followers at the next lockstep point
                 self._pending.append(("stage", version))
-
-    def _fetch(self, version: int) -> Any:
-        if self.weight_source is None:
-            raise UnknownVersion(f"version {version}: this worker has no weight source")
-        return self.weight_source.fetch(version)
 
     def status(self) -> WorkerStatus:
         with self._cond:
@@ -340,7 +336,7 @@ class Follower:
     ):
         self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids)
         self.weight_source = weight_source
-        self.standby = Standby(self._fetch)
+        self.standby = Standby(lambda v: _fetch(self.weight_source, v, "follower"))
 
     @classmethod
     def from_config(cls, config: RunConfig) -> Follower:
@@ -353,10 +349,11 @@ class Follower:
             self.engine, self.standby.take, stage=self.standby.stage, loaded=self.standby.loaded
         )
 
-    def _fetch(self, version: int) -> Any:
-        if self.weight_source is None:
-            raise UnknownVersion(f"version {version}: this follower has no weight source")
-        return self.weight_source.fetch(version)
+
+def _fetch(source: WeightSource | None, version: int, who: str) -> Any:
+    if source is None:
+        raise UnknownVersion(f"version {version}: this {who} has no weight source")
+    return source.fetch(version)
 
 
 __all__ = [

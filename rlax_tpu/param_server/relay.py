@@ -354,61 +354,46 @@ def fetch(
     order (failing over at the first bucket missing). Returns the whole, verified buffer; raises
     RelayFailed (the buffer marked failed) when every source failed. ``on_source(endpoint)``:
     called as each source is tried; ``on_buffer(buffer)``: once the buffer exists."""
-    holder: list[VersionBuffer] = []
-    try:
-        return _fetch(version, sources, into, credentials, timeout_s, on_source, on_buffer, holder)
-    except BaseException as e:
-        if holder and not holder[0].complete:  # its readers fail over, its arrays stay hidden
-            holder[0].fail(e)
-        raise
-
-
-def _fetch(
-    version: int,
-    sources: Sequence[str],
-    into: RelayServer,
-    credentials: Credentials,
-    timeout_s: float,
-    on_source: Callable[[str], None] | None,
-    on_buffer: Callable[[VersionBuffer], None] | None,
-    holder: list[VersionBuffer],
-) -> VersionBuffer:
     buffer: VersionBuffer | None = None
     errors: list[str] = []
-    for source in sources:
-        channel = make_channel(source, credentials=credentials)
-        try:
-            if buffer is None:
-                raw = channel.unary_unary(
-                    f"/{SERVICE}/Manifest", request_serializer=_json, response_deserializer=None
-                )({"version": version}, timeout=timeout_s)
-                buffer = VersionBuffer(version, Layout.from_json(raw))
-                holder.append(buffer)
-                into.add(buffer)
-                if on_buffer is not None:
-                    on_buffer(buffer)
-            if on_source is not None:
-                on_source(source)
-            # No deadline on the whole stream: a long chain waits on its upstream hops; the
-            # source gives up on a bucket that does not come within its own wait_s.
-            stream = channel.unary_stream(
-                f"/{SERVICE}/Stream", request_serializer=_json, response_deserializer=None
-            )({"version": version, "first": buffer.filled})
-            for message in stream:
-                k, crc, n = _HEADER.unpack_from(message)
-                buffer.put(k, memoryview(message)[_HEADER.size : _HEADER.size + n], crc)
-            if buffer.complete:
-                return buffer
-            errors.append(f"{source}: the stream ended at bucket {buffer.filled}")
-        except Exception as e:  # noqa: BLE001 - whatever a source did wrong, the next one is tried
-            why = e.details() if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
-            errors.append(f"{source}: {why}")
-            log.warning(
-                "relay of version %d from %s failed (%s); next source", version, source, why
-            )
-        finally:
-            channel.close()
-    raise RelayFailed(f"version {version}: every source failed: {'; '.join(errors)}")
+    try:
+        for source in sources:
+            channel = make_channel(source, credentials=credentials)
+            try:
+                if buffer is None:
+                    raw = channel.unary_unary(
+                        f"/{SERVICE}/Manifest", request_serializer=_json, response_deserializer=None
+                    )({"version": version}, timeout=timeout_s)
+                    buffer = VersionBuffer(version, Layout.from_json(raw))
+                    into.add(buffer)
+                    if on_buffer is not None:
+                        on_buffer(buffer)
+                if on_source is not None:
+                    on_source(source)
+                # No deadline on the whole stream: a long chain waits on its upstream hops; the
+                # source gives up on a bucket that does not come within its own wait_s.
+                stream = channel.unary_stream(
+                    f"/{SERVICE}/Stream", request_serializer=_json, response_deserializer=None
+                )({"version": version, "first": buffer.filled})
+                for message in stream:
+                    k, crc, n = _HEADER.unpack_from(message)
+                    buffer.put(k, memoryview(message)[_HEADER.size : _HEADER.size + n], crc)
+                if buffer.complete:
+                    return buffer
+                errors.append(f"{source}: the stream ended at bucket {buffer.filled}")
+            except Exception as e:  # noqa: BLE001 - whatever a source did wrong, the next one is tried
+                why = e.details() if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
+                errors.append(f"{source}: {why}")
+                log.warning(
+                    "relay of version %d from %s failed (%s); next source", version, source, why
+                )
+            finally:
+                channel.close()
+        raise RelayFailed(f"version {version}: every source failed: {'; '.join(errors)}")
+    except BaseException as e:
+        if buffer is not None and not buffer.complete:  # readers fail over, arrays stay hidden
+            buffer.fail(e)
+        raise
 
 
 def to_device(buffer: VersionBuffer, shardings: Sequence[Any]) -> list[jax.Array]:
