@@ -38,6 +38,15 @@ class ParamServerConfig:
     # (each one published copy of their memory); the parameter server gets every version from a
     # background copy and serves the older ones. 0: workers pull every version from it.
     device_versions: int = 1
+    # How the inference workers of a distributed run get a version: "replicas", each pulls it
+    # from its parameter-server replica; "relay", a chain: worker k receives it from worker k-1
+    # (the first from the parameter server) in checksummed buckets forwarded as they arrive, so
+    # the parameter server sends a version once whatever the workers. Each relaying worker keeps
+    # a host copy of the newest version it received. A worker over several processes pulls.
+    fanout: str = "replicas"
+    # How long a relay waits for a version it has not started receiving before its reader tries
+    # the next source (the workers of a chain are told to load at about the same time).
+    relay_appear_s: float = 3.0
 
     def __post_init__(self) -> None:
         positive(
@@ -48,6 +57,7 @@ class ParamServerConfig:
             "lease_ttl_s",
             "replica_lease_s",
             "publish_quorum",
+            "relay_appear_s",
         )
         non_negative(
             self, "persist_every", "persist_keep", "publish_room_wait_s", "device_versions"
@@ -74,4 +84,6 @@ class ParamServerConfig:
             raise bad(
                 self, "chunk_bytes", f"must be <= max_message_bytes ({self.max_message_bytes})"
             )
+        if self.fanout not in ("replicas", "relay"):
+            raise bad(self, "fanout", f"must be 'replicas' or 'relay', got {self.fanout!r}")
         check_address(self, "address", self.auth_token_file, self.tls_cert_file)

@@ -244,8 +244,10 @@ def build_distributed(config: RunConfig) -> Components:
         verifier = VerifierClient(c.verifier_endpoint, credentials=creds, connect_timeout_s=timeout)
         closers.append(verifier.close)
         workers = []
-        for endpoint in c.inference_endpoints:
-            worker = InferenceClient(endpoint, credentials=creds)
+        for k, endpoint in enumerate(c.inference_endpoints):
+            worker = InferenceClient(
+                endpoint, credentials=creds, relay_sources=relay_sources(config, k)
+            )
             closers.append(worker.close)
             worker.wait_ready(timeout)
             workers.append(worker)
@@ -265,6 +267,20 @@ def build_distributed(config: RunConfig) -> Components:
         },
         _closers=closers,
     )
+
+
+def relay_sources(config: RunConfig, k: int) -> tuple[str, ...]:
+    """Where worker k receives versions from with ``param_server.fanout`` "relay": the worker
+    before it, then the parameter-server replicas (its own first); () otherwise. One upstream
+    worker, not more: a relay that is not receiving the version makes its reader wait
+    ``relay_appear_s`` before the next source, and the parameter server always has it."""
+    c = config.controller
+    if config.param_server.fanout != "relay":
+        return ()
+    replicas = list(c.param_server_endpoints)
+    r = k % max(1, len(replicas))
+    upstream = [c.inference_endpoints[k - 1]] if k > 0 else []
+    return (*upstream, *replicas[r:], *replicas[:r])
 
 
 def wait_until_serving(config: RunConfig, timeout_s: float) -> None:

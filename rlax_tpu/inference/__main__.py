@@ -54,6 +54,30 @@ def _weight_source(config: RunConfig, engine: Any) -> tuple[Any, Any]:
     return ps_client.PulledWeights(client, engine.weight_shardings()), client
 
 
+def _relay(config: RunConfig, pulled: Any) -> tuple[Any, list[Any]]:
+    """With ``param_server.fanout`` "relay" on a worker of one process: (its weight source,
+    receiving versions from the sources each load names and serving them on, and the relay's
+    handlers for the worker's server); else (``pulled``, [])."""
+    ps = config.param_server
+    if ps.fanout != "relay" or pulled is None or config.inference.distributed.num_processes > 1:
+        return pulled, []
+    from rlax_tpu.param_server import relay
+
+    cfg = config.inference
+    own = Credentials(auth_token_file=cfg.auth_token_file, tls_cert_file=cfg.tls_cert_file)
+    servers = Credentials(auth_token_file=ps.auth_token_file, tls_cert_file=ps.tls_cert_file)
+    endpoints = set(config.controller.param_server_endpoints)
+    service = relay.RelayService(keep=1, appear_s=ps.relay_appear_s)
+    source = relay.RelayedWeights(
+        service,
+        pulled.shardings,
+        pulled,
+        # Other workers with this worker's credentials, the parameter server with its own.
+        credentials=lambda endpoint: servers if endpoint in endpoints else own,
+    )
+    return source, [service.handlers()]
+
+
 def run(config: RunConfig, args: list[str]) -> int:
     del args
     _replica(config)  # a usage error before anything starts
@@ -72,7 +96,8 @@ def run(config: RunConfig, args: list[str]) -> int:
         return cli.EXIT_STOPPED  # the lead stopped: so does this host's share of the job
     cfg = config.inference
     worker = InferenceWorker.from_config(config)
-    worker.weight_source, client = _weight_source(config, worker.engine)
+    pulled, client = _weight_source(config, worker.engine)
+    worker.weight_source, handlers = _relay(config, pulled)
     stop = cli.stop_event()
     server, port = serve(
         worker,
@@ -81,12 +106,15 @@ def run(config: RunConfig, args: list[str]) -> int:
             auth_token_file=cfg.auth_token_file, tls_cert_file=cfg.tls_cert_file
         ),
         on_shutdown=stop.set,
+        handlers=handlers,
     )
     host = cfg.address.rsplit(":", 1)[0]
     status = worker.status()
     source = ""
     if client is not None:
         source = f", weights from {client.endpoints[client.replica]}"
+        if handlers:
+            source += " or the worker before this one (a relay chain)"
     print(
         f"rlax_tpu.inference: serving on {host}:{port} (backend {status.backend}, "
         f"version {status.version}, {status.pages_total} KV pages{source})",
@@ -95,6 +123,13 @@ def run(config: RunConfig, args: list[str]) -> int:
     cli.wait_for(stop)
     worker.shutdown()
     server.stop(grace=2.0).wait()
+    if handlers:
+        counts, sent = worker.weight_source.counts, worker.weight_source.service.bytes_sent
+        print(
+            f"rlax_tpu.inference: versions received over the relay {counts['relayed']}, pulled "
+            f"{counts['pulled']}; {sent} bytes passed on to the next worker",
+            flush=True,
+        )
     if client is not None:
         client.close()
     multihost.shutdown(config.inference.distributed)

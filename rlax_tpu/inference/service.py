@@ -155,13 +155,22 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     @_statuses
     def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsReply:  # noqa: ANN001
+        self._relay_from(request.relay_sources)
         aborted = self._worker.load_weights(request.version)
         return pb.LoadWeightsReply(version=self._worker.version, aborted=aborted)
 
     @_statuses
     def StageWeights(self, request: pb.LoadWeightsRequest, context) -> common_pb2.Empty:  # noqa: ANN001
+        self._relay_from(request.relay_sources)
         self._worker.stage(request.version)
         return common_pb2.Empty()
+
+    def _relay_from(self, sources: Sequence[str]) -> None:
+        """A relaying weight source (param_server/relay.py ``RelayedWeights``) takes the sources
+        the controller names; any other source pulls as before."""
+        source = self._worker.weight_source
+        if sources and hasattr(source, "sources"):
+            source.sources = tuple(sources)
 
     def Status(self, request: common_pb2.Empty, context) -> pb.StatusReply:  # noqa: ANN001
         return status_to_pb(self._worker.status())
@@ -202,14 +211,18 @@ def serve(
     *,
     credentials: Credentials = NO_CREDENTIALS,
     on_shutdown: Callable[[], None] = lambda: None,
+    handlers: Sequence[grpc.GenericRpcHandler] = (),
 ) -> tuple[grpc.Server, int]:
-    """Starts the service on ``address``; returns (server, bound port)."""
+    """Starts the service on ``address`` (with ``handlers``, other services on the same port:
+    a relaying worker's); returns (server, bound port)."""
     service = InferenceService(worker, on_shutdown=on_shutdown)
-    return make_server(
-        address,
-        lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s),
-        credentials=credentials,
-    )
+
+    def add(server: grpc.Server) -> None:
+        inference_pb2_grpc.add_InferenceServicer_to_server(service, server)
+        if handlers:
+            server.add_generic_rpc_handlers(tuple(handlers))
+
+    return make_server(address, add, credentials=credentials)
 
 
 # -- client -----------------------------------------------------------------------------------
@@ -225,8 +238,17 @@ def _raise(e: grpc.RpcError) -> None:
 class InferenceClient:
     """The worker's API over gRPC (the controller's ``distributed`` transport)."""
 
-    def __init__(self, endpoint: str, *, credentials: Credentials = NO_CREDENTIALS):
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        credentials: Credentials = NO_CREDENTIALS,
+        relay_sources: Sequence[str] = (),
+    ):
+        """``relay_sources``: where the worker receives versions from (a relay chain), sent with
+        each load and stage."""
         self.endpoint = endpoint
+        self.relay_sources = tuple(relay_sources)
         self._channel = make_channel(endpoint, credentials=credentials)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
 
@@ -273,13 +295,16 @@ class InferenceClient:
 
     def load_weights(self, version: int) -> int:
         try:
-            return self._stub.LoadWeights(pb.LoadWeightsRequest(version=version)).aborted
+            request = pb.LoadWeightsRequest(version=version, relay_sources=self.relay_sources)
+            return self._stub.LoadWeights(request).aborted
         except grpc.RpcError as e:
             _raise(e)
 
     def stage(self, version: int) -> None:
         try:
-            self._stub.StageWeights(pb.LoadWeightsRequest(version=version))
+            self._stub.StageWeights(
+                pb.LoadWeightsRequest(version=version, relay_sources=self.relay_sources)
+            )
         except grpc.RpcError as e:
             _raise(e)
 

@@ -785,7 +785,9 @@ EDGES = (
 )
 # Components that reach GCS (run directory, checkpoints, persisted versions, weights).
 GCS_CLIENTS = ("controller", "trainer", "inference", "param-server")
-PEERS = ("trainer", "inference")  # processes of one jax.distributed job reach each other
+# Processes of one jax.distributed job reach each other; inference workers also relay versions
+# to each other (param_server.fanout "relay", on their gRPC port).
+PEERS = ("trainer", "inference")
 # https://cloud.google.com/kubernetes-engine/docs/concepts/workload-identity (read 2026-11): "If
 # you have a strict cluster network policy in place, you must allow egress to ... 169.254.169.252/32
 # on port 988. For clusters running GKE Dataplane V2, ensure that you allowed egress to

@@ -33,7 +33,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -41,7 +41,7 @@ import jax
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 
-from rlax_tpu.param_server.codec import checksum, np_dtype
+from rlax_tpu.param_server.codec import checksum, flatten, np_dtype
 from rlax_tpu.param_server.errors import DataLoss
 from rlax_tpu.rpc.transport import Credentials, make_channel, make_server
 
@@ -213,64 +213,59 @@ class Egress:
             time.sleep(start - now)
 
 
-class RelayServer:
-    """Serves the versions this process holds or is receiving (the newest ``keep``)."""
+class RelayService:
+    """Serves the versions this process holds or is receiving (the newest ``keep``), on a gRPC
+    server of its own (``RelayServer``) or beside another service (``handlers``).
+
+    ``missing(version)``: where a version this process does not hold comes from (the parameter
+    server, the root of every chain, makes it from its store); None: nowhere."""
 
     def __init__(
         self,
-        address: str = "127.0.0.1:0",
         *,
-        credentials: Credentials = _NO_CREDENTIALS,
         egress_bytes_per_s: float = 0.0,
         keep: int = 2,
         wait_s: float = 600.0,
         appear_s: float = 30.0,
+        missing: Callable[[int], VersionBuffer | None] | None = None,
     ):
         """``wait_s``: how long a stream waits for its next bucket; ``appear_s``: how long a
         reader waits for a version this relay has not started receiving."""
-        host = address.rsplit(":", 1)[0].strip("[]")
-        if host not in ("127.0.0.1", "localhost", "::1") and not credentials.token():
-            raise ValueError(
-                f"a relay on {address} (beyond loopback) needs an auth token: it serves weights"
-            )
         self.egress = Egress(egress_bytes_per_s)
         self.keep, self.wait_s, self.appear_s = keep, wait_s, appear_s
+        self.missing = missing
         self._versions: dict[int, VersionBuffer] = {}
         self._lock = threading.Lock()
         self._added = threading.Condition(self._lock)
         self.bytes_sent = 0
-        handlers = {
-            "Manifest": grpc.unary_unary_rpc_method_handler(
-                self._manifest, request_deserializer=json.loads, response_serializer=None
-            ),
-            "Stream": grpc.unary_stream_rpc_method_handler(
-                self._stream, request_deserializer=json.loads, response_serializer=None
-            ),
-        }
-        self._server, self.port = make_server(
-            address,
-            lambda s: s.add_generic_rpc_handlers(
-                (grpc.method_handlers_generic_handler(SERVICE, handlers),)
-            ),
-            credentials=credentials,
-            max_workers=32,
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        """The ``rlax_tpu.Relay`` methods, for ``server.add_generic_rpc_handlers``."""
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Manifest": grpc.unary_unary_rpc_method_handler(
+                    self._manifest, request_deserializer=json.loads, response_serializer=None
+                ),
+                "Stream": grpc.unary_stream_rpc_method_handler(
+                    self._stream, request_deserializer=json.loads, response_serializer=None
+                ),
+            },
         )
-        self.endpoint = f"{host}:{self.port}"
 
     def add(self, buffer: VersionBuffer) -> None:
         with self._added:
-            self._versions[buffer.version] = buffer
-            for old in sorted(self._versions)[: -self.keep]:
-                del self._versions[old]
-            self._added.notify_all()
+            self._add_locked(buffer)
+
+    def _add_locked(self, buffer: VersionBuffer) -> None:
+        self._versions[buffer.version] = buffer
+        for old in sorted(self._versions)[: -self.keep]:
+            del self._versions[old]
+        self._added.notify_all()
 
     def get(self, version: int) -> VersionBuffer | None:
         with self._lock:
             return self._versions.get(version)
-
-    def stop(self) -> None:
-        """Stops serving at once (in-flight streams are cut: their readers fail over)."""
-        self._server.stop(None).wait()
 
     def _buffer(self, version: int, context: grpc.ServicerContext) -> VersionBuffer:
         """The version's buffer, waited for up to ``appear_s``: the workers of a chain are told
@@ -278,10 +273,15 @@ class RelayServer:
         deadline = time.monotonic() + self.appear_s
         with self._added:
             while version not in self._versions:
+                made = self.missing(version) if self.missing is not None else None
+                if made is not None:
+                    self._add_locked(made)
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0 or (self._versions and max(self._versions) > version):
                     context.abort(grpc.StatusCode.NOT_FOUND, f"this relay has no version {version}")
-                self._added.wait(left)
+                # A root asks its store again: a version may be committed meanwhile.
+                self._added.wait(left if self.missing is None else min(left, 0.25))
             return self._versions[version]
 
     def _manifest(self, request: dict, context: grpc.ServicerContext) -> bytes:
@@ -300,6 +300,36 @@ class RelayServer:
             with self._lock:
                 self.bytes_sent += len(data)
             yield message
+
+
+class RelayServer(RelayService):
+    """A RelayService on a gRPC server of its own at ``address``."""
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:0",
+        *,
+        credentials: Credentials = _NO_CREDENTIALS,
+        **service: Any,
+    ):
+        """``service``: RelayService's arguments."""
+        host = address.rsplit(":", 1)[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1") and not credentials.token():
+            raise ValueError(
+                f"a relay on {address} (beyond loopback) needs an auth token: it serves weights"
+            )
+        super().__init__(**service)
+        self._server, self.port = make_server(
+            address,
+            lambda s: s.add_generic_rpc_handlers((self.handlers(),)),
+            credentials=credentials,
+            max_workers=32,
+        )
+        self.endpoint = f"{host}:{self.port}"
+
+    def stop(self) -> None:
+        """Stops serving at once (in-flight streams are cut: their readers fail over)."""
+        self._server.stop(None).wait()
 
 
 class Publisher:
@@ -343,22 +373,24 @@ class Publisher:
 def fetch(
     version: int,
     sources: Sequence[str],
-    into: RelayServer,
+    into: RelayService,
     *,
-    credentials: Credentials = _NO_CREDENTIALS,
+    credentials: Credentials | Callable[[str], Credentials] = _NO_CREDENTIALS,
     timeout_s: float = 600.0,
     on_source: Callable[[str], None] | None = None,
     on_buffer: Callable[[VersionBuffer], None] | None = None,
 ) -> VersionBuffer:
     """Receives ``version`` into a buffer that ``into`` serves as it fills, from ``sources`` in
     order (failing over at the first bucket missing). Returns the whole, verified buffer; raises
-    RelayFailed (the buffer marked failed) when every source failed. ``on_source(endpoint)``:
+    RelayFailed (the buffer marked failed) when every source failed. ``credentials``: one for
+    every source, or a source's own (``credentials(endpoint)``). ``on_source(endpoint)``:
     called as each source is tried; ``on_buffer(buffer)``: once the buffer exists."""
     buffer: VersionBuffer | None = None
     errors: list[str] = []
     try:
         for source in sources:
-            channel = make_channel(source, credentials=credentials)
+            creds = credentials(source) if callable(credentials) else credentials
+            channel = make_channel(source, credentials=creds)
             try:
                 if buffer is None:
                     raw = channel.unary_unary(
@@ -416,14 +448,16 @@ def to_device(buffer: VersionBuffer, shardings: Sequence[Any]) -> list[jax.Array
 def fetch_to_device(
     version: int,
     sources: Sequence[str],
-    into: RelayServer,
-    shardings: Sequence[Any],
+    into: RelayService,
+    shardings: Sequence[Any] | Mapping[str, Any],
     *,
-    credentials: Credentials = _NO_CREDENTIALS,
+    credentials: Credentials | Callable[[str], Credentials] = _NO_CREDENTIALS,
     timeout_s: float = 600.0,
 ) -> list[jax.Array]:
     """``fetch`` on a thread while ``to_device`` uploads each array as its bytes arrive:
-    receiving, checking and uploading overlap. Raises what the fetch raised."""
+    receiving, checking and uploading overlap. ``shardings``: in layout order, or by path (the
+    layout's paths must be exactly its keys). Returns the arrays in layout order (a list), or by
+    path (a dict) when ``shardings`` are by path; raises what the fetch raised."""
     got: dict[str, Any] = {}
     started = threading.Event()
 
@@ -450,13 +484,120 @@ def fetch_to_device(
     started.wait()
     try:
         if "buffer" in got:
-            arrays = to_device(got["buffer"], shardings)
+            buffer = got["buffer"]
+            if isinstance(shardings, Mapping):
+                arrays = to_device(buffer, _in_layout_order(buffer, shardings))
+                arrays = dict(zip(buffer.layout.paths, arrays, strict=True))
+            else:
+                arrays = to_device(buffer, shardings)
     except RelayFailed:
         pass  # the fetch's own error is raised below
     thread.join()
     if "error" in got:
         raise got["error"]
     return arrays
+
+
+class RelayedWeights:
+    """An inference worker's weight source over a chain of relays: ``fetch(version)`` receives
+    the version from ``sources`` in order (the controller names them with each load: the worker
+    before this one, then the parameter server), serves it on from ``service`` while it arrives,
+    and puts each array on its sharding (``shardings``: a pytree shaped like the published tree)
+    once its bytes are verified. Without sources, or when every source failed,
+    ``fallback.fetch(version)`` (a pull from the parameter server)."""
+
+    def __init__(
+        self,
+        service: RelayService,
+        shardings: Any,
+        fallback: Any,
+        *,
+        credentials: Credentials | Callable[[str], Credentials] = _NO_CREDENTIALS,
+        timeout_s: float = 600.0,
+    ):
+        self.service, self.shardings, self.fallback = service, shardings, fallback
+        self.credentials, self.timeout_s = credentials, timeout_s
+        self.sources: tuple[str, ...] = ()
+        self.counts = {"relayed": 0, "pulled": 0}
+
+    def fetch(self, version: int) -> Any:
+        sources = self.sources
+        if sources:
+            paths, leaves, treedef = flatten(self.shardings)
+            try:
+                by_path = fetch_to_device(
+                    version,
+                    sources,
+                    self.service,
+                    dict(zip(paths, leaves, strict=True)),
+                    credentials=self.credentials,
+                    timeout_s=self.timeout_s,
+                )
+            except RelayFailed as e:
+                log.warning("version %d: %s; pulling it from the parameter server", version, e)
+            else:
+                self.counts["relayed"] += 1
+                return jax.tree_util.tree_unflatten(treedef, [by_path[p] for p in paths])
+        self.counts["pulled"] += 1
+        return self.fallback.fetch(version)
+
+
+def _in_layout_order(buffer: VersionBuffer, by_path: Mapping[str, Any]) -> list[Any]:
+    paths = buffer.layout.paths
+    if set(paths) != set(by_path) or len(paths) != len(by_path):
+        error = RelayFailed(
+            f"version {buffer.version} has arrays {sorted(set(paths) ^ set(by_path))[:5]} where "
+            "this reader's tree does not, or the other way round"
+        )
+        buffer.fail(error)  # its readers fail over; nothing is handed out
+        raise error
+    return [by_path[p] for p in paths]
+
+
+def fill_from_pieces(
+    buffer: VersionBuffer, pieces: Iterator[tuple[int, int, np.ndarray]], crcs: Sequence[int]
+) -> None:
+    """Fills ``buffer`` from whole arrays read in order in pieces (array index, byte offset in
+    it, data), each array checked against its CRC32C in ``crcs`` before the buckets holding it
+    are served (the root of a chain: what it serves is what was published). Marks the buffer
+    failed on any error."""
+    layout = buffer.layout
+    state = {"next": 0, "bucket": 0}  # the next array to complete; the next bucket to serve
+
+    def complete(k: int) -> None:
+        lo = layout.offsets[k]
+        if checksum(buffer.data[lo : lo + layout.nbytes(k)]) != crcs[k]:
+            raise DataLoss(f"version {buffer.version}: {layout.paths[k]} fails its checksum")
+        end = layout.offsets[k + 1] if k + 1 < len(layout.paths) else layout.total
+        buffer.data[lo + layout.nbytes(k) : end] = 0  # alignment padding
+        while (state["bucket"] + 1) * layout.bucket_bytes <= end:
+            buffer.fill(state["bucket"])
+            state["bucket"] += 1
+        state["next"] = k + 1
+
+    def skip_to(k: int) -> None:
+        """Arrays before k sent no piece: they must be empty."""
+        for j in range(state["next"], k):
+            if layout.nbytes(j):
+                raise DataLoss(f"version {buffer.version}: no bytes of {layout.paths[j]}")
+            complete(j)
+
+    try:
+        for k, offset, data in pieces:
+            if k < state["next"]:
+                raise DataLoss(f"version {buffer.version}: {layout.paths[k]} read twice")
+            skip_to(k)
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            lo = layout.offsets[k] + offset
+            buffer.data[lo : lo + raw.size] = raw
+            if offset + raw.size >= layout.nbytes(k):
+                complete(k)
+        skip_to(len(layout.paths))
+        while state["bucket"] < layout.buckets:
+            buffer.fill(state["bucket"])
+            state["bucket"] += 1
+    except BaseException as e:  # noqa: BLE001 - its readers fail over
+        buffer.fail(e)
 
 
 def _json(obj: dict) -> bytes:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+import jax
 
 from rlax_tpu import storage
 from rlax_tpu.config import ParamServerConfig, RunConfig
-from rlax_tpu.param_server import errors, framing, wire
-from rlax_tpu.param_server.codec import VersionManifest, as_bytes, checksum
+from rlax_tpu.param_server import errors, framing, relay, wire
+from rlax_tpu.param_server.codec import VersionManifest, as_bytes, checksum, np_dtype
 from rlax_tpu.param_server.framing import SERVICE, ChunkView
 from rlax_tpu.param_server.server import ParamServer, VersionReader
 from rlax_tpu.rpc import common_pb2, param_server_pb2_grpc
@@ -42,8 +44,13 @@ def _abort(context: grpc.ServicerContext, e: errors.ParamServerError) -> None:
 
 
 class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
-    def __init__(self, server: ParamServer, *, chunk_bytes: int):
+    def __init__(self, server: ParamServer, *, chunk_bytes: int, relay_appear_s: float = 3.0):
         self._server, self._chunk_bytes = server, chunk_bytes
+        # The root of the workers' relay chains (param_server.fanout "relay"): a version is read
+        # from the store once, when its first reader asks, and served as it is read.
+        self.relay = relay.RelayService(
+            appear_s=relay_appear_s, missing=functools.partial(root_buffer, server)
+        )
 
     @_statuses
     def Publish(self, request_iterator: Iterator[pb.PublishRequest], context) -> pb.PublishReply:  # noqa: ANN001
@@ -185,7 +192,29 @@ def add_to_server(service: ParamServerService, server: grpc.Server) -> None:
         "Lease": unary(service.Lease, pb.LeaseRequest),
         "Health": unary(service.Health, common_pb2.Empty),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, handlers), service.relay.handlers())
+    )
+
+
+def root_buffer(store: ParamServer, version: int) -> relay.VersionBuffer | None:
+    """``version`` of ``store`` as a relay buffer filled from the store on a thread (each array
+    checked against its published CRC32C before it is served); None if the store lacks it."""
+    try:
+        manifest, reader = store.pull(version)
+    except errors.NotFound:
+        return None
+    arrays = [(a.path, jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype))) for a in manifest.arrays]
+    buffer = relay.VersionBuffer(version, relay.Layout.of(arrays))
+
+    def fill() -> None:
+        try:
+            relay.fill_from_pieces(buffer, reader, [a.crc32c for a in manifest.arrays])
+        finally:
+            reader.close()
+
+    threading.Thread(target=fill, name=f"relay-root-v{version}", daemon=True).start()
+    return buffer
 
 
 def _serialize(message: Any) -> bytes:
@@ -212,7 +241,9 @@ def serve(
 ) -> tuple[grpc.Server, int, ParamServer]:
     """Starts a ParamServer behind a gRPC server on ``config.address``: (server, port, store)."""
     store = ParamServer(config, persist_location=persist_location)
-    service = ParamServerService(store, chunk_bytes=config.chunk_bytes)
+    service = ParamServerService(
+        store, chunk_bytes=config.chunk_bytes, relay_appear_s=config.relay_appear_s
+    )
     credentials = Credentials(
         auth_token_file=config.auth_token_file, tls_cert_file=config.tls_cert_file
     )

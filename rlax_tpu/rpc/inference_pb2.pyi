@@ -76,10 +76,12 @@ class Rollout(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprob_policy: _Optional[str] = ..., routes: _Optional[bytes] = ..., routes_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "relay_sources")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    RELAY_SOURCES_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    relay_sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., relay_sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadWeightsReply(_message.Message):
     __slots__ = ("version", "aborted")

@@ -335,6 +335,11 @@ def test_must_be_non_negative(section, name):
             "param_server.in_memory_versions = 1: must be >= 2 (a new version is written while the previous is read)",
         ),
         (
+            "param_server.fanout",
+            "tree",
+            "param_server.fanout = 'tree': must be 'replicas' or 'relay', got 'tree'",
+        ),
+        (
             "algorithm.name",
             "grop",
             "algorithm.name = 'grop': unknown algorithm; did you mean 'grpo'?",

@@ -82,3 +82,30 @@ def test_a_split_that_does_not_fit_is_refused(tmp_path):
         "topology.trainer_devices (4) + inference.num_workers (1) x inference.mesh (2 "
         "devices) = 6 devices; this host has 4" in done.stderr + done.stdout
     )
+
+
+def test_relay_chains_name_the_worker_before_then_the_replicas_own_first():
+    import dataclasses
+
+    from rlax_tpu.config import RunConfig
+    from rlax_tpu.controller.components import relay_sources
+
+    base = RunConfig()
+
+    def config(fanout: str) -> RunConfig:
+        return dataclasses.replace(
+            base,
+            param_server=dataclasses.replace(base.param_server, replicas=2, fanout=fanout),
+            controller=dataclasses.replace(
+                base.controller,
+                param_server_endpoints=("ps0:1", "ps1:1"),
+                inference_endpoints=("w0:2", "w1:2", "w2:2"),
+            ),
+        )
+
+    assert [relay_sources(config("replicas"), k) for k in range(3)] == [()] * 3
+    assert [relay_sources(config("relay"), k) for k in range(3)] == [
+        ("ps0:1", "ps1:1"),
+        ("w0:2", "ps1:1", "ps0:1"),
+        ("w1:2", "ps0:1", "ps1:1"),
+    ]

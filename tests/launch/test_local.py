@@ -65,10 +65,15 @@ def _launch_id(stdout: str) -> str:
 @pytest.mark.slow
 def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tmp_path):
     """Two parameter-server replicas, a trainer of two jax.distributed processes emulating two
-    single-host slices, one inference worker, the verifiers and the controller, each its own
-    process: the warm-up runs first and the services start from its weights; a second launch
-    with more steps resumes the run. (Two slices of two processes each, against one process:
-    tests/trainer/test_distributed.py.)"""
+    single-host slices, two inference workers receiving each version over a relay chain
+    (``param_server.fanout`` "relay": the second from the first, the first from the parameter
+    server), the verifiers and the controller, each its own process: the warm-up runs first and
+    the services start from its weights; a second launch with more steps resumes the run. (Two
+    slices of two processes each, against one process: tests/trainer/test_distributed.py; the
+    relay's bytes and failover: tests/param_server/test_relay.py.)
+
+    Cost: about 60 CPU-s, the nine processes of a launch (their imports, the tiny model's
+    compiles) twice: a launch and its resume, each a claim of its own."""
     run_dir = tmp_path / "run"
     topology = [
         "--config.param_server.replicas=2",
@@ -78,6 +83,8 @@ def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tm
         # π_old in one pass (the CPU default replays it token by token, a collective across
         # the two trainer processes a token); what this test observes does not depend on it.
         "--config.trainer.old_logprobs=prefill",
+        "--config.inference.num_workers=2",
+        "--config.param_server.fanout=relay",
     ]
     done = _launch([*_tiny(run_dir, 2), *topology])
     out = done.stdout
@@ -91,6 +98,7 @@ def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tm
         "trainer.0",
         "trainer.1",
         "inference-0",
+        "inference-1",
         "verifiers",
         "controller",
     ):
@@ -99,7 +107,15 @@ def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tm
     assert "distributed transport" in out
     assert (run_dir / "warmup" / "config.json").is_file()
     assert "supervised warm-up of 10 steps" in (run_dir / "report.md").read_text()
-    assert "weights from 127.0.0.1:" in (run_dir / "logs" / "inference-0.log").read_text()
+    relayed = re.compile(r"versions received over the relay (\d+), pulled (\d+); (\d+) bytes")
+    workers = [(run_dir / "logs" / f"inference-{i}.log").read_text() for i in (0, 1)]
+    for log in workers:
+        assert "or the worker before this one (a relay chain)" in log, log[-2000:]
+    # Every version either worker loaded came over the relay (none pulled), and the first
+    # passed versions on to the second.
+    counts = [tuple(int(x) for x in relayed.search(log).groups()) for log in workers]
+    assert all(n >= 1 and pulled == 0 for n, pulled, _ in counts), counts
+    assert counts[0][2] > 0 and counts[1][2] == 0, counts
     trainer_log = (run_dir / "logs" / "trainer.0.log").read_text()
     assert "serving on 127.0.0.1:" in trainer_log
     # 2 processes of one CPU device: per slice fsdp 1 (the preset's fsdp=-1), data 2 across.

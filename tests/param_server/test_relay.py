@@ -204,3 +204,128 @@ def test_edge_layouts_arrive_whole(servers, arrays):
     got = fetch(1, [root.endpoint], reader, timeout_s=30)
     assert got.complete
     _same(got, arrays)
+
+
+# -- workers relaying from a real parameter server (param_server.fanout "relay") -----------------
+
+
+def _tree(seed: int) -> dict:
+    """A published tree: bf16 matrices across several 4 MiB buckets, and small f32 leaves."""
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": random_bits(rng, (1024, 3000), "bfloat16"),  # 6 MB
+        "layers": [{"w": random_bits(rng, (640, 1024), "bfloat16")} for _ in range(2)],
+        "norm": random_bits(rng, (1024,), "float32"),
+        "empty": np.zeros((0, 4), np.float32),
+    }
+
+
+def _relayed(ps, tree, relay_server):
+    """A worker's weight source over ``relay_server``, falling back to pulls from ``ps``."""
+    from rlax_tpu.param_server.client import PulledWeights
+    from rlax_tpu.param_server.relay import RelayedWeights
+
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree_util.tree_map(lambda _: device, tree)
+    return RelayedWeights(relay_server, shardings, PulledWeights(ps.client, shardings))
+
+
+def _fetch_all(sources: list, version: int) -> list:
+    out: list = [None] * len(sources)
+
+    def run(k: int) -> None:
+        try:
+            out[k] = sources[k].fetch(version)
+        except Exception as e:  # noqa: BLE001 - checked by the test
+            out[k] = e
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(sources))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return out
+
+
+def _assert_tree_equal(got, want) -> None:
+    got_leaves, want_leaves = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    assert len(got_leaves) == len(want_leaves)
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert np.asarray(g).tobytes() == w.tobytes()
+
+
+def test_workers_relay_a_published_version_the_parameter_server_reads_once(ps, servers):
+    tree = _tree(0)
+    ps.client.push(tree, 1)
+    relays = [servers(appear_s=1) for _ in range(3)]
+    sources = [_relayed(ps, tree, r) for r in relays]
+    for k, s in enumerate(sources):  # the worker before, then the parameter server
+        s.sources = (*([relays[k - 1].endpoint] if k else []), ps.endpoint)
+    before = ps.store.bytes_served()
+    for got in _fetch_all(sources, 1):
+        assert not isinstance(got, Exception), got
+        _assert_tree_equal(got, tree)  # the pulled path gives these same bytes
+    size = sum(a.nbytes for a in jax.tree_util.tree_leaves(tree))
+    # The store was read once for the chain, whatever the workers; relays 0 and 1 passed it on.
+    assert ps.store.bytes_served() - before == size
+    assert [s.counts for s in sources] == [{"relayed": 1, "pulled": 0}] * 3
+    assert relays[0].bytes_sent >= size and relays[1].bytes_sent >= size
+    assert relays[2].bytes_sent == 0
+    # Without sources (or a version no source has) a worker pulls, and an unknown one is a
+    # KeyError (the worker's UnknownVersion).
+    sources[2].sources = ()
+    _assert_tree_equal(sources[2].fetch(1), tree)
+    sources[2].sources = (relays[1].endpoint, ps.endpoint)
+    with pytest.raises(KeyError, match="no version 9"):
+        sources[2].fetch(9)
+    assert sources[2].counts == {"relayed": 1, "pulled": 2}
+
+
+def test_a_relaying_worker_killed_mid_transfer_leaves_the_next_one_whole(ps, servers):
+    tree = _tree(1)
+    ps.client.push(tree, 1)
+    # The middle worker sends slowly, so it is cut while the last one reads from it.
+    relays = [servers(appear_s=1), servers(egress_bytes_per_s=8e6, appear_s=1), servers(appear_s=1)]
+    sources = [_relayed(ps, tree, r) for r in relays]
+    for k, s in enumerate(sources):
+        s.sources = (*([relays[k - 1].endpoint] if k else []), ps.endpoint)
+    killed = threading.Event()
+
+    def kill_when_passed_on() -> None:
+        while not killed.is_set():
+            b = relays[2].get(1)
+            if b is not None and b.filled >= 1:
+                relays[1].stop()
+                killed.set()
+            time.sleep(0.002)
+
+    killer = threading.Thread(target=kill_when_passed_on)
+    killer.start()
+    got = _fetch_all(sources, 1)
+    killed.set()
+    killer.join()
+    assert not isinstance(got[2], Exception), got[2]
+    _assert_tree_equal(got[2], tree)  # finished from the parameter server, not pulled again
+    assert sources[2].counts == {"relayed": 1, "pulled": 0}
+    size = sum(a.nbytes for a in jax.tree_util.tree_leaves(tree))
+    assert 0 < relays[1].bytes_sent < size  # cut mid-transfer: the rest came from the root
+
+
+def test_the_root_serves_only_what_matches_the_published_checksums():
+    from rlax_tpu.param_server.relay import VersionBuffer, fill_from_pieces
+
+    arrays = _arrays(5)
+    layout = Layout.of(arrays, BUCKET)
+    pieces = [(k, 0, a) for k, (_, a) in enumerate(arrays)]
+    from rlax_tpu.param_server.codec import checksum
+
+    crcs = [checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for _, a in arrays]
+    good = VersionBuffer(1, layout)
+    fill_from_pieces(good, iter(pieces), crcs)
+    _same(good, arrays)
+    bad = VersionBuffer(1, layout)
+    fill_from_pieces(bad, iter(pieces), [crcs[0], crcs[1] ^ 1, *crcs[2:]])
+    assert bad.filled < layout.buckets  # the buckets before the damaged array only
+    with pytest.raises(RelayFailed, match="norm fails its checksum"):
+        bad.array(len(arrays) - 1)
