@@ -527,6 +527,10 @@ def _on_gke(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         cfg[section].update(address=f"0.0.0.0:{port}", auth_token_file=token, tls_cert_file=cert)
     # Only the trainer holds the publish token: a worker that pulls weights cannot write them.
     cfg.param_server.publish_token_file = f"{SECRETS}/publish-token"
+    # Workers receive versions from each other in a chain: the replicas send each version once,
+    # not once a worker (benchmarks/RESULTS.md "Weight sync": 17 s instead of 33-262 s for the
+    # v5p preset's 61 GiB at 8-64 workers, by the planner).
+    cfg.param_server.fanout = "relay"
     # Sandbox uids inside the verifier pods' user namespace (65536 ids).
     cfg.verifiers.sandbox_uid = 10_000
     name, ns = cfg.topology.name, cfg.topology.namespace

@@ -19,6 +19,8 @@ and the bottleneck of a config on a TPU layout, for one or several inference wor
                       --calibrate, the verifier's sandboxes share those K cores too
 --lengths=P,C         mean prompt and completion tokens (default: half of each budget)
 --efficiency=train=E,decode=E,prefill=E   measured time = roofline / efficiency (default 0.5 each)
+--relay_efficiency=E  with param_server.fanout=relay, the share of its link a relayed version
+                      gets (default 0.97, measured)
 --pull_gbps / --server_gbps   a worker's pull bandwidth; a parameter-server replica's
 --check_s             a sample's verification on one sandbox (default: verifiers.time_limit_s;
                       with --calibrate, the run's); the verifier has verifiers.workers x
@@ -60,6 +62,12 @@ flags.DEFINE_list("lengths", [], "Mean prompt and completion tokens: P,C.")
 flags.DEFINE_list("efficiency", [], "train=E,decode=E,prefill=E (fractions of the roofline).")
 flags.DEFINE_float("pull_gbps", 100.0, "A worker's pull bandwidth, Gbit/s.")
 flags.DEFINE_float("server_gbps", 32.0, "A parameter-server replica's bandwidth, Gbit/s.")
+flags.DEFINE_float(
+    "relay_efficiency",
+    0.97,
+    "With param_server.fanout=relay: the share of its link a relayed version gets (measured "
+    "0.97-0.98 against an emulated NIC, benchmarks/RESULTS.md 'Weight sync').",
+)
 flags.DEFINE_float("check_s", None, "Seconds to verify a sample on a sandbox.")
 flags.DEFINE_string("length_dist", "", "fixed, lognormal:CV or run:RUN_DIR.")
 flags.DEFINE_integer("steps", 100, "Updates to simulate.")
@@ -86,6 +94,7 @@ def run(config: RunConfig, args: list[str]) -> int:
             efficiency=FLAGS.efficiency,
             pull_gbps=FLAGS.pull_gbps,
             server_gbps=FLAGS.server_gbps,
+            relay_efficiency=FLAGS.relay_efficiency,
             check_s=FLAGS.check_s,
             length_dist=FLAGS.length_dist,
             steps=FLAGS.steps,

@@ -111,6 +111,7 @@ def plan(
     efficiency: Sequence[str] = (),
     pull_gbps: float = 100.0,
     server_gbps: float = 32.0,
+    relay_efficiency: float = 0.97,
     check_s: float | None = None,
     length_dist: str = "",
     steps: int = 100,
@@ -164,6 +165,7 @@ def plan(
             efficiency=efficiency,
             pull_gbps=pull_gbps,
             server_gbps=server_gbps,
+            relay_efficiency=relay_efficiency,
             check_s=check_s,
             parallel=parallel,
         )
@@ -230,6 +232,7 @@ def _from_rooflines(
     server_gbps: float,
     check_s: float | None,
     parallel: float,
+    relay_efficiency: float = 0.97,
 ) -> tuple[Callable[[int], PlanCosts], Workload, float, dict[str, Any]]:
     """Costs from the AOT programs' rooflines: (costs of N workers, workload, check_s, the
     assumptions)."""
@@ -253,7 +256,13 @@ def _from_rooflines(
     eff = parse_efficiency(efficiency)
     if not (pull_gbps > 0 and server_gbps > 0):
         raise PlanError("--pull_gbps and --server_gbps must be > 0")
-    network = Network(pull_bytes_per_s=pull_gbps * GBPS, server_bytes_per_s=server_gbps * GBPS)
+    if not 0 < relay_efficiency <= 1:
+        raise PlanError("--relay_efficiency must be in (0, 1]")
+    network = Network(
+        pull_bytes_per_s=pull_gbps * GBPS,
+        server_bytes_per_s=server_gbps * GBPS,
+        relay_efficiency=relay_efficiency,
+    )
     topologies = {"trainer": trainer_topology, "inference": inference_topology}
     roofline = read_reports(aot, topologies) if aot else compile_roofline(config, topologies)
     rows, columns, _ = micro_batch_shape(config)
@@ -282,7 +291,10 @@ def _from_rooflines(
         "pull_gbps": pull_gbps,
         "server_gbps": server_gbps,
         "param_server_replicas": config.param_server.replicas,
+        "fanout": config.param_server.fanout,
     }
+    if config.param_server.fanout == "relay":
+        source["relay_efficiency"] = relay_efficiency
     return cost_of, workload, check, source
 
 

@@ -14,8 +14,12 @@ chip's peak and its bytes at the peak HBM bandwidth) over an efficiency factor i
   over ``Efficiency.prefill``) and, in the steady state, those of the ``slots`` - 1 groups that
   start while it runs. A worker holds ``slots`` groups at once: max_concurrent_seqs // G, or
   fewer when its KV pages cannot hold that many sequences of prompt + completion tokens.
-* A reload: the version's bytes at a worker's pull bandwidth, or at the replicas' egress shared
-  by every worker loading at once (throughput mode reloads them together), whichever is slower.
+* A reload: with ``param_server.fanout`` "replicas", the version's bytes at a worker's pull
+  bandwidth, or at the replicas' egress shared by every worker loading at once (throughput mode
+  reloads them together), whichever is slower. With "relay", a chain (``param_server/relay.py``):
+  the root replica sends the version once and each worker forwards every bucket once it is
+  verified, so the last of W workers has it (W - 1) buckets after the first, at the slower of the
+  two links times ``Network.relay_efficiency``.
 * Verification: ``check_s`` a sample on one of the verifier's sandboxes (verifiers.workers x
   topology.verifier_replicas of them), given (the rooflines say nothing of it).
 * A held-out evaluation (data.eval_every > 0): its eval_problems x eval_samples samples as
@@ -89,10 +93,25 @@ class Network:
 
     pull_bytes_per_s: float = 100 * GBPS
     server_bytes_per_s: float = 32 * GBPS
+    # The share of its link a relayed version gets: one worker received at 0.97-0.98 of an
+    # emulated NIC's rate (benchmarks/RESULTS.md, "Weight sync" (b)).
+    relay_efficiency: float = 0.97
+    relay_bucket_bytes: int = 4 * 2**20  # param_server/relay.py BUCKET_BYTES
 
     def __post_init__(self) -> None:
         if not (self.pull_bytes_per_s > 0 and self.server_bytes_per_s > 0):
             raise ValueError("bandwidths must be > 0")
+        if not 0 < self.relay_efficiency <= 1:
+            raise ValueError(f"relay_efficiency must be in (0, 1], got {self.relay_efficiency}")
+
+    def reload_s(self, config: RunConfig, size: int, workers: int) -> float:
+        """Seconds until every one of ``workers`` workers holds a version of ``size`` bytes
+        (module docstring)."""
+        if config.param_server.fanout == "relay":
+            rate = min(self.pull_bytes_per_s, self.server_bytes_per_s) * self.relay_efficiency
+            return (size + (workers - 1) * min(size, self.relay_bucket_bytes)) / rate
+        replicas = max(1, config.param_server.replicas)
+        return size * max(1 / self.pull_bytes_per_s, workers / (replicas * self.server_bytes_per_s))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,10 +271,7 @@ def plan_costs(
         steps = workload.completion + workload.prompt / icfg.prefill_chunk
     decode_step = roofline["inference.decode"] / efficiency.decode
     slots = worker_slots(config, workload)
-    replicas = max(1, config.param_server.replicas)
-    reload = size * max(
-        1 / network.pull_bytes_per_s, workers / (replicas * network.server_bytes_per_s)
-    )
+    reload = network.reload_s(config, size, workers)
     return PlanCosts(
         train_s=update + push,
         # Each prefill call stalls every slot's decode: a group sees its own and, in the steady

@@ -72,6 +72,12 @@ def test_costs_of_the_local_preset_by_hand():
     assert c.reload_s == pytest.approx(10.23744, rel=1e-12)
     # One worker alone: the slower of its own 2 MB/s and the replica's 1 MB/s.
     assert _costs(config, workers=1).reload_s == pytest.approx(3.41248, rel=1e-12)
+    # A relay chain (param_server.fanout "relay"): the replica sends the version once, at 0.97
+    # of the slower link; each of the 2 workers after the first is one 4 MiB bucket behind (the
+    # version is smaller than a bucket: the whole version).
+    relayed = build({"param_server.fanout": "relay"})
+    assert _costs(relayed).reload_s == pytest.approx(3 * 3.41248 / 0.97, rel=1e-12)
+    assert _costs(relayed, workers=1).reload_s == pytest.approx(3.41248 / 0.97, rel=1e-12)
     # 256 pages of 32 MiB hold 8 groups of 7 prompt + 8 * 3 completion pages; 64 rows hold 8.
     assert c.slots == 8
     # The local preset's verifier: 2 sandboxes (verifiers.workers) in 1 replica.
@@ -201,3 +207,19 @@ def test_a_share_is_its_waves_the_last_ending_with_its_slowest_group():
     one = GroupLengths(((1.0, 3.0),), "one group")
     assert [share_time(k, 8) for k in (0, 1, 8, 9, 16, 17)] == [0, 1, 1, 2, 2, 3]
     assert [share_time(k, 8, one) for k in (1, 8, 12, 17)] == pytest.approx([1.5, 1.5, 2.5, 3.5])
+
+
+def test_a_relay_chain_reloads_in_about_one_transfer_whatever_the_workers():
+    """The v5p preset's 32B bf16 version at the default links (a worker 100 Gbit/s, a replica
+    32): 64 workers pulling from 4 replicas share their egress; a chain sends it once."""
+    net = Network()
+    size = 65_527_000_000
+    replicas = build({"param_server.replicas": 4})
+    relay = build({"param_server.replicas": 4, "param_server.fanout": "relay"})
+    assert net.reload_s(replicas, size, 64) == pytest.approx(size * 64 / (4 * 4e9), rel=1e-12)
+    one = net.reload_s(relay, size, 1)
+    assert one == pytest.approx(size / (4e9 * 0.97), rel=1e-12)
+    # 63 more workers: 63 buckets of 4 MiB more, 1.6% here.
+    assert net.reload_s(relay, size, 64) == pytest.approx(one + 63 * 2**22 / (4e9 * 0.97))
+    with pytest.raises(ValueError, match="relay_efficiency"):
+        Network(relay_efficiency=0.0)
