@@ -47,6 +47,11 @@ class ParamServerConfig:
     # How long a relay waits for a version it has not started receiving before its reader tries
     # the next source (the workers of a chain are told to load at about the same time).
     relay_appear_s: float = 3.0
+    # With fanout "relay": a worker that holds an older version receives the new one as a delta
+    # against it (the changed values; a bf16 cast mostly unchanged at RL learning rates), rebuilt
+    # and checked against the published CRC32C; at most N - 1 deltas in a row, then a whole
+    # version (as whenever its base is gone or a rebuild fails). 0 or 1: whole versions only.
+    relay_deltas: int = 8
 
     def __post_init__(self) -> None:
         positive(
@@ -60,7 +65,12 @@ class ParamServerConfig:
             "relay_appear_s",
         )
         non_negative(
-            self, "persist_every", "persist_keep", "publish_room_wait_s", "device_versions"
+            self,
+            "persist_every",
+            "persist_keep",
+            "publish_room_wait_s",
+            "device_versions",
+            "relay_deltas",
         )
         if self.replicas > 1 and 0 < self.publish_room_wait_s <= self.replica_lease_s:
             # A publish refused for room while a dead replica still holds GC back waits for

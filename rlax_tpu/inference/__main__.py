@@ -74,6 +74,7 @@ def _relay(config: RunConfig, pulled: Any) -> tuple[Any, list[Any]]:
         pulled,
         # Other workers with this worker's credentials, the parameter server with its own.
         credentials=lambda endpoint: servers if endpoint in endpoints else own,
+        deltas=ps.relay_deltas,
     )
     return source, [service.handlers()]
 
@@ -126,7 +127,8 @@ def run(config: RunConfig, args: list[str]) -> int:
     if handlers:
         counts, sent = worker.weight_source.counts, worker.weight_source.service.bytes_sent
         print(
-            f"rlax_tpu.inference: versions received over the relay {counts['relayed']}, pulled "
+            f"rlax_tpu.inference: versions received over the relay {counts['relayed']} "
+            f"({counts['as_deltas']} as deltas, {counts['bytes_received']} bytes), pulled "
             f"{counts['pulled']}; {sent} bytes passed on to the next worker",
             flush=True,
         )

@@ -14,8 +14,8 @@ ways against its base (compared as bits, so NaN payloads, -0 and infinities coun
 
 The reader applies the deltas to its copy of the base and checks each result against the CRC32C
 of the new array (``DataLoss`` on a mismatch, as for a full pull), so a wrong base or a damaged
-delta is never served. This module is the codec and its sizes; the wire does not carry deltas
-yet ([weight-sync]).
+delta is never served. This module is the codec and its sizes; ``relay.py`` carries deltas
+between the parameter server and the workers.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rlax_tpu.param_server.codec import checksum
+from rlax_tpu.param_server.codec import checksum, np_dtype
 from rlax_tpu.param_server.errors import DataLoss, InvalidArgument
 
 KINDS = ("same", "entries", "chunks", "full")
@@ -112,11 +112,17 @@ def apply(base: np.ndarray, delta: ArrayDelta) -> np.ndarray:
             f"delta for {delta.dtype}{list(delta.shape)} applied to a base of "
             f"{base.dtype}{list(base.shape)}"
         )
-    if delta.kind == "full":
-        return delta.values.reshape(delta.shape).copy()
     out = np.array(base, copy=True, order="C")
+    apply_into(out, delta)
+    return out
+
+
+def apply_into(out: np.ndarray, delta: ArrayDelta) -> None:
+    """Applies ``delta`` in place to ``out`` (C-contiguous, holding the base's values)."""
     flat = out.reshape(-1)
-    if delta.kind == "entries":
+    if delta.kind == "full":
+        flat[...] = delta.values.reshape(-1)
+    elif delta.kind == "entries":
         flat[delta.indices.astype(np.int64)] = delta.values
     elif delta.kind == "chunks":
         at, n = 0, delta.chunk_elems
@@ -126,7 +132,6 @@ def apply(base: np.ndarray, delta: ArrayDelta) -> np.ndarray:
             at += len(piece)
     elif delta.kind != "same":
         raise InvalidArgument(f"unknown delta kind {delta.kind!r}")
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,3 +185,42 @@ def apply_tree(base: Sequence[np.ndarray], delta: TreeDelta) -> list[np.ndarray]
             )
         out.append(new)
     return out
+
+
+def to_payload(delta: TreeDelta) -> tuple[list[tuple[str, np.ndarray]], dict]:
+    """``delta`` as arrays to send (``"<i>.indices"``, ``"<i>.values"``) and a JSON-able
+    description of the rest (``from_payload`` inverts it)."""
+    arrays: list[tuple[str, np.ndarray]] = []
+    for i, d in enumerate(delta.deltas):
+        if d.indices is not None:
+            arrays.append((f"{i}.indices", d.indices))
+        if d.values is not None:
+            arrays.append((f"{i}.values", d.values))
+    meta = {
+        "base": delta.base_version,
+        "kinds": [d.kind for d in delta.deltas],
+        "shapes": [list(d.shape) for d in delta.deltas],
+        "dtypes": [d.dtype.name for d in delta.deltas],
+        "chunk_elems": [d.chunk_elems for d in delta.deltas],
+        "crcs": list(delta.crcs),
+    }
+    return arrays, meta
+
+
+def from_payload(meta: dict, arrays: dict[str, np.ndarray]) -> TreeDelta:
+    """The TreeDelta that ``to_payload`` gave ``meta`` and ``arrays`` (by name) for."""
+    deltas = []
+    for i, kind in enumerate(meta["kinds"]):
+        if kind not in KINDS:
+            raise InvalidArgument(f"unknown delta kind {kind!r}")
+        deltas.append(
+            ArrayDelta(
+                kind,
+                tuple(meta["shapes"][i]),
+                np.dtype(np_dtype(meta["dtypes"][i])),
+                indices=arrays.get(f"{i}.indices"),
+                values=arrays.get(f"{i}.values"),
+                chunk_elems=int(meta["chunk_elems"][i]),
+            )
+        )
+    return TreeDelta(int(meta["base"]), tuple(deltas), tuple(int(c) for c in meta["crcs"]))

@@ -19,8 +19,14 @@ Host copies per byte: the receiver's gRPC message and its copy into the buffer (
 against the bucket's CRC32C); the sender's message made from the buffer (gRPC core adds its own).
 The publisher's device-to-host copy lands in its buffer after one more (``np.asarray``).
 
-Wire: ``/rlax_tpu.Relay/Manifest`` (JSON {"version"}) -> the layout as JSON;
-``/rlax_tpu.Relay/Stream`` (JSON {"version", "first"}) -> messages of a 12-byte header
+Deltas: a reader that holds version b asks for version v "against b"; the root encodes v against
+b (``delta.py``) once, and the delta travels the chain like a version (its payload arrays in
+buckets). The reader rebuilds v from its copy of b, checks every array against v's published
+CRC32C, and serves the rebuilt v on as a whole version too. A source without that delta says so
+at once, and the reader asks for the whole version.
+
+Wire: ``/rlax_tpu.Relay/Manifest`` (JSON {"version", "base"}) -> JSON {"layout", "base",
+"meta"}; ``/rlax_tpu.Relay/Stream`` (JSON {"version", "base", "first"}) -> messages of a 12-byte header
 (bucket index, CRC32C, length; little-endian uint32) and the bucket's bytes, from bucket
 ``first`` to the last, each sent once it is verified here.
 """
@@ -41,8 +47,9 @@ import jax
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 
+from rlax_tpu.param_server import delta
 from rlax_tpu.param_server.codec import checksum, flatten, np_dtype
-from rlax_tpu.param_server.errors import DataLoss
+from rlax_tpu.param_server.errors import DataLoss, InvalidArgument
 from rlax_tpu.rpc.transport import Credentials, make_channel, make_server
 
 log = logging.getLogger(__name__)
@@ -52,6 +59,7 @@ BUCKET_BYTES = 4 * 2**20
 _HEADER = struct.Struct("<III")
 _ALIGN = 64
 _NO_CREDENTIALS = Credentials()
+FULL = -1  # a buffer's base when it holds a whole version, not a delta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +101,9 @@ class Layout:
         last = (self.offsets[i] + max(self.nbytes(i), 1) - 1) // self.bucket_bytes
         return min(last, self.buckets - 1)  # an empty last array sits at the very end
 
-    def to_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self)).encode()
-
     @classmethod
-    def from_json(cls, data: bytes) -> Layout:
-        d = json.loads(data)
+    def from_dict(cls, d: dict) -> Layout:
+        """The inverse of ``dataclasses.asdict``."""
         return cls(
             paths=tuple(d["paths"]),
             shapes=tuple(tuple(s) for s in d["shapes"]),
@@ -117,12 +122,18 @@ class VersionBuffer:
     """One version's bytes on this host, filled bucket by bucket in order; each bucket can be
     read (served, or used) once it is verified."""
 
-    def __init__(self, version: int, layout: Layout):
-        self.version, self.layout = version, layout
+    def __init__(self, version: int, layout: Layout, *, base: int = FULL, meta: Any = None):
+        """``base``: FULL, or the version this buffer is a delta against (its arrays are the
+        delta's payload, ``meta`` the rest of it: ``delta.to_payload``)."""
+        self.version, self.layout, self.base, self.meta = version, layout, base, meta
         self.data = np.empty(layout.total, np.uint8)
         self.crcs: list[int] = []  # of the buckets filled so far
         self.error: BaseException | None = None
         self._cond = threading.Condition()
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.version, self.base
 
     @property
     def filled(self) -> int:
@@ -187,6 +198,10 @@ class VersionBuffer:
     def array(self, i: int) -> np.ndarray:
         """Array i (a view of the buffer) once its bytes are verified."""
         self.wait(self.layout.last_bucket(i))
+        return self.view(i)
+
+    def view(self, i: int) -> np.ndarray:
+        """Array i as a view of the buffer, verified or not (for its writer)."""
         lo = self.layout.offsets[i]
         dtype = np_dtype(self.layout.dtypes[i])
         flat = self.data[lo : lo + self.layout.nbytes(i)].view(dtype)
@@ -217,8 +232,10 @@ class RelayService:
     """Serves the versions this process holds or is receiving (the newest ``keep``), on a gRPC
     server of its own (``RelayServer``) or beside another service (``handlers``).
 
-    ``missing(version)``: where a version this process does not hold comes from (the parameter
-    server, the root of every chain, makes it from its store); None: nowhere."""
+    Buffers are keyed by (version, base): base FULL for a whole version, else the version a
+    delta is against. ``missing(key)``: where a buffer this process does not hold comes from
+    (the parameter server, the root of every chain, makes it from its store): None, not yet;
+    KeyError, never."""
 
     def __init__(
         self,
@@ -227,14 +244,15 @@ class RelayService:
         keep: int = 2,
         wait_s: float = 600.0,
         appear_s: float = 30.0,
-        missing: Callable[[int], VersionBuffer | None] | None = None,
+        missing: Callable[[tuple[int, int]], VersionBuffer | None] | None = None,
     ):
         """``wait_s``: how long a stream waits for its next bucket; ``appear_s``: how long a
         reader waits for a version this relay has not started receiving."""
         self.egress = Egress(egress_bytes_per_s)
         self.keep, self.wait_s, self.appear_s = keep, wait_s, appear_s
         self.missing = missing
-        self._versions: dict[int, VersionBuffer] = {}
+        self._versions: dict[tuple[int, int], VersionBuffer] = {}
+        self._making = threading.Lock()  # one missing() at a time (a delta is encoded once)
         self._lock = threading.Lock()
         self._added = threading.Condition(self._lock)
         self.bytes_sent = 0
@@ -258,37 +276,62 @@ class RelayService:
             self._add_locked(buffer)
 
     def _add_locked(self, buffer: VersionBuffer) -> None:
-        self._versions[buffer.version] = buffer
-        for old in sorted(self._versions)[: -self.keep]:
-            del self._versions[old]
+        self._versions[buffer.key] = buffer
+        # The newest ``keep`` versions, each in every form held (whole, deltas).
+        kept = sorted({v for v, _ in self._versions})[-self.keep :]
+        for key in [k for k in self._versions if k[0] < kept[0]]:
+            del self._versions[key]
         self._added.notify_all()
 
-    def get(self, version: int) -> VersionBuffer | None:
+    def get(self, version: int, base: int = FULL) -> VersionBuffer | None:
         with self._lock:
-            return self._versions.get(version)
+            return self._versions.get((version, base))
 
-    def _buffer(self, version: int, context: grpc.ServicerContext) -> VersionBuffer:
-        """The version's buffer, waited for up to ``appear_s``: the workers of a chain are told
+    def newest(self) -> VersionBuffer | None:
+        """The newest whole version held (complete or not)."""
+        with self._lock:
+            whole = [k for k in self._versions if k[1] == FULL]
+            return self._versions[max(whole)] if whole else None
+
+    def _buffer(self, request: dict, context: grpc.ServicerContext) -> VersionBuffer:
+        """The buffer asked for, waited for up to ``appear_s``: the workers of a chain are told
         to load at about the same time, and a reader may ask before its source does."""
+        key = int(request["version"]), int(request.get("base", FULL))
+        what = f"version {key[0]}" + (f" as a delta against {key[1]}" if key[1] != FULL else "")
         deadline = time.monotonic() + self.appear_s
-        with self._added:
-            while version not in self._versions:
-                made = self.missing(version) if self.missing is not None else None
+        while True:
+            with self._added:
+                if key in self._versions:
+                    return self._versions[key]
+                # Held newer, or this version in another form: what is asked will not come.
+                newer = self._versions and max(v for v, _ in self._versions) > key[0]
+                newer = newer or any(v == key[0] for v, _ in self._versions)
+            if self.missing is not None:
+                with self._making:  # outside _lock: encoding a delta takes a while
+                    try:
+                        made = self.get(*key) or self.missing(key)
+                    except KeyError as e:
+                        context.abort(grpc.StatusCode.NOT_FOUND, f"no {what} here: {e}")
                 if made is not None:
-                    self._add_locked(made)
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0 or (self._versions and max(self._versions) > version):
-                    context.abort(grpc.StatusCode.NOT_FOUND, f"this relay has no version {version}")
+                    with self._added:
+                        if key not in self._versions:
+                            self._add_locked(made)
+                        return self._versions[key]
+            left = deadline - time.monotonic()
+            if left <= 0 or newer:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"this relay has no {what}")
+            with self._added:
                 # A root asks its store again: a version may be committed meanwhile.
                 self._added.wait(left if self.missing is None else min(left, 0.25))
-            return self._versions[version]
 
     def _manifest(self, request: dict, context: grpc.ServicerContext) -> bytes:
-        return self._buffer(int(request["version"]), context).layout.to_json()
+        buffer = self._buffer(request, context)
+        return json.dumps(
+            {"layout": dataclasses.asdict(buffer.layout), "base": buffer.base, "meta": buffer.meta}
+        ).encode()
 
     def _stream(self, request: dict, context: grpc.ServicerContext) -> Iterator[bytes]:
-        buffer = self._buffer(int(request["version"]), context)
+        buffer = self._buffer(request, context)
         for k in range(int(request["first"]), buffer.layout.buckets):
             try:
                 buffer.wait(k, self.wait_s)
@@ -346,28 +389,30 @@ class Publisher:
         buffer = VersionBuffer(version, layout)
         self.server.add(buffer)
         threading.Thread(
-            target=self._fill, args=(buffer, [a for _, a in arrays]), daemon=True
+            target=fill_from_arrays, args=(buffer, [a for _, a in arrays]), daemon=True
         ).start()
         return buffer
 
-    @staticmethod
-    def _fill(buffer: VersionBuffer, arrays: list[Any]) -> None:
-        try:
-            layout, done = buffer.layout, 0
-            for i, a in enumerate(arrays):
-                host = np.ascontiguousarray(np.asarray(a)).reshape(-1).view(np.uint8)
-                lo = layout.offsets[i]
-                end = layout.offsets[i + 1] if i + 1 < len(arrays) else layout.total
-                buffer.data[lo : lo + host.size] = host
-                buffer.data[lo + host.size : end] = 0  # alignment padding
-                while (done + 1) * layout.bucket_bytes <= end:
-                    buffer.fill(done)
-                    done += 1
-            while done < layout.buckets:  # the tail (every bucket, with no arrays at all)
+
+def fill_from_arrays(buffer: VersionBuffer, arrays: Sequence[Any]) -> None:
+    """Fills ``buffer`` with ``arrays`` (in layout order; jax or numpy), serving each bucket as
+    soon as it is written. Marks the buffer failed on any error."""
+    try:
+        layout, done = buffer.layout, 0
+        for i, a in enumerate(arrays):
+            host = np.ascontiguousarray(np.asarray(a)).reshape(-1).view(np.uint8)
+            lo = layout.offsets[i]
+            end = layout.offsets[i + 1] if i + 1 < len(arrays) else layout.total
+            buffer.data[lo : lo + host.size] = host
+            buffer.data[lo + host.size : end] = 0  # alignment padding
+            while (done + 1) * layout.bucket_bytes <= end:
                 buffer.fill(done)
                 done += 1
-        except BaseException as e:  # noqa: BLE001 - its readers fail over
-            buffer.fail(e)
+        while done < layout.buckets:  # the tail (every bucket, with no arrays at all)
+            buffer.fill(done)
+            done += 1
+    except BaseException as e:  # noqa: BLE001 - its readers fail over
+        buffer.fail(e)
 
 
 def fetch(
@@ -379,12 +424,14 @@ def fetch(
     timeout_s: float = 600.0,
     on_source: Callable[[str], None] | None = None,
     on_buffer: Callable[[VersionBuffer], None] | None = None,
+    base: int = FULL,
 ) -> VersionBuffer:
     """Receives ``version`` into a buffer that ``into`` serves as it fills, from ``sources`` in
     order (failing over at the first bucket missing). Returns the whole, verified buffer; raises
     RelayFailed (the buffer marked failed) when every source failed. ``credentials``: one for
     every source, or a source's own (``credentials(endpoint)``). ``on_source(endpoint)``:
-    called as each source is tried; ``on_buffer(buffer)``: once the buffer exists."""
+    called as each source is tried; ``on_buffer(buffer)``: once the buffer exists. ``base``: a
+    delta against that version instead of the whole version."""
     buffer: VersionBuffer | None = None
     errors: list[str] = []
     try:
@@ -393,10 +440,17 @@ def fetch(
             channel = make_channel(source, credentials=creds)
             try:
                 if buffer is None:
-                    raw = channel.unary_unary(
-                        f"/{SERVICE}/Manifest", request_serializer=_json, response_deserializer=None
-                    )({"version": version}, timeout=timeout_s)
-                    buffer = VersionBuffer(version, Layout.from_json(raw))
+                    raw = json.loads(
+                        channel.unary_unary(
+                            f"/{SERVICE}/Manifest",
+                            request_serializer=_json,
+                            response_deserializer=None,
+                        )({"version": version, "base": base}, timeout=timeout_s)
+                    )
+                    if raw["base"] != base:
+                        raise DataLoss(f"asked for base {base}, the manifest says {raw['base']}")
+                    layout = Layout.from_dict(raw["layout"])
+                    buffer = VersionBuffer(version, layout, base=base, meta=raw["meta"])
                     into.add(buffer)
                     if on_buffer is not None:
                         on_buffer(buffer)
@@ -406,7 +460,7 @@ def fetch(
                 # source gives up on a bucket that does not come within its own wait_s.
                 stream = channel.unary_stream(
                     f"/{SERVICE}/Stream", request_serializer=_json, response_deserializer=None
-                )({"version": version, "first": buffer.filled})
+                )({"version": version, "base": base, "first": buffer.filled})
                 for message in stream:
                     k, crc, n = _HEADER.unpack_from(message)
                     buffer.put(k, memoryview(message)[_HEADER.size : _HEADER.size + n], crc)
@@ -498,13 +552,46 @@ def fetch_to_device(
     return arrays
 
 
+def rebuild(delta_buffer: VersionBuffer, base: VersionBuffer) -> VersionBuffer:
+    """The whole version ``delta_buffer`` (complete) encodes against ``base`` (whole, complete),
+    each array checked against the version's published CRC32C (DataLoss: not that base, or a
+    damaged delta). The result is complete, its buckets checksummed for serving on."""
+    if delta_buffer.base != base.version or base.base != FULL:
+        raise DataLoss(
+            f"a delta against version {delta_buffer.base} cannot be applied to "
+            f"{base.version}{'' if base.base == FULL else ' (itself a delta)'}"
+        )
+    payload = {p: delta_buffer.array(i) for i, p in enumerate(delta_buffer.layout.paths)}
+    tree = delta.from_payload(delta_buffer.meta, payload)
+    base.wait(base.layout.buckets - 1)
+    layout = base.layout
+    shapes = [(d.shape, d.dtype.name) for d in tree.deltas]
+    if shapes != [(s, np_dtype(t).name) for s, t in zip(layout.shapes, layout.dtypes, strict=True)]:
+        raise DataLoss(f"version {delta_buffer.version}'s delta has other arrays than its base")
+    out = VersionBuffer(delta_buffer.version, layout)
+    out.data[:] = base.data
+    for i, d in enumerate(tree.deltas):
+        view = out.view(i)
+        delta.apply_into(view, d)
+        if checksum(view) != tree.crcs[i]:
+            raise DataLoss(
+                f"{layout.paths[i]} of version {out.version} rebuilt against {base.version} "
+                "fails its checksum"
+            )
+    for k in range(layout.buckets):
+        out.fill(k)
+    return out
+
+
 class RelayedWeights:
     """An inference worker's weight source over a chain of relays: ``fetch(version)`` receives
     the version from ``sources`` in order (the controller names them with each load: the worker
     before this one, then the parameter server), serves it on from ``service`` while it arrives,
     and puts each array on its sharding (``shardings``: a pytree shaped like the published tree)
-    once its bytes are verified. Without sources, or when every source failed,
-    ``fallback.fetch(version)`` (a pull from the parameter server)."""
+    once its bytes are verified. With ``deltas`` N > 0, a worker holding an older whole version
+    asks for the new one as a delta against it first (at most N - 1 in a row, then a whole
+    version), and for the whole version if no source has that delta or its rebuild fails. Without sources, or when every source failed, ``fallback.fetch(version)`` (a
+    pull from the parameter server)."""
 
     def __init__(
         self,
@@ -514,32 +601,71 @@ class RelayedWeights:
         *,
         credentials: Credentials | Callable[[str], Credentials] = _NO_CREDENTIALS,
         timeout_s: float = 600.0,
+        deltas: int = 0,
     ):
         self.service, self.shardings, self.fallback = service, shardings, fallback
-        self.credentials, self.timeout_s = credentials, timeout_s
+        self.credentials, self.timeout_s, self.deltas = credentials, timeout_s, deltas
         self.sources: tuple[str, ...] = ()
-        self.counts = {"relayed": 0, "pulled": 0}
+        self.counts = {"relayed": 0, "as_deltas": 0, "pulled": 0, "bytes_received": 0}
+        self._deltas_in_a_row = 0
 
     def fetch(self, version: int) -> Any:
         sources = self.sources
         if sources:
             paths, leaves, treedef = flatten(self.shardings)
+            by_path = dict(zip(paths, leaves, strict=True))
             try:
-                by_path = fetch_to_device(
-                    version,
-                    sources,
-                    self.service,
-                    dict(zip(paths, leaves, strict=True)),
-                    credentials=self.credentials,
-                    timeout_s=self.timeout_s,
-                )
+                placed = self._from_delta(version, sources, by_path)
+                if placed is None:
+                    placed = fetch_to_device(
+                        version,
+                        sources,
+                        self.service,
+                        by_path,
+                        credentials=self.credentials,
+                        timeout_s=self.timeout_s,
+                    )
+                    self.counts["bytes_received"] += self.service.get(version).layout.total
+                    self._deltas_in_a_row = 0
             except RelayFailed as e:
                 log.warning("version %d: %s; pulling it from the parameter server", version, e)
             else:
                 self.counts["relayed"] += 1
-                return jax.tree_util.tree_unflatten(treedef, [by_path[p] for p in paths])
+                return jax.tree_util.tree_unflatten(treedef, [placed[p] for p in paths])
         self.counts["pulled"] += 1
         return self.fallback.fetch(version)
+
+    def _from_delta(
+        self, version: int, sources: Sequence[str], by_path: dict[str, Any]
+    ) -> dict[str, jax.Array] | None:
+        """The version rebuilt from a delta against the newest whole version held, on its
+        shardings; None when there is no such base or no source could give the delta."""
+        if self._deltas_in_a_row >= self.deltas - 1:  # deltas off, or a whole one is due
+            return None
+        base = self.service.newest()
+        if base is None or base.version >= version or not base.complete:
+            return None
+        try:
+            got = fetch(
+                version,
+                sources,
+                self.service,
+                credentials=self.credentials,
+                timeout_s=self.timeout_s,
+                base=base.version,
+            )
+            whole = rebuild(got, base)
+        except (RelayFailed, DataLoss, InvalidArgument) as e:
+            log.info(
+                "version %d as a delta against %d: %s; the whole version", version, base.version, e
+            )
+            return None
+        self.service.add(whole)  # served on as a whole version too
+        self.counts["as_deltas"] += 1
+        self._deltas_in_a_row += 1
+        self.counts["bytes_received"] += got.layout.total
+        arrays = to_device(whole, _in_layout_order(whole, by_path))
+        return dict(zip(whole.layout.paths, arrays, strict=True))
 
 
 def _in_layout_order(buffer: VersionBuffer, by_path: Mapping[str, Any]) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -10,10 +11,11 @@ from typing import Any
 
 import grpc
 import jax
+import numpy as np
 
 from rlax_tpu import storage
 from rlax_tpu.config import ParamServerConfig, RunConfig
-from rlax_tpu.param_server import errors, framing, relay, wire
+from rlax_tpu.param_server import delta, errors, framing, relay, wire
 from rlax_tpu.param_server.codec import VersionManifest, as_bytes, checksum, np_dtype
 from rlax_tpu.param_server.framing import SERVICE, ChunkView
 from rlax_tpu.param_server.server import ParamServer, VersionReader
@@ -44,12 +46,20 @@ def _abort(context: grpc.ServicerContext, e: errors.ParamServerError) -> None:
 
 
 class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
-    def __init__(self, server: ParamServer, *, chunk_bytes: int, relay_appear_s: float = 3.0):
+    def __init__(
+        self,
+        server: ParamServer,
+        *,
+        chunk_bytes: int,
+        relay_appear_s: float = 3.0,
+        relay_deltas: int = 0,
+    ):
         self._server, self._chunk_bytes = server, chunk_bytes
         # The root of the workers' relay chains (param_server.fanout "relay"): a version is read
         # from the store once, when its first reader asks, and served as it is read.
         self.relay = relay.RelayService(
-            appear_s=relay_appear_s, missing=functools.partial(root_buffer, server)
+            appear_s=relay_appear_s,
+            missing=functools.partial(root_buffer, server, deltas=relay_deltas > 0),
         )
 
     @_statuses
@@ -197,9 +207,16 @@ def add_to_server(service: ParamServerService, server: grpc.Server) -> None:
     )
 
 
-def root_buffer(store: ParamServer, version: int) -> relay.VersionBuffer | None:
-    """``version`` of ``store`` as a relay buffer filled from the store on a thread (each array
-    checked against its published CRC32C before it is served); None if the store lacks it."""
+def root_buffer(
+    store: ParamServer, key: tuple[int, int], deltas: bool = False
+) -> relay.VersionBuffer | None:
+    """A relay buffer of ``store``'s version ``key[0]``: whole (``key[1]`` FULL: filled from the
+    store on a thread, each array checked against its published CRC32C before it is served;
+    None if the store lacks it yet), or as a delta against version ``key[1]`` (KeyError when
+    ``deltas`` is off or the store lacks either version)."""
+    version, base = key
+    if base != relay.FULL:
+        return _delta_buffer(store, version, base, deltas)
     try:
         manifest, reader = store.pull(version)
     except errors.NotFound:
@@ -215,6 +232,43 @@ def root_buffer(store: ParamServer, version: int) -> relay.VersionBuffer | None:
 
     threading.Thread(target=fill, name=f"relay-root-v{version}", daemon=True).start()
     return buffer
+
+
+def _delta_buffer(store: ParamServer, version: int, base: int, deltas: bool) -> relay.VersionBuffer:
+    if not deltas or not 0 <= base < version:
+        raise KeyError(f"version {version} goes whole (deltas {'on' if deltas else 'off'})")
+    try:
+        manifest, new = _whole(store, version)
+        _, old = _whole(store, base)
+    except errors.NotFound as e:
+        raise KeyError(str(e)) from None
+    encoded = delta.encode_tree(old, new, base_version=base)
+    # The reader checks what it rebuilds against what the trainer published.
+    encoded = dataclasses.replace(encoded, crcs=tuple(a.crc32c for a in manifest.arrays))
+    arrays, meta = delta.to_payload(encoded)
+    buffer = relay.VersionBuffer(version, relay.Layout.of(arrays), base=base, meta=meta)
+    relay.fill_from_arrays(buffer, [a for _, a in arrays])
+    log.info(
+        "version %d as a delta against %d: %d of %d bytes",
+        version,
+        base,
+        encoded.nbytes,
+        sum(a.nbytes for a in new),
+    )
+    return buffer
+
+
+def _whole(store: ParamServer, version: int) -> tuple[VersionManifest, list[np.ndarray]]:
+    """A version's arrays read whole from ``store``."""
+    manifest, reader = store.pull(version)
+    try:
+        out = [np.empty(a.shape, np_dtype(a.dtype)) for a in manifest.arrays]
+        for k, offset, data in reader:
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            out[k].reshape(-1).view(np.uint8)[offset : offset + raw.size] = raw
+    finally:
+        reader.close()
+    return manifest, out
 
 
 def _serialize(message: Any) -> bytes:
@@ -242,7 +296,10 @@ def serve(
     """Starts a ParamServer behind a gRPC server on ``config.address``: (server, port, store)."""
     store = ParamServer(config, persist_location=persist_location)
     service = ParamServerService(
-        store, chunk_bytes=config.chunk_bytes, relay_appear_s=config.relay_appear_s
+        store,
+        chunk_bytes=config.chunk_bytes,
+        relay_appear_s=config.relay_appear_s,
+        relay_deltas=config.relay_deltas,
     )
     credentials = Credentials(
         auth_token_file=config.auth_token_file, tls_cert_file=config.tls_cert_file

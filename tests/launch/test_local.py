@@ -107,7 +107,9 @@ def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tm
     assert "distributed transport" in out
     assert (run_dir / "warmup" / "config.json").is_file()
     assert "supervised warm-up of 10 steps" in (run_dir / "report.md").read_text()
-    relayed = re.compile(r"versions received over the relay (\d+), pulled (\d+); (\d+) bytes")
+    relayed = re.compile(
+        r"over the relay (\d+) \(\d+ as deltas, \d+ bytes\), pulled (\d+); (\d+) bytes"
+    )
     workers = [(run_dir / "logs" / f"inference-{i}.log").read_text() for i in (0, 1)]
     for log in workers:
         assert "or the worker before this one (a relay chain)" in log, log[-2000:]

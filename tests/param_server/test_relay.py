@@ -269,7 +269,7 @@ def test_workers_relay_a_published_version_the_parameter_server_reads_once(ps, s
     size = sum(a.nbytes for a in jax.tree_util.tree_leaves(tree))
     # The store was read once for the chain, whatever the workers; relays 0 and 1 passed it on.
     assert ps.store.bytes_served() - before == size
-    assert [s.counts for s in sources] == [{"relayed": 1, "pulled": 0}] * 3
+    assert [(s.counts["relayed"], s.counts["pulled"]) for s in sources] == [(1, 0)] * 3
     assert relays[0].bytes_sent >= size and relays[1].bytes_sent >= size
     assert relays[2].bytes_sent == 0
     # Without sources (or a version no source has) a worker pulls, and an unknown one is a
@@ -279,7 +279,7 @@ def test_workers_relay_a_published_version_the_parameter_server_reads_once(ps, s
     sources[2].sources = (relays[1].endpoint, ps.endpoint)
     with pytest.raises(KeyError, match="no version 9"):
         sources[2].fetch(9)
-    assert sources[2].counts == {"relayed": 1, "pulled": 2}
+    assert (sources[2].counts["relayed"], sources[2].counts["pulled"]) == (1, 2)
 
 
 def test_a_relaying_worker_killed_mid_transfer_leaves_the_next_one_whole(ps, servers):
@@ -307,7 +307,7 @@ def test_a_relaying_worker_killed_mid_transfer_leaves_the_next_one_whole(ps, ser
     killer.join()
     assert not isinstance(got[2], Exception), got[2]
     _assert_tree_equal(got[2], tree)  # finished from the parameter server, not pulled again
-    assert sources[2].counts == {"relayed": 1, "pulled": 0}
+    assert (sources[2].counts["relayed"], sources[2].counts["pulled"]) == (1, 0)
     size = sum(a.nbytes for a in jax.tree_util.tree_leaves(tree))
     assert 0 < relays[1].bytes_sent < size  # cut mid-transfer: the rest came from the root
 
@@ -329,3 +329,102 @@ def test_the_root_serves_only_what_matches_the_published_checksums():
     assert bad.filled < layout.buckets  # the buckets before the damaged array only
     with pytest.raises(RelayFailed, match="norm fails its checksum"):
         bad.array(len(arrays) - 1)
+
+
+def _changed(tree: dict, seed: int, fraction: float) -> dict:
+    """``tree`` with about ``fraction`` of each array's values replaced: a training step's
+    publish, most bf16 values unchanged."""
+    rng = np.random.default_rng(seed)
+
+    def change(a: np.ndarray) -> np.ndarray:
+        out = a.copy()
+        flat = out.reshape(-1)
+        if flat.size:
+            where = rng.random(flat.size) < fraction
+            flat[where] = random_bits(rng, (int(where.sum()),), a.dtype.name)
+        return out
+
+    return jax.tree_util.tree_map(change, tree)
+
+
+def _chain_of(ps, tree, relays, deltas: bool = True) -> list:
+    out = []
+    for k, r in enumerate(relays):
+        source = _relayed(ps, tree, r)
+        source.deltas = 8 if deltas else 0
+        source.sources = (*([relays[k - 1].endpoint] if k else []), ps.endpoint)
+        out.append(source)
+    return out
+
+
+def test_a_version_travels_the_chain_as_a_delta_and_is_rebuilt_bitwise(ps, servers):
+    v1 = _tree(2)
+    v2 = _changed(v1, 3, 0.01)
+    ps.client.push(v1, 1)
+    ps.client.push(v2, 2)
+    relays = [servers(appear_s=1) for _ in range(3)]
+    sources = _chain_of(ps, v1, relays)
+    for got in _fetch_all(sources, 1):  # nothing held: whole
+        _assert_tree_equal(got, v1)
+    whole = relays[0].get(1).layout.total
+    sent_before = relays[0].bytes_sent
+    for got in _fetch_all(sources, 2):  # each holds version 1: a delta against it
+        assert not isinstance(got, Exception), got
+        _assert_tree_equal(got, v2)  # bitwise the full version
+    for s in sources:
+        assert s.counts["as_deltas"] == 1 and s.counts["pulled"] == 0, s.counts
+        assert s.counts["bytes_received"] < whole + whole * 0.05  # v1 whole, then ~2% of it
+    # Passed on as a delta too: the first worker sent the second one the delta, not the version.
+    delta_bytes = relays[0].get(2, base=1).layout.total
+    assert relays[0].bytes_sent - sent_before == delta_bytes < whole * 0.05
+    # Each holds version 2 whole afterwards (served on as such to a worker without a base).
+    assert relays[2].get(2).complete
+
+
+def test_whole_versions_when_a_delta_cannot_be_had_or_rebuilt(servers):
+    from rlax_tpu.config import ParamServerConfig
+    from rlax_tpu.param_server.relay import VersionBuffer
+
+    from .conftest import running
+
+    # A worker takes at most one delta in a row (param_server.relay_deltas 2), then a whole one.
+    with running(ParamServerConfig(chunk_bytes=1 << 20, persist_every=0, relay_deltas=2)) as ps:
+        trees = [_tree(4)]
+        for v in range(1, 4):
+            trees.append(_changed(trees[-1], v, 0.01))
+            ps.client.push(trees[v], v)
+        relay = servers(appear_s=1)
+        source = _chain_of(ps, trees[0], [relay])[0]
+        source.deltas = 2
+        _assert_tree_equal(source.fetch(1), trees[1])  # no base: whole
+        _assert_tree_equal(source.fetch(2), trees[2])  # against 1
+        assert source.counts["as_deltas"] == 1
+        _assert_tree_equal(source.fetch(3), trees[3])  # a whole one is due
+        assert source.counts["as_deltas"] == 1
+        before = ps.store.bytes_served()
+        _assert_tree_equal(
+            source.fetch(3), trees[3]
+        )  # the root serves its buffer again: no new read of its store
+        assert ps.store.bytes_served() == before
+        # A base that is not what the root encoded against: the rebuilt arrays fail their
+        # published checksums, and the whole version is fetched instead.
+        other = servers(appear_s=1)
+        wrong = VersionBuffer(2, relay.get(2).layout)
+        wrong.data[:] = relay.get(2).data
+        wrong.data[0] ^= 1
+        for k in range(wrong.layout.buckets):
+            wrong.fill(k)
+        other.add(wrong)
+        reader = _chain_of(ps, trees[0], [other])[0]
+        _assert_tree_equal(reader.fetch(3), trees[3])
+        assert reader.counts["as_deltas"] == 0 and reader.counts["relayed"] == 1
+        # A base the root no longer holds (or never had): whole.
+        stale = servers(appear_s=1)
+        orphan = VersionBuffer(0, relay.get(3).layout)
+        orphan.data[:] = 0
+        for k in range(orphan.layout.buckets):
+            orphan.fill(k)
+        stale.add(orphan)
+        reader = _chain_of(ps, trees[0], [stale])[0]
+        _assert_tree_equal(reader.fetch(3), trees[3])
+        assert reader.counts["as_deltas"] == 0
