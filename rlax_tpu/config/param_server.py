@@ -51,7 +51,10 @@ class ParamServerConfig:
     # against it (the changed values; a bf16 cast mostly unchanged at RL learning rates), rebuilt
     # and checked against the published CRC32C; at most N - 1 deltas in a row, then a whole
     # version (as whenever its base is gone or a rebuild fails). 0 or 1: whole versions only.
-    relay_deltas: int = 8
+    # Off by default: the parameter server encodes a delta when its first reader asks (about a
+    # second a GiB per core here), on the reload's path, and a worker reloading every η_r
+    # versions holds a base η_r versions old (how much that changes is not measured).
+    relay_deltas: int = 0
 
     def __post_init__(self) -> None:
         positive(

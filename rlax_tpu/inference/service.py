@@ -222,7 +222,10 @@ def serve(
         if handlers:
             server.add_generic_rpc_handlers(tuple(handlers))
 
-    return make_server(address, add, credentials=credentials)
+    # Generate streams hold a server thread each for their whole length; a relay's streams to
+    # the next worker and its manifests get threads of their own beside them.
+    workers = 8 + (16 if handlers else 0)
+    return make_server(address, add, credentials=credentials, max_workers=workers)
 
 
 # -- client -----------------------------------------------------------------------------------

@@ -383,12 +383,17 @@ def _config_file(config_args: Sequence[str]) -> str:
 
 
 def param_server_memory_bytes(config: RunConfig) -> int:
-    """Its hot versions in the publish dtype, a quarter more for the version being written and
-    the serving buffers, and 2 GiB for the process."""
+    """Its hot versions in the publish dtype, with ``fanout`` "relay" one more (the relay root's
+    copy of the version it serves) and with relay deltas two more (a base read while a delta is
+    encoded, and the delta), a quarter more for the version being written and the serving
+    buffers, and 2 GiB for the process."""
     if config.topology.param_server_memory_gib:
         return config.topology.param_server_memory_gib * GiB
     itemsize = 2 if config.trainer.publish_dtype == "bfloat16" else 4
-    versions = config.param_server.in_memory_versions
+    ps = config.param_server
+    versions = ps.in_memory_versions
+    if ps.fanout == "relay":
+        versions += 1 + (2 if ps.relay_deltas > 1 else 0)
     return int(config.model.param_count() * itemsize * versions * 1.25) + 2 * GiB
 
 

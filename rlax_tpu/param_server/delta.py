@@ -20,7 +20,9 @@ between the parameter server and the workers.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -158,33 +160,55 @@ def encode_tree(
     *,
     base_version: int,
     chunk_bytes: int = CHUNK_BYTES,
+    crcs: Sequence[int] | None = None,
 ) -> TreeDelta:
-    """Every array of ``new`` against the same-placed one of ``base``."""
+    """Every array of ``new`` against the same-placed one of ``base``, on a few threads (numpy
+    lets go of the GIL on large arrays). ``crcs``: the new arrays' CRC32C when known (else
+    computed)."""
     if len(base) != len(new):
         raise InvalidArgument(f"the base has {len(base)} arrays, the version {len(new)}")
-    return TreeDelta(
-        base_version,
-        tuple(encode(b, n, chunk_bytes=chunk_bytes) for b, n in zip(base, new, strict=True)),
-        tuple(checksum(np.ascontiguousarray(n)) for n in new),
-    )
+    with cf.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        deltas = tuple(
+            pool.map(lambda bn: encode(*bn, chunk_bytes=chunk_bytes), zip(base, new, strict=True))
+        )
+        if crcs is None:
+            crcs = tuple(pool.map(lambda n: checksum(np.ascontiguousarray(n)), new))
+    return TreeDelta(base_version, deltas, tuple(int(c) for c in crcs))
 
 
 def apply_tree(base: Sequence[np.ndarray], delta: TreeDelta) -> list[np.ndarray]:
     """The version ``delta`` encodes, from ``base`` (the reader's copy of
     ``delta.base_version``); each array checked against its CRC32C (DataLoss: the base is not
     the one encoded against, or the delta was damaged)."""
-    if len(base) != len(delta.deltas):
-        raise InvalidArgument(f"the base has {len(base)} arrays, the delta {len(delta.deltas)}")
-    out = []
-    for i, (b, d, crc) in enumerate(zip(base, delta.deltas, delta.crcs, strict=True)):
-        new = apply(b, d)
-        if checksum(new) != crc:
+    out = [np.array(b, copy=True, order="C") for b in base]
+    apply_tree_into(out, delta)
+    return out
+
+
+def apply_tree_into(arrays: Sequence[np.ndarray], delta: TreeDelta) -> None:
+    """Applies ``delta`` in place to ``arrays`` (C-contiguous, holding the base's values) and
+    checks each result against its CRC32C (DataLoss, as for ``apply_tree``; InvalidArgument for
+    a delta that does not fit the arrays)."""
+    if not len(arrays) == len(delta.deltas) == len(delta.crcs):
+        raise InvalidArgument(
+            f"the base has {len(arrays)} arrays, the delta {len(delta.deltas)} "
+            f"({len(delta.crcs)} checksums)"
+        )
+    for i, (out, d, crc) in enumerate(zip(arrays, delta.deltas, delta.crcs, strict=True)):
+        if out.shape != d.shape or out.dtype != d.dtype:
+            raise InvalidArgument(
+                f"array {i}: delta for {d.dtype}{list(d.shape)} applied to a base of "
+                f"{out.dtype}{list(out.shape)}"
+            )
+        try:
+            apply_into(out, d)
+        except (IndexError, ValueError, TypeError, AttributeError) as e:
+            raise InvalidArgument(f"array {i}: a malformed {d.kind} delta: {e}") from None
+        if checksum(out) != crc:
             raise DataLoss(
                 f"array {i} rebuilt from the delta against version {delta.base_version} fails "
                 "its checksum (not that base, or a damaged delta)"
             )
-        out.append(new)
-    return out
 
 
 def to_payload(delta: TreeDelta) -> tuple[list[tuple[str, np.ndarray]], dict]:
@@ -209,6 +233,13 @@ def to_payload(delta: TreeDelta) -> tuple[list[tuple[str, np.ndarray]], dict]:
 
 def from_payload(meta: dict, arrays: dict[str, np.ndarray]) -> TreeDelta:
     """The TreeDelta that ``to_payload`` gave ``meta`` and ``arrays`` (by name) for."""
+    try:
+        return _from_payload(meta, arrays)
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise InvalidArgument(f"a malformed delta: {type(e).__name__}: {e}") from None
+
+
+def _from_payload(meta: dict, arrays: dict[str, np.ndarray]) -> TreeDelta:
     deltas = []
     for i, kind in enumerate(meta["kinds"]):
         if kind not in KINDS:

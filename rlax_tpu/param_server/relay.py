@@ -9,9 +9,9 @@ each bucket is forwarded as soon as it is verified, so the last worker finishes 
 bucket per hop after the first, and the publisher sends each version once whatever the number
 of workers.
 
-Failover: a reader's sources are tried in order (its parent, the parent's parent, ...,
-the publisher); when one dies or sends a bucket that fails its checksum, the reader goes on
-from the next source at the first bucket it lacks. A buffer serves only buckets it verified, and
+Failover: a reader's sources are tried in order (in runs: the worker before it, then the
+parameter server); when one dies, sends a bucket that fails its checksum or sends nothing for
+``IDLE_S``, the reader goes on from the next source at the first bucket it lacks. A buffer serves only buckets it verified, and
 a version whose every source failed is marked failed: its readers fail over in turn, and its
 arrays are never handed out.
 
@@ -22,8 +22,8 @@ The publisher's device-to-host copy lands in its buffer after one more (``np.asa
 Deltas: a reader that holds version b asks for version v "against b"; the root encodes v against
 b (``delta.py``) once, and the delta travels the chain like a version (its payload arrays in
 buckets). The reader rebuilds v from its copy of b, checks every array against v's published
-CRC32C, and serves the rebuilt v on as a whole version too. A source without that delta says so
-at once, and the reader asks for the whole version.
+CRC32C, and serves the rebuilt v on as a whole version too. A reader that no source could give
+the delta (or whose rebuild failed) asks for the whole version.
 
 Wire: ``/rlax_tpu.Relay/Manifest`` (JSON {"version", "base"}) -> JSON {"layout", "base",
 "meta"}; ``/rlax_tpu.Relay/Stream`` (JSON {"version", "base", "first"}) -> messages of a 12-byte header
@@ -33,6 +33,8 @@ Wire: ``/rlax_tpu.Relay/Manifest`` (JSON {"version", "base"}) -> JSON {"layout",
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -49,7 +51,7 @@ import numpy as np
 
 from rlax_tpu.param_server import delta
 from rlax_tpu.param_server.codec import checksum, flatten, np_dtype
-from rlax_tpu.param_server.errors import DataLoss, InvalidArgument
+from rlax_tpu.param_server.errors import DataLoss
 from rlax_tpu.rpc.transport import Credentials, make_channel, make_server
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,8 @@ _HEADER = struct.Struct("<III")
 _ALIGN = 64
 _NO_CREDENTIALS = Credentials()
 FULL = -1  # a buffer's base when it holds a whole version, not a delta
+# A source silent this long is given up: a host gone without a reset leaves its streams open.
+IDLE_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +184,7 @@ class VersionBuffer:
         """Blocks until bucket k is verified; raises the buffer's failure (RelayFailed)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self.filled <= k:
+            while self.filled <= k or self.error is not None:
                 if self.error is not None:
                     raise RelayFailed(
                         f"version {self.version} failed at bucket {self.filled}: {self.error}"
@@ -252,7 +256,11 @@ class RelayService:
         self.keep, self.wait_s, self.appear_s = keep, wait_s, appear_s
         self.missing = missing
         self._versions: dict[tuple[int, int], VersionBuffer] = {}
-        self._making = threading.Lock()  # one missing() at a time (a delta is encoded once)
+        # key -> the missing() call making it: its other readers wait for that one
+        self._making: dict[tuple[int, int], _Making] = {}
+        # Keys this process has asked its sources for, before their manifests came: a reader
+        # waits for them (up to wait_s) rather than leaving for its next source.
+        self._expected: collections.Counter[tuple[int, int]] = collections.Counter()
         self._lock = threading.Lock()
         self._added = threading.Condition(self._lock)
         self.bytes_sent = 0
@@ -277,52 +285,112 @@ class RelayService:
 
     def _add_locked(self, buffer: VersionBuffer) -> None:
         self._versions[buffer.key] = buffer
-        # The newest ``keep`` versions, each in every form held (whole, deltas).
-        kept = sorted({v for v, _ in self._versions})[-self.keep :]
-        for key in [k for k in self._versions if k[0] < kept[0]]:
-            del self._versions[key]
+        # The newest ``keep`` versions, each in every form held (whole, deltas); older ones go
+        # once complete or failed (one still filling may be streamed on right now).
+        oldest_kept = sorted({v for v, _ in self._versions})[-self.keep :][0]
+        for key, held in list(self._versions.items()):
+            done = held.complete or held.error is not None
+            if key[0] < oldest_kept and key != buffer.key and done:
+                del self._versions[key]
         self._added.notify_all()
 
+    @contextlib.contextmanager
+    def expecting(self, key: tuple[int, int]) -> Iterator[None]:
+        """Readers of ``key`` wait for it while this process asks its own sources for it."""
+        with self._added:
+            self._expected[key] += 1
+        try:
+            yield
+        finally:
+            with self._added:
+                self._expected[key] -= 1
+                if not self._expected[key]:
+                    del self._expected[key]
+                self._added.notify_all()
+
     def get(self, version: int, base: int = FULL) -> VersionBuffer | None:
+        """The buffer held for the key, unless it failed."""
         with self._lock:
-            return self._versions.get((version, base))
+            held = self._versions.get((version, base))
+        return held if held is not None and held.error is None else None
 
     def newest(self) -> VersionBuffer | None:
-        """The newest whole version held (complete or not)."""
+        """The newest complete whole version held."""
         with self._lock:
-            whole = [k for k in self._versions if k[1] == FULL]
+            whole = [k for k, b in self._versions.items() if k[1] == FULL and b.complete]
             return self._versions[max(whole)] if whole else None
 
     def _buffer(self, request: dict, context: grpc.ServicerContext) -> VersionBuffer:
         """The buffer asked for, waited for up to ``appear_s``: the workers of a chain are told
-        to load at about the same time, and a reader may ask before its source does."""
+        to load at about the same time, and a reader may ask before its source does. A failed
+        buffer counts as absent (a root makes it again)."""
         key = int(request["version"]), int(request.get("base", FULL))
         what = f"version {key[0]}" + (f" as a delta against {key[1]}" if key[1] != FULL else "")
         deadline = time.monotonic() + self.appear_s
+        give_up = time.monotonic() + self.wait_s
         while True:
-            with self._added:
-                if key in self._versions:
-                    return self._versions[key]
+            held = self.get(*key)
+            if held is not None:
+                return held
+            with self._lock:
                 # Held newer, or this version in another form: what is asked will not come.
-                newer = self._versions and max(v for v, _ in self._versions) > key[0]
-                newer = newer or any(v == key[0] for v, _ in self._versions)
+                newer = any(v > key[0] or (v == key[0] and b != key[1]) for v, b in self._versions)
+                if key in self._expected:  # asked upstream: it comes, or the asking ends
+                    newer = False
+                    deadline = max(deadline, min(give_up, time.monotonic() + 0.25))
             if self.missing is not None:
-                with self._making:  # outside _lock: encoding a delta takes a while
-                    try:
-                        made = self.get(*key) or self.missing(key)
-                    except KeyError as e:
-                        context.abort(grpc.StatusCode.NOT_FOUND, f"no {what} here: {e}")
+                try:
+                    made = self._make(key)
+                except KeyError as e:
+                    context.abort(grpc.StatusCode.NOT_FOUND, f"no {what} here: {e}")
+                except Exception as e:  # noqa: BLE001 - the reader tries its next source
+                    context.abort(grpc.StatusCode.UNAVAILABLE, f"{what}: {type(e).__name__}: {e}")
                 if made is not None:
-                    with self._added:
-                        if key not in self._versions:
-                            self._add_locked(made)
-                        return self._versions[key]
+                    return made
             left = deadline - time.monotonic()
-            if left <= 0 or newer:
+            if left <= 0 or newer or not context.is_active():
                 context.abort(grpc.StatusCode.NOT_FOUND, f"this relay has no {what}")
             with self._added:
                 # A root asks its store again: a version may be committed meanwhile.
                 self._added.wait(left if self.missing is None else min(left, 0.25))
+
+    def _make(self, key: tuple[int, int]) -> VersionBuffer | None:
+        """``missing(key)`` once for all the readers asking for the key at the same time (a
+        delta is encoded once); the others wait for it. Raises what it raised."""
+        with self._lock:
+            making = self._making.get(key)
+            mine = making is None
+            if mine:
+                making = self._making[key] = _Making()
+        if not mine:
+            making.done.wait()
+        else:
+            try:
+                making.buffer = self.missing(key)
+            except BaseException as e:  # noqa: BLE001 - raised to every reader below
+                making.error = e
+            with self._added:
+                if making.buffer is not None:
+                    self._add_locked(making.buffer)
+                del self._making[key]
+            making.done.set()
+        if making.error is not None:
+            raise making.error
+        return making.buffer
+
+    def _wait(self, buffer: VersionBuffer, k: int, context: grpc.ServicerContext) -> None:
+        """Waits up to ``wait_s`` for bucket k, in short waits: a reader that went away (or a
+        server stopping) ends the wait, rather than holding one of gRPC's threads."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                buffer.wait(k, min(1.0, max(0.0, deadline - time.monotonic())))
+                return
+            except RelayFailed as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            except TimeoutError as e:
+                if not context.is_active() or time.monotonic() >= deadline:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     def _manifest(self, request: dict, context: grpc.ServicerContext) -> bytes:
         buffer = self._buffer(request, context)
@@ -333,16 +401,20 @@ class RelayService:
     def _stream(self, request: dict, context: grpc.ServicerContext) -> Iterator[bytes]:
         buffer = self._buffer(request, context)
         for k in range(int(request["first"]), buffer.layout.buckets):
-            try:
-                buffer.wait(k, self.wait_s)
-            except (RelayFailed, TimeoutError) as e:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            self._wait(buffer, k, context)
             crc, data = buffer.bucket(k)
             self.egress.take(len(data))
             message = _HEADER.pack(k, crc, len(data)) + data
             with self._lock:
                 self.bytes_sent += len(data)
             yield message
+
+
+@dataclasses.dataclass
+class _Making:
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    buffer: VersionBuffer | None = None
+    error: BaseException | None = None
 
 
 class RelayServer(RelayService):
@@ -425,13 +497,15 @@ def fetch(
     on_source: Callable[[str], None] | None = None,
     on_buffer: Callable[[VersionBuffer], None] | None = None,
     base: int = FULL,
+    idle_s: float = IDLE_S,
 ) -> VersionBuffer:
     """Receives ``version`` into a buffer that ``into`` serves as it fills, from ``sources`` in
     order (failing over at the first bucket missing). Returns the whole, verified buffer; raises
     RelayFailed (the buffer marked failed) when every source failed. ``credentials``: one for
     every source, or a source's own (``credentials(endpoint)``). ``on_source(endpoint)``:
     called as each source is tried; ``on_buffer(buffer)``: once the buffer exists. ``base``: a
-    delta against that version instead of the whole version."""
+    delta against that version instead of the whole version. A source that answers nothing for
+    ``idle_s`` is left for the next (a host gone without closing its connections)."""
     buffer: VersionBuffer | None = None
     errors: list[str] = []
     try:
@@ -440,30 +514,23 @@ def fetch(
             channel = make_channel(source, credentials=creds)
             try:
                 if buffer is None:
-                    raw = json.loads(
-                        channel.unary_unary(
-                            f"/{SERVICE}/Manifest",
-                            request_serializer=_json,
-                            response_deserializer=None,
-                        )({"version": version, "base": base}, timeout=timeout_s)
-                    )
-                    if raw["base"] != base:
-                        raise DataLoss(f"asked for base {base}, the manifest says {raw['base']}")
-                    layout = Layout.from_dict(raw["layout"])
-                    buffer = VersionBuffer(version, layout, base=base, meta=raw["meta"])
-                    into.add(buffer)
+                    with into.expecting((version, base)):
+                        buffer = _manifest(channel, version, base, min(timeout_s, idle_s))
+                        into.add(buffer)
                     if on_buffer is not None:
                         on_buffer(buffer)
                 if on_source is not None:
                     on_source(source)
-                # No deadline on the whole stream: a long chain waits on its upstream hops; the
-                # source gives up on a bucket that does not come within its own wait_s.
+                # No deadline on the whole stream (a long chain waits on its upstream hops), but
+                # one on the silence between its messages.
                 stream = channel.unary_stream(
                     f"/{SERVICE}/Stream", request_serializer=_json, response_deserializer=None
                 )({"version": version, "base": base, "first": buffer.filled})
-                for message in stream:
-                    k, crc, n = _HEADER.unpack_from(message)
-                    buffer.put(k, memoryview(message)[_HEADER.size : _HEADER.size + n], crc)
+                with _Watchdog(stream, idle_s) as watchdog:
+                    for message in stream:
+                        watchdog.saw()
+                        k, crc, n = _HEADER.unpack_from(message)
+                        buffer.put(k, memoryview(message)[_HEADER.size : _HEADER.size + n], crc)
                 if buffer.complete:
                     return buffer
                 errors.append(f"{source}: the stream ended at bucket {buffer.filled}")
@@ -480,6 +547,44 @@ def fetch(
         if buffer is not None and not buffer.complete:  # readers fail over, arrays stay hidden
             buffer.fail(e)
         raise
+
+
+def _manifest(channel: grpc.Channel, version: int, base: int, timeout_s: float) -> VersionBuffer:
+    """An empty buffer for what a source's Manifest describes."""
+    raw = json.loads(
+        channel.unary_unary(
+            f"/{SERVICE}/Manifest", request_serializer=_json, response_deserializer=None
+        )({"version": version, "base": base}, timeout=timeout_s)
+    )
+    if raw["base"] != base:
+        raise DataLoss(f"asked for base {base}, the manifest says {raw['base']}")
+    return VersionBuffer(version, Layout.from_dict(raw["layout"]), base=base, meta=raw["meta"])
+
+
+class _Watchdog:
+    """Cancels ``call`` once nothing was ``saw()`` for ``idle_s``."""
+
+    def __init__(self, call: Any, idle_s: float):
+        self.call, self.idle_s = call, idle_s
+        self.last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="relay-watchdog", daemon=True)
+
+    def saw(self) -> None:
+        self.last = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, self.idle_s / 4)):
+            if time.monotonic() - self.last > self.idle_s:
+                self.call.cancel()
+                return
+
+    def __enter__(self) -> _Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
 
 
 def to_device(buffer: VersionBuffer, shardings: Sequence[Any]) -> list[jax.Array]:
@@ -507,16 +612,20 @@ def fetch_to_device(
     *,
     credentials: Credentials | Callable[[str], Credentials] = _NO_CREDENTIALS,
     timeout_s: float = 600.0,
-) -> list[jax.Array]:
+    on_buffer: Callable[[VersionBuffer], None] | None = None,
+) -> list[jax.Array] | dict[str, jax.Array]:
     """``fetch`` on a thread while ``to_device`` uploads each array as its bytes arrive:
     receiving, checking and uploading overlap. ``shardings``: in layout order, or by path (the
     layout's paths must be exactly its keys). Returns the arrays in layout order (a list), or by
-    path (a dict) when ``shardings`` are by path; raises what the fetch raised."""
+    path (a dict) when ``shardings`` are by path; raises what the fetch raised, else RelayFailed
+    when the version's arrays are not the ones asked for."""
     got: dict[str, Any] = {}
     started = threading.Event()
 
-    def on_buffer(buffer: VersionBuffer) -> None:
+    def buffer_made(buffer: VersionBuffer) -> None:
         got["buffer"] = buffer
+        if on_buffer is not None:
+            on_buffer(buffer)
         started.set()
 
     def run() -> None:
@@ -527,7 +636,7 @@ def fetch_to_device(
                 into,
                 credentials=credentials,
                 timeout_s=timeout_s,
-                on_buffer=on_buffer,
+                on_buffer=buffer_made,
             )
         except BaseException as e:  # noqa: BLE001 - raised by the caller's thread
             got["error"] = e
@@ -544,11 +653,11 @@ def fetch_to_device(
                 arrays = dict(zip(buffer.layout.paths, arrays, strict=True))
             else:
                 arrays = to_device(buffer, shardings)
-    except RelayFailed:
-        pass  # the fetch's own error is raised below
+    except RelayFailed as e:
+        got["placing"] = e  # after the fetch's own error, if it had one
     thread.join()
-    if "error" in got:
-        raise got["error"]
+    if "error" in got or "placing" in got:
+        raise got.get("error", got.get("placing"))
     return arrays
 
 
@@ -565,19 +674,9 @@ def rebuild(delta_buffer: VersionBuffer, base: VersionBuffer) -> VersionBuffer:
     tree = delta.from_payload(delta_buffer.meta, payload)
     base.wait(base.layout.buckets - 1)
     layout = base.layout
-    shapes = [(d.shape, d.dtype.name) for d in tree.deltas]
-    if shapes != [(s, np_dtype(t).name) for s, t in zip(layout.shapes, layout.dtypes, strict=True)]:
-        raise DataLoss(f"version {delta_buffer.version}'s delta has other arrays than its base")
     out = VersionBuffer(delta_buffer.version, layout)
     out.data[:] = base.data
-    for i, d in enumerate(tree.deltas):
-        view = out.view(i)
-        delta.apply_into(view, d)
-        if checksum(view) != tree.crcs[i]:
-            raise DataLoss(
-                f"{layout.paths[i]} of version {out.version} rebuilt against {base.version} "
-                "fails its checksum"
-            )
+    delta.apply_tree_into([out.view(i) for i in range(len(layout.paths))], tree)
     for k in range(layout.buckets):
         out.fill(k)
     return out
@@ -588,10 +687,11 @@ class RelayedWeights:
     the version from ``sources`` in order (the controller names them with each load: the worker
     before this one, then the parameter server), serves it on from ``service`` while it arrives,
     and puts each array on its sharding (``shardings``: a pytree shaped like the published tree)
-    once its bytes are verified. With ``deltas`` N > 0, a worker holding an older whole version
+    once its bytes are verified. With ``deltas`` N > 1, a worker holding an older whole version
     asks for the new one as a delta against it first (at most N - 1 in a row, then a whole
-    version), and for the whole version if no source has that delta or its rebuild fails. Without sources, or when every source failed, ``fallback.fetch(version)`` (a
-    pull from the parameter server)."""
+    version), and for the whole version if no source has that delta or its rebuild fails.
+    Without sources, or when every source failed, ``fallback.fetch(version)`` (a pull from the
+    parameter server). Safe for fetches on several threads (a staged fetch beside a load)."""
 
     def __init__(
         self,
@@ -608,6 +708,12 @@ class RelayedWeights:
         self.sources: tuple[str, ...] = ()
         self.counts = {"relayed": 0, "as_deltas": 0, "pulled": 0, "bytes_received": 0}
         self._deltas_in_a_row = 0
+        self._lock = threading.Lock()
+
+    def _count(self, **add: int) -> None:
+        with self._lock:
+            for k, v in add.items():
+                self.counts[k] += v
 
     def fetch(self, version: int) -> Any:
         sources = self.sources
@@ -615,8 +721,9 @@ class RelayedWeights:
             paths, leaves, treedef = flatten(self.shardings)
             by_path = dict(zip(paths, leaves, strict=True))
             try:
-                placed = self._from_delta(version, sources, by_path)
+                placed = self._held(version, by_path) or self._from_delta(version, sources, by_path)
                 if placed is None:
+                    got: list[VersionBuffer] = []
                     placed = fetch_to_device(
                         version,
                         sources,
@@ -624,26 +731,38 @@ class RelayedWeights:
                         by_path,
                         credentials=self.credentials,
                         timeout_s=self.timeout_s,
+                        on_buffer=got.append,
                     )
-                    self.counts["bytes_received"] += self.service.get(version).layout.total
-                    self._deltas_in_a_row = 0
+                    self._count(bytes_received=got[0].layout.total)
+                    with self._lock:
+                        self._deltas_in_a_row = 0
             except RelayFailed as e:
                 log.warning("version %d: %s; pulling it from the parameter server", version, e)
             else:
-                self.counts["relayed"] += 1
+                self._count(relayed=1)
                 return jax.tree_util.tree_unflatten(treedef, [placed[p] for p in paths])
-        self.counts["pulled"] += 1
+        self._count(pulled=1)
         return self.fallback.fetch(version)
+
+    def _held(self, version: int, by_path: dict[str, Any]) -> dict[str, jax.Array] | None:
+        """The version from a whole copy this worker holds already (fetched ahead, say)."""
+        held = self.service.get(version)
+        if held is None or not held.complete:
+            return None
+        arrays = to_device(held, _in_layout_order(held, by_path))
+        return dict(zip(held.layout.paths, arrays, strict=True))
 
     def _from_delta(
         self, version: int, sources: Sequence[str], by_path: dict[str, Any]
     ) -> dict[str, jax.Array] | None:
         """The version rebuilt from a delta against the newest whole version held, on its
-        shardings; None when there is no such base or no source could give the delta."""
-        if self._deltas_in_a_row >= self.deltas - 1:  # deltas off, or a whole one is due
-            return None
+        shardings; None when there is no such base, a whole version is due, or no source could
+        give the delta or it did not rebuild."""
+        with self._lock:
+            if self._deltas_in_a_row >= self.deltas - 1:  # deltas off, or a whole one is due
+                return None
         base = self.service.newest()
-        if base is None or base.version >= version or not base.complete:
+        if base is None or base.version >= version:
             return None
         try:
             got = fetch(
@@ -655,15 +774,15 @@ class RelayedWeights:
                 base=base.version,
             )
             whole = rebuild(got, base)
-        except (RelayFailed, DataLoss, InvalidArgument) as e:
+        except Exception as e:  # noqa: BLE001 - any failure of a delta: the whole version
             log.info(
-                "version %d as a delta against %d: %s; the whole version", version, base.version, e
+                "version %d as a delta against %d: %s; fetching it whole", version, base.version, e
             )
             return None
         self.service.add(whole)  # served on as a whole version too
-        self.counts["as_deltas"] += 1
-        self._deltas_in_a_row += 1
-        self.counts["bytes_received"] += got.layout.total
+        self._count(as_deltas=1, bytes_received=got.layout.total)
+        with self._lock:
+            self._deltas_in_a_row += 1
         arrays = to_device(whole, _in_layout_order(whole, by_path))
         return dict(zip(whole.layout.paths, arrays, strict=True))
 

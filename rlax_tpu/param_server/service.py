@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -11,7 +10,6 @@ from typing import Any
 
 import grpc
 import jax
-import numpy as np
 
 from rlax_tpu import storage
 from rlax_tpu.config import ParamServerConfig, RunConfig
@@ -56,11 +54,11 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
     ):
         self._server, self._chunk_bytes = server, chunk_bytes
         # The root of the workers' relay chains (param_server.fanout "relay"): a version is read
-        # from the store once, when its first reader asks, and served as it is read.
-        self.relay = relay.RelayService(
-            appear_s=relay_appear_s,
-            missing=functools.partial(root_buffer, server, deltas=relay_deltas > 0),
-        )
+        # from the store once, when its first reader asks, and served as it is read. One
+        # version kept (the memory budget counts it: launch/gke.py).
+        root = RelayRoot(server, deltas=relay_deltas > 1)
+        self.relay = relay.RelayService(appear_s=relay_appear_s, keep=1, missing=root)
+        root.service = self.relay
 
     @_statuses
     def Publish(self, request_iterator: Iterator[pb.PublishRequest], context) -> pb.PublishReply:  # noqa: ANN001
@@ -207,68 +205,74 @@ def add_to_server(service: ParamServerService, server: grpc.Server) -> None:
     )
 
 
-def root_buffer(
-    store: ParamServer, key: tuple[int, int], deltas: bool = False
-) -> relay.VersionBuffer | None:
-    """A relay buffer of ``store``'s version ``key[0]``: whole (``key[1]`` FULL: filled from the
-    store on a thread, each array checked against its published CRC32C before it is served;
-    None if the store lacks it yet), or as a delta against version ``key[1]`` (KeyError when
-    ``deltas`` is off or the store lacks either version)."""
-    version, base = key
-    if base != relay.FULL:
-        return _delta_buffer(store, version, base, deltas)
-    try:
-        manifest, reader = store.pull(version)
-    except errors.NotFound:
-        return None
-    arrays = [(a.path, jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype))) for a in manifest.arrays]
-    buffer = relay.VersionBuffer(version, relay.Layout.of(arrays))
+class RelayRoot:
+    """Where the parameter server's relay gets a buffer it does not hold (``RelayService``'s
+    ``missing``): a whole version read from the store, or a delta encoded against another."""
 
-    def fill() -> None:
+    def __init__(self, store: ParamServer, *, deltas: bool):
+        self.store, self.deltas = store, deltas
+        self.service: relay.RelayService | None = None  # set once the service exists
+
+    def __call__(self, key: tuple[int, int]) -> relay.VersionBuffer | None:
+        """Version ``key[0]`` whole (``key[1]`` FULL: filled from the store on a thread, each
+        array checked against its published CRC32C before it is served; None while the store
+        lacks it), or as a delta against version ``key[1]`` (KeyError when deltas are off or the
+        store lacks either version)."""
+        version, base = key
+        if base == relay.FULL:
+            return self._whole(version)
+        if not self.deltas or not 0 <= base < version:
+            raise KeyError(
+                f"version {version} goes whole (deltas {'on' if self.deltas else 'off'})"
+            )
+        new, old = self._complete(version), self._complete(base)
+        count = len(new.layout.paths)
+        encoded = delta.encode_tree(
+            [old.view(i) for i in range(count)],
+            [new.view(i) for i in range(count)],
+            base_version=base,
+            crcs=new.meta["crcs"],  # what the trainer published: the reader checks against it
+        )
+        arrays, meta = delta.to_payload(encoded)
+        buffer = relay.VersionBuffer(version, relay.Layout.of(arrays), base=base, meta=meta)
+        relay.fill_from_arrays(buffer, [a for _, a in arrays])
+        log.info(
+            "version %d as a delta against %d: %d of %d bytes",
+            version,
+            base,
+            encoded.nbytes,
+            new.layout.total,
+        )
+        return buffer
+
+    def _whole(self, version: int) -> relay.VersionBuffer | None:
         try:
-            relay.fill_from_pieces(buffer, reader, [a.crc32c for a in manifest.arrays])
-        finally:
-            reader.close()
+            manifest, reader = self.store.pull(version)
+        except errors.NotFound:
+            return None
+        arrays = [
+            (a.path, jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype))) for a in manifest.arrays
+        ]
+        crcs = [a.crc32c for a in manifest.arrays]
+        buffer = relay.VersionBuffer(version, relay.Layout.of(arrays), meta={"crcs": crcs})
 
-    threading.Thread(target=fill, name=f"relay-root-v{version}", daemon=True).start()
-    return buffer
+        def fill() -> None:
+            try:
+                relay.fill_from_pieces(buffer, reader, crcs)
+            finally:
+                reader.close()
 
+        threading.Thread(target=fill, name=f"relay-root-v{version}", daemon=True).start()
+        return buffer
 
-def _delta_buffer(store: ParamServer, version: int, base: int, deltas: bool) -> relay.VersionBuffer:
-    if not deltas or not 0 <= base < version:
-        raise KeyError(f"version {version} goes whole (deltas {'on' if deltas else 'off'})")
-    try:
-        manifest, new = _whole(store, version)
-        _, old = _whole(store, base)
-    except errors.NotFound as e:
-        raise KeyError(str(e)) from None
-    encoded = delta.encode_tree(old, new, base_version=base)
-    # The reader checks what it rebuilds against what the trainer published.
-    encoded = dataclasses.replace(encoded, crcs=tuple(a.crc32c for a in manifest.arrays))
-    arrays, meta = delta.to_payload(encoded)
-    buffer = relay.VersionBuffer(version, relay.Layout.of(arrays), base=base, meta=meta)
-    relay.fill_from_arrays(buffer, [a for _, a in arrays])
-    log.info(
-        "version %d as a delta against %d: %d of %d bytes",
-        version,
-        base,
-        encoded.nbytes,
-        sum(a.nbytes for a in new),
-    )
-    return buffer
-
-
-def _whole(store: ParamServer, version: int) -> tuple[VersionManifest, list[np.ndarray]]:
-    """A version's arrays read whole from ``store``."""
-    manifest, reader = store.pull(version)
-    try:
-        out = [np.empty(a.shape, np_dtype(a.dtype)) for a in manifest.arrays]
-        for k, offset, data in reader:
-            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-            out[k].reshape(-1).view(np.uint8)[offset : offset + raw.size] = raw
-    finally:
-        reader.close()
-    return manifest, out
+    def _complete(self, version: int) -> relay.VersionBuffer:
+        """A whole version, checked, from the relay (the one being served) or the store."""
+        held = self.service.get(version) if self.service is not None else None
+        buffer = held or self._whole(version)
+        if buffer is None:
+            raise KeyError(f"the parameter server has no version {version}")
+        buffer.wait(buffer.layout.buckets - 1)  # RelayFailed if its store copy is damaged
+        return buffer
 
 
 def _serialize(message: Any) -> bytes:

@@ -463,7 +463,7 @@ def test_cpu_pods_must_fit_the_cpu_node():
     assert "leaves 30.9 CPUs" in message
     assert "run more, smaller verifier pods" in message and "(e.g. 8 x 16)" in message
     small_node = _with(config, topology=_with(config.topology, cpu_node_memory_gb=64))
-    with pytest.raises(gke.RenderError, match="a param-server pod requests 4 CPUs and 72.9 GiB"):
+    with pytest.raises(gke.RenderError, match="a param-server pod requests 4 CPUs and 90.7 GiB"):
         gke.render(small_node, SMALL)
     # The validator names the same pods in a built overlay.
     overlay = REPO / "deploy" / "gke" / "overlays" / "v5p-small"
@@ -583,10 +583,17 @@ def test_the_render_command_writes_an_overlay_and_refuses_with_every_problem(tmp
 
 def test_param_server_memory_is_sized_from_the_model():
     config = _small()
-    # Qwen2.5-Coder-7B: 7.6e9 parameters (HF's count), bf16, 4 hot versions.
+    # Qwen2.5-Coder-7B: 7.6e9 parameters (HF's count), bf16, 4 hot versions and the relay
+    # root's copy of the version it serves (param_server.fanout "relay").
     assert abs(config.model.param_count() - 7.62e9) / 7.62e9 < 0.01
-    want = config.model.param_count() * 2 * 4 * 1.25 + 2 * 2**30
+    want = config.model.param_count() * 2 * (4 + 1) * 1.25 + 2 * 2**30
     assert gke.param_server_memory_bytes(config) == int(want)
+    # Relay deltas: a base and a delta more while one is encoded.
+    deltas = dataclasses.replace(
+        config, param_server=dataclasses.replace(config.param_server, relay_deltas=8)
+    )
+    want = config.model.param_count() * 2 * (4 + 3) * 1.25 + 2 * 2**30
+    assert gke.param_server_memory_bytes(deltas) == int(want)
 
 
 @pytest.mark.parametrize(

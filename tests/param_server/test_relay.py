@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from rlax_tpu.config import ParamServerConfig
 from rlax_tpu.param_server.relay import (
     Layout,
     Publisher,
@@ -22,7 +23,7 @@ from rlax_tpu.param_server.relay import (
     fetch_to_device,
 )
 
-from .conftest import random_bits
+from .conftest import random_bits, running
 
 BUCKET = 4096
 
@@ -357,7 +358,12 @@ def _chain_of(ps, tree, relays, deltas: bool = True) -> list:
     return out
 
 
-def test_a_version_travels_the_chain_as_a_delta_and_is_rebuilt_bitwise(ps, servers):
+def test_a_version_travels_the_chain_as_a_delta_and_is_rebuilt_bitwise(servers):
+    with running(ParamServerConfig(chunk_bytes=1 << 20, persist_every=0, relay_deltas=8)) as ps:
+        _delta_chain(ps, servers)
+
+
+def _delta_chain(ps, servers) -> None:
     v1 = _tree(2)
     v2 = _changed(v1, 3, 0.01)
     ps.client.push(v1, 1)
@@ -428,3 +434,38 @@ def test_whole_versions_when_a_delta_cannot_be_had_or_rebuilt(servers):
         reader = _chain_of(ps, trees[0], [stale])[0]
         _assert_tree_equal(reader.fetch(3), trees[3])
         assert reader.counts["as_deltas"] == 0
+
+
+def test_a_silent_source_is_left_after_idle_s(servers):
+    """A source that holds the version but sends nothing (a host gone without closing its
+    connections looks the same to its reader): the reader leaves it after ``idle_s``."""
+    from rlax_tpu.param_server.relay import VersionBuffer
+
+    arrays = _arrays(6)
+    root, silent, reader = servers(), servers(), servers()
+    Publisher(root, bucket_bytes=BUCKET).publish(4, arrays)
+    silent.add(VersionBuffer(4, root.get(4).layout))  # never filled
+    tried: list[str] = []
+    got = fetch(4, [silent.endpoint, root.endpoint], reader, on_source=tried.append, idle_s=1)
+    assert tried == [silent.endpoint, root.endpoint]
+    _same(got, arrays)
+
+
+def test_two_fetches_at_once_on_a_worker_that_keeps_one_version(ps, servers):
+    """A staged fetch beside a load (standby.py) on a relay keeping one version, as workers
+    run it: each gets its own version whole."""
+    trees = [_tree(7), _tree(8)]
+    for v, tree in enumerate(trees, start=1):
+        ps.client.push(tree, v)
+    relay = servers(appear_s=1, keep=1)
+    source = _chain_of(ps, trees[0], [relay])[0]
+    out = _fetch_all([source, source], 1)
+    out2 = _fetch_all([source], 2)
+    _assert_tree_equal(out[0], trees[0])
+    _assert_tree_equal(out[1], trees[0])
+    _assert_tree_equal(out2[0], trees[1])
+    both = _fetch_all([source, source], 2) + _fetch_all([source], 1)
+    for got, want in zip(both, [trees[1], trees[1], trees[0]], strict=True):
+        assert not isinstance(got, Exception), got
+        _assert_tree_equal(got, want)
+    assert source.counts["pulled"] == 0
