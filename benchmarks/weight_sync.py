@@ -26,6 +26,8 @@ reads the trainer's checkpoints (the float32 masters of every version), casts ea
 published dtypes (float32, bf16: the trainer's cast, round to nearest even) and encodes every
 version against the one before with ``param_server/delta.py`` (each array the smallest of
 unchanged / changed entries / changed 4 KiB chunks / whole), checking the rebuilt version bitwise.
+Then the bf16 cast against bases 2, 4, 8 and 16 versions older (``gaps``): a worker that reloads
+every η_r versions holds a base that old.
 
 (b) Several processes on loopback (``fanout``): a publisher (this process: a ``relay.Publisher``
 filling its buffer from host arrays, as the trainer's host would) and 1, 2 and 4 worker processes,
@@ -35,8 +37,8 @@ egress held to a fixed rate (``relay.Egress``, the emulated NIC, so the network 
 2 cores binds), then without. Ours: the workers in a chain (worker k reads from worker k-1, the
 first from the publisher). Baseline: a star (every worker reads from the publisher, as every
 worker pulls from the parameter server today). Limit without the NIC: raw bytes streamed over
-loopback gRPC from this process to a worker process, in the same run. The relay is not wired
-into the run yet ([weight-sync]).
+loopback gRPC from this process to a worker process, in the same run. (Runs relay through
+the parameter server with ``param_server.fanout=relay``: ``param_server/relay.py``.)
 
 Writes JSON next to this file.
 """
@@ -184,7 +186,9 @@ def deltas(run_dir: Path) -> dict:
 
     dtypes = (("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16))
     out: dict = {name: {"full_bytes": 0, "versions": []} for name, _ in dtypes}
+    out["bfloat16_gaps"] = {str(g): [] for g in GAPS}
     prev_version, prev = None, {}
+    older: dict[int, list[np.ndarray]] = {}  # the bf16 casts of the last max(GAPS) versions
     for version, masters in _masters(run_dir):
         cast = {name: [a.astype(dtype) for a in masters] for name, dtype in dtypes}
         del masters
@@ -213,6 +217,14 @@ def deltas(run_dir: Path) -> dict:
                     "kinds": delta.kinds(),
                 }
             )
+        for gap in GAPS:
+            base = older.get(version - gap)
+            if base is not None:
+                delta = encode_tree(base, cast["bfloat16"], base_version=version - gap)
+                ratio = delta.nbytes / out["bfloat16"]["full_bytes"]
+                out["bfloat16_gaps"][str(gap)].append({"version": version, "ratio": ratio})
+        older[version] = cast["bfloat16"]
+        older.pop(version - max(GAPS), None)
         prev_version, prev = version, cast
         print(f"  version {version} read", flush=True)
     if prev_version is None or not out["float32"]["versions"]:
@@ -220,8 +232,21 @@ def deltas(run_dir: Path) -> dict:
     return out
 
 
+GAPS = (2, 4, 8, 16)
+
+
 def print_deltas(d: dict) -> None:
+    for gap, rows in d.get("bfloat16_gaps", {}).items():
+        if rows:
+            ratios = [x["ratio"] for x in rows]
+            print(
+                f"(c) bfloat16 against a base {gap} versions older: {len(ratios)} versions, "
+                f"delta/full median {statistics.median(ratios):.4f} (min {min(ratios):.4f}, "
+                f"max {max(ratios):.4f})"
+            )
     for name, r in d.items():
+        if name == "bfloat16_gaps":
+            continue
         ratios = [x["ratio"] for x in r["versions"]]
         changed = [x["changed_fraction"] for x in r["versions"]]
         print(
