@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from rlax_tpu.config.checks import bad, check_address, frozen, non_negative, positive
 
+# param_server/relay.py's BUCKET_BYTES and its 12-byte header (tests/param_server/test_relay.py
+# holds the two equal).
+RELAY_MESSAGE_BYTES = 4 * 2**20 + 12
+
 
 @frozen
 class ParamServerConfig:
@@ -99,4 +103,11 @@ class ParamServerConfig:
             )
         if self.fanout not in ("replicas", "relay"):
             raise bad(self, "fanout", f"must be 'replicas' or 'relay', got {self.fanout!r}")
+        if self.fanout == "relay" and self.max_message_bytes < RELAY_MESSAGE_BYTES:
+            raise bad(
+                self,
+                "max_message_bytes",
+                f"must be >= {RELAY_MESSAGE_BYTES} with fanout 'relay' (a relay message is a "
+                "4 MiB bucket and its header)",
+            )
         check_address(self, "address", self.auth_token_file, self.tls_cert_file)

@@ -469,3 +469,12 @@ def test_two_fetches_at_once_on_a_worker_that_keeps_one_version(ps, servers):
         assert not isinstance(got, Exception), got
         _assert_tree_equal(got, want)
     assert source.counts["pulled"] == 0
+
+
+def test_the_config_knows_a_relay_message_size():
+    from rlax_tpu.config.param_server import RELAY_MESSAGE_BYTES
+    from rlax_tpu.param_server.relay import _HEADER, BUCKET_BYTES
+
+    assert BUCKET_BYTES + _HEADER.size == RELAY_MESSAGE_BYTES
+    with pytest.raises(ValueError, match="must be >= 4194316 with fanout 'relay'"):
+        ParamServerConfig(fanout="relay", max_message_bytes=4 << 20, chunk_bytes=1 << 20)
