@@ -469,22 +469,7 @@ class Publisher:
 def fill_from_arrays(buffer: VersionBuffer, arrays: Sequence[Any]) -> None:
     """Fills ``buffer`` with ``arrays`` (in layout order; jax or numpy), serving each bucket as
     soon as it is written. Marks the buffer failed on any error."""
-    try:
-        layout, done = buffer.layout, 0
-        for i, a in enumerate(arrays):
-            host = np.ascontiguousarray(np.asarray(a)).reshape(-1).view(np.uint8)
-            lo = layout.offsets[i]
-            end = layout.offsets[i + 1] if i + 1 < len(arrays) else layout.total
-            buffer.data[lo : lo + host.size] = host
-            buffer.data[lo + host.size : end] = 0  # alignment padding
-            while (done + 1) * layout.bucket_bytes <= end:
-                buffer.fill(done)
-                done += 1
-        while done < layout.buckets:  # the tail (every bucket, with no arrays at all)
-            buffer.fill(done)
-            done += 1
-    except BaseException as e:  # noqa: BLE001 - its readers fail over
-        buffer.fail(e)
+    fill_from_pieces(buffer, ((i, 0, a) for i, a in enumerate(arrays)))
 
 
 def fetch(
@@ -800,18 +785,20 @@ def _in_layout_order(buffer: VersionBuffer, by_path: Mapping[str, Any]) -> list[
 
 
 def fill_from_pieces(
-    buffer: VersionBuffer, pieces: Iterator[tuple[int, int, np.ndarray]], crcs: Sequence[int]
+    buffer: VersionBuffer,
+    pieces: Iterator[tuple[int, int, Any]],
+    crcs: Sequence[int] | None = None,
 ) -> None:
-    """Fills ``buffer`` from whole arrays read in order in pieces (array index, byte offset in
-    it, data), each array checked against its CRC32C in ``crcs`` before the buckets holding it
-    are served (the root of a chain: what it serves is what was published). Marks the buffer
-    failed on any error."""
+    """Fills ``buffer`` from whole arrays written in order in pieces (array index, byte offset
+    in it, data), serving the buckets holding each array once it is whole; with ``crcs``, once
+    it also matches its CRC32C there (the root of a chain: what it serves is what was
+    published). Marks the buffer failed on any error."""
     layout = buffer.layout
     state = {"next": 0, "bucket": 0}  # the next array to complete; the next bucket to serve
 
     def complete(k: int) -> None:
         lo = layout.offsets[k]
-        if checksum(buffer.data[lo : lo + layout.nbytes(k)]) != crcs[k]:
+        if crcs is not None and checksum(buffer.data[lo : lo + layout.nbytes(k)]) != crcs[k]:
             raise DataLoss(f"version {buffer.version}: {layout.paths[k]} fails its checksum")
         end = layout.offsets[k + 1] if k + 1 < len(layout.paths) else layout.total
         buffer.data[lo + layout.nbytes(k) : end] = 0  # alignment padding

@@ -4,6 +4,7 @@ serves a damaged bucket mid-transfer is routed around without anything partial b
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -59,24 +60,39 @@ def servers():
         s.stop()
 
 
-def _chain(root: RelayServer, relays: list[RelayServer], version: int) -> list:
-    """Each relay fetches from the one before it (falling back to all before it, the root last),
-    all at once; returns each one's buffer or error."""
-    out: list = [None] * len(relays)
+def _at_once(calls: list) -> list:
+    """Runs every call on a thread of its own, all at once; each one's result or error."""
+    out: list = [None] * len(calls)
 
     def run(k: int) -> None:
-        sources = [r.endpoint for r in reversed(relays[:k])] + [root.endpoint]
         try:
-            out[k] = fetch(version, sources, relays[k], timeout_s=60)
+            out[k] = calls[k]()
         except Exception as e:  # noqa: BLE001 - checked by the test
             out[k] = e
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(relays))]
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(calls))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
     return out
+
+
+def _chain(root: RelayServer, relays: list[RelayServer], version: int) -> list:
+    """Each relay fetches from the one before it (falling back to all before it, the root last),
+    all at once; returns each one's buffer or error."""
+    return _at_once(
+        [
+            functools.partial(
+                fetch,
+                version,
+                [r.endpoint for r in reversed(relays[:k])] + [root.endpoint],
+                relays[k],
+                timeout_s=60,
+            )
+            for k in range(len(relays))
+        ]
+    )
 
 
 def test_a_chain_gets_the_version_exactly_and_the_publisher_sends_it_once(servers):
@@ -231,21 +247,20 @@ def _relayed(ps, tree, relay_server):
     return RelayedWeights(relay_server, shardings, PulledWeights(ps.client, shardings))
 
 
-def _fetch_all(sources: list, version: int) -> list:
-    out: list = [None] * len(sources)
-
-    def run(k: int) -> None:
-        try:
-            out[k] = sources[k].fetch(version)
-        except Exception as e:  # noqa: BLE001 - checked by the test
-            out[k] = e
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(sources))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+def _chain_of(ps, tree, relays, deltas: bool = True) -> list:
+    """A weight source per relay, as the controller wires workers: the worker before, then the
+    parameter server (relay_sources); with ``deltas``, at most 7 in a row."""
+    out = []
+    for k, r in enumerate(relays):
+        source = _relayed(ps, tree, r)
+        source.deltas = 8 if deltas else 0
+        source.sources = (*([relays[k - 1].endpoint] if k else []), ps.endpoint)
+        out.append(source)
     return out
+
+
+def _fetch_all(sources: list, version: int) -> list:
+    return _at_once([functools.partial(s.fetch, version) for s in sources])
 
 
 def _assert_tree_equal(got, want) -> None:
@@ -260,9 +275,7 @@ def test_workers_relay_a_published_version_the_parameter_server_reads_once(ps, s
     tree = _tree(0)
     ps.client.push(tree, 1)
     relays = [servers(appear_s=1) for _ in range(3)]
-    sources = [_relayed(ps, tree, r) for r in relays]
-    for k, s in enumerate(sources):  # the worker before, then the parameter server
-        s.sources = (*([relays[k - 1].endpoint] if k else []), ps.endpoint)
+    sources = _chain_of(ps, tree, relays, deltas=False)  # the worker before, then the server
     before = ps.store.bytes_served()
     for got in _fetch_all(sources, 1):
         assert not isinstance(got, Exception), got
@@ -288,9 +301,7 @@ def test_a_relaying_worker_killed_mid_transfer_leaves_the_next_one_whole(ps, ser
     ps.client.push(tree, 1)
     # The middle worker sends slowly, so it is cut while the last one reads from it.
     relays = [servers(appear_s=1), servers(egress_bytes_per_s=8e6, appear_s=1), servers(appear_s=1)]
-    sources = [_relayed(ps, tree, r) for r in relays]
-    for k, s in enumerate(sources):
-        s.sources = (*([relays[k - 1].endpoint] if k else []), ps.endpoint)
+    sources = _chain_of(ps, tree, relays, deltas=False)
     killed = threading.Event()
 
     def kill_when_passed_on() -> None:
@@ -346,16 +357,6 @@ def _changed(tree: dict, seed: int, fraction: float) -> dict:
         return out
 
     return jax.tree_util.tree_map(change, tree)
-
-
-def _chain_of(ps, tree, relays, deltas: bool = True) -> list:
-    out = []
-    for k, r in enumerate(relays):
-        source = _relayed(ps, tree, r)
-        source.deltas = 8 if deltas else 0
-        source.sources = (*([relays[k - 1].endpoint] if k else []), ps.endpoint)
-        out.append(source)
-    return out
 
 
 def test_a_version_travels_the_chain_as_a_delta_and_is_rebuilt_bitwise(servers):
