@@ -92,10 +92,21 @@ def started(env, run_dir: Path, *extra: str, after_step: int) -> subprocess.Pope
 
 
 def killed_at_random(env, run_dir: Path, *extra: str, after_step: int, seed: int) -> None:
-    """Starts a run and SIGKILLs it at a random moment after ``after_step`` steps are logged."""
+    """Starts a run and SIGKILLs it at a random moment after ``after_step`` steps are logged, and
+    before the next one is: a warm cache makes this small model's steps take well under a second,
+    and a fixed delay once landed after the last step (the resume then had nothing to resume)."""
     proc = started(env, run_dir, *extra, after_step=after_step)
+    next_logged = threading.Event()
+
+    def watch() -> None:
+        for line in proc.stdout:
+            if line.startswith(f"step {after_step + 1}/"):
+                next_logged.set()
+
+    reader = threading.Thread(target=watch, daemon=True)
+    reader.start()
     try:
-        time.sleep(random.Random(seed).uniform(0.0, 1.5))
+        next_logged.wait(timeout=random.Random(seed).uniform(0.0, 1.5))
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
