@@ -36,6 +36,7 @@ from rlax_tpu.config import RunConfig, diff, from_dict, to_dict
 from rlax_tpu.controller import groups as groups_lib
 from rlax_tpu.controller.components import Components
 from rlax_tpu.controller.episodes import EpisodeRunner, VerifierTools
+from rlax_tpu.controller.evaluation import BackgroundEvals, problems_at_once
 from rlax_tpu.controller.ledger import GroupState, Ledger
 from rlax_tpu.controller.pool import WorkerPool
 from rlax_tpu.controller.replay import REPLAY_DIR, ReplayFeed
@@ -47,7 +48,8 @@ from rlax_tpu.data.filters import prefilter
 from rlax_tpu.data.mixture import PromptMixture, PromptRef
 from rlax_tpu.data.problems import Problem
 from rlax_tpu.environments import environment
-from rlax_tpu.observability.metrics import MetricsWriter
+from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.observability.metrics import MetricsWriter, read_metrics
 from rlax_tpu.observability.progress import Progress
 from rlax_tpu.trainer import CorruptCheckpointError
 from rlax_tpu.types import Rollout
@@ -73,6 +75,7 @@ RESUMABLE_FIELDS = (
     "controller.auth_token_file",
     "controller.run_dir",
     "data.eval_every",
+    "data.eval_share",
     "data.data_dir",
     "inference.num_workers",
     "inference.address",
@@ -173,6 +176,8 @@ class Controller:
         self.version = 0
         self.step = 0
         self.evals: dict[int, dict[str, float]] = {}
+        self.background_evals = BackgroundEvals(self.evaluate_version)
+        self._evals_in_flight: list[int] = []  # a snapshot's, started again by resume_evals
         self._progress_stream = progress_stream
         self._jobs: dict[int, cf.Future] = {}  # deterministic: step -> verified groups
         self._verify_pool = cf.ThreadPoolExecutor(2, "verify")
@@ -205,7 +210,9 @@ class Controller:
             tools,
             self.prompter.tokenizer,
             env,
-            generate=lambda version, requests: self.pool.submit(version, requests).result(),
+            generate=lambda version, requests: self.pool.submit(
+                version, requests, counted=not _evaluating(requests)
+            ).result(),
             seed=self.cc.seed,
             max_new_tokens=self.config.inference.max_new_tokens,
             stop_token_ids=self.prompter.stop_token_ids,
@@ -295,11 +302,15 @@ class Controller:
         stream: str,
         answers: list[dict[str, Any]] | None = None,
         episodes: dict[str, int] | None = None,
+        version: int | None = None,
     ) -> dict[str, int]:
         """Samples accepted of ``k`` per (key, problem), generated with the current version;
         each sample's text and verdict are appended to ``answers`` if given. With ``episodes``
         (a dict to fill) and an environment, each sample is also played out as an episode and
-        ``episodes`` gets the episodes accepted at their last turn per key."""
+        ``episodes`` gets the episodes accepted at their last turn per key. ``version`` given:
+        generated with it, uncounted in the pool's load balance (beside training)."""
+        counted = version is None
+        version = self.version if version is None else version
         requests = [
             self.prompter.request(f"{stream}/{key}", p, num_samples=k, stream=stream)
             for key, p in problems
@@ -308,12 +319,12 @@ class Controller:
         if play:
             requests = [self.episodes.first_turn(r) for r in requests]
         by_key = {f"{stream}/{key}": (key, p) for key, p in problems}
-        rollouts = self.pool.submit(self.version, requests).result()
+        rollouts = self.pool.submit(version, requests, counted=counted).result()
         items = [(by_key[ro.prompt_id][1], ro) for ro in rollouts]
         verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
         played, finals = rollouts, verdicts
         if play:
-            played, finals, _, _ = self.episodes.run(self.version, items)
+            played, finals, _, _ = self.episodes.run(version, items)
         correct = {key: 0 for key, _ in problems}
         for ro, v, ep, final in zip(rollouts, verdicts, played, finals, strict=True):
             key, problem = by_key[ro.prompt_id]
@@ -354,6 +365,7 @@ class Controller:
             "buffered": {k: self._split[k][0] for k in self.buffered},
             "counters": dataclasses.asdict(self.counters),
             "evals": {str(v): m for v, m in self.evals.items()},
+            "evals_in_flight": self.background_evals.pending(),
             "done": self.step >= self.cc.num_steps,
         } | ({"replay": replay} if replay is not None else {})
 
@@ -477,6 +489,7 @@ class Controller:
         if self.replay is not None:
             self.replay.restore(p["replay"])
         self.evals = {int(v): dict(m) for v, m in p["evals"].items()}
+        self._evals_in_flight = [int(v) for v in p.get("evals_in_flight", [])]
 
     # ------------------------------------------------------------------ weights
     def ensure_versions(self, versions: Sequence[int]) -> None:
@@ -497,7 +510,9 @@ class Controller:
             self.c.trainer.restore(current)
 
     def lease(self, versions: Iterable[int]) -> None:
-        versions = list(versions)
+        """Leases ``versions`` and those still being evaluated (the parameter server keeps
+        them)."""
+        versions = [*versions, *self.background_evals.pending()]
         if not versions:
             return
         try:
@@ -604,19 +619,27 @@ class Controller:
         raise RuntimeError("1000 prompts in a row exceed inference.max_prompt_len")
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> dict[str, float]:
-        """Held-out pass@1 and pass@k (k = data.eval_samples) with the current version."""
+    def evaluate_version(self, version: int) -> dict[str, float]:
+        """Held-out pass@1 and pass@k (k = data.eval_samples) of ``version``, its problems sent
+        ``data.eval_share`` of the workers' slots at a time, uncounted in the pool's balance
+        (it runs beside training: controller/evaluation.py); {} without held-out problems."""
         problems = self.prompter.datasets.held_out
         if not problems:
             return {}
-        metrics = self.evaluate_problems(
+        inf = self.config.inference
+        return self.evaluate_problems(
             [(p.id, p) for p in problems],
-            self.run_dir / EVAL_DIR / f"version_{self.version:06d}.jsonl",
+            self.run_dir / EVAL_DIR / f"version_{version:06d}.jsonl",
             stream="eval",
+            chunk=problems_at_once(
+                self.config.data.eval_share,
+                len(self.pool.workers),
+                inf.max_concurrent_seqs,
+                self.config.data.eval_samples,
+            ),
+            version=version,
+            quiet=True,
         )
-        self.evals[self.version] = metrics
-        self.counters.last_eval_version = self.version
-        return metrics
 
     def evaluate_problems(
         self,
@@ -625,12 +648,16 @@ class Controller:
         *,
         stream: str,
         chunk: int = 0,
+        version: int | None = None,
+        quiet: bool = False,
     ) -> dict[str, float]:
-        """pass@1 and pass@k (k = data.eval_samples) of ``(key, problem)`` pairs with the
-        current version; every sample's text and verdict go to ``answers_file`` (JSON lines), so
-        a run's answers can be read and compared across versions. Prompts longer than the
-        workers take are left out (``eval/problems`` counts the rest). ``chunk`` > 0 sends that
-        many problems at a time and reports progress after each."""
+        """pass@1 and pass@k (k = data.eval_samples) of ``(key, problem)`` pairs with
+        ``version`` (default the current one); every sample's text and verdict go to
+        ``answers_file`` (JSON lines), so a run's answers can be read and compared across
+        versions. Prompts longer than the workers take are left out (``eval/problems`` counts
+        the rest). ``chunk`` > 0 sends that many problems at a time and, unless ``quiet``,
+        reports progress after each. With ``version`` given the requests do not count in the
+        pool's load balance (an evaluation beside training)."""
         k = self.config.data.eval_samples
         t0 = time.perf_counter()
         fitting = [(key, p) for key, p in problems if self.prompter.fits(p)]
@@ -646,9 +673,9 @@ class Controller:
         for start in range(0, len(fitting), size):
             part = fitting[start : start + size]
             counts += self._pass_counts(
-                part, k, stream=stream, answers=answers, episodes=episodes
+                part, k, stream=stream, answers=answers, episodes=episodes, version=version
             ).values()
-            if chunk > 0:
+            if chunk > 0 and not quiet:
                 done = start + len(part)
                 self._event(
                     f"  {done}/{len(fitting)} problems, pass@1 so far "
@@ -848,8 +875,8 @@ class Controller:
         while self.step < n:
             s = self.step
             t_wait0 = time.perf_counter()
-            if self._eval_due():
-                self._log_eval(metrics, progress)
+            self.start_eval_if_due()
+            self.log_evals(metrics, progress)
             launch_until = min(n - 1, s + self.policy.pipeline_depth)
             for t in range(s, launch_until + 1):
                 if t not in self._jobs and t not in buffered_by_step:
@@ -874,8 +901,8 @@ class Controller:
             if trained is None:  # skipped: step s is drawn again
                 continue
             self._log(metrics, progress, scalars | trained | {"time/wait": wait_s}, hist)
-        if self._eval_due():
-            self._log_eval(metrics, progress)
+        self.start_eval_if_due()
+        self.log_evals(metrics, progress, wait=True)
         self.snapshot()
 
     def _log(self, metrics: MetricsWriter, progress: Progress, scalars: dict, hist: dict) -> None:
@@ -891,18 +918,52 @@ class Controller:
                 },
             )
 
-    def _log_eval(self, metrics: MetricsWriter, progress: Progress) -> None:
-        m = self.evaluate()
-        if m:
-            metrics.write(self.version, m)
+    def start_eval_if_due(self) -> None:
+        """Starts the evaluation of the current version if one is due; it runs beside
+        training (``log_evals`` takes it when done)."""
+        if self._eval_due():
+            self.counters.last_eval_version = self.version
+            self.background_evals.start(self.version)
+
+    def log_evals(self, metrics: MetricsWriter, progress: Progress, *, wait: bool = False) -> None:
+        """Logs the evaluations that finished, each against its version; ``wait``: every one
+        started, after it finished."""
+        for version, m in self.background_evals.take_done(wait=wait):
+            if not m:
+                continue
+            self.evals[version] = m
+            metrics.write(version, m)
             k = self.config.data.eval_samples
             more = f", pass@{k} {m[f'eval/pass@{k}']:.3f}" if k > 1 else ""
             if "eval/episode_pass@1" in m:
                 more += f", after the episode {m['eval/episode_pass@1']:.3f}"
             progress.message(
-                f"eval at version {self.version}: held-out pass@1 {m['eval/pass@1']:.3f}{more} "
+                f"eval at version {version}: held-out pass@1 {m['eval/pass@1']:.3f}{more} "
                 f"on {int(m['eval/problems'])} problems"
             )
+
+    def resume_evals(self) -> None:
+        """Evaluations a killed run had in flight: a result its metrics hold is taken as it
+        was logged, the others started again (their versions republished if the parameter
+        server lost them; one whose checkpoint is gone is skipped with a warning)."""
+        if not self._evals_in_flight:
+            return
+        logged = {
+            r["step"]: r["scalars"]
+            for r in read_metrics(self.run_dir)
+            if any(k.startswith("eval/pass@") for k in r["scalars"])
+        }
+        for version in self._evals_in_flight:
+            if version in logged:
+                self.evals[version] = logged[version]
+                continue
+            try:
+                self.ensure_versions([version])
+            except Exception as e:  # noqa: BLE001 - an evaluation is not worth the run
+                self._warn(f"the evaluation of version {version} is lost ({e})")
+                continue
+            self.background_evals.start(version)
+        self._evals_in_flight = []
 
     # ------------------------------------------------------------------ entry
     def run(self) -> RunSummary:
@@ -922,6 +983,8 @@ class Controller:
             stream=self._progress_stream,
             fields={"reward": ".3f", "tok/s": ".0f", "stale": ".0f", "train s": ".2f"},
         )
+        if resumed:
+            self.resume_evals()  # before the writer marks the resume (it reads the metrics)
         metrics = MetricsWriter(self.run_dir, resume_after_step=self.step if resumed else None)
         try:
             if self.cc.mode == "deterministic":
@@ -939,6 +1002,7 @@ class Controller:
     def close(self) -> None:
         """Stops the controller's own threads (generation and verification jobs)."""
         self.pool.close()
+        self.background_evals.close()
         self._verify_pool.shutdown(wait=False, cancel_futures=True)
         if self.episodes is not None:
             self.episodes.close()
@@ -960,6 +1024,11 @@ class Controller:
             wall_s=time.perf_counter() - t0,
             publish_to_serve_s=list(self.publish_to_serve),
         )
+
+
+def _evaluating(requests: Sequence[Request]) -> bool:
+    """Requests of a held-out evaluation (its stream's keys), which run beside training."""
+    return any(r.prompt_id.startswith(f"{EVAL_DIR}/") for r in requests)
 
 
 def _turns(rollout: Rollout) -> int:

@@ -103,8 +103,12 @@ class WorkerPool:
         with self._lock:
             return [i for i in range(len(self.workers)) if i not in self._down]
 
-    def submit(self, version: int, requests: Sequence[Request]) -> cf.Future[list[Rollout]]:
-        """Generates every request with weights ``version``; the future holds all rollouts."""
+    def submit(
+        self, version: int, requests: Sequence[Request], *, counted: bool = True
+    ) -> cf.Future[list[Rollout]]:
+        """Generates every request with weights ``version``; the future holds all rollouts.
+        ``counted`` False: the requests do not count in the load balance (evaluations beside
+        training: where training's requests go must not depend on when they finish)."""
         self._probe_down()
         live = self.live or list(range(len(self.workers)))
         shares: dict[int, list[Request]] = {i: [] for i in live}
@@ -118,9 +122,9 @@ class WorkerPool:
                         while len(self._sessions) > _SESSIONS:
                             self._sessions.popitem(last=False)
                 shares[i].append(r)
-                self._outstanding[i] += 1
-        futures = {i: self._start(i, version, reqs) for i, reqs in shares.items() if reqs}
-        return self._coordinator.submit(self._gather, version, futures)
+                self._outstanding[i] += int(counted)
+        futures = {i: self._start(i, version, reqs, counted) for i, reqs in shares.items() if reqs}
+        return self._coordinator.submit(self._gather, version, futures, counted)
 
     def _least_loaded(self, live: list[int]) -> int:
         """The live worker with the fewest groups outstanding; ties go round-robin (a job of
@@ -131,14 +135,16 @@ class WorkerPool:
         self._rotation = (live.index(i) + 1) % n
         return i
 
-    def _start(self, i: int, version: int, requests: list[Request]) -> cf.Future:
+    def _start(
+        self, i: int, version: int, requests: list[Request], counted: bool = True
+    ) -> cf.Future:
         if self.continue_on_reload:
             fut = self._threads.submit(self._run_continuing, i, version, requests)
         else:
             ticket = self._epochs[i].join(version)
             self._stage_ahead(i, version)
             fut = self._threads.submit(self._run_in_epoch, i, ticket, version, requests)
-        groups = len(requests)
+        groups = len(requests) if counted else 0
         fut.add_done_callback(lambda _: self._returned(i, groups))
         return fut
 
@@ -241,7 +247,9 @@ class WorkerPool:
             out, self._times = self._times, dict.fromkeys(self._times, 0.0)
         return out
 
-    def _gather(self, version: int, futures: dict[int, cf.Future]) -> list[Rollout]:
+    def _gather(
+        self, version: int, futures: dict[int, cf.Future], counted: bool = True
+    ) -> list[Rollout]:
         out: list[Rollout] = []
         pending = collections.deque(futures.items())  # (worker, future); a worker may recur
         deadline = time.monotonic() + self.retry_s
@@ -265,8 +273,8 @@ class WorkerPool:
                     f"reassigning {len(reqs)} prompt groups from {self.names[i]} to {self.names[j]}"
                 )
             with self._lock:
-                self._outstanding[j] += len(reqs)
-            pending.append((j, self._start(j, version, reqs)))
+                self._outstanding[j] += len(reqs) if counted else 0
+            pending.append((j, self._start(j, version, reqs, counted)))
         return out
 
     def _run(

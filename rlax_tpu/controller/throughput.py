@@ -65,8 +65,10 @@ class Controller(Protocol):
     def learnable(self, result: GroupResult) -> bool: ...
     def issue(self, n: int, *, step: int = -1) -> list[PromptRef]: ...
     def ensure_versions(self, versions: Sequence[int]) -> None: ...
-    def _eval_due(self) -> bool: ...
-    def _log_eval(self, metrics: MetricsWriter, progress: Progress) -> None: ...
+    def start_eval_if_due(self) -> None: ...
+    def log_evals(
+        self, metrics: MetricsWriter, progress: Progress, *, wait: bool = False
+    ) -> None: ...
     def _log(
         self, metrics: MetricsWriter, progress: Progress, scalars: dict, hist: dict
     ) -> None: ...
@@ -106,8 +108,8 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
     filtered = 0  # groups dynamic sampling dropped since the last update
     give_up = (1 + cc.refill_rounds) * batch
     while ctl.step < n:
-        if ctl._eval_due():
-            ctl._log_eval(metrics, progress)
+        ctl.start_eval_if_due()  # runs beside training
+        ctl.log_evals(metrics, progress)
         v = ctl.version
         w = policy.reload_point(v)
         in_flight = sum(jobs.values())
@@ -163,8 +165,8 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
             continue
         scalars |= trained | {"time/wait": wait_s, "groups/queued": float(queued)}
         ctl._log(metrics, progress, scalars, hist)
-    if ctl._eval_due():
-        ctl._log_eval(metrics, progress)
+    ctl.start_eval_if_due()
+    ctl.log_evals(metrics, progress, wait=True)
     ctl.snapshot()
 
 

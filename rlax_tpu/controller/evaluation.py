@@ -1,0 +1,67 @@
+"""Held-out evaluations beside training: started when due, logged against their version when done.
+
+An evaluation of version v no longer stops the controller: it is started (``start``) and runs on
+its own thread, one evaluation after another in version order, while the controller goes on
+issuing, consuming and training; the controller takes finished ones (``take_done``) between
+steps and logs each against v. Its generation goes through the same worker pool as training
+(its requests are not counted in the pool's load balance, so training's assignment of requests
+to workers stays what it was) in chunks of at most ``data.eval_share`` of the workers' sequence
+slots, so training keeps the rest. Versions still being evaluated stay leased.
+
+A run killed with evaluations in flight lists them in its snapshot (``pending``); the resumed run
+takes a result its metrics already hold, and evaluates the others again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import threading
+from collections.abc import Callable
+
+
+def problems_at_once(share: float, workers: int, slots: int, samples: int) -> int:
+    """Held-out problems an evaluation sends at a time: ``share`` of every worker's ``slots``
+    sequence slots, at ``samples`` sequences a problem (at least one problem)."""
+    return max(1, math.floor(share * workers * slots / samples))
+
+
+class BackgroundEvals:
+    """Evaluations of versions by ``evaluate(version) -> metrics``, one thread, version order."""
+
+    def __init__(self, evaluate: Callable[[int], dict[str, float]]):
+        self._evaluate = evaluate
+        self._executor = cf.ThreadPoolExecutor(1, "eval")
+        self._running: dict[int, cf.Future[dict[str, float]]] = {}
+        self._lock = threading.Lock()
+
+    def start(self, version: int) -> None:
+        with self._lock:
+            if version not in self._running:
+                self._running[version] = self._executor.submit(self._evaluate, version)
+
+    def pending(self) -> list[int]:
+        """Versions started and not yet taken, ascending."""
+        with self._lock:
+            return sorted(self._running)
+
+    def take_done(self, *, wait: bool = False) -> list[tuple[int, dict[str, float]]]:
+        """(version, metrics) of the finished evaluations, ascending, each once; ``wait``: of
+        every one started. An evaluation that failed raises here."""
+        with self._lock:
+            running = dict(self._running)
+        if wait:
+            cf.wait(list(running.values()))
+        out = []
+        for version in sorted(running):
+            fut = running[version]
+            if not fut.done():
+                continue
+            metrics = fut.result()
+            with self._lock:
+                del self._running[version]
+            out.append((version, metrics))
+        return out
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
