@@ -45,23 +45,33 @@ class BackgroundEvals:
         with self._lock:
             return sorted(self._running)
 
+    def wait(self) -> None:
+        """Returns once every evaluation started has finished (or failed)."""
+        with self._lock:
+            running = list(self._running.values())
+        cf.wait(running)
+
     def take_done(self, *, wait: bool = False) -> list[tuple[int, dict[str, float]]]:
         """(version, metrics) of the finished evaluations, ascending, each once; ``wait``: of
-        every one started. An evaluation that failed raises here."""
+        every one started. An evaluation that failed raises here, once the ones before it
+        were taken (it stays, and raises again)."""
+        if wait:
+            self.wait()
         with self._lock:
             running = dict(self._running)
-        if wait:
-            cf.wait(list(running.values()))
         out = []
         for version in sorted(running):
             fut = running[version]
             if not fut.done():
                 continue
+            if fut.exception() is not None and out:
+                break  # the finished ones first; this one raises at the next call
             metrics = fut.result()
             with self._lock:
                 del self._running[version]
             out.append((version, metrics))
         return out
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    def close(self, *, wait: bool = False) -> None:
+        """Cancels evaluations not started; ``wait``: also waits for the running one."""
+        self._executor.shutdown(wait=wait, cancel_futures=True)

@@ -45,7 +45,8 @@ class DeviceHandoff:
         self._held: dict[int, Any] = {}  # version -> the published tree (jax arrays)
         self._queue: list[tuple[int, Any]] = []  # copies to the parameter server, in order
         self._copying: int | None = None  # the version the thread is copying
-        self._after: Callable[[], Any] | None = None  # run once no copy is pending (a lease)
+        # key -> a call run once no copy is pending (a consumer's lease)
+        self._after: dict[str, Callable[[], Any]] = {}
         self._failed: dict[int, BaseException] = {}  # version -> why its copy failed
         self._closed = False
         self._cond = threading.Condition()
@@ -91,14 +92,20 @@ class DeviceHandoff:
     def _pending(self) -> set[int]:
         return {v for v, _ in self._queue} | ({self._copying} - {None})
 
-    def after_copies(self, call: Callable[[], Any]) -> None:
+    def after_copies(self, call: Callable[[], Any], *, key: str = "") -> None:
         """Runs ``call`` once every version pushed so far is on the parameter server (at once if
-        none is pending); a later call replaces one still waiting. Its failure is logged."""
+        none is pending); a later call of the same ``key`` replaces one still waiting. Its
+        failure is logged."""
         with self._cond:
             if self._pending():
-                self._after = call
+                self._after[key] = call
                 return
         _logged(call)
+
+    def drop_after(self, key: str) -> None:
+        """Forgets the call of ``key`` still waiting for copies (a newer one replaced it)."""
+        with self._cond:
+            self._after.pop(key, None)
 
     def held(self) -> list[int]:
         with self._cond:
@@ -134,8 +141,8 @@ class DeviceHandoff:
             while True:  # the deferred call runs before the copy counts as done (flush waits)
                 with self._cond:
                     after = None
-                    if failure is None and not self._queue and self._after is not None:
-                        after, self._after = self._after, None
+                    if failure is None and not self._queue and self._after:
+                        after = self._after.pop(next(iter(self._after)))
                     else:
                         self._copying = None
                         self.counts["copies"] += failure is None
@@ -204,11 +211,14 @@ class FlushedPort:
         leased with the rest once their copies land, the others at once."""
         pending = self.handoff.pending()
         ready = [v for v in versions if v not in pending]
-        out = self.param_server.lease(consumer, ready, ttl_s) if ready else ttl_s
+        # An empty set releases the consumer's lease: passed on as it is.
+        out = self.param_server.lease(consumer, ready, ttl_s) if ready or not versions else ttl_s
         if len(ready) < len(versions):  # after the partial lease: the whole set lands last
             self.handoff.after_copies(
-                lambda: self.param_server.lease(consumer, list(versions), ttl_s)
+                lambda: self.param_server.lease(consumer, list(versions), ttl_s), key=consumer
             )
+        else:  # this set replaces one still waiting for its copies
+            self.handoff.drop_after(consumer)
         return out
 
 

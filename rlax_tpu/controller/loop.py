@@ -94,6 +94,7 @@ class IncompatibleResume(ValueError):
 
 
 PREFILTER_FILE = "prefilter.json"
+EVAL_LEASE = "evaluation"  # the parameter-server consumer an evaluation beside training leases as
 EVAL_DIR = "eval"  # <run_dir>/eval/version_<v>.jsonl: every held-out sample of the eval at v
 
 
@@ -497,26 +498,39 @@ class Controller:
         checkpoints if the server lost it)."""
         hot, _ = self.c.param_server.list_versions()
         have = {v.version for v in hot}
-        missing = sorted(set(versions) - have)
+        # With the evaluations a resumed run starts again: one ascending pass (the server
+        # takes only versions newer than its newest).
+        missing = sorted((set(versions) | set(self._evals_in_flight)) - have)
         if not missing:
+            self._restart_evals()
             return
         current = at = self.c.trainer.status().step
-        for v in missing:  # ascending: the server takes only versions newer than its newest
-            self._event(f"publishing version {v} (the parameter server does not have it)")
-            if v != at:
-                at = self.c.trainer.restore(v)
-            self.c.trainer.publish()
-        if at != current:
-            self.c.trainer.restore(current)
+        try:
+            for v in missing:
+                self._event(f"publishing version {v} (the parameter server does not have it)")
+                if v != at:
+                    at = self.c.trainer.restore(v)
+                self.c.trainer.publish()
+        finally:  # the trainer goes on from its own version whatever failed
+            if at != current:
+                self.c.trainer.restore(current)
+        self._restart_evals()
 
-    def lease(self, versions: Iterable[int]) -> None:
-        """Leases ``versions`` and those still being evaluated (the parameter server keeps
-        them)."""
-        versions = [*versions, *self.background_evals.pending()]
-        if not versions:
+    def _restart_evals(self) -> None:
+        """Starts the evaluations a resumed run had in flight (``resume_evals`` kept those its
+        metrics did not hold), once ``ensure_versions`` republished their versions."""
+        for version in self._evals_in_flight:
+            self.background_evals.start(version)
+        self._evals_in_flight = []
+
+    def lease(self, versions: Iterable[int], *, consumer: str = "controller") -> None:
+        """Has the parameter server keep ``versions`` for ``consumer`` (replacing its set;
+        an evaluation beside training holds its version as "evaluation")."""
+        versions = list(versions)
+        if not versions and consumer == "controller":
             return
         try:
-            self.c.param_server.lease("controller", sorted(set(versions)))
+            self.c.param_server.lease(consumer, sorted(set(versions)))
         except Exception as e:  # a lease is an optimization of GC, not needed for correctness
             self._warn(f"leasing versions {sorted(set(versions))} failed: {e}")
 
@@ -627,19 +641,25 @@ class Controller:
         if not problems:
             return {}
         inf = self.config.inference
-        return self.evaluate_problems(
-            [(p.id, p) for p in problems],
-            self.run_dir / EVAL_DIR / f"version_{version:06d}.jsonl",
-            stream="eval",
-            chunk=problems_at_once(
-                self.config.data.eval_share,
-                len(self.pool.workers),
-                inf.max_concurrent_seqs,
-                self.config.data.eval_samples,
-            ),
-            version=version,
-            quiet=True,
-        )
+        # Its own lease, released when it ends: the controller's lease set is replaced every
+        # step, and a version held for an evaluation must not wait for the next one.
+        self.lease([version], consumer=EVAL_LEASE)
+        try:
+            return self.evaluate_problems(
+                [(p.id, p) for p in problems],
+                self.run_dir / EVAL_DIR / f"version_{version:06d}.jsonl",
+                stream="eval",
+                chunk=problems_at_once(
+                    self.config.data.eval_share,
+                    len(self.pool.workers),
+                    inf.max_concurrent_seqs,
+                    self.config.data.eval_samples,
+                ),
+                version=version,
+                quiet=True,
+            )
+        finally:
+            self.lease([], consumer=EVAL_LEASE)
 
     def evaluate_problems(
         self,
@@ -924,6 +944,10 @@ class Controller:
         if self._eval_due():
             self.counters.last_eval_version = self.version
             self.background_evals.start(self.version)
+            if self.config.inference.continue_on_reload:
+                # A newer job reloads a worker under running ones (partial rollouts): an
+                # evaluation beside training would sample from weights other than its own.
+                self.background_evals.wait()
 
     def log_evals(self, metrics: MetricsWriter, progress: Progress, *, wait: bool = False) -> None:
         """Logs the evaluations that finished, each against its version; ``wait``: every one
@@ -944,8 +968,9 @@ class Controller:
 
     def resume_evals(self) -> None:
         """Evaluations a killed run had in flight: a result its metrics hold is taken as it
-        was logged, the others started again (their versions republished if the parameter
-        server lost them; one whose checkpoint is gone is skipped with a warning)."""
+        was logged; the others are started again by the first ``ensure_versions`` (which
+        republishes their versions with the run's own, in one ascending pass); one whose
+        version is neither on the parameter server nor in a trainer checkpoint is named lost."""
         if not self._evals_in_flight:
             return
         logged = {
@@ -953,17 +978,20 @@ class Controller:
             for r in read_metrics(self.run_dir)
             if any(k.startswith("eval/pass@") for k in r["scalars"])
         }
+        hot, _ = self.c.param_server.list_versions()
+        available = {v.version for v in hot} | set(self.c.trainer.status().checkpoint_steps)
+        again = []
         for version in self._evals_in_flight:
             if version in logged:
                 self.evals[version] = logged[version]
-                continue
-            try:
-                self.ensure_versions([version])
-            except Exception as e:  # noqa: BLE001 - an evaluation is not worth the run
-                self._warn(f"the evaluation of version {version} is lost ({e})")
-                continue
-            self.background_evals.start(version)
-        self._evals_in_flight = []
+            elif version in available:
+                again.append(version)
+            else:
+                self._warn(
+                    f"the evaluation of version {version} is lost (no trainer checkpoint or "
+                    "parameter-server copy of it is left)"
+                )
+        self._evals_in_flight = again
 
     # ------------------------------------------------------------------ entry
     def run(self) -> RunSummary:
@@ -1011,6 +1039,7 @@ class Controller:
         """Waits for this controller's generation and verification calls still running (after a
         failure), so a controller that takes over does not share the workers with them."""
         self.pool.close(wait=True)
+        self.background_evals.close(wait=True)
         self._verify_pool.shutdown(wait=True, cancel_futures=True)
 
     def _summary(self, t0: float, *, already_finished: bool) -> RunSummary:

@@ -91,7 +91,11 @@ class WorkerPool:
         self._outstanding = [0] * len(workers)  # groups given to each worker, not yet back
         self._rotation = 0  # where the search for the least-loaded worker starts
         self.generated_tokens = 0
-        self._times = {"load_s": 0.0, "loads": 0.0, "generate_s": 0.0, "calls": 0.0, "groups": 0.0}
+        self._times = dict.fromkeys(
+            ("load_s", "loads", "generate_s", "calls", "groups")
+            + ("eval_generate_s", "eval_calls", "eval_loads"),  # evaluations beside training
+            0.0,
+        )
         # Set by close(): a job waiting for a worker to come back gives up at once (a stopped
         # controller must not outlive its SIGTERM by the retry window).
         self._closing = threading.Event()
@@ -112,26 +116,29 @@ class WorkerPool:
         self._probe_down()
         live = self.live or list(range(len(self.workers)))
         shares: dict[int, list[Request]] = {i: [] for i in live}
+        extra = [0] * len(self.workers)  # uncounted requests still spread over the workers
         with self._lock:
             for r in requests:
                 i = self._sessions.get(r.session) if r.session else None
                 if i not in shares:
-                    i = self._least_loaded(live)
+                    i = self._least_loaded(live, extra)
                     if r.session:
                         self._sessions[r.session] = i
                         while len(self._sessions) > _SESSIONS:
                             self._sessions.popitem(last=False)
                 shares[i].append(r)
                 self._outstanding[i] += int(counted)
+                extra[i] += int(not counted)
         futures = {i: self._start(i, version, reqs, counted) for i, reqs in shares.items() if reqs}
         return self._coordinator.submit(self._gather, version, futures, counted)
 
-    def _least_loaded(self, live: list[int]) -> int:
-        """The live worker with the fewest groups outstanding; ties go round-robin (a job of
-        fewer groups than workers does not always land on the first ones). Holds _lock."""
+    def _least_loaded(self, live: list[int], extra: Sequence[int] | None = None) -> int:
+        """The live worker with the fewest groups outstanding (plus ``extra``: this job's
+        uncounted ones); ties go round-robin (a job of fewer groups than workers does not
+        always land on the first ones). Holds _lock."""
         n = len(live)
         order = [live[(self._rotation + j) % n] for j in range(n)]
-        i = min(order, key=lambda w: self._outstanding[w])
+        i = min(order, key=lambda w: self._outstanding[w] + (extra[w] if extra else 0))
         self._rotation = (live.index(i) + 1) % n
         return i
 
@@ -139,11 +146,11 @@ class WorkerPool:
         self, i: int, version: int, requests: list[Request], counted: bool = True
     ) -> cf.Future:
         if self.continue_on_reload:
-            fut = self._threads.submit(self._run_continuing, i, version, requests)
+            fut = self._threads.submit(self._run_continuing, i, version, requests, counted)
         else:
             ticket = self._epochs[i].join(version)
             self._stage_ahead(i, version)
-            fut = self._threads.submit(self._run_in_epoch, i, ticket, version, requests)
+            fut = self._threads.submit(self._run_in_epoch, i, ticket, version, requests, counted)
         groups = len(requests) if counted else 0
         fut.add_done_callback(lambda _: self._returned(i, groups))
         return fut
@@ -170,22 +177,22 @@ class WorkerPool:
             self._outstanding[i] -= groups
 
     def _run_continuing(
-        self, i: int, version: int, requests: list[Request]
+        self, i: int, version: int, requests: list[Request], counted: bool = True
     ) -> tuple[list[Request], list[Rollout], Exception | None]:
         with self._epochs[i].load_lock:
             held = self._held[i]
             if held is None or held < version:
                 try:
-                    self._load(i, version)
+                    self._load(i, version, counted)
                 except Exception as e:
                     self._held[i] = None
                     return self._fail(i, requests, [], e)
                 self._held[i] = version
         # No version pinned: a newer job may reload the worker while this one runs.
-        return self._run(i, None, requests)
+        return self._run(i, None, requests, counted)
 
     def _run_in_epoch(
-        self, i: int, ticket: int, version: int, requests: list[Request]
+        self, i: int, ticket: int, version: int, requests: list[Request], counted: bool = True
     ) -> tuple[list[Request], list[Rollout], Exception | None]:
         epochs = self._epochs[i]
         epochs.wait_turn(ticket)
@@ -193,19 +200,22 @@ class WorkerPool:
             with epochs.load_lock:  # the epoch's first job loads its weights, the others wait
                 if self._held[i] != version:
                     try:
-                        self._load(i, version)
+                        self._load(i, version, counted)
                     except Exception as e:
                         self._held[i] = None
                         return self._fail(i, requests, [], e)
                     self._held[i] = version
-            return self._run(i, version, requests)
+            return self._run(i, version, requests, counted)
         finally:
             epochs.leave(ticket)
 
-    def _load(self, i: int, version: int) -> None:
+    def _load(self, i: int, version: int, counted: bool = True) -> None:
         t0 = time.perf_counter()
         self.workers[i].load_weights(version)
-        self._count(load_s=time.perf_counter() - t0, loads=1.0)
+        if counted:
+            self._count(load_s=time.perf_counter() - t0, loads=1.0)
+        else:
+            self._count(eval_loads=1.0)
         self._served(i, version)
 
     def published(self, version: int, seconds_ago: float = 0.0) -> None:
@@ -242,7 +252,8 @@ class WorkerPool:
         """Since the last call: seconds the workers spent loading weights (``load_s``, over
         ``loads`` loads) and generating (``generate_s``, summed over workers, in ``calls``
         generation calls, each a worker's share of a job, for ``groups`` finished groups). The
-        planner calibrates its costs on them."""
+        planner calibrates its costs on them. Evaluations beside training (uncounted jobs) apart:
+        ``eval_generate_s`` over ``eval_calls`` calls and ``eval_loads`` loads."""
         with self._lock:
             out, self._times = self._times, dict.fromkeys(self._times, 0.0)
         return out
@@ -278,9 +289,10 @@ class WorkerPool:
         return out
 
     def _run(
-        self, i: int, version: int | None, requests: list[Request]
+        self, i: int, version: int | None, requests: list[Request], counted: bool = True
     ) -> tuple[list[Request], list[Rollout], Exception | None]:
-        """(requests not finished, rollouts of the finished ones, the error if the worker failed)."""
+        """(requests not finished, rollouts of the finished ones, the error if the worker failed).
+        Uncounted jobs' seconds go to ``eval_generate_s`` and ``eval_calls``."""
         worker = self.workers[i]
         done: list[Rollout] = []
         todo = list(requests)
@@ -290,7 +302,11 @@ class WorkerPool:
                 t0 = time.perf_counter()
                 for ro in worker.generate(todo, version=version):
                     by_key[ro.prompt_id].append(ro)
-                self._count(generate_s=time.perf_counter() - t0, calls=1.0)
+                seconds = time.perf_counter() - t0
+                if counted:
+                    self._count(generate_s=seconds, calls=1.0)
+                else:
+                    self._count(eval_generate_s=seconds, eval_calls=1.0)
                 again = []
                 for r in todo:
                     got = by_key[r.prompt_id]
@@ -300,7 +316,7 @@ class WorkerPool:
                         done += got
                         with self._lock:
                             self.generated_tokens += sum(len(ro.tokens) for ro in got)
-                            self._times["groups"] += 1
+                            self._times["groups"] += counted
                 todo = again
                 if not todo:
                     return [], done, None

@@ -110,13 +110,15 @@ class Measured:
 def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measured:
     """The pieces of the run in ``run_dir`` (made with ``config``'s batch shape). Raises
     ValueError when it has too few steps or was not in deterministic mode."""
-    records, evaluated, pending = [], [], False  # evaluated[i]: an evaluation before record i
+    # evaluated[i]: an evaluation before record i, or generating during its step
+    records, evaluated, pending = [], [], False
     for r in read_metrics(run_dir):
         scalars = r.get("scalars", {})
         pending = pending or "time/eval" in scalars
         if "time/train" in scalars:
             records.append(r)
-            evaluated.append(pending)
+            # An evaluation beside training shared the workers during this step.
+            evaluated.append(pending or scalars.get("pool/eval_calls", 0.0) > 0)
             pending = False
     steps = [r["scalars"] for r in records]
     if not steps:

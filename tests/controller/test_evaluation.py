@@ -6,10 +6,16 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
+import jax
 import pytest
 
+from rlax_tpu import models
+from rlax_tpu.controller.app import build_prompter
+from rlax_tpu.controller.components import build_local
 from rlax_tpu.controller.evaluation import BackgroundEvals, problems_at_once
+from rlax_tpu.controller.loop import Controller
 from rlax_tpu.observability.metrics import read_metrics
 from tests.controller.test_scheduling import make_config, run_controller
 
@@ -113,16 +119,52 @@ def _records(run_dir):
         return []
 
 
-def test_a_resume_takes_logged_results_and_names_an_evaluation_it_cannot_run(tmp_path):
-    """``resume_evals`` with a snapshot's in-flight list [0, 1, 2]: versions 0 and 1 were
-    logged before the kill and are taken from the metrics (not evaluated again, not logged
-    twice); version 2 has no checkpoint to republish it from, and is named as lost."""
-    config = make_config(tmp_path, mode="deterministic", num_steps=1)
+def test_a_resume_takes_logged_results_restarts_the_rest_and_names_one_it_cannot_run(tmp_path):
+    """A second controller on the finished run's components and directory (as a resumed one),
+    its snapshot's in-flight list set to [0, 1, 2, 7] where the metrics hold versions 0 and 1:
+    those are taken as logged (not evaluated again, not logged twice); 2 is started again by
+    the first ensure_versions and evaluated; 7 is neither on the parameter server nor in a
+    checkpoint, and is named lost."""
+    config = make_config(tmp_path, mode="deterministic", num_steps=2)
+    run_dir = Path(config.controller.run_dir)
+    prompter = build_prompter(config, run_dir)
+    comps = build_local(
+        config,
+        model=models.load_model(config.model),
+        eos_ids=prompter.tokenizer.stop_ids,
+        run_dir=run_dir,
+        trainer_devices=jax.devices()[:1],
+    )
     events: list[str] = []
-    ctl = run_controller(config, lambda comps: None, on_event=events.append)
-    logged = dict(ctl.evals)
-    assert sorted(logged) == [0, 1]
-    ctl.evals, ctl._evals_in_flight = {}, [0, 1, 2]
-    ctl.resume_evals()
-    assert ctl.evals == logged and ctl.background_evals.pending() == []
-    assert any("the evaluation of version 2 is lost" in e for e in events), events
+    try:
+        first = Controller(config, comps, prompter, run_dir=run_dir, on_event=lambda t: None)
+        first.run()
+        logged = dict(first.evals)
+        assert sorted(logged) == [0, 2]
+        again = Controller(config, comps, prompter, run_dir=run_dir, on_event=events.append)
+        try:
+            assert again.restore()
+            again.evals, again._evals_in_flight = {}, [0, 2, 7]
+            metrics_before = len(read_metrics(run_dir))
+            again.resume_evals()
+            assert again.evals == {0: logged[0], 2: logged[2]}
+            assert any("the evaluation of version 7 is lost" in e for e in events), events
+            assert again._evals_in_flight == []  # 0 and 2 logged, 7 lost: nothing to start
+            again._evals_in_flight = [1]
+            again.ensure_versions([2])
+            assert again._evals_in_flight == [] and again.background_evals.pending() == [1]
+            [(version, result)] = again.background_evals.take_done(wait=True)
+            assert version == 1 and result["eval/problems"] == logged[0]["eval/problems"]
+            assert (run_dir / "eval" / "version_000001.jsonl").exists()
+            assert len(read_metrics(run_dir)) == metrics_before  # logged by log_evals only
+        finally:
+            again.close()
+    finally:
+        comps.close()
+
+
+def _records(run_dir):
+    try:
+        return read_metrics(run_dir)
+    except (OSError, ValueError):
+        return []

@@ -156,6 +156,39 @@ def test_a_lease_of_a_version_still_being_copied_lands_with_its_copy(ps):
         handoff.close()
 
 
+def test_consumers_leases_wait_for_copies_apart_and_an_empty_set_releases(ps):
+    """The controller's and an evaluation's leases of a version still being copied both land
+    (one waiting call per consumer, not one in all); an evaluation that ends before the copy
+    lands releases at once, and its waiting lease is dropped, not applied after."""
+    gate = threading.Event()
+
+    class Gated:
+        def push(self, params, version):
+            gate.wait(timeout=60)
+            return ps.client.push(params, version)
+
+    ps.client.push(make_tree(0), 0)
+    handoff = DeviceHandoff(Gated(), keep=1)
+    port = handoff.port(ps.client)
+    try:
+        handoff.push(make_tree(1), 1)
+        port.lease("controller", [1])
+        port.lease("evaluation", [0, 1])
+        port.lease("ended", [1])
+        port.lease("ended", [])
+        assert ps.store.list_versions()[0].leased_by == ("evaluation",)
+        gate.set()
+        handoff.flush()
+        leased = {v.version: set(v.leased_by) for v in ps.store.list_versions()}
+        assert leased == {0: {"evaluation"}, 1: {"controller", "evaluation"}}
+        port.lease("evaluation", [])
+        leased = {v.version: set(v.leased_by) for v in ps.store.list_versions()}
+        assert leased == {0: set(), 1: {"controller"}}
+    finally:
+        gate.set()
+        handoff.close()
+
+
 def test_a_closed_hand_off_refuses_pushes_instead_of_hanging(ps):
     handoff = DeviceHandoff(ps.client, keep=1)
     handoff.close()

@@ -217,6 +217,34 @@ def test_small_jobs_spread_over_the_workers_by_their_load(workers):
     assert pool._outstanding == [0, 0]  # every group given out came back
 
 
+def test_uncounted_requests_spread_and_leave_the_balance_and_the_times_to_training(workers):
+    """An evaluation beside training (``counted=False``): its requests still spread over the
+    workers, while training's balance never sees them (where a training request goes must
+    not depend on when an evaluation's come back), and its seconds are reported apart."""
+    flaky = [Flaky(w) for w in workers]
+    pool = WorkerPool(flaky, exclusive_jobs=True)
+    try:
+        with pool._lock:
+            seen = []
+            real = pool._least_loaded
+
+            def spy(live, extra=None):
+                seen.append(list(pool._outstanding))
+                return real(live, extra)
+
+            pool._least_loaded = spy
+        pool.submit(0, requests(4), counted=False).result()
+        assert seen == [[0, 0]] * 4  # the balance never counted them
+        pool.submit(0, requests(2)).result()
+    finally:
+        pool.close()
+    assert [sum(1 for c in f.log if c == "generate") for f in flaky] == [2, 2]
+    times = pool.take_times()
+    assert times["eval_calls"] == 2 and times["eval_generate_s"] > 0
+    assert times["calls"] == 2 and times["groups"] == 2
+    assert pool._outstanding == [0, 0]
+
+
 def test_a_job_of_a_new_version_has_its_worker_stage_it_while_the_last_job_runs(weights):
     """Deterministic mode (one job at a time): the second job's version is fetched into the
     worker's standby copy as soon as the job is queued, and its load takes that copy."""
