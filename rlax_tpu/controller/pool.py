@@ -121,7 +121,7 @@ class WorkerPool:
             for r in requests:
                 i = self._sessions.get(r.session) if r.session else None
                 if i not in shares:
-                    i = self._least_loaded(live, extra)
+                    i = self._least_loaded(live, None if counted else extra)
                     if r.session:
                         self._sessions[r.session] = i
                         while len(self._sessions) > _SESSIONS:
@@ -139,7 +139,8 @@ class WorkerPool:
         n = len(live)
         order = [live[(self._rotation + j) % n] for j in range(n)]
         i = min(order, key=lambda w: self._outstanding[w] + (extra[w] if extra else 0))
-        self._rotation = (live.index(i) + 1) % n
+        if extra is None:  # uncounted requests leave training's turn where it was
+            self._rotation = (live.index(i) + 1) % n
         return i
 
     def _start(

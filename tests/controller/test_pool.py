@@ -229,12 +229,12 @@ def test_uncounted_requests_spread_and_leave_the_balance_and_the_times_to_traini
             real = pool._least_loaded
 
             def spy(live, extra=None):
-                seen.append(list(pool._outstanding))
+                seen.append((list(pool._outstanding), pool._rotation))
                 return real(live, extra)
 
             pool._least_loaded = spy
         pool.submit(0, requests(4), counted=False).result()
-        assert seen == [[0, 0]] * 4  # the balance never counted them
+        assert seen == [([0, 0], 0)] * 4  # neither the balance nor the turn saw them
         pool.submit(0, requests(2)).result()
     finally:
         pool.close()
