@@ -2,7 +2,7 @@
 staleness, for 1-4 inference workers in both modes.
 
     .venv/bin/python benchmarks/plan_check.py [--preset local|smollm2] [--workers 1 2 3 4]
-        [--steps 16] [--skip 4] [--keep DIR [--resume | --analyse]]
+        [--steps 16] [--skip 4] [--eval_every K] [--keep DIR [--resume | --analyse]]
 
 Runs the main job (local transport) of a preset once to calibrate (deterministic, on-policy
 lock-step, one worker) and then once per mode and worker count. The presets:
@@ -23,6 +23,11 @@ The topology is the CPU stand-in of separate accelerators (as in ``async_speedup
 in a child process on CPU 1, the controller's process (the in-process workers, the verifier and its
 sandboxes) on CPU 0, single-threaded XLA ops. So the workers share one core, with the sandboxes:
 ``--parallel_workers=1`` tells the planner.
+
+``--eval_every K``: the measured runs (not the calibration) evaluate every K updates, beside
+training (controller/evaluation.py), on ``EVAL_PROBLEMS`` held-out problems x the group's samples
+(the local preset; the smollm2 preset's 8 x 1 as it has them), and the planner predicts that
+schedule.
 
 For each run: measured seconds per update (the mean interval between update records after
 ``--skip``), predicted by ``python -m rlax_tpu.plan --calibrate=<the calibration run>`` for that
@@ -55,8 +60,16 @@ MODES = {
 }
 
 
-def build_config(preset: str, mode: str, workers: int, steps: int, run_dir: str):  # noqa: ANN201
+EVAL_PROBLEMS = 8  # held-out problems an evaluation of the local preset takes (--eval_every)
+
+
+def build_config(  # noqa: ANN201
+    preset: str, mode: str, workers: int, steps: int, run_dir: str, eval_every: int = 0
+):
     from rlax_tpu.config import RunConfig, from_dict
+
+    if mode == "calibration":
+        eval_every = 0  # calibrated on training alone
 
     common = dict(  # noqa: C408
         run_dir=run_dir,
@@ -73,7 +86,7 @@ def build_config(preset: str, mode: str, workers: int, steps: int, run_dir: str)
         cfg = get_config("cpu")
         cfg.controller.update(**common)
         cfg.inference.num_workers = workers
-        cfg.data.update(eval_problems=8, eval_samples=1, eval_every=0)
+        cfg.data.update(eval_problems=8, eval_samples=1, eval_every=eval_every)
         return from_dict(RunConfig, cfg)
     from configs.codeforces import get_config
 
@@ -83,14 +96,19 @@ def build_config(preset: str, mode: str, workers: int, steps: int, run_dir: str)
     cfg.inference.update(max_new_tokens=96, num_workers=workers)
     cfg.trainer.update(micro_batch_size=4, length_bucket=64, precompile=True)
     cfg.verifiers.workers = 1
-    cfg.data.update(eval_problems=1, eval_samples=1)
+    if eval_every:
+        cfg.data.update(eval_problems=EVAL_PROBLEMS, eval_samples=8, eval_every=eval_every)
+    else:
+        cfg.data.update(eval_problems=1, eval_samples=1)
     return from_dict(RunConfig, cfg)
 
 
 def child(args: argparse.Namespace) -> None:
     from rlax_tpu.controller.app import run_job
 
-    config = build_config(args.preset, args.child, args.child_workers, args.steps, args.run_dir)
+    config = build_config(
+        args.preset, args.child, args.child_workers, args.steps, args.run_dir, args.eval_every
+    )
     with open(Path(args.run_dir).parent / f"{Path(args.run_dir).name}.log", "w") as log:
         run_job(config, stream=log)
 
@@ -129,10 +147,12 @@ def finished(run_dir: Path, steps: int) -> bool:
     return sum("time/train" in r["scalars"] for r in read_metrics(run_dir)) >= steps
 
 
-def predicted(preset: str, mode: str, workers: int, steps: int, calibration: Path) -> dict:
+def predicted(
+    preset: str, mode: str, workers: int, steps: int, calibration: Path, eval_every: int = 0
+) -> dict:
     from rlax_tpu.plan.command import plan
 
-    config = build_config(preset, mode, workers, steps, str(calibration))
+    config = build_config(preset, mode, workers, steps, str(calibration), eval_every)
     _, out = plan(
         config,
         trainer_topology="",
@@ -156,6 +176,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["deterministic", "throughput"])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip", type=int, default=4, help="first updates left out (compiles)")
+    parser.add_argument(
+        "--eval_every", type=int, default=0, help="measured runs evaluate every K updates"
+    )
     parser.add_argument("--out", default="", help="default: benchmarks/plan_check[_PRESET].json")
     parser.add_argument("--keep", default="", help="keep the run directories here")
     parser.add_argument(
@@ -181,6 +204,7 @@ def main() -> None:
     runs = [("calibration", 1)] + [(m, n) for m in args.modes for n in args.workers]
     rows, out = [], {"preset": args.preset, "runs": []}
     suffix = "" if args.preset == "local" else f"_{args.preset}"
+    suffix += f"_eval{args.eval_every}" if args.eval_every else ""
     out_path = args.out or str(HERE / f"plan_check{suffix}.json")
     if (args.analyse or args.resume) and not args.keep:
         raise SystemExit("--analyse and --resume use the runs kept by an earlier --keep DIR")
@@ -189,6 +213,7 @@ def main() -> None:
         argv = [sys.executable, __file__, "--child", mode, "--child-workers", str(n)]
         argv += ["--preset", args.preset]
         argv += ["--steps", str(args.steps), "--run-dir", str(run_dir)]
+        argv += ["--eval_every", str(args.eval_every)]
         t0 = time.perf_counter()
         if not args.analyse and not (args.resume and finished(run_dir, args.steps)):
             # A fresh run: a directory left by a killed one would be resumed, not measured.
@@ -201,7 +226,7 @@ def main() -> None:
                 print(log.read_text()[-4000:] if log.exists() else "(no log)")
                 raise SystemExit(f"{mode} with {n} workers failed: exit code {proc.returncode}")
         got = measured(run_dir, args.skip)
-        want = predicted(args.preset, mode, n, args.steps, root / "calibration-1")
+        want = predicted(args.preset, mode, n, args.steps, root / "calibration-1", args.eval_every)
         error = want["seconds_per_update"] / got["seconds_per_update"] - 1
         out["runs"].append(
             {"mode": mode, "workers": n, "wall_s": time.perf_counter() - t0}

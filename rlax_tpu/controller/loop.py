@@ -641,6 +641,10 @@ class Controller:
         if not problems:
             return {}
         inf = self.config.inference
+        # A worker in deterministic mode runs one job at a time: a chunk short of its slots
+        # would leave the rest idle, so there every chunk fills them (eval_share is for a
+        # shared engine).
+        share = self.config.data.eval_share if self.cc.mode == "throughput" else 1.0
         # Its own lease, released when it ends: the controller's lease set is replaced every
         # step, and a version held for an evaluation must not wait for the next one.
         self.lease([version], consumer=EVAL_LEASE)
@@ -650,7 +654,7 @@ class Controller:
                 self.run_dir / EVAL_DIR / f"version_{version:06d}.jsonl",
                 stream="eval",
                 chunk=problems_at_once(
-                    self.config.data.eval_share,
+                    share,
                     len(self.pool.workers),
                     inf.max_concurrent_seqs,
                     self.config.data.eval_samples,

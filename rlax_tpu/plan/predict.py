@@ -87,6 +87,7 @@ def predict(
             verifier_slots=costs.verifier_slots,
             lengths=lengths.drawer(config.controller.seed) if lengths else None,
             eval_every=config.data.eval_every,
+            eval_share=config.data.eval_share,
         )
         period = schedule.seconds_per_update(skip)
         staleness = schedule.staleness_counts(skip)

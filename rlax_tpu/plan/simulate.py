@@ -12,10 +12,12 @@ What it models, as ``controller/loop.py``'s ``run_deterministic`` and ``controll
   overlap, the verifiers' sandboxes bound them, not a job's latency.
 * Update s starts when step s's job is verified and update s - 1 is done; it takes π_old +
   update + publish (``train_s``), then step s + 1 begins.
-* With ``eval_every`` = k > 0, step s begins with a held-out evaluation when s is a multiple of
-  k (the controller's ``_eval_due``): it is generated on the workers after the shares queued
-  there (``eval_s`` once they are free) and graded (``eval_verify_s``, the workers free again),
-  and nothing of step s is launched before it is graded.
+* With ``eval_every`` = k > 0, step s begins with a held-out evaluation of version s when s is
+  a multiple of k (the controller's ``_eval_due``). It runs beside training
+  (controller/evaluation.py): queued on every worker after the shares launched before it
+  (a load of version s where the worker holds another; ``eval_s``), graded on the verifiers'
+  sandboxes (``eval_verify_s``) before the steps generated after it, and the controller launches
+  and trains meanwhile.
 
 Costs are seconds per step at this topology (a worker generating a whole step's prompts takes
 ``generate_s``; a share of k of P prompts takes generate_s·k/P). Throughput mode is
@@ -129,6 +131,7 @@ def simulate_deterministic(
     generated: dict[int, float] = {}
     out: list[StepTimes] = []
     train_end = verifier_free = 0.0
+    grading: list[float] = []  # evaluations generated, not yet graded (when generated)
 
     def launch(t: int, at: float) -> None:
         version = policy.generation_version(t)
@@ -148,13 +151,23 @@ def simulate_deterministic(
     for s in range(steps):
         begin = train_end  # step s begins when update s - 1 is done
         if eval_every > 0 and s % eval_every == 0:
-            generated_at = max(begin, *free) + costs.eval_s
-            free = [generated_at] * workers
-            begin = generated_at + costs.eval_verify_s
+            # Beside training: queued on every worker after the shares launched before it
+            # (loading version s where the worker holds another), graded on the sandboxes
+            # once generated; the controller goes on.
+            for w in range(workers):
+                start = max(free[w], begin)
+                if held[w] != s:
+                    start += costs.reload_s
+                    held[w] = s
+                free[w] = start + costs.eval_s
+            grading.append(max(free))
         for t in range(s, min(steps, s + d + 1)):
             if t not in launched:
                 launch(t, begin)
-        # The verifiers take one step's rollouts at a time (their sandboxes are the limit).
+        # The verifiers take one step's rollouts at a time (their sandboxes are the limit),
+        # and an evaluation's when it was generated first.
+        while grading and grading[0] <= generated[s]:
+            verifier_free = max(verifier_free, grading.pop(0)) + costs.eval_verify_s
         verified = max(generated[s], verifier_free) + costs.verify_s
         verifier_free = verified
         start = max(begin, verified)

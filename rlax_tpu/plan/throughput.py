@@ -28,10 +28,15 @@ What it models, as ``run_throughput`` does:
   latency) factors; it holds its slot for occupancy x group_s and its generation ends after
   latency x group_s. Without them both are 1.
 * A held-out evaluation at the top of rounds v = 0, k, 2k, ... (``eval_every`` = k > 0; the
-  controller's ``_eval_due``) with version v: each worker takes it after the groups it holds
-  (its requests queue behind theirs), loading v first if it holds another, and generates it for
-  ``eval_s``; the controller waits for the last worker's, then ``eval_verify_s`` for its
-  verdicts, before it admits anything more.
+  controller's ``_eval_due``) with version v runs beside training (controller/evaluation.py):
+  on each worker it takes ``eval_share`` of the slots (at least one), those free first; a
+  worker holding another version first lets its running groups finish and loads v (the pool's
+  epochs: a group of another version then starts only once the evaluation is done, after a
+  load back). Its generation takes ``eval_s`` (its time on every slot) scaled up by the share;
+  once the last worker's is generated its checks take every sandbox for ``eval_verify_s``, in
+  the verifier's order (the controller sends it in chunks, each checked before the next is
+  generated: this packs the chunks' checks after the generation). The controller does not wait
+  for it.
 
 Costs per group (``ThroughputCosts``) come from a run's metrics or the AOT roofline.
 """
@@ -78,6 +83,12 @@ class _Verifier:
     def first_start(self, generated: float) -> float:
         """When a group generated at ``generated`` would start its verification."""
         return max(generated, self.free[0]) if self.free else generated
+
+    def occupy(self, at: float, seconds: float) -> None:
+        """Every slot busy for ``seconds`` from when it is free after ``at`` (an evaluation's
+        checks, ``seconds`` their time on all the slots)."""
+        self.free = [max(at, f) + seconds for f in self.free]
+        heapq.heapify(self.free)
 
     def run(self, generated: float) -> float:
         """Verify a group generated at ``generated``; returns when its last sample is done."""
@@ -137,13 +148,16 @@ def simulate_throughput(
     verifier_slots: int = 0,
     lengths: Callable[[], tuple[float, float]] | None = None,
     eval_every: int = 0,
+    eval_share: float = 1.0,
 ) -> ThroughputSchedule:
     """The schedule of ``steps`` updates of ``batch`` groups each (module docstring).
     ``slots``: groups a worker runs at once; ``queue_cap``: the queue under unbounded η_a;
     ``freshest_first``: the update takes the newest acceptable groups (controller.consume_order);
     ``verifier_slots``: the sandboxes verifying samples at once (0: unbounded); ``lengths``:
     draws a group's (occupancy, latency) factors; ``eval_every``: updates between held-out
-    evaluations (0: none in the steady state)."""
+    evaluations (0: none in the steady state), each on ``eval_share`` of every worker's slots."""
+    if not 0.0 < eval_share <= 1.0:
+        raise ValueError("eval_share must be in (0, 1]")
     if min(steps, batch, slots, workers) < 1:
         raise ValueError("steps, batch, slots and workers must be >= 1")
     if verifier_slots < 0:
@@ -153,6 +167,7 @@ def simulate_throughput(
     verifier = _Verifier(verifier_slots, costs)
     generated: list[tuple[float, int, int]] = []  # (generated at, sequence, version)
     arriving: list[tuple[float, int, int]] = []  # (buffered at, sequence, version): verifying
+    checks: list[float] = []  # evaluations generated (when), their checks not yet on sandboxes
     buffered: list[tuple[int, int]] = []  # (version, sequence) in arrival order
     seq = discarded = 0
     t, v = 0.0, 0
@@ -180,32 +195,45 @@ def simulate_throughput(
         heapq.heappush(generated, (start + latency * costs.group_s, seq, version))
         seq += 1
 
+    def next_start() -> float:
+        """When the next group generated would start its checks, after the evaluations'
+        generated before it took the sandboxes."""
+        while checks and checks[0] <= generated[0][0]:
+            verifier.occupy(heapq.heappop(checks), costs.eval_verify_s)
+        return verifier.first_start(generated[0][0])
+
+    def verify_next() -> None:
+        at, s, version = heapq.heappop(generated)
+        heapq.heappush(arriving, (verifier.run(at), s, version))
+
     def verify_through(limit: float) -> None:
         # The verifier takes groups in the order their generation ended: one whose verification
         # starts by ``limit`` is committed (a group admitted later ends its generation later).
-        while generated and verifier.first_start(generated[0][0]) <= limit:
-            at, s, version = heapq.heappop(generated)
-            heapq.heappush(arriving, (verifier.run(at), s, version))
+        while generated and next_start() <= limit:
+            verify_next()
 
     def next_arrival() -> float:
         while True:
             first = arriving[0][0] if arriving else math.inf
-            if not generated or verifier.first_start(generated[0][0]) >= first:
+            if not generated or next_start() >= first:
                 return first
-            at, s, version = heapq.heappop(generated)
-            heapq.heappush(arriving, (verifier.run(at), s, version))
+            verify_next()
 
     while len(updates) < steps:
         if eval_every > 0 and v % eval_every == 0 and evaluated < v:
             evaluated, ends = v, []
+            reserved = max(1, math.floor(eval_share * slots))
             for w in range(workers):
-                start = max(t, *free[w])
-                if held[w] != v:
-                    start += costs.reload_s
+                if held[w] != v:  # the epoch drains, then the worker loads v
+                    loaded = max(t, *free[w]) + costs.reload_s
                     held[w] = v
-                free[w] = [start + costs.eval_s] * slots
-                ends.append(free[w][0])
-            t = max(ends) + costs.eval_verify_s
+                    free[w] = [max(f, loaded) for f in free[w]]
+                taken = sorted(range(slots), key=lambda k: (free[w][k], k))[:reserved]
+                start = max(t, *(free[w][k] for k in taken))
+                ends.append(start + costs.eval_s * slots / reserved)
+                for k in taken:
+                    free[w][k] = ends[-1]
+            heapq.heappush(checks, max(ends))
         w = policy.reload_point(v)
         limit = min(policy.admission_budget(batch, v, w), queue_cap)
         acceptable = sum(policy.accepts(v, b[0]) for b in buffered)

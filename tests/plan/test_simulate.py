@@ -86,19 +86,26 @@ def test_bad_costs_are_refused():
         simulate_deterministic(0, COSTS, _policy(0))
 
 
-def test_an_evaluation_holds_the_step_that_begins_with_it():
-    """eval_every = 2, d = 1: step 0 begins with a 5 s evaluation; step 2 begins at 30 and
-    evaluates once the worker has finished the job queued on it (at 35), so update 2 starts
-    when that evaluation ends, not when its rollouts are verified."""
+def test_an_evaluation_queues_on_the_workers_and_the_controller_goes_on():
+    """eval_every = 2, d = 1: step 0 begins with a 5 s evaluation queued on the worker; jobs 0
+    and 1, launched at 0 behind it, run [5, 15] and [15, 25]. Step 2 begins at 30: its
+    evaluation queues behind job 2 ([25, 35]) and runs [35, 40], while update 2 goes ahead as
+    soon as job 2 is verified (36): [36, 40], where the controller that waited for it
+    trained at [40, 44]."""
     costs = Costs(generate_s=10, verify_s=1, train_s=4, eval_s=5)
     sched = simulate_deterministic(3, costs, _policy(1), eval_every=2)
     got = [(s.launched, s.generated, s.train_start, s.train_end) for s in sched.steps]
-    # Step 0: eval [0, 5]; jobs 0, 1 at 5: [5, 15], [15, 25]; update 0 [16, 20].
-    # Step 1 begins 20: job 2 not launched yet (d = 1: launched at step 1) -> [25, 35];
-    # update 1 waits for job 1 (verified 26): [26, 30].
-    # Step 2 begins 30: evaluation after the worker's queue (35): [35, 40]; job 3 at 40 is past
-    # the 3 steps; update 2 needs job 2 (verified 36) and the evaluation: [40, 44].
-    assert got == [(5, 15, 16, 20), (5, 25, 26, 30), (20, 35, 40, 44)]
+    assert got == [(0, 15, 16, 20), (0, 25, 26, 30), (20, 35, 36, 40)]
+
+
+def test_an_evaluation_is_graded_before_the_steps_generated_after_it():
+    """The sandboxes take an evaluation's checks (6 s) once it is generated, before a step
+    generated later: step 1's job ([15, 25], behind the evaluation [0, 5] and job 0) is
+    verified after them."""
+    costs = Costs(generate_s=10, verify_s=1, train_s=4, eval_s=5, eval_verify_s=6)
+    sched = simulate_deterministic(2, costs, _policy(1), eval_every=2)
+    # Evaluation generated at 5, graded [5, 11]; job 0 [5, 15] verified [15, 16].
+    assert [s.train_start for s in sched.steps] == [16, 26]
 
 
 def test_on_an_accelerator_a_small_share_costs_a_whole_wave():

@@ -143,24 +143,41 @@ def test_a_batch_waits_for_its_longest_group():
     assert [u.train_end for u in sched.updates] == [19, 38, 57]
 
 
-def test_an_evaluation_waits_for_the_groups_a_worker_holds():
+def test_an_evaluation_waits_for_the_groups_a_worker_holds_and_the_controller_goes_on():
     """η_a = 1, B = 1 on 1 slot, 10 s a group, 1 s an update, a 3 s evaluation before rounds
     0 and 2. Round 0: evaluation [0, 3], then g0 [3, 13] and g1 [13, 23] (budget 2); update 0
     [13, 14]. Round 1 admits g2 (v1) behind g1: [23, 33]; update 1 on g1 [23, 24]. Round 2: the
-    evaluation queues behind g2, [33, 36]; g3 (v2) [36, 46]; update 2 on g2 [36, 37]. Round 3:
-    g4 [46, 56]; update 3 on g3 [46, 47]."""
+    evaluation of v2 waits for g2 (the worker's epoch), [33, 36]; g3 (v2) [36, 46]; update 2
+    trains g2 at once, [33, 34] (a controller that waited for the evaluation: [36, 37]). Round
+    3: g4 [46, 56]; update 3 on g3 [46, 47]."""
     costs = ThroughputCosts(group_s=10, train_s=1, eval_s=3)
     sched = simulate_throughput(4, costs, _policy(1), batch=1, slots=1, eval_every=2)
-    assert [u.train_end for u in sched.updates] == [14, 24, 37, 47]
+    assert [u.train_end for u in sched.updates] == [14, 24, 34, 47]
 
 
-def test_held_out_evaluations_stall_the_controller_and_take_the_slots():
-    """η_a = 0, B = 1 on 1 slot, 10 s a group, 4 s an update, an evaluation of 3 s before rounds
-    0 and 2: round 0 admits at 3 (generated 13, trained to 17); round 1 at 17 (to 31); round 2
-    evaluates [31, 34], admits at 34 (to 48); round 3 at 48 (to 62)."""
+def test_an_evaluation_takes_its_share_of_the_slots_and_training_the_rest():
+    """η_a = 0, B = 1, 10 s a group, 4 s an update, an evaluation of 3 s (on every slot)
+    before rounds 0 and 2. On 1 slot the groups wait for it (round 0 admits at 3, trained to
+    17; round 2's g2 starts at 34, trained to 48). On 2 slots with eval_share 0.5 it takes one
+    slot for 6 s and training starts at once on the other: updates end at 14, 28, 42, 56."""
     costs = ThroughputCosts(group_s=10, train_s=4, eval_s=3)
-    sched = simulate_throughput(4, costs, _policy(0), batch=1, slots=1, eval_every=2)
-    assert [u.train_end for u in sched.updates] == [17, 31, 48, 62]
+    one = simulate_throughput(4, costs, _policy(0), batch=1, slots=1, eval_every=2)
+    assert [u.train_end for u in one.updates] == [17, 31, 48, 62]
+    two = simulate_throughput(4, costs, _policy(0), batch=1, slots=2, eval_every=2, eval_share=0.5)
+    assert [u.train_end for u in two.updates] == [14, 28, 42, 56]
+    with pytest.raises(ValueError, match="eval_share"):
+        simulate_throughput(2, costs, _policy(0), batch=1, slots=1, eval_share=0.0)
+
+
+def test_an_evaluations_checks_take_the_sandboxes_before_a_group_generated_after_it():
+    """One sandbox (1 s a sample), 2 slots, eval_share 0.5: the evaluation (3 s on every slot)
+    takes one slot for 6 s, g0 the other [0, 10]; the evaluation's checks (5 s) take the
+    sandbox at 6, to 11, so g0 is verified [11, 12] and trained [12, 16] (15 without them)."""
+    costs = ThroughputCosts(group_s=10, train_s=4, check_s=1, eval_s=3, eval_verify_s=5)
+    sched = simulate_throughput(
+        1, costs, _policy(0), batch=1, slots=2, verifier_slots=1, eval_every=2, eval_share=0.5
+    )
+    assert [u.train_end for u in sched.updates] == [16]
 
 
 def test_a_round_with_everything_arrived_takes_what_is_buffered():
@@ -168,7 +185,8 @@ def test_a_round_with_everything_arrived_takes_what_is_buffered():
     Round 0: the evaluation [0, 5] on both, then 2 groups of v0 [5, 15]; update 0 takes one
     [15, 16], the other stays buffered. Round 1 serves v0 still (η_r = 2): its budget of 1 is
     full with the buffered group and nothing is in flight, which is acceptable (staleness 1):
-    update 1 [16, 17] trains it. Round 2: the evaluation [17, 22], then two of v2 [22, 32]."""
+    update 1 [16, 17] trains it. Round 2: the evaluation of v2 [17, 22] (the workers load v2
+    for it), then two of v2 [22, 32]."""
     costs = ThroughputCosts(group_s=10, train_s=1, eval_s=5)
     sched = simulate_throughput(
         3, costs, _policy(1, eta_r=2), batch=1, slots=1, workers=2, eval_every=2,
