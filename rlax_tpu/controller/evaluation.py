@@ -6,10 +6,12 @@ issuing, consuming and training; the controller takes finished ones (``take_done
 steps and logs each against v. Its generation goes through the same worker pool as training
 (its requests are not counted in the pool's load balance, so training's assignment of requests
 to workers stays what it was) in chunks of at most ``data.eval_share`` of the workers' sequence
-slots, so training keeps the rest. Versions still being evaluated stay leased.
+slots (throughput mode; a chunk fills them in deterministic mode). The version being evaluated
+is leased as its own consumer until the evaluation ends.
 
-A run killed with evaluations in flight lists them in its snapshot (``pending``); the resumed run
-takes a result its metrics already hold, and evaluates the others again.
+A run killed with evaluations in flight lists them in its snapshot (``evals_in_flight``, from
+``pending``); the resumed run takes a result its metrics already hold, and evaluates the others
+again.
 """
 
 from __future__ import annotations

@@ -132,7 +132,9 @@ def test_bad_sizes_are_refused(ps):
         DeviceHandoff(ps.client, keep=0)
 
 
-def test_a_lease_of_a_version_still_being_copied_lands_with_its_copy(ps):
+def _copying_version_1(ps):  # noqa: ANN001, ANN202
+    """Version 0 on the server, version 1 pushed to a hand-off whose copy to the server waits
+    for the returned gate: (gate, hand-off, its port)."""
     gate = threading.Event()
 
     class Gated:
@@ -142,9 +144,13 @@ def test_a_lease_of_a_version_still_being_copied_lands_with_its_copy(ps):
 
     ps.client.push(make_tree(0), 0)
     handoff = DeviceHandoff(Gated(), keep=1)
-    port = handoff.port(ps.client)
+    handoff.push(make_tree(1), 1)
+    return gate, handoff, handoff.port(ps.client)
+
+
+def test_a_lease_of_a_version_still_being_copied_lands_with_its_copy(ps):
+    gate, handoff, port = _copying_version_1(ps)
     try:
-        handoff.push(make_tree(1), 1)
         port.lease("controller", [0, 1])  # 1 is not on the server yet: no error
         assert ps.store.list_versions()[0].leased_by == ("controller",)  # 0 leased at once
         gate.set()
@@ -160,18 +166,8 @@ def test_consumers_leases_wait_for_copies_apart_and_an_empty_set_releases(ps):
     """The controller's and an evaluation's leases of a version still being copied both land
     (one waiting call per consumer, not one in all); an evaluation that ends before the copy
     lands releases at once, and its waiting lease is dropped, not applied after."""
-    gate = threading.Event()
-
-    class Gated:
-        def push(self, params, version):
-            gate.wait(timeout=60)
-            return ps.client.push(params, version)
-
-    ps.client.push(make_tree(0), 0)
-    handoff = DeviceHandoff(Gated(), keep=1)
-    port = handoff.port(ps.client)
+    gate, handoff, port = _copying_version_1(ps)
     try:
-        handoff.push(make_tree(1), 1)
         port.lease("controller", [1])
         port.lease("evaluation", [0, 1])
         port.lease("ended", [1])
