@@ -40,9 +40,18 @@ class EnvironmentConfig:
     # discount^k * reward of turn k (an answer right at once is worth the most).
     reward: Literal["last", "discounted"] = "last"
     discount: float = 1.0  # for reward = 'discounted'
+    # How a step's episodes take turns. 'episode': each episode's environment call starts as
+    # soon as its turn is generated, and its next turn is submitted as soon as the reply is
+    # ready (in deterministic mode only where every worker's engine is batch-invariant,
+    # rows_bitwise; else lock-step, with a warning). 'lockstep': every turn k of the step is
+    # generated before any environment call on it, and the next turns go together.
+    schedule: Literal["episode", "lockstep"] = "episode"
+    # Environment calls (replies, tool runs) at once, over all episodes of the run.
+    concurrency: int = 64
 
     def __post_init__(self) -> None:
         positive(self, "max_turns")
+        positive(self, "concurrency")
         non_negative(self, "turn_tokens")
         in_range(self, "discount", 0.0, 1.0)
 

@@ -11,6 +11,11 @@ Every turn but the last keeps its pages (``Request.keep_pages``) and the turns o
 one worker (``Request.session``), so a next turn computes only the reply and what follows.
 An episode is a pure function of its seeds, version and the environment: one in flight when the
 run stops is played again from its first turn on resume, as a single-turn group is re-issued.
+
+Scheduling (``EpisodeRunner``): one by one, each episode moves on when its own turn or reply is
+ready (a group's first turns stream out of the pool as the group finishes); or lock-step, a
+job's turns k all generated before any reply to them. A job's turns run within one hold of its
+version on their workers (``WorkerPool.hold``), ahead of newer versions' jobs.
 """
 
 from __future__ import annotations
@@ -18,16 +23,18 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from rlax_tpu.config import EnvironmentConfig
 from rlax_tpu.controller import tasks as tasks_lib
+from rlax_tpu.controller.pool import Hold, WorkerPool
 from rlax_tpu.controller.ports import VerifierPort
 from rlax_tpu.data.mixture import stream_seed
 from rlax_tpu.data.problems import Problem
-from rlax_tpu.environments import Environment, Tools, episode_reward
+from rlax_tpu.environments import Environment, Reply, Tools, episode_reward
 from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.types import Rollout, Verdict
@@ -137,8 +144,61 @@ class _Episode:
         return out
 
 
+@dataclasses.dataclass
+class Played:
+    """A job's episodes, each list in the job's order (its requests', then sample index)."""
+
+    first_turns: list[Rollout]
+    episodes: list[Rollout]
+    verdicts: list[Verdict]  # the last turn's
+    rewards: list[float | None]  # the episode's (None: the verifier failed on a turn)
+    first_rewards: list[float]  # the first turn's
+
+
+class _Playing:
+    """The episodes of one job played one by one: which have started, how many are left; its
+    future gets them all, or the first error."""
+
+    def __init__(self, total: int):
+        self.lock = threading.Lock()
+        self.episodes: dict[tuple[str, int], _Episode] = {}
+        self.left = total
+        self.done: cf.Future[list[_Episode]] = cf.Future()
+        if total == 0:
+            self.done.set_result([])
+
+    def add(self, first: Rollout, problem: Problem) -> _Episode | None:
+        """The episode of ``first`` if new (a group generated again after a failover is not)."""
+        with self.lock:
+            key = (first.prompt_id, first.sample_index)
+            if key in self.episodes or self.done.done():
+                return None
+            self.episodes[key] = ep = _Episode(problem, [first])
+            return ep
+
+    def finish(self) -> None:
+        with self.lock:
+            self.left -= 1
+            if self.left or self.done.done():
+                return
+            self.done.set_result(list(self.episodes.values()))
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            if not self.done.done():
+                self.done.set_exception(error)
+
+
 class EpisodeRunner:
-    """Plays sampled first turns out as episodes of ``env``."""
+    """Plays a job's first turns out as episodes of ``env`` on the workers of ``pool``.
+
+    ``per_episode`` (asked once, at the first job): each episode's environment call starts as
+    soon as its turn is generated and its next turn is submitted as soon as the reply is ready,
+    with at most ``cfg.concurrency`` environment calls at once; else (lock-step) every turn k of
+    the job is generated before any environment call on it, and the next turns go together.
+    Either way a job's turns run within one hold of its version (``WorkerPool.hold``), ahead
+    of jobs of newer versions on their workers.
+    """
 
     def __init__(
         self,
@@ -147,19 +207,37 @@ class EpisodeRunner:
         tokenizer: object,  # has turn_ids and decode (models.Tokenizer)
         cfg: EnvironmentConfig,
         *,
-        generate: Callable[[int, Sequence[Request]], list[Rollout]],
+        pool: WorkerPool,
         seed: int,
         max_new_tokens: int,
         stop_token_ids: Sequence[int],
-        threads: int = 8,
+        per_episode: Callable[[], bool] | bool = True,
     ):
         self.env, self.tools, self.tokenizer, self.cfg = env, tools, tokenizer, cfg
-        self.generate, self.seed, self.max_new_tokens = generate, seed, max_new_tokens
+        self.pool, self.seed, self.max_new_tokens = pool, seed, max_new_tokens
         self.stop_token_ids = tuple(stop_token_ids)
-        self._threads = cf.ThreadPoolExecutor(threads, "episode")
+        self._per_episode = per_episode
+        self._env_calls = cf.ThreadPoolExecutor(cfg.concurrency, "environment")
+        self._drivers = cf.ThreadPoolExecutor(8, "lock-step")  # lock-step jobs (they block)
+        self._playing: set[_Playing] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def per_episode(self) -> bool:
+        with self._lock:
+            if callable(self._per_episode):
+                self._per_episode = bool(self._per_episode())
+            return self._per_episode
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._env_calls.shutdown(wait=False, cancel_futures=True)
+        self._drivers.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            playing = list(self._playing)
+        for state in playing:  # their cancelled environment calls would never finish them
+            state.fail(RuntimeError("the episode runner was closed"))
 
     def first_turn(self, request: Request) -> Request:
         """A group's request as its episodes' first turn: capped at ``turn_tokens``, its pages
@@ -174,81 +252,195 @@ class EpisodeRunner:
             session=request.prompt_id,
         )
 
-    def run(
-        self, version: int, items: Sequence[tuple[Problem, Rollout]]
-    ) -> tuple[list[Rollout], list[Verdict], list[float | None], list[float]]:
-        """(episode rollouts, the last turn's verdicts, episode rewards (None: the verifier
-        failed), the first turns' rewards), in the order of ``items`` (each a problem and its
-        sampled first turn)."""
-        episodes = [_Episode(problem, [first]) for problem, first in items]
-        active = list(range(len(episodes)))
+    def play(
+        self,
+        version: int,
+        requests: Sequence[Request],
+        problems: Mapping[str, Problem],
+        *,
+        counted: bool = True,
+    ) -> Played:
+        """Generates ``requests`` (groups; ``problems`` by prompt_id) with ``version`` as first
+        turns and plays each sample out as an episode."""
+        return self.start(version, requests, problems, counted=counted).result()
+
+    def start(
+        self,
+        version: int,
+        requests: Sequence[Request],
+        problems: Mapping[str, Problem],
+        *,
+        counted: bool = True,
+    ) -> cf.Future[Played]:
+        """``play`` without waiting: the first turns are submitted before it returns."""
+        requests = [self.first_turn(r) for r in requests]
+        hold = self.pool.hold(version)
+        if self.per_episode:
+            playing = self._one_by_one(version, requests, problems, hold, counted)
+        else:
+            playing = self._drivers.submit(
+                self._lock_step, version, requests, problems, hold, counted
+            )
+        out: cf.Future[Played] = cf.Future()
+
+        def played(f: cf.Future[list[_Episode]]) -> None:
+            hold.release()
+            try:
+                out.set_result(self._played(requests, f.result()))
+            except BaseException as e:  # noqa: BLE001 - the caller's result() raises it
+                out.set_exception(e)
+
+        playing.add_done_callback(played)
+        return out
+
+    def _played(self, requests: list[Request], episodes: list[_Episode]) -> Played:
+        order = {r.prompt_id: n for n, r in enumerate(requests)}
+        episodes = sorted(
+            episodes, key=lambda ep: (order[ep.turns[0].prompt_id], ep.turns[0].sample_index)
+        )
+        return Played(
+            first_turns=[ep.turns[0] for ep in episodes],
+            episodes=[
+                episode_rollout(
+                    ep.turns,
+                    ep.replies,
+                    prompt_id=ep.turns[0].prompt_id,
+                    sample_index=ep.turns[0].sample_index,
+                )
+                for ep in episodes
+            ],
+            verdicts=[ep.verdict or tasks_lib.NO_PROGRAM for ep in episodes],
+            rewards=[
+                None
+                if any(math.isnan(r) for r in ep.rewards)
+                else episode_reward(ep.rewards, mode=self.cfg.reward, discount=self.cfg.discount)
+                for ep in episodes
+            ],
+            first_rewards=[ep.rewards[0] for ep in episodes],
+        )
+
+    def _one_by_one(
+        self,
+        version: int,
+        requests: list[Request],
+        problems: Mapping[str, Problem],
+        hold: Hold,
+        counted: bool,
+    ) -> cf.Future[list[_Episode]]:
+        state = _Playing(sum(r.num_samples for r in requests))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the episode runner is closed")
+            self._playing.add(state)
+        state.done.add_done_callback(lambda _: self._forget(state))
+
+        def started(rollouts: list[Rollout]) -> None:  # a group's first turns, on a pool thread
+            for ro in rollouts:
+                ep = state.add(ro, problems[ro.prompt_id])
+                if ep is not None:
+                    submit_reply(ep)
+
+        def submit_reply(ep: _Episode) -> None:
+            try:
+                self._env_calls.submit(reply, ep)
+            except BaseException as e:  # noqa: BLE001 - closed: ends the job
+                state.fail(e)
+
+        def reply(ep: _Episode) -> None:  # on an environment thread
+            try:
+                request = self._next_turn(ep, self._reply(ep))
+                if request is None:
+                    state.finish()
+                    return
+                job = self.pool.submit(version, [request], counted=counted, hold=hold)
+                job.add_done_callback(lambda f: turned(ep, f))
+            except BaseException as e:  # noqa: BLE001 - the job's error
+                state.fail(e)
+
+        def turned(ep: _Episode, job: cf.Future[list[Rollout]]) -> None:
+            try:
+                [ro] = job.result()
+            except BaseException as e:  # noqa: BLE001 - the job's error
+                state.fail(e)
+                return
+            ep.turns.append(ro)
+            submit_reply(ep)
+
+        def first_turns(job: cf.Future[list[Rollout]]) -> None:
+            try:
+                started(job.result())  # any group the stream did not pass on
+            except BaseException as e:  # noqa: BLE001 - the job's error
+                state.fail(e)
+
+        self.pool.submit(
+            version, requests, counted=counted, hold=hold, on_group=started
+        ).add_done_callback(first_turns)
+        return state.done
+
+    def _forget(self, state: _Playing) -> None:
+        with self._lock:
+            self._playing.discard(state)
+
+    def _lock_step(
+        self,
+        version: int,
+        requests: list[Request],
+        problems: Mapping[str, Problem],
+        hold: Hold,
+        counted: bool,
+    ) -> list[_Episode]:
+        first = self.pool.submit(version, requests, counted=counted, hold=hold).result()
+        episodes = [_Episode(problems[ro.prompt_id], [ro]) for ro in first]
+        active = episodes
         while active:
-            replies = list(
-                self._threads.map(
-                    lambda i: self.env.reply(
-                        episodes[i].problem,
-                        [self.tokenizer.decode(t.tokens.tolist()) for t in episodes[i].turns],
-                        self.tools,
-                    ),
-                    active,
-                )
-            )
-            requests, waiting = [], []
-            for i, reply in zip(active, replies, strict=True):
-                ep = episodes[i]
-                ep.rewards.append(reply.reward)
-                ep.verdict = reply.verdict
-                if reply.text is None or len(ep.turns) >= self.cfg.max_turns:
-                    continue
-                if math.isnan(reply.reward):
-                    continue
-                ids = self.tokenizer.turn_ids(reply.text, after=ep.turns[-1].tokens.tolist())
-                held = [*ep.held, *ids]
-                room = self.max_new_tokens - len(held)
-                if room < 1:  # the episode's token budget is spent
-                    continue
-                room = min(room, self.cfg.turn_tokens or room)
-                ep.replies.append(ids)
-                first = ep.turns[0]
-                key = first.prompt_id
-                requests.append(
-                    Request(
-                        prompt_id=f"{key}{_SEP}{first.sample_index}",
-                        prompt_tokens=tuple(int(t) for t in first.prompt_tokens),
-                        continuation=tuple(held),
-                        keep_pages=len(ep.turns) + 1 < self.cfg.max_turns,
-                        session=key,
-                        sampling=SamplingParams(
-                            seed=stream_seed(
-                                self.seed, "turn", key, first.sample_index, len(ep.turns)
-                            )
-                            & 0xFFFFFFFF,
-                            stop_token_ids=self.stop_token_ids,
-                            max_new_tokens=room,
-                        ),
-                    )
-                )
-                waiting.append(i)
-            if not requests:
+            replies = list(self._env_calls.map(self._reply, active))
+            nexts = [(ep, self._next_turn(ep, r)) for ep, r in zip(active, replies, strict=True)]
+            nexts = [(ep, r) for ep, r in nexts if r is not None]
+            if not nexts:
                 break
-            by_id = {ro.prompt_id: ro for ro in self.generate(version, requests)}
-            for i, req in zip(waiting, requests, strict=True):
-                episodes[i].turns.append(by_id[req.prompt_id])
-            active = waiting
-        rollouts = [
-            episode_rollout(
-                ep.turns,
-                ep.replies,
-                prompt_id=ep.turns[0].prompt_id,
-                sample_index=ep.turns[0].sample_index,
-            )
-            for ep in episodes
-        ]
-        rewards = [
-            None
-            if any(math.isnan(r) for r in ep.rewards)
-            else episode_reward(ep.rewards, mode=self.cfg.reward, discount=self.cfg.discount)
-            for ep in episodes
-        ]
-        verdicts = [ep.verdict or tasks_lib.NO_PROGRAM for ep in episodes]
-        return rollouts, verdicts, rewards, [ep.rewards[0] for ep in episodes]
+            turns = self.pool.submit(
+                version, [r for _, r in nexts], counted=counted, hold=hold
+            ).result()
+            by_id = {ro.prompt_id: ro for ro in turns}
+            for ep, r in nexts:
+                ep.turns.append(by_id[r.prompt_id])
+            active = [ep for ep, _ in nexts]
+        return episodes
+
+    def _reply(self, ep: _Episode) -> Reply:
+        reply = self.env.reply(
+            ep.problem, [self.tokenizer.decode(t.tokens.tolist()) for t in ep.turns], self.tools
+        )
+        ep.rewards.append(reply.reward)
+        ep.verdict = reply.verdict
+        return reply
+
+    def _next_turn(self, ep: _Episode, reply: Reply) -> Request | None:
+        """The request of the episode's next turn after ``reply`` (its tokens appended to the
+        episode), or None: the episode is over."""
+        if reply.text is None or len(ep.turns) >= self.cfg.max_turns:
+            return None
+        if math.isnan(reply.reward):
+            return None
+        ids = self.tokenizer.turn_ids(reply.text, after=ep.turns[-1].tokens.tolist())
+        held = [*ep.held, *ids]
+        room = self.max_new_tokens - len(held)
+        if room < 1:  # the episode's token budget is spent
+            return None
+        room = min(room, self.cfg.turn_tokens or room)
+        ep.replies.append(ids)
+        first = ep.turns[0]
+        key = first.prompt_id
+        return Request(
+            prompt_id=f"{key}{_SEP}{first.sample_index}",
+            prompt_tokens=tuple(int(t) for t in first.prompt_tokens),
+            continuation=tuple(held),
+            keep_pages=len(ep.turns) + 1 < self.cfg.max_turns,
+            session=key,
+            sampling=SamplingParams(
+                seed=stream_seed(self.seed, "turn", key, first.sample_index, len(ep.turns))
+                & 0xFFFFFFFF,
+                stop_token_ids=self.stop_token_ids,
+                max_new_tokens=room,
+            ),
+        )

@@ -76,6 +76,8 @@ RESUMABLE_FIELDS = (
     "controller.run_dir",
     "data.eval_every",
     "data.eval_share",
+    "environment.schedule",  # the same samples either way (lock-step where rows are not bitwise)
+    "environment.concurrency",
     "data.data_dir",
     "inference.num_workers",
     "inference.address",
@@ -182,6 +184,7 @@ class Controller:
         self._progress_stream = progress_stream
         self._jobs: dict[int, cf.Future] = {}  # deterministic: step -> verified groups
         self._verify_pool = cf.ThreadPoolExecutor(2, "verify")
+        self._reused = 0  # the workers' prefix_tokens_reused at the last step's metrics
         self.episodes = self._episode_runner()
         self.replay = None
         if config.data.replay:
@@ -206,18 +209,37 @@ class Controller:
         tools = VerifierTools(
             self.c.verifier, self.specs, style="chat", language=self.prompter.language
         )
+        per_episode = env.schedule == "episode"
         return EpisodeRunner(
             environment(env.name, max_turns=env.max_turns),
             tools,
             self.prompter.tokenizer,
             env,
-            generate=lambda version, requests: self.pool.submit(
-                version, requests, counted=not _evaluating(requests)
-            ).result(),
+            pool=self.pool,
             seed=self.cc.seed,
             max_new_tokens=self.config.inference.max_new_tokens,
             stop_token_ids=self.prompter.stop_token_ids,
+            per_episode=self._rows_bitwise
+            if per_episode and self.cc.mode == "deterministic"
+            else per_episode,
         )
+
+    def _rows_bitwise(self) -> bool:
+        """Whether every worker's engine samples a row the same in any batch (its start-up
+        check): deterministic mode plays episodes one by one only then, since their turns'
+        batches depend on when environment replies come back."""
+        try:
+            bitwise = all(w.status().rows_bitwise for w in self.c.workers)
+        except Exception as e:  # noqa: BLE001 - a worker not up: the safe schedule
+            bitwise, why = False, f"a worker's status could not be read ({e})"
+        else:
+            why = "a worker's engine is not batch-invariant on this host (rows_bitwise False)"
+        if not bitwise:
+            self._warn(
+                "environment.schedule = 'episode' in deterministic mode needs batch-invariant "
+                f"engines: {why}; this run's episodes take their turns in lock-step"
+            )
+        return bitwise
 
     def _warn(self, text: str) -> None:
         # Shown once, in the run's output; the log keeps it below the terminal's WARNING level
@@ -316,16 +338,19 @@ class Controller:
             self.prompter.request(f"{stream}/{key}", p, num_samples=k, stream=stream)
             for key, p in problems
         ]
-        play = episodes is not None and self.episodes is not None
-        if play:
-            requests = [self.episodes.first_turn(r) for r in requests]
         by_key = {f"{stream}/{key}": (key, p) for key, p in problems}
-        rollouts = self.pool.submit(version, requests, counted=counted).result()
+        if episodes is not None and self.episodes is not None:
+            played = self.episodes.play(
+                version, requests, {k: p for k, (_, p) in by_key.items()}, counted=counted
+            )
+            rollouts = played.first_turns
+        else:
+            played = None
+            rollouts = self.pool.submit(version, requests, counted=counted).result()
         items = [(by_key[ro.prompt_id][1], ro) for ro in rollouts]
         verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
-        played, finals = rollouts, verdicts
-        if play:
-            played, finals, _, _ = self.episodes.run(version, items)
+        finals = verdicts if played is None else played.verdicts
+        played = rollouts if played is None else played.episodes
         correct = {key: 0 for key, _ in problems}
         for ro, v, ep, final in zip(rollouts, verdicts, played, finals, strict=True):
             key, problem = by_key[ro.prompt_id]
@@ -541,21 +566,25 @@ class Controller:
         for ref in refs:
             self.ledger.start(ref.key)
         requests = [self.prompter.request(r.key, self.prompter.problem(r)) for r in refs]
-        if self.episodes is not None:
-            requests = [self.episodes.first_turn(r) for r in requests]
-        generation = self.pool.submit(version, requests)
         timing = {"launched": time.perf_counter()}
+        if self.episodes is not None:  # generated and played out
+            problems = {r.key: self.prompter.problem(r) for r in refs}
+            generation = self.episodes.start(version, requests, problems)
+        else:
+            generation = self.pool.submit(version, requests)
 
         def verify() -> list[groups_lib.GroupResult]:
-            rollouts = generation.result()
+            out = generation.result()
             timing["generated"] = time.perf_counter()
-            by_key = {r.key: r for r in refs}
-            items = [(self.prompter.problem(by_key[ro.prompt_id]), ro) for ro in rollouts]
             first = None
             if self.episodes is not None:  # the environment's rewards, not algorithm.reward's
-                rollouts, verdicts, rewards, first = self.episodes.run(version, items)
-                timing["verified"] = time.perf_counter()
+                rollouts, verdicts = out.episodes, out.verdicts
+                rewards, first = out.rewards, out.first_rewards
+                timing["verified"] = timing["generated"]
             else:
+                rollouts = out
+                by_key = {r.key: r for r in refs}
+                items = [(self.prompter.problem(by_key[ro.prompt_id]), ro) for ro in rollouts]
                 verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
                 timing["verified"] = time.perf_counter()
                 rewards = groups_lib.rewards_of(
@@ -865,6 +894,9 @@ class Controller:
         if self.episodes is not None:
             turns = [_turns(ro) for r in results for ro in r.rollouts]
             scalars["episode/turns_mean"] = float(np.mean(turns)) if turns else 0.0
+            reused = self._prefix_tokens_reused()
+            if reused is not None:  # later turns on kept pages: not computed again
+                scalars["episode/prefix_tokens_reused"] = reused
             first = [r.first_rewards for r in results if r.first_rewards is not None]
             if first:  # against reward/pass_rate: what the later turns added
                 scalars["episode/first_turn_pass_rate"] = float(
@@ -876,6 +908,16 @@ class Controller:
             "lengths/trained": [float(n) for n in lengths],
         }
         return scalars, hist
+
+    def _prefix_tokens_reused(self) -> float | None:
+        """Tokens the workers took from kept pages since the last call (None: a worker's
+        status could not be read; its count is taken again next time)."""
+        try:
+            total = sum(int(w.status().prefix_tokens_reused) for w in self.c.workers)
+        except Exception:  # noqa: BLE001 - a metric, never a reason to stop
+            return None
+        last, self._reused = self._reused, total
+        return float(max(0, total - last))  # a restarted worker counts from 0 again
 
     # ------------------------------------------------------------------ deterministic mode
     def run_deterministic(self, metrics: MetricsWriter, progress: Progress) -> None:

@@ -8,7 +8,10 @@ its jobs in *epochs*: consecutive jobs of one version run concurrently (the engi
 continuously); a job of another version waits until the earlier epoch drains, then loads its
 weights (a reload between engine steps, never under a running request); the worker is asked to
 stage that version (fetch it into a standby copy) as soon as the job arrives, so the load that
-follows the drain is a swap. A worker that fails
+follows the drain is a swap. A *hold* (``hold(version)``: a step's episodes) keeps the epoch its
+first job opened on a worker until released: the jobs submitted within it (the episodes' later
+turns) join that epoch, ahead of newer-version jobs queued since, so an episode's kept pages are
+used and its worker does not reload back and forth. A worker that fails
 (unreachable, shut down, an RPC error) is marked down and its share goes to another live worker;
 a down worker is probed before each job and takes work again once it answers. Aborted samples are
 generated again: with per-group seeds that gives the same tokens, so failover does not change
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import dataclasses
 import logging
 import threading
 import time
@@ -108,11 +112,23 @@ class WorkerPool:
             return [i for i in range(len(self.workers)) if i not in self._down]
 
     def submit(
-        self, version: int, requests: Sequence[Request], *, counted: bool = True
+        self,
+        version: int,
+        requests: Sequence[Request],
+        *,
+        counted: bool = True,
+        hold: Hold | None = None,
+        on_group: Callable[[list[Rollout]], None] | None = None,
     ) -> cf.Future[list[Rollout]]:
         """Generates every request with weights ``version``; the future holds all rollouts.
         ``counted`` False: the requests do not count in the load balance (evaluations beside
-        training: where training's requests go must not depend on when they finish)."""
+        training: where training's requests go must not depend on when they finish).
+        ``hold`` (of ``version``): the job runs in the hold's epoch on each worker.
+        ``on_group``: called (on a pool thread) with each request's rollouts as soon as all of
+        them are generated, before the job ends; a group a failed worker had finished may be
+        passed again (the same tokens, generated again elsewhere)."""
+        if hold is not None and hold.version != version:
+            raise ValueError(f"a hold of version {hold.version} used for a job of {version}")
         self._probe_down()
         live = self.live or list(range(len(self.workers)))
         shares: dict[int, list[Request]] = {i: [] for i in live}
@@ -129,8 +145,14 @@ class WorkerPool:
                 shares[i].append(r)
                 self._outstanding[i] += int(counted)
                 extra[i] += int(not counted)
-        futures = {i: self._start(i, version, reqs, counted) for i, reqs in shares.items() if reqs}
-        return self._coordinator.submit(self._gather, version, futures, counted)
+        job = _Job(version, counted, hold, on_group)
+        futures = {i: self._start(i, job, reqs) for i, reqs in shares.items() if reqs}
+        return self._coordinator.submit(self._gather, job, futures)
+
+    def hold(self, version: int) -> Hold:
+        """A hold of ``version``'s epochs for the jobs submitted within it (``submit(hold=)``);
+        release it (``Hold.release``) when its last job has ended."""
+        return Hold(version, self._epochs)
 
     def _least_loaded(self, live: list[int], extra: Sequence[int] | None = None) -> int:
         """The live worker with the fewest groups outstanding (plus ``extra``: this job's
@@ -143,16 +165,17 @@ class WorkerPool:
             self._rotation = (live.index(i) + 1) % n
         return i
 
-    def _start(
-        self, i: int, version: int, requests: list[Request], counted: bool = True
-    ) -> cf.Future:
+    def _start(self, i: int, job: _Job, requests: list[Request]) -> cf.Future:
         if self.continue_on_reload:
-            fut = self._threads.submit(self._run_continuing, i, version, requests, counted)
+            fut = self._threads.submit(self._run_continuing, i, job, requests)
         else:
-            ticket = self._epochs[i].join(version)
-            self._stage_ahead(i, version)
-            fut = self._threads.submit(self._run_in_epoch, i, ticket, version, requests, counted)
-        groups = len(requests) if counted else 0
+            if job.hold is not None:
+                ticket = job.hold.join(i)
+            else:
+                ticket = self._epochs[i].join(job.version)
+            self._stage_ahead(i, job.version)
+            fut = self._threads.submit(self._run_in_epoch, i, ticket, job, requests)
+        groups = len(requests) if job.counted else 0
         fut.add_done_callback(lambda _: self._returned(i, groups))
         return fut
 
@@ -178,35 +201,35 @@ class WorkerPool:
             self._outstanding[i] -= groups
 
     def _run_continuing(
-        self, i: int, version: int, requests: list[Request], counted: bool = True
+        self, i: int, job: _Job, requests: list[Request]
     ) -> tuple[list[Request], list[Rollout], Exception | None]:
         with self._epochs[i].load_lock:
             held = self._held[i]
-            if held is None or held < version:
+            if held is None or held < job.version:
                 try:
-                    self._load(i, version, counted)
+                    self._load(i, job.version, job.counted)
                 except Exception as e:
                     self._held[i] = None
                     return self._fail(i, requests, [], e)
-                self._held[i] = version
+                self._held[i] = job.version
         # No version pinned: a newer job may reload the worker while this one runs.
-        return self._run(i, None, requests, counted)
+        return self._run(i, None, requests, job)
 
     def _run_in_epoch(
-        self, i: int, ticket: int, version: int, requests: list[Request], counted: bool = True
+        self, i: int, ticket: int, job: _Job, requests: list[Request]
     ) -> tuple[list[Request], list[Rollout], Exception | None]:
         epochs = self._epochs[i]
         epochs.wait_turn(ticket)
         try:
             with epochs.load_lock:  # the epoch's first job loads its weights, the others wait
-                if self._held[i] != version:
+                if self._held[i] != job.version:
                     try:
-                        self._load(i, version, counted)
+                        self._load(i, job.version, job.counted)
                     except Exception as e:
                         self._held[i] = None
                         return self._fail(i, requests, [], e)
-                    self._held[i] = version
-            return self._run(i, version, requests, counted)
+                    self._held[i] = job.version
+            return self._run(i, job.version, requests, job)
         finally:
             epochs.leave(ticket)
 
@@ -259,9 +282,7 @@ class WorkerPool:
             out, self._times = self._times, dict.fromkeys(self._times, 0.0)
         return out
 
-    def _gather(
-        self, version: int, futures: dict[int, cf.Future], counted: bool = True
-    ) -> list[Rollout]:
+    def _gather(self, job: _Job, futures: dict[int, cf.Future]) -> list[Rollout]:
         out: list[Rollout] = []
         pending = collections.deque(futures.items())  # (worker, future); a worker may recur
         deadline = time.monotonic() + self.retry_s
@@ -285,12 +306,12 @@ class WorkerPool:
                     f"reassigning {len(reqs)} prompt groups from {self.names[i]} to {self.names[j]}"
                 )
             with self._lock:
-                self._outstanding[j] += len(reqs) if counted else 0
-            pending.append((j, self._start(j, version, reqs, counted)))
+                self._outstanding[j] += len(reqs) if job.counted else 0
+            pending.append((j, self._start(j, job, reqs)))
         return out
 
     def _run(
-        self, i: int, version: int | None, requests: list[Request], counted: bool = True
+        self, i: int, version: int | None, requests: list[Request], job: _Job
     ) -> tuple[list[Request], list[Rollout], Exception | None]:
         """(requests not finished, rollouts of the finished ones, the error if the worker failed).
         Uncounted jobs' seconds go to ``eval_generate_s`` and ``eval_calls``."""
@@ -300,11 +321,15 @@ class WorkerPool:
         try:
             for _attempt in range(3):
                 by_key: dict[str, list[Rollout]] = {r.prompt_id: [] for r in todo}
+                samples = {r.prompt_id: r.num_samples for r in todo}
                 t0 = time.perf_counter()
                 for ro in worker.generate(todo, version=version):
-                    by_key[ro.prompt_id].append(ro)
+                    got = by_key[ro.prompt_id]
+                    got.append(ro)
+                    if len(got) == samples[ro.prompt_id]:
+                        job.finished(got)
                 seconds = time.perf_counter() - t0
-                if counted:
+                if job.counted:
                     self._count(generate_s=seconds, calls=1.0)
                 else:
                     self._count(eval_generate_s=seconds, eval_calls=1.0)
@@ -317,7 +342,7 @@ class WorkerPool:
                         done += got
                         with self._lock:
                             self.generated_tokens += sum(len(ro.tokens) for ro in got)
-                            self._times["groups"] += counted
+                            self._times["groups"] += job.counted
                 todo = again
                 if not todo:
                     return [], done, None
@@ -356,6 +381,52 @@ class WorkerPool:
         self._threads.shutdown(wait=wait, cancel_futures=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    version: int
+    counted: bool
+    hold: Hold | None
+    on_group: Callable[[list[Rollout]], None] | None
+
+    def finished(self, group: list[Rollout]) -> None:
+        """Passes a whole group on (``on_group``) unless a sample was aborted (generated again)."""
+        if self.on_group is None or any(r.finish_reason is FinishReason.ABORTED for r in group):
+            return
+        try:
+            self.on_group(list(group))
+        except Exception:  # the job's result still has the group; the worker did not fail
+            log.exception("a job's on_group callback failed")
+
+
+class Hold:
+    """Keeps, on each worker a job within it ran on, the epoch that job opened (``submit(hold=)``)
+    until ``release``: later jobs within it join that epoch, ahead of epochs queued since."""
+
+    def __init__(self, version: int, epochs: Sequence[_Epochs]):
+        self.version, self._epochs = version, epochs
+        self._tickets: dict[int, int] = {}  # worker -> the held epoch's ticket
+        self._lock = threading.Lock()
+        self._released = False
+
+    def join(self, i: int) -> int:
+        """The ticket of a job on worker ``i`` within the hold (opening its epoch there)."""
+        with self._lock:
+            if self._released:
+                raise RuntimeError(f"a job submitted within a released hold of {self.version}")
+            ticket = self._tickets.get(i)
+            if ticket is None:  # the hold itself counts as one job of the epoch until released
+                ticket = self._tickets[i] = self._epochs[i].open(self.version)
+            self._epochs[i].join_ticket(ticket)
+            return ticket
+
+    def release(self) -> None:
+        """Lets the held epochs end once their jobs have (idempotent)."""
+        with self._lock:
+            tickets, self._tickets, self._released = self._tickets, {}, True
+        for i, ticket in tickets.items():
+            self._epochs[i].leave(ticket)
+
+
 class _Epochs:
     """Per-worker FIFO of version epochs: jobs of the head epoch run, later epochs wait."""
 
@@ -374,15 +445,26 @@ class _Epochs:
                 self._queue.append([version, 1])
             return self._first + len(self._queue) - 1
 
+    def open(self, version: int) -> int:
+        """A new epoch of its own (a hold's), counted as one job until left."""
+        with self._cond:
+            self._queue.append([version, 1])
+            return self._first + len(self._queue) - 1
+
+    def join_ticket(self, ticket: int) -> None:
+        """One more job in the epoch of ``ticket`` (still queued: its hold has not left)."""
+        with self._cond:
+            self._queue[ticket - self._first][1] += 1
+
     def wait_turn(self, ticket: int) -> None:
         with self._cond:
             self._cond.wait_for(lambda: ticket == self._first)
 
     def leave(self, ticket: int) -> None:
         with self._cond:
-            head = self._queue[ticket - self._first]
-            head[1] -= 1
-            if ticket == self._first and head[1] == 0:
+            self._queue[ticket - self._first][1] -= 1
+            # A hold released before its epoch's turn leaves it empty behind the head.
+            while self._queue and self._queue[0][1] == 0:
                 self._queue.pop(0)
                 self._first += 1
                 self._cond.notify_all()

@@ -5,12 +5,21 @@ and a turn generated from other tokens than the episode's is refused."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
+from flax import nnx
 
+from rlax_tpu import models
+from rlax_tpu.config import EnvironmentConfig, InferenceConfig
 from rlax_tpu.config.smollm2 import smollm2_gguf
-from rlax_tpu.controller.episodes import episode_rollout
+from rlax_tpu.controller.episodes import EpisodeRunner, episode_rollout
+from rlax_tpu.controller.pool import WorkerPool
+from rlax_tpu.environments import Reply
+from rlax_tpu.inference.sampler import SamplingParams
+from rlax_tpu.inference.scheduler import Request
+from rlax_tpu.inference.worker import DictWeightSource, InferenceWorker
 from rlax_tpu.models.tokenizer import Tokenizer
 from rlax_tpu.types import FinishReason, Rollout, TrainBatch
 
@@ -88,3 +97,129 @@ def test_an_episode_carries_its_last_turns_routes_into_the_batch():
     short = dataclasses.replace(_turn([1, 2], [5, 6], 0, 1), routes=whole[:7])
     with pytest.raises(ValueError, match="routes cover 7 positions, the episode has 9"):
         episode_rollout([turn0, short], [[8, 8, 8]], prompt_id="k", sample_index=0)
+
+
+# -- scheduling: episodes over real workers (the tiny model), one by one or in lock-step --------
+
+SCHED_CFG = InferenceConfig(
+    max_concurrent_seqs=8,
+    page_size=4,
+    kv_cache_bytes=2**20,
+    prefill_chunk=8,
+    max_prompt_len=16,
+    max_new_tokens=40,
+)
+
+
+class ByteIds:
+    """A stand-in for the chat tokenizer over the tiny model's 512 ids (the subject here is when
+    turns run, not how replies are tokenized): a reply's bytes are its ids."""
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+    def turn_ids(self, text, *, after=()):
+        return list(text.encode())
+
+
+class Again:
+    """Asks for another turn after every turn (reward: the turns so far); ``gate``: the first
+    reply of the group ``waits`` waits until group ``until`` asks for its second reply."""
+
+    def __init__(self, waits: str = "", until: str = ""):
+        self.waits, self.until = waits, until
+        self.reached = threading.Event()
+        self.waited: bool | None = None  # whether the gate opened (None: never asked)
+
+    def reply(self, problem, answers, tools):
+        if problem == self.until and len(answers) == 2:
+            self.reached.set()
+        if problem == self.waits and len(answers) == 1:
+            self.waited = self.reached.wait(timeout=120)
+        return Reply(text=f"again {len(answers)}", reward=float(len(answers)))
+
+
+@pytest.fixture(scope="module")
+def tiny_weights():
+    model = models.init_model(models.preset("tiny"))
+    return model, DictWeightSource({0: nnx.to_pure_dict(nnx.split(model)[1])})
+
+
+def _runner(env, pool, *, per_episode: bool, max_turns: int = 3) -> EpisodeRunner:
+    cfg = EnvironmentConfig(name="code_repair", max_turns=max_turns, turn_tokens=6)
+    return EpisodeRunner(
+        env, None, ByteIds(), cfg, pool=pool, seed=3, max_new_tokens=40, stop_token_ids=(),
+        per_episode=per_episode,
+    )  # fmt: skip
+
+
+def _groups(n: int, samples: int = 2) -> tuple[list[Request], dict[str, str]]:
+    rng = np.random.default_rng(5)
+    reqs = [
+        Request(
+            prompt_id=f"g{i}",
+            prompt_tokens=tuple(int(t) for t in rng.integers(0, 256, 6)),
+            num_samples=samples,
+            sampling=SamplingParams(seed=40 + i, max_new_tokens=6),
+        )
+        for i in range(n)
+    ]
+    return reqs, {r.prompt_id: r.prompt_id for r in reqs}
+
+
+def test_an_episode_takes_its_next_turn_without_waiting_for_the_others(tiny_weights):
+    """One by one: group g1's episodes play their second turn while g0's first reply is still
+    being computed (in lock-step that reply would hold every second turn back)."""
+    model, source = tiny_weights
+    workers = [InferenceWorker(model, SCHED_CFG, weight_source=source) for _ in range(2)]
+    pool = WorkerPool(workers, exclusive_jobs=True)
+    env = Again(waits="g0", until="g1")
+    runner = _runner(env, pool, per_episode=True)
+    try:
+        reqs, problems = _groups(2, samples=1)
+        played = runner.play(0, reqs, problems)
+        assert env.waited is True
+        assert [len(ep.tokens) > len(first.tokens) for ep, first in
+                zip(played.episodes, played.first_turns, strict=True)] == [True, True]  # fmt: skip
+        assert played.rewards == [3.0, 3.0]  # "last": the third turn's reward
+    finally:
+        runner.close()
+        pool.close()
+        for w in workers:
+            w.shutdown()
+
+
+def test_one_by_one_plays_the_same_episodes_as_lock_step(tiny_weights):
+    """The schedule decides when turns run, never what they sample: the same episodes (bit for
+    bit where the engine's rows are, as deterministic mode requires to play one by one), each
+    later turn continuing its episode's kept pages on the worker of its first turn."""
+    model, source = tiny_weights
+    got = {}
+    for per_episode in (False, True):
+        workers = [InferenceWorker(model, SCHED_CFG, weight_source=source) for _ in range(2)]
+        pool = WorkerPool(workers, exclusive_jobs=True)
+        runner = _runner(Again(), pool, per_episode=per_episode)
+        try:
+            reqs, problems = _groups(3)
+            got[per_episode] = runner.play(0, reqs, problems)
+            status = [w.status() for w in workers]
+            assert sum(s.prefix_tokens_reused for s in status) > 0
+            bitwise = all(s.rows_bitwise for s in status)
+        finally:
+            runner.close()
+            pool.close()
+            for w in workers:
+                w.shutdown()
+    lock, each = got[False], got[True]
+    assert [(e.prompt_id, e.sample_index) for e in each.episodes] == [
+        (f"g{i}", s) for i in range(3) for s in range(2)
+    ]
+    assert each.rewards == lock.rewards == [3.0] * 6
+    for a, b in zip(each.episodes, lock.episodes, strict=True):
+        np.testing.assert_array_equal(a.sampled, b.sampled)
+        if bitwise:
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        else:  # f32 round-off, up to the first near-tie drawn the other way
+            same = int(np.cumprod(a.tokens == b.tokens).sum())
+            np.testing.assert_allclose(a.logprobs[: same + 1], b.logprobs[: same + 1], atol=1e-5)

@@ -280,3 +280,49 @@ def test_a_job_of_a_new_version_has_its_worker_stage_it_while_the_last_job_runs(
         pool.close()
         worker.shutdown()
     assert worker.standby.counts == {"staged": 2, "taken_staged": 2, "fetched_at_load": 0}
+
+
+def test_a_hold_runs_its_later_jobs_ahead_of_a_newer_version(weights):
+    """A step's episodes hold their version's epoch (deterministic mode's exclusive jobs): a
+    later turn submitted after a job of a newer version still runs before it, on the kept
+    pages, and the worker loads each version once; groups stream out as they finish."""
+    model, source = weights
+    worker = InferenceWorker(model, CFG, weight_source=source)
+    loads = []
+
+    class Logged(Flaky):
+        def load_weights(self, version):
+            loads.append(version)
+            return super().load_weights(version)
+
+    pool = WorkerPool([Logged(worker)], exclusive_jobs=True)
+    try:
+        hold = pool.hold(0)
+        first = [dataclasses.replace(r, keep_pages=True, session=r.prompt_id) for r in requests(3)]
+        streamed = []
+        turns = pool.submit(0, first, hold=hold, on_group=streamed.append).result()
+        assert sorted(tokens(sum(streamed, []))) == sorted(tokens(turns))
+        assert all(len(g) == 2 and len({r.prompt_id for r in g}) == 1 for g in streamed)
+        newer = pool.submit(1, requests(2))  # queued behind the held epoch
+        later = [
+            Request(
+                prompt_id=f"{ro.prompt_id}.{ro.sample_index}",
+                prompt_tokens=tuple(int(t) for t in ro.prompt_tokens),
+                continuation=(*ro.tokens.tolist(), 3),
+                sampling=SamplingParams(seed=7, max_new_tokens=2),
+                session=ro.prompt_id,
+            )
+            for ro in turns
+        ]
+        reused = worker.status().prefix_tokens_reused
+        assert {r.version for r in pool.submit(0, later, hold=hold).result()} == {0}
+        assert worker.status().prefix_tokens_reused > reused  # the kept pages, not recomputed
+        assert not newer.done()  # it cannot run while the hold keeps version 0's epoch
+        hold.release()
+        assert {r.version for r in newer.result(timeout=60)} == {1}
+        assert loads == [0, 1]
+        with pytest.raises(RuntimeError, match="released hold"):
+            pool.submit(0, later, hold=hold)
+    finally:
+        pool.close()
+        worker.shutdown()
