@@ -209,13 +209,6 @@ class RunConfig:
         env.check_name()
         if env.name == "none":
             return
-        if self.controller.mode != "deterministic":
-            raise ConfigError(
-                "environment.name",
-                "multi-turn episodes run in controller.mode = 'deterministic' only (not yet in "
-                "throughput mode)",
-                env.name,
-            )
         if self.data.prompt_style != "chat":  # 'auto' may turn out raw: say it up front
             raise ConfigError(
                 "data.prompt_style",

@@ -218,7 +218,8 @@ class EpisodeRunner:
         self.stop_token_ids = tuple(stop_token_ids)
         self._per_episode = per_episode
         self._env_calls = cf.ThreadPoolExecutor(cfg.concurrency, "environment")
-        self._drivers = cf.ThreadPoolExecutor(8, "lock-step")  # lock-step jobs (they block)
+        # Lock-step jobs wait on a thread each (one per job in flight, throughput mode has many).
+        self._drivers = cf.ThreadPoolExecutor(256, "lock-step")
         self._playing: set[_Playing] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -274,13 +275,19 @@ class EpisodeRunner:
     ) -> cf.Future[Played]:
         """``play`` without waiting: the first turns are submitted before it returns."""
         requests = [self.first_turn(r) for r in requests]
+        total = sum(r.num_samples for r in requests)
         hold = self.pool.hold(version)
-        if self.per_episode:
-            playing = self._one_by_one(version, requests, problems, hold, counted)
-        else:
-            playing = self._drivers.submit(
-                self._lock_step, version, requests, problems, hold, counted
-            )
+        try:
+            if self.per_episode:
+                playing = self._one_by_one(version, requests, problems, hold, counted, total)
+            else:
+                first = self.pool.submit(version, requests, counted=counted, hold=hold)
+                playing = self._drivers.submit(
+                    self._lock_step, version, first, problems, hold, counted, total
+                )
+        except BaseException:
+            hold.release()
+            raise
         out: cf.Future[Played] = cf.Future()
 
         def played(f: cf.Future[list[_Episode]]) -> None:
@@ -326,8 +333,9 @@ class EpisodeRunner:
         problems: Mapping[str, Problem],
         hold: Hold,
         counted: bool,
+        total: int,
     ) -> cf.Future[list[_Episode]]:
-        state = _Playing(sum(r.num_samples for r in requests))
+        state = _Playing(total)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the episode runner is closed")
@@ -369,12 +377,16 @@ class EpisodeRunner:
         def first_turns(job: cf.Future[list[Rollout]]) -> None:
             try:
                 started(job.result())  # any group the stream did not pass on
+                _check_count(len(state.episodes), total)
             except BaseException as e:  # noqa: BLE001 - the job's error
                 state.fail(e)
 
-        self.pool.submit(
-            version, requests, counted=counted, hold=hold, on_group=started
-        ).add_done_callback(first_turns)
+        try:
+            job = self.pool.submit(version, requests, counted=counted, hold=hold, on_group=started)
+        except BaseException as e:
+            state.fail(e)  # forgotten: nothing of it runs
+            raise
+        job.add_done_callback(first_turns)
         return state.done
 
     def _forget(self, state: _Playing) -> None:
@@ -384,13 +396,14 @@ class EpisodeRunner:
     def _lock_step(
         self,
         version: int,
-        requests: list[Request],
+        first: cf.Future[list[Rollout]],
         problems: Mapping[str, Problem],
         hold: Hold,
         counted: bool,
+        total: int,
     ) -> list[_Episode]:
-        first = self.pool.submit(version, requests, counted=counted, hold=hold).result()
-        episodes = [_Episode(problems[ro.prompt_id], [ro]) for ro in first]
+        episodes = [_Episode(problems[ro.prompt_id], [ro]) for ro in first.result()]
+        _check_count(len(episodes), total)
         active = episodes
         while active:
             replies = list(self._env_calls.map(self._reply, active))
@@ -444,3 +457,8 @@ class EpisodeRunner:
                 max_new_tokens=room,
             ),
         )
+
+
+def _check_count(got: int, want: int) -> None:
+    if got != want:
+        raise RuntimeError(f"a job's first turns came back as {got} samples, {want} were asked")

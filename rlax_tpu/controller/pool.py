@@ -8,10 +8,12 @@ its jobs in *epochs*: consecutive jobs of one version run concurrently (the engi
 continuously); a job of another version waits until the earlier epoch drains, then loads its
 weights (a reload between engine steps, never under a running request); the worker is asked to
 stage that version (fetch it into a standby copy) as soon as the job arrives, so the load that
-follows the drain is a swap. A *hold* (``hold(version)``: a step's episodes) keeps the epoch its
-first job opened on a worker until released: the jobs submitted within it (the episodes' later
-turns) join that epoch, ahead of newer-version jobs queued since, so an episode's kept pages are
-used and its worker does not reload back and forth. A worker that fails
+follows the drain is a swap. A *hold* (``hold(version)``: a job's episodes) keeps the epoch its
+first job joined on a worker open until released: the jobs submitted within it (the episodes'
+later turns) run in that epoch, ahead of the epochs queued since (other versions', and in
+exclusive mode every other job's), so an episode's kept pages are used and its worker does not
+reload back and forth; a kept epoch with no job running gives way to an older hold's job
+waiting behind it (``Hold``). A worker that fails
 (unreachable, shut down, an RPC error) is marked down and its share goes to another live worker;
 a down worker is probed before each job and takes work again once it answers. Aborted samples are
 generated again: with per-group seeds that gives the same tokens, so failover does not change
@@ -28,6 +30,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -166,16 +169,26 @@ class WorkerPool:
         return i
 
     def _start(self, i: int, job: _Job, requests: list[Request]) -> cf.Future:
-        if self.continue_on_reload:
-            fut = self._threads.submit(self._run_continuing, i, job, requests)
-        else:
-            if job.hold is not None:
-                ticket = job.hold.join(i)
-            else:
-                ticket = self._epochs[i].join(job.version)
-            self._stage_ahead(i, job.version)
-            fut = self._threads.submit(self._run_in_epoch, i, ticket, job, requests)
         groups = len(requests) if job.counted else 0
+        if self.continue_on_reload:
+            try:
+                fut = self._threads.submit(self._run_continuing, i, job, requests)
+            except BaseException:
+                self._returned(i, groups)
+                raise
+        else:
+            hold = job.hold.seq if job.hold is not None else None
+            if job.hold is not None:
+                epoch = job.hold.join(i)
+            else:
+                epoch = self._epochs[i].join(job.version)
+            try:
+                self._stage_ahead(i, job.version)
+                fut = self._threads.submit(self._run_in_epoch, i, epoch, hold, job, requests)
+            except BaseException:  # closed: the epoch must not wait for a job never started
+                self._epochs[i].leave(epoch, hold)
+                self._returned(i, groups)
+                raise
         fut.add_done_callback(lambda _: self._returned(i, groups))
         return fut
 
@@ -216,11 +229,12 @@ class WorkerPool:
         return self._run(i, None, requests, job)
 
     def _run_in_epoch(
-        self, i: int, ticket: int, job: _Job, requests: list[Request]
+        self, i: int, epoch: _Epoch, hold: int | None, job: _Job, requests: list[Request]
     ) -> tuple[list[Request], list[Rollout], Exception | None]:
         epochs = self._epochs[i]
-        epochs.wait_turn(ticket)
         try:
+            if not epochs.wait_turn(epoch):
+                return requests, [], PoolClosed("the pool was closed before this job's turn")
             with epochs.load_lock:  # the epoch's first job loads its weights, the others wait
                 if self._held[i] != job.version:
                     try:
@@ -231,7 +245,7 @@ class WorkerPool:
                     self._held[i] = job.version
             return self._run(i, job.version, requests, job)
         finally:
-            epochs.leave(ticket)
+            epochs.leave(epoch, hold)
 
     def _load(self, i: int, version: int, counted: bool = True) -> None:
         t0 = time.perf_counter()
@@ -377,6 +391,8 @@ class WorkerPool:
         """Cancels jobs not started and ends waits for a worker to come back; ``wait``: also
         waits for the calls already running."""
         self._closing.set()
+        for epochs in self._epochs:  # jobs waiting for their epoch give up
+            epochs.close()
         self._coordinator.shutdown(wait=wait, cancel_futures=True)
         self._threads.shutdown(wait=wait, cancel_futures=True)
 
@@ -399,72 +415,110 @@ class _Job:
 
 
 class Hold:
-    """Keeps, on each worker a job within it ran on, the epoch that job opened (``submit(hold=)``)
-    until ``release``: later jobs within it join that epoch, ahead of epochs queued since."""
+    """Keeps the epoch a job within it joined on a worker (``submit(hold=)``) from ending until
+    ``release``, so its later jobs there run in it, ahead of epochs queued since.
+
+    Holds are ordered by creation (``seq``). An epoch kept only by holds, with no job of its
+    own running, gives way to a job of an older hold waiting behind it (its younger holds'
+    later jobs there open a new epoch): every wait is then on a running job or an older hold,
+    so holds never wait for each other in a cycle (a failover can place a hold's job behind a
+    younger hold's epoch)."""
+
+    _count = itertools.count()
 
     def __init__(self, version: int, epochs: Sequence[_Epochs]):
         self.version, self._epochs = version, epochs
-        self._tickets: dict[int, int] = {}  # worker -> the held epoch's ticket
+        self.seq = next(Hold._count)
+        self._kept: dict[int, _Epoch] = {}  # worker -> the epoch kept there
         self._lock = threading.Lock()
         self._released = False
 
-    def join(self, i: int) -> int:
-        """The ticket of a job on worker ``i`` within the hold (opening its epoch there)."""
+    def join(self, i: int) -> _Epoch:
+        """The epoch a job on worker ``i`` within the hold runs in (kept from now on)."""
         with self._lock:
             if self._released:
                 raise RuntimeError(f"a job submitted within a released hold of {self.version}")
-            ticket = self._tickets.get(i)
-            if ticket is None:  # the hold itself counts as one job of the epoch until released
-                ticket = self._tickets[i] = self._epochs[i].open(self.version)
-            self._epochs[i].join_ticket(ticket)
-            return ticket
+            epoch = self._kept[i] = self._epochs[i].join(self.version, self.seq, self._kept.get(i))
+            return epoch
 
     def release(self) -> None:
-        """Lets the held epochs end once their jobs have (idempotent)."""
+        """Lets the kept epochs end once their jobs have (idempotent)."""
         with self._lock:
-            tickets, self._tickets, self._released = self._tickets, {}, True
-        for i, ticket in tickets.items():
-            self._epochs[i].leave(ticket)
+            kept, self._kept, self._released = self._kept, {}, True
+        for i, epoch in kept.items():
+            self._epochs[i].unkeep(epoch, self.seq)
+
+
+class _Epoch:
+    """Jobs of one version a worker runs together; ``keep``: the holds keeping it open."""
+
+    def __init__(self, version: int):
+        self.version, self.jobs = version, 0
+        self.keep: set[int] = set()
+        self.held_jobs: collections.Counter[int] = collections.Counter()  # hold seq -> jobs
 
 
 class _Epochs:
     """Per-worker FIFO of version epochs: jobs of the head epoch run, later epochs wait."""
 
     def __init__(self, exclusive: bool = False) -> None:
-        self.exclusive = exclusive  # every job is an epoch of its own
+        self.exclusive = exclusive  # every job (every hold) is an epoch of its own
         self._cond = threading.Condition()
-        self._queue: list[list[int]] = []  # [version, jobs not finished]
-        self._first = 0  # ticket (epoch number) of the head
+        self._queue: list[_Epoch] = []
+        self._closed = False
         self.load_lock = threading.Lock()
 
-    def join(self, version: int) -> int:
+    def join(self, version: int, hold: int | None = None, kept: _Epoch | None = None) -> _Epoch:
+        """The epoch a job of ``version`` runs in: ``kept`` (its hold's, while still open),
+        else the last one if of the same version (not in exclusive mode), else a new one."""
         with self._cond:
-            if self._queue and self._queue[-1][0] == version and not self.exclusive:
-                self._queue[-1][1] += 1
+            if kept is not None and kept in self._queue and hold in kept.keep:
+                epoch = kept
+            elif self._queue and self._queue[-1].version == version and not self.exclusive:
+                epoch = self._queue[-1]
             else:
-                self._queue.append([version, 1])
-            return self._first + len(self._queue) - 1
+                epoch = _Epoch(version)
+                self._queue.append(epoch)
+            epoch.jobs += 1
+            if hold is not None:
+                epoch.keep.add(hold)
+                epoch.held_jobs[hold] += 1
+            self._settle()
+            return epoch
 
-    def open(self, version: int) -> int:
-        """A new epoch of its own (a hold's), counted as one job until left."""
+    def wait_turn(self, epoch: _Epoch) -> bool:
+        """Waits for ``epoch`` to be the head; False: the pool closed first."""
         with self._cond:
-            self._queue.append([version, 1])
-            return self._first + len(self._queue) - 1
+            self._cond.wait_for(lambda: self._closed or self._queue[0] is epoch)
+            return not self._closed
 
-    def join_ticket(self, ticket: int) -> None:
-        """One more job in the epoch of ``ticket`` (still queued: its hold has not left)."""
+    def leave(self, epoch: _Epoch, hold: int | None = None) -> None:
         with self._cond:
-            self._queue[ticket - self._first][1] += 1
+            epoch.jobs -= 1
+            if hold is not None:
+                epoch.held_jobs[hold] -= 1
+            self._settle()
 
-    def wait_turn(self, ticket: int) -> None:
+    def unkeep(self, epoch: _Epoch, hold: int) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: ticket == self._first)
+            epoch.keep.discard(hold)
+            self._settle()
 
-    def leave(self, ticket: int) -> None:
+    def close(self) -> None:
         with self._cond:
-            self._queue[ticket - self._first][1] -= 1
-            # A hold released before its epoch's turn leaves it empty behind the head.
-            while self._queue and self._queue[0][1] == 0:
-                self._queue.pop(0)
-                self._first += 1
-                self._cond.notify_all()
+            self._closed = True
+            self._cond.notify_all()
+
+    def _settle(self) -> None:
+        """Ends the head while it has no job and no hold keeps it; a head kept by holds alone
+        gives way to jobs of older holds waiting behind it. Holds _cond."""
+        while self._queue:
+            head = self._queue[0]
+            if head.jobs == 0 and head.keep:
+                waiting = [h for e in self._queue[1:] for h, n in e.held_jobs.items() if n > 0]
+                if waiting:
+                    head.keep = {h for h in head.keep if h < min(waiting)}
+            if head.jobs or head.keep:
+                return
+            self._queue.pop(0)
+            self._cond.notify_all()

@@ -985,15 +985,6 @@ def test_a_dead_replicas_lease_must_lapse_before_a_publish_stops_waiting():
             "inference.max_new_tokens (48)",
         ),
         (
-            {
-                "environment.name": "code_repair",
-                "data.prompt_style": "chat",
-                "controller.mode": "throughput",
-            },
-            "environment.name = 'code_repair': multi-turn episodes run in controller.mode = "
-            "'deterministic' only (not yet in throughput mode)",
-        ),
-        (
             {"environment.name": "code_repair", "data.prompt_style": "raw"},
             "data.prompt_style = 'raw': an environment's replies are turns of the model's chat "
             "template: use 'chat'",

@@ -223,3 +223,25 @@ def test_one_by_one_plays_the_same_episodes_as_lock_step(tiny_weights):
         else:  # f32 round-off, up to the first near-tie drawn the other way
             same = int(np.cumprod(a.tokens == b.tokens).sum())
             np.testing.assert_allclose(a.logprobs[: same + 1], b.logprobs[: same + 1], atol=1e-5)
+
+
+@pytest.mark.parametrize("per_episode", [False, True])
+def test_jobs_played_at_once_over_two_workers_all_finish(tiny_weights, per_episode):
+    """Three jobs' episodes at once (pipelined steps, an evaluation beside them), each within
+    its own hold, their groups spread over two workers in exclusive mode: holds met in any order
+    never wait for each other for good (see test_pool's opposite-order test)."""
+    model, source = tiny_weights
+    workers = [InferenceWorker(model, SCHED_CFG, weight_source=source) for _ in range(2)]
+    pool = WorkerPool(workers, exclusive_jobs=True)
+    runner = _runner(Again(), pool, per_episode=per_episode, max_turns=2)
+    try:
+        reqs, problems = _groups(6, samples=1)
+        jobs = [runner.start(0, reqs[k::3], problems) for k in range(3)]
+        played = [job.result(timeout=300) for job in jobs]
+        assert [len(p.episodes) for p in played] == [2, 2, 2]
+        assert all(r == 2.0 for p in played for r in p.rewards)
+    finally:
+        runner.close()
+        pool.close()
+        for w in workers:
+            w.shutdown()

@@ -6,6 +6,7 @@ Every run is a real ``python -m rlax_tpu.controller`` process (local transport: 
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -382,9 +383,12 @@ def test_sigterm_then_sigkill_each_resumed_gives_the_uninterrupted_weights(
     components close, the process exits 143 with a message saying how to resume. The same
     command resumes; SIGKILLed at a random moment after step 2 (a lost node), it resumes again
     and finishes with the uninterrupted run's weights, every group trained once. (One run for
-    both kinds of stop: each start costs the suite a process and its compiles.)"""
+    both kinds of stop: each start costs the suite a process and its compiles.) It evaluates
+    every version beside training (the reference at 0 and 4 only), so the kills land among
+    evaluations in flight: they change no bit of training, and the evaluations of versions 0
+    and 4 give the reference's results."""
     run_dir = tmp_path / "stopped"
-    extra = ("--config.controller.num_steps=4",)
+    extra = ("--config.controller.num_steps=4", "--config.data.eval_every=1")
     proc = started(env, run_dir, *extra, after_step=1)
     watchdog = threading.Timer(600, proc.kill)
     watchdog.start()
@@ -410,6 +414,21 @@ def test_sigterm_then_sigkill_each_resumed_gives_the_uninterrupted_weights(
     assert sha(out) == reference[1]
     trained = [g for g in final_payload(run_dir)["ledger"] if g["state"] == "trained"]
     assert len(trained) == 4 * 2 and len({g["key"] for g in trained}) == len(trained)
+
+    def evals(run_dir: Path) -> dict[int, list[dict]]:
+        out = collections.defaultdict(list)
+        for r in read_metrics(run_dir):
+            if "eval/pass@1" in r["scalars"]:  # the results, not their timing
+                out[r["step"]].append({k: v for k, v in r["scalars"].items() if k[:5] == "eval/"})
+        return out
+
+    want, got = evals(reference[0]), evals(run_dir)
+    assert sorted(want) == [0, 4] and {0, 4} <= set(got)
+    for version, records in got.items():  # a result logged again after a resume is the same
+        assert all(r == records[0] for r in records), (version, records)
+    for version in (0, 4):
+        assert got[version][0]["eval/pass@1"] == want[version][0]["eval/pass@1"]
+        assert got[version][0]["eval/problems"] == want[version][0]["eval/problems"]
 
 
 def test_an_algorithm_of_the_users_own_trains_from_the_main_command(env, tmp_path):

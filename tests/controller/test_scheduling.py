@@ -237,3 +237,29 @@ def test_throughput_mode_with_unbounded_staleness_runs_with_a_bounded_queue(tmp_
     check_ledger(ctl, eta_a=steps, steps=steps, batch=batch)
     assert ctl.counters.groups_discarded_stale == 0
     assert ctl.mixture.issued <= steps * batch + throughput_queue_cap(config)
+
+
+@pytest.mark.parametrize("continue_on_reload", [False, True])
+def test_episodes_in_throughput_mode_keep_eta_a_and_the_ledger(tmp_path, continue_on_reload):
+    """Two-turn code-repair episodes in throughput mode, with the verifier (every environment
+    reply) and training slowed so that versions move on while episodes are between turns (with
+    continue_on_reload a later turn may run on newer weights): an episode's version is its oldest
+    token's, so every trained episode is within η_a of its update, and every group the mixture
+    issued is trained once, discarded with a re-issue, or unfinished."""
+    from rlax_tpu.config import to_dict
+    from rlax_tpu.observability.metrics import read_metrics
+
+    base = to_dict(make_config(tmp_path, mode="throughput", acceptance_staleness=1, num_steps=4))
+    base["environment"] |= dict(name="code_repair", max_turns=2, turn_tokens=8)
+    base["data"] |= dict(prompt_style="chat")
+    base["inference"] |= dict(max_new_tokens=160, continue_on_reload=continue_on_reload)
+    config = from_dict(RunConfig, base)
+
+    def wrap(comps):
+        comps.verifier = Slow(comps.verifier, {"verify": [0.2, 0.0, 0.05]})
+        comps.trainer = Slow(comps.trainer, {"train_step": [0.6]})
+
+    ctl = run_controller(config, wrap)
+    check_ledger(ctl, eta_a=1, steps=4, batch=2)
+    turns = [r["scalars"].get("episode/turns_mean") for r in read_metrics(tmp_path)]
+    assert max(t for t in turns if t is not None) > 1.0  # second turns were played
