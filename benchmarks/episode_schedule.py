@@ -94,6 +94,7 @@ def _analyse(run_dir: Path) -> dict:
         "prefix_tokens_reused": per_step("episode/prefix_tokens_reused"),
         "turns_mean": per_step("episode/turns_mean"),
         "generate_s": per_step("time/generate"),
+        "train_s": per_step("time/train"),
         "engine_generate_s": per_step("pool/generate_s"),
         "reward_mean": per_step("reward/mean"),
     }

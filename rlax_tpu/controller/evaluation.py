@@ -6,8 +6,10 @@ issuing, consuming and training; the controller takes finished ones (``take_done
 steps and logs each against v. Its generation goes through the same worker pool as training
 (its requests are not counted in the pool's load balance, so training's assignment of requests
 to workers stays what it was) in chunks of at most ``data.eval_share`` of the workers' sequence
-slots (throughput mode; a chunk fills them in deterministic mode). The version being evaluated
-is leased as its own consumer until the evaluation ends.
+slots (throughput mode; a chunk fills them in deterministic mode); outside deterministic mode a
+chunk joins its version's epoch on a worker ahead of newer versions' (``WorkerPool.submit``'s
+``ahead``), so evaluating a version training has moved past does not reload a worker back to it.
+The version being evaluated is leased as its own consumer until the evaluation ends.
 
 A run killed with evaluations in flight lists them in its snapshot (``evals_in_flight``, from
 ``pending``); the resumed run takes a result its metrics already hold, and evaluates the others
@@ -129,7 +131,9 @@ class EvaluationMixin:
             rollouts = played.first_turns
         else:
             played = None
-            rollouts = self.pool.submit(version, requests, counted=counted).result()
+            rollouts = self.pool.submit(
+                version, requests, counted=counted, ahead=not counted
+            ).result()
         items = [(by_key[ro.prompt_id][1], ro) for ro in rollouts]
         verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
         finals = verdicts if played is None else played.verdicts

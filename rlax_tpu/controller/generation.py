@@ -142,7 +142,20 @@ class GenerationMixin:
                 r.timing = dict(timing)
             return results
 
-        return self._verify_pool.submit(verify)
+        if self.episodes is None:
+            return self._verify_pool.submit(verify)
+        # Episodes are graded by their environment: results are built when the play ends, on
+        # no thread of the verify pool (a slow play would hold finished ones back).
+        results: cf.Future[list[groups_lib.GroupResult]] = cf.Future()
+
+        def played(_: cf.Future) -> None:
+            try:
+                results.set_result(verify())
+            except BaseException as e:  # noqa: BLE001 - raised by _collect
+                results.set_exception(e)
+
+        generation.add_done_callback(played)
+        return results
 
     def _collect(
         self, job: cf.Future[list[groups_lib.GroupResult]]

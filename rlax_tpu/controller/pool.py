@@ -122,6 +122,7 @@ class WorkerPool:
         counted: bool = True,
         hold: Hold | None = None,
         on_group: Callable[[list[Rollout]], None] | None = None,
+        ahead: bool = False,
     ) -> cf.Future[list[Rollout]]:
         """Generates every request with weights ``version``; the future holds all rollouts.
         ``counted`` False: the requests do not count in the load balance (evaluations beside
@@ -129,7 +130,9 @@ class WorkerPool:
         ``hold`` (of ``version``): the job runs in the hold's epoch on each worker.
         ``on_group``: called (on a pool thread) with each request's rollouts as soon as all of
         them are generated, before the job ends; a group a failed worker had finished may be
-        passed again (the same tokens, generated again elsewhere)."""
+        passed again (the same tokens, generated again elsewhere). ``ahead`` (outside exclusive
+        mode): the job joins the first epoch of ``version`` queued on its worker, ahead of newer
+        ones (an evaluation of a version training has moved past: no reload back to it)."""
         if hold is not None and hold.version != version:
             raise ValueError(f"a hold of version {hold.version} used for a job of {version}")
         self._probe_down()
@@ -148,7 +151,7 @@ class WorkerPool:
                 shares[i].append(r)
                 self._outstanding[i] += int(counted)
                 extra[i] += int(not counted)
-        job = _Job(version, counted, hold, on_group)
+        job = _Job(version, counted, hold, on_group, ahead)
         futures = {i: self._start(i, job, reqs) for i, reqs in shares.items() if reqs}
         return self._coordinator.submit(self._gather, job, futures)
 
@@ -178,10 +181,13 @@ class WorkerPool:
                 raise
         else:
             hold = job.hold.seq if job.hold is not None else None
-            if job.hold is not None:
-                epoch = job.hold.join(i)
-            else:
-                epoch = self._epochs[i].join(job.version)
+            try:
+                epoch = job.hold.join(i) if job.hold is not None else None
+            except BaseException:  # a released hold: nothing joined
+                self._returned(i, groups)
+                raise
+            if epoch is None:
+                epoch = self._epochs[i].join(job.version, ahead=job.ahead)
             try:
                 self._stage_ahead(i, job.version)
                 fut = self._threads.submit(self._run_in_epoch, i, epoch, hold, job, requests)
@@ -306,6 +312,8 @@ class WorkerPool:
             out += rollouts
             if error is None:
                 continue
+            if isinstance(error, PoolClosed) or self._closing.is_set():
+                raise PoolClosed(f"the pool was closed with this job unfinished ({error})")
             live = [j for j in self.live if j != i] or self.live
             while not live:
                 if time.monotonic() > deadline:
@@ -403,6 +411,7 @@ class _Job:
     counted: bool
     hold: Hold | None
     on_group: Callable[[list[Rollout]], None] | None
+    ahead: bool = False
 
     def finished(self, group: list[Rollout]) -> None:
         """Passes a whole group on (``on_group``) unless a sample was aborted (generated again)."""
@@ -468,14 +477,25 @@ class _Epochs:
         self._closed = False
         self.load_lock = threading.Lock()
 
-    def join(self, version: int, hold: int | None = None, kept: _Epoch | None = None) -> _Epoch:
+    def join(
+        self,
+        version: int,
+        hold: int | None = None,
+        kept: _Epoch | None = None,
+        *,
+        ahead: bool = False,
+    ) -> _Epoch:
         """The epoch a job of ``version`` runs in: ``kept`` (its hold's, while still open),
-        else the last one if of the same version (not in exclusive mode), else a new one."""
+        else (not in exclusive mode) the last one if of the same version, or with ``ahead``
+        the first one of that version, else a new one."""
         with self._cond:
+            same = [] if self.exclusive else [e for e in self._queue if e.version == version]
             if kept is not None and kept in self._queue and hold in kept.keep:
                 epoch = kept
-            elif self._queue and self._queue[-1].version == version and not self.exclusive:
-                epoch = self._queue[-1]
+            elif ahead and same:
+                epoch = same[0]
+            elif same and same[-1] is self._queue[-1]:
+                epoch = same[-1]
             else:
                 epoch = _Epoch(version)
                 self._queue.append(epoch)

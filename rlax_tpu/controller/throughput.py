@@ -98,7 +98,7 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
         if ctl.ledger[key].state is GroupState.IN_FLIGHT:
             ctl.ledger.requeue(key)
         reissue.append(ctl.refs[key])
-    jobs: dict[cf.Future, int] = {}  # future -> number of groups
+    jobs: dict[cf.Future, tuple[int, int]] = {}  # future -> (groups, version generated with)
     finish_seq = {}  # group key -> order it was buffered in, for the consumption order
     ctl.ensure_versions([ctl.version, policy.reload_point(ctl.version)])
     last_log, tokens_at_log = time.perf_counter(), ctl.pool.generated_tokens
@@ -112,15 +112,16 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
         ctl.log_evals(metrics, progress)
         v = ctl.version
         w = policy.reload_point(v)
-        in_flight = sum(jobs.values())
+        in_flight = sum(groups for groups, _ in jobs.values())
         queued = in_flight + len(ctl.buffered)
         limit = min(policy.admission_budget(batch, v, w), cap)  # policy.admits, capped
         while queued < limit:
             k = int(min(chunk, math.ceil(limit - queued)))
             refs = [reissue.popleft() if reissue else ctl.issue(1)[0] for _ in range(k)]
-            jobs[ctl._launch(refs, w, issued_version=v)] = len(refs)
+            jobs[ctl._launch(refs, w, issued_version=v)] = (len(refs), w)
             queued += len(refs)
-        ctl.lease({w, *(r.version for r in ctl.buffered.values())})
+        # Jobs in flight too: an episode's later turns may still load its version.
+        ctl.lease({w, *(g for _, g in jobs.values()), *(r.version for r in ctl.buffered.values())})
         t_wait = time.perf_counter()
         ready = _take_ready(ctl, v)
         while len(ready) < batch:

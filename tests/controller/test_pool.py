@@ -71,6 +71,18 @@ class Flaky:
         return self.inner.status()
 
 
+class LoadsLogged(Flaky):
+    """A worker recording the versions it is asked to load, in order."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.loads: list[int] = []
+
+    def load_weights(self, version):
+        self.loads.append(version)
+        return super().load_weights(version)
+
+
 def requests(n: int) -> list[Request]:
     rng = np.random.default_rng(0)
     return [
@@ -288,14 +300,10 @@ def test_a_hold_runs_its_later_jobs_ahead_of_a_newer_version(weights):
     pages, and the worker loads each version once; groups stream out as they finish."""
     model, source = weights
     worker = InferenceWorker(model, CFG, weight_source=source)
-    loads = []
+    logged = LoadsLogged(worker)
+    loads = logged.loads
 
-    class Logged(Flaky):
-        def load_weights(self, version):
-            loads.append(version)
-            return super().load_weights(version)
-
-    pool = WorkerPool([Logged(worker)], exclusive_jobs=True)
+    pool = WorkerPool([logged], exclusive_jobs=True)
     try:
         hold = pool.hold(0)
         first = [dataclasses.replace(r, keep_pages=True, session=r.prompt_id) for r in requests(3)]
@@ -356,3 +364,44 @@ def test_holds_met_in_opposite_orders_on_two_workers_do_not_wait_for_each_other(
     # B's later job on worker 0 opens a new epoch there: its kept one gave way.
     assert b.join(0) is not b0
     b.release()
+
+
+def test_closing_the_pool_ends_a_job_waiting_for_its_epoch(workers):
+    """A job queued behind a kept epoch when the pool closes fails with PoolClosed (it is not
+    handed to another worker as if its own had failed), and close(wait=True) returns."""
+    pool = WorkerPool(workers[:1], exclusive_jobs=True, on_event=lambda text: None)
+    hold = pool.hold(0)
+    pool.submit(0, requests(1), hold=hold).result()
+    waiting = pool.submit(0, requests(2))  # exclusive: behind the kept epoch until released
+    closer = threading.Thread(target=pool.close, kwargs={"wait": True}, daemon=True)
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive()
+    with pytest.raises(PoolClosed):
+        waiting.result(timeout=10)
+    hold.release()
+
+
+def test_an_evaluation_joins_its_versions_epoch_ahead_of_a_newer_one(weights):
+    """Throughput mode's epochs: version 0's epoch kept open (a hold), a job of version 1
+    queued behind it; an evaluation of version 0 (``ahead``) runs in version 0's epoch instead
+    of after version 1's, so the worker loads 0 and 1 once each (a plain job would wait for 1
+    and load 0 again)."""
+    model, source = weights
+    worker = InferenceWorker(model, CFG, weight_source=source)
+    logged = LoadsLogged(worker)
+    loads = logged.loads
+
+    pool = WorkerPool([logged])
+    try:
+        hold = pool.hold(0)
+        pool.submit(0, requests(1), hold=hold).result()
+        newer = pool.submit(1, requests(2))
+        evaluated = pool.submit(0, requests(2), counted=False, ahead=True).result(timeout=60)
+        assert {r.version for r in evaluated} == {0} and not newer.done()
+        hold.release()
+        assert {r.version for r in newer.result(timeout=60)} == {1}
+        assert loads == [0, 1]
+    finally:
+        pool.close()
+        worker.shutdown()
