@@ -88,10 +88,15 @@ def throughput_queue_cap(config: RunConfig) -> int:
     )
 
 
+def launch_chunk(batch: int) -> int:
+    """Groups the throughput loop launches as one job (half a batch; the planner models it)."""
+    return max(1, batch // 2)
+
+
 def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) -> None:
     cc, policy = ctl.cc, ctl.policy
     batch, n = cc.prompts_per_step, cc.num_steps
-    chunk = max(1, batch // 2)
+    chunk = launch_chunk(batch)
     cap = throughput_queue_cap(ctl.config) if math.isinf(policy.acceptance_staleness) else math.inf
     reissue: collections.deque[PromptRef] = collections.deque()
     for key in ctl.ledger.unfinished():  # from a snapshot: generated again, newest weights

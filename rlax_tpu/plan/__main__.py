@@ -25,6 +25,9 @@ and the bottleneck of a config on a TPU layout, for one or several inference wor
 --check_s             a sample's verification on one sandbox (default: verifiers.time_limit_s;
                       with --calibrate, the run's); the verifier has verifiers.workers x
                       topology.verifier_replicas sandboxes
+--env_reply_s=S       seconds an environment takes to reply to one turn (multi-turn episodes,
+                      environment.name set; default 0): waits per environment.schedule
+                      (plan/costs.py env_wait_s)
 --length_dist=D       completion lengths a group draws: fixed (every sample the mean),
                       lognormal:CV (the mean completion, coefficient of variation CV, cut at
                       max_new_tokens) or run:RUN_DIR (a run's trained groups); default: the
@@ -69,6 +72,7 @@ flags.DEFINE_float(
     "0.97-0.98 against an emulated NIC, benchmarks/RESULTS.md 'Weight sync').",
 )
 flags.DEFINE_float("check_s", None, "Seconds to verify a sample on a sandbox.")
+flags.DEFINE_float("env_reply_s", 0.0, "Seconds an environment takes to reply to a turn.")
 flags.DEFINE_string("length_dist", "", "fixed, lognormal:CV or run:RUN_DIR.")
 flags.DEFINE_integer("steps", 100, "Updates to simulate.")
 flags.DEFINE_string("json", None, "Write the predictions to this JSON file.")
@@ -96,6 +100,7 @@ def run(config: RunConfig, args: list[str]) -> int:
             server_gbps=FLAGS.server_gbps,
             relay_efficiency=FLAGS.relay_efficiency,
             check_s=FLAGS.check_s,
+            env_reply_s=FLAGS.env_reply_s,
             length_dist=FLAGS.length_dist,
             steps=FLAGS.steps,
         )

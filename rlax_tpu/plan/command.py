@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -115,8 +116,11 @@ def plan(
     check_s: float | None = None,
     length_dist: str = "",
     steps: int = 100,
+    env_reply_s: float = 0.0,
 ) -> tuple[str, dict[str, Any]]:
     """The table and the JSON of the predictions (flags as ``__main__`` documents them)."""
+    if not (math.isfinite(env_reply_s) and env_reply_s >= 0):
+        raise PlanError("--env_reply_s must be a finite number >= 0")
     counts = [int(n) for n in _floats(workers, "--workers")] or [config.inference.num_workers]
     if min(counts) < 1:
         raise PlanError("--workers: counts must be >= 1")
@@ -173,7 +177,9 @@ def plan(
     predictions: list[Prediction] = []
     for n in counts:
         try:
-            costs = with_eval(config, cost_of(n), n, lengths)
+            costs = dataclasses.replace(
+                with_eval(config, cost_of(n), n, lengths), env_reply_s=env_reply_s
+            )
             predictions.append(
                 predict(config, costs, workload, workers=n, steps=steps, lengths=lengths)
             )
@@ -185,6 +191,7 @@ def plan(
         "prompt_tokens": workload.prompt,
         "completion_tokens": workload.completion,
         "check_s": check,
+        "env_reply_s": env_reply_s if config.environment.name != "none" else "no environment",
         "verifier_slots": verifier_slots(config),
         "parallel_workers": parallel_workers or "every worker on its own chips",
         "lengths": lengths.describe if lengths else "fixed (every sample the mean length)",

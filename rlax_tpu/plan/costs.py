@@ -156,6 +156,7 @@ class PlanCosts:
     # (``predict.core_seconds``); 0: each has its own chips or machines.
     shared_cores: float = 0.0
     group_core_s: float = 0.0  # a group's seconds of those cores: group_s without the sharing
+    env_reply_s: float = 0.0  # an environment's reply to one turn (multi-turn episodes), given
 
 
 def version_bytes(config: RunConfig) -> int:
@@ -212,6 +213,25 @@ def with_eval(
     return dataclasses.replace(
         costs, eval_s=waves * costs.group_s, eval_verify_s=step_verify_s(costs, samples)
     )
+
+
+def env_wait_s(config: RunConfig, reply_s: float, episodes: int) -> float:
+    """Seconds a job of ``episodes`` multi-turn episodes waits on environment replies beyond
+    its turns' generation (0 without an environment). Every model turn gets a reply (the last
+    one grades it); at most ``environment.concurrency`` replies run at once. Lock-step: each
+    of the T = ``max_turns`` turns waits for all of the job's replies, T rounds of
+    ⌈episodes / concurrency⌉. One by one: an episode's reply overlaps the other episodes'
+    turns, so a job waits on the replies of its last turns only: T rounds when it is a single
+    group's episodes (nothing of the job overlaps them), else the rounds of one turn. At mean
+    lengths this leaves out what one by one gains when turns' lengths vary (no turn waits
+    for the slowest of its round)."""
+    env = config.environment
+    if env.name == "none" or reply_s <= 0 or episodes <= 0:
+        return 0.0
+    rounds = math.ceil(episodes / env.concurrency)
+    if env.schedule == "lockstep" or episodes <= config.algorithm.group_size:
+        return env.max_turns * rounds * reply_s
+    return rounds * reply_s
 
 
 def worker_slots(config: RunConfig, workload: Workload, backend: str = "tpu") -> int:

@@ -7,8 +7,8 @@ import math
 
 from rlax_tpu.config import RunConfig
 from rlax_tpu.controller.staleness import StalenessPolicy
-from rlax_tpu.controller.throughput import throughput_queue_cap
-from rlax_tpu.plan.costs import PlanCosts, Workload, share_time, step_verify_s
+from rlax_tpu.controller.throughput import launch_chunk, throughput_queue_cap
+from rlax_tpu.plan.costs import PlanCosts, Workload, env_wait_s, share_time, step_verify_s
 from rlax_tpu.plan.lengths import GroupLengths
 from rlax_tpu.plan.simulate import Costs, dealt, simulate_deterministic
 from rlax_tpu.plan.throughput import ThroughputCosts, simulate_throughput
@@ -77,6 +77,15 @@ def predict(
                 samples=group,
                 eval_s=costs.eval_s,
                 eval_verify_s=costs.eval_verify_s,
+                # A group's latency: its turns wait for its launch's replies in lock-step,
+                # for its own episodes' one by one.
+                env_s=env_wait_s(
+                    config,
+                    costs.env_reply_s,
+                    launch_chunk(batch) * group
+                    if config.environment.schedule == "lockstep"
+                    else group,
+                ),
             ),
             policy,
             batch=batch,
@@ -113,6 +122,7 @@ def predict(
                 reload_s=costs.reload_s,
                 eval_s=costs.eval_s,
                 eval_verify_s=costs.eval_verify_s,
+                env_s=env_wait_s(config, costs.env_reply_s, batch * group),
             ),
             policy,
             workers=workers,

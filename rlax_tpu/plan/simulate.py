@@ -12,6 +12,8 @@ What it models, as ``controller/loop.py``'s ``run_deterministic`` and ``controll
   overlap, the verifiers' sandboxes bound them, not a job's latency.
 * Update s starts when step s's job is verified and update s - 1 is done; it takes π_old +
   update + publish (``train_s``), then step s + 1 begins.
+* Multi-turn episodes: a step's job also waits ``env_s`` on environment replies once its turns
+  are generated (``costs.env_wait_s``), its workers held meanwhile (the job's hold).
 * With ``eval_every`` = k > 0, step s begins with a held-out evaluation of version s when s is
   a multiple of k (the controller's ``_eval_due``). It runs beside training
   (controller/evaluation.py): queued on every worker after the shares launched before it
@@ -42,9 +44,11 @@ class Costs:
     reload_s: float = 0.0  # a worker loading another version (pull + device put)
     eval_s: float = 0.0  # one held-out evaluation's generation on the workers
     eval_verify_s: float = 0.0  # and its grading after it
+    env_s: float = 0.0  # a step's job waiting on environment replies (episodes; env_wait_s)
 
     def __post_init__(self) -> None:
-        for name in ("generate_s", "verify_s", "train_s", "reload_s", "eval_s", "eval_verify_s"):
+        names = ("generate_s", "verify_s", "train_s", "reload_s", "eval_s", "eval_verify_s")
+        for name in (*names, "env_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"Costs.{name} must be a finite number >= 0, got {value!r}")
@@ -146,7 +150,11 @@ def simulate_deterministic(
                 held[w] = version
             free[w] = start + costs.generate_s * _fraction(k, prompts_per_step, slots)
             done = max(done, free[w])
-        generated[t] = done
+        # Episodes: the job's hold keeps its workers until the last reply is in.
+        for w, k in enumerate(shares):
+            if k:
+                free[w] = max(free[w], done) + costs.env_s
+        generated[t] = done + costs.env_s
 
     for s in range(steps):
         begin = train_end  # step s begins when update s - 1 is done

@@ -26,7 +26,9 @@ What it models, as ``run_throughput`` does:
   ``train_s`` (π_old, update, publish); generation goes on meanwhile; then v + 1, the next round.
 * Group lengths (``lengths``, :mod:`rlax_tpu.plan.lengths`): each group draws (occupancy,
   latency) factors; it holds its slot for occupancy x group_s and its generation ends after
-  latency x group_s. Without them both are 1.
+  latency x group_s. Without them both are 1. Multi-turn episodes add ``env_s`` to a group's
+  latency (its replies; ``costs.env_wait_s``), not to its slot's occupancy: a turn's slot is
+  free while its reply is computed.
 * A held-out evaluation at the top of rounds v = 0, k, 2k, ... (``eval_every`` = k > 0; the
   controller's ``_eval_due``) with version v runs beside training (controller/evaluation.py):
   on each worker it takes ``eval_share`` of the slots (at least one), those free first; a
@@ -63,6 +65,7 @@ class ThroughputCosts:
     samples: int = 1  # a group's samples
     eval_s: float = 0.0  # one held-out evaluation's generation on the workers
     eval_verify_s: float = 0.0  # and its verification after it
+    env_s: float = 0.0  # a group's episodes waiting on environment replies (latency only)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -192,7 +195,8 @@ def simulate_throughput(
             free[w] = [max(f, start) for f in free[w]]  # no slot of it starts before the load
         occupancy, latency = lengths() if lengths is not None else (1.0, 1.0)
         free[w][k] = start + occupancy * costs.group_s
-        heapq.heappush(generated, (start + latency * costs.group_s, seq, version))
+        done = start + latency * costs.group_s + costs.env_s
+        heapq.heappush(generated, (done, seq, version))
         seq += 1
 
     def next_start() -> float:

@@ -223,3 +223,54 @@ def test_a_relay_chain_reloads_in_about_one_transfer_whatever_the_workers():
     assert net.reload_s(relay, size, 64) == pytest.approx(one + 63 * 2**22 / (4e9 * 0.97))
     with pytest.raises(ValueError, match="relay_efficiency"):
         Network(relay_efficiency=0.0)
+
+
+def test_environment_waits_by_schedule_by_hand():
+    """Replies of 2 s, 3 turns, 10 calls at once. Lock-step: every turn waits for all of the
+    job's replies: 24 episodes are 3 rounds a turn, 3 x 3 x 2 = 18 s. One by one: the last
+    turns' replies only, 3 rounds, 6 s; a single group's episodes have nothing to overlap
+    their replies with: its whole chain, 3 x 1 x 2 = 6 s for 8 episodes (one round)."""
+    from rlax_tpu.plan.costs import env_wait_s
+
+    base = {"environment.name": "code_repair", "environment.max_turns": 3}
+    base |= {"environment.concurrency": 10, "data.prompt_style": "chat"}
+    lock = build(base | {"environment.schedule": "lockstep"})
+    each = build(base | {"environment.schedule": "episode"})
+    group = each.algorithm.group_size
+    assert env_wait_s(lock, 2.0, 24) == 18.0
+    assert env_wait_s(each, 2.0, 24) == 6.0
+    assert env_wait_s(each, 2.0, group) == 3 * math.ceil(group / 10) * 2.0
+    assert env_wait_s(build({}), 2.0, 24) == 0.0  # no environment
+    assert env_wait_s(lock, 0.0, 24) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "throughput"])
+def test_a_slow_environment_costs_lock_step_more_than_one_by_one(mode):
+    """Two-turn episodes with 5 s replies on the local preset (8 prompts x 8 samples, 64
+    calls at once). Deterministic, d = 0 (the replies on each step's critical path): lock-step
+    waits for 2 rounds of replies a job, one by one for 1. Throughput: a group's latency grows by
+    2 rounds either way (lock-step: its launch's 32 episodes fit one round a turn; one by one:
+    its own chain of 2 replies)."""
+    import dataclasses
+
+    def period(schedule: str, reply_s: float) -> float:
+        config = build(
+            {
+                "controller.mode": mode,
+                "controller.pipeline_depth": 0,
+                "environment.name": "code_repair",
+                "environment.max_turns": 2,
+                "environment.schedule": schedule,
+                "data.prompt_style": "chat",
+            }
+        )
+        costs = dataclasses.replace(_costs(config), env_reply_s=reply_s)
+        return predict(config, costs, WORKLOAD, workers=3, steps=40).seconds_per_update
+
+    none = period("lockstep", 0.0)
+    assert period("episode", 0.0) == pytest.approx(none)
+    lock, each = period("lockstep", 5.0), period("episode", 5.0)
+    if mode == "deterministic":
+        assert (lock, each) == pytest.approx((none + 10.0, none + 5.0))
+    else:
+        assert lock == pytest.approx(each) and lock > none

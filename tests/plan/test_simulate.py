@@ -129,3 +129,17 @@ def test_the_verifiers_take_one_steps_rollouts_at_a_time():
     assert [s.verified for s in sched.steps[:2]] == [5, 9]
     assert [s.train_end for s in sched.steps[:2]] == [6, 10]
     assert sched.seconds_per_update() == 4
+
+
+def test_episodes_hold_a_steps_workers_while_the_environment_replies():
+    """d = 0, env_s = 3: each job ends 3 s after its turns (its hold keeps the worker): 10 + 3
+    + 1 + 4 = 18 s an update."""
+    sched = simulate_deterministic(
+        3, Costs(generate_s=10.0, verify_s=1.0, train_s=4.0, env_s=3.0), _policy(0)
+    )
+    assert [(s.generated, s.verified, s.train_end) for s in sched.steps] == [
+        (13, 14, 18),
+        (31, 32, 36),
+        (49, 50, 54),
+    ]
+    assert sched.seconds_per_update() == 18

@@ -197,3 +197,12 @@ def test_a_round_with_everything_arrived_takes_what_is_buffered():
         (17, (0,)),
         (33, (2,)),
     ]
+
+
+def test_episodes_wait_on_replies_without_holding_their_slots():
+    """η_a = 0, B = 2, 2 slots, env_s = 3: a batch's groups end their turns at 10 and their
+    replies at 13 (checked by 14, trained [14, 18]); the next batch, admitted at 18, starts at
+    once: 18 s an update, the replies on its critical path."""
+    costs = ThroughputCosts(group_s=10.0, check_s=1.0, train_s=4.0, env_s=3.0)
+    sched = simulate_throughput(3, costs, _policy(0), batch=2, slots=2)
+    assert [(u.train_start, u.train_end) for u in sched.updates] == [(14, 18), (32, 36), (50, 54)]
