@@ -57,6 +57,12 @@ class ControllerConfig:
     # resumes from its newest snapshot; past it the run stops with one line naming the component.
     # 0: stop at once.
     recovery_timeout_s: float = 600.0
+    # After SIGTERM: if the process has not exited this long after it (closing the components
+    # took longer, or a thread would not stop), every thread's stack goes to stderr and it exits
+    # with the SIGTERM code anyway (the newest snapshot still says what to resume). Below the
+    # GKE manifests' terminationGracePeriodSeconds (60), so the stacks are written before the
+    # SIGKILL. 0: no bound.
+    stop_grace_s: float = 45.0
     # JAX's persistent compilation cache in <run_dir>/jax_cache (or $JAX_COMPILATION_CACHE_DIR
     # when set: one cache for many runs), shared by the run's processes (controller, trainer,
     # inference workers): a restarted one loads its programs instead of compiling them again.
@@ -100,6 +106,7 @@ class ControllerConfig:
             "pipeline_depth",
             "warmup_steps",
             "recovery_timeout_s",
+            "stop_grace_s",
             "refill_rounds",
             "max_skipped_updates",
         )

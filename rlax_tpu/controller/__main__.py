@@ -24,8 +24,11 @@ SIGTERM (the same command resumes it).
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import signal
 import sys
+import threading
 
 from absl import flags
 
@@ -57,9 +60,29 @@ class Terminated(BaseException):  # noqa: N818 - like KeyboardInterrupt: no `exc
     """Raised in the main thread by SIGTERM."""
 
 
+_STOP_GRACE_S = [0.0]  # controller.stop_grace_s of the run (0: unbounded)
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    if _STOP_GRACE_S[0] > 0:
+        stopper = threading.Timer(_STOP_GRACE_S[0], _stop_now, args=(_STOP_GRACE_S[0],))
+        stopper.daemon = True  # it must not keep the process alive itself
+        stopper.start()
     raise Terminated
+
+
+def _stop_now(grace_s: float) -> None:
+    """The process outlived its stop grace after SIGTERM: say where every thread is, and go."""
+    print(
+        f"rlax_tpu.controller: still running {grace_s:.0f} s after SIGTERM "
+        "(controller.stop_grace_s); the threads' stacks follow, then the process exits",
+        file=sys.stderr,
+        flush=True,
+    )
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(EXIT_TERMINATED)
 
 
 def _finished(config: RunConfig) -> bool:
@@ -101,6 +124,7 @@ def run(config: RunConfig, args: list[str]) -> int:
     # SIGTERM abandons the step in flight (the newest snapshot says what to re-issue, so nothing
     # is lost or trained twice), closes the components as an error would, and exits
     # EXIT_TERMINATED, or 0 if the run had finished.
+    _STOP_GRACE_S[0] = config.controller.stop_grace_s
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         if WARMUP_OUT.value:

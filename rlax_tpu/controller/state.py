@@ -23,6 +23,7 @@ RESUMABLE_FIELDS = (
     "controller.log_every",
     "controller.rpc_timeout_s",
     "controller.recovery_timeout_s",
+    "controller.stop_grace_s",
     "controller.compilation_cache",
     "controller.snapshot_keep",
     "trainer.keep_checkpoints",

@@ -383,12 +383,13 @@ def test_sigterm_then_sigkill_each_resumed_gives_the_uninterrupted_weights(
     components close, the process exits 143 with a message saying how to resume. The same
     command resumes; SIGKILLed at a random moment after step 2 (a lost node), it resumes again
     and finishes with the uninterrupted run's weights, every group trained once. (One run for
-    both kinds of stop: each start costs the suite a process and its compiles.) It evaluates
-    every version beside training (the reference at 0 and 4 only), so the kills land among
-    evaluations in flight: they change no bit of training, and the evaluations of versions 0
-    and 4 give the reference's results."""
+    both kinds of stop: each start costs the suite a process and its compiles.) After the
+    SIGTERM it evaluates every version beside training (data.eval_every may change on resume;
+    the reference evaluates 0 and 4 only), so the SIGKILL lands among evaluations in flight:
+    they change no bit of training, and the evaluations of versions 0 and 4 give the
+    reference's results."""
     run_dir = tmp_path / "stopped"
-    extra = ("--config.controller.num_steps=4", "--config.data.eval_every=1")
+    extra = ("--config.controller.num_steps=4",)
     proc = started(env, run_dir, *extra, after_step=1)
     watchdog = threading.Timer(600, proc.kill)
     watchdog.start()
@@ -403,6 +404,8 @@ def test_sigterm_then_sigkill_each_resumed_gives_the_uninterrupted_weights(
     assert proc.returncode == 143, rest[-3000:]
     assert "stopped by SIGTERM; the same command resumes the run" in rest, rest[-3000:]
     assert "Traceback" not in rest and not (run_dir / "report.md").exists()
+    assert "still running" not in rest  # it stopped within controller.stop_grace_s
+    extra = (*extra, "--config.data.eval_every=1")
     killed_at_random(env, run_dir, *extra, after_step=2, seed=7)
     assert not (run_dir / "report.md").exists()  # it really died mid-run
     out = run(env, run_dir, *extra)
