@@ -30,7 +30,8 @@ import numpy as np
 
 from rlax_tpu.config import EnvironmentConfig
 from rlax_tpu.controller import tasks as tasks_lib
-from rlax_tpu.controller.pool import Hold, WorkerPool
+from rlax_tpu.controller.epochs import Hold
+from rlax_tpu.controller.pool import WorkerPool
 from rlax_tpu.controller.ports import VerifierPort
 from rlax_tpu.data.mixture import stream_seed
 from rlax_tpu.data.problems import Problem

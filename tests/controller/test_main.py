@@ -18,8 +18,8 @@ STUCK = textwrap.dedent(
     m._STOP_GRACE_S[0] = 1.0
     signal.signal(signal.SIGTERM, m._on_sigterm)
     threading.Thread(target=threading.Event().wait, name="stuck").start()
-    print("ready", flush=True)
     try:
+        print("ready", flush=True)
         threading.Event().wait()
     except m.Terminated:
         print("terminated", flush=True)
