@@ -82,6 +82,7 @@ MODEL = models.preset(
     max_position_embeddings=4096,
 )
 REPS = 9
+STEADY_VERSIONS = 8
 
 
 def shardings(mesh_cfg: MeshConfig, devices: list) -> dict:
@@ -398,10 +399,22 @@ def fanout(total_bytes: int, rate: float, counts: tuple[int, ...]) -> dict:
                     flush=True,
                 )
         if not rate:
-            start = time.time()
-            procs[0].stdin.write(json.dumps({"raw": f"127.0.0.1:{raw_port}"}) + "\n")
-            procs[0].stdin.flush()
-            results["raw_loopback_s"] = json.loads(procs[0].stdout.readline())["done"] - start
+            # One worker, version after version, each beside a raw stream of the same bytes: the
+            # ratio in steady state (a run publishes many versions; the first ones also pay
+            # this process's and the worker's first touches of their buffers' memory).
+            results["steady"] = []
+            for _ in range(STEADY_VERSIONS):
+                raw_s = _raw_stream(procs[0], raw_port)
+                version += 1
+                start = time.time()
+                publisher.publish(version, arrays)
+                job = {"version": version, "sources": [root.endpoint], "arrays": n_arrays}
+                procs[0].stdin.write(json.dumps(job) + "\n")
+                procs[0].stdin.flush()
+                relay_s = json.loads(procs[0].stdout.readline())["done"] - start
+                results["steady"].append({"raw_s": raw_s, "relay_s": relay_s})
+                print(f"  raw {raw_s:.2f} s, relayed {relay_s:.2f} s", flush=True)
+            results["raw_loopback_s"] = _raw_stream(procs[0], raw_port)
             results["jax_transfer_s"] = _jax_transfer(arrays, procs[0])
     finally:
         for p in procs:
@@ -410,6 +423,20 @@ def fanout(total_bytes: int, rate: float, counts: tuple[int, ...]) -> dict:
         root.stop()
         raw.stop(None)
     return results
+
+
+def _raw_stream(proc, port: int) -> float:  # noqa: ANN001
+    """Seconds for the worker process to receive the raw bytes over loopback gRPC."""
+    start = time.time()
+    proc.stdin.write(json.dumps({"raw": f"127.0.0.1:{port}"}) + "\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())["done"] - start
+
+
+def steady_ratio(r: dict) -> tuple[float, list[float]]:
+    """(median of raw / relayed from the third version on, every version's ratio)."""
+    ratios = [x["raw_s"] / x["relay_s"] for x in r["steady"]]
+    return statistics.median(ratios[2:]), ratios
 
 
 def _jax_transfer(arrays: list, proc) -> list[float]:  # noqa: ANN001
@@ -453,6 +480,11 @@ def print_fanout(r: dict) -> None:
             f"raw loopback gRPC: {r['raw_loopback_s']:.2f} s; one worker at "
             f"{r['raw_loopback_s'] / one['seconds']:.2f} of it; jax.experimental.transfer "
             f"pull into a worker process: {', '.join(f'{t:.2f}' for t in r['jax_transfer_s'])} s"
+        )
+        median, ratios = steady_ratio(r)
+        print(
+            f"one worker, {len(ratios)} versions in a row, raw / relayed each beside its own raw "
+            f"stream: {', '.join(f'{x:.2f}' for x in ratios)}; median from the third: {median:.2f}"
         )
 
 

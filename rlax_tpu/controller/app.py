@@ -390,6 +390,11 @@ def print_summary(s: RunSummary, report: Path, out: TextIO) -> None:
             f"publish to serve (trainer's publish -> every worker serving the version): median "
             f"{statistics.median(t):.2f} s, p95 {p95:.2f} s over {len(t)} versions"
         )
+    if s.weight_loads:
+        lines.append(
+            f"weights over the network: {s.wire_bytes / 2**20:.1f} MiB in {s.weight_loads} "
+            f"loads ({s.wire_bytes / s.weight_loads / 2**20:.2f} MiB a load)"
+        )
     if c.get("groups_refilled") or c.get("updates_skipped"):
         lines.insert(
             4,

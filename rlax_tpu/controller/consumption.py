@@ -156,7 +156,13 @@ class ConsumptionMixin:
             "groups/verifier_failed": float(self.counters.groups_verifier_failed),
         }
         # The workers' load and generation seconds since the last step (the planner's costs).
-        scalars |= {f"pool/{k}": v for k, v in self.pool.take_times().items()}
+        times = self.pool.take_times()
+        scalars |= {f"pool/{k}": v for k, v in times.items()}
+        loads = times["loads"] + times["eval_loads"]
+        self.weights_received[0] += times["wire_bytes"]
+        self.weights_received[1] += int(loads)
+        if loads:  # what a version costs the network (0: every load device to device)
+            scalars["weights/wire_bytes_per_load"] = times["wire_bytes"] / loads
         served = self.pool.take_publish_to_serve()
         if served:  # a version from the trainer's publish to the last worker serving it
             scalars["time/publish_to_serve"] = max(served)

@@ -188,6 +188,11 @@ class HandedWeights:
     def __init__(self, handoff: DeviceHandoff, shardings: Any, fallback: WeightSource):
         self.handoff, self.shardings, self.fallback = handoff, shardings, fallback
 
+    @property
+    def bytes_received(self) -> int:
+        """Bytes received over the network so far: the fallback's pulls (a hand-off sends none)."""
+        return getattr(self.fallback, "bytes_received", 0)
+
     def fetch(self, version: int) -> Any:
         tree = self.handoff._take(version)
         if tree is None:

@@ -84,6 +84,9 @@ class RunSummary:
     weights_sha256: str = ""  # of the final parameters (local transport), for reproducibility
     # per version every worker loaded: seconds from the trainer's publish to the last load
     publish_to_serve_s: list[float] = dataclasses.field(default_factory=list)
+    # bytes of weights the workers received over the network, and their loads (this process's)
+    wire_bytes: float = 0.0
+    weight_loads: int = 0
 
 
 class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin):
@@ -121,6 +124,7 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
         self.specs = SpecCache(components.verifier)
         self._event = on_event or (lambda text: print(text, flush=True))
         self.publish_to_serve: list[float] = []  # seconds, per version every worker loaded
+        self.weights_received = [0.0, 0]  # bytes of weights over the network, in so many loads
         self.pool = WorkerPool(
             components.workers,
             retry_s=cc.rpc_timeout_s,
@@ -324,4 +328,6 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
             evals=dict(self.evals),
             wall_s=time.perf_counter() - t0,
             publish_to_serve_s=list(self.publish_to_serve),
+            wire_bytes=self.weights_received[0],
+            weight_loads=self.weights_received[1],
         )

@@ -88,6 +88,7 @@ class WorkerPool:
             collections.OrderedDict()
         )
         self._publish_to_serve: list[float] = []
+        self._wire_seen: dict[int, int] = {}  # worker -> its weight_bytes_received at its last load
         self._down: set[int] = set()
         self._lock = threading.Lock()
         self._epochs = [Epochs(exclusive_jobs) for _ in workers]
@@ -99,7 +100,7 @@ class WorkerPool:
         self._rotation = 0  # where the search for the least-loaded worker starts
         self.generated_tokens = 0
         self._times = dict.fromkeys(
-            ("load_s", "loads", "generate_s", "calls", "groups")
+            ("load_s", "loads", "wire_bytes", "generate_s", "calls", "groups")
             + ("eval_generate_s", "eval_calls", "eval_loads"),  # evaluations beside training
             0.0,
         )
@@ -260,7 +261,18 @@ class WorkerPool:
             self._count(load_s=time.perf_counter() - t0, loads=1.0)
         else:
             self._count(eval_loads=1.0)
+        self._count(wire_bytes=self._wire_bytes(i))
         self._served(i, version)
+
+    def _wire_bytes(self, i: int) -> float:
+        """Bytes of weights worker i received over the network since its last load (a worker
+        that does not count them: 0; a restarted one counts from 0)."""
+        now = getattr(self.workers[i], "weight_bytes_received", None)
+        if now is None:
+            return 0.0
+        last = self._wire_seen.get(i, 0)
+        self._wire_seen[i] = now
+        return float(now - last if now >= last else now)
 
     def published(self, version: int, seconds_ago: float = 0.0) -> None:
         """The trainer published ``version`` ``seconds_ago``: from then until every worker
@@ -294,7 +306,7 @@ class WorkerPool:
 
     def take_times(self) -> dict[str, float]:
         """Since the last call: seconds the workers spent loading weights (``load_s``, over
-        ``loads`` loads) and generating (``generate_s``, summed over workers, in ``calls``
+        ``loads`` loads, ``wire_bytes`` of weights received over the network by all loads) and generating (``generate_s``, summed over workers, in ``calls``
         generation calls, each a worker's share of a job, for ``groups`` finished groups). The
         planner calibrates its costs on them. Evaluations beside training (uncounted jobs) apart:
         ``eval_generate_s`` over ``eval_calls`` calls and ``eval_loads`` loads."""

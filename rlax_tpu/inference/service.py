@@ -157,7 +157,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsReply:  # noqa: ANN001
         self._relay_from(request.relay_sources)
         aborted = self._worker.load_weights(request.version)
-        return pb.LoadWeightsReply(version=self._worker.version, aborted=aborted)
+        return pb.LoadWeightsReply(
+            version=self._worker.version,
+            aborted=aborted,
+            weight_bytes_received=self._worker.weight_bytes_received,
+        )
 
     @_statuses
     def StageWeights(self, request: pb.LoadWeightsRequest, context) -> common_pb2.Empty:  # noqa: ANN001
@@ -299,9 +303,11 @@ class InferenceClient:
     def load_weights(self, version: int) -> int:
         try:
             request = pb.LoadWeightsRequest(version=version, relay_sources=self.relay_sources)
-            return self._stub.LoadWeights(request).aborted
+            reply = self._stub.LoadWeights(request)
         except grpc.RpcError as e:
             _raise(e)
+        self.weight_bytes_received = reply.weight_bytes_received  # as of this load
+        return reply.aborted
 
     def stage(self, version: int) -> None:
         try:

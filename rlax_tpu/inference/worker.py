@@ -134,6 +134,12 @@ class InferenceWorker:
     def version(self) -> int:
         return self.engine.version
 
+    @property
+    def weight_bytes_received(self) -> int:
+        """Bytes of weights the weight source received over the network so far (this process's;
+        a source that does not count them: 0)."""
+        return int(getattr(self.weight_source, "bytes_received", 0))
+
     # -- API ----------------------------------------------------------------------------------
 
     def generate(

@@ -771,6 +771,12 @@ class PulledWeights:
     def __init__(self, client: ParamServerClient, shardings: Any):
         self.client, self.shardings = client, shardings
 
+    @property
+    def bytes_received(self) -> int:
+        """Bytes of weights the client pulled over the network so far (every pull of the
+        client: a worker's own)."""
+        return self.client.bytes_pulled
+
     def fetch(self, version: int) -> Any:
         try:
             return self.client.pull(version, self.shardings)

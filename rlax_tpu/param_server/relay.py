@@ -49,7 +49,7 @@ import jax
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 
-from rlax_tpu.param_server import delta
+from rlax_tpu.param_server import buffers, delta
 from rlax_tpu.param_server.codec import checksum, flatten, np_dtype
 from rlax_tpu.param_server.errors import DataLoss
 from rlax_tpu.rpc.transport import Credentials, make_channel, make_server
@@ -62,6 +62,10 @@ _HEADER = struct.Struct("<III")
 _ALIGN = 64
 _NO_CREDENTIALS = Credentials()
 FULL = -1  # a buffer's base when it holds a whole version, not a delta
+# Version buffers' memory, reused once nothing refers to a buffer (nor to arrays jax made from
+# it without a copy): a first touch of fresh pages costs 1-3 s a GiB on the hosts measured, more
+# than the transfer itself.
+_SLABS = buffers.SlabPool(max_idle=1)
 # A source silent this long is given up: a host gone without a reset leaves its streams open.
 IDLE_S = 60.0
 
@@ -130,7 +134,7 @@ class VersionBuffer:
         """``base``: FULL, or the version this buffer is a delta against (its arrays are the
         delta's payload, ``meta`` the rest of it: ``delta.to_payload``)."""
         self.version, self.layout, self.base, self.meta = version, layout, base, meta
-        self.data = np.empty(layout.total, np.uint8)
+        self.data = _SLABS.take(layout.total)  # 64-byte aligned: jax on CPU uses it as it is
         self.crcs: list[int] = []  # of the buckets filled so far
         self.error: BaseException | None = None
         self._cond = threading.Condition()
@@ -694,6 +698,11 @@ class RelayedWeights:
         self.counts = {"relayed": 0, "as_deltas": 0, "pulled": 0, "bytes_received": 0}
         self._deltas_in_a_row = 0
         self._lock = threading.Lock()
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes of weights received over the network so far: relayed, and pulled."""
+        return self.counts["bytes_received"] + getattr(self.fallback, "bytes_received", 0)
 
     def _count(self, **add: int) -> None:
         with self._lock:

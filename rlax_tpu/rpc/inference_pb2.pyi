@@ -84,12 +84,14 @@ class LoadWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., relay_sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadWeightsReply(_message.Message):
-    __slots__ = ("version", "aborted")
+    __slots__ = ("version", "aborted", "weight_bytes_received")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     version: int
     aborted: int
-    def __init__(self, version: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
+    weight_bytes_received: int
+    def __init__(self, version: _Optional[int] = ..., aborted: _Optional[int] = ..., weight_bytes_received: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("version", "running", "waiting", "pages_total", "pages_free", "compilations", "steps", "generated_tokens", "preemptions", "pages_shared", "backend", "serving", "rows_bitwise", "prefix_tokens_reused")

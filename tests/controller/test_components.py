@@ -56,6 +56,7 @@ def test_the_trainer_and_two_workers_run_on_their_own_devices(tmp_path):
     device, server = (int(w) for w in loads.split() if w.isdigit())
     assert device >= 2 and server == 0, loads
     assert "publish to serve (trainer's publish -> every worker serving the version)" in done.stdout
+    assert "weights over the network: 0.0 MiB in " in done.stdout  # none: device to device
 
 
 def test_a_split_that_does_not_fit_is_refused(tmp_path):

@@ -376,3 +376,47 @@ def test_an_evaluation_joins_its_versions_epoch_ahead_of_a_newer_one(weights):
     finally:
         pool.close()
         worker.shutdown()
+
+
+def test_the_pool_counts_the_weight_bytes_each_load_took_over_the_network(weights):
+    """``wire_bytes`` (the metric weights/wire_bytes_per_load): workers served over gRPC pull each
+    version from a real parameter server on 127.0.0.1; every load counts the version's bytes
+    once per worker (the bytes cross the service's LoadWeights reply), a version already held
+    counts nothing, and a worker whose source does not count (a dict here) adds nothing."""
+    from rlax_tpu.config import ParamServerConfig
+    from rlax_tpu.inference.service import InferenceClient, serve
+    from rlax_tpu.param_server.client import ParamServerClient, PulledWeights
+    from tests.param_server.conftest import running
+
+    model, source = weights
+    nbytes = sum(np.asarray(a).nbytes for a in jax.tree.leaves(source.versions[0]))
+    with running(ParamServerConfig(persist_every=0)) as ps:
+        for v in (0, 1):
+            ps.client.push(source.versions[v], v)
+        engines, readers = [], []
+        for _ in range(2):  # each worker its own client, as components.py wires them
+            readers.append(ParamServerClient(ps.endpoint, timeout_s=60))
+            worker = InferenceWorker(model, CFG)
+            worker.weight_source = PulledWeights(readers[-1], worker.engine.weight_shardings())
+            engines.append(worker)
+        engines.append(InferenceWorker(model, CFG, weight_source=source))  # counts nothing
+        served = [serve(w, "127.0.0.1:0") for w in engines]
+        clients = [InferenceClient(f"127.0.0.1:{port}") for _, port in served]
+        pool = WorkerPool(clients)
+        try:
+            pool.submit(0, requests(6)).result()
+            first = pool.take_times()
+            pool.submit(0, requests(3)).result()  # held: no load
+            second = pool.take_times()
+            pool.submit(1, requests(3)).result()
+            third = pool.take_times()
+        finally:
+            pool.close()
+            for c in (*clients, *readers):
+                c.close()
+            for (server, _), w in zip(served, engines, strict=True):
+                server.stop(None)
+                w.shutdown()
+    assert first["loads"] == third["loads"] == 3 and second["loads"] == 0
+    assert first["wire_bytes"] == third["wire_bytes"] == 2 * nbytes
+    assert second["wire_bytes"] == 0

@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -225,6 +226,44 @@ EPISODES = [
 ]
 
 
+# What every drill must show, whatever its mode and topology.
+COMMON_CHECKS = (
+    "every kill recovered",
+    "run finished",
+    "every update logged once",
+    "no group lost",
+    "every group trained exactly once",
+    "η_a held",
+    "checkpoints complete or skipped",
+    "snapshots complete or skipped",
+)
+
+
+def _drill(run_dir: Path, args: list[str], env: dict, *, timeout: int) -> tuple[str, dict, dict]:
+    """Runs ``python -m rlax_tpu.drills`` with ``args`` (its run in ``run_dir``): (its stdout,
+    its drill.json, its checks by name); fails the test with the drill's output if it failed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rlax_tpu.drills", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    report = json.loads((run_dir / "drill.json").read_text())
+    return done.stdout, report, {c["name"]: c for c in report["checks"]}
+
+
+def _max_turns(run_dir: Path) -> float:
+    """The largest ``episode/turns_mean`` the drilled run logged."""
+    turns = [
+        json.loads(line)["scalars"].get("episode/turns_mean")
+        for line in (run_dir / "drill" / "metrics.jsonl").read_text().splitlines()
+    ]
+    return max(t for t in turns if t is not None)
+
+
 # The drill's own wait (900 s) sits inside this test's pytest-timeout, so a slow run fails with
 # the drill's output instead of pytest's bare timeout.
 @pytest.mark.slow
@@ -245,17 +284,7 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     args = [*_tiny(run_dir, STEPS), *TOPOLOGY, *EPISODES, "--kills=5", "--seed=0"]
     env = _env()
     env.pop("JAX_COMPILATION_CACHE_DIR")  # the run's own cache, as in production (not the tests')
-    done = subprocess.run(
-        [sys.executable, "-m", "rlax_tpu.drills", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    out = done.stdout
-    assert done.returncode == 0, out[-6000:] + done.stderr[-3000:]
-    report = json.loads((run_dir / "drill.json").read_text())
+    out, report, checks = _drill(run_dir, args, env, timeout=900)
     assert sorted(k["kind"] for k in report["kills"]) == sorted(KINDS)
     assert all(k["recover_s"] >= 0 for k in report["kills"])
     targets = {k["kind"]: k for k in report["kills"]}
@@ -268,17 +297,9 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
         assert follower["group_exits"][0].startswith(f"{lead} status "), follower
         assert not follower["group_exits"][0].startswith(f"{lead} status 0 "), follower
     assert report["unplanned"] == []
-    checks = {c["name"]: c for c in report["checks"]}
     for name in (
-        "every kill recovered",
+        *COMMON_CHECKS,
         "a killed process ended its whole job within 30 s",
-        "run finished",
-        "every update logged once",
-        "no group lost",
-        "every group trained exactly once",
-        "η_a held",
-        "checkpoints complete or skipped",
-        "snapshots complete or skipped",
         "parameter server never served a partial version",
         "final weights bitwise equal",
         "same groups trained as the uninterrupted run",
@@ -288,12 +309,7 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     ended = checks["a killed process ended its whole job within 30 s"]["detail"]
     assert "trainer.1: its job ended in" in ended and "inference-0.1: its job ended in" in ended
     assert (run_dir / "drill.md").read_text().count("recovered in") == 5
-    # The episodes had second turns: the metrics say so for the drilled run.
-    turns = [
-        json.loads(line)["scalars"].get("episode/turns_mean")
-        for line in (run_dir / "drill" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert max(t for t in turns if t is not None) > 1.0
+    assert _max_turns(run_dir) > 1.0  # the episodes had second turns
     # Compiled programs went to the drill's one cache (the reference's and the drilled run's),
     # which restarted processes read.
     assert any((run_dir / "jax_cache").iterdir())
@@ -350,33 +366,9 @@ def test_a_throughput_drill_with_episodes_loses_and_repeats_nothing(tmp_path):
         ["controller", "trainer", "verifiers", "inference-0", "param_server-0"],
     )
     args = [*_tiny(run_dir, 5), *EPISODES, "--kills=2", f"--seed={seed}", "--mode=throughput"]
-    done = subprocess.run(
-        [sys.executable, "-m", "rlax_tpu.drills", *args],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = done.stdout
-    assert done.returncode == 0, out[-6000:] + done.stderr[-3000:]
-    report = json.loads((run_dir / "drill.json").read_text())
+    _, report, checks = _drill(run_dir, args, _env(), timeout=600)
     assert sorted(k["kind"] for k in report["kills"]) == ["controller", "inference"]
-    checks = {c["name"]: c for c in report["checks"]}
-    for name in (
-        "every kill recovered",
-        "run finished",
-        "every update logged once",
-        "no group lost",
-        "every group trained exactly once",
-        "η_a held",
-        "checkpoints complete or skipped",
-        "snapshots complete or skipped",
-    ):
+    for name in COMMON_CHECKS:
         assert checks[name]["ok"], checks[name]
     assert "final weights bitwise equal" not in checks  # no reference in throughput mode
-    turns = [
-        json.loads(line)["scalars"].get("episode/turns_mean")
-        for line in (run_dir / "drill" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert max(t for t in turns if t is not None) > 1.0
+    assert _max_turns(run_dir) > 1.0

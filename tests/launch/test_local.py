@@ -118,6 +118,10 @@ def test_the_local_topology_runs_to_the_end_resumes_and_leaves_nothing_behind(tm
     counts = [tuple(int(x) for x in relayed.search(log).groups()) for log in workers]
     assert all(n >= 1 and pulled == 0 for n, pulled, _ in counts), counts
     assert counts[0][2] > 0 and counts[1][2] == 0, counts
+    # The controller's summary counts what the loads took over the network (the LoadWeights
+    # replies): every relayed load's bytes.
+    wire = re.search(r"weights over the network: ([\d.]+) MiB in (\d+) loads", out)
+    assert wire and float(wire[1]) > 0 and int(wire[2]) >= 2, out[-3000:]
     trainer_log = (run_dir / "logs" / "trainer.0.log").read_text()
     assert "serving on 127.0.0.1:" in trainer_log
     # 2 processes of one CPU device: per slice fsdp 1 (the preset's fsdp=-1), data 2 across.

@@ -479,3 +479,28 @@ def test_the_config_knows_a_relay_message_size():
     assert BUCKET_BYTES + _HEADER.size == RELAY_MESSAGE_BYTES
     with pytest.raises(ValueError, match="must be >= 4194316 with fanout 'relay'"):
         ParamServerConfig(fanout="relay", max_message_bytes=4 << 20, chunk_bytes=1 << 20)
+
+
+def test_a_version_buffer_reuses_memory_only_once_nothing_refers_to_it():
+    """Buffers come from reused memory (first touches of fresh pages cost more than the transfer
+    on the hosts measured), yet arrays jax made from one without a copy keep it from reuse."""
+    from rlax_tpu.param_server import relay
+
+    arrays = [("w", np.arange(2**16, dtype=np.float32))]
+    layout = Layout.of(arrays)
+    first = relay.VersionBuffer(1, layout)
+    first.data[: arrays[0][1].nbytes] = arrays[0][1].view(np.uint8)
+    for k in range(layout.buckets):
+        first.fill(k)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    (on_device,) = relay.to_device(first, [cpu])
+    assert first.view(0).ctypes.data % 64 == 0  # aligned: jax may use it without a copy
+    del first
+    reused = relay._SLABS.reused
+    second = relay.VersionBuffer(2, layout)  # the first's memory is still the array's
+    second.data[:] = 0xFF
+    np.testing.assert_array_equal(np.asarray(on_device), arrays[0][1])
+    assert relay._SLABS.reused == reused
+    del second, on_device
+    relay.VersionBuffer(3, layout)
+    assert relay._SLABS.reused == reused + 1
