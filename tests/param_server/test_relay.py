@@ -504,3 +504,59 @@ def test_a_version_buffer_reuses_memory_only_once_nothing_refers_to_it():
     del second, on_device
     relay.VersionBuffer(3, layout)
     assert relay._SLABS.reused == reused + 1
+
+
+def test_a_relaying_worker_process_killed_mid_transfer_leaves_the_others_whole(ps):
+    """Three worker processes in a chain from a real parameter server; the middle one (sending
+    slowly) is SIGKILLed once the last has a verified bucket from it: the kernel resets its
+    connections, and the last goes on from the parameter server at its first missing bucket.
+    Both survivors hold the version bitwise, relayed (not pulled again), nothing partial."""
+    import hashlib
+    import json
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.child_env import child_env
+
+    tree = _tree(2)
+    ps.client.push(tree, 1)
+    want = hashlib.sha256(b"".join(leaf.tobytes() for leaf in jax.tree_util.tree_leaves(tree)))
+    script = Path(__file__).with_name("relay_worker.py")
+    rates = (0, 4e6, 0)  # the middle one takes about 2 s for the 8.6 MB version
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), ps.endpoint, str(rate)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        for rate in rates
+    ]
+    try:
+        endpoints = [json.loads(p.stdout.readline())["endpoint"] for p in procs]
+        for k, p in enumerate(procs):  # as the controller names them: the one before, the server
+            sources = [*endpoints[k - 1 : k], ps.endpoint]
+            p.stdin.write(json.dumps({"version": 1, "sources": sources}) + "\n")
+            p.stdin.flush()
+        last = json.loads(procs[2].stdout.readline())
+        assert "filled" in last, last  # a bucket from the middle worker, verified
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(timeout=30)
+        for p in (procs[0], procs[2]):
+            while "filled" in (said := json.loads(p.stdout.readline())):
+                pass
+            assert said.get("sha256") == want.hexdigest(), said
+            assert (said["relayed"], said["pulled"]) == (1, 0), said
+        procs[2].stdin.close()
+        assert procs[2].wait(timeout=30) == 0
+        failover = f"relay of version 1 from {endpoints[1]} failed"  # then the parameter server
+        assert failover in procs[2].stderr.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.stdin.close()
+                p.wait(timeout=30)
