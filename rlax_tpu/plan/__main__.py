@@ -21,6 +21,9 @@ and the bottleneck of a config on a TPU layout, for one or several inference wor
 --efficiency=train=E,decode=E,prefill=E   measured time = roofline / efficiency (default 0.5 each)
 --relay_efficiency=E  with param_server.fanout=relay, the share of its link a relayed version
                       gets (default 0.97, measured)
+--delta_ratio=R       with param_server.relay_deltas > 1, a relayed delta's bytes over the
+                      version's, against the base a reloading worker holds (default 1: no
+                      saving; measure a run's: benchmarks/weight_sync.py deltas)
 --pull_gbps / --server_gbps   a worker's pull bandwidth; a parameter-server replica's
 --check_s             a sample's verification on one sandbox (default: verifiers.time_limit_s;
                       with --calibrate, the run's); the verifier has verifiers.workers x
@@ -71,6 +74,12 @@ flags.DEFINE_float(
     "With param_server.fanout=relay: the share of its link a relayed version gets (measured "
     "0.97-0.98 against an emulated NIC, benchmarks/RESULTS.md 'Weight sync').",
 )
+flags.DEFINE_float(
+    "delta_ratio",
+    1.0,
+    "With param_server.relay_deltas > 1: a relayed delta's bytes over the whole version's "
+    "(measured 0.05 against the version before, 0.36 against one 16 older, RESULTS (c)).",
+)
 flags.DEFINE_float("check_s", None, "Seconds to verify a sample on a sandbox.")
 flags.DEFINE_float("env_reply_s", 0.0, "Seconds an environment takes to reply to a turn.")
 flags.DEFINE_string("length_dist", "", "fixed, lognormal:CV or run:RUN_DIR.")
@@ -99,6 +108,7 @@ def run(config: RunConfig, args: list[str]) -> int:
             pull_gbps=FLAGS.pull_gbps,
             server_gbps=FLAGS.server_gbps,
             relay_efficiency=FLAGS.relay_efficiency,
+            delta_ratio=FLAGS.delta_ratio,
             check_s=FLAGS.check_s,
             env_reply_s=FLAGS.env_reply_s,
             length_dist=FLAGS.length_dist,

@@ -113,6 +113,7 @@ def plan(
     pull_gbps: float = 100.0,
     server_gbps: float = 32.0,
     relay_efficiency: float = 0.97,
+    delta_ratio: float = 1.0,
     check_s: float | None = None,
     length_dist: str = "",
     steps: int = 100,
@@ -170,6 +171,7 @@ def plan(
             pull_gbps=pull_gbps,
             server_gbps=server_gbps,
             relay_efficiency=relay_efficiency,
+            delta_ratio=delta_ratio,
             check_s=check_s,
             parallel=parallel,
         )
@@ -240,6 +242,7 @@ def _from_rooflines(
     check_s: float | None,
     parallel: float,
     relay_efficiency: float = 0.97,
+    delta_ratio: float = 1.0,
 ) -> tuple[Callable[[int], PlanCosts], Workload, float, dict[str, Any]]:
     """Costs from the AOT programs' rooflines: (costs of N workers, workload, check_s, the
     assumptions)."""
@@ -265,10 +268,13 @@ def _from_rooflines(
         raise PlanError("--pull_gbps and --server_gbps must be > 0")
     if not 0 < relay_efficiency <= 1:
         raise PlanError("--relay_efficiency must be in (0, 1]")
+    if not 0 < delta_ratio <= 1:
+        raise PlanError("--delta_ratio must be in (0, 1]")
     network = Network(
         pull_bytes_per_s=pull_gbps * GBPS,
         server_bytes_per_s=server_gbps * GBPS,
         relay_efficiency=relay_efficiency,
+        delta_ratio=delta_ratio,
     )
     topologies = {"trainer": trainer_topology, "inference": inference_topology}
     roofline = read_reports(aot, topologies) if aot else compile_roofline(config, topologies)
@@ -302,6 +308,9 @@ def _from_rooflines(
     }
     if config.param_server.fanout == "relay":
         source["relay_efficiency"] = relay_efficiency
+        if config.param_server.relay_deltas > 1:
+            source["relay_deltas"] = config.param_server.relay_deltas
+            source["delta_ratio"] = delta_ratio
     return cost_of, workload, check, source
 
 

@@ -19,7 +19,11 @@ chip's peak and its bytes at the peak HBM bandwidth) over an efficiency factor i
   reloads them together), whichever is slower. With "relay", a chain (``param_server/relay.py``):
   the root replica sends the version once and each worker forwards every bucket once it is
   verified, so the last of W workers has it (W - 1) buckets after the first, at the slower of the
-  two links times ``Network.relay_efficiency``.
+  two links times ``Network.relay_efficiency``. With ``param_server.relay_deltas`` N > 1, N - 1
+  reloads in N are deltas against the version the worker holds: ``Network.delta_ratio`` of the
+  bytes (measured on a run's versions: ``benchmarks/weight_sync.py deltas``), after the root's
+  encoding of the whole version at ``Network.delta_encode_bytes_per_s``, which the reload waits
+  for; the N-th is whole.
 * Verification: ``check_s`` a sample on one of the verifier's sandboxes (verifiers.workers x
   topology.verifier_replicas of them), given (the rooflines say nothing of it).
 * A held-out evaluation (data.eval_every > 0): its eval_problems x eval_samples samples as
@@ -97,19 +101,38 @@ class Network:
     # emulated NIC's rate (benchmarks/RESULTS.md, "Weight sync" (b)).
     relay_efficiency: float = 0.97
     relay_bucket_bytes: int = 4 * 2**20  # param_server/relay.py BUCKET_BYTES
+    # A relayed delta's bytes over the whole version's, against the base a reloading worker
+    # holds (1: no saving). Measured over a SmolLM2 run in bf16 (RESULTS "Weight sync" (c)):
+    # 0.049 against the version before, 0.36 against one 16 versions older.
+    delta_ratio: float = 1.0
+    # The root's encoding of a version against a base: about 1 GiB/s a core measured here
+    # (RESULTS (c)), on the parameter server's 8 encoding threads.
+    delta_encode_bytes_per_s: float = 8 * 2**30
 
     def __post_init__(self) -> None:
         if not (self.pull_bytes_per_s > 0 and self.server_bytes_per_s > 0):
             raise ValueError("bandwidths must be > 0")
         if not 0 < self.relay_efficiency <= 1:
             raise ValueError(f"relay_efficiency must be in (0, 1], got {self.relay_efficiency}")
+        if not 0 < self.delta_ratio <= 1:
+            raise ValueError(f"delta_ratio must be in (0, 1], got {self.delta_ratio}")
+        if not self.delta_encode_bytes_per_s > 0:
+            raise ValueError("delta_encode_bytes_per_s must be > 0")
 
     def reload_s(self, config: RunConfig, size: int, workers: int) -> float:
         """Seconds until every one of ``workers`` workers holds a version of ``size`` bytes
-        (module docstring)."""
+        (module docstring): with relay deltas, the mean over a whole reload and its deltas."""
         if config.param_server.fanout == "relay":
             rate = min(self.pull_bytes_per_s, self.server_bytes_per_s) * self.relay_efficiency
-            return (size + (workers - 1) * min(size, self.relay_bucket_bytes)) / rate
+
+            def chain(nbytes: float) -> float:
+                return (nbytes + (workers - 1) * min(nbytes, self.relay_bucket_bytes)) / rate
+
+            n = config.param_server.relay_deltas
+            if n <= 1:
+                return chain(size)
+            delta = size / self.delta_encode_bytes_per_s + chain(size * self.delta_ratio)
+            return ((n - 1) * delta + chain(size)) / n
         replicas = max(1, config.param_server.replicas)
         return size * max(1 / self.pull_bytes_per_s, workers / (replicas * self.server_bytes_per_s))
 

@@ -77,6 +77,7 @@ def test_a_sweep_gives_a_row_per_worker_count_and_the_json_the_costs(tmp_path):
         ({"lengths": ["100"]}, "PROMPT,COMPLETION expected"),
         ({"workers": ["0"]}, "counts must be >= 1"),
         ({"trainer_topology": ""}, "names no TPU topology"),
+        ({"delta_ratio": 0.0}, "--delta_ratio must be in \\(0, 1\\]"),
     ],
 )
 def test_bad_flags_and_reports_are_refused_with_the_reason(tmp_path, kw, message):

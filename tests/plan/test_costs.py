@@ -274,3 +274,24 @@ def test_a_slow_environment_costs_lock_step_more_than_one_by_one(mode):
         assert (lock, each) == pytest.approx((none + 10.0, none + 5.0))
     else:
         assert lock == pytest.approx(each) and lock > none
+
+
+def test_relay_deltas_reload_the_delta_after_its_encoding_and_every_nth_whole_by_hand():
+    """relay_deltas 8 at delta_ratio 0.36 (a base 16 versions old, RESULTS (c)): 7 reloads in 8
+    move 0.36 of the version after the root encodes it (8 GiB/s), the 8th the whole version."""
+    net = Network(delta_ratio=0.36)
+    size = 65_527_000_000
+    rate = 4e9 * 0.97
+    relay = {"param_server.replicas": 4, "param_server.fanout": "relay"}
+    whole = (size + 63 * 2**22) / rate
+    delta = size / 2**33 + (0.36 * size + 63 * 2**22) / rate
+    deltas = build(relay | {"param_server.relay_deltas": 8})
+    assert net.reload_s(deltas, size, 64) == pytest.approx((7 * delta + whole) / 8, rel=1e-12)
+    # Off (0, or 1: every reload whole), or no measured saving: the whole version each time.
+    assert net.reload_s(build(relay), size, 64) == pytest.approx(whole, rel=1e-12)
+    assert net.reload_s(build(relay | {"param_server.relay_deltas": 1}), size, 64) == (
+        pytest.approx(whole, rel=1e-12)
+    )
+    for bad in ({"delta_ratio": 0.0}, {"delta_ratio": 1.5}, {"delta_encode_bytes_per_s": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Network(**bad)
