@@ -144,18 +144,24 @@ _EXCHANGE_PREFIX = "rlax/exchange"
 _exchanges = [0]
 
 
-def exchange(value: Any, *, timeout_s: float | None = None) -> list[Any]:
+def exchange(value: Any, *, timeout_s: float | None = None, key: str | None = None) -> list[Any]:
     """Every process's picklable ``value``, in process order, on every process. On the host
     (the key-value store), so a process that failed before a device collective can still say
     so and every process decides alike. Every process calls it the same number of times.
-    ``timeout_s``: how long to wait for the others (TimeoutError naming the silent ones)."""
+    ``timeout_s``: how long to wait for the others (TimeoutError naming the silent ones).
+    ``key``: names this exchange instead of its place among the calls (for an exchange on a
+    thread of its own, which must not take the place of the main thread's next one); every
+    process passes the same, used once."""
     import jax
 
     if jax.process_count() == 1:
         return [value]
     client, me, count = _client(), jax.process_index(), jax.process_count()
-    key = f"{_EXCHANGE_PREFIX}/{_exchanges[0]}"
-    _exchanges[0] += 1
+    if key is not None:
+        key = f"{_EXCHANGE_PREFIX}/named/{key}"
+    else:
+        key = f"{_EXCHANGE_PREFIX}/{_exchanges[0]}"
+        _exchanges[0] += 1
     client.key_value_set_bytes(f"{key}/{me}", pickle.dumps(value))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     out = []

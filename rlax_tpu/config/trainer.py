@@ -56,6 +56,11 @@ class TrainerConfig:
     routing_replay: Literal["off", "old", "both"] = "off"
     # Publish dtype: the weights pushed to the parameter server (what inference workers pull).
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Versions whose push to the parameter server may still be under way while the next step
+    # computes (0: each step returns once its version is published). Each holds a cast of the
+    # weights on the devices; the controller lets workers load a version once it is published.
+    # 0 or 1.
+    publish_in_flight: int = 0
     # Master dtype: the trainer's trainable weights, AdamW moments and gradient accumulator,
     # whatever model.param_dtype is (mixed precision: float32 masters, model.compute_dtype
     # forward and backward). bfloat16 masters are refused when most AdamW steps of about
@@ -78,6 +83,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         positive(self, "learning_rate", "micro_batch_size", "checkpoint_every", "keep_checkpoints")
         positive(self, "length_bucket")
+        in_range(self, "publish_in_flight", 0, 1)  # one push at a time: the sink is not shared
         non_negative(self, "warmup_steps", "decay_steps", "weight_decay", "grad_clip_norm")
         positive(self, "adam_eps")
         in_range(self, "adam_b1", 0.0, 1.0, hi_open=True)

@@ -37,6 +37,7 @@ class ConsumptionMixin:
         for r in results:
             if not self.policy.accepts(self.version, r.version):
                 raise AssertionError(f"group {r.key}: staleness {self.version - r.version} > η_a")
+        self.publishes.check()  # a version pushed in the background that did not land
         extra: dict[str, float] = {}
         consumed: list[str] = []  # fresh groups the ledger marks trained at this update
         if self.replay is not None:
@@ -88,7 +89,11 @@ class ConsumptionMixin:
         self._mark_trained(consumed)  # only once the update happened
         self.version += 1
         self.step += 1
-        self.pool.published(self.version, float(metrics.get("time_since_publish_s", 0.0)))
+        self.publishes.published(
+            self.version,
+            float(metrics.get("time_since_publish_s", 0.0)),
+            pending=bool(metrics.get("publish_pending", 0.0)),
+        )
         return (
             {f"trainer/{k}": float(v) for k, v in metrics.items()}
             | extra

@@ -119,6 +119,7 @@ class EvaluationMixin:
         generated with it, uncounted in the pool's load balance (beside training)."""
         counted = version is None
         version = self.version if version is None else version
+        self.publishes.wait(version)  # a version still being pushed: no worker can load it yet
         requests = [
             self.prompter.request(f"{stream}/{key}", p, num_samples=k, stream=stream)
             for key, p in problems

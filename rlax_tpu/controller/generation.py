@@ -99,6 +99,7 @@ class GenerationMixin:
     def _launch(
         self, refs: Sequence[PromptRef], version: int, *, issued_version: int = 0
     ) -> cf.Future[list[groups_lib.GroupResult]]:
+        self.publishes.wait(version)  # a version still being pushed: no worker can load it yet
         for ref in refs:
             self.ledger.start(ref.key)
         requests = [self.prompter.request(r.key, self.prompter.problem(r)) for r in refs]

@@ -47,6 +47,7 @@ from rlax_tpu.controller.evaluation import (
 from rlax_tpu.controller.generation import PREFILTER_FILE, GenerationMixin
 from rlax_tpu.controller.ledger import GroupState, Ledger
 from rlax_tpu.controller.pool import WorkerPool
+from rlax_tpu.controller.publishes import Publishes
 from rlax_tpu.controller.replay import REPLAY_DIR, ReplayFeed
 from rlax_tpu.controller.snapshots import LEDGER_DIR, LedgerLog, SnapshotStore
 from rlax_tpu.controller.staleness import StalenessPolicy
@@ -132,6 +133,8 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
             exclusive_jobs=cc.mode == "deterministic",
             continue_on_reload=config.inference.continue_on_reload,
         )
+        # Versions the trainer still pushes (trainer.publish_in_flight): loaded once published.
+        self.publishes = Publishes(components.trainer, self.pool)
         self.version = 0
         self.step = 0
         self.evals: dict[int, dict[str, float]] = {}

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from rlax_tpu.controller.groups import GroupResult
     from rlax_tpu.controller.ledger import Ledger
     from rlax_tpu.controller.pool import WorkerPool
+    from rlax_tpu.controller.publishes import Publishes
     from rlax_tpu.controller.staleness import StalenessPolicy
 
 
@@ -54,6 +55,7 @@ class Controller(Protocol):
     refs: dict[str, PromptRef]
     counters: Any  # loop.Counters
     pool: WorkerPool
+    publishes: Publishes
     policy: StalenessPolicy
     step: int
     version: int
@@ -116,7 +118,7 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
         ctl.start_eval_if_due()  # runs beside training
         ctl.log_evals(metrics, progress)
         v = ctl.version
-        w = policy.reload_point(v)
+        w = ctl.publishes.newest_ready(policy.reload_point(v))  # not one still being pushed
         in_flight = sum(groups for groups, _ in jobs.values())
         queued = in_flight + len(ctl.buffered)
         limit = min(policy.admission_budget(batch, v, w), cap)  # policy.admits, capped

@@ -7,7 +7,9 @@ chip's peak and its bytes at the peak HBM bandwidth) over an efficiency factor i
   m = ⌈B·G / rows⌉ micro-batches of the compiled ``rows`` and f = (prompt + completion) / the
   compiled micro-batch's columns (the trainer cuts micro-batches to length buckets), over
   ``Efficiency.train``. Then the push: every parameter-server replica receives the whole version
-  (``param_server/client.py``), at ``Network.server_bytes_per_s``.
+  (``param_server/client.py``), at ``Network.server_bytes_per_s``. With
+  ``trainer.publish_in_flight`` the push runs beside the next update (the trainer's cycle is
+  the slower of the two) and a version reaches the workers a push later (added to the reload).
 * A group on a worker: ``completion`` decode steps of the decode program at the worker's full
   batch, over ``Efficiency.decode``, and the prefill calls that stall them: its prompt's (the G
   samples share its pages, ``scheduler.py``; chunks of prefill_rows x prefill_len tokens a call,
@@ -315,13 +317,15 @@ def plan_costs(
     decode_step = roofline["inference.decode"] / efficiency.decode
     slots = worker_slots(config, workload)
     reload = network.reload_s(config, size, workers)
+    in_flight = config.trainer.publish_in_flight > 0
     return PlanCosts(
-        train_s=update + push,
+        # In flight: the push overlaps the next update, and the version waits for it.
+        train_s=max(update, push) if in_flight else update + push,
         # Each prefill call stalls every slot's decode: a group sees its own and, in the steady
         # state, those of the slots - 1 others that start while it runs.
         group_s=slots * prefill + steps * decode_step,
         slots=slots,
-        reload_s=reload,
+        reload_s=reload + push if in_flight else reload,
         check_s=check_s,
         verifier_slots=verifier_slots(config),
         version_bytes=size,

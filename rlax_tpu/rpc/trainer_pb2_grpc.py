@@ -45,6 +45,11 @@ class TrainerStub:
                 request_serializer=rlax__tpu_dot_rpc_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=rlax__tpu_dot_rpc_dot_trainer__pb2.TrainerStep.FromString,
                 _registered_method=True)
+        self.WaitPublished = channel.unary_unary(
+                '/rlax_tpu.Trainer/WaitPublished',
+                request_serializer=rlax__tpu_dot_rpc_dot_trainer__pb2.TrainerStep.SerializeToString,
+                response_deserializer=rlax__tpu_dot_rpc_dot_trainer__pb2.TrainerStep.FromString,
+                _registered_method=True)
         self.Save = channel.unary_unary(
                 '/rlax_tpu.Trainer/Save',
                 request_serializer=rlax__tpu_dot_rpc_dot_trainer__pb2.TrainerSaveRequest.SerializeToString,
@@ -84,6 +89,15 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitPublished(self, request, context):
+        """Answers once the version asked (step) and every older one are no longer being pushed
+        (trainer.publish_in_flight), with the newest version published; not serialized with the
+        other calls (a step may run meanwhile).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Save(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -119,6 +133,11 @@ def add_TrainerServicer_to_server(servicer, server):
             'Publish': grpc.unary_unary_rpc_method_handler(
                     servicer.Publish,
                     request_deserializer=rlax__tpu_dot_rpc_dot_common__pb2.Empty.FromString,
+                    response_serializer=rlax__tpu_dot_rpc_dot_trainer__pb2.TrainerStep.SerializeToString,
+            ),
+            'WaitPublished': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitPublished,
+                    request_deserializer=rlax__tpu_dot_rpc_dot_trainer__pb2.TrainerStep.FromString,
                     response_serializer=rlax__tpu_dot_rpc_dot_trainer__pb2.TrainerStep.SerializeToString,
             ),
             'Save': grpc.unary_unary_rpc_method_handler(
@@ -195,6 +214,33 @@ class Trainer:
             target,
             '/rlax_tpu.Trainer/Publish',
             rlax__tpu_dot_rpc_dot_common__pb2.Empty.SerializeToString,
+            rlax__tpu_dot_rpc_dot_trainer__pb2.TrainerStep.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitPublished(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlax_tpu.Trainer/WaitPublished',
+            rlax__tpu_dot_rpc_dot_trainer__pb2.TrainerStep.SerializeToString,
             rlax__tpu_dot_rpc_dot_trainer__pb2.TrainerStep.FromString,
             options,
             channel_credentials,

@@ -126,6 +126,13 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
             else to_master(trainable["model"], config.trainer.publish_dtype)
         )
         resident[f"published versions kept for the workers (x{kept})"] = kept * device_bytes(cast)
+    if config.trainer.publish_in_flight:  # a version's cast held until its push is done
+        cast = (
+            trainable["model"]
+            if base is not None
+            else to_master(trainable["model"], config.trainer.publish_dtype)
+        )
+        resident["a published version still being pushed"] = device_bytes(cast)
     base_args = (base_k,) if base is not None else ()
 
     def held(*args: str, batches: int = 0, inputs: bool = False) -> dict[str, int]:

@@ -8,6 +8,7 @@ from rlax_tpu.rpc import common_pb2, trainer_pb2_grpc
 from rlax_tpu.rpc import trainer_pb2 as pb
 from rlax_tpu.rpc.transport import Credentials, make_channel, wait_ready
 from rlax_tpu.trainer.checkpoint import CorruptCheckpointError
+from rlax_tpu.trainer.publishing import PublishError
 from rlax_tpu.trainer.trainer import TrainerStatus
 from rlax_tpu.trainer.wire import batch_to_chunks
 from rlax_tpu.types import TrainBatch
@@ -41,6 +42,17 @@ class TrainerClient:
 
     def publish(self) -> int:
         return self._stub.Publish(common_pb2.Empty(), timeout=self.timeout_s).step
+
+    def wait_published(self, version: int) -> int:
+        """As Trainer.wait_published: PublishError when the version was not published."""
+        try:
+            return self._stub.WaitPublished(
+                pb.TrainerStep(step=version), timeout=self.timeout_s
+            ).step
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION or "PublishError" not in e.details():
+                raise
+            raise PublishError(e.details()) from None
 
     def save(self, *, wait: bool = False) -> int:
         return self._stub.Save(pb.TrainerSaveRequest(wait=wait), timeout=self.timeout_s).step

@@ -40,24 +40,38 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+def _answered(method: Callable) -> Callable:
+    """The trainer's exceptions as statuses (the module docstring)."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):  # noqa: ANN001, ANN202
+        try:
+            return method(self, request, context)
+        except Exception as e:
+            # From the weight sink, now or in a push on its own thread: a parameter server gone.
+            gone = e if isinstance(e, grpc.RpcError) else e.__cause__
+            if isinstance(gone, grpc.RpcError) and gone.code() in _GONE:
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"a parameter server did not answer ({gone.code().name}: {gone.details()})",
+                )
+            if isinstance(e, grpc.RpcError):
+                raise
+            for cls, code in _STATUS:
+                if isinstance(e, cls):
+                    context.abort(code, f"{type(e).__name__}: {e}")
+            raise
+
+    return wrapper
+
+
 def _serialized(method: Callable) -> Callable:
+    answered = _answered(method)
+
     @functools.wraps(method)
     def wrapper(self, request, context):  # noqa: ANN001, ANN202
         with self._lock:
-            try:
-                return method(self, request, context)
-            except grpc.RpcError as e:  # from the weight sink: a parameter server is gone
-                if e.code() not in _GONE:
-                    raise
-                context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"a parameter server did not answer ({e.code().name}: {e.details()})",
-                )
-            except Exception as e:
-                for cls, code in _STATUS:
-                    if isinstance(e, cls):
-                        context.abort(code, f"{type(e).__name__}: {e}")
-                raise
+            return answered(self, request, context)
 
     return wrapper
 
@@ -81,6 +95,10 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
     @_serialized
     def Publish(self, request: common_pb2.Empty, context) -> pb.TrainerStep:  # noqa: ANN001
         return pb.TrainerStep(step=self._trainer.publish())
+
+    @_answered
+    def WaitPublished(self, request: pb.TrainerStep, context) -> pb.TrainerStep:  # noqa: ANN001
+        return pb.TrainerStep(step=self._trainer.wait_published(request.step))
 
     @_serialized
     def Save(self, request: pb.TrainerSaveRequest, context) -> pb.TrainerStep:  # noqa: ANN001

@@ -65,6 +65,7 @@ from rlax_tpu.trainer.checkpoint import (
 )
 from rlax_tpu.trainer.optimizer import make_schedule
 from rlax_tpu.trainer.precision import check_master_dtype, to_master
+from rlax_tpu.trainer.publishing import BackgroundPushes, PublishError
 from rlax_tpu.types import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -95,10 +96,6 @@ def parts_short_of_quorum(reached: Sequence[Collection[int]], quorum: int) -> st
         f"is whole on replicas {sorted(whole)} only (the parts reached "
         f"{[sorted(r) for r in reached]}; quorum {quorum})"
     )
-
-
-class PublishError(RuntimeError):
-    """Another process of a multi-host trainer could not push its part of a version."""
 
 
 class TrainerHalted(RuntimeError):
@@ -183,6 +180,9 @@ class Trainer:
         self._step = 0
         self._rng = jax.random.key_data(jax.random.PRNGKey(config.controller.seed))
         self._published = -1
+        in_flight = tcfg.publish_in_flight
+        self._pushes = BackgroundPushes(in_flight) if in_flight else None
+        self._publishes = 0  # publish calls, alike on every process: names their exchanges
         self._halted = ""
         self._precompiled = False
         self._last_metrics: dict[str, float] = {}
@@ -398,7 +398,9 @@ class Trainer:
         )
         t_publish = time.perf_counter()
         if self.sink is not None:
-            self.publish()
+            self.publish(background=self._pushes is not None)
+            # The controller lets workers load the version once wait_published says so.
+            metrics["publish_pending"] = float(self._pushes is not None)
         if self._step % tcfg.checkpoint_every == 0:
             self.save()
         metrics |= {
@@ -501,51 +503,71 @@ class Trainer:
         return logp, values
 
     # ------------------------------------------------------------------ publish / checkpoints
-    def publish(self) -> int:
+    def publish(self, *, background: bool = False) -> int:
         """Pushes the current params as version ``step`` (in ``trainer.publish_dtype``; with
-        LoRA, the adapters alone in float32: workers keep the base they loaded)."""
+        LoRA, the adapters alone in float32: workers keep the base they loaded). With
+        ``background`` (``trainer.publish_in_flight`` > 0) the push runs on a thread and this
+        returns once it started (publishing.py); ``wait_published`` waits for it. Otherwise it
+        returns once the version is published, after any pushes still in flight."""
         if self.sink is None:
             raise RuntimeError("this trainer has no weight sink to publish to")
         if self._base is None:
             params = self._fns.publish_cast(self._model_params(), self.config.trainer.publish_dtype)
         else:
             params = self._fns.adapters_jit()(self._trainable["model"])
+        version, tag = self._step, f"publish/{self._publishes}"
+        self._publishes += 1
+        if background and self._pushes is not None:
+            self._pushes.start(version, lambda: self._push(params, version, tag))
+            return version
+        if self._pushes is not None:
+            self._pushes.wait(version)
+        self._push(params, version, tag)
+        return version
+
+    def _push(self, params: Any, version: int, tag: str) -> None:
         if jax.process_count() == 1:
-            self.sink.push(params, self._step)
-            self._published = self._step
-            return self._step
+            self.sink.push(params, version)
+            self._published = max(self._published, version)
+            return
         # Each process sends its own part: the version is whole once every process is done.
         # They agree on the host whether all did (a process whose push failed would never reach
-        # a device barrier the others wait in), and all fail alike if one did not.
+        # a device barrier the others wait in), and all fail alike if one did not. The exchange
+        # is named by the publish (every process's n-th), so one on a push's thread never
+        # meets another exchange of the step's.
         failure = None
         try:
-            self.sink.push(params, self._step)
+            self.sink.push(params, version)
         except Exception as e:  # noqa: BLE001 - named to every process below
             failure = e
         said = multihost.exchange(
             (
                 None if failure is None else f"{type(failure).__name__}: {failure}",
                 getattr(self.sink, "last_replicas", None),
-            )
+            ),
+            key=tag,
         )
         failed = {p: why for p, (why, _) in enumerate(said) if why is not None}
         if failure is not None:
             raise failure
         if failed:
             raise PublishError(
-                f"version {self._step} was not published: "
+                f"version {version} was not published: "
                 + "; ".join(f"process {p}: {why}" for p, why in failed.items())
             )
-        self._check_whole_on_a_quorum(said)
-        self._published = self._step
-        return self._step
-
-    def _check_whole_on_a_quorum(self, said: list[tuple[str | None, Any]]) -> None:
         reached = [replicas for _, replicas in said]
         if all(r is not None for r in reached):
             why = parts_short_of_quorum(reached, getattr(self.sink, "quorum", 1))
             if why:
-                raise PublishError(f"version {self._step} {why}")
+                raise PublishError(f"version {version} {why}")
+        self._published = max(self._published, version)
+
+    def wait_published(self, version: int, timeout_s: float | None = None) -> int:
+        """Blocks until ``version`` (and every older one) is no longer being pushed; raises
+        PublishError if one was not published. Returns the newest version published."""
+        if self._pushes is not None:
+            self._pushes.wait(version, timeout_s)
+        return self._published
 
     def _state(self) -> dict[str, Any]:
         rep = mesh_lib.replicated(self.mesh)
@@ -574,6 +596,9 @@ class Trainer:
         CorruptCheckpointError for a damaged one (which is then deleted: the caller falls back
         to an older checkpoint, and this step can be saved again).
         """
+        if self._pushes is not None:
+            for version, error in self._pushes.drain().items():  # the restored state republishes
+                log.warning("version %d was not published before the restore: %s", version, error)
         abstract = abstract_like(self._state())
         if directory is None:
             try:
@@ -610,6 +635,8 @@ class Trainer:
         )
 
     def close(self) -> None:
+        if self._pushes is not None:
+            self._pushes.drain()
         self._checkpointer.close()
 
 

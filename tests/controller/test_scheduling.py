@@ -30,6 +30,7 @@ from rlax_tpu.controller.components import build_local
 from rlax_tpu.controller.ledger import GroupState
 from rlax_tpu.controller.loop import Controller
 from rlax_tpu.controller.throughput import throughput_queue_cap
+from rlax_tpu.observability.metrics import read_metrics
 
 UID = 1_500_000 + (os.getpid() % 100_000) * 8
 
@@ -263,3 +264,54 @@ def test_episodes_in_throughput_mode_keep_eta_a_and_the_ledger(tmp_path, continu
     check_ledger(ctl, eta_a=1, steps=4, batch=2)
     turns = [r["scalars"].get("episode/turns_mean") for r in read_metrics(tmp_path)]
     assert max(t for t in turns if t is not None) > 1.0  # second turns were played
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "throughput"])
+def test_versions_pushed_in_the_background_are_loaded_only_once_published(tmp_path, mode):
+    """trainer.publish_in_flight 1 with a slow push to the parameter server (the gRPC path,
+    param_server.device_versions 0): each step returns before its version is published, and
+    no worker stages or loads a version before its push ended (the controller's publishes.py);
+    the run and the ledger are whole."""
+    config = make_config(tmp_path, mode=mode, acceptance_staleness=1, pipeline_depth=1, num_steps=3)
+    config = dataclasses.replace(
+        config,
+        trainer=dataclasses.replace(config.trainer, publish_in_flight=1),
+        param_server=dataclasses.replace(config.param_server, device_versions=0),
+    )
+    events: list[tuple[str, int]] = []
+
+    class Logged:
+        """Forwards to the real sink or worker, logging pushes ended and loads/stages asked."""
+
+        def __init__(self, inner, calls):
+            self._inner, self._calls = inner, calls
+
+        def __getattr__(self, name):
+            attr = getattr(self._inner, name)
+            if name not in self._calls:
+                return attr
+
+            def call(version, *args, **kwargs):
+                if name == "push":  # (params, version)
+                    time.sleep(0.5)
+                    out = attr(version, *args, **kwargs)
+                    events.append(("pushed", args[0]))
+                    return out
+                events.append((name, version))
+                return attr(version, *args, **kwargs)
+
+            return call
+
+    def wrap(comps):
+        comps.trainer.sink = Logged(comps.trainer.sink, {"push"})
+        comps.workers = [Logged(w, {"load_weights", "stage"}) for w in comps.workers]
+
+    ctl = run_controller(config, wrap)
+    check_ledger(ctl, eta_a=1, steps=3, batch=2)
+    pushed = {v: k for k, (what, v) in enumerate(events) if what == "pushed"}
+    assert sorted(pushed) == [0, 1, 2, 3]
+    for k, (what, v) in enumerate(events):
+        if what in ("load_weights", "stage"):
+            assert pushed[v] < k, events
+    steps = [r for r in read_metrics(tmp_path) if "trainer/publish_pending" in r["scalars"]]
+    assert steps and all(r["scalars"]["trainer/publish_pending"] == 1.0 for r in steps)

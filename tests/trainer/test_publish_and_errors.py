@@ -3,7 +3,9 @@ fit the mesh, NaN losses under nan_policy 'skip' and 'stop' (never published).""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ from rlax_tpu.config import ParamServerConfig
 from rlax_tpu.param_server.client import ParamServerClient
 from rlax_tpu.param_server.service import serve as serve_param_server
 from rlax_tpu.trainer import BatchShapeError, NonFiniteLossError, Trainer, TrainerHalted
+from rlax_tpu.trainer.publishing import PublishError
 
 from .helpers import host, random_batch, run_config
 
@@ -137,3 +140,78 @@ def test_a_version_in_parts_must_be_whole_on_a_quorum_of_replicas():
         "is whole on replicas [1] only (the parts reached [[0, 1], [1, 2]]; quorum 2)"
     )
     assert "whole on replicas [] only" in parts_short_of_quorum([{0}, {1}], quorum=1)
+
+
+class _Gated:
+    """The parameter-server client as the sink, each push held until ``gate`` is set; logs
+    when each push starts and ends."""
+
+    def __init__(self, client, events: list[str], fail: set[int] = frozenset()):
+        self.client, self.events, self.fail = client, events, fail
+        self.gate = threading.Event()
+
+    def push(self, params, version):
+        self.events.append(f"push {version}")
+        assert self.gate.wait(60)
+        if version in self.fail:
+            raise ConnectionError(f"no route to the parameter server for version {version}")
+        out = self.client.push(params, version)
+        self.events.append(f"pushed {version}")
+        return out
+
+
+def test_a_push_in_flight_lets_the_step_return_and_the_next_waits_for_it(param_server, tmp_path):
+    """trainer.publish_in_flight 1: a step returns while its version is pushed (publish_pending),
+    the version is neither published nor waited for by then, and the next step's publish waits
+    until the push before it ended (one in flight); the versions land whole, in order."""
+    events: list[str] = []
+    sink = _Gated(param_server, events)
+    cfg = run_config(publish_in_flight=1, publish_dtype="bfloat16")
+    trainer = Trainer(cfg, sink=sink, devices=jax.devices()[:1], checkpoint_dir=tmp_path)
+    try:
+        assert trainer.train_step(random_batch(0))["publish_pending"] == 1.0
+        assert trainer.status().published_version == -1 and _versions(param_server) == []
+        with pytest.raises(TimeoutError, match="version 1 is still being published"):
+            trainer.wait_published(1, timeout_s=0.1)
+
+        def second() -> None:
+            trainer.train_step(random_batch(1))
+            events.append("step 2 returned")
+
+        with cf.ThreadPoolExecutor(1) as pool:
+            done = pool.submit(second)
+            sink.gate.set()
+            done.result(timeout=120)
+        assert events.index("pushed 1") < events.index("push 2") < events.index("step 2 returned")
+        assert trainer.wait_published(2) == 2 and _versions(param_server) == [1, 2]
+        expected = jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16)), trainer.params())
+        for a, b in zip(
+            jax.tree.leaves(host(param_server.pull(2))), jax.tree.leaves(expected), strict=True
+        ):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        sink.gate.set()
+        trainer.close()
+
+
+def test_a_failed_push_in_flight_stops_the_next_step_until_a_restore(param_server, tmp_path):
+    """A push that failed on its thread is raised by wait_published and by the next step (the
+    run never goes on past a version it did not publish); a restore forgets it."""
+    sink = _Gated(param_server, [], fail={1})
+    sink.gate.set()
+    cfg = run_config(publish_in_flight=1)
+    trainer = Trainer(cfg, sink=sink, devices=jax.devices()[:1], checkpoint_dir=tmp_path)
+    try:
+        trainer.train_step(random_batch(0))
+        trainer.wait_for_checkpoints()
+        with pytest.raises(PublishError, match="version 1 was not published: ConnectionError"):
+            trainer.wait_published(1)
+        with pytest.raises(PublishError, match="version 1 was not published"):
+            trainer.train_step(random_batch(1))
+        assert trainer.restore(1) == 1
+        sink.fail = set()  # the parameter server is back
+        trainer.publish()  # as a resume republishes a version the server lacks
+        trainer.train_step(random_batch(1))
+        assert trainer.wait_published(2) == 2 and _versions(param_server) == [1, 2]
+    finally:
+        trainer.close()

@@ -279,3 +279,38 @@ def test_a_trainer_over_two_processes_serves_one_endpoint(tmp_path):
                 p.wait()
         ps_server.stop(None)
         ps_store.close()
+
+
+def test_a_push_in_flight_is_waited_for_and_its_failure_named_over_grpc(tmp_path):
+    """WaitPublished answers beside the serialized calls: once a version's push on its thread
+    ended, with the newest version published, or FAILED_PRECONDITION naming why it was not,
+    which the client raises as PublishError; the next step is refused for it too."""
+    from rlax_tpu.trainer.publishing import PublishError
+
+    class Sink:  # version 1 lands, version 2 cannot
+        def __init__(self):
+            self.pushed = []
+
+        def push(self, params, version):
+            if version == 2:
+                raise ConnectionError("no route to the parameter server")
+            self.pushed.append(version)
+
+    sink = Sink()
+    cfg = run_config(publish_in_flight=1)
+    trainer = Trainer(cfg, sink=sink, devices=jax.devices()[:1], checkpoint_dir=tmp_path)
+    server, port = serve(trainer, cfg.trainer)
+    try:
+        with TrainerClient(f"127.0.0.1:{port}") as client:
+            assert client.train_step(random_batch(0))["publish_pending"] == 1.0
+            assert client.wait_published(1) == 1 and sink.pushed == [1]
+            client.train_step(random_batch(1))
+            with pytest.raises(PublishError, match="version 2 was not published: ConnectionError"):
+                client.wait_published(2)
+            with pytest.raises(grpc.RpcError) as refused:
+                client.train_step(random_batch(2))
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "version 2 was not published" in refused.value.details()
+    finally:
+        server.stop(0)
+        trainer.close()
