@@ -99,16 +99,19 @@ class GenerationMixin:
     def _launch(
         self, refs: Sequence[PromptRef], version: int, *, issued_version: int = 0
     ) -> cf.Future[list[groups_lib.GroupResult]]:
-        self.publishes.wait(version)  # a version still being pushed: no worker can load it yet
         for ref in refs:
             self.ledger.start(ref.key)
         requests = [self.prompter.request(r.key, self.prompter.problem(r)) for r in refs]
         timing = {"launched": time.perf_counter()}
+        # A version still being pushed: the job reaches the pool once it is published (the
+        # controller goes on meanwhile).
         if self.episodes is not None:  # generated and played out
             problems = {r.key: self.prompter.problem(r) for r in refs}
-            generation = self.episodes.start(version, requests, problems)
+            generation = self.publishes.after(
+                version, lambda: self.episodes.start(version, requests, problems)
+            )
         else:
-            generation = self.pool.submit(version, requests)
+            generation = self.publishes.after(version, lambda: self.pool.submit(version, requests))
 
         def verify() -> list[groups_lib.GroupResult]:
             out = generation.result()

@@ -134,7 +134,9 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
             continue_on_reload=config.inference.continue_on_reload,
         )
         # Versions the trainer still pushes (trainer.publish_in_flight): loaded once published.
-        self.publishes = Publishes(components.trainer, self.pool)
+        self.publishes = Publishes(
+            components.trainer, self.pool, in_flight=config.trainer.publish_in_flight > 0
+        )
         self.version = 0
         self.step = 0
         self.evals: dict[int, dict[str, float]] = {}
@@ -300,6 +302,7 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
                 from rlax_tpu.controller.throughput import run_throughput
 
                 run_throughput(self, metrics, progress)
+            self.publishes.wait(self.version)  # the run's last version is published too
         finally:
             progress.close()
             metrics.close()
@@ -310,6 +313,7 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
         """Stops the controller's own threads (generation and verification jobs)."""
         if self.episodes is not None:  # first: its threads submit to the pool
             self.episodes.close()
+        self.publishes.close()
         self.pool.close()
         self.background_evals.close()
         self._verify_pool.shutdown(wait=False, cancel_futures=True)

@@ -2,29 +2,36 @@
 
 A step returns while its version's push goes on; no worker may load the version before it is
 published. A thread per pending version waits for the trainer's word (``wait_published``), then
-tells the pool (publish-to-serve starts at the trainer's publish). Jobs of a pending version
-wait (``wait``: deterministic generation, evaluations); throughput admission takes the newest
-version no longer pending (``newest_ready``). A failed push is raised by every later ``wait``
-and ``check``.
+tells the pool (publish-to-serve starts at the trainer's publish). Generation jobs go to the
+pool through one queue (``after``) that holds a job of a pending version until it is published,
+so the controller's thread goes on (the next update overlaps the push) and jobs reach the pool
+in the order they were launched; evaluations wait (``wait``); throughput admission takes the
+newest reload point no longer pending (``newest_ready``). A failed push is raised by every
+later ``wait``, ``after`` and ``check`` as it was raised: a component gone (which the
+controller's recovery handles) or the trainer's PublishError.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from rlax_tpu.trainer.publishing import PublishError
+T = TypeVar("T")
 
 
 class Publishes:
-    def __init__(self, trainer: Any, pool: Any):
+    def __init__(self, trainer: Any, pool: Any, *, in_flight: bool = True):
         """``trainer``: has ``wait_published(version)``; ``pool``: has ``published(version,
-        seconds_ago)``."""
-        self._trainer, self._pool = trainer, pool
+        seconds_ago)``; ``in_flight`` False: no version is ever pending (jobs go straight to
+        the pool)."""
+        self._trainer, self._pool, self.in_flight = trainer, pool, in_flight
         self._cond = threading.Condition()
         self._pending: set[int] = set()
-        self._failed: tuple[int, BaseException] | None = None
+        self._failed: BaseException | None = None
+        self._queue = cf.ThreadPoolExecutor(1, "launch")  # in launch order
 
     def published(self, version: int, seconds_ago: float, *, pending: bool) -> None:
         """The trainer published ``version`` ``seconds_ago`` (its push still under way if
@@ -42,39 +49,71 @@ class Publishes:
     def _watch(self, version: int, start: float) -> None:
         try:
             self._trainer.wait_published(version)
+            self._pool.published(version, time.perf_counter() - start)
         except BaseException as e:  # noqa: BLE001 - raised by the controller's next wait/check
             with self._cond:
-                self._failed = self._failed or (version, e)
+                self._failed = self._failed or e
+        finally:
+            with self._cond:
                 self._pending.discard(version)
                 self._cond.notify_all()
-            return
-        self._pool.published(version, time.perf_counter() - start)
+
+    def pending(self, version: int) -> bool:
         with self._cond:
-            self._pending.discard(version)
-            self._cond.notify_all()
+            return version in self._pending
 
     def wait(self, version: int) -> None:
-        """Blocks while ``version`` is being pushed; raises PublishError if a push failed."""
+        """Blocks while ``version`` is being pushed; raises a push's failure."""
         with self._cond:
             self._cond.wait_for(lambda: version not in self._pending or self._failed)
             self._raise()
 
-    def newest_ready(self, version: int) -> int:
-        """``version``, or the newest older one no longer being pushed (never blocks)."""
+    def after(self, version: int, submit: Callable[[], cf.Future[T]]) -> cf.Future[T]:
+        """``submit()``'s future, called once ``version`` is published, after every job
+        launched before it (their order is the pool's); the caller does not wait."""
+        if not self.in_flight:
+            return submit()
+        out: cf.Future[T] = cf.Future()
+
+        def run() -> None:
+            try:
+                self.wait(version)
+                inner = submit()
+            except BaseException as e:  # noqa: BLE001 - the job's failure
+                out.set_exception(e)
+                return
+            inner.add_done_callback(lambda f: _copy(f, out))
+
+        self._queue.submit(run)
+        return out
+
+    def newest_ready(self, version: int, reload_point: Callable[[int], int]) -> int:
+        """The reload point of ``version``, or the newest older reload point no longer being
+        pushed (never blocks)."""
         with self._cond:
             self._raise()
-            while version in self._pending:
-                version -= 1
-            return version
+            w = reload_point(version)
+            while w in self._pending and w > 0:
+                w = reload_point(w - 1)
+            return w
 
     def check(self) -> None:
-        """Raises PublishError if a push failed."""
+        """Raises a push's failure, if one failed."""
         with self._cond:
             self._raise()
+
+    def close(self) -> None:
+        self._queue.shutdown(wait=False, cancel_futures=True)
 
     def _raise(self) -> None:
         if self._failed is not None:
-            version, e = self._failed
-            if isinstance(e, PublishError):
-                raise e
-            raise PublishError(f"version {version} was not published: {type(e).__name__}: {e}")
+            raise self._failed
+
+
+def _copy(source: cf.Future, target: cf.Future) -> None:
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())

@@ -27,6 +27,7 @@ RESUMABLE_FIELDS = (
     "controller.compilation_cache",
     "controller.snapshot_keep",
     "trainer.keep_checkpoints",
+    "trainer.publish_in_flight",  # when a version reaches the workers, not what it is
     "controller.transport",
     "controller.trainer_process",
     "controller.trainer_cpus",

@@ -118,7 +118,8 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
         ctl.start_eval_if_due()  # runs beside training
         ctl.log_evals(metrics, progress)
         v = ctl.version
-        w = ctl.publishes.newest_ready(policy.reload_point(v))  # not one still being pushed
+        # The reload point, or an older one while its version is still being pushed.
+        w = ctl.publishes.newest_ready(v, policy.reload_point)
         in_flight = sum(groups for groups, _ in jobs.values())
         queued = in_flight + len(ctl.buffered)
         limit = min(policy.admission_budget(batch, v, w), cap)  # policy.admits, capped
@@ -132,6 +133,11 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
         t_wait = time.perf_counter()
         ready = _take_ready(ctl, v)
         while len(ready) < batch:
+            if not jobs and w != policy.reload_point(v):
+                # Nothing in flight, and the budget of the older version held back: wait for
+                # the push rather than go round again at once.
+                ctl.publishes.wait(policy.reload_point(v))
+                break
             done, _ = cf.wait(list(jobs), return_when=cf.FIRST_COMPLETED)
             for fut in done:
                 del jobs[fut]

@@ -159,7 +159,9 @@ def plan(
                 check_s=check_s,
                 parallel=parallel,
             )
-            source["measured_efficiency"] = measured_efficiency(roofline_of(1), cost_of(1))
+            source["measured_efficiency"] = measured_efficiency(
+                roofline_of(1), cost_of(1), pushed_in_step=not config.trainer.publish_in_flight
+            )
     else:
         cost_of, workload, check, source = _from_rooflines(
             config,
@@ -314,11 +316,14 @@ def _from_rooflines(
     return cost_of, workload, check, source
 
 
-def measured_efficiency(roofline: PlanCosts, measured: PlanCosts) -> dict[str, float]:
+def measured_efficiency(
+    roofline: PlanCosts, measured: PlanCosts, *, pushed_in_step: bool = True
+) -> dict[str, float]:
     """The fraction of the rooflines (at efficiency 1) a run reached: for the update (its push
-    left out, as the rooflines do not time it) and a group's generation. Pass them as
-    ``--efficiency`` to plan another layout from this run."""
-    update = measured.train_s - roofline.detail["push_s"]
+    left out, as the rooflines do not time it; ``pushed_in_step`` False: the run's steps did
+    not wait for their pushes, trainer.publish_in_flight) and a group's generation. Pass them
+    as ``--efficiency`` to plan another layout from this run."""
+    update = measured.train_s - (roofline.detail["push_s"] if pushed_in_step else 0.0)
     if update <= 0:
         raise PlanError(
             f"the run's update ({measured.train_s:.2f} s) is shorter than the push the "

@@ -7,9 +7,11 @@ chip's peak and its bytes at the peak HBM bandwidth) over an efficiency factor i
   m = ⌈B·G / rows⌉ micro-batches of the compiled ``rows`` and f = (prompt + completion) / the
   compiled micro-batch's columns (the trainer cuts micro-batches to length buckets), over
   ``Efficiency.train``. Then the push: every parameter-server replica receives the whole version
-  (``param_server/client.py``), at ``Network.server_bytes_per_s``. With
+  (``param_server/client.py``), at ``Network.server_bytes_per_s``. In throughput mode with
   ``trainer.publish_in_flight`` the push runs beside the next update (the trainer's cycle is
-  the slower of the two) and a version reaches the workers a push later (added to the reload).
+  the slower of the two); that a version reaches the workers a push after its step is not
+  modelled (the staleness is then underestimated by about push / update versions). In
+  deterministic mode the push stays in the update's time (the next generation waits for it).
 * A group on a worker: ``completion`` decode steps of the decode program at the worker's full
   batch, over ``Efficiency.decode``, and the prefill calls that stall them: its prompt's (the G
   samples share its pages, ``scheduler.py``; chunks of prefill_rows x prefill_len tokens a call,
@@ -317,15 +319,14 @@ def plan_costs(
     decode_step = roofline["inference.decode"] / efficiency.decode
     slots = worker_slots(config, workload)
     reload = network.reload_s(config, size, workers)
-    in_flight = config.trainer.publish_in_flight > 0
+    overlap = config.trainer.publish_in_flight > 0 and config.controller.mode == "throughput"
     return PlanCosts(
-        # In flight: the push overlaps the next update, and the version waits for it.
-        train_s=max(update, push) if in_flight else update + push,
+        train_s=max(update, push) if overlap else update + push,  # overlap: beside the next
         # Each prefill call stalls every slot's decode: a group sees its own and, in the steady
         # state, those of the slots - 1 others that start while it runs.
         group_s=slots * prefill + steps * decode_step,
         slots=slots,
-        reload_s=reload + push if in_flight else reload,
+        reload_s=reload,
         check_s=check_s,
         verifier_slots=verifier_slots(config),
         version_bytes=size,

@@ -53,16 +53,24 @@ class BackgroundPushes:
                 del self._running[version]
                 self._cond.notify_all()
 
-    def wait(self, version: int, timeout_s: float | None = None) -> None:
+    def wait(self, version: int, timeout_s: float | None = None, *, forget: bool = False) -> None:
         """Blocks until no push of ``version`` or an older one is in flight; raises
-        PublishError if one of them failed, TimeoutError after ``timeout_s``."""
+        PublishError if one of them failed (``forget``: forgets those failures instead, for a
+        caller about to publish ``version`` itself), TimeoutError after ``timeout_s``."""
         with self._cond:
             ok = self._cond.wait_for(
                 lambda: not any(v <= version for v in self._running), timeout=timeout_s
             )
             if not ok:
                 raise TimeoutError(f"version {version} is still being published")
+            if forget:
+                self._failed = {v: e for v, e in self._failed.items() if v > version}
             self._raise_failed(version)
+
+    def check(self) -> None:
+        """Raises PublishError if a push failed (whichever version)."""
+        with self._cond:
+            self._raise_failed(max(self._failed, default=-1))
 
     def pending(self) -> list[int]:
         with self._cond:

@@ -109,7 +109,7 @@ class NonFiniteLossError(TrainerHalted):
 @dataclasses.dataclass(frozen=True)
 class TrainerStatus:
     step: int  # optimizer updates applied = the version of the current params
-    published_version: int  # last version pushed to the sink (-1: none)
+    published_version: int  # newest version pushed to the sink (-1: none)
     mesh: dict[str, int]
     process_count: int
     halted: str  # why the trainer stopped, "" if it did not
@@ -241,6 +241,8 @@ class Trainer:
             )
         if self._halted:
             raise TrainerHalted(f"the trainer is halted ({self._halted}); restore a checkpoint")
+        if self._pushes is not None:  # before the update, which would run past that version
+            self._pushes.check()
         t_start = time.perf_counter()
         tcfg, spec = self.config.trainer, self.objective.spec
         if batch.group_size != spec.group_size:
@@ -520,8 +522,8 @@ class Trainer:
         if background and self._pushes is not None:
             self._pushes.start(version, lambda: self._push(params, version, tag))
             return version
-        if self._pushes is not None:
-            self._pushes.wait(version)
+        if self._pushes is not None:  # this push stands for any of these that failed
+            self._pushes.wait(version, forget=True)
         self._push(params, version, tag)
         return version
 
@@ -596,9 +598,7 @@ class Trainer:
         CorruptCheckpointError for a damaged one (which is then deleted: the caller falls back
         to an older checkpoint, and this step can be saved again).
         """
-        if self._pushes is not None:
-            for version, error in self._pushes.drain().items():  # the restored state republishes
-                log.warning("version %d was not published before the restore: %s", version, error)
+        failed = self._pushes.drain() if self._pushes is not None else {}
         abstract = abstract_like(self._state())
         if directory is None:
             try:
@@ -617,6 +617,8 @@ class Trainer:
                 step, state = other.restore(step, abstract)
             finally:
                 other.close()
+        for version, error in failed.items():  # the restored run publishes them again
+            log.warning("version %d was not published before the restore: %s", version, error)
         self._trainable, self._opt_state = state["params"], state["opt_state"]
         self._step = int(state["step"])
         self._rng = np.asarray(state["rng"])
@@ -636,7 +638,8 @@ class Trainer:
 
     def close(self) -> None:
         if self._pushes is not None:
-            self._pushes.drain()
+            for version, error in self._pushes.drain().items():
+                log.warning("version %d was not published: %s", version, error)
         self._checkpointer.close()
 
 

@@ -194,24 +194,33 @@ def test_a_push_in_flight_lets_the_step_return_and_the_next_waits_for_it(param_s
         trainer.close()
 
 
-def test_a_failed_push_in_flight_stops_the_next_step_until_a_restore(param_server, tmp_path):
-    """A push that failed on its thread is raised by wait_published and by the next step (the
-    run never goes on past a version it did not publish); a restore forgets it."""
-    sink = _Gated(param_server, [], fail={1})
+def test_a_failed_push_in_flight_stops_the_next_step_until_it_is_published_again(
+    param_server, tmp_path
+):
+    """A push that failed on its thread is raised by wait_published and by the next step before
+    its update (the run never goes on past a version it did not publish); publishing the
+    version again (a resume's ensure_versions), or a restore, forgets it."""
+    sink = _Gated(param_server, [], fail={1, 3})
     sink.gate.set()
     cfg = run_config(publish_in_flight=1)
     trainer = Trainer(cfg, sink=sink, devices=jax.devices()[:1], checkpoint_dir=tmp_path)
     try:
         trainer.train_step(random_batch(0))
-        trainer.wait_for_checkpoints()
         with pytest.raises(PublishError, match="version 1 was not published: ConnectionError"):
             trainer.wait_published(1)
         with pytest.raises(PublishError, match="version 1 was not published"):
             trainer.train_step(random_batch(1))
-        assert trainer.restore(1) == 1
-        sink.fail = set()  # the parameter server is back
-        trainer.publish()  # as a resume republishes a version the server lacks
+        assert trainer.step == 1  # refused before the update
+        sink.fail = {3}  # the parameter server is back
+        assert trainer.publish() == 1  # synchronous: waits, then stands for the failed push
         trainer.train_step(random_batch(1))
-        assert trainer.wait_published(2) == 2 and _versions(param_server) == [1, 2]
+        trainer.wait_for_checkpoints()
+        trainer.train_step(random_batch(2))  # version 3's push fails
+        with pytest.raises(PublishError, match="version 3 was not published"):
+            trainer.wait_published(3)
+        assert trainer.restore(2) == 2  # a restore forgets it too
+        sink.fail = set()
+        trainer.train_step(random_batch(2))
+        assert trainer.wait_published(3) == 3 and _versions(param_server) == [1, 2, 3]
     finally:
         trainer.close()
