@@ -22,7 +22,8 @@ counts its generation, which the planner models apart.
 
 The run must be in deterministic mode: its jobs hold a worker alone, so the seconds of the
 workers' calls add up to their busy time (in throughput mode jobs share a worker's engine and
-their calls overlap).
+their calls overlap). And single-turn: an episode's later turns are calls of their own,
+counted as groups (``pool/groups``) and overlapping within their hold.
 
 A worker's decode step has the same rows however few groups it holds (``Engine.step_tokens``,
 on every backend), so a generation call of k groups (``pool/calls``: a worker's share of a job,
@@ -110,6 +111,14 @@ class Measured:
 def measure(run_dir: str | Path, config: RunConfig, *, skip: int = 2) -> Measured:
     """The pieces of the run in ``run_dir`` (made with ``config``'s batch shape). Raises
     ValueError when it has too few steps or was not in deterministic mode."""
+    if config.environment.name != "none":
+        raise ValueError(
+            f"{run_dir}: multi-turn episodes (environment.name {config.environment.name!r}): "
+            "each later turn is a generation call of its own, counted as a group and "
+            "overlapping the others, so a group's time cannot be taken from the pool's counts; "
+            "calibrate on a single-turn run of the same model and layout, and pass "
+            "--env_reply_s for the replies"
+        )
     # evaluated[i]: an evaluation before record i, or generating during its step
     records, evaluated, pending = [], [], False
     for r in read_metrics(run_dir):

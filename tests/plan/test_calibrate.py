@@ -78,6 +78,9 @@ def test_runs_that_cannot_be_measured_are_refused(tmp_path):
         measure(_run(tmp_path / "b", steps=3), build({}))
     with pytest.raises(ValueError, match="no training steps"):
         measure(tmp_path / "missing", build({}))
+    episodes = build({"environment.name": "code_repair", "data.prompt_style": "chat"})
+    with pytest.raises(ValueError, match="multi-turn episodes .* calibrate on a single-turn run"):
+        measure(_run(tmp_path / "c"), episodes)
 
 
 def test_a_calibrated_plan_of_one_worker_predicts_the_measured_step(tmp_path):
