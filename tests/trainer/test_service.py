@@ -214,7 +214,9 @@ def test_a_trainer_over_two_processes_serves_one_endpoint(tmp_path):
     devices each, parameters split 8 ways over fsdp): process 0 serves gRPC, process 1 makes every
     call it makes. After 3 updates the published version equals a one-process trainer's on 8
     devices (1e-5: the cross-process sums run through gloo in another order, 3 Adam steps of lr
-    1e-3), and each process published only its half of the parameters."""
+    1e-3), and each process published only its half of the parameters. The pushes run in the
+    background (trainer.publish_in_flight 1: each process's part on a thread, the processes
+    agreeing on a named exchange), and WaitPublished answers once every part is in."""
     from tests.conftest import free_port
 
     ps_server, ps_port, ps_store = serve_param_server(ParamServerConfig(persist_every=0))
@@ -231,6 +233,7 @@ def test_a_trainer_over_two_processes_serves_one_endpoint(tmp_path):
                 *flags,
                 f"--config.controller.run_dir={tmp_path / 'run'}",
                 "--config.trainer.address=127.0.0.1:0",
+                "--config.trainer.publish_in_flight=1",
                 f"--config.controller.param_server_endpoints=('127.0.0.1:{ps_port}',)",
                 f"--config.trainer.distributed.coordinator_address={coordinator}",
                 "--config.trainer.distributed.num_processes=2",
@@ -258,8 +261,8 @@ def test_a_trainer_over_two_processes_serves_one_endpoint(tmp_path):
             client.wait_ready(60)
             assert client.status().process_count == 2
             for seed in range(3):
-                client.train_step(random_batch(seed))
-            assert client.status().published_version == 3
+                assert client.train_step(random_batch(seed))["publish_pending"] == 1.0
+            assert client.wait_published(3) == 3 and client.status().published_version == 3
         procs[0].send_signal(signal.SIGTERM)
         outs = [p.communicate(timeout=120)[0] for p in procs]
         assert [p.returncode for p in procs] == [EXIT_STOPPED] * 2, [
