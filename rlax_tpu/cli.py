@@ -22,6 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from rlax_tpu.config import ConfigError, RunConfig, base_config_dict, from_dict, to_dict
+from rlax_tpu.config.run import check_runnable
 
 EXIT_USAGE = 2  # bad flags or config
 # A service stopped by SIGTERM or SIGINT (128 + SIGTERM). A service never finishes on its own,
@@ -120,9 +121,11 @@ def load_config(argv: Sequence[str]) -> tuple[RunConfig, list[str]]:
     if cfg_dict is None:
         raise UsageError("--config is required (e.g. --config=configs/codeforces.py:local)")
     try:
-        return from_dict(RunConfig, cfg_dict), rest
+        config = from_dict(RunConfig, cfg_dict)
+        check_runnable(config)
     except ConfigError as e:
         raise UsageError(f"config error: {e}") from e
+    return config, rest
 
 
 # The components that compile (the controller does in its local transport).

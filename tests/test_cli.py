@@ -61,6 +61,24 @@ def test_bad_value_gets_a_validation_error():
     assert "config error: param_server.in_memory_versions = 1: must be >= 2" in out.stderr
 
 
+def test_a_publish_dtype_the_workers_would_refuse_is_a_config_error_at_start():
+    """[pod-fidelity]: a run publishing bf16 to float32 workers used to start, then have every
+    worker refuse version 1 (InvalidWeights) and be marked down in turn."""
+    out = run("controller", LOCAL, "--config.trainer.publish_dtype=bfloat16")
+    assert out.returncode == EXIT_USAGE, out.stderr[-2000:]
+    assert (
+        "config error: trainer.publish_dtype = 'bfloat16': the workers hold model.param_dtype "
+        "'float32' and would refuse every version published as 'bfloat16'"
+    ) in out.stderr
+    # Agreeing dtypes run, and a LoRA run publishes float32 adapters whatever it says.
+    for agree in (
+        ["--config.trainer.publish_dtype=float32"],
+        ["--config.trainer.publish_dtype=bfloat16", "--config.model.lora_rank=4"],
+    ):
+        ok = run("controller", LOCAL, *agree, "--print_config")
+        assert ok.returncode == 0, ok.stderr[-2000:]
+
+
 def test_unparsable_value_names_the_flag():
     out = run("controller", LOCAL, "--config.trainer.learning_rate=fast")
     assert out.returncode == EXIT_USAGE

@@ -269,6 +269,23 @@ class RunConfig:
                 )
 
 
+def check_runnable(config: RunConfig) -> None:
+    """Rules a whole run needs that a component built alone does not (the command-line entry
+    points check them at start-up; a trainer or engine made in code may differ on purpose)."""
+    model, published = config.model, config.trainer.publish_dtype
+    if model.lora_rank == 0 and published != model.param_dtype:
+        # The engine holds model.param_dtype and takes only that (LoRA publishes float32
+        # adapters whatever the setting): every load of the first version would be refused,
+        # each worker marked down in turn, long after start-up.
+        raise ConfigError(
+            "trainer.publish_dtype",
+            f"the workers hold model.param_dtype {model.param_dtype!r} and would refuse every "
+            f"version published as {published!r}; set trainer.publish_dtype = "
+            f"{model.param_dtype!r} (or model.param_dtype = {published!r})",
+            published,
+        )
+
+
 def handoff_versions(config: RunConfig) -> int:
     """Versions the trainer keeps on its devices for the workers of its own process
     (``param_server.device_versions``, controller/handoff.py): with the local transport, the
