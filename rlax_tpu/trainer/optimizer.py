@@ -38,7 +38,15 @@ def make_schedule(cfg: TrainerConfig, total_steps: int) -> optax.Schedule:
 
 
 def _matrices(params: optax.Params) -> optax.Params:
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """True for the weight matrices; False for norm scales and biases, whatever their rank (the
+    q/k/v biases are stored [heads, head_dim])."""
+
+    def decayed(path: tuple, p: jax.Array) -> bool:
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        is_bias = bool(names) and names[-1].endswith("bias")
+        return p.ndim >= 2 and not is_bias and not any("norm" in n for n in names)
+
+    return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 def make_optimizer(cfg: TrainerConfig, total_steps: int) -> optax.GradientTransformation:

@@ -4,6 +4,7 @@ schedules, by hand."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -139,3 +140,47 @@ def test_sequence_objectives_average_their_micro_batches():
     ]
     out = _combine(parts, scale=0.5)
     assert out["objective"] == 3.0 and out["ratio_mean"] == 1.75
+
+
+def test_weight_decay_takes_the_matrices_and_leaves_norms_and_biases_whatever_their_rank():
+    """[pod-fidelity]: the q/k/v biases are stored [heads, head_dim] and were decayed by a mask
+    of rank >= 2, against the optimizer's docstring. One AdamW step on a zero gradient with
+    weight decay: only matrices shrink."""
+    import optax
+
+    from rlax_tpu.trainer.optimizer import make_optimizer
+
+    params = {
+        "embed": jnp.ones((8, 4)),
+        "final_norm": {"weight": jnp.ones((4,))},
+        "layers": [
+            {
+                "attn": {
+                    "q_bias": jnp.ones((2, 2)),
+                    "o_bias": jnp.ones((4,)),
+                    "q_proj": jnp.ones((4, 2, 2)),
+                },
+                "input_norm": {"weight": jnp.ones((4,))},
+            }
+        ],
+        "experts": {"router": jnp.ones((4, 3))},
+    }
+    tx = make_optimizer(
+        TrainerConfig(learning_rate=0.1, weight_decay=0.5, warmup_steps=0, grad_clip_norm=0.0),
+        total_steps=10,
+    )
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    after = optax.apply_updates(params, updates)
+    shrunk = {
+        jax.tree_util.keystr(path): bool(jnp.all(leaf < 1.0))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(after)
+    }
+    assert shrunk == {
+        "['embed']": True,
+        "['experts']['router']": True,
+        "['final_norm']['weight']": False,
+        "['layers'][0]['attn']['o_bias']": False,
+        "['layers'][0]['attn']['q_bias']": False,
+        "['layers'][0]['attn']['q_proj']": True,
+        "['layers'][0]['input_norm']['weight']": False,
+    }
