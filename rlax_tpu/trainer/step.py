@@ -77,6 +77,9 @@ class StepFunctions:
     attention: str = "dense"  # the training forward's kernel (models.NoCache)
     # The prefill-shaped π_old recompute's cache (the engine's page size and backend), or None.
     prefill: SequencePagedCache | None = None
+    # A MoE's load-balancing term in the loss (algorithm.router_aux_loss_coef > 0). Off, it is
+    # a metric only: its router logits ([layers, b, T, experts] float32) kept for no gradient.
+    router_aux: bool = True
 
     def batch_shardings(self, routes: bool = False) -> dict[str, NamedSharding]:
         """The micro-batch arrays' shardings (``routes``: with the replayed experts)."""
@@ -145,7 +148,13 @@ class StepFunctions:
             f"accumulate:{routes}",
             lambda: jax.jit(
                 partial(
-                    _accumulate, self.graphdef, self.objective, self.mesh, self.loop, self.attention
+                    _accumulate,
+                    self.graphdef,
+                    self.objective,
+                    self.mesh,
+                    self.loop,
+                    self.attention,
+                    self.router_aux,
                 ),
                 in_shardings=(
                     self.trainable_shardings,
@@ -301,6 +310,7 @@ def make_step_functions(
         loop=training_loop(config.trainer),
         attention=training_attention(config.trainer.attention, mesh),
         prefill=prefill_recompute(config, mesh),
+        router_aux=config.algorithm.router_aux_loss_coef > 0,
     )
     return fns, trainable
 
@@ -383,6 +393,7 @@ def _accumulate(
     mesh,
     loop,
     attention,
+    router_aux,
     trainable,
     acc,
     arrays,
@@ -413,14 +424,16 @@ def _accumulate(
         out = loss * scale["loss"]
         if routing is not None:
             # Counted over the experts the tokens went to (the replayed ones when forced).
+            logits = routing.logits if router_aux else jax.lax.stop_gradient(routing.logits)
             aux = load_balancing_loss(
-                routing.logits,
+                logits,
                 routing.experts.shape[-1],
                 arrays["positions"] >= 0,
                 experts=routing.experts,
             )
             metrics = metrics | {"router_aux_loss": aux}
-            out = out + scale["aux"] * aux
+            if router_aux:
+                out = out + scale["aux"] * aux
         return out, (loss, metrics)
 
     grads, (loss, metrics) = jax.grad(loss_fn, has_aux=True)(trainable)

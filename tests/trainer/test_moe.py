@@ -149,3 +149,32 @@ def test_routes_that_do_not_fit_the_model_are_refused(tmp_path):
             trainer.train_step(dataclasses.replace(batch, routes=routes))
     assert trainer.step == 0
     trainer.close()
+
+
+def test_at_coefficient_zero_the_term_is_a_metric_that_holds_no_memory(tmp_path):
+    """[pod-fidelity]: the load-balancing term was built into the gradient whatever its
+    coefficient (a runtime scale), keeping the router logits ([layers, b, T, experts] float32)
+    for the backward pass. At 0 it is a metric only: the gradient step's temporaries shrink
+    (compiled on CPU), and the metric is still reported."""
+    from rlax_tpu.trainer.aot import abstract_programs
+
+    model = models.preset(
+        "tiny", arch="qwen3_moe", qk_norm=True, num_layers=2, num_experts=4, experts_per_token=2
+    )
+    temps = {}
+    for coef in (0.0, 0.01):
+        cfg = run_config(model=model)
+        cfg = dataclasses.replace(
+            cfg, algorithm=dataclasses.replace(cfg.algorithm, router_aux_loss_coef=coef)
+        )
+        (program,) = [
+            p for p in abstract_programs(cfg, jax.devices()[:1]) if p.name == "trainer.accumulate"
+        ]
+        with jax.set_mesh(program.mesh):
+            compiled = program.fn.lower(*program.args, **program.kwargs).compile()
+        temps[coef] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps[0.0] < temps[0.01], temps
+    trainer = Trainer(run_config(model=model), devices=jax.devices()[:1], checkpoint_dir=tmp_path)
+    metrics = trainer.train_step(random_batch(1))
+    trainer.close()
+    assert abs(metrics["router_aux_loss"] - 2.0) < 0.1  # near-uniform routing at init
