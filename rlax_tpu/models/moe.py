@@ -1,8 +1,10 @@
 """The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a top-k softmax router and SwiGLU
 experts computed as grouped matmuls over the tokens each expert received.
 
-Routing (as the HF implementations do): p = softmax(x · router) in f32 over the E experts; each
-token takes the k experts of highest p, weighted by their p, renormalized to sum to 1 when
+Routing (as the HF implementations do, but with x · router accumulated and kept in float32, as
+MaxText's float32 gate logits; HF rounds it to the model's dtype): p = softmax(x · router) over
+the E experts; each token takes the k experts of highest p, weighted by their p, renormalized to
+sum to 1 when
 ``norm_topk_prob``. The chosen (token, expert) pairs are sorted by expert and each expert's SwiGLU
 runs on its rows only (a grouped matmul, :mod:`rlax_tpu.models.grouped_matmul`: XLA's
 ``jax.lax.ragged_dot`` or, on TPU, the megablox Pallas kernels): no expert computes a token it
@@ -159,12 +161,14 @@ class MoE(nnx.Module):
         """x [N, E] -> (y [N', E], logits [N, X] f32, experts [N, k]) through the experts of
         gate/up/down, which are experts first..first+X' of the layer. ``gather`` makes the rows
         y covers (N' of them) from each row's own (x, experts, weights): identity on one device."""
-        logits = x @ router
+        # Float32 gate logits (as MaxText's float32_gate_logits): in the compute dtype the
+        # product is rounded before the top k, so near-ties pick experts by rounding.
+        logits = jnp.matmul(x, router, preferred_element_type=jnp.float32)
         weights, experts = route(logits, self.k, normalize=self.normalize, forced=forced)
         xs, es, ws = gather(x), gather(experts), gather(weights)
         outs = grouped_swiglu(xs, es - first, gate, up, down, kernel)
         y = jnp.einsum("nke,nk->ne", outs, ws.astype(x.dtype))
-        return y, logits.astype(jnp.float32), experts
+        return y, logits, experts
 
 
 def _expert_parallel(

@@ -229,3 +229,31 @@ def test_a_moe_models_routing_comes_out_and_forced_routes_go_in():
     np.testing.assert_array_equal(r3.experts, other)
     with pytest.raises(ValueError, match="without experts"):
         models.init_model(models.preset("tiny")).run(tokens, positions, NoCache(), routes=other)
+
+
+def test_gate_logits_are_float32_products_of_the_compute_dtype_inputs():
+    """[pod-fidelity]: in a bf16-compute model the router's logits came out of a bf16 matmul,
+    rounded to 8 bits before the top k (near-ties picked by rounding). Now they are the float32
+    products of the bf16 inputs and router (MaxText's float32 gate logits): equal to a float64
+    reference of those inputs to float32 accumulation error, finer than a bf16 spacing."""
+    cfg = models.preset(
+        "tiny",
+        arch="qwen3_moe",
+        qk_norm=True,
+        num_layers=1,
+        num_experts=8,
+        experts_per_token=2,
+        param_dtype="bfloat16",
+        compute_dtype="bfloat16",
+    )
+    moe = models.init_model(cfg, seed=2).layers[0].mlp
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, cfg.hidden_size)), jnp.bfloat16)
+    _, logits, _ = moe(x)
+    assert logits.dtype == jnp.float32
+    router = np.asarray(moe.router[...].astype(jnp.bfloat16), np.float64)
+    want = np.asarray(x, np.float64).reshape(10, -1) @ router
+    got = np.asarray(logits, np.float64).reshape(10, -1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    # A bf16 product would be off by up to half a spacing (2^-9 relative) on most entries.
+    rounded = np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64)
+    assert np.abs(got - want).max() < 0.1 * np.abs(rounded - want).max()
