@@ -152,24 +152,44 @@ def _to_device(value: np.ndarray, var: nnx.Variable, mesh: Mesh | None) -> jax.A
     return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
 
-def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
-    """The model's parameters as host arrays with HF names and layouts (gathers shards). LoRA
-    adapters are merged: W + scale·A·B in float32, then cast to W's dtype (HF checkpoints have
-    no place for them, and dropping them would export the base)."""
+# A merged LoRA delta lost to the cast on more of its entries than this: warned.
+LOST_DELTA_WARN = 0.1
+
+
+def hf_tensors(model: Transformer, *, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """The model's parameters as host arrays with HF names and layouts (gathers shards), in
+    ``dtype`` (default: each parameter's own). LoRA adapters are merged: W + scale·A·B in
+    float32, then cast (HF checkpoints have no place for them, and dropping them would export
+    the base). A cast to bf16 rounds away a delta under half a bf16 spacing of W (an RL run's
+    often is): when more than LOST_DELTA_WARN of the delta's entries leave W unchanged, a
+    warning says so (export with ``dtype="float32"`` to keep them)."""
     flat = dict(nnx.to_flat_state(nnx.state(model)))
-    out = {}
+    out, moved, lost = {}, 0, 0
     for m in tensor_mappings(model.cfg):
         w = np.asarray(jax.device_get(flat[m.path][...]))
+        target = np.dtype(dtype) if dtype else w.dtype
         if m.experts:  # no LoRA on experts (ModelConfig refuses it)
-            out.update({n: m.to_hf(w[j]) for j, n in enumerate(m.hf_names)})
+            out.update({n: m.to_hf(w[j].astype(target)) for j, n in enumerate(m.hf_names)})
             continue
         a_path = (*m.path[:-1], m.path[-1].removesuffix("_proj") + "_lora", "a")
         if a_path in flat:
             a = np.asarray(jax.device_get(flat[a_path][...]), np.float32)
             b = np.asarray(jax.device_get(flat[(*a_path[:-1], "b")][...]), np.float32)
             scale = model.cfg.lora_alpha / model.cfg.lora_rank
-            w = (w.astype(np.float32) + scale * np.tensordot(a, b, axes=1)).astype(w.dtype)
-        out[m.hf_name] = m.to_hf(w)
+            base = w.astype(np.float32)
+            delta = scale * np.tensordot(a, b, axes=1)
+            w = (base + delta).astype(target)
+            changed = delta != 0
+            moved += int(changed.sum())
+            lost += int((changed & (w.astype(np.float32) == base)).sum())
+        out[m.hf_name] = m.to_hf(w.astype(target))
+    if moved and lost > LOST_DELTA_WARN * moved:
+        log.warning(
+            "the exported weights lose the LoRA delta on %.0f%% of its entries (under half a "
+            "%s spacing of the base); export in float32 to keep them",
+            100 * lost / moved,
+            np.dtype(target).name,
+        )
     return out
 
 
@@ -492,13 +512,18 @@ def load_safetensors(
 
 
 def save_safetensors(
-    model: Transformer, directory: str | Path, *, max_shard_bytes: int = 2 * 2**30
+    model: Transformer,
+    directory: str | Path,
+    *,
+    max_shard_bytes: int = 2 * 2**30,
+    dtype: str | None = None,
 ) -> list[Path]:
     """Write ``model`` as an HF checkpoint (config.json + safetensors, sharded with an index
-    when larger than ``max_shard_bytes``). Returns the safetensors files written."""
+    when larger than ``max_shard_bytes``), in ``dtype`` (``hf_tensors``). Returns the
+    safetensors files written."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = hf_tensors(model)
+    tensors = hf_tensors(model, dtype=dtype)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, arr in tensors.items():
@@ -507,7 +532,8 @@ def save_safetensors(
             size = 0
         shards[-1][name] = arr
         size += arr.nbytes
-    (out / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2))
+    hf_config = config_to_hf(model.cfg) | ({"dtype": dtype} if dtype else {})
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
     meta = {"format": "pt"}  # transformers refuses files without it
     if len(shards) == 1:
         files = [out / "model.safetensors"]

@@ -200,3 +200,39 @@ def test_a_base_checkpoint_loads_with_fresh_adapters_and_exports_them_merged(tmp
     np.testing.assert_allclose(
         models.forward(exported, TOKENS), models.forward(loaded, TOKENS), rtol=0, atol=1e-5
     )
+
+
+def test_a_small_delta_merged_into_bf16_is_warned_and_kept_exactly_in_float32(caplog):
+    """[pod-fidelity]: exporting merged W + scale·A·B to bf16 rounded away deltas under half a
+    bf16 spacing of W (an RL run's often are): the export now says so, with the fraction lost,
+    and ``dtype="float32"`` keeps the float32 merge exactly."""
+    import logging
+
+    from rlax_tpu.models.checkpoint import hf_tensors
+
+    cfg = dataclasses.replace(LORA, param_dtype="bfloat16")
+    model = models.init_model(cfg)
+    for layer in model.layers:  # a delta of about 1e-6: far under bf16's spacing at 0.02
+        for module, name in WHERE.values():
+            adapter = getattr(getattr(layer, module), name)
+            if adapter is not None:
+                adapter.b[...] = jnp.full(adapter.b[...].shape, 1e-5, adapter.b[...].dtype)
+    with caplog.at_level(logging.WARNING, logger="rlax_tpu.models.checkpoint"):
+        rounded = hf_tensors(model)
+    warned = [r.getMessage() for r in caplog.records if "LoRA delta" in r.getMessage()]
+    assert warned and "bfloat16" in warned[0], caplog.text
+    lost = float(warned[0].split("on ")[1].split("%")[0])
+    assert lost > 90
+    caplog.clear()
+    exact = hf_tensors(model, dtype="float32")
+    assert not [r for r in caplog.records if "LoRA delta" in r.getMessage()]
+    # q_proj of layer 0, against the float32 merge computed here.
+    layer = model.layers[0].attn
+    base = np.asarray(layer.q_proj[...], np.float32)
+    a = np.asarray(layer.q_lora.a[...], np.float32)
+    b = np.asarray(layer.q_lora.b[...], np.float32)
+    merged = base + cfg.lora_alpha / cfg.lora_rank * np.tensordot(a, b, axes=1)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert exact[name].dtype == np.float32 and rounded[name].dtype == np.dtype("bfloat16")
+    np.testing.assert_array_equal(exact[name], merged.reshape(merged.shape[0], -1).T)
+    assert not np.array_equal(np.asarray(rounded[name], np.float32), exact[name])
