@@ -181,7 +181,9 @@ def hf_tensors(model: Transformer, *, dtype: str | None = None) -> dict[str, np.
             w = (base + delta).astype(target)
             changed = delta != 0
             moved += int(changed.sum())
-            lost += int((changed & (w.astype(np.float32) == base)).sum())
+            # Lost: the merged entry is the base as this cast rounds it (a float32 base rounded
+            # to bf16 loses the delta as surely as a bf16 one).
+            lost += int((changed & (w == base.astype(target))).sum())
         out[m.hf_name] = m.to_hf(w.astype(target))
     if moved and lost > LOST_DELTA_WARN * moved:
         log.warning(

@@ -236,3 +236,14 @@ def test_a_small_delta_merged_into_bf16_is_warned_and_kept_exactly_in_float32(ca
     assert exact[name].dtype == np.float32 and rounded[name].dtype == np.dtype("bfloat16")
     np.testing.assert_array_equal(exact[name], merged.reshape(merged.shape[0], -1).T)
     assert not np.array_equal(np.asarray(rounded[name], np.float32), exact[name])
+    # A float32 model exported to bf16 loses it alike, and is warned alike.
+    model32 = models.init_model(LORA)
+    for layer in model32.layers:
+        for module, attr in WHERE.values():
+            adapter = getattr(getattr(layer, module), attr)
+            if adapter is not None:
+                adapter.b[...] = jnp.full(adapter.b[...].shape, 1e-5, adapter.b[...].dtype)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rlax_tpu.models.checkpoint"):
+        hf_tensors(model32, dtype="bfloat16")
+    assert [r for r in caplog.records if "LoRA delta" in r.getMessage()], caplog.text
