@@ -14,6 +14,7 @@ controller's recovery handles) or the trainer's PublishError.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,8 @@ class Publishes:
         self._pending: set[int] = set()
         self._failed: BaseException | None = None
         self._queue = cf.ThreadPoolExecutor(1, "launch")  # in launch order
+        self._waiting: set[cf.Future] = set()  # after()'s futures not yet handed to the pool
+        self._closed = False
 
     def published(self, version: int, seconds_ago: float, *, pending: bool) -> None:
         """The trainer published ``version`` ``seconds_ago`` (its push still under way if
@@ -74,14 +77,21 @@ class Publishes:
         if not self.in_flight:
             return submit()
         out: cf.Future[T] = cf.Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the controller is closed")
+            self._waiting.add(out)
 
         def run() -> None:
             try:
                 self.wait(version)
                 inner = submit()
             except BaseException as e:  # noqa: BLE001 - the job's failure
-                out.set_exception(e)
+                _fail(out, e)
                 return
+            finally:
+                with self._cond:
+                    self._waiting.discard(out)
             inner.add_done_callback(lambda f: _copy(f, out))
 
         self._queue.submit(run)
@@ -103,14 +113,30 @@ class Publishes:
             self._raise()
 
     def close(self) -> None:
+        """Jobs not yet handed to the pool fail (whoever waits on them returns)."""
+        with self._cond:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), set()
+            self._failed = self._failed or RuntimeError("the controller is closed")
+            self._cond.notify_all()  # a wait() returns, raising
         self._queue.shutdown(wait=False, cancel_futures=True)
+        for out in waiting:
+            _fail(out, RuntimeError("the controller closed before this job reached the pool"))
 
     def _raise(self) -> None:
         if self._failed is not None:
             raise self._failed
 
 
+def _fail(target: cf.Future, error: BaseException) -> None:
+    if not target.done():
+        with contextlib.suppress(cf.InvalidStateError):  # set meanwhile
+            target.set_exception(error)
+
+
 def _copy(source: cf.Future, target: cf.Future) -> None:
+    if target.done():  # failed by close()
+        return
     if source.cancelled():
         target.cancel()
     elif source.exception() is not None:

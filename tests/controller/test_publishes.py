@@ -98,3 +98,17 @@ def test_a_failed_push_is_raised_as_it_was_raised(error):
         assert pool.log == []
     finally:
         publishes.close()
+
+
+def test_closing_ends_jobs_still_waiting_for_their_version():
+    """A job held for a version still being pushed when the controller closes fails at once,
+    so a thread waiting on it returns (its result would otherwise never come)."""
+    trainer, pool = Trainer(), Pool()
+    publishes = Publishes(trainer, pool)
+    publishes.published(5, 0.0, pending=True)
+    job = publishes.after(5, lambda: pool.submit(5))
+    publishes.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        job.result(timeout=30)
+    trainer.release(5)
+    assert pool.log in ([], [("published", 5)])  # the job never reached the pool
