@@ -207,7 +207,10 @@ TOPOLOGY = [
     # check is unchanged, and the replay's own claims are tests/trainer/test_alignment*.py's.
     "--config.trainer.old_logprobs=prefill",
 ]
-STEPS = 12  # 2 x 5 kills + 1 at least (the drill refuses fewer), and one more
+# 2 x 5 kills + 1 at least (the drill refuses fewer), and three more: a kill waits for a step
+# after the last recovery, and one that lands late (seen: kill 2 five steps after kill 1's
+# recovery, twice in four CI runs) left the 12-step run ending before kill 5.
+STEPS = 14
 
 
 # Code-repair episodes: each first attempt's verdict comes back as a user turn and a second
