@@ -119,20 +119,16 @@ def abstract_programs(config: RunConfig, devices: Sequence[jax.Device]) -> list[
     trainable_k, opt_k, ref_k, base_k, arrays_k, inputs_k = sizes
     resident = {k: sizes[k] for k in (trainable_k, opt_k, ref_k, base_k) if sizes[k]}
     kept = handoff_versions(config)
+    # A published version's bytes (LoRA: the adapters in float32), for the copies held beside.
+    version = device_bytes(
+        trainable["model"]
+        if base is not None
+        else to_master(trainable["model"], config.trainer.publish_dtype)
+    )
     if kept:  # the published versions the workers of this process take from its devices
-        cast = (
-            trainable["model"]
-            if base is not None
-            else to_master(trainable["model"], config.trainer.publish_dtype)
-        )
-        resident[f"published versions kept for the workers (x{kept})"] = kept * device_bytes(cast)
+        resident[f"published versions kept for the workers (x{kept})"] = kept * version
     if config.trainer.publish_in_flight:  # a version's cast held until its push is done
-        cast = (
-            trainable["model"]
-            if base is not None
-            else to_master(trainable["model"], config.trainer.publish_dtype)
-        )
-        resident["a published version still being pushed"] = device_bytes(cast)
+        resident["a published version still being pushed"] = version
     base_args = (base_k,) if base is not None else ()
 
     def held(*args: str, batches: int = 0, inputs: bool = False) -> dict[str, int]:

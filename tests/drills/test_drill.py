@@ -280,8 +280,8 @@ def test_a_short_drill_kills_every_component_and_changes_nothing(tmp_path):
     topology), no partial version served, every checkpoint and snapshot complete; a restarted
     process reuses the compilation cache. The rollouts are two-turn code-repair episodes.
 
-    Cost: about 145 CPU-s, the suite's largest: an uninterrupted run and a drilled one of 12
-    steps each (five kills need that many), 8 processes each with its own compiles, as the
+    Cost: about 200 CPU-s, the suite's largest: an uninterrupted run and a drilled one of 14
+    steps each (five kills need 11; STEPS says why more), 8 processes each with its own compiles, as the
     drill runs in production (its own cache), then two checking processes."""
     run_dir = tmp_path / "run"
     args = [*_tiny(run_dir, STEPS), *TOPOLOGY, *EPISODES, "--kills=5", "--seed=0"]
