@@ -15,6 +15,8 @@ ignores the layer index (``stateless``: the full-sequence forward's).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -244,15 +246,24 @@ def init_model(
     under ``jax.jit`` with those output shardings, so no device holds a full copy).
     """
     seed = cfg.seed if seed is None else seed
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed))))
+    graphdef, create = _creator(cfg, mesh)
+    return nnx.merge(graphdef, create(jax.random.key(seed)))
+
+
+@functools.lru_cache(maxsize=16)
+def _creator(cfg: ModelConfig, mesh: Mesh | None) -> tuple[nnx.GraphDef, Callable]:
+    """The model's graph and its jitted init, which takes the key: one program for every seed
+    (a seed baked in as a constant made a program per seed), traced once per config and mesh.
+    nnx.Rngs(key(s)) draws what nnx.Rngs(s) does."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     shardings = None if mesh is None else param_shardings(abstract, mesh)
 
     # Always jitted, so that the values do not depend on whether a mesh is given.
     @partial(jax.jit, out_shardings=shardings)
-    def create() -> nnx.State:
-        return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+    def create(key: jax.Array) -> nnx.State:
+        return nnx.state(Transformer(cfg, rngs=nnx.Rngs(key)))
 
-    return nnx.merge(graphdef, create())
+    return graphdef, create
 
 
 def default_positions(tokens: jax.Array) -> jax.Array:

@@ -128,3 +128,35 @@ def test_tiny_preset_matches_the_local_run_config():
     assert local == preset("tiny")
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(init_model(local))))
     assert 5e5 < n_params < 5e6
+
+
+def test_one_init_program_serves_every_seed_and_draws_what_nnx_rngs_of_the_seed_draws():
+    """The seed is the init program's argument, not a constant in it (a program per seed cost
+    the suite a compile per seed): a second seed compiles nothing, not even from the
+    persistent cache, and the weights are the ones nnx.Rngs(seed) draws (up to float32
+    round-off between two compiled programs: the old form's constant seed let XLA fold them)."""
+    from jax import monitoring
+
+    from rlax_tpu.models.transformer import Transformer
+
+    cfg = preset("tiny", num_layers=1, vocab_size=384)
+    compiles = []
+
+    def on_compile(event: str, duration_secs: float, **_: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration_secs)
+
+    states = {1234: nnx.to_pure_dict(nnx.state(init_model(cfg, seed=1234)))}
+    monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        states[1235] = nnx.to_pure_dict(nnx.state(init_model(cfg, seed=1235)))
+    finally:
+        monitoring.unregister_event_duration_listener(on_compile)
+    assert compiles == [], compiles
+    for seed, state in states.items():
+        direct = jax.jit(lambda s=seed: nnx.state(Transformer(cfg, rngs=nnx.Rngs(s))))()
+        want = jax.tree.leaves(nnx.to_pure_dict(direct))
+        for a, b in zip(jax.tree.leaves(state), want, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    first, second = (jax.tree.leaves(states[s]) for s in states)
+    assert any(not np.array_equal(a, b) for a, b in zip(first, second, strict=True))

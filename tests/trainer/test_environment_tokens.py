@@ -35,28 +35,41 @@ def _environment_mask(batch):
 
 def _textbook_grad(graphdef, batch):
     """(params, mask M) -> ∇ of −1/B Σ_i 1/|M_i| Σ_{t ∈ M_i} min(ρA_i, clip(ρ)A_i) at π_θ = π_old
-    (ρ = 1); jitted once for every mask (an argument)."""
+    (ρ = 1), one sequence at a time: each row's forward alone, its terms weighted by position
+    (an argument, so one program serves every row and mask; the rows' lengths unrolled in one
+    program took 9 s to compile). The forward runs over the row's whole stored width: it is
+    causal, so the tokens after a completion change none of its log-probs."""
     r = np.asarray(batch.rewards, np.float64)
     adv = np.empty_like(r)
     for s in range(0, len(r), GROUP):
         grp = r[s : s + GROUP]
         adv[s : s + GROUP] = (grp - grp.mean()) / (np.std(grp, ddof=1) + 1e-6)
 
-    def loss(p, mask):
+    def row_loss(p, row, weights):
+        """row [1, W] tokens; weights [W - 1]: the term of the log-prob of token t + 1."""
         model = nnx.merge(graphdef, p)
-        total = 0.0
+        logits = forward(model, row)[0, :-1]
+        lp = jnp.take_along_axis(
+            jax.nn.log_softmax(logits / batch.temperature), row[0, 1:, None], axis=-1
+        )[:, 0]
+        ratio = jnp.exp(lp - jax.lax.stop_gradient(lp))  # 1, inside any clip range
+        return -jnp.sum(ratio * weights)
+
+    grad = jax.jit(jax.grad(row_loss))
+
+    def textbook(params, mask):
+        total = None
         for i in range(batch.num_rows):
             prompt, c = int(batch.prompt_lengths[i]), int(batch.completion_lengths[i])
-            row = jnp.asarray(batch.tokens[i : i + 1, : prompt + c])
-            logits = forward(model, row)[0, prompt - 1 : prompt + c - 1]
-            lp = jax.nn.log_softmax(logits / batch.temperature)[jnp.arange(c), row[0, prompt:]]
-            ratio = jnp.exp(lp - jax.lax.stop_gradient(lp))  # 1, inside any clip range
-            m = mask[i, :c]
-            total = total + jnp.sum(ratio * adv[i] * m) / m.sum()
-        return -total / batch.num_rows
+            m = np.asarray(mask[i, :c], np.float64)
+            weights = np.zeros(batch.tokens.shape[1] - 1, np.float32)
+            weights[prompt - 1 : prompt + c - 1] = adv[i] * m / m.sum() / batch.num_rows
+            row = jnp.asarray(batch.tokens[i : i + 1])
+            g = host(grad(params, row, jnp.asarray(weights)))
+            total = g if total is None else jax.tree.map(np.add, total, g)
+        return total
 
-    grad = jax.jit(jax.grad(loss))
-    return lambda params, mask: host(grad(params, jnp.asarray(mask, jnp.float32)))
+    return textbook
 
 
 def _adam_first_step(grad):
