@@ -124,19 +124,26 @@ def _release_memory_after_each_module():  # noqa: ANN202 - a fixture generator
 # Each test's CPU seconds: its worker's and those of the processes it started and waited for
 # (under -n 3 on 2 cores a test's wall time mostly measures the others beside it). A module's
 # fixtures count in its first test. `make test` ends with the costliest; RLAX_TEST_CPU_LOG=<file>
-# also writes every test's (docs/tests.md).
+# also writes every test's, with the XLA compiles and the seconds (wall) its own process spent
+# making programs: tracing, lowering, compiling or loading from the cache (docs/tests.md).
 # Above the budget a test says why in a "Cost:" note (its or its module's docstring).
 CPU_BUDGET_S = float(os.environ.get("RLAX_TEST_CPU_BUDGET_S", "60"))
 TOP_CPU = 10
-_cpu_start: dict[str, tuple[float, int]] = {}  # node id -> (CPU s, compiles) at its setup
+_cpu_start: dict[str, tuple[float, int, float]] = {}  # node id -> _cpu_now(), compiles, jit s
 _cpu_seen: list[tuple[float, str, bool, int]] = []  # (CPU s, node id, Cost: note, compiles)
-_compiles = [0, False]  # XLA compiles in this process (the run's cache missed); counting?
+# In this process: XLA compiles (the run's cache missed), seconds spent making programs
+# (tracing, lowering, compiling or loading from the cache), counting?
+_compiles: list = [0, 0.0, False]
+_JIT_EVENTS = frozenset(
+    f"/jax/core/compile/{e}_duration"
+    for e in ("jaxpr_trace", "jaxpr_to_mlir_module", "backend_compile")
+)
 
 
 def _count_compiles() -> None:
     """Counts from the first call once JAX is imported: each program the run's compilation cache
     did not have is compiled and written to it (tests/conftest.py writes every one)."""
-    if _compiles[1] or "jax" not in sys.modules:
+    if _compiles[2] or "jax" not in sys.modules:
         return
     from jax import monitoring
 
@@ -144,8 +151,13 @@ def _count_compiles() -> None:
         if event == "/jax/compilation_cache/cache_misses":
             _compiles[0] += 1
 
+    def on_duration(event: str, duration_secs: float, **_: object) -> None:
+        if event in _JIT_EVENTS:
+            _compiles[1] += duration_secs
+
     monitoring.register_event_listener(on_event)
-    _compiles[1] = True
+    monitoring.register_event_duration_secs_listener(on_duration)
+    _compiles[2] = True
 
 
 _is_xdist_worker = [False]
@@ -168,16 +180,17 @@ def _has_cost_note(item: pytest.Item) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):  # noqa: ANN001, ANN201 - pytest hook
     _count_compiles()
-    _cpu_start[item.nodeid] = (_cpu_now(), _compiles[0])
+    _cpu_start[item.nodeid] = (_cpu_now(), _compiles[0], _compiles[1])
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201 - pytest hook
     report = yield
     if call.when == "teardown" and item.nodeid in _cpu_start:
-        cpu, compiles = _cpu_start.pop(item.nodeid)
+        cpu, compiles, jit_s = _cpu_start.pop(item.nodeid)
         report.user_properties.append(("cpu_s", round(_cpu_now() - cpu, 2)))
         report.user_properties.append(("compiles", _compiles[0] - compiles))
+        report.user_properties.append(("jit_s", round(_compiles[1] - jit_s, 2)))
         report.user_properties.append(("cost_note", _has_cost_note(item)))
     return report
 
@@ -192,7 +205,7 @@ def pytest_runtest_logreport(report):  # noqa: ANN001, ANN201 - pytest hook
     path = os.environ.get("RLAX_TEST_CPU_LOG")
     if path:
         with open(path, "a") as f:
-            f.write(f"{props['cpu_s']:.2f}\t{report.nodeid}\t{compiles}\n")
+            f.write(f"{props['cpu_s']:.2f}\t{report.nodeid}\t{compiles}\t{props['jit_s']:.2f}\n")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ANN001, ANN201, ARG001

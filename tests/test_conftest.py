@@ -37,9 +37,9 @@ def test_the_cpu_log_counts_each_tests_own_and_its_childrens_cpu(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     # Node ids are relative to the rootdir pytest picks, which depends on where tmp_path is.
-    logged = {  # node -> (CPU s, compiles)
-        node.rsplit("/", 1)[-1]: (float(cpu), int(n))
-        for cpu, node, n in (line.split("\t") for line in log.read_text().splitlines())
+    logged = {  # node -> (CPU s, compiles, seconds making programs)
+        node.rsplit("/", 1)[-1]: (float(cpu), int(n), float(jit))
+        for cpu, node, n, jit in (line.split("\t") for line in log.read_text().splitlines())
     }
     burns, why, idle, compiled = (
         f"test_burn.py::test_{n}"
@@ -47,7 +47,8 @@ def test_the_cpu_log_counts_each_tests_own_and_its_childrens_cpu(tmp_path):
     )
     assert sorted(logged) == [burns, why, compiled, idle]
     assert logged[compiled][1] >= 1 and logged[idle][1] == 0
-    rows = {node: cpu for node, (cpu, _) in logged.items()}
+    assert logged[compiled][2] > 0 and logged[idle][2] == 0
+    rows = {node: cpu for node, (cpu, _, _) in logged.items()}
     # The child's loop is CPU the worker itself never spent: it is counted.
     assert rows[burns] > 0.3 > rows[idle] and rows[why] > 0.3
     # The run ends with the costliest tests and names the one over budget that does not say why.
