@@ -23,6 +23,7 @@ from rlax_tpu.controller.groups import Prompter
 from rlax_tpu.controller.loop import Controller, RunSummary
 from rlax_tpu.controller.pool import NoWorkers
 from rlax_tpu.controller.snapshots import SnapshotStore
+from rlax_tpu.controller.state import refuse_incompatible
 from rlax_tpu.controller.tasks import FENCE, prompt_text
 from rlax_tpu.data.mixture import stream_seed
 from rlax_tpu.data.problems import (
@@ -237,9 +238,12 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None, command: str = "
         file=out,
         flush=True,
     )
+    snapshots = SnapshotStore(run_dir / "snapshots", keep=cc.snapshot_keep)
+    fresh = snapshots.latest_step() is None
+    if not fresh:
+        refuse_incompatible(config, snapshots, run_dir)
     prompter = build_prompter(config, run_dir)
     tokenizer = prompter.tokenizer
-    fresh = SnapshotStore(run_dir / "snapshots", keep=cc.snapshot_keep).latest_step() is None
     notes: list[str] = []
     if cc.transport == "local" and fresh and cc.warmup_steps:
         model, note = warm_up(config, models.load_model(config.model), prompter, out)

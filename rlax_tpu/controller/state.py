@@ -64,6 +64,32 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+def check_compatible(config: Any, saved: dict[str, Any], run_dir: Any) -> None:
+    """IncompatibleResume if ``saved`` (a snapshot's config, as a dict) differs from ``config``
+    (a RunConfig) in a field a resume cannot change."""
+    old = from_dict(type(config), saved)
+    differing = [f for f in diff(old, config) if f not in RESUMABLE_FIELDS]
+    if differing:
+        raise IncompatibleResume(
+            f"{run_dir} holds a run with a different config: "
+            + ", ".join(f"{f} (run: {_get(old, f)!r}, now: {_get(config, f)!r})" for f in differing)
+            + "; use another controller.run_dir or the run's config"
+        )
+
+
+def refuse_incompatible(config: Any, snapshots: Any, run_dir: Any) -> None:
+    """Before any component is built (a model load takes minutes at pod scale): the check a
+    resume makes on the newest readable snapshot of ``snapshots`` (a SnapshotStore). An
+    unreadable one is left to the resume, which warns and skips it."""
+    for step in reversed(snapshots.steps()):
+        try:
+            saved = json.loads(snapshots.load(step)["json"])["config"]
+        except Exception:  # noqa: BLE001, S112 - the resume names it
+            continue
+        check_compatible(config, saved, run_dir)
+        return
+
+
 @dataclasses.dataclass
 class Counters:
     groups_trained: int = 0
@@ -122,16 +148,7 @@ class StateMixin:
             self.replay.collect(self.step, self.snapshots.steps(), replay)
 
     def check_compatible(self, saved: dict[str, Any]) -> None:
-        old = from_dict(type(self.config), saved)
-        differing = [f for f in diff(old, self.config) if f not in RESUMABLE_FIELDS]
-        if differing:
-            raise IncompatibleResume(
-                f"{self.run_dir} holds a run with a different config: "
-                + ", ".join(
-                    f"{f} (run: {_get(old, f)!r}, now: {_get(self.config, f)!r})" for f in differing
-                )
-                + "; use another controller.run_dir or the run's config"
-            )
+        check_compatible(self.config, saved, self.run_dir)
 
     def restore(self) -> bool:
         """Loads the newest snapshot that has a trainer checkpoint; False for a fresh run."""

@@ -240,6 +240,7 @@ def test_a_dead_trainer_ends_the_run_with_one_line_naming_it(env, tmp_path):
 
 
 def test_an_incompatible_config_is_refused_naming_the_field(env, reference):
+    """Read from the newest snapshot before the components are built."""
     run_dir, _ = reference
     out = subprocess.run(
         command(run_dir, "--config.controller.num_steps=4", "--config.trainer.learning_rate=0.5"),
@@ -251,6 +252,8 @@ def test_an_incompatible_config_is_refused_naming_the_field(env, reference):
     )
     assert out.returncode == 1
     assert "trainer.learning_rate (run: 0.0001, now: 0.5)" in out.stderr
+    # Refused before any component was built (no model loaded: minutes at pod scale).
+    assert "run directory" in out.stdout and "components:" not in out.stdout, out.stdout
 
 
 def test_a_truncated_newest_snapshot_is_skipped_with_a_warning(env, reference, tmp_path):
