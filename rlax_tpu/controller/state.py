@@ -9,9 +9,10 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from rlax_tpu.config import diff, from_dict, to_dict
+from rlax_tpu.config import RunConfig, diff, from_dict, to_dict
 from rlax_tpu.controller import groups as groups_lib
 from rlax_tpu.controller.ledger import Ledger
+from rlax_tpu.controller.snapshots import SnapshotStore
 from rlax_tpu.data.mixture import PromptRef
 from rlax_tpu.trainer import CorruptCheckpointError
 
@@ -64,9 +65,9 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
-def check_compatible(config: Any, saved: dict[str, Any], run_dir: Any) -> None:
+def check_compatible(config: RunConfig, saved: dict[str, Any], run_dir: object) -> None:
     """IncompatibleResume if ``saved`` (a snapshot's config, as a dict) differs from ``config``
-    (a RunConfig) in a field a resume cannot change."""
+    in a field a resume cannot change."""
     old = from_dict(type(config), saved)
     differing = [f for f in diff(old, config) if f not in RESUMABLE_FIELDS]
     if differing:
@@ -77,10 +78,10 @@ def check_compatible(config: Any, saved: dict[str, Any], run_dir: Any) -> None:
         )
 
 
-def refuse_incompatible(config: Any, snapshots: Any, run_dir: Any) -> None:
+def refuse_incompatible(config: RunConfig, snapshots: SnapshotStore, run_dir: object) -> None:
     """Before any component is built (a model load takes minutes at pod scale): the check a
-    resume makes on the newest readable snapshot of ``snapshots`` (a SnapshotStore). An
-    unreadable one is left to the resume, which warns and skips it."""
+    resume makes on the newest readable snapshot of ``snapshots``. An unreadable one is left
+    to the resume, which warns and skips it."""
     for step in reversed(snapshots.steps()):
         try:
             saved = json.loads(snapshots.load(step)["json"])["config"]
