@@ -20,11 +20,14 @@ def test_the_cpu_log_counts_each_tests_own_and_its_childrens_cpu(tmp_path):
     (tmp_path / "test_burn.py").write_text(
         "import subprocess, sys\n"
         "import jax\n"
-        "def test_idle():\n    pass\n"
         # A program no other test compiles (the constant): the run's cache does not have it.
         "def test_compiles():\n    jax.jit(lambda x: x * 0.918273645)(1.0)\n"
         "def test_child_burns():\n" + BURN + "def test_child_burns_and_says_why():\n"
-        '    """Cost: a child that burns on purpose."""\n' + BURN
+        '    """Cost: a child that burns on purpose."""\n'
+        + BURN
+        +
+        # Last: the first test of a module also pays for its fixtures and the run's first hooks.
+        "def test_idle():\n    pass\n"
     )
     log = tmp_path / "cpu.tsv"
     done = subprocess.run(
