@@ -74,6 +74,12 @@ class InferenceConfig:
     # arrives, and in-flight requests continue under the new weights (per-token versions
     # recorded; staleness counts the oldest token) instead of waiting for them to finish.
     continue_on_reload: bool = False
+    # Without continue_on_reload: a reload does not wait for the running requests (no drain).
+    # They finish on the weights they started on, which the worker keeps (a second copy, one
+    # older version at most; the next version's fetch ahead waits for it to go) while the new
+    # version's requests run beside them. Throughput mode only (deterministic mode runs one job
+    # at a time); False: a worker finishes a version's jobs before it loads the next.
+    overlap_reload: bool = True
     address: str = "127.0.0.1:0"  # gRPC address a worker serves on (distributed transport)
     auth_token_file: str = ""  # file holding the token callers must present; needed off loopback
     tls_cert_file: str = ""  # PEM certificate and key to serve TLS with; '' plain

@@ -1,6 +1,13 @@
 """A worker's epochs: the jobs of one version it runs together, in FIFO order of versions, and
 the holds that keep an epoch open for later jobs (``WorkerPool.hold``; the pool's docstring says
-how the pool uses them)."""
+how the pool uses them).
+
+Overlap (``Epochs(overlap=True)``, a worker that keeps the older weights for the requests that
+started on them): the epoch after the head starts once every job of the head has its requests
+queued in the worker's engine (``queued``) and no hold keeps the head, instead of waiting for
+the head to end. The head is then sealed (no job joins it any more: a job's requests could
+reach the worker after their weights were let go), and the epoch after that one waits for the
+head to end, so a worker runs two versions at most."""
 
 from __future__ import annotations
 
@@ -50,6 +57,8 @@ class Epoch:
 
     def __init__(self, version: int):
         self.version, self.jobs = version, 0
+        self.unqueued = 0  # jobs whose requests are not queued in the worker's engine yet
+        self.sealed = False  # the next epoch started beside it: no job joins it
         self.keep: set[int] = set()
         self.held_jobs: collections.Counter[int] = collections.Counter()  # hold seq -> jobs
 
@@ -57,8 +66,11 @@ class Epoch:
 class Epochs:
     """Per-worker FIFO of version epochs: jobs of the head epoch run, later epochs wait."""
 
-    def __init__(self, exclusive: bool = False) -> None:
+    def __init__(self, exclusive: bool = False, overlap: bool = False) -> None:
+        if exclusive and overlap:
+            raise ValueError("exclusive epochs run one job at a time; overlap runs two epochs")
         self.exclusive = exclusive  # every job (every hold) is an epoch of its own
+        self.overlap = overlap  # the next epoch starts beside a head whose jobs are all queued
         self._cond = threading.Condition()
         self._queue: list[Epoch] = []
         self._closed = False
@@ -76,7 +88,11 @@ class Epochs:
         else (not in exclusive mode) the last one if of the same version, or with ``ahead``
         the first one of that version, else a new one."""
         with self._cond:
-            same = [] if self.exclusive else [e for e in self._queue if e.version == version]
+            same = (
+                []
+                if self.exclusive
+                else [e for e in self._queue if e.version == version and not e.sealed]
+            )
             if kept is not None and kept in self._queue and hold in kept.keep:
                 epoch = kept
             elif ahead and same:
@@ -87,6 +103,7 @@ class Epochs:
                 epoch = Epoch(version)
                 self._queue.append(epoch)
             epoch.jobs += 1
+            epoch.unqueued += 1
             if hold is not None:
                 epoch.keep.add(hold)
                 epoch.held_jobs[hold] += 1
@@ -94,14 +111,37 @@ class Epochs:
             return epoch
 
     def wait_turn(self, epoch: Epoch) -> bool:
-        """Waits for ``epoch`` to be the head; False: the pool closed first."""
+        """Waits for ``epoch`` to be the head, or with overlap the one after a head whose jobs
+        are all queued and that no hold keeps (the head is sealed then); False: the pool closed
+        first."""
         with self._cond:
-            self._cond.wait_for(lambda: self._closed or self._queue[0] is epoch)
+            self._cond.wait_for(lambda: self._closed or self._may_run(epoch))
+            if not self._closed and self._queue[0] is not epoch:
+                self._queue[0].sealed = True
             return not self._closed
 
-    def leave(self, epoch: Epoch, hold: int | None = None) -> None:
+    def _may_run(self, epoch: Epoch) -> bool:
+        head = self._queue[0]
+        if head is epoch:
+            return True
+        return (
+            self.overlap
+            and len(self._queue) > 1
+            and self._queue[1] is epoch
+            and (head.sealed or (head.unqueued == 0 and not head.keep))
+        )
+
+    def queued(self, epoch: Epoch) -> None:
+        """A job of ``epoch`` has its requests queued in the worker's engine."""
+        with self._cond:
+            epoch.unqueued -= 1
+            self._cond.notify_all()
+
+    def leave(self, epoch: Epoch, hold: int | None = None, *, queued: bool = True) -> None:
+        """A job of ``epoch`` ended (``queued`` False: before its requests were queued)."""
         with self._cond:
             epoch.jobs -= 1
+            epoch.unqueued -= int(not queued)
             if hold is not None:
                 epoch.held_jobs[hold] -= 1
             self._settle()

@@ -132,6 +132,9 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
             on_event=self._warn,
             exclusive_jobs=cc.mode == "deterministic",
             continue_on_reload=config.inference.continue_on_reload,
+            overlap=cc.mode == "throughput"
+            and config.inference.overlap_reload
+            and not config.inference.continue_on_reload,
         )
         # Versions the trainer still pushes (trainer.publish_in_flight): loaded once published.
         self.publishes = Publishes(

@@ -6,9 +6,11 @@ fewest groups outstanding (ties in turn, so small jobs spread too); requests of 
 that worker is live, since its engine may still hold the earlier turns' pages. Each worker serves
 its jobs in *epochs*: consecutive jobs of one version run concurrently (the engine batches them
 continuously); a job of another version waits until the earlier epoch drains, then loads its
-weights (a reload between engine steps, never under a running request); the worker is asked to
-stage that version (fetch it into a standby copy) as soon as the job arrives, so the load that
-follows the drain is a swap. A *hold* (``hold(version)``: a job's episodes) keeps the epoch its
+weights (a reload between engine steps); the worker is asked to stage that version (fetch it into
+a standby copy) as soon as the job arrives, so the load is a swap. With ``overlap`` (throughput
+mode, ``inference.overlap_reload``) the next epoch does not wait for the earlier one to drain:
+it loads once every job of the earlier one is queued in the engine, which finishes those on the
+older weights beside the new version's (``epochs.py``: two versions at most). A *hold* (``hold(version)``: a job's episodes) keeps the epoch its
 first job joined on a worker open until released: the jobs submitted within it (the episodes'
 later turns) run in that epoch, ahead of the epochs queued since (other versions', and in
 exclusive mode every other job's), so an episode's kept pages are used and its worker does not
@@ -68,6 +70,7 @@ class WorkerPool:
         on_event: Callable[[str], None] | None = None,
         exclusive_jobs: bool = False,
         continue_on_reload: bool = False,
+        overlap: bool = False,
     ):
         """``exclusive_jobs``: a worker runs one job at a time, so the engine's batches (and with
         them its scheduling, preemptions and sampled tokens) depend on the job alone, never on
@@ -91,7 +94,7 @@ class WorkerPool:
         self._wire_seen: dict[int, int] = {}  # worker -> its weight_bytes_received at its last load
         self._down: set[int] = set()
         self._lock = threading.Lock()
-        self._epochs = [Epochs(exclusive_jobs) for _ in workers]
+        self._epochs = [Epochs(exclusive_jobs, overlap) for _ in workers]
         # A thread per share being generated or waiting for its epoch (a worker runs several
         # shares at once in throughput mode): a small cap would idle workers' slots at scale.
         self._threads = cf.ThreadPoolExecutor(_MAX_CALLS, "gen")
@@ -239,6 +242,12 @@ class WorkerPool:
         self, i: int, epoch: Epoch, hold: int | None, job: _Job, requests: list[Request]
     ) -> tuple[list[Request], list[Rollout], Exception | None]:
         epochs = self._epochs[i]
+        queued = [False]
+
+        def on_queued() -> None:
+            queued[0] = True
+            epochs.queued(epoch)
+
         try:
             if not epochs.wait_turn(epoch):
                 return requests, [], PoolClosed("the pool was closed before this job's turn")
@@ -250,9 +259,9 @@ class WorkerPool:
                         self._held[i] = None
                         return self._fail(i, requests, [], e)
                     self._held[i] = job.version
-            return self._run(i, job.version, requests, job)
+            return self._run(i, job.version, requests, job, on_queued)
         finally:
-            epochs.leave(epoch, hold)
+            epochs.leave(epoch, hold, queued=queued[0])
 
     def _load(self, i: int, version: int, counted: bool = True) -> None:
         t0 = time.perf_counter()
@@ -345,10 +354,16 @@ class WorkerPool:
         return out
 
     def _run(
-        self, i: int, version: int | None, requests: list[Request], job: _Job
+        self,
+        i: int,
+        version: int | None,
+        requests: list[Request],
+        job: _Job,
+        on_queued: Callable[[], None] = lambda: None,
     ) -> tuple[list[Request], list[Rollout], Exception | None]:
         """(requests not finished, rollouts of the finished ones, the error if the worker failed).
-        Uncounted jobs' seconds go to ``eval_generate_s`` and ``eval_calls``."""
+        ``on_queued`` is called once the worker has queued the requests. Uncounted jobs' seconds
+        go to ``eval_generate_s`` and ``eval_calls``."""
         worker = self.workers[i]
         done: list[Rollout] = []
         todo = list(requests)
@@ -357,7 +372,10 @@ class WorkerPool:
                 by_key: dict[str, list[Rollout]] = {r.prompt_id: [] for r in todo}
                 samples = {r.prompt_id: r.num_samples for r in todo}
                 t0 = time.perf_counter()
-                for ro in worker.generate(todo, version=version):
+                stream = worker.generate(todo, version=version)  # returns once queued
+                if _attempt == 0:
+                    on_queued()
+                for ro in stream:
                     got = by_key[ro.prompt_id]
                     got.append(ro)
                     if len(got) == samples[ro.prompt_id]:

@@ -48,10 +48,16 @@ computes only the positions after them, with the programs and positions it would
 anyway: the same bits as recomputing.
 
 Versions: the engine serves the weights of ``version``; every token records the version that
-produced it. :meth:`Engine.load_weights` runs between steps: in-flight samples are aborted and
-returned (``FinishReason.ABORTED``, with the tokens they have) unless ``continue_on_reload``,
-in which case they continue with the new weights (their cached keys/values from the old weights
-are kept) and record per-token versions.
+produced it. :meth:`Engine.load_weights` runs between steps. With ``continue_on_reload`` the
+in-flight samples continue with the new weights (their cached keys/values from the old weights
+are kept) and record per-token versions. Else with ``overlap_reload`` they finish on the weights
+they started on: the engine keeps the replaced weights (one older version, a second copy) until
+its last sequence ends, and a step runs each version's rows through the same programs with its
+own weights (a row's bits do not depend on the others, so a sample is what a drained reload
+would have given); a load while an older version still runs aborts that older one's. Otherwise
+in-flight samples are aborted and returned (``FinishReason.ABORTED``, with the tokens they
+have). Kept pages belong to the served version: a load drops them, and a sequence of an older
+version neither keeps pages nor takes any.
 """
 
 from __future__ import annotations
@@ -221,6 +227,8 @@ class Engine:
         )
         self.graphdef, state = nnx.split(model)
         self.state = self._place(state)
+        # (version, weights) replaced by an overlapped reload, kept for the sequences on them.
+        self._older: tuple[int, Any] | None = None
         d = self.data_shards
         num_pages = self.replay_shape.num_pages
         if num_pages // d < 1 + self.pages_per_seq:
@@ -351,8 +359,21 @@ class Engine:
             )
         return dataclasses.replace(request, sampling=sampling)
 
-    def submit(self, request: Request) -> None:
-        self.scheduler.add(self.check_request(request))
+    def submit(self, request: Request, version: int | None = None) -> None:
+        """Queues ``request`` on the weights of ``version`` (default: the served ones; else one
+        the engine holds, :meth:`holds`)."""
+        if version is not None and not self.holds(version):
+            raise ValueError(f"version {version} is not held (serving {self.version})")
+        self.scheduler.add(self.check_request(request), version)
+
+    def holds(self, version: int) -> bool:
+        """Serves ``version``, or still runs sequences on it (an overlapped reload)."""
+        return version == self.version or self.older_version == version
+
+    @property
+    def older_version(self) -> int | None:
+        """The version an overlapped reload replaced, while sequences still run on it."""
+        return None if self._older is None else self._older[0]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -382,9 +403,11 @@ class Engine:
         # longest row's pages (spans), not the whole cache's.
         plan = dataclasses.replace(plan, rows=sorted(plan.rows, key=lambda row: row.position))
         with self._on_mesh():
-            out, index = self._run_programs(plan)
+            results = self._run_programs(plan)
         self.steps += 1
-        return self._apply_results(plan, out, index)
+        finished = self._apply_results(plan, results)
+        self._drop_unused_older()
+        return finished
 
     def _row_index(self, rows: list[Row] | list[Chunk], n: int, *, at_end: bool) -> list[int]:
         """The program row of each of ``rows`` (in order) among ``n``: data shard s's rows in
@@ -404,38 +427,52 @@ class Engine:
             taken[s] += 1
         return index
 
-    def _run_programs(self, plan: Plan) -> tuple[dict[str, np.ndarray] | None, list[int]]:
-        """The step's page copies, prefill and decode programs; (decode outputs, the decode
-        row of each of ``plan.rows``)."""
+    def _run_programs(self, plan: Plan) -> list[tuple[dict[str, np.ndarray], int]]:
+        """The step's page copies, then each weight version's prefill and decode programs with
+        its weights; for each of ``plan.rows``, its decode outputs and its row in them."""
         self.cache = copy_pages(self.cache, plan.copies)
-        if plan.chunks:
-            self._prefill(plan.chunks)
-        out, index = None, []
-        if plan.rows:
-            n = self.step_tokens
-            page = self.cfg.page_size
-            rows = plan.rows  # sorted by position (step)
-            index = self._row_index(rows, n, at_end=True)
-            tokens = np.zeros(n, np.int32)
-            positions = np.full(n, -1, np.int32)
-            for r, row in zip(index, rows, strict=True):
-                tokens[r], positions[r] = row.token, row.position
-            tables = np.zeros((n, self.pages_per_seq), np.int32)
-            tables[index] = block_table_rows(rows, self.pages_per_seq, len(rows))
-            # Host arrays straight to the program: jit's dispatch transfers them (faster than
-            # a jnp.asarray each).
-            out, self.cache = decode_program(
-                self.state,
-                self.cache,
-                tokens,
-                positions,
-                tables,
-                self._sampling_arrays(rows, index),
-                graphdef=self.graphdef,
-                spans=self._spans(positions // page + 1),
-            )
-            out = jax.device_get(out)
-        return out, index
+        results: list[Any] = [None] * len(plan.rows)
+        versions = {ch.seq.weights for ch in plan.chunks} | {r.seq.weights for r in plan.rows}
+        for version in sorted(versions):
+            state = self.state if version == self.version else self._older_state(version)
+            chunks = [ch for ch in plan.chunks if ch.seq.weights == version]
+            if chunks:
+                self._prefill(chunks, state)
+            mine = [k for k, row in enumerate(plan.rows) if row.seq.weights == version]
+            if mine:
+                out, index = self._decode([plan.rows[k] for k in mine], state)
+                for k, r in zip(mine, index, strict=True):
+                    results[k] = (out, r)
+        return results
+
+    def _older_state(self, version: int) -> Any:
+        assert self._older is not None and self._older[0] == version, (version, self._older)
+        return self._older[1]
+
+    def _decode(self, rows: list[Row], state: Any) -> tuple[dict[str, np.ndarray], list[int]]:
+        """The decode program on ``rows`` (sorted by position) with ``state``; (its outputs,
+        each row's index in them)."""
+        n = self.step_tokens
+        index = self._row_index(rows, n, at_end=True)
+        tokens = np.zeros(n, np.int32)
+        positions = np.full(n, -1, np.int32)
+        for r, row in zip(index, rows, strict=True):
+            tokens[r], positions[r] = row.token, row.position
+        tables = np.zeros((n, self.pages_per_seq), np.int32)
+        tables[index] = block_table_rows(rows, self.pages_per_seq, len(rows))
+        # Host arrays straight to the program: jit's dispatch transfers them (faster than
+        # a jnp.asarray each).
+        out, self.cache = decode_program(
+            state,
+            self.cache,
+            tokens,
+            positions,
+            tables,
+            self._sampling_arrays(rows, index),
+            graphdef=self.graphdef,
+            spans=self._spans(positions // self.cfg.page_size + 1),
+        )
+        return jax.device_get(out), index
 
     def _spans(self, pages: np.ndarray) -> tuple[tuple[int, int], ...]:
         """pages [N], ascending within each data shard's block (a row's pages to attend over;
@@ -499,7 +536,7 @@ class Engine:
             )
         return TRACES.total() - before
 
-    def _prefill(self, chunks: list[Chunk]) -> None:
+    def _prefill(self, chunks: list[Chunk], state: Any) -> None:
         r, c = self.cfg.prefill_rows, self.cfg.prefill_len
         tokens = np.zeros((r, c), np.int32)
         positions = np.full((r, c), -1, np.int32)
@@ -510,7 +547,7 @@ class Engine:
         tables = np.zeros((r, self.pages_per_seq), np.int32)
         tables[index] = block_table_rows(chunks, self.pages_per_seq, len(chunks))
         self.cache, experts = prefill_program(
-            self.state,
+            state,
             self.cache,
             jnp.asarray(tokens),
             jnp.asarray(positions),
@@ -534,11 +571,11 @@ class Engine:
         seq.routes[positions] = experts
 
     def _apply_results(
-        self, plan: Plan, out: dict[str, np.ndarray] | None, index: list[int]
+        self, plan: Plan, results: list[tuple[dict[str, np.ndarray], int]]
     ) -> list[Rollout]:
         finished: list[Rollout] = []
-        if out is not None and "experts" in out:  # before a fork copies a parent's
-            for r, row in zip(index, plan.rows, strict=True):
+        for (out, r), row in zip(results, plan.rows, strict=True):
+            if "experts" in out:  # before a fork copies a parent's
                 self._record(row.seq, np.asarray([row.position]), out["experts"][:, r][None])
         computed: dict[int, tuple[Sequence, int]] = {}
         for ch in plan.chunks:
@@ -551,10 +588,9 @@ class Engine:
                 shared = len(seq.table.pages)
                 children = self.scheduler.fork(seq)
                 self.pages_shared += (len(children) - 1) * shared
-        for r, row in zip(index, plan.rows, strict=True):
+        for (out, r), row in zip(results, plan.rows, strict=True):
             if not row.sample:
                 continue
-            assert out is not None
             seq = row.seq
             s = seq.request.sampling
             token = int(out["tokens"][r])
@@ -563,7 +599,7 @@ class Engine:
             )
             seq.tokens.append(token)
             seq.logprobs.append(float(out[key][r]))
-            seq.versions.append(self.version)
+            seq.versions.append(seq.weights)
             self.generated_tokens += 1
             reason = None
             if token in s.stop_token_ids or (token in self.eos_ids and not s.ignore_eos):
@@ -603,8 +639,12 @@ class Engine:
     def abort_all(self) -> list[Rollout]:
         """Removes every request; returns one ABORTED rollout per sample (not-yet-forked groups
         give G rollouts with no tokens), so nothing disappears."""
+        self._older = None
+        return self._aborted(self.scheduler.remove_all())
+
+    def _aborted(self, seqs: list[Sequence]) -> list[Rollout]:
         out = []
-        for seq in self.scheduler.remove_all():
+        for seq in seqs:
             if seq.sample_index is None:
                 out += [
                     self._rollout(
@@ -619,12 +659,40 @@ class Engine:
 
     def load_weights(self, version: int, params: Any) -> list[Rollout]:
         """Serves ``params`` (an ``nnx.State`` of the model, or its pure-dict form) as ``version``
-        from the next step on. Returns the aborted rollouts (none with ``continue_on_reload``)."""
-        self.state = self._place(self._as_state(params))
-        aborted = [] if self.cfg.continue_on_reload else self.abort_all()
+        from the next step on. Returns the aborted rollouts (module docstring: none with
+        ``continue_on_reload``; with ``overlap_reload`` those of an older version still
+        running)."""
+        state = self._place(self._as_state(params))
+        aborted: list[Rollout] = []
+        if self.cfg.continue_on_reload:
+            for seq in self.scheduler.all_sequences():
+                seq.weights = version
+        elif self.cfg.overlap_reload and version != self.version:
+            older = self.older_version
+            if older is not None:  # one older copy at most: its sequences give way
+                aborted = self._aborted(self.scheduler.remove_on({older}))
+                logging.getLogger(__name__).warning(
+                    "loading version %d while version %d still ran %d samples on older "
+                    "weights: they are aborted (one older version is kept)",
+                    version,
+                    older,
+                    len(aborted),
+                )
+            self._older = (self.version, self.state)
+        else:
+            aborted = self.abort_all()
         self.scheduler.kept.clear(self.allocators)  # their keys/values are the old weights'
-        self.version = version
+        self.state, self.version = state, version
+        self.scheduler.weights = version
+        self._drop_unused_older()
         return aborted
+
+    def _drop_unused_older(self) -> None:
+        """Lets the older weights go once no sequence runs on them."""
+        if self._older is not None and not any(
+            s.weights == self._older[0] for s in self.scheduler.all_sequences()
+        ):
+            self._older = None
 
     def _as_state(self, params: Any) -> nnx.State:
         if isinstance(params, dict) and not isinstance(params, nnx.State):

@@ -7,7 +7,7 @@ one (requests submitted, a weight version loaded, shutdown) and every follower a
 calls and steps too. The engine is deterministic given its calls (scheduling, sampling seeds),
 so the processes stay in step without exchanging anything else.
 
-    commands = [("submit", request), ("stage", version), ("load", version), ("abort",),
+    commands = [("submit", request, version), ("stage", version), ("load", version), ("abort",),
                 ("step",), ("stop",)]
 
 Followers stage ("stage": fetch ahead, inference/standby.py) and load a version from their own
@@ -62,9 +62,11 @@ def follow(
 ) -> int:
     """A follower's loop: applies the lead's broadcast commands to ``engine`` until "stop";
     ``fetch(version)`` gives a version's weights, ``stage(version)`` starts fetching it ahead
-    (applied before the round's loads; None: "stage" is ignored), ``loaded()`` is told after a
-    round's loads are swapped in. Returns the steps taken."""
+    (applied before the round's loads; None: "stage" is ignored), ``loaded()`` is told once a
+    round's loads are swapped in and the engine keeps no older version. Returns the steps
+    taken."""
     me, steps = jax.process_index(), 0
+    standby_waits = False
     while True:
         try:
             commands = broadcast(None)
@@ -79,7 +81,7 @@ def follow(
             kind = command[0]
             try:
                 if kind == "submit":
-                    engine.submit(command[1])
+                    engine.submit(*command[1:])
                 elif kind == "stage":
                     pass  # staged above
                 elif kind == "load":
@@ -97,8 +99,12 @@ def follow(
                     raise ValueError(f"unknown lockstep command {kind!r}")
             except Exception as e:  # noqa: BLE001 - the job must not go on out of step
                 multihost.fail(f"inference {kind} failed on process {me}: {type(e).__name__}: {e}")
-        if loaded is not None and any(c[0] == "load" for c in commands):
-            loaded()  # this round's versions are swapped in: the next may be staged
+        standby_waits |= any(c[0] == "load" for c in commands)
+        if loaded is not None and standby_waits and getattr(engine, "older_version", None) is None:
+            # This round's versions are swapped in and no older one is kept for its sequences
+            # (the lead's rule, worker.py): the next may be staged.
+            standby_waits = False
+            loaded()
 
 
 def _fetch_agreed(versions: list[int], fetch: Callable[[int], Any]) -> dict[int, Any]:

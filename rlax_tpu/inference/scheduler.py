@@ -48,6 +48,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+from collections.abc import Collection
 
 import numpy as np
 
@@ -90,6 +91,9 @@ class Sequence:
     num_computed: int = 0  # positions whose keys/values are in the cache
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    # The weight version it runs on (the engine's at submission; an overlapped reload keeps the
+    # older weights for the sequences started on them).
+    weights: int = 0
     # A MoE model's experts of each position computed so far [cache positions, L, k] int16, -1
     # where none was (the engine records them; routing replay). None: a dense model.
     routes: np.ndarray | None = None
@@ -178,11 +182,16 @@ class Scheduler:
         self._order = itertools.count()
         self.num_preemptions = 0
         self.kept = PrefixCache(page_size)
+        # The served weights' version: only its sequences keep pages or take kept ones.
+        self.weights = 0
 
     # -- queue --------------------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(self._parent(request))
+    def add(self, request: Request, weights: int | None = None) -> None:
+        """Queues ``request`` to run on weights ``weights`` (default: the served ones)."""
+        seq = self._parent(request)
+        seq.weights = self.weights if weights is None else weights
+        self.waiting.append(seq)
 
     def _parent(self, request: Request) -> Sequence:
         return Sequence(request, None, list(request.prompt_tokens), BlockTable(self.page_size), -1)
@@ -217,6 +226,17 @@ class Scheduler:
         self.kept.clear(self.allocators)
         return out
 
+    def remove_on(self, weights: Collection[int]) -> list[Sequence]:
+        """Takes the sequences running on ``weights`` out (releasing pages); returns them,
+        running first."""
+        out = [s for s in self.all_sequences() if s.weights in weights]
+        for s in self.running:
+            if s.weights in weights:
+                s.table.release(self.alloc(s))
+        self.running = [s for s in self.running if s.weights not in weights]
+        self.waiting = collections.deque(s for s in self.waiting if s.weights not in weights)
+        return out
+
     # -- planning -------------------------------------------------------------------------------
 
     def prefix(self, seq: Sequence) -> int:
@@ -240,7 +260,7 @@ class Scheduler:
     def _reusable(self, seq: Sequence) -> tuple[Entry, int] | None:
         """A kept entry ``seq`` starts with and the positions of it to take: all but the last
         token (which samples), at a chunk boundary while in the prefill program's prefix."""
-        if not len(self.kept):
+        if not len(self.kept) or seq.weights != self.weights:
             return None
         full = (
             seq.tokens if seq.sample_index is not None else [*seq.tokens, *seq.request.continuation]
@@ -361,6 +381,7 @@ class Scheduler:
                 parent.order,
                 shard=parent.shard,  # its pages are the parent's
                 num_computed=parent.num_computed,
+                weights=parent.weights,
                 routes=None if parent.routes is None else parent.routes.copy(),
             )
             children.append(child)
@@ -370,7 +391,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        if seq.request.keep_pages and seq.sample_index is not None:
+        if seq.request.keep_pages and seq.sample_index is not None and seq.weights == self.weights:
             self.kept.put(
                 self.alloc(seq),
                 seq.shard,

@@ -31,6 +31,7 @@ from rlax_tpu.rpc.transport import Credentials, make_channel, make_server, wait_
 from rlax_tpu.types import FinishReason, Rollout
 
 COMPONENT = "inference"
+_QUEUED = "rlax-queued"  # Generate's initial metadata: the worker queued the requests
 NO_CREDENTIALS = Credentials()  # loopback only (the config refuses other addresses without)
 _STATUS = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -151,6 +152,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         ]
         version = request.version if request.HasField("version") else None
         stream = self._worker.generate(requests, version=version)  # validates before streaming
+        # Queued in the engine: the caller's generate returns now, not at the first sample (the
+        # pool starts a newer version's jobs beside a version's queued ones).
+        context.send_initial_metadata(((_QUEUED, "1"),))
         return (rollout_to_pb(r) for r in stream)
 
     @_statuses
@@ -283,18 +287,19 @@ class InferenceClient:
             version=version,
         )
         stream = self._stub.Generate(msg)
-        try:
-            first = next(stream, None)  # surfaces validation errors at call time
+        first = None
+        try:  # returns once the worker queued the requests, or raises why it refused them
+            if (_QUEUED, "1") not in tuple(stream.initial_metadata() or ()):
+                first = next(stream, None)
         except grpc.RpcError as e:
             _raise(e)
         return self._rest(first, stream)
 
     @staticmethod
     def _rest(first: pb.Rollout | None, stream: Iterator[pb.Rollout]) -> Iterator[Rollout]:
-        if first is None:
-            return
-        yield rollout_from_pb(first)
         try:
+            if first is not None:
+                yield rollout_from_pb(first)
             for m in stream:
                 yield rollout_from_pb(m)
         except grpc.RpcError as e:

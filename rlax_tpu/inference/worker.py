@@ -114,6 +114,7 @@ class InferenceWorker:
         self._lockstep = lockstep.is_multi_process()
         self._pending: list[lockstep.Command] = []
         self._loads: list[_Load] = []
+        self._standby_waits = False  # for the older weights to go (_release_standby)
         self._cond = threading.Condition()
         self._routes: dict[str, _Route] = {}  # by the internal prompt id given to the engine
         self._ids = itertools.count()
@@ -153,7 +154,7 @@ class InferenceWorker:
         with self._cond:
             if self._stopped:
                 raise WorkerShutdown("the inference worker is shut down")
-            if version is not None and version != self.engine.version:
+            if version is not None and not self.engine.holds(version):
                 raise VersionMismatch(
                     f"requested version {version}, the worker holds {self.engine.version}"
                 )
@@ -161,7 +162,7 @@ class InferenceWorker:
             for r in checked:
                 key = f"#{next(self._ids)}"
                 self._routes[key] = _Route(stream, r.prompt_id, r.num_samples)
-                self._call("submit", dataclasses.replace(r, prompt_id=key))
+                self._call("submit", dataclasses.replace(r, prompt_id=key), version)
             self._cond.notify_all()
         return self._drain(stream, expected)
 
@@ -189,8 +190,18 @@ class InferenceWorker:
                     raise UnknownVersion(f"no weights for version {version}") from e
                 return self._swap(version, params)
             finally:  # swapped in (or refused): the next staged version may be fetched
-                self.standby.loaded()
+                self._release_standby()
         return self._swap(version, params)
+
+    def _release_standby(self) -> None:
+        """Lets the next staged version be fetched once the engine holds one version: the
+        devices keep two copies at most (the served one and an older one still running, or the
+        served one and the standby)."""
+        with self._cond:
+            self._standby_waits = self.engine.older_version is not None
+            if self._standby_waits:
+                return
+        self.standby.loaded()
 
     def _swap(self, version: int, params: Any) -> int:
         with self._cond:  # waits for the running step to end
@@ -275,6 +286,9 @@ class InferenceWorker:
                     self._fail_all(e)
                     continue
                 self._deliver(finished)
+                if self._standby_waits and self.engine.older_version is None:
+                    self._standby_waits = False
+                    self.standby.loaded()
 
     def _sync(self) -> None:
         """Lockstep point (lead): the followers get this process's engine calls since the last
@@ -303,7 +317,13 @@ class InferenceWorker:
     def _call(self, kind: str, *args: Any) -> Any:
         """An engine call the followers must repeat (under the condition lock)."""
         self._pending.append((kind, *args))
-        return self.engine.submit(*args) if kind == "submit" else self.engine.abort_all()
+        if kind == "submit":
+            return self.engine.submit(*args)
+        aborted = self.engine.abort_all()  # the older weights go with their sequences
+        if self._standby_waits:
+            self._standby_waits = False
+            self.standby.loaded()
+        return aborted
 
     def _fail_all(self, error: Exception) -> None:
         streams = {id(r.stream): r.stream for r in self._routes.values()}.values()

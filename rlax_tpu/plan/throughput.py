@@ -10,8 +10,12 @@ What it models, as ``run_throughput`` does:
   depend on how many share the worker, up to the slots); an admitted group takes the slot where
   it can start first, over all workers (the pool gives it to the least-loaded worker). A worker
   that holds another version first lets its running groups finish, then loads w (``reload_s``),
-  and none of its slots starts before that (the pool's epochs). A group is buffered when its
-  verification ends.
+  and none of its slots starts before that (the pool's epochs). With ``overlap``
+  (``inference.overlap_reload``) it loads w at once instead, its running groups finishing on
+  the older weights beside w's, unless a version older still runs there (two at most: the load
+  waits for those to end). Not modelled: while two versions run, an engine step runs two
+  programs, which at decode (weight-read bound) costs up to a second read of the weights. A
+  group is buffered when its verification ends.
 * The verifier: ``verifier_slots`` sandboxes (every verifier replica's) taking the groups'
   samples in the order their generation ended, each sample the slot free first, for ``check_s``
   seconds; a group is verified when its last sample is. ``verifier_slots`` 0: as many as there
@@ -152,13 +156,15 @@ def simulate_throughput(
     lengths: Callable[[], tuple[float, float]] | None = None,
     eval_every: int = 0,
     eval_share: float = 1.0,
+    overlap: bool = False,
 ) -> ThroughputSchedule:
     """The schedule of ``steps`` updates of ``batch`` groups each (module docstring).
     ``slots``: groups a worker runs at once; ``queue_cap``: the queue under unbounded η_a;
     ``freshest_first``: the update takes the newest acceptable groups (controller.consume_order);
     ``verifier_slots``: the sandboxes verifying samples at once (0: unbounded); ``lengths``:
     draws a group's (occupancy, latency) factors; ``eval_every``: updates between held-out
-    evaluations (0: none in the steady state), each on ``eval_share`` of every worker's slots."""
+    evaluations (0: none in the steady state), each on ``eval_share`` of every worker's slots;
+    ``overlap``: a reload does not wait for the running groups (module docstring)."""
     if not 0.0 < eval_share <= 1.0:
         raise ValueError("eval_share must be in (0, 1]")
     if min(steps, batch, slots, workers) < 1:
@@ -167,6 +173,7 @@ def simulate_throughput(
         raise ValueError("verifier_slots must be >= 0 (0: unbounded)")
     free = [[0.0] * slots for _ in range(workers)]  # when each slot is free
     held: list[int | None] = [None] * workers
+    older_until = [0.0] * workers  # when the groups of the version before held[w] end (overlap)
     verifier = _Verifier(verifier_slots, costs)
     generated: list[tuple[float, int, int]] = []  # (generated at, sequence, version)
     arriving: list[tuple[float, int, int]] = []  # (buffered at, sequence, version): verifying
@@ -177,11 +184,25 @@ def simulate_throughput(
     evaluated = -1
     updates: list[Update] = []
 
+    def loaded_at(w: int, at: float) -> float:
+        """When worker w, holding another version, has loaded a new one asked for at ``at``."""
+        if overlap:  # at once, once no version older than the held one runs
+            return max(at, older_until[w]) + costs.reload_s
+        # The worker's running groups drain (the pool's epochs), then it loads the version.
+        return max(at, *free[w]) + costs.reload_s
+
+    def load(w: int, version: int, at: float) -> float:
+        """Worker w loads ``version`` (asked at ``at``); returns when it is loaded."""
+        loaded = loaded_at(w, at)
+        older_until[w] = max(free[w])  # the held version's running groups, on older weights
+        held[w] = version
+        free[w] = [max(f, loaded) for f in free[w]]  # no slot of it starts before the load
+        return loaded
+
     def start_time(w: int, k: int, version: int, at: float) -> float:
         if held[w] == version:
             return max(at, free[w][k])
-        # The worker's running groups drain (the pool's epochs), then it loads the version.
-        return max(at, *free[w]) + costs.reload_s
+        return max(loaded_at(w, at), free[w][k])
 
     def admit(version: int, at: float) -> None:
         nonlocal seq
@@ -191,8 +212,7 @@ def simulate_throughput(
         )
         start = start_time(w, k, version, at)
         if held[w] != version:
-            held[w] = version
-            free[w] = [max(f, start) for f in free[w]]  # no slot of it starts before the load
+            load(w, version, at)
         occupancy, latency = lengths() if lengths is not None else (1.0, 1.0)
         free[w][k] = start + occupancy * costs.group_s
         done = start + latency * costs.group_s + costs.env_s
@@ -228,10 +248,8 @@ def simulate_throughput(
             evaluated, ends = v, []
             reserved = max(1, math.floor(eval_share * slots))
             for w in range(workers):
-                if held[w] != v:  # the epoch drains, then the worker loads v
-                    loaded = max(t, *free[w]) + costs.reload_s
-                    held[w] = v
-                    free[w] = [max(f, loaded) for f in free[w]]
+                if held[w] != v:  # the epoch drains (or with overlap not), the worker loads v
+                    load(w, v, t)
                 taken = sorted(range(slots), key=lambda k: (free[w][k], k))[:reserved]
                 start = max(t, *(free[w][k] for k in taken))
                 ends.append(start + costs.eval_s * slots / reserved)

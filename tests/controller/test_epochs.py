@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from rlax_tpu.controller.epochs import Epochs, Hold
 
 
@@ -34,3 +36,52 @@ def test_holds_met_in_opposite_orders_on_two_workers_do_not_wait_for_each_other(
     # B's later job on worker 0 opens a new epoch there: its kept one gave way.
     assert b.join(0) is not b0
     b.release()
+
+
+def _runs(epochs: Epochs, epoch, wait: float = 0.3) -> bool:
+    """Whether ``epoch``'s turn comes within ``wait`` seconds (the waiter is left behind if not:
+    a later change lets it through, or the test's close ends it)."""
+    t = threading.Thread(target=epochs.wait_turn, args=(epoch,), daemon=True)
+    t.start()
+    t.join(timeout=wait)
+    return not t.is_alive()
+
+
+def test_with_overlap_the_next_epoch_starts_once_the_heads_jobs_are_queued_two_at_most():
+    """The epoch after the head starts once every job of the head is queued in the engine (not
+    when the head ends); the head is sealed then (a job of its version opens a new epoch), and
+    a third epoch waits for the head to end. A hold keeping the head keeps the next one out."""
+    epochs = Epochs(overlap=True)
+    head = epochs.join(0)
+    assert epochs.join(0) is head  # two jobs of version 0
+    v1 = epochs.join(1)
+    assert epochs.wait_turn(head)
+    epochs.queued(head)
+    assert not _runs(epochs, v1)  # one job of the head is not queued yet
+    epochs.queued(head)
+    assert _runs(epochs, v1, wait=10) and head.sealed
+    again = epochs.join(0)  # version 0 again: not into the sealed head
+    assert again is not head and again is not v1
+    assert _runs(epochs, v1, wait=10)  # v1's later jobs run beside the head too
+    assert not _runs(epochs, again)  # a third epoch waits for the head to end
+    epochs.leave(head)
+    epochs.leave(head)
+    assert not _runs(epochs, again)  # ... and for v1's jobs to be queued
+    epochs.queued(v1)
+    assert _runs(epochs, again, wait=10)
+    epochs.close()
+
+    kept = Epochs(overlap=True)
+    hold = Hold(0, [kept])
+    first = hold.join(0)
+    newer = kept.join(1)
+    kept.queued(first)  # its job runs, queued: only the hold keeps the next epoch out
+    assert not _runs(kept, newer)  # the hold's later turns run on version 0's epoch first
+    hold.release()
+    assert _runs(kept, newer, wait=10) and first.sealed  # beside the hold's running job
+    kept.close()
+
+
+def test_overlap_and_exclusive_epochs_are_refused_together():
+    with pytest.raises(ValueError, match="exclusive"):
+        Epochs(exclusive=True, overlap=True)

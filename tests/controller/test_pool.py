@@ -420,3 +420,39 @@ def test_the_pool_counts_the_weight_bytes_each_load_took_over_the_network(weight
     assert first["loads"] == third["loads"] == 3 and second["loads"] == 0
     assert first["wire_bytes"] == third["wire_bytes"] == 2 * nbytes
     assert second["wire_bytes"] == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["drained", "overlapped"])
+def test_with_overlap_a_newer_version_loads_while_the_older_job_runs(weights, overlap):
+    """Throughput mode with ``overlap``: version 1's job loads its weights while version 0's
+    job is queued in the engine and has not taken a step (the engine's steps are held back), so
+    no worker drains; each job's samples are its version's and the same as a drained pool's
+    (the per-group seeds). Drained: the load waits for version 0's job to end."""
+    model, source = weights
+    worker = InferenceWorker(model, CFG, weight_source=source)
+    gate, step = threading.Event(), worker.engine.step
+    worker.engine.step = lambda: gate.wait() and step()
+    logged = LoadsLogged(worker)
+    pool = WorkerPool([logged], overlap=overlap)
+    try:
+        first = pool.submit(0, requests(4))
+        second = pool.submit(1, requests(3))
+        deadline = time.monotonic() + (60 if overlap else 1)
+        while logged.loads != [0, 1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (logged.loads == [0, 1]) is overlap and not first.done()
+        gate.set()
+        got = [tokens(first.result(timeout=60)), tokens(second.result(timeout=60))]
+    finally:
+        gate.set()
+        pool.close()
+        worker.shutdown()
+    assert {v for _, v in got[0].values()} == {0} and {v for _, v in got[1].values()} == {1}
+    assert logged.loads == [0, 1] and worker.engine.older_version is None
+    alone = InferenceWorker(model, CFG, weight_source=source)
+    try:
+        assert got[0] == tokens(alone.generate(requests(4), version=0))
+        alone.load_weights(1)
+        assert got[1] == tokens(alone.generate(requests(3), version=1))
+    finally:
+        alone.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -91,3 +92,16 @@ def assert_same_samples(got, want, *, bitwise: bool, atol: float = 1e-5) -> None
         return
     same = np.cumprod(got.tokens[: len(want.tokens)] == want.tokens[: len(got.tokens)]).sum()
     np.testing.assert_allclose(got.logprobs[: same + 1], want.logprobs[: same + 1], atol=atol)
+
+
+def run_with_an_overlapped_reload(engine: Engine) -> list:
+    """8 greedy requests on version 0; after two steps version 1 (the weights x 1.5) loads
+    under them and 3 more run on it beside them (``overlap_reload``): every process makes the
+    same calls."""
+    for r in random_requests(8, seed=5, temperature=0.0):
+        engine.submit(r)
+    done = engine.step() + engine.step()
+    engine.load_weights(1, jax.tree.map(lambda x: x * 1.5, engine.state))
+    for r in random_requests(3, seed=6, temperature=0.0):
+        engine.submit(dataclasses.replace(r, prompt_id=f"v1.{r.prompt_id}"))
+    return done + engine.run()

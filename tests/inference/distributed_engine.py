@@ -23,7 +23,7 @@ import jax  # noqa: E402
 from rlax_tpu import models  # noqa: E402
 from rlax_tpu.config import MeshConfig  # noqa: E402
 from rlax_tpu.inference.engine import Engine  # noqa: E402
-from tests.inference.conftest import SMALL, random_requests  # noqa: E402
+from tests.inference.conftest import SMALL, run_with_an_overlapped_reload  # noqa: E402
 
 MESH = MeshConfig(data=2, fsdp=1, tensor=4)
 
@@ -35,11 +35,9 @@ def main() -> None:
     assert jax.device_count() == 8 and jax.local_device_count() == 4
     engine = Engine(models.init_model(models.preset("tiny")), dataclasses.replace(SMALL, mesh=MESH))
     assert {d.process_index for d in engine.mesh.devices.flat} == {0, 1}
-    for r in random_requests(8, seed=5, temperature=0.0):
-        engine.submit(r)
     done = {
         r.prompt_id: {"tokens": r.tokens.tolist(), "logprobs": r.logprobs.tolist()}
-        for r in engine.run()
+        for r in run_with_an_overlapped_reload(engine)
     }
     if pid == 0:
         out.write_text(json.dumps(done))

@@ -254,7 +254,7 @@ def test_steady_state_never_recompiles(tiny_model):
 
 
 def test_reload_aborts_in_flight_requests_and_returns_them(tiny_model):
-    engine = make_engine(tiny_model)
+    engine = make_engine(tiny_model, overlap_reload=False)
     for r in random_requests(6, seed=13, num_samples=2, max_new=24):
         engine.submit(
             dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_new_tokens=20))
@@ -270,6 +270,73 @@ def test_reload_aborts_in_flight_requests_and_returns_them(tiny_model):
     assert any(len(r.tokens) > 0 for r in aborted) and all((r.versions == 0).all() for r in aborted)
     engine.submit(random_requests(1, seed=14)[0])
     assert all((r.versions == 1).all() for r in engine.run())
+
+
+def test_an_overlapped_reload_finishes_each_sample_on_the_weights_it_started_on(tiny_model):
+    """A reload under running samples (``overlap_reload``, the default) aborts none: they finish
+    on version 0's weights beside version 1's requests, each sample what an engine serving its
+    version alone gives (bitwise where rows are independent), and the older copy goes with its
+    last sequence. Kept pages of version 0 are neither kept nor taken by version 1."""
+    scaled = jax.tree.map(lambda x: x * 1.5, make_engine(tiny_model).state)
+    old = [
+        dataclasses.replace(r, keep_pages=True)
+        for r in random_requests(4, seed=13, num_samples=2, max_new=24, ignore_eos=True)
+    ]
+    new = [
+        dataclasses.replace(r, prompt_id=f"n{i}")
+        for i, r in enumerate(random_requests(3, seed=14, num_samples=2))
+    ]
+    alone = {}
+    for version, reqs, state in ((0, old, None), (1, new, scaled)):
+        ref = make_engine(tiny_model)
+        if state is not None:
+            ref.load_weights(version, state)
+        for r in reqs:
+            ref.submit(dataclasses.replace(r, keep_pages=False))
+        alone |= by_key(_run_checked(ref))
+
+    engine = make_engine(tiny_model)
+    for r in old:
+        engine.submit(r)
+    done = engine.step() + engine.step() + engine.step()
+    assert engine.load_weights(1, scaled) == []
+    assert engine.version == 1 and engine.older_version == 0 and engine.holds(0)
+    for r in new:
+        engine.submit(r)
+    mixed = 0
+    while engine.has_work():
+        weights = {s.weights for s in engine.scheduler.running}
+        mixed += weights == {0, 1}
+        done += engine.step()
+        engine.scheduler.check_invariants()
+    assert mixed > 0  # steps ran both versions' rows
+    assert engine.older_version is None and not engine.holds(0)
+    got = by_key(done)
+    assert got.keys() == alone.keys()
+    for key, ro in got.items():
+        assert ro.finish_reason is not FinishReason.ABORTED
+        assert (ro.versions == (0 if key[0].startswith("r") else 1)).all()
+        assert_same_samples(ro, alone[key], bitwise=engine.rows_bitwise)
+    assert len(engine.scheduler.kept) == 0  # version 0's pages were not kept under version 1
+    assert all(a.num_used == 0 for a in engine.allocators)
+
+
+def test_a_reload_while_an_older_version_still_runs_aborts_only_that_ones_samples(tiny_model):
+    engine = make_engine(tiny_model)
+    slow = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    engine.submit(Request(prompt_id="v0", prompt_tokens=(1, 2, 3), num_samples=2, sampling=slow))
+    engine.step()
+    engine.load_weights(1, engine.state)
+    engine.submit(Request(prompt_id="v1", prompt_tokens=(4, 5), sampling=slow))
+    engine.step()
+    aborted = engine.load_weights(2, engine.state)
+    assert (
+        sorted((r.prompt_id, r.finish_reason) for r in aborted)
+        == [("v0", FinishReason.ABORTED)] * 2
+    )
+    assert engine.older_version == 1
+    out = engine.run()
+    assert [(r.prompt_id, set(r.versions.tolist())) for r in out] == [("v1", {1})]
 
 
 def test_continue_on_reload_records_per_token_versions(tiny_model):

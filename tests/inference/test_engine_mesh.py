@@ -22,7 +22,14 @@ from rlax_tpu.models.paged_cache import page_bytes
 from tests.child_env import child_env
 from tests.conftest import free_port
 
-from .conftest import SMALL, assert_same_samples, by_key, mixed_requests, random_requests
+from .conftest import (
+    SMALL,
+    assert_same_samples,
+    by_key,
+    mixed_requests,
+    random_requests,
+    run_with_an_overlapped_reload,
+)
 
 MESHES = {
     "tensor2": MeshConfig(data=1, fsdp=1, tensor=2),
@@ -165,9 +172,10 @@ def test_a_sharded_engine_keeps_its_layout_and_never_recompiles_in_steady_state(
 @pytest.mark.slow
 def test_an_engine_spanning_two_processes_gives_the_same_tokens(tiny_model, tmp_path):
     """A worker over two hosts: two jax.distributed processes (gloo on 127.0.0.1, 4 CPU devices
-    each) run one engine on a data 2 x tensor 4 mesh across both, each following the same calls;
-    the greedy tokens equal the one-device engine's, log-probs to f32 round-off (cross-process
-    sums go through gloo)."""
+    each) run one engine on a data 2 x tensor 4 mesh across both, each following the same calls
+    (with a reload overlapped under running requests: two weight versions in its steps); the
+    greedy tokens equal the one-device engine's, log-probs to f32 round-off (cross-process sums
+    go through gloo)."""
     worker = Path(__file__).with_name("distributed_engine.py")
     coordinator, out = f"127.0.0.1:{free_port()}", tmp_path / "tokens.json"
     env = child_env()
@@ -181,10 +189,8 @@ def test_an_engine_spanning_two_processes_gives_the_same_tokens(tiny_model, tmp_
         )
         for pid in (0, 1)
     ]
-    engine = Engine(tiny_model, SMALL)
-    for r in random_requests(8, seed=5, temperature=0.0):
-        engine.submit(r)
-    want = {r.prompt_id: r for r in engine.run()}
+    want = {r.prompt_id: r for r in run_with_an_overlapped_reload(Engine(tiny_model, SMALL))}
+    assert len(want) == 11 and {int(r.versions[-1]) for r in want.values()} == {0, 1}
     for p in procs:
         log, _ = p.communicate(timeout=300)
         assert p.returncode == 0, log[-3000:]

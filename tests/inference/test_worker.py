@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import math
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +96,21 @@ def test_versions_unknown_or_mismatched_are_errors(worker):
         worker.generate([Request(prompt_id="a", prompt_tokens=(1,))], version=2)
 
 
-def test_generate_streams_every_sample_and_reload_hands_back_in_flight_ones(worker, tiny_model):
+@pytest.fixture
+def draining_worker(tiny_model):
+    """A worker whose reloads abort what runs (``overlap_reload`` off)."""
+    source = DictWeightSource({0: jax.tree.map(lambda x: x, _state(tiny_model))})
+    w = InferenceWorker(
+        tiny_model, dataclasses.replace(SMALL, overlap_reload=False), weight_source=source
+    )
+    yield w
+    w.shutdown()
+
+
+def test_generate_streams_every_sample_and_reload_hands_back_in_flight_ones(
+    draining_worker, tiny_model
+):
+    worker = draining_worker
     requests = random_requests(4, seed=21, num_samples=2)
     slow = [
         dataclasses.replace(
@@ -116,6 +133,63 @@ def test_generate_streams_every_sample_and_reload_hands_back_in_flight_ones(work
     assert worker.status().version == 1
     after = list(worker.generate(requests[:1]))
     assert all((r.versions == 1).all() for r in after)
+
+
+class _WatchedSource(DictWeightSource):
+    """Records, for each fetch, the version its worker still kept older weights of then."""
+
+    def __init__(self, versions: dict):
+        super().__init__(versions)
+        self.worker: InferenceWorker | None = None
+        self.older_at_fetch: dict[int, int | None] = {}
+
+    def fetch(self, version: int) -> Any:
+        self.older_at_fetch[version] = self.worker.engine.older_version
+        return super().fetch(version)
+
+
+def test_a_reload_over_grpc_does_not_wait_for_running_samples_nor_fetch_a_third_copy(tiny_model):
+    """``overlap_reload``: the client's generate returns once its requests are queued (not at
+    the first sample), a load under them aborts none, they stream on with version 0's tokens, a
+    version-0 generate is still taken while the worker holds those weights, and the next staged
+    version is fetched only once the older copy is gone (two copies at most)."""
+    state = _state(tiny_model)
+    source = _WatchedSource({0: state, 1: jax.tree.map(lambda x: x * 0.5, state)})
+    source.versions[2] = source.versions[1]
+    worker = source.worker = InferenceWorker(tiny_model, SMALL, weight_source=source)
+    server, port = serve(worker, "127.0.0.1:0")
+    client = InferenceClient(f"127.0.0.1:{port}")
+    slow = [
+        dataclasses.replace(
+            r, sampling=dataclasses.replace(r.sampling, max_new_tokens=24, ignore_eos=True)
+        )
+        for r in random_requests(3, seed=21, num_samples=2)
+    ]
+    gate, step = threading.Event(), worker.engine.step
+    worker.engine.step = lambda: gate.wait() and step()  # no sample ends before gate.set()
+    try:
+        client.wait_ready(10)
+        call = cf.ThreadPoolExecutor(1).submit(client.generate, slow[:2], version=0)
+        stream = call.result(timeout=60)  # returned with nothing generated yet
+        gate.set()
+        assert client.load_weights(1) == 0
+        late = client.generate(slow[2:], version=0)  # the older weights still run
+        worker.stage(2)
+        got = list(stream) + list(late)
+        assert len(got) == 6 and all(len(r.tokens) == 24 for r in got)
+        assert all(r.finish_reason is FinishReason.LENGTH and (r.versions == 0).all() for r in got)
+        deadline = time.monotonic() + 60
+        while 2 not in source.older_at_fetch and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert source.older_at_fetch[2] is None
+        assert worker.version == 1 and worker.engine.older_version is None
+        with pytest.raises(VersionMismatch):
+            client.generate(slow[:1], version=0)
+    finally:
+        gate.set()
+        client.close()
+        server.stop(None)
+        worker.shutdown()
 
 
 def test_shutdown_aborts_and_refuses(tiny_model):

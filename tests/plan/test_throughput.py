@@ -206,3 +206,27 @@ def test_episodes_wait_on_replies_without_holding_their_slots():
     costs = ThroughputCosts(group_s=10.0, check_s=1.0, train_s=4.0, env_s=3.0)
     sched = simulate_throughput(3, costs, _policy(0), batch=2, slots=2)
     assert [(u.train_start, u.train_end) for u in sched.updates] == [(14, 18), (32, 36), (50, 54)]
+
+
+def test_with_overlap_a_reload_does_not_wait_for_the_workers_groups():
+    """The schedule of test_one_step_of_staleness_overlaps_a_batch_with_each_update with
+    ``overlap`` (inference.overlap_reload): v2's groups, admitted at 19, start at once beside
+    v1's (ending at 25) and arrive at 30, so update 3 runs at [30, 34] without a wait; v3's
+    (admitted at 30) and v4's (at 34) likewise: two updates every 15 s instead of every 20."""
+    sched = simulate_throughput(8, COSTS, _policy(1), batch=2, slots=4, overlap=True)
+    assert [u.train_end for u in sched.updates] == [15, 19, 30, 34, 45, 49, 60, 64]
+    assert [u.wait_s for u in sched.updates[2:]] == [7, 0, 7, 0, 7, 0]
+    assert sched.staleness_counts() == {0: 2, 1: 14}
+
+
+def test_with_overlap_a_third_version_waits_for_the_oldest_to_end():
+    """B = 1, η_a = 3, 4 slots, 10 s groups, 1 s updates. Four v0 groups arrive at 11 (updates
+    0-3 at [11, 15]); one group each of v1 (admitted at 12, ends 22), v2 (13, ends 23) and v3
+    (14). v3's load waits for v1's group to end at 22 (the worker keeps one older version), so
+    it arrives at 33: updates at [23, 24], [24, 25], [33, 34]. Drained, each waits for the one
+    before: [23, 24], [33, 34], [43, 44]."""
+    costs = ThroughputCosts(group_s=10.0, check_s=1.0, train_s=1.0)
+    for overlap, want in ((True, [24, 25, 34]), (False, [24, 34, 44])):
+        sched = simulate_throughput(7, costs, _policy(3), batch=1, slots=4, overlap=overlap)
+        assert [u.train_end for u in sched.updates] == [12, 13, 14, 15, *want]
+        assert [u.versions for u in sched.updates[4:]] == [(1,), (2,), (3,)]
