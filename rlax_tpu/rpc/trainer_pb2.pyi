@@ -75,7 +75,7 @@ class TrainerStep(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class TrainerStatusReply(_message.Message):
-    __slots__ = ("step", "published_version", "mesh", "process_count", "halted", "checkpoint_steps", "last_metrics")
+    __slots__ = ("step", "published_version", "mesh", "process_count", "halted", "checkpoint_steps", "last_metrics", "publishing", "publish_failed")
     class MeshEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,8 @@ class TrainerStatusReply(_message.Message):
     HALTED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_METRICS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHING_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FAILED_FIELD_NUMBER: _ClassVar[int]
     step: int
     published_version: int
     mesh: _containers.ScalarMap[str, int]
@@ -104,4 +106,6 @@ class TrainerStatusReply(_message.Message):
     halted: str
     checkpoint_steps: _containers.RepeatedScalarFieldContainer[int]
     last_metrics: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., published_version: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., process_count: _Optional[int] = ..., halted: _Optional[str] = ..., checkpoint_steps: _Optional[_Iterable[int]] = ..., last_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    publishing: _containers.RepeatedScalarFieldContainer[int]
+    publish_failed: str
+    def __init__(self, step: _Optional[int] = ..., published_version: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., process_count: _Optional[int] = ..., halted: _Optional[str] = ..., checkpoint_steps: _Optional[_Iterable[int]] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., publishing: _Optional[_Iterable[int]] = ..., publish_failed: _Optional[str] = ...) -> None: ...

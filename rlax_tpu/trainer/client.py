@@ -77,6 +77,8 @@ class TrainerClient:
             halted=s.halted,
             checkpoint_steps=tuple(s.checkpoint_steps),
             last_metrics=dict(s.last_metrics),
+            publishing=tuple(s.publishing),
+            publish_failed=s.publish_failed,
         )
 
     def health(self) -> common_pb2.HealthReply:

@@ -72,6 +72,15 @@ class BackgroundPushes:
         with self._cond:
             self._raise_failed(max(self._failed, default=-1))
 
+    def failure(self) -> str:
+        """Why the oldest failed push not yet raised away failed ("" none): what the next
+        ``start`` or ``wait`` raises."""
+        with self._cond:
+            if not self._failed:
+                return ""
+            v = min(self._failed)
+            return f"version {v} was not published: {type(self._failed[v]).__name__}: {self._failed[v]}"
+
     def pending(self) -> list[int]:
         with self._cond:
             return sorted(self._running)

@@ -119,11 +119,14 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
             halted=s.halted,
             checkpoint_steps=list(s.checkpoint_steps),
             last_metrics=s.last_metrics,
+            publishing=list(s.publishing),
+            publish_failed=s.publish_failed,
         )
 
     def Health(self, request: common_pb2.Empty, context) -> common_pb2.HealthReply:  # noqa: ANN001
         s = self._trainer.status()
         detail = f"step {s.step}, mesh {s.mesh}" + (f", halted: {s.halted}" if s.halted else "")
+        detail += f", {s.publish_failed}" if s.publish_failed else ""
         return common_pb2.HealthReply(component=COMPONENT, serving=not s.halted, detail=detail)
 
 

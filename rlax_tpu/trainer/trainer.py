@@ -115,6 +115,10 @@ class TrainerStatus:
     halted: str  # why the trainer stopped, "" if it did not
     checkpoint_steps: tuple[int, ...]
     last_metrics: dict[str, float]
+    # Pushes in the background (trainer.publish_in_flight): the versions in flight, and why the
+    # oldest failed one failed ("" none): the next step and wait_published raise it.
+    publishing: tuple[int, ...] = ()
+    publish_failed: str = ""
 
 
 def engine_replay_shape(cfg: InferenceConfig, model: ModelConfig) -> ReplayShape:
@@ -634,6 +638,8 @@ class Trainer:
             halted=self._halted,
             checkpoint_steps=tuple(self._checkpointer.steps()),
             last_metrics=dict(self._last_metrics),
+            publishing=tuple(self._pushes.pending()) if self._pushes is not None else (),
+            publish_failed=self._pushes.failure() if self._pushes is not None else "",
         )
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -308,6 +309,14 @@ def test_a_push_in_flight_is_waited_for_and_its_failure_named_over_grpc(tmp_path
             assert client.train_step(random_batch(0))["publish_pending"] == 1.0
             assert client.wait_published(1) == 1 and sink.pushed == [1]
             client.train_step(random_batch(1))
+            deadline = time.monotonic() + 60
+            while (status := client.status()).publishing and time.monotonic() < deadline:
+                time.sleep(0.01)  # version 2's push, on its thread
+            # The failure is visible in the status before anything raises it.
+            assert status.publishing == () and status.publish_failed.startswith(
+                "version 2 was not published: ConnectionError: no route"
+            )
+            assert "version 2 was not published" in client.health().detail
             with pytest.raises(PublishError, match="version 2 was not published: ConnectionError"):
                 client.wait_published(2)
             with pytest.raises(grpc.RpcError) as refused:
