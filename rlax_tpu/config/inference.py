@@ -77,9 +77,12 @@ class InferenceConfig:
     # Without continue_on_reload: a reload does not wait for the running requests (no drain).
     # They finish on the weights they started on, which the worker keeps (a second copy, one
     # older version at most; the next version's fetch ahead waits for it to go) while the new
-    # version's requests run beside them. Throughput mode only (deterministic mode runs one job
-    # at a time); False: a worker finishes a version's jobs before it loads the next.
-    overlap_reload: bool = True
+    # version's requests run beside them. A step with both versions runs two programs (a second
+    # read of the weights): it pays where a step is bound by its rows' KV reads (long contexts),
+    # not where the weights or padded rows bind (benchmarks/RESULTS.md, "Reloads without
+    # draining": 9% slower on CPU). Throughput mode only (ignored in deterministic mode, which
+    # runs one job at a time); False: a worker finishes a version's jobs before it loads the next.
+    overlap_reload: bool = False
     address: str = "127.0.0.1:0"  # gRPC address a worker serves on (distributed transport)
     auth_token_file: str = ""  # file holding the token callers must present; needed off loopback
     tls_cert_file: str = ""  # PEM certificate and key to serve TLS with; '' plain

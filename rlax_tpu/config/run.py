@@ -184,6 +184,13 @@ class RunConfig:
                 "deterministic mode cannot schedule; use mode 'throughput'",
                 True,
             )
+        if inf.overlap_reload and ctl.mode != "throughput":
+            raise ConfigError(
+                "inference.overlap_reload",
+                "overlapped reloads need controller.mode 'throughput': deterministic mode runs "
+                "one job at a time on a worker",
+                True,
+            )
         if inf.continue_on_reload and ctl.mode != "throughput":
             raise ConfigError(
                 "inference.continue_on_reload",

@@ -128,6 +128,7 @@ class Epochs:
             self.overlap
             and len(self._queue) > 1
             and self._queue[1] is epoch
+            and epoch.version > head.version  # forward only: a reload back drains
             and (head.sealed or (head.unqueued == 0 and not head.keep))
         )
 
@@ -145,11 +146,13 @@ class Epochs:
             if hold is not None:
                 epoch.held_jobs[hold] -= 1
             self._settle()
+            self._cond.notify_all()  # the next epoch may overlap now
 
     def unkeep(self, epoch: Epoch, hold: int) -> None:
         with self._cond:
             epoch.keep.discard(hold)
             self._settle()
+            self._cond.notify_all()  # the next epoch may overlap now
 
     def close(self) -> None:
         with self._cond:

@@ -196,7 +196,7 @@ class WorkerPool:
                 self._stage_ahead(i, job.version)
                 fut = self._threads.submit(self._run_in_epoch, i, epoch, hold, job, requests)
             except BaseException:  # closed: the epoch must not wait for a job never started
-                self._epochs[i].leave(epoch, hold)
+                self._epochs[i].leave(epoch, hold, queued=False)
                 self._returned(i, groups)
                 raise
         fut.add_done_callback(lambda _: self._returned(i, groups))

@@ -17,6 +17,8 @@ from rlax_tpu.verifiers.api import Task
 
 
 class InferencePort(Protocol):
+    # Returns once the requests are queued on the worker (the pool overlaps a newer version's
+    # load with them then: epochs.py), and yields their rollouts as they finish.
     def generate(
         self, requests: Sequence[Request], *, version: int | None = None
     ) -> Iterator[Rollout]: ...

@@ -251,6 +251,7 @@ class Engine:
             prefill_rows=cfg.prefill_rows,
             prefill_len=cfg.prefill_len,
         )
+        self.scheduler.weights = version
         self.cache = self._place(self.replay_shape.make_cache(model.cfg))
         _warn_if_pages_replicated(self.cache, self.mesh, model.cfg.num_kv_heads)
         self._traces_at_start = TRACES.total()
@@ -667,9 +668,15 @@ class Engine:
         if self.cfg.continue_on_reload:
             for seq in self.scheduler.all_sequences():
                 seq.weights = version
-        elif self.cfg.overlap_reload and version != self.version:
+        elif self.cfg.overlap_reload and version == self.version:
+            pass  # the same version again (a failover's reload): everything runs on
+        elif self.cfg.overlap_reload:
             older = self.older_version
-            if older is not None:  # one older copy at most: its sequences give way
+            if older == version:  # back to the older one: its sequences run on the new copy
+                for seq in self.scheduler.all_sequences():
+                    if seq.weights == older:
+                        seq.weights = version
+            elif older is not None:  # one older copy at most: its sequences give way
                 aborted = self._aborted(self.scheduler.remove_on({older}))
                 logging.getLogger(__name__).warning(
                     "loading version %d while version %d still ran %d samples on older "

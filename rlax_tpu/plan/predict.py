@@ -97,7 +97,10 @@ def predict(
             lengths=lengths.drawer(config.controller.seed) if lengths else None,
             eval_every=config.data.eval_every,
             eval_share=config.data.eval_share,
-            overlap=config.inference.overlap_reload and not config.inference.continue_on_reload,
+            # Episodes hold their version's epoch (controller/episodes.py): no overlap there.
+            overlap=config.inference.overlap_reload
+            and not config.inference.continue_on_reload
+            and config.environment.name == "none",
         )
         period = schedule.seconds_per_update(skip)
         staleness = schedule.staleness_counts(skip)

@@ -606,6 +606,11 @@ def test_malformed_address(address, message):
             "data.replay = True: replay with unbounded staleness draws from an unbounded past, which "
             "deterministic mode cannot schedule; use mode 'throughput'",
         ),
+        (
+            {"inference.overlap_reload": True},
+            "inference.overlap_reload = True: overlapped reloads need controller.mode "
+            "'throughput': deterministic mode runs one job at a time on a worker",
+        ),
     ],
 )
 def test_cross_component_rules(overrides, message):

@@ -49,8 +49,9 @@ def _runs(epochs: Epochs, epoch, wait: float = 0.3) -> bool:
 
 def test_with_overlap_the_next_epoch_starts_once_the_heads_jobs_are_queued_two_at_most():
     """The epoch after the head starts once every job of the head is queued in the engine (not
-    when the head ends); the head is sealed then (a job of its version opens a new epoch), and
-    a third epoch waits for the head to end. A hold keeping the head keeps the next one out."""
+    when the head ends), for a newer version only; the head is sealed then (a job of its version
+    opens a new epoch), and a third epoch waits for the head to end. A hold keeping the head
+    keeps the next one out."""
     epochs = Epochs(overlap=True)
     head = epochs.join(0)
     assert epochs.join(0) is head  # two jobs of version 0
@@ -66,9 +67,13 @@ def test_with_overlap_the_next_epoch_starts_once_the_heads_jobs_are_queued_two_a
     assert not _runs(epochs, again)  # a third epoch waits for the head to end
     epochs.leave(head)
     epochs.leave(head)
-    assert not _runs(epochs, again)  # ... and for v1's jobs to be queued
     epochs.queued(v1)
+    assert not _runs(epochs, again)  # forward only: back to version 0 waits for v1 to end
+    epochs.leave(v1)
     assert _runs(epochs, again, wait=10)
+    epochs.queued(again)
+    v2 = epochs.join(2)
+    assert _runs(epochs, v2, wait=10)  # forward again: beside version 0's queued job
     epochs.close()
 
     kept = Epochs(overlap=True)

@@ -424,14 +424,30 @@ def test_the_pool_counts_the_weight_bytes_each_load_took_over_the_network(weight
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["drained", "overlapped"])
 def test_with_overlap_a_newer_version_loads_while_the_older_job_runs(weights, overlap):
-    """Throughput mode with ``overlap``: version 1's job loads its weights while version 0's
-    job is queued in the engine and has not taken a step (the engine's steps are held back), so
-    no worker drains; each job's samples are its version's and the same as a drained pool's
-    (the per-group seeds). Drained: the load waits for version 0's job to end."""
+    """Throughput mode with ``overlap``: version 1's job is loaded while version 0's job is
+    queued in the engine and has not taken a step (the engine's steps are held back), and the
+    engine swaps with version 0's samples running (no drain); each job's samples are its
+    version's and the same as one worker's alone (the per-group seeds). Drained: the load waits
+    for version 0's job to end."""
     model, source = weights
-    worker = InferenceWorker(model, CFG, weight_source=source)
-    gate, step = threading.Event(), worker.engine.step
-    worker.engine.step = lambda: gate.wait() and step()
+    worker = InferenceWorker(
+        model, dataclasses.replace(CFG, overlap_reload=overlap), weight_source=source
+    )
+    gate, has_work, load = threading.Event(), worker.engine.has_work, worker.engine.load_weights
+    # No step before gate.set(); the engine thread waits unlocked, so a load can swap meanwhile.
+    worker.engine.has_work = lambda: gate.is_set() and has_work()
+    running_at_load = []
+
+    def open_gate():
+        gate.set()
+        with worker._cond:
+            worker._cond.notify_all()
+
+    def logged_load(version, params):
+        running_at_load.append({s.weights for s in worker.engine.scheduler.all_sequences()})
+        return load(version, params)
+
+    worker.engine.load_weights = logged_load
     logged = LoadsLogged(worker)
     pool = WorkerPool([logged], overlap=overlap)
     try:
@@ -441,12 +457,14 @@ def test_with_overlap_a_newer_version_loads_while_the_older_job_runs(weights, ov
         while logged.loads != [0, 1] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert (logged.loads == [0, 1]) is overlap and not first.done()
-        gate.set()
+        open_gate()
         got = [tokens(first.result(timeout=60)), tokens(second.result(timeout=60))]
     finally:
-        gate.set()
+        open_gate()
         pool.close()
         worker.shutdown()
+    # Version 1 swapped in with all of version 0's samples in the engine (overlap), or none.
+    assert running_at_load[-1] == ({0} if overlap else set())
     assert {v for _, v in got[0].values()} == {0} and {v for _, v in got[1].values()} == {1}
     assert logged.loads == [0, 1] and worker.engine.older_version is None
     alone = InferenceWorker(model, CFG, weight_source=source)

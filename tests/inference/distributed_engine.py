@@ -33,7 +33,10 @@ def main() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=2, process_id=pid)
     assert jax.device_count() == 8 and jax.local_device_count() == 4
-    engine = Engine(models.init_model(models.preset("tiny")), dataclasses.replace(SMALL, mesh=MESH))
+    engine = Engine(
+        models.init_model(models.preset("tiny")),
+        dataclasses.replace(SMALL, mesh=MESH, overlap_reload=True),
+    )
     assert {d.process_index for d in engine.mesh.devices.flat} == {0, 1}
     done = {
         r.prompt_id: {"tokens": r.tokens.tolist(), "logprobs": r.logprobs.tolist()}

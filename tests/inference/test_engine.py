@@ -20,7 +20,7 @@ from rlax_tpu.models.paged_cache import page_bytes
 from rlax_tpu.models.programs import TRACES
 from rlax_tpu.types import FinishReason
 
-from .conftest import assert_same_samples, by_key, make_engine, random_requests
+from .conftest import SMALL, assert_same_samples, by_key, make_engine, random_requests
 
 
 def assert_greedy(tokens: np.ndarray, logits: np.ndarray, *, tol: float) -> None:
@@ -273,11 +273,12 @@ def test_reload_aborts_in_flight_requests_and_returns_them(tiny_model):
 
 
 def test_an_overlapped_reload_finishes_each_sample_on_the_weights_it_started_on(tiny_model):
-    """A reload under running samples (``overlap_reload``, the default) aborts none: they finish
+    """A reload under running samples (``overlap_reload``) aborts none: they finish
     on version 0's weights beside version 1's requests, each sample what an engine serving its
     version alone gives (bitwise where rows are independent), and the older copy goes with its
     last sequence. Kept pages of version 0 are neither kept nor taken by version 1."""
     scaled = jax.tree.map(lambda x: x * 1.5, make_engine(tiny_model).state)
+    overlap = dict(overlap_reload=True)
     old = [
         dataclasses.replace(r, keep_pages=True)
         for r in random_requests(4, seed=13, num_samples=2, max_new=24, ignore_eos=True)
@@ -288,14 +289,14 @@ def test_an_overlapped_reload_finishes_each_sample_on_the_weights_it_started_on(
     ]
     alone = {}
     for version, reqs, state in ((0, old, None), (1, new, scaled)):
-        ref = make_engine(tiny_model)
+        ref = make_engine(tiny_model, **overlap)
         if state is not None:
             ref.load_weights(version, state)
         for r in reqs:
             ref.submit(dataclasses.replace(r, keep_pages=False))
         alone |= by_key(_run_checked(ref))
 
-    engine = make_engine(tiny_model)
+    engine = make_engine(tiny_model, **overlap)
     for r in old:
         engine.submit(r)
     done = engine.step() + engine.step() + engine.step()
@@ -322,7 +323,7 @@ def test_an_overlapped_reload_finishes_each_sample_on_the_weights_it_started_on(
 
 
 def test_a_reload_while_an_older_version_still_runs_aborts_only_that_ones_samples(tiny_model):
-    engine = make_engine(tiny_model)
+    engine = make_engine(tiny_model, overlap_reload=True)
     slow = SamplingParams(max_new_tokens=20, ignore_eos=True)
     engine.submit(Request(prompt_id="v0", prompt_tokens=(1, 2, 3), num_samples=2, sampling=slow))
     engine.step()
@@ -337,6 +338,27 @@ def test_a_reload_while_an_older_version_still_runs_aborts_only_that_ones_sample
     assert engine.older_version == 1
     out = engine.run()
     assert [(r.prompt_id, set(r.versions.tolist())) for r in out] == [("v1", {1})]
+
+
+def test_an_overlapped_reload_of_the_same_or_the_older_version_aborts_nothing(tiny_model):
+    """A failover reloads the version a worker serves, and a reload may go back to the older
+    one: neither aborts a sample nor lets one run on another version's weights. An engine built
+    at version 3 serves its requests as version 3."""
+    engine = make_engine(tiny_model, overlap_reload=True)
+    slow = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    engine.submit(Request(prompt_id="v0", prompt_tokens=(1, 2, 3), sampling=slow))
+    engine.step()
+    assert engine.load_weights(1, engine.state) == []
+    engine.submit(Request(prompt_id="v1", prompt_tokens=(4, 5), sampling=slow))
+    engine.step()
+    assert engine.load_weights(1, engine.state) == [] and engine.older_version == 0
+    assert engine.load_weights(0, engine.state) == [] and engine.older_version == 1
+    out = {r.prompt_id: r for r in engine.run()}
+    assert {k: set(r.versions.tolist()) for k, r in out.items()} == {"v0": {0}, "v1": {1}}
+    assert engine.older_version is None
+    at3 = Engine(tiny_model, dataclasses.replace(SMALL, overlap_reload=True), version=3)
+    at3.submit(Request(prompt_id="a", prompt_tokens=(1,)))
+    assert set(at3.run()[0].versions.tolist()) == {3}
 
 
 def test_continue_on_reload_records_per_token_versions(tiny_model):

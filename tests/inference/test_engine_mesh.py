@@ -189,7 +189,8 @@ def test_an_engine_spanning_two_processes_gives_the_same_tokens(tiny_model, tmp_
         )
         for pid in (0, 1)
     ]
-    want = {r.prompt_id: r for r in run_with_an_overlapped_reload(Engine(tiny_model, SMALL))}
+    engine = Engine(tiny_model, dataclasses.replace(SMALL, overlap_reload=True))
+    want = {r.prompt_id: r for r in run_with_an_overlapped_reload(engine)}
     assert len(want) == 11 and {int(r.versions[-1]) for r in want.values()} == {0, 1}
     for p in procs:
         log, _ = p.communicate(timeout=300)

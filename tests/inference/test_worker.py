@@ -156,7 +156,8 @@ def test_a_reload_over_grpc_does_not_wait_for_running_samples_nor_fetch_a_third_
     state = _state(tiny_model)
     source = _WatchedSource({0: state, 1: jax.tree.map(lambda x: x * 0.5, state)})
     source.versions[2] = source.versions[1]
-    worker = source.worker = InferenceWorker(tiny_model, SMALL, weight_source=source)
+    cfg = dataclasses.replace(SMALL, overlap_reload=True)
+    worker = source.worker = InferenceWorker(tiny_model, cfg, weight_source=source)
     server, port = serve(worker, "127.0.0.1:0")
     client = InferenceClient(f"127.0.0.1:{port}")
     slow = [
