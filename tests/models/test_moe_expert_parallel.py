@@ -128,3 +128,45 @@ def test_megablox_on_a_mesh_without_an_expert_axis_runs_in_the_layers_shard_map(
     # XLA cannot partition a Pallas kernel: on a data x tensor mesh (an engine's) the layer
     # takes its shard_map with an expert axis of 1, rows over data and the width over tensor.
     _compare(MeshConfig(data=4, fsdp=1, expert=1, tensor=2), 4, 6, kernel="megablox_interpret")
+
+
+def _collectives(jaxpr: jax.core.Jaxpr) -> list[tuple[str, jnp.dtype, tuple[int, ...]]]:
+    """(primitive, operand dtype, operand shape) of every collective in ``jaxpr``, nested."""
+    out = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("psum", "psum2", "reduce_scatter", "psum_scatter", "all_gather"):
+            out += [(name, v.aval.dtype, tuple(v.aval.shape)) for v in eqn.invars]
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _collectives(inner)
+    return out
+
+
+def test_router_and_expert_gradients_are_summed_in_float32_under_bf16_compute():
+    """bf16 compute, float32 masters, experts over expert and their model dimension over fsdp,
+    rows over data too: the gradients of the router ([E, X]) and of the experts (rank 3) are
+    reduced across devices in float32 (the sum over data and the reduce-scatter over fsdp),
+    while the experts' forward all-gather over fsdp moves bf16. (On 726f913 the weights were
+    cast before the shard_map, so all of these sums were bf16.)"""
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", param_dtype="float32")
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, expert=2, tensor=1))
+    graphdef, state = nnx.split(shard_model(models.init_model(cfg), mesh))
+    tokens = jnp.zeros((8, 12), jnp.int32)
+
+    def loss(state):  # noqa: ANN001, ANN202
+        m = nnx.merge(graphdef, state)
+        hidden, _, _ = m.run(tokens, models.default_positions(tokens), models.NoCache())
+        return m.logits(hidden).astype(jnp.float32).mean()
+
+    with jax.set_mesh(mesh):
+        found = _collectives(jax.make_jaxpr(jax.grad(loss))(state).jaxpr)
+    router = (cfg.hidden_size, cfg.num_experts)
+    sums = [c for c in found if c[0] != "all_gather" and (len(c[2]) == 3 or c[2] == router)]
+    kinds = {(name, len(shape)) for name, _, shape in sums}
+    assert {("psum", 2), ("psum", 3), ("reduce_scatter", 3)} <= kinds, found
+    assert all(dtype == jnp.float32 for _, dtype, _ in sums), sums
+    gathers = [c for c in found if c[0] == "all_gather" and len(c[2]) == 3]
+    assert len(gathers) == 3 and all(dtype == jnp.bfloat16 for _, dtype, _ in gathers), gathers
