@@ -31,7 +31,8 @@ class ControllerConfig:
     reload_staleness: int = 1  # η_r: workers reload every η_r-th version
     acceptance_staleness: int = 1  # η_a: max v − version(rollout); -1 = unbounded
     pipeline_depth: int = 1  # deterministic mode: steps generation runs ahead of training
-    # Throughput mode: which ready groups an update takes first.
+    # Throughput mode: which ready groups an update takes first (freshest_first: after the
+    # fewest oldest that later updates could not take before they age past η_a).
     consume_order: Literal["oldest_first", "freshest_first"] = "oldest_first"
     # Components in this process, or gRPC services.
     transport: Literal["local", "distributed"] = "local"

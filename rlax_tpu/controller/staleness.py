@@ -26,6 +26,8 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from rlax_tpu.config import ControllerConfig
 
 
@@ -70,6 +72,27 @@ class StalenessPolicy:
                 f"rollout version {rollout_version} > consuming version {consumer_version}"
             )
         return consumer_version - rollout_version <= self.acceptance_staleness
+
+    def consumption(
+        self, consumer_version: int, versions: Sequence[int], batch: int, *, freshest_first: bool
+    ) -> list[int]:
+        """Indices of the (at most) ``batch`` ready rollouts, of ``versions`` in the order they
+        were buffered (all acceptable), that the update from ``consumer_version`` takes: the
+        oldest; or the freshest, after the fewest oldest that the next updates (``batch`` each)
+        could not all take before they age past η_a (earliest deadline first, for whatever
+        would otherwise be generated in vain). Ties keep the buffered order."""
+        oldest = sorted(range(len(versions)), key=lambda i: versions[i])
+        if not freshest_first:
+            return oldest[:batch]
+        must = 0
+        if not math.isinf(self.acceptance_staleness):
+            for count, i in enumerate(oldest, 1):
+                later = versions[i] + int(self.acceptance_staleness) - consumer_version
+                must = max(must, count - later * batch)
+        first = oldest[: min(must, batch)]
+        taken = set(first)
+        rest = sorted((i for i in oldest if i not in taken), key=lambda i: -versions[i])
+        return first + rest[: batch - len(first)]
 
     def admission_budget(self, batch: int, trainer_version: int, worker_version: int) -> float:
         """How many rollouts may be queued (in flight + buffered) before a new one is admitted."""

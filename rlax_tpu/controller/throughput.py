@@ -4,7 +4,8 @@ Workers hold the newest reload point w = η_r·⌊v/η_r⌋ of the trainer's ver
 admitted only while the groups queued ahead of the trainer (in flight + buffered, q) satisfy
 q < B·(η_a − (v − w) + 1) (``StalenessPolicy.admits``; AReaL's B·(1 + η_a) when w = v), so a
 rollout is rarely too stale by the time the trainer reaches it. The trainer takes B groups within
-η_a, oldest first (or freshest first, RLAX's choice). A group that aged out anyway is discarded,
+η_a, oldest first (or freshest first, RLAX's choice, after the fewest oldest that later updates
+could not take before they age out). A group that aged out anyway is discarded,
 counted, and its prompt re-issued ahead of new prompts, never lost; the length distribution of
 trained vs generated rollouts is logged so the bias that discarding could cause is visible.
 Dynamic sampling filters a group as it arrives, so admission refills the batch; after
@@ -158,13 +159,7 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
             continue
         filtered = 0
         wait_s = time.perf_counter() - t_wait
-        ready.sort(
-            key=lambda r: (
-                r.version if cc.consume_order == "oldest_first" else -r.version,
-                finish_seq.get(r.key, 0),
-            )
-        )
-        chosen = ready[:batch]
+        chosen = choose(ready, batch, v, policy, cc.consume_order, finish_seq)
         ctl.counters.tokens_generated = tokens_before + ctl.pool.generated_tokens - pool_at_start
         ctl.snapshot()
         scalars, hist = ctl.step_metrics(chosen)
@@ -182,6 +177,23 @@ def run_throughput(ctl: Controller, metrics: MetricsWriter, progress: Progress) 
     ctl.start_eval_if_due()
     ctl.log_evals(metrics, progress, wait=True)
     ctl.snapshot()
+
+
+def choose(
+    ready: Sequence[GroupResult],
+    batch: int,
+    version: int,
+    policy: StalenessPolicy,
+    order: str,
+    finish_seq: dict[str, int],
+) -> list[GroupResult]:
+    """The ``batch`` groups the update from ``version`` trains, by ``controller.consume_order``
+    (``StalenessPolicy.consumption``), ties in the order they were buffered (``finish_seq``)."""
+    ready = sorted(ready, key=lambda r: finish_seq.get(r.key, 0))
+    picks = policy.consumption(
+        version, [r.version for r in ready], batch, freshest_first=order == "freshest_first"
+    )
+    return [ready[i] for i in picks]
 
 
 def _take_ready(ctl: Controller, version: int) -> list:

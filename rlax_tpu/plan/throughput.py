@@ -26,7 +26,8 @@ What it models, as ``run_throughput`` does:
   and fewer than B are acceptable, the round admits more. With oldest-first consumption and equal
   group times nothing ages out (the budget sees to it); freshest-first can leave old groups
   behind, and latencies that vary (not drawn here) age some out too.
-* The update takes the B oldest acceptable groups (the B newest with ``freshest_first``) and
+* The update takes the B oldest acceptable groups (with ``freshest_first`` the B newest, after
+  the fewest oldest that later updates could not take in time: ``StalenessPolicy.consumption``) and
   ``train_s`` (π_old, update, publish); generation goes on meanwhile; then v + 1, the next round.
 * Group lengths (``lengths``, :mod:`rlax_tpu.plan.lengths`): each group draws (occupancy,
   latency) factors; it holds its slot for occupancy x group_s and its generation ends after
@@ -283,8 +284,9 @@ def simulate_throughput(
             discarded += sum(not policy.accepts(v, b[0]) for b in buffered)
             buffered = [b for b in buffered if policy.accepts(v, b[0])]
             continue
-        # buffered is in arrival order: a stable sort breaks ties by it, as the controller does.
-        chosen = sorted(ready, key=lambda b: -b[0] if freshest_first else b[0])[:batch]
+        # buffered is in arrival order: ties keep it, as the controller's do.
+        picks = policy.consumption(v, [b[0] for b in ready], batch, freshest_first=freshest_first)
+        chosen = [ready[i] for i in picks]
         for b in chosen:
             buffered.remove(b)
         start = t

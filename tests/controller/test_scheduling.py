@@ -29,7 +29,8 @@ from rlax_tpu.controller.app import build_prompter
 from rlax_tpu.controller.components import build_local
 from rlax_tpu.controller.ledger import GroupState
 from rlax_tpu.controller.loop import Controller
-from rlax_tpu.controller.throughput import throughput_queue_cap
+from rlax_tpu.controller.staleness import StalenessPolicy
+from rlax_tpu.controller.throughput import choose, throughput_queue_cap
 from rlax_tpu.observability.metrics import read_metrics
 
 UID = 1_500_000 + (os.getpid() % 100_000) * 8
@@ -181,6 +182,26 @@ def test_freshest_first_consumption_keeps_the_bound_and_the_ledger(tmp_path):
         config, lambda c: setattr(c, "trainer", Slow(c.trainer, {"train_step": [0.5]}))
     )
     check_ledger(ctl, eta_a=1, steps=3, batch=2)
+
+
+def test_an_update_takes_the_groups_the_consume_order_picks():
+    """B = 2 from v5 under η_a = 2, ready groups of versions 4, 3, 5, 3 (listed out of the
+    order they were buffered in: g3 first). Oldest first: the two v3, in buffered order.
+    Freshest first: the two v3 too, as the next wait would discard them; without g3, g1 (v3)
+    and then the freshest, g2."""
+    from types import SimpleNamespace
+
+    ready = [SimpleNamespace(key=f"g{i}", version=v) for i, v in enumerate([4, 3, 5, 3])]
+    seq = {"g3": 0, "g0": 1, "g1": 2, "g2": 3}
+    policy = StalenessPolicy(reload_staleness=1, acceptance_staleness=2)
+
+    def keys(order: str, groups: list) -> list[str]:
+        return [r.key for r in choose(groups, 2, 5, policy, order, seq)]
+
+    assert keys("oldest_first", ready) == ["g3", "g1"]
+    assert keys("freshest_first", ready) == ["g3", "g1"]
+    assert keys("freshest_first", ready[:3]) == ["g1", "g2"]
+    assert keys("oldest_first", ready[:3]) == ["g1", "g0"]
 
 
 def test_a_deterministic_run_records_each_trained_groups_lengths_for_the_planner(tmp_path):

@@ -60,6 +60,32 @@ def test_admission_budget_is_arealls_in_flight_bound():
     assert StalenessPolicy(reload_staleness=1, acceptance_staleness=math.inf).admits(10**9, 8, 5, 0)
 
 
+def test_consumption_oldest_first_or_the_freshest_after_what_would_age_out():
+    """η_a = 2, the update from v5 (versions 3-5 acceptable; v3 only by this update, v4 by the
+    next too)."""
+    policy = StalenessPolicy(reload_staleness=1, acceptance_staleness=2)
+
+    def take(versions: list[int], batch: int, freshest_first: bool) -> list[int]:
+        picks = policy.consumption(5, versions, batch, freshest_first=freshest_first)
+        return [versions[i] for i in picks]
+
+    assert take([4, 3, 5, 3], 2, False) == [3, 3]
+    # Nothing ages out unless taken now: the freshest, ties in buffered order.
+    assert policy.consumption(5, [4, 5, 4, 5], 2, freshest_first=True) == [1, 3]
+    # A v3 group is on its last acceptable update: it goes first, then the freshest.
+    assert take([4, 3, 5], 2, True) == [3, 5]
+    # More of them than the update takes: as many as fit.
+    assert take([4, 3, 5, 3, 3], 2, True) == [3, 3]
+    # Two v4 groups and batches of 2: update 6 can take both, so none now ...
+    assert take([4, 4, 5, 5], 2, True) == [5, 5]
+    # ... three cannot all wait for update 6: one now, then the freshest.
+    assert take([4, 4, 4, 5, 5], 2, True) == [4, 5]
+    assert policy.consumption(5, [], 2, freshest_first=True) == []
+    # Unbounded: nothing ages out, freshest first is the freshest.
+    unbounded = StalenessPolicy(reload_staleness=1, acceptance_staleness=math.inf)
+    assert unbounded.consumption(5, [0, 5, 3], 2, freshest_first=True) == [1, 2]
+
+
 def test_bad_policies():
     with pytest.raises(ValueError):
         StalenessPolicy(reload_staleness=0, acceptance_staleness=1)

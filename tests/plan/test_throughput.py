@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -93,21 +94,41 @@ def test_bad_inputs_are_refused():
         ThroughputCosts(group_s=-1, train_s=1)
 
 
-def test_freshest_first_leaves_an_old_group_behind_and_discards_it():
+def test_freshest_first_takes_a_group_on_its_last_acceptable_update_before_it_ages_out():
     """η_a = 2, B = 1, 4 slots, groups of 1 s, updates of 10 s. v0 admits 3 (in at 1; the wait
     buffers all three): updates 0-2 take them at 1, 11, 21, admitting one more group of the
     current version at 11 (v1, in at 12), 21 (v2, in at 22), 31 (v3, in at 32), 41 (v4).
-    At v3 nothing is buffered: the wait at 31 buffers v1 and v2. Oldest first takes v1, then v2
-    at v4. Freshest first takes v2, then at v4 finds v1 too old (3 > η_a): its wait at 41
-    buffers v3, discards v1 and takes v3."""
+    At v3 the wait at 31 buffers v1 and v2. v1 is on its last acceptable update (at v4 it would
+    be 3 > η_a old), so freshest first takes it before v2, as oldest first does (before
+    StalenessPolicy.consumption it took v2 and then discarded v1)."""
     costs = ThroughputCosts(group_s=1, train_s=10)
     oldest = simulate_throughput(5, costs, _policy(2), batch=1, slots=4)
     freshest = simulate_throughput(5, costs, _policy(2), batch=1, slots=4, freshest_first=True)
     for sched in (oldest, freshest):
         assert [u.train_start for u in sched.updates] == [1, 11, 21, 31, 41]
-    assert [u.versions for u in oldest.updates] == [(0,), (0,), (0,), (1,), (2,)]
-    assert [u.versions for u in freshest.updates] == [(0,), (0,), (0,), (2,), (3,)]
-    assert (oldest.discarded, freshest.discarded) == (0, 1)
+        assert [u.versions for u in sched.updates] == [(0,), (0,), (0,), (1,), (2,)]
+        assert sched.discarded == 0
+
+
+def test_freshest_first_takes_an_old_group_early_when_later_updates_could_not_take_all():
+    """η_a = 3, B = 1, 4 slots, updates of 10 s, groups whose generation ends after 1, 3, 1,
+    3, ... s. v0 admits 4 (in at 1, 3, 1, 3): updates 0 and 1 take the two in at 1 (at 1 and
+    11); each round admits one group of its version (v1 in at 12, v2 at 24, v3 at 32). At v2
+    two v0 groups wait beside v1. Both are acceptable through v3, but updates 2 and 3 take one
+    group each, so one v0 goes now, though v1 is fresher, and the other at v3 (before
+    StalenessPolicy.consumption freshest first took v1, then one v0, and discarded the other)."""
+    draws = itertools.cycle([1.0, 3.0])
+    sched = simulate_throughput(
+        6,
+        ThroughputCosts(group_s=1, train_s=10),
+        _policy(3),
+        batch=1,
+        slots=4,
+        freshest_first=True,
+        lengths=lambda: (1.0, next(draws)),
+    )
+    assert [u.versions for u in sched.updates] == [(0,), (0,), (0,), (0,), (1,), (2,)]
+    assert sched.discarded == 0
 
 
 def test_a_verifier_of_few_slots_queues_the_groups_samples():
