@@ -204,6 +204,17 @@ class RunConfig:
         return self.controller.prompts_per_step * self.algorithm.group_size
 
     @property
+    def relays_while_pushed(self) -> bool:
+        """The workers fetch a reload point while the trainer still pushes it: the parameter
+        server relays it as it arrives (``param_server.fanout`` "relay", over gRPC) and the
+        controller learns of the push as it starts (``trainer.publish_in_flight``)."""
+        return (
+            self.param_server.fanout == "relay"
+            and self.controller.transport == "distributed"
+            and self.trainer.publish_in_flight > 0
+        )
+
+    @property
     def prompt_style(self) -> Literal["raw", "chat"]:
         """data.prompt_style with "auto" resolved: raw for a randomly initialized model (it has
         no chat format to follow), chat for pretrained weights."""

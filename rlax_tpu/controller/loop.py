@@ -138,7 +138,14 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
         )
         # Versions the trainer still pushes (trainer.publish_in_flight): loaded once published.
         self.publishes = Publishes(
-            components.trainer, self.pool, in_flight=config.trainer.publish_in_flight > 0
+            components.trainer,
+            self.pool,
+            in_flight=config.trainer.publish_in_flight > 0,
+            # The parameter server relays a version while it is pushed (service.CutThrough) to
+            # workers that relay (components.relay_sources).
+            stage_early=(lambda v: self.policy.reload_point(v) == v)
+            if config.relays_while_pushed
+            else None,
         )
         self.version = 0
         self.step = 0

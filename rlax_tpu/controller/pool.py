@@ -202,6 +202,13 @@ class WorkerPool:
         fut.add_done_callback(lambda _: self._returned(i, groups))
         return fut
 
+    def stage(self, version: int) -> None:
+        """Has every live worker that holds another version fetch ``version`` ahead (one still
+        being published, relayed as it arrives: the fetch overlaps the push), so that its
+        epoch's load is a swap."""
+        for i in self.live:
+            self._stage_ahead(i, version)
+
     def _stage_ahead(self, i: int, version: int) -> None:
         """Has worker i fetch ``version`` while it still generates the earlier epoch's jobs, so
         the epoch's load is a swap (a worker without ``stage`` fetches at the load)."""

@@ -1,7 +1,8 @@
 """Versions the trainer is still pushing to the parameter server (``trainer.publish_in_flight``).
 
 A step returns while its version's push goes on; no worker may load the version before it is
-published. A thread per pending version waits for the trainer's word (``wait_published``), then
+published (with ``stage_early`` the workers fetch it meanwhile, relayed as it arrives, and swap
+it in once it is published). A thread per pending version waits for the trainer's word (``wait_published``), then
 tells the pool (publish-to-serve starts at the trainer's publish). Generation jobs go to the
 pool through one queue (``after``) that holds a job of a pending version until it is published,
 so the controller's thread goes on (the next update overlaps the push) and jobs reach the pool
@@ -24,11 +25,21 @@ T = TypeVar("T")
 
 
 class Publishes:
-    def __init__(self, trainer: Any, pool: Any, *, in_flight: bool = True):
+    def __init__(
+        self,
+        trainer: Any,
+        pool: Any,
+        *,
+        in_flight: bool = True,
+        stage_early: Callable[[int], bool] | None = None,
+    ):
         """``trainer``: has ``wait_published(version)``; ``pool``: has ``published(version,
-        seconds_ago)``; ``in_flight`` False: no version is ever pending (jobs go straight to
-        the pool)."""
+        seconds_ago)`` and ``stage(version)``; ``in_flight`` False: no version is ever pending
+        (jobs go straight to the pool); ``stage_early(version)``: whether the workers fetch a
+        version while it is still being pushed (relayed as it arrives, ``param_server.fanout``
+        "relay", and one they will load: a reload point)."""
         self._trainer, self._pool, self.in_flight = trainer, pool, in_flight
+        self._stage_early = stage_early
         self._cond = threading.Condition()
         self._pending: set[int] = set()
         self._failed: BaseException | None = None
@@ -45,6 +56,8 @@ class Publishes:
         start = time.perf_counter() - seconds_ago
         with self._cond:
             self._pending.add(version)
+        if self._stage_early is not None and self._stage_early(version):
+            self._pool.stage(version)  # the relay's buckets flow while the push goes on
         threading.Thread(
             target=self._watch, args=(version, start), name=f"published-v{version}", daemon=True
         ).start()

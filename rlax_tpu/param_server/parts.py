@@ -41,6 +41,23 @@ log = logging.getLogger(__name__)
 Box = tuple[int, Bounds]
 
 
+class Receiver(Protocol):
+    """Told of a new version's bytes as they arrive (``ParamServer.receiving``; the relay's
+    cut-through, ``service.CutThrough``). Its calls never raise into a publish."""
+
+    def array(self, index: int, data: np.ndarray) -> None:
+        """Whole array ``index``'s bytes (uint8), not yet checked against the publisher's."""
+
+    def box(self, part: int, k: int, index: int, bounds: Bounds, data: np.ndarray) -> None:
+        """Box ``k`` of part ``part`` (of array ``index``; uint8 C-order bytes), not checked."""
+
+    def checked(self, crcs: Sequence[int] | None) -> None:
+        """Every byte arrived and matched the publisher's checksums (each array's, if known)."""
+
+    def failed(self, error: BaseException) -> None:
+        """The publish failed: nothing received is to be served."""
+
+
 class PartsServer(Protocol):
     """What an assembly needs of the server that holds it (``server.ParamServer``)."""
 
@@ -84,6 +101,7 @@ class Assembly:
     claimed: dict[int, list[Box]] = dataclasses.field(default_factory=dict)  # part -> its boxes
     done: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # part -> box CRC32Cs
     finishing: bool = False  # the last part is writing the store and committing
+    receiver: Receiver | None = None  # told of boxes as they arrive (guarded by nothing: set once)
 
     @classmethod
     def create(cls, version: int, step: int, arrays: Sequence[ArraySpec], parts: int) -> Assembly:
@@ -175,7 +193,18 @@ class PartSession:
                 f"{len(self._buffers[self._current])} bytes"
             )
         self._crcs.append(self._crc)
+        receiver = self._assembly.receiver if self._assembly is not None else None
+        if receiver is not None:
+            i, bounds = self.boxes[self._current]
+            receiver.box(self.part, self._current, i, bounds, self._buffers[self._current])
         self._current, self._received, self._crc = self._current + 1, 0, 0
+
+    def failed(self, error: BaseException) -> None:
+        """This part's stream or finish failed: the version is no longer relayed as it arrives
+        (a box may be damaged); it is once committed."""
+        receiver = self._assembly.receiver if self._assembly is not None else None
+        if receiver is not None:
+            receiver.failed(error)
 
     def finish(self, crcs: Sequence[int]) -> tuple[VersionInfo, bool, bool]:
         while self._current < len(self.boxes):

@@ -793,6 +793,59 @@ def _in_layout_order(buffer: VersionBuffer, by_path: Mapping[str, Any]) -> list[
     return [by_path[p] for p in paths]
 
 
+class Feed:
+    """Fills a buffer from whole arrays that complete in any order (a root relaying a version
+    while it is still being published to it): each bucket is served once every array it holds is
+    in, except the last, held back until ``release`` (the publisher's checksums matched), so that
+    no reader completes a version that fails them. Thread-safe (parts of a version arrive on
+    several streams at once)."""
+
+    def __init__(self, buffer: VersionBuffer):
+        self.buffer = buffer
+        self._done = [False] * len(buffer.layout.paths)
+        self._next = 0  # the first array not yet done
+        self._bucket = 0  # the next bucket to serve
+        self._lock = threading.Lock()
+
+    def view(self, i: int) -> np.ndarray:
+        """Array i in the buffer, for its writer (before ``done(i)``)."""
+        return self.buffer.view(i)
+
+    def done(self, i: int) -> None:
+        """Array i's bytes are all written: serves the buckets that completes (the last held)."""
+        layout, data = self.buffer.layout, self.buffer.data
+        end = layout.offsets[i + 1] if i + 1 < len(layout.paths) else layout.total
+        data[layout.offsets[i] + layout.nbytes(i) : end] = 0  # alignment padding
+        with self._lock:
+            self._done[i] = True
+            while self._next < len(self._done) and self._done[self._next]:
+                self._next += 1
+            self._serve(last=False)
+
+    def release(self) -> None:
+        """Every array is in and checked: serves the rest, the last bucket included."""
+        with self._lock:
+            if self._next < len(self._done):
+                missing = self.buffer.layout.paths[self._next]
+                raise DataLoss(f"version {self.buffer.version}: {missing} was never completed")
+            self._serve(last=True)
+
+    def _serve(self, *, last: bool) -> None:
+        layout = self.buffer.layout
+        ready = layout.offsets[self._next] if self._next < len(self._done) else layout.total
+        stop = layout.buckets if last else layout.buckets - 1
+        while self._bucket < stop and (
+            (self._bucket + 1) * layout.bucket_bytes <= ready or self._next == len(self._done)
+        ):
+            self.buffer.fill(self._bucket)
+            self._bucket += 1
+
+    def fail(self, error: BaseException) -> None:
+        """Readers fail over; a buffer already whole stays as it is."""
+        if not self.buffer.complete:
+            self.buffer.fail(error)
+
+
 def fill_from_pieces(
     buffer: VersionBuffer,
     pieces: Iterator[tuple[int, int, Any]],
@@ -802,30 +855,27 @@ def fill_from_pieces(
     in it, data), serving the buckets holding each array once it is whole; with ``crcs``, once
     it also matches its CRC32C there (the root of a chain: what it serves is what was
     published). Marks the buffer failed on any error."""
-    layout = buffer.layout
-    state = {"next": 0, "bucket": 0}  # the next array to complete; the next bucket to serve
+    layout, feed = buffer.layout, Feed(buffer)
+    following = 0  # the next array to complete
 
     def complete(k: int) -> None:
+        nonlocal following
         lo = layout.offsets[k]
         if crcs is not None and checksum(buffer.data[lo : lo + layout.nbytes(k)]) != crcs[k]:
             raise DataLoss(f"version {buffer.version}: {layout.paths[k]} fails its checksum")
-        end = layout.offsets[k + 1] if k + 1 < len(layout.paths) else layout.total
-        buffer.data[lo + layout.nbytes(k) : end] = 0  # alignment padding
-        while (state["bucket"] + 1) * layout.bucket_bytes <= end:
-            buffer.fill(state["bucket"])
-            state["bucket"] += 1
-        state["next"] = k + 1
+        feed.done(k)
+        following = k + 1
 
     def skip_to(k: int) -> None:
         """Arrays before k sent no piece: they must be empty."""
-        for j in range(state["next"], k):
+        for j in range(following, k):
             if layout.nbytes(j):
                 raise DataLoss(f"version {buffer.version}: no bytes of {layout.paths[j]}")
             complete(j)
 
     try:
         for k, offset, data in pieces:
-            if k < state["next"]:
+            if k < following:
                 raise DataLoss(f"version {buffer.version}: {layout.paths[k]} read twice")
             skip_to(k)
             raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -834,9 +884,7 @@ def fill_from_pieces(
             if offset + raw.size >= layout.nbytes(k):
                 complete(k)
         skip_to(len(layout.paths))
-        while state["bucket"] < layout.buckets:
-            buffer.fill(state["bucket"])
-            state["bucket"] += 1
+        feed.release()
     except BaseException as e:  # noqa: BLE001 - its readers fail over
         buffer.fail(e)
 

@@ -21,7 +21,7 @@ import math
 import threading
 import uuid
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from rlax_tpu.param_server.codec import (
     checksum,
     np_dtype,
 )
-from rlax_tpu.param_server.parts import Assembly, PartSession, commit_assembly, cut
+from rlax_tpu.param_server.parts import Assembly, PartSession, Receiver, commit_assembly, cut
 from rlax_tpu.param_server.persistence import Persister
 from rlax_tpu.param_server.retention import Retention
 from rlax_tpu.param_server.store import ArrayStore
@@ -61,6 +61,9 @@ class ParamServer:
         self._chunk_crcs: dict[int, list[np.ndarray]] = {}
         self._publishing: set[int] = set()
         self._assemblies: dict[int, Assembly] = {}  # versions published in parts, incomplete
+        # Told of every new version as its publish starts, for a relay that serves it while it
+        # arrives (service.CutThrough): (version, arrays) -> a receiver, or None.
+        self.receiving: Callable[[int, tuple[ArraySpec, ...]], Receiver | None] | None = None
         self._pins: collections.Counter[int] = collections.Counter()  # pulls and persists in flight
         self._persisted: set[int] = set()
         # Newest version ever committed here (or found persisted): numbers at or below it that
@@ -95,7 +98,19 @@ class ParamServer:
             if existing is None:
                 self._collectible_locked(need_room=True)  # fail early, collect at commit
             self._publishing.add(version)
-        return PublishSession(self, version, step, tuple(arrays), existing=existing)
+        receiver = self._receiver(version, arrays) if existing is None else None
+        return PublishSession(
+            self, version, step, tuple(arrays), existing=existing, receiver=receiver
+        )
+
+    def _receiver(self, version: int, arrays: Sequence[ArraySpec]) -> Receiver | None:
+        if self.receiving is None:
+            return None
+        try:
+            return self.receiving(version, tuple(arrays))
+        except Exception as e:  # noqa: BLE001 - the version is relayed once committed instead
+            log.warning("version %d cannot be relayed while it arrives: %s", version, e)
+            return None
 
     def _check_layout_locked(
         self, version: int, arrays: Sequence[ArraySpec]
@@ -148,8 +163,11 @@ class ParamServer:
                         old,
                         version,
                     )
-                    del self._assemblies[old]
+                    dropped = self._assemblies.pop(old)
+                    if dropped.receiver is not None:
+                        dropped.receiver.failed(errors.Aborted(f"version {old} was dropped"))
                 assembly = Assembly.create(version, step, arrays, parts)
+                assembly.receiver = self._receiver(version, arrays)
                 self._assemblies[version] = assembly
             elif (assembly.parts, assembly.step) != (parts, step) or not _same_layout(
                 assembly.arrays, arrays
@@ -197,6 +215,8 @@ class ParamServer:
                 assembly.finishing = True
         if not complete:
             return info, False, False
+        if assembly.receiver is not None:  # every part checked: its relay may finish
+            assembly.receiver.checked(None)
         try:
             info = commit_assembly(self, assembly)
         except errors.ResourceExhausted:
@@ -686,8 +706,10 @@ class PublishSession:
         arrays: tuple[ArraySpec, ...],
         *,
         existing: tuple[VersionManifest, str] | None,
+        receiver: Receiver | None = None,
     ):
         self._server, self.version, self.step, self.arrays = server, version, step, arrays
+        self._receiver = receiver  # told of each array as it is whole, and of the check
         self._existing = existing  # a retry of a committed version: only checksums are compared
         self._prefix = f"v{version}-{uuid.uuid4().hex[:8]}"
         self._current, self._received = -1, 0
@@ -740,6 +762,8 @@ class PublishSession:
             data = self._array_bytes(self._current).view(np_dtype(spec.dtype)).reshape(spec.shape)
             self._sealed.append((self._current, spec, data))
             self._start_writes(wait=False)
+            if self._receiver is not None:
+                self._receiver.array(self._current, self._array_bytes(self._current))
 
     def _start_writes(self, *, wait: bool) -> None:
         """Starts the writes of sealed arrays whose creation is done (all of them if ``wait``)."""
@@ -791,6 +815,8 @@ class PublishSession:
         bad = [s.path for s, g, c in zip(self.arrays, got, crcs, strict=True) if g != c]
         if bad:
             raise errors.DataLoss(f"version {self.version}: checksum mismatch in {bad}")
+        if self._receiver is not None:  # what was published: it may be served whole now
+            self._receiver.checked(got)
         self._start_writes(wait=True)
         tables = []
         if self._existing is None:  # from the bytes just checked, while the writes run
@@ -830,6 +856,8 @@ class PublishSession:
 
     def _close(self, *, keep: bool) -> None:
         self._open = False
+        if not keep and self._receiver is not None:
+            self._receiver.failed(errors.Aborted(f"the publish of version {self.version} ended"))
         self._slab = None  # the store holds what it keeps of it
         with self._server._lock:
             self._server._publishing.discard(self.version)

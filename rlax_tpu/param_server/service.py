@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextlib
 import functools
 import logging
+import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
 import jax
+import numpy as np
 
 from rlax_tpu import storage
 from rlax_tpu.config import ParamServerConfig, RunConfig
 from rlax_tpu.param_server import delta, errors, framing, relay, wire
-from rlax_tpu.param_server.codec import VersionManifest, as_bytes, checksum, np_dtype
+from rlax_tpu.param_server.codec import (
+    ArraySpec,
+    Bounds,
+    VersionManifest,
+    as_bytes,
+    checksum,
+    np_dtype,
+)
 from rlax_tpu.param_server.framing import SERVICE, ChunkView
+from rlax_tpu.param_server.parts import cut
 from rlax_tpu.param_server.server import ParamServer, VersionReader
 from rlax_tpu.rpc import common_pb2, param_server_pb2_grpc
 from rlax_tpu.rpc import param_server_pb2 as pb
@@ -51,14 +63,19 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
         chunk_bytes: int,
         relay_appear_s: float = 3.0,
         relay_deltas: int = 0,
+        cut_through: bool = False,
     ):
+        """``cut_through``: relay each new version while it is published here (CutThrough)."""
         self._server, self._chunk_bytes = server, chunk_bytes
-        # The root of the workers' relay chains (param_server.fanout "relay"): a version is read
-        # from the store once, when its first reader asks, and served as it is read. One
-        # version kept (the memory budget counts it: launch/gke.py).
+        # The root of the workers' relay chains (param_server.fanout "relay"): a version is
+        # served as it arrives (cut_through), else read from the store once, when its first
+        # reader asks, and served as it is read. One version kept (the memory budget counts
+        # it: launch/gke.py).
         root = RelayRoot(server, deltas=relay_deltas > 1)
         self.relay = relay.RelayService(appear_s=relay_appear_s, keep=1, missing=root)
         root.service = self.relay
+        if cut_through:
+            server.receiving = root.receiving
 
     @_statuses
     def Publish(self, request_iterator: Iterator[pb.PublishRequest], context) -> pb.PublishReply:  # noqa: ANN001
@@ -90,9 +107,13 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
             parts=raw.part.count,
             boxes=boxes,
         )
-        info, present, complete = session.finish(
-            _receive(session, request_iterator, header.version)
-        )
+        try:
+            info, present, complete = session.finish(
+                _receive(session, request_iterator, header.version)
+            )
+        except BaseException as e:
+            session.failed(e)
+            raise
         return pb.PublishReply(
             info=wire.info_to_pb(info), already_present=present, complete=complete
         )
@@ -245,16 +266,21 @@ class RelayRoot:
         )
         return buffer
 
+    def receiving(self, version: int, arrays: tuple[ArraySpec, ...]) -> CutThrough | None:
+        """A buffer for ``version``, served from now on as its publish fills it."""
+        if self.service is None:
+            return None
+        buffer = relay.VersionBuffer(version, _layout(arrays), meta={"crcs": None})
+        self.service.add(buffer)
+        return CutThrough(relay.Feed(buffer), arrays)
+
     def _whole(self, version: int) -> relay.VersionBuffer | None:
         try:
             manifest, reader = self.store.pull(version)
         except errors.NotFound:
             return None
-        arrays = [
-            (a.path, jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype))) for a in manifest.arrays
-        ]
         crcs = [a.crc32c for a in manifest.arrays]
-        buffer = relay.VersionBuffer(version, relay.Layout.of(arrays), meta={"crcs": crcs})
+        buffer = relay.VersionBuffer(version, _layout(manifest.arrays), meta={"crcs": crcs})
 
         def fill() -> None:
             try:
@@ -272,7 +298,88 @@ class RelayRoot:
         if buffer is None:
             raise KeyError(f"the parameter server has no version {version}")
         buffer.wait(buffer.layout.buckets - 1)  # RelayFailed if its store copy is damaged
+        if buffer.meta["crcs"] is None:  # relayed as it arrived in parts: checked, not summed
+            count = len(buffer.layout.paths)
+            buffer.meta = {"crcs": [checksum(buffer.view(i)) for i in range(count)]}
         return buffer
+
+
+def _layout(arrays: Sequence[ArraySpec]) -> relay.Layout:
+    return relay.Layout.of(
+        [(a.path, jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype))) for a in arrays]
+    )
+
+
+class CutThrough:
+    """A version relayed while it is published to this replica (``param_server.fanout``
+    "relay"): each array goes into the root's buffer once it is whole, and the buckets it
+    completes are served at once, the last only after the publisher's checksums matched
+    (``relay.Feed``). The copies and checksums run on a thread of their own, off the receiving
+    streams'. Any failure of the publish fails the buffer (its readers fail over; the version is
+    relayed from the store once committed). Never raises into the publish."""
+
+    def __init__(self, feed: relay.Feed, arrays: Sequence[ArraySpec]):
+        self.feed = feed
+        self._sizes = [math.prod(a.shape) for a in arrays]
+        self._covered = [0] * len(arrays)
+        self._boxes: set[tuple[int, int]] = set()  # (part, box) written: a part sent again is not
+        self._lock = threading.Lock()
+        # In order: a release comes after every write the publish handed over before it.
+        self._thread = cf.ThreadPoolExecutor(1, f"cut-through-v{feed.buffer.version}")
+        for i, size in enumerate(self._sizes):
+            if size == 0:
+                self._later(self.feed.done, i)
+
+    def array(self, index: int, data: np.ndarray) -> None:
+        def write() -> None:
+            lo = self.feed.buffer.layout.offsets[index]
+            self.feed.buffer.data[lo : lo + data.size] = data
+            self.feed.done(index)
+
+        self._later(write)
+
+    def box(self, part: int, k: int, index: int, bounds: Bounds, data: np.ndarray) -> None:
+        with self._lock:
+            if (part, k) in self._boxes:
+                return
+            self._boxes.add((part, k))
+
+        def write() -> None:
+            view = self.feed.view(index)
+            view[cut(bounds)] = data.view(view.dtype).reshape([hi - lo for lo, hi in bounds])
+            with self._lock:
+                self._covered[index] += math.prod(hi - lo for lo, hi in bounds)
+                whole = self._covered[index] == self._sizes[index]
+            if whole:
+                self.feed.done(index)
+
+        self._later(write)
+
+    def checked(self, crcs: Sequence[int] | None) -> None:
+        def release() -> None:
+            self.feed.buffer.meta = {"crcs": None if crcs is None else list(crcs)}
+            self.feed.release()
+
+        self._later(release)
+        self._thread.shutdown(wait=False)
+
+    def failed(self, error: BaseException) -> None:
+        self.feed.fail(error)
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    def _later(self, call: Callable[..., None], *args: Any) -> None:
+        def run() -> None:
+            if self.feed.buffer.error is not None:
+                return
+            try:
+                call(*args)
+            except Exception as e:  # noqa: BLE001 - the publish goes on; readers fail over
+                version = self.feed.buffer.version
+                log.warning("version %d: relaying it as it arrives failed: %s", version, e)
+                self.feed.fail(e)
+
+        with contextlib.suppress(RuntimeError):  # shut down: the publish failed or ended
+            self._thread.submit(run)
 
 
 def _serialize(message: Any) -> bytes:
@@ -304,6 +411,7 @@ def serve(
         chunk_bytes=config.chunk_bytes,
         relay_appear_s=config.relay_appear_s,
         relay_deltas=config.relay_deltas,
+        cut_through=config.fanout == "relay",
     )
     credentials = Credentials(
         auth_token_file=config.auth_token_file, tls_cert_file=config.tls_cert_file

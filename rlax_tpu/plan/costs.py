@@ -23,7 +23,10 @@ chip's peak and its bytes at the peak HBM bandwidth) over an efficiency factor i
   reloads them together), whichever is slower. With "relay", a chain (``param_server/relay.py``):
   the root replica sends the version once and each worker forwards every bucket once it is
   verified, so the last of W workers has it (W - 1) buckets after the first, at the slower of the
-  two links times ``Network.relay_efficiency``. With ``param_server.relay_deltas`` N > 1, N - 1
+  two links times ``Network.relay_efficiency``; when the chain runs beside the trainer's push
+  (``RunConfig.relays_while_pushed``), what is left of it after the push, at least the last
+  bucket's W hops (the version then reaches every worker in about the slower of the two
+  transfers, not their sum). With ``param_server.relay_deltas`` N > 1, N - 1
   reloads in N are deltas against the version the worker holds: ``Network.delta_ratio`` of the
   bytes (measured on a run's versions: ``benchmarks/weight_sync.py deltas``), after the root's
   encoding of the whole version at ``Network.delta_encode_bytes_per_s``, which the reload waits
@@ -132,11 +135,20 @@ class Network:
             def chain(nbytes: float) -> float:
                 return (nbytes + (workers - 1) * min(nbytes, self.relay_bucket_bytes)) / rate
 
+            whole = chain(size)
+            if config.relays_while_pushed:
+                # The chain runs beside the push (service.CutThrough): after the push, what is
+                # left of it, at least the last bucket's way down the chain.
+                whole = max(
+                    whole - size / self.server_bytes_per_s,
+                    workers * min(size, self.relay_bucket_bytes) / rate,
+                )
             n = config.param_server.relay_deltas
             if n <= 1:
-                return chain(size)
+                return whole
+            # A delta is encoded from the whole version: after the push.
             delta = size / self.delta_encode_bytes_per_s + chain(size * self.delta_ratio)
-            return ((n - 1) * delta + chain(size)) / n
+            return ((n - 1) * delta + whole) / n
         replicas = max(1, config.param_server.replicas)
         return size * max(1 / self.pull_bytes_per_s, workers / (replicas * self.server_bytes_per_s))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -560,3 +561,175 @@ def test_a_relaying_worker_process_killed_mid_transfer_leaves_the_others_whole(p
             if p.poll() is None:
                 p.stdin.close()
                 p.wait(timeout=30)
+
+
+# -- the root relaying a version while it is published (cut-through) -------------------------
+
+
+@pytest.fixture
+def relay_ps() -> Iterator:
+    """A parameter server whose workers relay (param_server.fanout "relay"): it serves each new
+    version as it arrives."""
+    with running(ParamServerConfig(chunk_bytes=64 << 10, persist_every=0, fanout="relay")) as r:
+        yield r
+
+
+def _held(client, gate: threading.Event, *, tamper: bool = False):
+    """The client's publish stream, stopped before its trailer until ``gate`` is set; with
+    ``tamper``, the first trailer's second checksum flipped."""
+    plain, flip = client._publish_stream, [tamper]
+
+    def stream(header, datas):
+        *body, trailer = list(plain(header, datas))
+        yield from body
+        gate.wait()
+        if flip[0]:
+            flip[0] = False
+            trailer.trailer.crc32[1] ^= 1
+        yield trailer
+
+    return stream
+
+
+def _in_thread(call) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def _read_while_held(ps, servers, publish, gate: threading.Event) -> tuple:
+    """Fetches version 1 from the root while ``publish()`` runs, its held stream released once
+    a bucket reached the reader and 0.3 s more passed: (the reader's buffer, its buckets then,
+    the fetch's outcome, the publish's)."""
+    from rlax_tpu.param_server.relay import FULL, fetch
+
+    pusher, pushed = _in_thread(publish)
+    reader = servers()
+    fetcher, fetched = _in_thread(lambda: fetch(1, [ps.endpoint], reader, timeout_s=30))
+    deadline = time.monotonic() + 30
+    while (reader.get(1) is None or reader.get(1).filled < 1) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.3)  # nothing more comes while the publish is held
+    buffer = reader._versions[(1, FULL)]
+    held = buffer.filled
+    gate.set()
+    pusher.join()
+    fetcher.join()
+    return buffer, held, fetched[0], pushed[0]
+
+
+def _assert_holds(buffer, tree) -> None:
+    from rlax_tpu.param_server.codec import flatten
+
+    paths, leaves, _ = flatten(tree)
+    assert list(buffer.layout.paths) == list(paths)
+    for i, leaf in enumerate(leaves):
+        assert buffer.array(i).tobytes() == np.asarray(leaf).tobytes()
+
+
+def test_the_root_relays_a_version_while_it_is_published_and_ends_it_once_checked(
+    relay_ps, servers
+):
+    """Every bucket but the last reaches a reader while the publish is still under way (before
+    its trailer, the publisher's checksums); the last comes once they matched. The store is
+    never read for it."""
+    tree, gate = _tree(3), threading.Event()
+    relay_ps.client._publish_stream = _held(relay_ps.client, gate)
+    before = relay_ps.store.bytes_served()
+    buffer, held, got, pushed = _read_while_held(
+        relay_ps, servers, lambda: relay_ps.client.push(tree, 1), gate
+    )
+    assert not isinstance(pushed, Exception), pushed
+    assert 1 <= held < buffer.layout.buckets
+    assert got is buffer and buffer.complete
+    _assert_holds(buffer, tree)
+    assert relay_ps.store.bytes_served() == before
+
+
+def test_a_version_relayed_in_parts_as_they_arrive_is_whole_once_every_part_is_checked(
+    relay_ps, servers
+):
+    """Two parts (each the half rows of every array), the second held before its trailer: the
+    buckets of the arrays both parts have sent are relayed, the last once the second part's
+    checksums matched."""
+    from rlax_tpu.param_server.codec import ArraySpec, flatten
+
+    tree = {k: v for k, v in _tree(4).items() if k != "empty"}
+    paths, leaves, _ = flatten(tree)
+    specs = [
+        ArraySpec(path=p, shape=a.shape, dtype=a.dtype.name)
+        for p, a in zip(paths, leaves, strict=True)
+    ]
+
+    def half(part: int) -> list:
+        out = []
+        for i, a in enumerate(leaves):
+            lo, hi = (0, a.shape[0] // 2) if part == 0 else (a.shape[0] // 2, a.shape[0])
+            out.append((i, ((lo, hi), *((0, d) for d in a.shape[1:])), a[lo:hi]))
+        return out
+
+    gate, client = threading.Event(), relay_ps.client
+    plain, held = client._publish_stream, _held(client, gate)
+
+    def publish() -> tuple:
+        client.push_part(specs, half(0), 1, part=0, parts=2)
+        client._publish_stream = held
+        return client.push_part(specs, half(1), 1, part=1, parts=2)
+
+    buffer, filled, got, pushed = _read_while_held(relay_ps, servers, publish, gate)
+    client._publish_stream = plain
+    assert not isinstance(pushed, Exception) and pushed[1], pushed  # the part completing it
+    assert 1 <= filled < buffer.layout.buckets
+    assert got is buffer and buffer.complete
+    _assert_holds(buffer, tree)
+
+
+def test_a_publish_that_fails_its_checksums_is_never_completed_by_a_reader(relay_ps, servers):
+    """The trailer's second checksum is flipped: the reader holds buckets but never the last,
+    and fails (its buffer never whole, so never handed to an engine); the publish is refused,
+    and the version published again reaches a new reader whole."""
+    from rlax_tpu.param_server import errors
+    from rlax_tpu.param_server.relay import RelayFailed, fetch
+
+    tree, gate = _tree(5), threading.Event()
+    relay_ps.client._publish_stream = _held(relay_ps.client, gate, tamper=True)
+    buffer, held, got, pushed = _read_while_held(
+        relay_ps, servers, lambda: relay_ps.client.push(tree, 1), gate
+    )
+    assert held >= 1 and not buffer.complete
+    assert isinstance(got, RelayFailed), got
+    assert isinstance(pushed, errors.DataLoss), pushed
+    relay_ps.client.push(tree, 1)  # the held stream again, untampered now
+    _assert_holds(fetch(1, [relay_ps.endpoint], servers(), timeout_s=30), tree)
+
+
+def test_a_worker_staging_a_version_being_published_swaps_in_the_relayed_copy(relay_ps, servers):
+    """What a worker does when the controller stages a version as its push starts
+    (``controller.publishes`` ``stage_early``): its standby fetch relays the buckets while the
+    push is held, and the load takes that copy (relayed, never pulled) with the published bytes."""
+    from rlax_tpu.inference.standby import Standby
+
+    tree, gate = _tree(6), threading.Event()
+    relay_ps.client._publish_stream = _held(relay_ps.client, gate)
+    reader = servers(appear_s=1)
+    (source,) = _chain_of(relay_ps, tree, [reader], deltas=False)
+    standby = Standby(source.fetch)
+    pusher, pushed = _in_thread(lambda: relay_ps.client.push(tree, 1))
+    standby.stage(1)
+    deadline = time.monotonic() + 30
+    while (reader.get(1) is None or reader.get(1).filled < 1) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert reader.get(1).filled >= 1 and not pushed  # buckets here, the push still held
+    gate.set()
+    pusher.join()
+    _assert_tree_equal(standby.take(1), tree)
+    assert standby.counts["taken_staged"] == 1
+    assert (source.counts["relayed"], source.counts["pulled"]) == (1, 0)

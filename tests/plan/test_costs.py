@@ -232,6 +232,41 @@ def test_a_relay_chain_reloads_in_about_one_transfer_whatever_the_workers():
         Network(relay_efficiency=0.0)
 
 
+def test_a_chain_beside_the_push_reloads_in_what_is_left_of_it_after_the_push():
+    """The same version and links, the workers staging it as its push starts (relay over gRPC,
+    pushes in flight: service.CutThrough). Push 16.4 s at 32 Gbit/s, the chain 16.9 s: after
+    the push, 0.5 s (publish to serve 16.9 s, not 33.3). With 100 Gbit/s replicas the push
+    (5.2 s) and the chain (5.4 s at 0.97 of 100) nearly match; with a slower chain the whole
+    difference. A push slower than the chain leaves the last bucket's hops."""
+    size = 65_527_000_000
+    base = {"param_server.replicas": 4, "param_server.fanout": "relay"}
+    grpc = {
+        "controller.transport": "distributed",
+        "controller.verifier_endpoint": "127.0.0.1:1",
+        "controller.trainer_endpoint": "127.0.0.1:2",
+        "controller.param_server_endpoints": tuple(f"127.0.0.1:{10 + r}" for r in range(4)),
+        "controller.inference_endpoints": ("127.0.0.1:3",),
+        "controller.warmup_steps": 0,
+        "trainer.publish_in_flight": 1,
+    }
+    beside = build(base | grpc)
+    assert beside.relays_while_pushed
+    for gbps in (32, 100):
+        net = Network(server_bytes_per_s=gbps * 1e9 / 8)
+        chain = net.reload_s(build(base), size, 64)
+        push = size / (gbps * 1e9 / 8)
+        assert net.reload_s(beside, size, 64) == pytest.approx(chain - push, rel=1e-12)
+        assert push + net.reload_s(beside, size, 64) < 0.52 * (push + chain)
+    slow_push = Network(server_bytes_per_s=4e9, pull_bytes_per_s=8e9, relay_efficiency=1.0)
+    # the chain at min(8, 4) = 4 GB/s, the push at 4: 64 buckets of 4 MiB after it
+    assert slow_push.reload_s(beside, size, 64) == pytest.approx(64 * 2**22 / 4e9, rel=1e-12)
+    # Not beside the push: pushes not in flight (the controller learns of a version once it
+    # is published), or components in one process (no relay).
+    for off in ({"trainer.publish_in_flight": 0}, {"controller.transport": "local"}):
+        config = build(base | grpc | off)
+        assert not config.relays_while_pushed
+
+
 def test_environment_waits_by_schedule_by_hand():
     """Replies of 2 s, 3 turns, 10 calls at once. Lock-step: every turn waits for all of the
     job's replies: 24 episodes are 3 rounds a turn, 3 x 3 x 2 = 18 s. One by one: the last
