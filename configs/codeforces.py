@@ -531,6 +531,11 @@ def _on_gke(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # not once a worker (benchmarks/RESULTS.md "Weight sync": 17 s instead of 33-262 s for the
     # v5p preset's 61 GiB at 8-64 workers, by the planner).
     cfg.param_server.fanout = "relay"
+    # Pushes in flight: the next update computes while a version is pushed, and the controller,
+    # told of a push as it starts, has the workers relay the version beside it (a version on
+    # every worker in about one transfer, not two: RESULTS "Weight sync" (f)). Costs the
+    # trainer a cast of the weights held until its push is done.
+    cfg.trainer.publish_in_flight = 1
     # Sandbox uids inside the verifier pods' user namespace (65536 ids).
     cfg.verifiers.sandbox_uid = 10_000
     name, ns = cfg.topology.name, cfg.topology.namespace

@@ -58,8 +58,9 @@ class TrainerConfig:
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     # Versions whose push to the parameter server may still be under way while the next step
     # computes (0: each step returns once its version is published). Each holds a cast of the
-    # weights on the devices; the controller lets workers load a version once it is published.
-    # 0 or 1.
+    # weights on the devices; the controller lets workers load a version once it is published
+    # (with param_server.fanout "relay" over gRPC, they receive it meanwhile, relayed as the
+    # parameter server receives it). 0 or 1.
     publish_in_flight: int = 0
     # Master dtype: the trainer's trainable weights, AdamW moments and gradient accumulator,
     # whatever model.param_dtype is (mixed precision: float32 masters, model.compute_dtype

@@ -143,9 +143,7 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
             in_flight=config.trainer.publish_in_flight > 0,
             # The parameter server relays a version while it is pushed (service.CutThrough) to
             # workers that relay (components.relay_sources).
-            stage_early=(lambda v: self.policy.reload_point(v) == v)
-            if config.relays_while_pushed
-            else None,
+            stage_early=self._stage_early if config.relays_while_pushed else None,
         )
         self.version = 0
         self.step = 0
@@ -166,6 +164,13 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
                 max_staleness=cc.acceptance_bound,
                 directory=self.run_dir / REPLAY_DIR,
             )
+
+    def _stage_early(self, version: int) -> int | None:
+        """The reload point before ``version``, if ``version`` is one (workers holding it
+        fetch ``version`` as its push starts), else None."""
+        if version == 0 or self.policy.reload_point(version) != version:
+            return None
+        return self.policy.reload_point(version - 1)
 
     def _episode_runner(self) -> EpisodeRunner | None:
         env = self.config.environment

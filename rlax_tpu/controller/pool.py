@@ -202,12 +202,17 @@ class WorkerPool:
         fut.add_done_callback(lambda _: self._returned(i, groups))
         return fut
 
-    def stage(self, version: int) -> None:
-        """Has every live worker that holds another version fetch ``version`` ahead (one still
-        being published, relayed as it arrives: the fetch overlaps the push), so that its
-        epoch's load is a swap."""
+    def stage(self, version: int, *, holding: int) -> None:
+        """Has every live worker that holds version ``holding`` (the reload point before)
+        fetch ``version`` ahead (one still being pushed, relayed as it arrives: the fetch
+        overlaps the push), so that its epoch's load is a swap. Workers at another version
+        are left to stage it with their jobs: one that loads an older version first would hold
+        the served weights, this copy and that one."""
         for i in self.live:
-            self._stage_ahead(i, version)
+            with self._lock:
+                held = self._held[i]
+            if held == holding:
+                self._stage_ahead(i, version)
 
     def _stage_ahead(self, i: int, version: int) -> None:
         """Has worker i fetch ``version`` while it still generates the earlier epoch's jobs, so

@@ -31,13 +31,14 @@ class Publishes:
         pool: Any,
         *,
         in_flight: bool = True,
-        stage_early: Callable[[int], bool] | None = None,
+        stage_early: Callable[[int], int | None] | None = None,
     ):
         """``trainer``: has ``wait_published(version)``; ``pool``: has ``published(version,
-        seconds_ago)`` and ``stage(version)``; ``in_flight`` False: no version is ever pending
-        (jobs go straight to the pool); ``stage_early(version)``: whether the workers fetch a
-        version while it is still being pushed (relayed as it arrives, ``param_server.fanout``
-        "relay", and one they will load: a reload point)."""
+        seconds_ago)`` and ``stage(version, holding=)``; ``in_flight`` False: no version is
+        ever pending (jobs go straight to the pool); ``stage_early(version)``: the version a
+        worker holds when it is to fetch ``version`` while it is still being pushed (relayed
+        as it arrives, ``param_server.fanout`` "relay": a reload point, and the one before it),
+        or None."""
         self._trainer, self._pool, self.in_flight = trainer, pool, in_flight
         self._stage_early = stage_early
         self._cond = threading.Condition()
@@ -56,8 +57,9 @@ class Publishes:
         start = time.perf_counter() - seconds_ago
         with self._cond:
             self._pending.add(version)
-        if self._stage_early is not None and self._stage_early(version):
-            self._pool.stage(version)  # the relay's buckets flow while the push goes on
+        holding = self._stage_early(version) if self._stage_early is not None else None
+        if holding is not None:
+            self._pool.stage(version, holding=holding)  # relayed while the push goes on
         threading.Thread(
             target=self._watch, args=(version, start), name=f"published-v{version}", daemon=True
         ).start()

@@ -52,7 +52,8 @@ class Receiver(Protocol):
         """Box ``k`` of part ``part`` (of array ``index``; uint8 C-order bytes), not checked."""
 
     def checked(self, crcs: Sequence[int] | None) -> None:
-        """Every byte arrived and matched the publisher's checksums (each array's, if known)."""
+        """Every byte arrived, matched the publisher's checksums (each array's, if known) and
+        the version is committed."""
 
     def failed(self, error: BaseException) -> None:
         """The publish failed: nothing received is to be served."""

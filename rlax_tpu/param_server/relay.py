@@ -489,7 +489,8 @@ def fetch(
     idle_s: float = IDLE_S,
 ) -> VersionBuffer:
     """Receives ``version`` into a buffer that ``into`` serves as it fills, from ``sources`` in
-    order (failing over at the first bucket missing). Returns the whole, verified buffer; raises
+    order (failing over at the first bucket missing, on a source of the same publish: one
+    relaying another publish of the version fails the fetch). Returns the whole, verified buffer; raises
     RelayFailed (the buffer marked failed) when every source failed. ``credentials``: one for
     every source, or a source's own (``credentials(endpoint)``). ``on_source(endpoint)``:
     called as each source is tried; ``on_buffer(buffer)``: once the buffer exists. ``base``: a
@@ -497,6 +498,7 @@ def fetch(
     ``idle_s`` is left for the next (a host gone without closing its connections)."""
     buffer: VersionBuffer | None = None
     errors: list[str] = []
+    mixed: RelayFailed | None = None
     try:
         for source in sources:
             creds = credentials(source) if callable(credentials) else credentials
@@ -508,6 +510,19 @@ def fetch(
                         into.add(buffer)
                     if on_buffer is not None:
                         on_buffer(buffer)
+                else:
+                    raw = _manifest_raw(channel, version, base, min(timeout_s, idle_s))
+                    if (
+                        _origin(raw["meta"]) != _origin(buffer.meta)
+                        or Layout.from_dict(raw["layout"]) != buffer.layout
+                    ):
+                        if buffer.filled:  # its bytes may differ from those received
+                            mixed = RelayFailed(
+                                f"version {version}: {source} serves it from another publish "
+                                f"than the {buffer.filled} buckets received; not resumed there"
+                            )
+                            break
+                        buffer.meta = raw["meta"]
                 if on_source is not None:
                     on_source(source)
                 # No deadline on the whole stream (a long chain waits on its upstream hops), but
@@ -531,6 +546,8 @@ def fetch(
                 )
             finally:
                 channel.close()
+        if mixed is not None:
+            raise mixed
         raise RelayFailed(f"version {version}: every source failed: {'; '.join(errors)}")
     except BaseException as e:
         if buffer is not None and not buffer.complete:  # readers fail over, arrays stay hidden
@@ -538,8 +555,7 @@ def fetch(
         raise
 
 
-def _manifest(channel: grpc.Channel, version: int, base: int, timeout_s: float) -> VersionBuffer:
-    """An empty buffer for what a source's Manifest describes."""
+def _manifest_raw(channel: grpc.Channel, version: int, base: int, timeout_s: float) -> dict:
     raw = json.loads(
         channel.unary_unary(
             f"/{SERVICE}/Manifest", request_serializer=_json, response_deserializer=None
@@ -547,7 +563,20 @@ def _manifest(channel: grpc.Channel, version: int, base: int, timeout_s: float) 
     )
     if raw["base"] != base:
         raise DataLoss(f"asked for base {base}, the manifest says {raw['base']}")
+    return raw
+
+
+def _manifest(channel: grpc.Channel, version: int, base: int, timeout_s: float) -> VersionBuffer:
+    """An empty buffer for what a source's Manifest describes."""
+    raw = _manifest_raw(channel, version, base, timeout_s)
     return VersionBuffer(version, Layout.from_dict(raw["layout"]), base=base, meta=raw["meta"])
+
+
+def _origin(meta: Any) -> str | None:
+    """Which publish a root made a buffer from (``meta["source"]``): a reader resumes only on
+    a source of the same bytes (the parameter server's relays a version as it arrives, before
+    its checksums are known)."""
+    return meta.get("source") if isinstance(meta, dict) else None
 
 
 class _Watchdog:
@@ -842,8 +871,9 @@ class Feed:
 
     def fail(self, error: BaseException) -> None:
         """Readers fail over; a buffer already whole stays as it is."""
-        if not self.buffer.complete:
-            self.buffer.fail(error)
+        with self._lock:  # not beside a release
+            if not self.buffer.complete:
+                self.buffer.fail(error)
 
 
 def fill_from_pieces(

@@ -215,8 +215,6 @@ class ParamServer:
                 assembly.finishing = True
         if not complete:
             return info, False, False
-        if assembly.receiver is not None:  # every part checked: its relay may finish
-            assembly.receiver.checked(None)
         try:
             info = commit_assembly(self, assembly)
         except errors.ResourceExhausted:
@@ -232,6 +230,8 @@ class ParamServer:
             raise
         with self._lock:
             self._assemblies.pop(assembly.version, None)
+        if assembly.receiver is not None:  # committed from checked parts: served whole now
+            assembly.receiver.checked(None)
         return info, False, True
 
     def publish(
@@ -815,8 +815,6 @@ class PublishSession:
         bad = [s.path for s, g, c in zip(self.arrays, got, crcs, strict=True) if g != c]
         if bad:
             raise errors.DataLoss(f"version {self.version}: checksum mismatch in {bad}")
-        if self._receiver is not None:  # what was published: it may be served whole now
-            self._receiver.checked(got)
         self._start_writes(wait=True)
         tables = []
         if self._existing is None:  # from the bytes just checked, while the writes run
@@ -844,6 +842,8 @@ class PublishSession:
             return dataclasses.replace(info, step=self._existing[0].step), True
         doomed = self._server._commit(manifest, self._prefix, tables)
         self._close(keep=True)
+        if self._receiver is not None:  # committed as published: it may be served whole now
+            self._receiver.checked(got)
         for prefix in doomed:
             self._server._hot.delete(prefix)
         self._server._slabs.trim()  # the collected versions' slabs are idle now

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import functools
+import hashlib
+import json
 import logging
 import math
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -35,6 +37,7 @@ from rlax_tpu.rpc.transport import Credentials, make_server
 
 log = logging.getLogger(__name__)
 COMPONENT = "param_server"
+ROOT_APPEAR_S = 60.0
 
 
 def _statuses(method: Callable) -> Callable:
@@ -72,7 +75,10 @@ class ParamServerService(param_server_pb2_grpc.ParamServerServicer):
         # reader asks, and served as it is read. One version kept (the memory budget counts
         # it: launch/gke.py).
         root = RelayRoot(server, deltas=relay_deltas > 1)
-        self.relay = relay.RelayService(appear_s=relay_appear_s, keep=1, missing=root)
+        # A worker staged as a push starts may ask before the push's first bytes are here (its
+        # trainer copies the version to the host first): the root waits for it longer.
+        appear = max(relay_appear_s, ROOT_APPEAR_S) if cut_through else relay_appear_s
+        self.relay = relay.RelayService(appear_s=appear, keep=1, missing=root)
         root.service = self.relay
         if cut_through:
             server.receiving = root.receiving
@@ -246,6 +252,11 @@ class RelayRoot:
             raise KeyError(
                 f"version {version} goes whole (deltas {'on' if self.deltas else 'off'})"
             )
+        held = self.service.get(version) if self.service is not None else None
+        if held is not None and not held.complete:
+            # Still arriving (relayed as it is pushed): the reader takes it whole, rather than
+            # hold a handler thread until the push ends for an encoding that waits for it.
+            raise KeyError(f"version {version} is still arriving: it goes whole")
         new, old = self._complete(version), self._complete(base)
         count = len(new.layout.paths)
         encoded = delta.encode_tree(
@@ -270,9 +281,11 @@ class RelayRoot:
         """A buffer for ``version``, served from now on as its publish fills it."""
         if self.service is None:
             return None
-        buffer = relay.VersionBuffer(version, _layout(arrays), meta={"crcs": None})
+        meta = {"crcs": None, "source": f"publish:{uuid.uuid4().hex}"}
+        buffer = relay.VersionBuffer(version, _layout(arrays), meta=meta)
+        receiver = CutThrough(relay.Feed(buffer), arrays)
         self.service.add(buffer)
-        return CutThrough(relay.Feed(buffer), arrays)
+        return receiver
 
     def _whole(self, version: int) -> relay.VersionBuffer | None:
         try:
@@ -280,7 +293,11 @@ class RelayRoot:
         except errors.NotFound:
             return None
         crcs = [a.crc32c for a in manifest.arrays]
-        buffer = relay.VersionBuffer(version, _layout(manifest.arrays), meta={"crcs": crcs})
+        # The same committed bytes on every replica: a reader may resume on another's.
+        content = [(a.path, a.dtype, list(a.shape), a.crc32c) for a in manifest.arrays]
+        digest = hashlib.sha256(json.dumps(content).encode()).hexdigest()[:32]
+        meta = {"crcs": crcs, "source": f"store:{digest}"}
+        buffer = relay.VersionBuffer(version, _layout(manifest.arrays), meta=meta)
 
         def fill() -> None:
             try:
@@ -300,7 +317,7 @@ class RelayRoot:
         buffer.wait(buffer.layout.buckets - 1)  # RelayFailed if its store copy is damaged
         if buffer.meta["crcs"] is None:  # relayed as it arrived in parts: checked, not summed
             count = len(buffer.layout.paths)
-            buffer.meta = {"crcs": [checksum(buffer.view(i)) for i in range(count)]}
+            buffer.meta["crcs"] = [checksum(buffer.view(i)) for i in range(count)]
         return buffer
 
 
@@ -340,9 +357,11 @@ class CutThrough:
 
     def box(self, part: int, k: int, index: int, bounds: Bounds, data: np.ndarray) -> None:
         with self._lock:
-            if (part, k) in self._boxes:
-                return
+            again = (part, k) in self._boxes
             self._boxes.add((part, k))
+        if again:  # which stream's bytes the version keeps is decided later: not relayed now
+            self.failed(errors.Aborted(f"part {part} sent again while it was being relayed"))
+            return
 
         def write() -> None:
             view = self.feed.view(index)
@@ -357,7 +376,7 @@ class CutThrough:
 
     def checked(self, crcs: Sequence[int] | None) -> None:
         def release() -> None:
-            self.feed.buffer.meta = {"crcs": None if crcs is None else list(crcs)}
+            self.feed.buffer.meta["crcs"] = None if crcs is None else list(crcs)
             self.feed.release()
 
         self._later(release)
@@ -378,8 +397,10 @@ class CutThrough:
                 log.warning("version %d: relaying it as it arrives failed: %s", version, e)
                 self.feed.fail(e)
 
-        with contextlib.suppress(RuntimeError):  # shut down: the publish failed or ended
+        try:
             self._thread.submit(run)
+        except RuntimeError as e:  # shut down (the publish failed or ended), or no thread
+            self.feed.fail(e)
 
 
 def _serialize(message: Any) -> bytes:

@@ -294,6 +294,37 @@ def test_a_job_of_a_new_version_has_its_worker_stage_it_while_the_last_job_runs(
     assert worker.standby.counts == {"staged": 2, "taken_staged": 2, "fetched_at_load": 0}
 
 
+def test_an_early_stage_asks_only_the_workers_at_the_reload_point_before(weights):
+    """``pool.stage(version, holding=)`` (a version relayed while it is pushed): a worker at
+    another version is not asked (it may load that one first: three copies), one at
+    ``holding`` fetches it into its standby copy at once."""
+    model, source = weights
+    asked = []
+
+    class Recording:
+        def fetch(self, version):
+            asked.append(version)
+            return source.fetch(version)
+
+    worker = InferenceWorker(model, CFG, weight_source=Recording())
+    pool = WorkerPool([worker], exclusive_jobs=True)
+    try:
+        pool.submit(0, requests(2)).result()
+        pool.stage(1, holding=2)
+        time.sleep(0.2)
+        assert asked == [0]
+        pool.stage(1, holding=0)
+        deadline = time.monotonic() + 60
+        while asked == [0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert asked == [0, 1]
+        assert {v for _, v in tokens(pool.submit(1, requests(2)).result()).values()} == {1}
+    finally:
+        pool.close()
+        worker.shutdown()
+    assert worker.standby.counts["taken_staged"] >= 1 and asked == [0, 1]
+
+
 def test_a_hold_runs_its_later_jobs_ahead_of_a_newer_version(weights):
     """A step's episodes hold their version's epoch (deterministic mode's exclusive jobs): a
     later turn submitted after a job of a newer version still runs before it, on the kept

@@ -43,8 +43,8 @@ class Pool:
         assert seconds_ago >= 0
         self.log.append(("published", version))
 
-    def stage(self, version: int) -> None:
-        self.log.append(("stage", version))
+    def stage(self, version: int, *, holding: int) -> None:
+        self.log.append(("stage", version, holding))
 
     def submit(self, version: int) -> cf.Future:
         self.log.append(("job", version))
@@ -73,15 +73,15 @@ def test_a_relayed_reload_point_is_staged_while_it_is_pushed_and_loaded_once_pub
     asked to fetch version 2, a reload point, as soon as its push starts; version 3 is not one.
     Their jobs still wait for the publish."""
     trainer, pool = Trainer(), Pool()
-    publishes = Publishes(trainer, pool, stage_early=lambda v: v % 2 == 0)
+    publishes = Publishes(trainer, pool, stage_early=lambda v: v - 2 if v % 2 == 0 else None)
     try:
         publishes.published(2, 0.0, pending=True)
         job = publishes.after(2, lambda: pool.submit(2))
         publishes.published(3, 0.0, pending=True)
-        assert pool.log == [("stage", 2)] and not job.done()
+        assert pool.log == [("stage", 2, 0)] and not job.done()
         trainer.release(2)
         assert job.result(timeout=30) == 2
-        assert pool.log == [("stage", 2), ("published", 2), ("job", 2)]
+        assert pool.log == [("stage", 2, 0), ("published", 2), ("job", 2)]
         publishes.published(4, 0.0, pending=False)  # published already: loaded as usual
         assert pool.log[-1] == ("published", 4)
     finally:

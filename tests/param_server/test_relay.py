@@ -566,11 +566,14 @@ def test_a_relaying_worker_process_killed_mid_transfer_leaves_the_others_whole(p
 # -- the root relaying a version while it is published (cut-through) -------------------------
 
 
+RELAY_PS = ParamServerConfig(chunk_bytes=64 << 10, persist_every=0, fanout="relay", relay_deltas=8)
+
+
 @pytest.fixture
 def relay_ps() -> Iterator:
-    """A parameter server whose workers relay (param_server.fanout "relay"): it serves each new
-    version as it arrives."""
-    with running(ParamServerConfig(chunk_bytes=64 << 10, persist_every=0, fanout="relay")) as r:
+    """A parameter server whose workers relay (param_server.fanout "relay", deltas on): it
+    serves each new version as it arrives."""
+    with running(RELAY_PS) as r:
         yield r
 
 
@@ -733,3 +736,75 @@ def test_a_worker_staging_a_version_being_published_swaps_in_the_relayed_copy(re
     _assert_tree_equal(standby.take(1), tree)
     assert standby.counts["taken_staged"] == 1
     assert (source.counts["relayed"], source.counts["pulled"]) == (1, 0)
+
+
+def test_a_reader_never_completes_a_version_from_buckets_of_two_publishes(relay_ps, servers):
+    """Replica A takes a publish whose checksums fail (held before its trailer while a reader
+    receives its buckets); replica B holds the good version. The reader, failing over from A to
+    B, does not resume there on the buckets A sent (they may differ): its fetch fails."""
+    from rlax_tpu.param_server.relay import RelayFailed
+
+    tree, gate = _tree(7), threading.Event()
+    with running(RELAY_PS) as other:
+        other.client.push(tree, 1)
+        relay_ps.client._publish_stream = _held(relay_ps.client, gate, tamper=True)
+        from rlax_tpu.param_server.relay import fetch
+
+        reader = servers()
+        pusher, pushed = _in_thread(lambda: relay_ps.client.push(tree, 1))
+        fetcher, fetched = _in_thread(
+            lambda: fetch(1, [relay_ps.endpoint, other.endpoint], reader, timeout_s=30)
+        )
+        deadline = time.monotonic() + 30
+        while (reader.get(1) is None or reader.get(1).filled < 1) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        buffer = reader.get(1)
+        assert buffer is not None and buffer.filled >= 1
+        gate.set()
+        pusher.join()
+        fetcher.join()
+    assert isinstance(fetched[0], RelayFailed), fetched[0]
+    assert "another publish" in str(fetched[0]) and not buffer.complete
+
+
+def test_a_version_whose_commit_fails_is_never_completed_by_a_reader(relay_ps, servers):
+    """Every checksum matches but the store's commit fails: the relay's last bucket waits for
+    the commit, so the reader fails rather than hold a version the parameter server never
+    committed (its number could be published again with other bytes)."""
+    from rlax_tpu.param_server import errors
+    from rlax_tpu.param_server.relay import RelayFailed
+
+    def refuse(*args, **kwargs):
+        raise errors.DataLoss("the store's commit failed (test)")
+
+    tree, gate = _tree(8), threading.Event()
+    relay_ps.client._publish_stream = _held(relay_ps.client, gate)
+    relay_ps.store._commit = refuse
+    buffer, held, got, pushed = _read_while_held(
+        relay_ps, servers, lambda: relay_ps.client.push(tree, 1), gate
+    )
+    assert isinstance(pushed, errors.DataLoss), pushed
+    assert isinstance(got, RelayFailed) and not buffer.complete, got
+
+
+def test_a_delta_of_a_version_still_arriving_is_refused_at_once(relay_ps, servers):
+    """A reader holding version 1 asks for version 2 as a delta while 2 is being pushed: the
+    root refuses at once (it would wait for the push to encode it, holding a handler thread),
+    and the whole version, relayed as it arrives, is what the reader takes."""
+    from rlax_tpu.param_server.relay import RelayFailed, fetch
+
+    relay_ps.client.push(_tree(9), 1)
+    tree, gate = _changed(_tree(9), 10, 0.01), threading.Event()
+    relay_ps.client._publish_stream = _held(relay_ps.client, gate)
+    pusher, _ = _in_thread(lambda: relay_ps.client.push(tree, 2))
+    try:
+        deadline = time.monotonic() + 30
+        while relay_ps.store._publishing == set() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        start = time.monotonic()
+        with pytest.raises(RelayFailed, match="still arriving"):
+            fetch(2, [relay_ps.endpoint], servers(), timeout_s=30, base=1)
+        assert time.monotonic() - start < 10
+    finally:
+        gate.set()
+        pusher.join()
