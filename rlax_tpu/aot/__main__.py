@@ -24,13 +24,14 @@ and by how much); 2 bad flags or config, or a mesh that does not fit the topolog
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from absl import flags
 
 from rlax_tpu import cli
-from rlax_tpu.config import RunConfig
+from rlax_tpu.config import RunConfig, libtpu
 
 COMPONENTS = ("trainer", "inference", "all")
 flags.DEFINE_string("topology", None, "TPU topology to compile for, e.g. v5e:2x2, v5p:4x8x8.")
@@ -56,6 +57,7 @@ def run(config: RunConfig, args: list[str]) -> int:
             "rlax_tpu.aot: error: --topology is required (e.g. --topology=v5e:2x2)", file=sys.stderr
         )
         return cli.EXIT_USAGE
+    apply_libtpu_init_args(config)
     return run_check(
         config,
         topology=FLAGS.topology,
@@ -65,6 +67,20 @@ def run(config: RunConfig, args: list[str]) -> int:
         command="python -m rlax_tpu.aot " + " ".join(_COMMAND),
         only=FLAGS.programs,
     )
+
+
+def apply_libtpu_init_args(config: RunConfig) -> None:
+    """The TPU jobs' XLA flags (config/libtpu.py) for libtpu, which reads them when it loads
+    (here: at the first compile), so that the check compiles what the jobs run. A
+    LIBTPU_INIT_ARGS already in the environment is kept (and said so)."""
+    wanted = libtpu.libtpu_init_args(config)
+    have = os.environ.setdefault(libtpu.ENV, wanted)
+    if have != wanted:
+        print(
+            f"rlax_tpu.aot: {libtpu.ENV} from the environment ({have!r}) is used, not the "
+            f"config's topology.libtpu_init_args ({wanted!r})",
+            file=sys.stderr,
+        )
 
 
 _COMMAND = sys.argv[1:]  # as the user typed it (for the report)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -259,6 +260,7 @@ def run_check(
                 {
                     "command": command,
                     "preset": config.preset,
+                    "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
                     "devices": {
                         t: {
                             "chip": s.chip.name,

@@ -7,6 +7,7 @@ import re
 from rlax_tpu.config.checks import bad, frozen, non_negative, positive
 from rlax_tpu.config.slices import parse_slice
 
+_LIBTPU_FLAG = re.compile(r"--[a-z][a-z0-9_]*(=[^\s'\"]*)?")
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
@@ -34,6 +35,10 @@ class TopologyConfig:
     # e.g. "v5p:4x8x8" (config/slices.py); "" runs the component on CPU nodes.
     trainer_tpu: str = ""
     inference_tpu: str = ""  # each worker's slice
+    # LIBTPU_INIT_ARGS of the TPU processes (every launcher) and of `python -m rlax_tpu.aot`:
+    # "auto", the project's XLA flags (collectives overlapped with compute, the kernels' scoped
+    # VMEM; config/libtpu.py cites each); "" none; anything else, these flags as written.
+    libtpu_init_args: str = "auto"
     verifier_replicas: int = 1  # verifier pods behind the verifier Service
     controller_memory_gib: int = 8  # controller pod's memory
     param_server_memory_gib: int = 0  # 0: sized from the model (its hot versions + a quarter)
@@ -95,6 +100,15 @@ class TopologyConfig:
             raise bad(self, "kueue_queue", "must be '' or a LocalQueue name (a DNS label)")
         if not self.image:
             raise bad(self, "image", "must be set")
+        if self.libtpu_init_args != "auto" and not all(
+            _LIBTPU_FLAG.fullmatch(f) for f in self.libtpu_init_args.split()
+        ):
+            raise bad(
+                self,
+                "libtpu_init_args",
+                "must be 'auto', '' or flags such as '--xla_tpu_scoped_vmem_limit_kib=98304' "
+                "separated by spaces",
+            )
         if "://" in self.registry or self.registry.endswith("/") or " " in self.registry:
             raise bad(
                 self, "registry", "must be '' or a registry path such as us-docker.pkg.dev/P/R"

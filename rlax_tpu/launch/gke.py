@@ -54,6 +54,8 @@ from typing import Any
 
 from rlax_tpu import storage
 from rlax_tpu.config import ConfigError, MeshConfig, RunConfig
+from rlax_tpu.config.libtpu import ENV as LIBTPU_ENV
+from rlax_tpu.config.libtpu import libtpu_init_args
 from rlax_tpu.config.slices import lays_out
 from rlax_tpu.launch.slices import (
     Machine,
@@ -573,6 +575,8 @@ def _pod(
     }
     if slice_count(config, component) > 1:
         container["env"] += megascale_env(config, component)
+    if tpu is not None and libtpu_init_args(config):  # the flags the AOT check compiled with
+        container["env"].append({"name": LIBTPU_ENV, "value": libtpu_init_args(config)})
     if component in COMPONENTS:
         port = _port(config, component)
         container["ports"] = [{"name": "grpc", "containerPort": port}]

@@ -37,6 +37,8 @@ from typing import TextIO
 from rlax_tpu import storage
 from rlax_tpu.cli import tuple_value
 from rlax_tpu.config import RunConfig
+from rlax_tpu.config.libtpu import ENV as LIBTPU_ENV
+from rlax_tpu.config.libtpu import libtpu_init_args
 
 LAUNCH_ID_ENV = "RLAX_LAUNCH_ID"  # every process this launch starts carries it
 READY_TIMEOUT_S = 900.0  # a service's start-up (model load and compiles) on a slow host
@@ -166,6 +168,8 @@ class Launch:
         self.warmup_dir = warmup_dir or storage.join(config.controller.run_dir, WARMUP_DIR)
         self.launch_id = uuid.uuid4().hex
         self.env = dict(os.environ, **{LAUNCH_ID_ENV: self.launch_id})
+        if libtpu_init_args(config):  # read only where libtpu loads (a TPU host)
+            self.env.setdefault(LIBTPU_ENV, libtpu_init_args(config))
         self.log_dir = _log_dir(config.controller.run_dir)
         self.services: list[Child] = []
         self.controller: Child | None = None

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from rlax_tpu import storage
 from rlax_tpu.cli import tuple_value
 from rlax_tpu.config import RunConfig
+from rlax_tpu.config.libtpu import ENV as LIBTPU_ENV
+from rlax_tpu.config.libtpu import libtpu_init_args
 from rlax_tpu.launch.slices import parse_slice, tpu_vm_accelerator
 
 COORDINATOR_PORT = 8476
@@ -90,9 +92,10 @@ def plan(
     """Every process of the run, in start order (see the module docstring)."""
     args = list(config_args)
     py = (".venv/bin/python", "-m")
+    tpu = tpu_env(config)
     if config.controller.transport == "local":
         # Root: its verifiers run untrusted code under their own sandbox uids.
-        return [Process(name, 0, "controller", ("sudo", *py, "rlax_tpu.controller", *args))]
+        return [Process(name, 0, "controller", ("sudo", *tpu, *py, "rlax_tpu.controller", *args))]
     _check(config, trainer_ips, inference_ips)
     ports = {
         s: int(getattr(config, s).address.rpartition(":")[2])
@@ -142,7 +145,7 @@ def plan(
             ("sudo", *py, "rlax_tpu.verifiers", *wired, f"--config.verifiers.address={verifier}"),
         )
     )
-    out += _group(name, "trainer", trainer_ips, ports["trainer"], wired)
+    out += _group(name, "trainer", trainer_ips, ports["trainer"], wired, tpu)
     for i, ips in enumerate(inference_ips):
         out += _group(
             f"{name}-inference-{i}",
@@ -150,6 +153,7 @@ def plan(
             ips,
             ports["inference"],
             [*wired, f"--config.inference.worker_index={i}"],
+            tpu,
         )
     workers = [f"{ips[0]}:{ports['inference']}" for ips in inference_ips]
     endpoints = {
@@ -211,17 +215,30 @@ def replica_ports(ports: dict[str, int], replicas: int) -> list[int]:
     return out
 
 
-def _group(vm: str, section: str, ips: Sequence[str], port: int, args: list[str]) -> list[Process]:
-    """One process per host of a VM; several form one jax.distributed job."""
+def tpu_env(config: RunConfig) -> tuple[str, ...]:
+    """What a TPU process's command starts with: ``env LIBTPU_INIT_ARGS=...`` (the flags the
+    AOT check compiles with, config/libtpu.py), or nothing when the config sets none."""
+    flags = libtpu_init_args(config)
+    return ("env", f"{LIBTPU_ENV}={flags}") if flags else ()
+
+
+def _group(
+    vm: str, section: str, ips: Sequence[str], port: int, args: list[str], env: tuple[str, ...]
+) -> list[Process]:
+    """One process per host of a VM (``env``: its command's prefix); several form one
+    jax.distributed job."""
     base = [*args, f"--config.{section}.address=0.0.0.0:{port}"]
     if len(ips) == 1:
-        return [Process(vm, 0, section, (".venv/bin/python", "-m", f"rlax_tpu.{section}", *base))]
+        return [
+            Process(vm, 0, section, (*env, ".venv/bin/python", "-m", f"rlax_tpu.{section}", *base))
+        ]
     return [
         Process(
             vm,
             w,
             f"{section}.{w}",
             (
+                *env,
                 ".venv/bin/python",
                 "-m",
                 f"rlax_tpu.{section}",

@@ -489,10 +489,11 @@ def fetch(
     idle_s: float = IDLE_S,
 ) -> VersionBuffer:
     """Receives ``version`` into a buffer that ``into`` serves as it fills, from ``sources`` in
-    order (failing over at the first bucket missing, on a source of the same publish: one
-    relaying another publish of the version fails the fetch). Returns the whole, verified buffer; raises
-    RelayFailed (the buffer marked failed) when every source failed. ``credentials``: one for
-    every source, or a source's own (``credentials(endpoint)``). ``on_source(endpoint)``:
+    order (failing over at the first bucket missing, to a source of the same publish: one
+    relaying another publish of the version fails the fetch). Returns the whole, verified
+    buffer; raises RelayFailed (the buffer marked failed) when every source failed.
+    ``credentials``: one for every source, or a source's own (``credentials(endpoint)``).
+    ``on_source(endpoint)``:
     called as each source is tried; ``on_buffer(buffer)``: once the buffer exists. ``base``: a
     delta against that version instead of the whole version. A source that answers nothing for
     ``idle_s`` is left for the next (a host gone without closing its connections)."""
@@ -574,7 +575,7 @@ def _manifest(channel: grpc.Channel, version: int, base: int, timeout_s: float) 
 
 def _origin(meta: Any) -> str | None:
     """Which publish a root made a buffer from (``meta["source"]``): a reader resumes only on
-    a source of the same bytes (the parameter server's relays a version as it arrives, before
+    a source of the same bytes (the parameter server relays a version as it arrives, before
     its checksums are known)."""
     return meta.get("source") if isinstance(meta, dict) else None
 
@@ -825,9 +826,9 @@ def _in_layout_order(buffer: VersionBuffer, by_path: Mapping[str, Any]) -> list[
 class Feed:
     """Fills a buffer from whole arrays that complete in any order (a root relaying a version
     while it is still being published to it): each bucket is served once every array it holds is
-    in, except the last, held back until ``release`` (the publisher's checksums matched), so that
-    no reader completes a version that fails them. Thread-safe (parts of a version arrive on
-    several streams at once)."""
+    in, except the last, held back until ``release`` (the publisher's checksums matched and the
+    version is committed), so that no reader completes a version that fails them. Thread-safe
+    (parts of a version arrive on several streams at once)."""
 
     def __init__(self, buffer: VersionBuffer):
         self.buffer = buffer

@@ -253,7 +253,8 @@ class RelayRoot:
                 f"version {version} goes whole (deltas {'on' if self.deltas else 'off'})"
             )
         held = self.service.get(version) if self.service is not None else None
-        if held is not None and not held.complete:
+        arriving = held is not None and str(held.meta.get("source")).startswith("publish:")
+        if arriving and not held.complete:
             # Still arriving (relayed as it is pushed): the reader takes it whole, rather than
             # hold a handler thread until the push ends for an encoding that waits for it.
             raise KeyError(f"version {version} is still arriving: it goes whole")

@@ -246,6 +246,25 @@ def test_pods_get_their_index_and_coordinator_from_the_jobset(small):
     assert caps["drop"] == ["ALL"] and "SYS_ADMIN" in caps["add"] and "NET_ADMIN" not in caps["add"]
 
 
+def test_tpu_pods_start_with_the_xla_flags_the_aot_check_compiles_with(small):
+    """config/libtpu.py's LIBTPU_INIT_ARGS on the trainer's and the workers' pods (on the
+    TPUs), on no other; "" sets none."""
+    from rlax_tpu.config.libtpu import libtpu_init_args
+
+    config, objects = small
+    flags = libtpu_init_args(config)
+    assert "--xla_tpu_enable_async_collective_fusion=true" in flags
+    for rjob in ("param-server", "verifiers", "trainer", "inference", "controller"):
+        env = {e["name"]: e.get("value") for e in _pod(objects, rjob)["containers"][0]["env"]}
+        assert env.get("LIBTPU_INIT_ARGS") == (
+            flags if rjob in ("trainer", "inference") else None
+        ), rjob
+    none = dataclasses.replace(
+        config, topology=dataclasses.replace(config.topology, libtpu_init_args="")
+    )
+    assert "LIBTPU_INIT_ARGS" not in repr(gke.render(none, SMALL))
+
+
 def test_the_order_of_start_success_and_restarts(small):
     _, objects = small
     spec = _jobset(objects)["spec"]

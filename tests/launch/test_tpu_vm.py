@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from rlax_tpu.config import RunConfig, from_dict
+from rlax_tpu.config.libtpu import libtpu_init_args
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "deploy" / "tpu_vm"
 ENV = {
@@ -81,8 +84,10 @@ def test_start_on_one_vm_runs_the_controller_with_the_tpu_vm_preset():
     (ssh,) = _gcloud(_script("start.sh").stdout)
     assert _flag(ssh, "--worker") == "0"
     remote = shlex.split(ssh[-1].split("nohup", 1)[1].split(">", 1)[0])
-    assert remote[:4] == ["sudo", ".venv/bin/python", "-m", "rlax_tpu.controller"]
-    config = _print_config("controller", remote[4:])
+    # On the TPU: the XLA flags the AOT check compiles with (config/libtpu.py).
+    assert remote[:3] == ["sudo", "env", f"LIBTPU_INIT_ARGS={DENSE_FLAGS}"]
+    assert remote[3:6] == [".venv/bin/python", "-m", "rlax_tpu.controller"]
+    config = _print_config("controller", remote[6:])
     assert config["preset"] == "tpu_vm" and config["controller"]["transport"] == "local"
     assert config["controller"]["run_dir"] == "gs://my-bucket/runs/codeforces-tpu-vm"
     # Where JAX sees no TPU the preset assumes an 8-chip host: 4 train, 4 generate.
@@ -109,7 +114,8 @@ def _print_config(module: str, flags: list[str]) -> dict:
 
 
 def _processes(stdout: str) -> list[tuple[str, str, list[str]]]:
-    """(vm, worker, argv) of every python process start.sh starts, in order."""
+    """(vm, worker, argv) of every python process start.sh starts, in order (its ``sudo`` and
+    ``env VAR=...`` prefixes dropped: ``ENVS`` keeps the env of each (vm, worker, module))."""
     out = []
     for call in _gcloud(stdout):
         command = call[-1].split("&&")[-1]
@@ -117,8 +123,19 @@ def _processes(stdout: str) -> list[tuple[str, str, list[str]]]:
         argv = shlex.split(command)
         if argv[0] == "sudo":
             argv = argv[1:]
+        env = {}
+        if argv[0] == "env":
+            argv = argv[1:]
+            while "=" in argv[0] and not argv[0].startswith("-"):
+                key, _, value = argv.pop(0).partition("=")
+                env[key] = value
+        ENVS[(call[5], _flag(call, "--worker"), argv[2])] = env
         out.append((call[5], _flag(call, "--worker"), argv))
     return out
+
+
+ENVS: dict[tuple[str, str, str], dict[str, str]] = {}
+DENSE_FLAGS = libtpu_init_args(from_dict(RunConfig, {}))
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +158,16 @@ def test_start_on_several_vms_starts_every_component_in_order(pod_plan):
     probes = [argv[3] for _, _, argv in pod_plan if argv[2] == "rlax_tpu.rpc.probe"]
     assert probes == ["ParamServer", "Verifier", "Trainer", "Inference", "Inference"]
     assert modules[-1] == ("rl", "0", "rlax_tpu.controller")
+
+
+def test_the_tpu_processes_start_with_the_xla_flags_the_aot_check_compiles_with(pod_plan):
+    """config/libtpu.py's LIBTPU_INIT_ARGS on every trainer and inference process (those on
+    the TPUs), on no other."""
+    on_tpu = {"rlax_tpu.trainer", "rlax_tpu.inference"}
+    for vm, worker, argv in pod_plan:
+        env = ENVS[(vm, worker, argv[2])]
+        assert env == ({"LIBTPU_INIT_ARGS": DENSE_FLAGS} if argv[2] in on_tpu else {}), argv[2]
+    assert "--xla_tpu_overlap_compute_collective_tc=true" in DENSE_FLAGS
 
 
 def test_the_pod_plan_wires_each_process_to_the_others(pod_plan):

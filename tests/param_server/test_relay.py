@@ -798,8 +798,9 @@ def test_a_delta_of_a_version_still_arriving_is_refused_at_once(relay_ps, server
     relay_ps.client._publish_stream = _held(relay_ps.client, gate)
     pusher, _ = _in_thread(lambda: relay_ps.client.push(tree, 2))
     try:
+        root = relay_ps.store.receiving.__self__.service  # the relay the parameter server roots
         deadline = time.monotonic() + 30
-        while relay_ps.store._publishing == set() and time.monotonic() < deadline:
+        while root.get(2) is None and time.monotonic() < deadline:  # version 2 is arriving
             time.sleep(0.005)
         start = time.monotonic()
         with pytest.raises(RelayFailed, match="still arriving"):
