@@ -57,7 +57,11 @@ def run(config: RunConfig, args: list[str]) -> int:
             "rlax_tpu.aot: error: --topology is required (e.g. --topology=v5e:2x2)", file=sys.stderr
         )
         return cli.EXIT_USAGE
-    apply_libtpu_init_args(config)
+    try:
+        apply_libtpu_init_args(config, FLAGS.component)
+    except cli.UsageError as e:
+        print(f"rlax_tpu.aot: error: {e}", file=sys.stderr)
+        return cli.EXIT_USAGE
     return run_check(
         config,
         topology=FLAGS.topology,
@@ -69,16 +73,26 @@ def run(config: RunConfig, args: list[str]) -> int:
     )
 
 
-def apply_libtpu_init_args(config: RunConfig) -> None:
-    """The TPU jobs' XLA flags (config/libtpu.py) for libtpu, which reads them when it loads
-    (here: at the first compile), so that the check compiles what the jobs run. A
-    LIBTPU_INIT_ARGS already in the environment is kept (and said so)."""
-    wanted = libtpu.libtpu_init_args(config)
+def apply_libtpu_init_args(config: RunConfig, component: str = "all") -> None:
+    """The TPU jobs' XLA flags (config/libtpu.py; with every component, the trainer's) for
+    libtpu, which reads them when its plugin loads (here: at the first topology), so that the
+    check compiles what the jobs run. A LIBTPU_INIT_ARGS already in the environment is kept
+    (and said so); a libtpu already loaded (a JAX_PLATFORMS other than the check's "cpu" and a
+    preset that asked for devices) is an error, as its flags are fixed by then."""
+    from jax._src.lib import xla_client
+
+    part = "inference" if component == "inference" else "trainer"
+    wanted = libtpu.libtpu_init_args(config, part)
+    if xla_client.pjrt_plugin_loaded("tpu"):
+        raise cli.UsageError(
+            f"libtpu was loaded before the check could set {libtpu.ENV}: run it with "
+            "JAX_PLATFORMS=cpu (its default)"
+        )
     have = os.environ.setdefault(libtpu.ENV, wanted)
     if have != wanted:
         print(
-            f"rlax_tpu.aot: {libtpu.ENV} from the environment ({have!r}) is used, not the "
-            f"config's topology.libtpu_init_args ({wanted!r})",
+            f"note: {libtpu.ENV} from the environment ({have!r}) is used, not the config's "
+            f"topology.libtpu_init_args ({wanted!r})",
             file=sys.stderr,
         )
 

@@ -1,27 +1,32 @@
-"""The XLA/libtpu flags of every TPU job, in one place: what ``LIBTPU_INIT_ARGS`` holds for the
-trainer's and the inference workers' processes (the launchers: local, TPU VM, GKE) and for the
-ahead-of-time check (``python -m rlax_tpu.aot``), so that what is compiled there is what runs.
+"""The XLA/libtpu flags of the TPU jobs, in one place: what ``LIBTPU_INIT_ARGS`` holds for the
+trainer's and the inference workers' processes (the launchers: local on a TPU host, TPU VM, GKE)
+and for the ahead-of-time check (``python -m rlax_tpu.aot``), so that what is compiled there is
+what runs.
 
-libtpu reads ``LIBTPU_INIT_ARGS`` once, when it loads, and refuses an unknown flag
-(``tests/config/test_libtpu.py`` holds both facts against the pinned libtpu).
+libtpu reads ``LIBTPU_INIT_ARGS`` once, when its plugin loads, and refuses an unknown flag; with
+these flags the pinned libtpu compiles an FSDP gradient's all-gathers and reduce-scatters as
+asynchronous collective fusions, without them synchronously (``tests/config/test_libtpu.py``
+holds the three facts).
 
-Sources (the flags every MaxText TPU training job sets, read in its XLA flag library and its
-published v5p recipes; each flag's meaning per the XLA TPU flag names):
-- collectives overlapped with compute, so FSDP's all-gathers and reduce-scatters and the data
-  axis's all-reduces are not exposed: ``xla_tpu_enable_async_collective_fusion`` (and its
-  ``_fuse_all_gather``, ``_multiple_steps``), ``xla_tpu_overlap_compute_collective_tc``,
-  ``xla_enable_async_all_gather`` (AI-Hypercomputer/maxtext ``benchmarks/xla_flags_library.py``;
-  gclouduniverse/reproducibility ``Training/TPU-v5p/*/env.sh``);
-- the data-parallel all-reduce optimizations ``xla_tpu_enable_data_parallel_all_reduce_opt``,
-  ``xla_tpu_data_parallel_opt_different_sized_ops`` (MaxText's ``end_to_end/tpu`` scripts);
-- the scoped VMEM a Pallas kernel may take, 96 MiB for dense models and 80 MiB for MoE (MaxText's
-  ``DENSE_VMEM_LIMIT`` / ``MOE_VMEM_LIMIT``): above libtpu's default, which the paged-attention
-  and grouped-matmul kernels' larger blocks need.
+What "auto" sets, from AI-Hypercomputer/maxtext ``benchmarks/xla_flags_library.py`` (its flag
+groups, which its benchmark recipes combine per model):
+- the trainer: ``CF_FOR_ALL_GATHER``, collective fusion and compute/collective overlap for FSDP's
+  all-gathers (``xla_tpu_enable_async_collective_fusion`` with ``_fuse_all_gather`` and
+  ``_multiple_steps``, ``xla_tpu_overlap_compute_collective_tc``, ``xla_enable_async_all_gather``;
+  MaxText notes them as on by default, which the pinned libtpu is not, per the test above); with
+  slices over the data-center network (``mesh.slices`` > 1) also ``DATA_PARALLEL_OVERLAP``
+  (``xla_tpu_enable_data_parallel_all_reduce_opt``, ``xla_tpu_data_parallel_opt_different_sized_ops``:
+  MaxText's "optimize DCN all-reduces used for data parallel sharding");
+- every TPU process: MaxText's scoped VMEM limit, ``_DENSE_VMEM_LIMIT`` 98304 KiB or, for MoE
+  models, ``_MOE_VMEM_LIMIT`` 81920 KiB (``xla_tpu_scoped_vmem_limit_kib``). The project's own
+  Pallas kernels compile within libtpu's default too (``tests/aot``); the limit is what XLA's
+  fusions and kernels may take beyond it, and it is measured only as far as the AOT reports go.
+The inference workers' tensor-parallel all-reduces get no overlap flag: none is measured here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from rlax_tpu.config import RunConfig
@@ -34,21 +39,28 @@ COLLECTIVE_OVERLAP = (
     "--xla_tpu_overlap_compute_collective_tc=true",
     "--xla_enable_async_all_gather=true",
 )
-DATA_PARALLEL = (
+DATA_PARALLEL_OVER_DCN = (
     "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
     "--xla_tpu_data_parallel_opt_different_sized_ops=true",
 )
-DENSE_VMEM_KIB = 96 * 1024
-MOE_VMEM_KIB = 80 * 1024
+DENSE_VMEM_KIB = 98304
+MOE_VMEM_KIB = 81920
 
 
-def libtpu_init_args(config: RunConfig) -> str:
-    """``LIBTPU_INIT_ARGS`` for the config's TPU processes: ``topology.libtpu_init_args`` as
-    written, or for "auto" the flags above (the VMEM limit by whether the model is MoE)."""
+def libtpu_init_args(
+    config: RunConfig, component: Literal["trainer", "inference"] = "trainer"
+) -> str:
+    """``LIBTPU_INIT_ARGS`` for the config's ``component`` on TPUs (a process running both, as
+    the local transport's controller does, takes the trainer's): ``topology.libtpu_init_args``
+    as written, or for "auto" the flags above."""
     chosen = config.topology.libtpu_init_args
     if chosen != "auto":
         return chosen
+    flags: list[str] = []
+    if component == "trainer":
+        flags += COLLECTIVE_OVERLAP
+        if config.mesh.slices > 1:
+            flags += DATA_PARALLEL_OVER_DCN
     vmem = MOE_VMEM_KIB if config.model.num_experts else DENSE_VMEM_KIB
-    return " ".join(
-        (*COLLECTIVE_OVERLAP, *DATA_PARALLEL, f"--xla_tpu_scoped_vmem_limit_kib={vmem}")
-    )
+    flags.append(f"--xla_tpu_scoped_vmem_limit_kib={vmem}")
+    return " ".join(flags)

@@ -7,7 +7,9 @@ import re
 from rlax_tpu.config.checks import bad, frozen, non_negative, positive
 from rlax_tpu.config.slices import parse_slice
 
-_LIBTPU_FLAG = re.compile(r"--[a-z][a-z0-9_]*(=[^\s'\"]*)?")
+# A libtpu flag: names as libtpu's (some start with a digit), values without what a shell or
+# Kubernetes' $(VAR) expansion would change.
+_LIBTPU_FLAG = re.compile(r"--[a-z0-9][a-z0-9_]*(=[A-Za-z0-9_.,:/+=-]*)?")
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
@@ -36,8 +38,8 @@ class TopologyConfig:
     trainer_tpu: str = ""
     inference_tpu: str = ""  # each worker's slice
     # LIBTPU_INIT_ARGS of the TPU processes (every launcher) and of `python -m rlax_tpu.aot`:
-    # "auto", the project's XLA flags (collectives overlapped with compute, the kernels' scoped
-    # VMEM; config/libtpu.py cites each); "" none; anything else, these flags as written.
+    # "auto", MaxText's flags (the trainer's collectives overlapped with compute, a scoped VMEM
+    # limit; config/libtpu.py cites each); "" none; anything else, these flags as written.
     libtpu_init_args: str = "auto"
     verifier_replicas: int = 1  # verifier pods behind the verifier Service
     controller_memory_gib: int = 8  # controller pod's memory

@@ -575,8 +575,9 @@ def _pod(
     }
     if slice_count(config, component) > 1:
         container["env"] += megascale_env(config, component)
-    if tpu is not None and libtpu_init_args(config):  # the flags the AOT check compiled with
-        container["env"].append({"name": LIBTPU_ENV, "value": libtpu_init_args(config)})
+    flags = libtpu_init_args(config, "inference" if component == "inference" else "trainer")
+    if tpu is not None and flags:  # the flags the AOT check compiles with
+        container["env"].append({"name": LIBTPU_ENV, "value": flags})
     if component in COMPONENTS:
         port = _port(config, component)
         container["ports"] = [{"name": "grpc", "containerPort": port}]

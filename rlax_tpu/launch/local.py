@@ -37,6 +37,7 @@ from typing import TextIO
 from rlax_tpu import storage
 from rlax_tpu.cli import tuple_value
 from rlax_tpu.config import RunConfig
+from rlax_tpu.config.checks import detect_accelerator
 from rlax_tpu.config.libtpu import ENV as LIBTPU_ENV
 from rlax_tpu.config.libtpu import libtpu_init_args
 
@@ -168,8 +169,6 @@ class Launch:
         self.warmup_dir = warmup_dir or storage.join(config.controller.run_dir, WARMUP_DIR)
         self.launch_id = uuid.uuid4().hex
         self.env = dict(os.environ, **{LAUNCH_ID_ENV: self.launch_id})
-        if libtpu_init_args(config):  # read only where libtpu loads (a TPU host)
-            self.env.setdefault(LIBTPU_ENV, libtpu_init_args(config))
         self.log_dir = _log_dir(config.controller.run_dir)
         self.services: list[Child] = []
         self.controller: Child | None = None
@@ -354,6 +353,19 @@ class Launch:
 
     # -- processes ------------------------------------------------------------------------------
 
+    def _env(self, module: str) -> dict[str, str]:
+        """A child's environment: on a TPU host, a process that runs on the TPUs gets the XLA
+        flags the AOT check compiles with (config/libtpu.py), unless the environment has its
+        own; elsewhere none (JAX keys its compilation cache on them, CPU programs too)."""
+        on_tpu = {"trainer": "trainer", "inference": "inference", "controller": "trainer"}
+        component = on_tpu.get(module)
+        if component is None or detect_accelerator() != "tpu":
+            return self.env
+        if module == "controller" and self.config.controller.transport != "local":
+            return self.env
+        flags = libtpu_init_args(self.config, component)
+        return self.env if not flags else {LIBTPU_ENV: flags} | self.env
+
     def _start(
         self,
         name: str,
@@ -365,7 +377,9 @@ class Launch:
         watch: Callable[[str], None] | None = None,
     ) -> Child:
         argv = [sys.executable, "-m", f"rlax_tpu.{module}", *self.args, *args]
-        child = Child(name, argv, self.env, self.log_dir, self.out, prefix=prefix, watch=watch)
+        child = Child(
+            name, argv, self._env(module), self.log_dir, self.out, prefix=prefix, watch=watch
+        )
         if service:
             self.services.append(child)
         return child

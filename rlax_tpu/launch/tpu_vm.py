@@ -24,6 +24,7 @@ import dataclasses
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import Literal
 
 from rlax_tpu import storage
 from rlax_tpu.cli import tuple_value
@@ -92,9 +93,10 @@ def plan(
     """Every process of the run, in start order (see the module docstring)."""
     args = list(config_args)
     py = (".venv/bin/python", "-m")
-    tpu = tpu_env(config)
     if config.controller.transport == "local":
-        # Root: its verifiers run untrusted code under their own sandbox uids.
+        # Root: its verifiers run untrusted code under their own sandbox uids. Its trainer and
+        # workers share the process: the trainer's flags.
+        tpu = tpu_env(config, "trainer")
         return [Process(name, 0, "controller", ("sudo", *tpu, *py, "rlax_tpu.controller", *args))]
     _check(config, trainer_ips, inference_ips)
     ports = {
@@ -145,7 +147,7 @@ def plan(
             ("sudo", *py, "rlax_tpu.verifiers", *wired, f"--config.verifiers.address={verifier}"),
         )
     )
-    out += _group(name, "trainer", trainer_ips, ports["trainer"], wired, tpu)
+    out += _group(name, "trainer", trainer_ips, ports["trainer"], wired, tpu_env(config, "trainer"))
     for i, ips in enumerate(inference_ips):
         out += _group(
             f"{name}-inference-{i}",
@@ -153,7 +155,7 @@ def plan(
             ips,
             ports["inference"],
             [*wired, f"--config.inference.worker_index={i}"],
-            tpu,
+            tpu_env(config, "inference"),
         )
     workers = [f"{ips[0]}:{ports['inference']}" for ips in inference_ips]
     endpoints = {
@@ -215,10 +217,10 @@ def replica_ports(ports: dict[str, int], replicas: int) -> list[int]:
     return out
 
 
-def tpu_env(config: RunConfig) -> tuple[str, ...]:
+def tpu_env(config: RunConfig, component: Literal["trainer", "inference"]) -> tuple[str, ...]:
     """What a TPU process's command starts with: ``env LIBTPU_INIT_ARGS=...`` (the flags the
     AOT check compiles with, config/libtpu.py), or nothing when the config sets none."""
-    flags = libtpu_init_args(config)
+    flags = libtpu_init_args(config, component)
     return ("env", f"{LIBTPU_ENV}={flags}") if flags else ()
 
 

@@ -514,7 +514,7 @@ def fetch(
                 else:
                     raw = _manifest_raw(channel, version, base, min(timeout_s, idle_s))
                     if (
-                        _origin(raw["meta"]) != _origin(buffer.meta)
+                        origin(raw["meta"]) != origin(buffer.meta)
                         or Layout.from_dict(raw["layout"]) != buffer.layout
                     ):
                         if buffer.filled:  # its bytes may differ from those received
@@ -573,7 +573,7 @@ def _manifest(channel: grpc.Channel, version: int, base: int, timeout_s: float) 
     return VersionBuffer(version, Layout.from_dict(raw["layout"]), base=base, meta=raw["meta"])
 
 
-def _origin(meta: Any) -> str | None:
+def origin(meta: Any) -> str | None:
     """Which publish a root made a buffer from (``meta["source"]``): a reader resumes only on
     a source of the same bytes (the parameter server relays a version as it arrives, before
     its checksums are known)."""

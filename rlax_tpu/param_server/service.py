@@ -253,7 +253,7 @@ class RelayRoot:
                 f"version {version} goes whole (deltas {'on' if self.deltas else 'off'})"
             )
         held = self.service.get(version) if self.service is not None else None
-        arriving = held is not None and str(held.meta.get("source")).startswith("publish:")
+        arriving = held is not None and str(relay.origin(held.meta)).startswith("publish:")
         if arriving and not held.complete:
             # Still arriving (relayed as it is pushed): the reader takes it whole, rather than
             # hold a handler thread until the push ends for an encoding that waits for it.

@@ -13,7 +13,12 @@ import textwrap
 import pytest
 
 from rlax_tpu.config import ConfigError, RunConfig, from_dict
-from rlax_tpu.config.libtpu import COLLECTIVE_OVERLAP, ENV, libtpu_init_args
+from rlax_tpu.config.libtpu import (
+    COLLECTIVE_OVERLAP,
+    DATA_PARALLEL_OVER_DCN,
+    ENV,
+    libtpu_init_args,
+)
 
 # An FSDP gradient (weights sharded over 4 v5p chips, all-gathered in the forward and
 # reduce-scattered in the backward) compiled by libtpu for v5p:2x2x1; prints whether its
@@ -47,16 +52,19 @@ def _config(**overrides) -> RunConfig:
     return from_dict(RunConfig, overrides)
 
 
-def test_the_flags_by_config():
-    dense = libtpu_init_args(_config())
-    assert dense.split()[: len(COLLECTIVE_OVERLAP)] == list(COLLECTIVE_OVERLAP)
-    assert dense.endswith("--xla_tpu_scoped_vmem_limit_kib=98304")
+def test_the_flags_by_config_and_component():
+    trainer = libtpu_init_args(_config())
+    assert trainer.split() == [*COLLECTIVE_OVERLAP, "--xla_tpu_scoped_vmem_limit_kib=98304"]
+    assert libtpu_init_args(_config(), "inference") == "--xla_tpu_scoped_vmem_limit_kib=98304"
+    multislice = _config(mesh={"slices": 2, "data": 1})
+    assert libtpu_init_args(multislice).split()[-3:-1] == list(DATA_PARALLEL_OVER_DCN)
     moe = _config(model={"arch": "qwen3_moe", "num_experts": 8, "experts_per_token": 2})
     assert libtpu_init_args(moe).endswith("--xla_tpu_scoped_vmem_limit_kib=81920")
     assert libtpu_init_args(_config(topology={"libtpu_init_args": ""})) == ""
-    mine = "--xla_tpu_scoped_vmem_limit_kib=65536 --xla_enable_async_all_gather=false"
-    assert libtpu_init_args(_config(topology={"libtpu_init_args": mine})) == mine
-    for bad in ("xla_tpu_x=1", "--a=1; rm -rf /", "--xla_flag='quoted'"):
+    mine = "--xla_tpu_scoped_vmem_limit_kib=65536 --2a886c8_chip_config_name=megachip_tccontrol"
+    assert libtpu_init_args(_config(topology={"libtpu_init_args": mine}), "inference") == mine
+    # What a shell, or Kubernetes' $(VAR) expansion of a pod's env, would change is refused.
+    for bad in ("xla_tpu_x=1", "--a=1;rm", "--x=$(JOB_INDEX)", "--a=`id`", "--xla_flag='q'"):
         with pytest.raises(ConfigError, match="libtpu_init_args"):
             _config(topology={"libtpu_init_args": bad})
 
@@ -74,7 +82,7 @@ def test_libtpu_reads_the_flags_when_it_compiles_and_refuses_one_it_does_not_kno
     """The facts the module rests on, against the pinned libtpu: without the flags the FSDP
     gradient's collectives are synchronous, with ours they are async collective fusions
     (overlapped with compute); an unknown flag stops libtpu from loading at all."""
-    plain, ours = _compile(None), _compile(libtpu_init_args(_config()))
+    plain, ours = _compile(None), _compile(libtpu_init_args(_config(), "trainer"))
     assert plain.returncode == 0 and ours.returncode == 0, (
         plain.stderr[-2000:] + ours.stderr[-2000:]
     )
@@ -84,20 +92,33 @@ def test_libtpu_reads_the_flags_when_it_compiles_and_refuses_one_it_does_not_kno
     assert "Unknown command line flag 'xla_tpu_no_such_flag_in_libtpu'" in unknown.stderr
 
 
-def test_the_aot_check_and_the_local_launcher_pass_the_config_s_flags(monkeypatch):
+def test_the_aot_check_and_the_local_launcher_pass_the_config_s_flags(monkeypatch, tmp_path):
     from rlax_tpu.aot.__main__ import apply_libtpu_init_args
-    from rlax_tpu.launch.local import Launch
+    from rlax_tpu.launch import local
 
-    config = _config()
-    monkeypatch.delenv(ENV, raising=False)
-    apply_libtpu_init_args(config)
+    config = _config(controller={"run_dir": str(tmp_path)})
+    monkeypatch.setenv(ENV, "set here so that monkeypatch restores its absence")
+    monkeypatch.delenv(ENV)
+    apply_libtpu_init_args(config, "trainer")
     assert os.environ[ENV] == libtpu_init_args(config)
     monkeypatch.setenv(ENV, "--xla_tpu_scoped_vmem_limit_kib=65536")  # the user's, kept
-    apply_libtpu_init_args(config)
+    apply_libtpu_init_args(config, "inference")
     assert os.environ[ENV] == "--xla_tpu_scoped_vmem_limit_kib=65536"
     monkeypatch.delenv(ENV)
-    assert Launch(config, []).env[ENV] == libtpu_init_args(config)
+    # The local launch: on a TPU host, the processes on the TPUs (the local transport's
+    # controller runs the trainer and the workers); nothing elsewhere (JAX keys its compile
+    # cache on the flags, CPU programs too).
+    launch = local.Launch(config, [])
+    assert ENV not in launch._env("trainer")
+    monkeypatch.setattr(local, "detect_accelerator", lambda: "tpu")
+    assert launch._env("trainer")[ENV] == libtpu_init_args(config)
+    assert launch._env("inference")[ENV] == libtpu_init_args(config, "inference")
+    assert launch._env("controller")[ENV] == libtpu_init_args(config)  # local transport
+    assert ENV not in launch._env("param_server") and ENV not in launch._env("verifiers")
+    monkeypatch.setenv(ENV, "--xla_tpu_scoped_vmem_limit_kib=65536")
+    assert local.Launch(config, [])._env("trainer")[ENV] == "--xla_tpu_scoped_vmem_limit_kib=65536"
     none = dataclasses.replace(
         config, topology=dataclasses.replace(config.topology, libtpu_init_args="")
     )
-    assert ENV not in Launch(none, []).env
+    monkeypatch.delenv(ENV)
+    assert ENV not in local.Launch(none, [])._env("trainer")

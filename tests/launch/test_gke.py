@@ -252,13 +252,14 @@ def test_tpu_pods_start_with_the_xla_flags_the_aot_check_compiles_with(small):
     from rlax_tpu.config.libtpu import libtpu_init_args
 
     config, objects = small
-    flags = libtpu_init_args(config)
-    assert "--xla_tpu_enable_async_collective_fusion=true" in flags
+    flags = {
+        "trainer": libtpu_init_args(config),
+        "inference": libtpu_init_args(config, "inference"),
+    }
+    assert "--xla_tpu_enable_async_collective_fusion=true" in flags["trainer"]
     for rjob in ("param-server", "verifiers", "trainer", "inference", "controller"):
         env = {e["name"]: e.get("value") for e in _pod(objects, rjob)["containers"][0]["env"]}
-        assert env.get("LIBTPU_INIT_ARGS") == (
-            flags if rjob in ("trainer", "inference") else None
-        ), rjob
+        assert env.get("LIBTPU_INIT_ARGS") == flags.get(rjob), rjob
     none = dataclasses.replace(
         config, topology=dataclasses.replace(config.topology, libtpu_init_args="")
     )

@@ -135,7 +135,8 @@ def _processes(stdout: str) -> list[tuple[str, str, list[str]]]:
 
 
 ENVS: dict[tuple[str, str, str], dict[str, str]] = {}
-DENSE_FLAGS = libtpu_init_args(from_dict(RunConfig, {}))
+DENSE_FLAGS = libtpu_init_args(from_dict(RunConfig, {}), "trainer")
+INFERENCE_FLAGS = libtpu_init_args(from_dict(RunConfig, {}), "inference")
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +164,11 @@ def test_start_on_several_vms_starts_every_component_in_order(pod_plan):
 def test_the_tpu_processes_start_with_the_xla_flags_the_aot_check_compiles_with(pod_plan):
     """config/libtpu.py's LIBTPU_INIT_ARGS on every trainer and inference process (those on
     the TPUs), on no other."""
-    on_tpu = {"rlax_tpu.trainer", "rlax_tpu.inference"}
+    on_tpu = {"rlax_tpu.trainer": DENSE_FLAGS, "rlax_tpu.inference": INFERENCE_FLAGS}
     for vm, worker, argv in pod_plan:
         env = ENVS[(vm, worker, argv[2])]
-        assert env == ({"LIBTPU_INIT_ARGS": DENSE_FLAGS} if argv[2] in on_tpu else {}), argv[2]
+        flags = on_tpu.get(argv[2])
+        assert env == ({"LIBTPU_INIT_ARGS": flags} if flags else {}), argv[2]
     assert "--xla_tpu_overlap_compute_collective_tc=true" in DENSE_FLAGS
 
 
