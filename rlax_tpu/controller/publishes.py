@@ -2,10 +2,10 @@
 
 A step returns while its version's push goes on; no worker may load the version before it is
 published (with ``stage_early`` the workers fetch it meanwhile, relayed as it arrives, and swap
-it in once it is published). A thread per pending version waits for the trainer's word (``wait_published``), then
-tells the pool (publish-to-serve starts at the trainer's publish). Generation jobs go to the
-pool through one queue (``after``) that holds a job of a pending version until it is published,
-so the controller's thread goes on (the next update overlaps the push) and jobs reach the pool
+it in once it is published). A thread per pending version waits for the trainer's word
+(``wait_published``), then tells the pool (publish-to-serve starts at the trainer's publish).
+Generation jobs go to the pool through one queue (``after``) that holds a job of a pending
+version until it is published, so the controller's thread goes on (the next update overlaps the push) and jobs reach the pool
 in the order they were launched; evaluations wait (``wait``); throughput admission takes the
 newest reload point no longer pending (``newest_ready``). A failed push is raised by every
 later ``wait``, ``after`` and ``check`` as it was raised: a component gone (which the

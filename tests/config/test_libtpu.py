@@ -93,12 +93,22 @@ def test_libtpu_reads_the_flags_when_it_compiles_and_refuses_one_it_does_not_kno
 
 
 def test_the_aot_check_and_the_local_launcher_pass_the_config_s_flags(monkeypatch, tmp_path):
+    from jax._src.lib import xla_client
+
     from rlax_tpu.aot.__main__ import apply_libtpu_init_args
+    from rlax_tpu.cli import UsageError
     from rlax_tpu.launch import local
 
     config = _config(controller={"run_dir": str(tmp_path)})
     monkeypatch.setenv(ENV, "set here so that monkeypatch restores its absence")
     monkeypatch.delenv(ENV)
+    # Whether this test process loaded libtpu already (another test compiled for a TPU) is
+    # not the claim: each case below is set.
+    monkeypatch.setattr(xla_client, "pjrt_plugin_loaded", lambda name: True)
+    with pytest.raises(UsageError, match="libtpu was loaded before"):
+        apply_libtpu_init_args(config, "trainer")
+    assert ENV not in os.environ
+    monkeypatch.setattr(xla_client, "pjrt_plugin_loaded", lambda name: False)
     apply_libtpu_init_args(config, "trainer")
     assert os.environ[ENV] == libtpu_init_args(config)
     monkeypatch.setenv(ENV, "--xla_tpu_scoped_vmem_limit_kib=65536")  # the user's, kept
