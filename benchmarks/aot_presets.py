@@ -3,6 +3,7 @@ for the preset's topology on this (CPU) machine by ``python -m rlax_tpu.aot``.
 
     python benchmarks/aot_presets.py                 # every case below, then the tables
     python benchmarks/aot_presets.py --only smollm2  # cases whose name contains "smollm2"
+    python benchmarks/aot_presets.py --only v5p_moe,v5p_small  # either
     python benchmarks/aot_presets.py --tables        # tables from the saved JSON only
 
 Each case's report is saved as benchmarks/aot/<case>.json; the markdown tables go to stdout (they
@@ -140,10 +141,14 @@ def table(name: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="run the cases whose name contains this (or, comma-separated, any)",
+    )
     parser.add_argument("--tables", action="store_true", help="print tables from saved JSON only")
     args = parser.parse_args()
-    names = [n for n in CASES if args.only in n]
+    names = [n for n in CASES if any(part in n for part in args.only.split(","))]
     if not args.tables:
         for name in names:
             run_case(name, CASES[name])

@@ -26,10 +26,21 @@ _LORA_STREAM = 0x10A  # folded into the model seed for adapter inits
 
 
 def param(
-    rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str], dtype: jnp.dtype
+    rngs: nnx.Rngs,
+    init: Initializer,
+    shape: Sequence[int],
+    axes: Sequence[str],
+    dtype: jnp.dtype,
+    *,
+    used_as_stored: bool = False,
 ) -> nnx.Param:
-    """A parameter with logical axis names; sharding is applied later by the rules table."""
-    return nnx.Param(init(rngs.params(), shape, dtype), eager_sharding=False, out_sharding=axes)
+    """A parameter with logical axis names; sharding is applied later by the rules table.
+    ``used_as_stored``: its module takes it in the stored dtype and casts later itself (the
+    MoE's, whose gradients are summed in it), so scanned layers stack it uncast."""
+    value = init(rngs.params(), shape, dtype)
+    if used_as_stored:
+        return nnx.Param(value, eager_sharding=False, out_sharding=axes, used_as_stored=True)
+    return nnx.Param(value, eager_sharding=False, out_sharding=axes)
 
 
 def normal_init(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:

@@ -118,10 +118,12 @@ class MoE(nnx.Module):
         e, x, f = cfg.hidden_size, cfg.num_experts, cfg.resolved_expert_intermediate_size
         self.k, self.normalize = cfg.experts_per_token, cfg.norm_topk_prob
         self.kernel = cfg.expert_kernel
-        self.router = param(rngs, normal_init, (e, x), ("embed", "experts"), pdtype)
-        self.gate_proj = param(rngs, normal_init, (x, e, f), ("experts", "embed", "mlp"), pdtype)
-        self.up_proj = param(rngs, normal_init, (x, e, f), ("experts", "embed", "mlp"), pdtype)
-        self.down_proj = param(rngs, normal_init, (x, f, e), ("experts", "mlp", "embed"), pdtype)
+        # Taken as stored into the expert-parallel shard_map (module docstring).
+        stored = partial(param, rngs, normal_init, dtype=pdtype, used_as_stored=True)
+        self.router = stored((e, x), ("embed", "experts"))
+        self.gate_proj = stored((x, e, f), ("experts", "embed", "mlp"))
+        self.up_proj = stored((x, e, f), ("experts", "embed", "mlp"))
+        self.down_proj = stored((x, f, e), ("experts", "mlp", "embed"))
 
     def __call__(
         self, x: jax.Array, forced: jax.Array | None = None

@@ -203,7 +203,8 @@ class Transformer(nnx.Module):
                 x, routing = run(state, x, None if routes is None else routes[i])
                 per_layer.append(routing)
             return x, _stacked(per_layer)
-        stacked = jax.tree.map(_stack_layers, *states, is_leaf=_is_variable)
+        stack = partial(_stack_layers, dtype=self.compute_dtype)
+        stacked = jax.tree.map(stack, *states, is_leaf=_is_variable)
         x, routing = jax.lax.scan(lambda h, xs: run(xs[0], h, xs[1]), x, (stacked, routes))
         return x, routing
 
@@ -228,11 +229,19 @@ def _is_variable(x: object) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _stack_layers(*variables: nnx.Variable) -> nnx.Variable:
+def _stack_layers(*variables: nnx.Variable, dtype: jnp.dtype) -> nnx.Variable:
     """The layers' values of one parameter stacked on a new leading axis [num_layers, ...],
-    constrained like the parameter (the layer axis replicated)."""
+    constrained like the parameter (the layer axis replicated). A floating parameter its layer
+    casts to the compute ``dtype`` where used is cast before the stack, as the unrolled layers
+    cast it (the same values and gradients): stacking float32 masters made a float32 copy of
+    every layer, and a float32 cotangent, that nothing needs."""
     first = variables[0]
-    stacked = jnp.stack([v[...] for v in variables])
+    values = [v[...] for v in variables]
+    if jnp.issubdtype(values[0].dtype, jnp.floating) and not first.get_metadata().get(
+        "used_as_stored"
+    ):
+        values = [x.astype(dtype) for x in values]
+    stacked = jnp.stack(values)
     axes = first.get_metadata().get("out_sharding") or (None,) * (stacked.ndim - 1)
     return first.replace(constrain(stacked, (None, *axes)))
 
