@@ -36,7 +36,8 @@ class TrainerConfig:
     ] = "nothing_saveable"
     # The trainer's forwards as one lax.scan over stacked layer parameters: one compiled layer
     # body whatever the depth (compile time and program size stay flat), at the price of one
-    # copy of the layer parameters per call. Off: layers unrolled.
+    # copy of the layer parameters per call, in the compute dtype (the MoE's experts as
+    # stored). Off: layers unrolled.
     scan_layers: bool = False
     # The training forward's attention: "splash" (JAX's TPU splash kernel: memory linear in the
     # sequence), "dense" (materializes [L, L] scores; the CPU reference), "auto" (splash on TPU).
