@@ -105,6 +105,7 @@ class RunConfig:
             )
         self._check_slices()
         self._check_environment()
+        self._check_gguf_per_host()
         replicas = self.param_server.replicas
         if ctl.param_server_endpoints and len(ctl.param_server_endpoints) != replicas:
             raise ConfigError(
@@ -247,6 +248,38 @@ class RunConfig:
                 "completion holds the environment's tokens between the model's turns; choose "
                 "one without (grpo, dapo, rloo, ...)",
                 self.algorithm.name,
+            )
+
+    def _check_gguf_per_host(self) -> None:
+        """A GGUF file is read from a local copy (it is memory-mapped): on gs:// every host of a
+        multi-host trainer or worker would download all of it, where safetensors are read in
+        place, each host about its share."""
+        model = self.model
+        gguf = [
+            (name, path)
+            for name, path in (
+                (
+                    "model.weights_path",
+                    model.weights_path if model.weights_format == "gguf" else "",
+                ),
+                ("model.tokenizer_path", model.tokenizer_path),
+            )
+            if path.startswith("gs://") and path.endswith(".gguf")
+        ]
+        hosts = {
+            "trainer": self.trainer.distributed.num_processes,
+            "inference": self.inference.distributed.num_processes,
+        }
+        many = [f"{k}.distributed.num_processes = {n}" for k, n in hosts.items() if n > 1]
+        if gguf and many:
+            name, path = gguf[0]
+            raise ConfigError(
+                name,
+                f"a GGUF file on gs:// would be copied whole to every host ({', '.join(many)}); "
+                "convert it once to an HF safetensors directory (read in place, each host its "
+                "share), e.g. transformers' from_pretrained(..., gguf_file=...).save_pretrained"
+                "(DIR), or give each host a local copy",
+                path,
             )
 
     def _check_slices(self) -> None:

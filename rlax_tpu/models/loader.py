@@ -7,6 +7,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+import jax
 from jax.sharding import Mesh
 
 from rlax_tpu import storage
@@ -62,7 +63,14 @@ def load_model(cfg: ModelConfig, *, mesh: Mesh | None = None) -> Transformer:
             raise ModelLoadError(where, "no such file or folder")
         _check_same_architecture(cfg, read_hf_config(where, **run))
         return load_safetensors(where, mesh=mesh, cfg=cfg)[1]
-    # gs:// GGUF is copied to the local cache once (GGUFFile maps a local file).
+    # gs:// GGUF is copied to the local cache once (GGUFFile maps a local file): on one host
+    # only (RunConfig refuses it for several; this is for models built in code).
+    if storage.is_remote(cfg.weights_path) and jax.process_count() > 1:
+        raise ModelLoadError(
+            cfg.weights_path,
+            f"a GGUF file on gs:// would be copied whole to each of {jax.process_count()} "
+            "processes; convert it to HF safetensors (read in place, each host its share)",
+        )
     file = GGUFFile(_local(cfg.weights_path))  # parsed once
     _check_same_architecture(cfg, config_from_gguf(file, **run))
     return load_gguf(file, mesh=mesh, **run)[1]

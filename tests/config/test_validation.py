@@ -1021,3 +1021,43 @@ def test_an_environment_builds_and_old_runs_without_the_section_still_load():
     saved = local_dict()
     del saved["environment"]  # a run directory written before the section existed
     assert from_dict(RunConfig, saved).environment.name == "none"
+
+
+def test_a_gs_gguf_is_refused_for_a_multi_host_trainer_or_worker():
+    """[pod-fidelity]: every host would copy the whole GGUF file; one process may."""
+    gguf = {
+        "model.weights_format": "gguf",
+        "model.weights_path": "gs://bucket/model.gguf",
+    }
+    assert build(gguf).model.weights_path == "gs://bucket/model.gguf"  # one process each
+    for component in ("trainer", "inference"):
+        with pytest.raises(ConfigError) as info:
+            build(
+                gguf
+                | {
+                    f"{component}.distributed.coordinator_address": "auto",
+                    f"{component}.distributed.num_processes": 2,
+                }
+            )
+        assert info.value.field == "model.weights_path"
+        assert f"copied whole to every host ({component}.distributed.num_processes = 2)" in str(
+            info.value
+        )
+    # The tokenizer alone from a gs:// GGUF is the same download.
+    with pytest.raises(ConfigError, match="model.tokenizer_path"):
+        build(
+            {
+                "model.tokenizer_path": "gs://bucket/tok.gguf",
+                "inference.distributed.coordinator_address": "auto",
+                "inference.distributed.num_processes": 2,
+            }
+        )
+    # A local path per host is the user's own copy.
+    build(
+        gguf
+        | {
+            "model.weights_path": "/data/model.gguf",
+            "trainer.distributed.coordinator_address": "auto",
+            "trainer.distributed.num_processes": 2,
+        }
+    )

@@ -108,3 +108,20 @@ def test_weights_and_tokenizer_from_gs(gcs_emulator, tmp_path, monkeypatch):
     missing = dataclasses.replace(cfg, weights_path=f"{base}/nothing")
     with pytest.raises(ModelLoadError, match="no such file or folder"):
         load_model(missing)
+
+
+def test_a_gs_gguf_is_refused_in_a_multi_process_job_before_any_download(tmp_path, monkeypatch):
+    """[pod-fidelity]: GGUF is memory-mapped from a local copy, so on gs:// every process of a
+    multi-host job would download all of it (safetensors are read in place, each host its
+    share). A model built in code in such a job is refused before a byte is fetched (RunConfig
+    refuses the config: tests/config/test_validation.py)."""
+    from rlax_tpu import storage
+
+    monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    fetched = []
+    monkeypatch.setattr(storage, "local_copy", lambda p: fetched.append(p))
+    cfg = preset("tiny", weights_format="gguf", weights_path="gs://bucket/model.gguf")
+    with pytest.raises(ModelLoadError, match="copied whole to each of 2 processes"):
+        load_model(cfg)
+    assert fetched == []
