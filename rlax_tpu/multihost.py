@@ -16,7 +16,11 @@ the error, within ``distributed.heartbeat_timeout_s``:
   (stopped sending heartbeats): <process>"), or at once when the lead, which runs it, died;
 - after a call every process made, :func:`agree` compares how it ended everywhere: a call
   that failed on every process is an error of the call (the caller gets it, as from one
-  process), one that failed on only some ends the job.
+  process), one that failed on only some ends the job;
+- a process alive but stuck (a hung host, a deadlock) sends its heartbeats and says nothing:
+  every call the job's processes run in step (:func:`bounded`: a trainer call, an engine step)
+  that has not ended after ``distributed.call_timeout_s`` on a process ends the job from there
+  (:func:`fail`): the stuck process's call, or another's waiting for it in a collective.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import pickle
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from rlax_tpu.config import DistributedConfig
@@ -62,11 +67,16 @@ def initialize(cfg: DistributedConfig, *, slices: int = 1) -> bool:
             coordinator_bind_address=coordinator_bind_address(cfg.coordinator_address),
         )
     _timeout_s[0] = cfg.heartbeat_timeout_s
+    _call_timeout_s[0] = cfg.call_timeout_s
     if jax.process_count() > 1:
         _stopping.clear()
         watchdog = threading.Thread(target=_watch, name="multihost-watchdog", daemon=True)
         watchdog.start()
         _watchdog[:] = [watchdog]
+        if cfg.call_timeout_s > 0:
+            progress = threading.Thread(target=_progress, name="multihost-progress", daemon=True)
+            progress.start()
+            _watchdog.append(progress)
     log.info(
         "joined jax.distributed as process %d of %d (%d local of %d devices)",
         jax.process_index(),
@@ -245,6 +255,42 @@ def agree(what: str, error: BaseException | None) -> None:
     if failed and len(failed) < len(said):
         ok = [p for p, why in enumerate(said) if why is None]
         fail(f"{what} failed on {'; '.join(failed)} (it succeeded on processes {ok})")
+
+
+_call_timeout_s = [0]  # distributed.call_timeout_s, once initialized (0: unbounded)
+_current: dict[object, tuple[str, float]] = {}  # this process's calls in step, and their starts
+
+
+@contextlib.contextmanager
+def bounded(what: str) -> Iterator[None]:
+    """Runs the body as ``what`` (e.g. "trainer call train_step"), a call every process of the
+    job runs in step: if it has not ended after ``distributed.call_timeout_s``, this process
+    ends the job naming it (a process of the job is stuck, or this one waits for one that
+    is). Nothing for one process or an unbounded timeout."""
+    if not _call_timeout_s[0] or not _watchdog:
+        yield
+        return
+    token = object()
+    _current[token] = (what, time.monotonic())
+    try:
+        yield
+    finally:
+        del _current[token]
+
+
+def _progress() -> None:
+    """The progress watchdog: ends the job when this process's call in step overruns."""
+    import jax
+
+    me, limit = jax.process_index(), _call_timeout_s[0]
+    while not _stopping.wait(min(1.0, limit / 4)):
+        current = min(list(_current.values()), key=lambda c: c[1], default=None)
+        if current is not None and time.monotonic() - current[1] > limit:
+            fail(
+                f"{current[0]} has not ended after {limit} s (distributed.call_timeout_s): a "
+                f"process of the job is stuck, or process {me} waits in a collective for one "
+                "that is"
+            )
 
 
 def fail(message: str) -> NoReturn:

@@ -11,7 +11,9 @@ The failure rule (multihost.initialize: its watchdog, heartbeat timeout 5 s). "l
 LeadTrainer and a follower over a stand-in trainer that writes files: a restore that fails on
 both processes is the lead's caller's error and both go on; a save into a directory that exists
 only on the lead fails on process 1 alone and ends both. "blocked": process 1's call fails while
-process 0 waits in a device collective process 1 never enters.
+process 0 waits in a device collective process 1 never enters. "stuck": a train step (call
+timeout 3 s) in which process 1 sleeps for 300 s, alive, while process 0 waits for it in a
+device collective.
 """
 
 import contextlib
@@ -54,12 +56,36 @@ class Files:
         return (self.where / "never-saved").read_text()
 
 
+class Stuck:
+    """A stand-in trainer whose step hangs on process 1 (alive: its heartbeats go on) while
+    process 0 waits for it in a device collective."""
+
+    def train_step(self) -> None:
+        if jax.process_index() == 1:
+            print("process 1 hangs in its step", flush=True)
+            time.sleep(300)
+        else:
+            multihost_utils.process_allgather(np.ones(2))
+        print("got past the stuck step", flush=True)
+
+
 def failure_rule(coordinator: str, pid: int, scenario: str) -> None:
     multihost.initialize(
         DistributedConfig(
-            coordinator_address=coordinator, num_processes=2, process_id=pid, heartbeat_timeout_s=5
+            coordinator_address=coordinator,
+            num_processes=2,
+            process_id=pid,
+            heartbeat_timeout_s=5,
+            call_timeout_s=3 if scenario == "stuck" else 1800,
         )
     )
+    if scenario == "stuck":
+        if pid == 1:
+            follow(Stuck())
+        else:
+            LeadTrainer(Stuck()).train_step()
+        print("got past the stuck step", flush=True)
+        return
     if pid == 0:
         port = int(coordinator.rsplit(":", 1)[1])
         print(f"coordinator listens on {listening(port)}", flush=True)
@@ -114,7 +140,7 @@ def payload(step: int) -> dict:
 
 def main() -> None:
     coordinator, pid, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    if scenario in ("lockstep", "blocked"):
+    if scenario in ("lockstep", "blocked", "stuck"):
         failure_rule(coordinator, pid, scenario)
         return
     jax.distributed.initialize(coordinator, num_processes=2, process_id=pid)

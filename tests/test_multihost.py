@@ -91,6 +91,28 @@ def test_a_failed_process_ends_one_waiting_in_a_collective_it_never_entered():
         assert "got past" not in text
 
 
+def test_a_process_alive_but_stuck_ends_the_job_within_the_call_timeout():
+    """[pod-fidelity]: process 1 hangs in a train step, alive (its heartbeat thread runs on, so
+    the coordination service sees nothing; a frozen process is its heartbeats' case), while
+    process 0 waits for it in a device collective. The call outlives distributed.call_timeout_s
+    (3 s here) on both: both exit EXIT_FAILED naming it, process 1 while still in its sleep
+    (300 s, beyond this test's wait: ending at all is the bound)."""
+    lead, follower = _run("stuck")
+    assert "process 1 hangs in its step" in follower.stdout, follower.stdout[-3000:]
+    for done in (lead, follower):
+        assert done.returncode == multihost.EXIT_FAILED, done.stdout[-3000:]
+        assert "trainer call train_step has not ended after 3 s (distributed.call_timeout_s)" in (
+            done.stdout
+        ), done.stdout[-3000:]
+        assert "got past the stuck step" not in done.stdout
+
+
+def test_the_call_timeout_may_be_zero_but_not_negative():
+    assert DistributedConfig(call_timeout_s=0).call_timeout_s == 0
+    with pytest.raises(ConfigError, match="call_timeout_s"):
+        DistributedConfig(call_timeout_s=-1)
+
+
 def test_the_coordinator_binds_where_its_address_says():
     assert multihost.coordinator_bind_address("127.0.0.1:1234") == "127.0.0.1:1234"
     assert multihost.coordinator_bind_address("localhost:1234") == "127.0.0.1:1234"

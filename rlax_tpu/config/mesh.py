@@ -100,9 +100,15 @@ class DistributedConfig:
     # failed waits this long for the others (they may wait in a collective it never entered).
     # Heartbeats come from a C++ thread: compiles and long steps do not delay them.
     heartbeat_timeout_s: int = 20
+    # A process alive but stuck (a hung host, a deadlock) keeps its heartbeats: a call the
+    # processes run in step (a trainer call: step, publish, save, restore; an engine step with
+    # its loads) that has not ended this long after it started on a process ends the job. The
+    # first calls compile and restore: keep it above the longest of those. 0: unbounded.
+    call_timeout_s: int = 1800
 
     def __post_init__(self) -> None:
         positive(self, "num_processes", "initialization_timeout_s", "heartbeat_timeout_s")
+        non_negative(self, "call_timeout_s")
         non_negative(self, "slice_index")
         if self.coordinator_address not in ("", "auto"):
             host, sep, port = self.coordinator_address.rpartition(":")

@@ -72,33 +72,36 @@ def follow(
             commands = broadcast(None)
         except Exception as e:  # noqa: BLE001 - the key-value store (in the lead) is gone
             multihost.fail(f"lost the lead (process 0) waiting for its next step: {e}")
-        if stage is not None:  # before this round's loads: a version staged and loaded in one
-            for command in commands:  # round is fetched once, by the load
-                if command[0] == "stage":
-                    stage(command[1])
-        weights = _fetch_agreed([c[1] for c in commands if c[0] == "load"], fetch)
-        for command in commands:
-            kind = command[0]
-            try:
-                if kind == "submit":
-                    engine.submit(*command[1:])
-                elif kind == "stage":
-                    pass  # staged above
-                elif kind == "load":
-                    if command[1] in weights:
-                        engine.load_weights(command[1], weights[command[1]])
-                elif kind == "abort":
-                    engine.abort_all()
-                elif kind == "step":
-                    if engine.has_work():
-                        engine.step()
-                        steps += 1
-                elif kind == "stop":
-                    return steps
-                else:
-                    raise ValueError(f"unknown lockstep command {kind!r}")
-            except Exception as e:  # noqa: BLE001 - the job must not go on out of step
-                multihost.fail(f"inference {kind} failed on process {me}: {type(e).__name__}: {e}")
+        with multihost.bounded("inference step"):  # the lead's: worker.py
+            if stage is not None:  # before this round's loads: a version staged and loaded in one
+                for command in commands:  # round is fetched once, by the load
+                    if command[0] == "stage":
+                        stage(command[1])
+            weights = _fetch_agreed([c[1] for c in commands if c[0] == "load"], fetch)
+            for command in commands:
+                kind = command[0]
+                try:
+                    if kind == "submit":
+                        engine.submit(*command[1:])
+                    elif kind == "stage":
+                        pass  # staged above
+                    elif kind == "load":
+                        if command[1] in weights:
+                            engine.load_weights(command[1], weights[command[1]])
+                    elif kind == "abort":
+                        engine.abort_all()
+                    elif kind == "step":
+                        if engine.has_work():
+                            engine.step()
+                            steps += 1
+                    elif kind == "stop":
+                        return steps
+                    else:
+                        raise ValueError(f"unknown lockstep command {kind!r}")
+                except Exception as e:  # noqa: BLE001 - the job must not go on out of step
+                    multihost.fail(
+                        f"inference {kind} failed on process {me}: {type(e).__name__}: {e}"
+                    )
         standby_waits |= any(c[0] == "load" for c in commands)
         if loaded is not None and standby_waits and getattr(engine, "older_version", None) is None:
             # This round's versions are swapped in and no older one is kept for its sequences

@@ -275,9 +275,10 @@ class InferenceWorker:
                     self._cond.notify_all()
                     return
                 try:
-                    if self._lockstep:
-                        self._sync()
-                    finished = self.engine.step() if self.engine.has_work() else []
+                    with multihost.bounded("inference step"):  # the followers': lockstep.py
+                        if self._lockstep:
+                            self._sync()
+                        finished = self.engine.step() if self.engine.has_work() else []
                 except Exception as e:  # a broken step: fail every waiting caller loudly
                     if self._lockstep:  # the followers may have stepped: end them all
                         multihost.fail(

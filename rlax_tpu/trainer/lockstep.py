@@ -42,7 +42,8 @@ class LeadTrainer:
         def call(*args: Any, **kwargs: Any) -> Any:
             multihost.broadcast(("call", name, args, kwargs))
             try:
-                result = attr(*args, **kwargs)
+                with multihost.bounded(f"trainer call {name}"):
+                    result = attr(*args, **kwargs)
             except Exception as e:
                 multihost.agree(f"trainer call {name}", e)  # returns if it failed everywhere
                 raise
@@ -74,7 +75,8 @@ def follow(trainer: Any) -> int:
         try:
             if name not in COLLECTIVE_CALLS:
                 raise ValueError(f"unknown trainer call {name!r} from the lead")
-            getattr(trainer, name)(*args, **kwargs)
+            with multihost.bounded(f"trainer call {name}"):
+                getattr(trainer, name)(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - told to every process by agree
             error = e
         multihost.agree(f"trainer call {name}", error)
