@@ -81,8 +81,7 @@ def apply_libtpu_init_args(config: RunConfig, component: str = "all") -> None:
     preset that asked for devices) is an error, as its flags are fixed by then."""
     from jax._src.lib import xla_client
 
-    part = "inference" if component == "inference" else "trainer"
-    wanted = libtpu.libtpu_init_args(config, part)
+    wanted = libtpu.libtpu_init_args(config, component)
     if xla_client.pjrt_plugin_loaded("tpu"):
         raise cli.UsageError(
             f"libtpu was loaded before the check could set {libtpu.ENV}: run it with "

@@ -15,7 +15,7 @@ import jax
 from rlax_tpu import cli
 from rlax_tpu.aot.check import FAILED, FITS, HEADROOM, TOO_BIG, ProgramReport, compile_all
 from rlax_tpu.aot.chips import DeviceSpec, chip_of, device_spec
-from rlax_tpu.config import RunConfig
+from rlax_tpu.config import RunConfig, libtpu
 from rlax_tpu.config.slices import parse_slice
 from rlax_tpu.models.aot import AbstractProgram
 
@@ -260,7 +260,7 @@ def run_check(
                 {
                     "command": command,
                     "preset": config.preset,
-                    "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
+                    "libtpu_init_args": os.environ.get(libtpu.ENV, ""),
                     "devices": {
                         t: {
                             "chip": s.chip.name,

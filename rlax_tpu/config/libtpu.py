@@ -26,7 +26,7 @@ The inference workers' tensor-parallel all-reduces get no overlap flag: none is 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rlax_tpu.config import RunConfig
@@ -47,12 +47,11 @@ DENSE_VMEM_KIB = 98304
 MOE_VMEM_KIB = 81920
 
 
-def libtpu_init_args(
-    config: RunConfig, component: Literal["trainer", "inference"] = "trainer"
-) -> str:
-    """``LIBTPU_INIT_ARGS`` for the config's ``component`` on TPUs (a process running both, as
-    the local transport's controller does, takes the trainer's): ``topology.libtpu_init_args``
-    as written, or for "auto" the flags above."""
+def libtpu_init_args(config: RunConfig, component: str = "trainer") -> str:
+    """``LIBTPU_INIT_ARGS`` for the config's ``component`` on TPUs: "inference" takes the
+    workers' flags, any other (the trainer, a process running both, as the local transport's
+    controller does) the trainer's; ``topology.libtpu_init_args`` as written, or for "auto" the
+    flags above."""
     chosen = config.topology.libtpu_init_args
     if chosen != "auto":
         return chosen

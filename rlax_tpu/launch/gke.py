@@ -575,7 +575,7 @@ def _pod(
     }
     if slice_count(config, component) > 1:
         container["env"] += megascale_env(config, component)
-    flags = libtpu_init_args(config, "inference" if component == "inference" else "trainer")
+    flags = libtpu_init_args(config, component)
     if tpu is not None and flags:  # the flags the AOT check compiles with
         container["env"].append({"name": LIBTPU_ENV, "value": flags})
     if component in COMPONENTS:
