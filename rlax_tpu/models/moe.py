@@ -14,7 +14,12 @@ is N·k rows).
 ``forced`` routes: the experts to use instead of the router's top k (routing replay: the engine's
 choices in the trainer's forward). The weights are then the router's current probabilities of
 those experts, so the router still learns. A token whose forced row holds a negative entry (a
-position the engine did not record, padding) takes the router's own top k.
+position the engine did not record) takes the router's own top k.
+
+Padding (``valid`` false: a position of -1, as batches pad) goes to no expert: its experts are -1
+and its weights 0, so the grouped matmuls never see it and its output is 0. A padded row of a
+length-sorted micro-batch is mostly padding; routed, it was computed k times, piling up on
+whichever experts the router gave its identical rows.
 
 Expert parallelism (a mesh whose ``expert`` axis has D > 1 devices): each device holds X/D of the
 experts (the rules put a layer's experts axis on it) and, the batch being split over expert as
@@ -126,16 +131,19 @@ class MoE(nnx.Module):
         self.down_proj = stored((x, f, e), ("experts", "mlp", "embed"))
 
     def __call__(
-        self, x: jax.Array, forced: jax.Array | None = None
+        self, x: jax.Array, forced: jax.Array | None = None, valid: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, E] -> (y [B, T, E], router logits [B, T, X] f32, experts [B, T, k]).
-        ``forced`` [B, T, k]: the experts to use (module docstring)."""
+        ``forced`` [B, T, k]: the experts to use; ``valid`` [B, T] bool: the tokens that are not
+        padding (module docstring; None: every token)."""
         c = self.compute_dtype
         b, t, e = x.shape
         flat = x.reshape(b * t, e)
         weights = [w[...] for w in (self.router, self.gate_proj, self.up_proj, self.down_proj)]
         if forced is not None:
             forced = forced.reshape(b * t, self.k)
+        if valid is not None:
+            valid = valid.reshape(b * t)
         mesh = jax.sharding.get_abstract_mesh()
         kernel = resolve_kernel(self.kernel)
         # A Pallas kernel cannot be partitioned by XLA: on any mesh of several devices the
@@ -145,9 +153,11 @@ class MoE(nnx.Module):
         )
         local = partial(self._local, kernel=kernel)
         if in_shard_map:
-            y, logits, experts = _expert_parallel(local, mesh, flat, *weights, forced, dtype=c)
+            y, logits, experts = _expert_parallel(
+                local, mesh, flat, *weights, forced, valid, dtype=c
+            )
         else:
-            y, logits, experts = local(flat, *(w.astype(c) for w in weights), forced)
+            y, logits, experts = local(flat, *(w.astype(c) for w in weights), forced, valid)
         return (
             y.reshape(b, t, e),
             logits.reshape(b, t, -1),
@@ -162,6 +172,7 @@ class MoE(nnx.Module):
         up: jax.Array,
         down: jax.Array,
         forced: jax.Array | None,
+        valid: jax.Array | None,
         gather: Callable[[jax.Array], jax.Array] = lambda a: a,
         first: jax.Array | int = 0,
         *,
@@ -174,6 +185,9 @@ class MoE(nnx.Module):
         # product is rounded before the top k, so near-ties pick experts by rounding.
         logits = jnp.matmul(x, router, preferred_element_type=jnp.float32)
         weights, experts = route(logits, self.k, normalize=self.normalize, forced=forced)
+        if valid is not None:  # padding: no expert, no weight
+            experts = jnp.where(valid[:, None], experts, -1)
+            weights = jnp.where(valid[:, None], weights, 0.0)
         xs, es, ws = gather(x), gather(experts), gather(weights)
         outs = grouped_swiglu(xs, es - first, gate, up, down, kernel)
         y = jnp.einsum("nke,nk->ne", outs, ws.astype(x.dtype))
@@ -189,6 +203,7 @@ def _expert_parallel(
     up: jax.Array,
     down: jax.Array,
     forced: jax.Array | None,
+    valid: jax.Array | None,
     *,
     dtype: jnp.dtype,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -215,7 +230,7 @@ def _expert_parallel(
     fs = mesh.shape.get(FSDP_AXIS, 1)
     fsdp = FSDP_AXIS if fs > 1 and x.shape[1] % fs == 0 and FSDP_AXIS not in manual else None
 
-    def body(x, router, gate, up, down, forced):  # noqa: ANN001, ANN202
+    def body(x, router, gate, up, down, forced, valid):  # noqa: ANN001, ANN202
         router = router.astype(dtype)
         gate, up = (_gather_cast(w, fsdp, 1, dtype) for w in (gate, up))
         down = _gather_cast(down, fsdp, 2, dtype)
@@ -225,7 +240,7 @@ def _expert_parallel(
             if spread
             else (lambda a: a)
         )
-        y, logits, experts = local(x, router, gate, up, down, forced, gather, first)
+        y, logits, experts = local(x, router, gate, up, down, forced, valid, gather, first)
         if tensor is not None:  # each device's slice of the expert width: partial sums
             y = jax.lax.psum(y, tensor)
         # Every (token, expert) pair was computed on the one device holding the expert.
@@ -239,14 +254,22 @@ def _expert_parallel(
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(row_spec, P(), w_in, w_in, w_out, None if forced is None else row_spec),
+        in_specs=(
+            row_spec,
+            P(),
+            w_in,
+            w_in,
+            w_out,
+            None if forced is None else row_spec,
+            None if valid is None else P(rows or None),
+        ),
         out_specs=(row_spec, row_spec, row_spec),
         axis_names=set(names) - manual,
         # Off: the megablox kernels' outputs declare no varying axes, which the check requires.
         # Unchecked, the transpose sums a replicated input's cotangent over the axes it is
         # replicated on (the tests compare every gradient with one device's).
         check_vma=False,
-    )(x, router, gate, up, down, forced)
+    )(x, router, gate, up, down, forced, valid)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

@@ -89,7 +89,9 @@ class DecoderLayer(nnx.Module):
         h, cache = self.attn(self.input_norm(x), cos, sin, positions, cache)
         x = x + h
         if isinstance(self.mlp, MoE):
-            y, logits, experts = self.mlp(self.post_attn_norm(x), forced=routes)
+            y, logits, experts = self.mlp(
+                self.post_attn_norm(x), forced=routes, valid=positions >= 0
+            )
             return x + y, cache, Routing(logits, experts)
         return x + self.mlp(self.post_attn_norm(x)), cache, None
 

@@ -257,3 +257,33 @@ def test_gate_logits_are_float32_products_of_the_compute_dtype_inputs():
     # A bf16 product would be off by up to half a spacing (2^-9 relative) on most entries.
     rounded = np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64)
     assert np.abs(got - want).max() < 0.1 * np.abs(rounded - want).max()
+
+
+def test_padding_goes_to_no_expert_and_costs_no_expert_work(monkeypatch):
+    """[pod-fidelity]: positions of -1 (padding, as batches and the engine's idle rows are laid
+    out) get no route (experts -1, weight 0) and never reach the grouped matmuls: their rows are
+    outside every group (before: the router's top k, computed k times). The other tokens' outputs
+    and routes are those of the same tokens without the padding (the MoE mixes no tokens)."""
+    import rlax_tpu.models.moe as moe
+
+    cfg = models.preset("tiny", arch="mixtral", num_experts=4, experts_per_token=2, num_layers=1)
+    layer = models.init_model(cfg, seed=2).layers[0].mlp
+    x = jax.random.normal(jax.random.key(0), (2, 6, cfg.hidden_size), jnp.float32)
+    valid = jnp.asarray([[True] * 6, [True] * 2 + [False] * 4])
+    rows = []
+    real = moe.grouped_matmul
+    monkeypatch.setattr(
+        moe,
+        "grouped_matmul",
+        lambda *a, sizes, **kw: rows.append(int(sizes.sum())) or real(*a, sizes=sizes, **kw),
+    )
+    y, logits, experts = layer(x, valid=valid)
+    assert rows == [8 * 2] * 3  # gate, up, down: the 8 real tokens' 2 experts each
+    np.testing.assert_array_equal(np.asarray(experts)[1, 2:], -1)
+    assert (np.asarray(experts)[valid] >= 0).all()
+    np.testing.assert_array_equal(np.asarray(y)[1, 2:], 0.0)
+    rows.clear()
+    y_all, _, experts_all = layer(x)
+    assert rows == [12 * 2] * 3
+    np.testing.assert_allclose(np.asarray(y)[valid], np.asarray(y_all)[valid], rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(experts)[valid], np.asarray(experts_all)[valid])

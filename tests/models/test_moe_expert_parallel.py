@@ -29,14 +29,20 @@ CFG = models.preset(
 TOL = 2e-5  # f32: the same products, summed over the expert group in another order
 
 
-def _loss_and_grads(model: models.Transformer, tokens: jax.Array, forced: jax.Array | None):
+def _loss_and_grads(
+    model: models.Transformer,
+    tokens: jax.Array,
+    forced: jax.Array | None,
+    positions: jax.Array | None = None,
+):
     """(logits [B, T, V], router logits, experts, gradient of a log-likelihood of every
     parameter) through one jitted program (under the current mesh, if any)."""
     graphdef, state = nnx.split(model)
+    if positions is None:
+        positions = models.default_positions(tokens)
 
     def loss(state):  # noqa: ANN001, ANN202
         m = nnx.merge(graphdef, state)
-        positions = models.default_positions(tokens)
         hidden, _, routing = m.run(tokens, positions, models.NoCache(), routes=forced)
         logits = m.logits(hidden)
         logp = models.token_logprobs(logits[:, :-1], tokens[:, 1:])
@@ -47,20 +53,38 @@ def _loss_and_grads(model: models.Transformer, tokens: jax.Array, forced: jax.Ar
 
 
 def _compare(
-    mesh_cfg: MeshConfig, batch: int, length: int, *, forced: bool = False, kernel: str = "auto"
+    mesh_cfg: MeshConfig,
+    batch: int,
+    length: int,
+    *,
+    forced: bool = False,
+    kernel: str = "auto",
+    padded: bool = False,
 ) -> None:
-    """The sharded model (its experts' matmuls by ``kernel``) against one device's (ragged_dot)."""
+    """The sharded model (its experts' matmuls by ``kernel``) against one device's (ragged_dot).
+    ``padded``: each row ends in padding (position -1), row r of length - r tokens (at least 1):
+    padding goes to no expert (experts -1) on both."""
     tokens = jax.random.randint(jax.random.key(1), (batch, length), 0, CFG.vocab_size, jnp.int32)
+    positions = None
+    if padded:
+        lengths = np.maximum(length - np.arange(batch), 1)[:, None]
+        columns = np.arange(length)[None, :]
+        positions = jnp.asarray(np.where(columns < lengths, columns, -1), jnp.int32)
     routes = None
     if forced:  # another expert than the router's first choice, in every layer
         _, routing, _ = _loss_and_grads(models.init_model(CFG, seed=3), tokens, None)
         routes = (routing.experts + 3) % CFG.num_experts
-    want = _loss_and_grads(models.init_model(CFG, seed=3), tokens, routes)
+    want = _loss_and_grads(models.init_model(CFG, seed=3), tokens, routes, positions)
     mesh = make_mesh(mesh_cfg)
     cfg = dataclasses.replace(CFG, expert_kernel=kernel)
     model = shard_model(models.init_model(cfg, seed=3), mesh)
     with jax.set_mesh(mesh):
-        got = _loss_and_grads(model, tokens, routes)
+        got = _loss_and_grads(model, tokens, routes, positions)
+    if padded:
+        pad = np.asarray(positions) < 0
+        assert pad.any() and (~pad).any()
+        experts = np.asarray(got[1].experts)  # [layers, B, T, k]
+        assert (experts[:, pad] == -1).all() and (experts[:, ~pad] >= 0).all()
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=TOL, rtol=0)
     np.testing.assert_array_equal(np.asarray(got[1].experts), np.asarray(want[1].experts))
     np.testing.assert_allclose(
@@ -83,7 +107,8 @@ def _compare(
     ids=["fsdp2-expert4", "data2-expert2-tensor2"],
 )
 def test_expert_parallel_forward_and_gradient_equal_one_devices(mesh_cfg):
-    _compare(mesh_cfg, batch=8, length=12)
+    """With rows of padding, as batches come ([pod-fidelity]: padding goes to no expert)."""
+    _compare(mesh_cfg, batch=8, length=12, padded=True)
 
 
 def test_rows_the_batch_axes_do_not_split_and_forced_routes():
