@@ -257,14 +257,15 @@ class RunConfig:
         model = self.model
         gguf = [
             (name, path)
-            for name, path in (
+            for name, path, is_gguf in (
+                ("model.weights_path", model.weights_path, model.weights_format == "gguf"),
                 (
-                    "model.weights_path",
-                    model.weights_path if model.weights_format == "gguf" else "",
+                    "model.tokenizer_path",
+                    model.tokenizer_path,
+                    model.tokenizer_path[-5:] == ".gguf",
                 ),
-                ("model.tokenizer_path", model.tokenizer_path),
             )
-            if path.startswith("gs://") and path.endswith(".gguf")
+            if is_gguf and path.startswith("gs://")
         ]
         hosts = {
             "trainer": self.trainer.distributed.num_processes,

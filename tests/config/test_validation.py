@@ -1027,9 +1027,9 @@ def test_a_gs_gguf_is_refused_for_a_multi_host_trainer_or_worker():
     """[pod-fidelity]: every host would copy the whole GGUF file; one process may."""
     gguf = {
         "model.weights_format": "gguf",
-        "model.weights_path": "gs://bucket/model.gguf",
+        "model.weights_path": "gs://bucket/model-q8",  # the format says GGUF, not the name
     }
-    assert build(gguf).model.weights_path == "gs://bucket/model.gguf"  # one process each
+    assert build(gguf).model.weights_path == "gs://bucket/model-q8"  # one process each
     for component in ("trainer", "inference"):
         with pytest.raises(ConfigError) as info:
             build(
