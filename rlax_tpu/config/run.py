@@ -262,7 +262,7 @@ class RunConfig:
                 (
                     "model.tokenizer_path",
                     model.tokenizer_path,
-                    model.tokenizer_path[-5:] == ".gguf",
+                    model.tokenizer_path.endswith(".gguf"),
                 ),
             )
             if is_gguf and path.startswith("gs://")
