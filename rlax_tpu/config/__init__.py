@@ -36,6 +36,13 @@ from rlax_tpu.config.environment import (
 from rlax_tpu.config.inference import InferenceConfig
 from rlax_tpu.config.mesh import DistributedConfig, MeshConfig
 from rlax_tpu.config.model import ModelConfig
+from rlax_tpu.config.observability import (
+    SINKS,
+    ObservabilityConfig,
+    WandbConfig,
+    known_sinks,
+    register_sink_name,
+)
 from rlax_tpu.config.param_server import ParamServerConfig
 from rlax_tpu.config.run import RunConfig
 from rlax_tpu.config.topology import TopologyConfig
@@ -48,6 +55,7 @@ __all__ = [
     "GROUP_ALGORITHMS",
     "LANGUAGES",
     "REWARDS",
+    "SINKS",
     "UNBOUNDED",
     "AlgorithmConfig",
     "ConfigError",
@@ -59,11 +67,13 @@ __all__ = [
     "InferenceConfig",
     "MeshConfig",
     "ModelConfig",
+    "ObservabilityConfig",
     "ParamServerConfig",
     "RunConfig",
     "TopologyConfig",
     "TrainerConfig",
     "VerifierConfig",
+    "WandbConfig",
     "base_config_dict",
     "detect_accelerator",
     "diff",
@@ -71,8 +81,10 @@ __all__ = [
     "known_algorithms",
     "known_environments",
     "known_rewards",
+    "known_sinks",
     "register_algorithm_name",
     "register_environment_name",
     "register_reward_name",
+    "register_sink_name",
     "to_dict",
 ]

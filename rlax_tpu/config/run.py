@@ -13,6 +13,7 @@ from rlax_tpu.config.environment import EnvironmentConfig
 from rlax_tpu.config.inference import InferenceConfig
 from rlax_tpu.config.mesh import MeshConfig
 from rlax_tpu.config.model import ModelConfig
+from rlax_tpu.config.observability import ObservabilityConfig
 from rlax_tpu.config.param_server import ParamServerConfig
 from rlax_tpu.config.topology import TopologyConfig
 from rlax_tpu.config.trainer import TrainerConfig
@@ -37,6 +38,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     environment: EnvironmentConfig = dataclasses.field(default_factory=EnvironmentConfig)
     topology: TopologyConfig = dataclasses.field(default_factory=TopologyConfig)
+    observability: ObservabilityConfig = dataclasses.field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
         """Rules that span components."""
@@ -105,6 +107,15 @@ class RunConfig:
             )
         self._check_slices()
         self._check_environment()
+        self.observability.check_sinks()
+        obs = self.observability
+        if "wandb" in obs.sinks and not obs.wandb.dir and ctl.run_dir.startswith("gs://"):
+            raise ConfigError(
+                "observability.wandb.dir",
+                "a gs:// run directory needs a local directory for W&B's files (W&B writes "
+                "through the local file system; its online mode uploads them as it goes)",
+                obs.wandb.dir,
+            )
         self._check_gguf_per_host()
         replicas = self.param_server.replicas
         if ctl.param_server_endpoints and len(ctl.param_server_endpoints) != replicas:

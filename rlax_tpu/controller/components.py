@@ -165,6 +165,7 @@ def build_local(
                 config.inference,
                 eos_ids=eos_ids,
                 devices=split.workers[i] if split else None,
+                run_dir=config.controller.run_dir,
             )
             closers.append(worker.shutdown)
             workers.append(worker)

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from rlax_tpu.controller import groups as groups_lib
+from rlax_tpu.controller import samples as samples_lib
+from rlax_tpu.observability.samples import write_samples
 from rlax_tpu.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,8 @@ class ConsumptionMixin:
         self._mark_trained(consumed)  # only once the update happened
         self.version += 1
         self.step += 1
+        self._record_samples(batch_groups, plan.trained)
+        self.profile_workers()
         self.publishes.published(
             self.version,
             float(metrics.get("time_since_publish_s", 0.0)),
@@ -99,6 +103,39 @@ class ConsumptionMixin:
             | extra
             | {"time/train": train_s, "groups/trained": float(len(plan.trained))}
         )
+
+    def profile_workers(self) -> None:
+        """observability.profile_steps on the workers: update s is traced from the end of
+        update s - 1 (or the run's start) to its own end. A worker that cannot is named in a
+        warning; the run goes on."""
+        steps = self.config.observability.profile_steps
+        for step, start in ((self.step, False), (self.step + 1, True)):
+            if step not in steps:
+                continue
+            for i in self.pool.live:
+                try:
+                    self.c.workers[i].profile(step, start=start)
+                except Exception as e:  # noqa: BLE001 - a profile, never a reason to stop
+                    self._warn(f"worker {i} could not trace step {step}: {type(e).__name__}: {e}")
+
+    def _record_samples(self, groups: Sequence[groups_lib.GroupResult], trained: list[str]) -> None:
+        """observability.samples_per_step rollouts of the update just made, to the run
+        directory now (a step done again after a resume replaces its file) and to the sinks
+        with the step's metrics (``_log``)."""
+        k = self.config.observability.samples_per_step
+        if not k:
+            return
+        kept = set(trained)
+        self.step_samples = samples_lib.draw(
+            [g for g in groups if g.key in kept],  # the batch's rows, in its order
+            getattr(self.c.trainer, "last_row_advantages", None),
+            k=k,
+            seed=self.cc.seed,
+            step=self.step,
+            version=self.version - 1,
+            decode=self.prompter.decode,
+        )
+        write_samples(self.run_dir, self.step, self.step_samples)
 
     def _draw(
         self, results: Sequence[groups_lib.GroupResult], metrics: dict[str, float]

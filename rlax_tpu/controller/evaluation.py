@@ -279,6 +279,10 @@ class EvaluationMixin:
                 continue
             self.evals[version] = m
             metrics.write(version, m)
+            answers = self.run_dir / EVAL_DIR / f"version_{version:06d}.jsonl"
+            if answers.exists():  # every sample's text and verdict, to the sinks with tables
+                rows = [json.loads(line) for line in answers.read_text().splitlines() if line]
+                metrics.table(version, "eval/answers", rows)
             k = self.config.data.eval_samples
             more = f", pass@{k} {m[f'eval/pass@{k}']:.3f}" if k > 1 else ""
             if "eval/episode_pass@1" in m:

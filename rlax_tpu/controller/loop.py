@@ -108,6 +108,7 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
         self.cc = cc
         self.run_dir = storage.path(run_dir)
         self.prompter = prompter
+        self.step_samples: list[dict] = []  # the last update's (observability.samples_per_step)
         self.objective: Objective = make_objective(
             config.algorithm, max_length=config.inference.max_new_tokens
         )
@@ -279,6 +280,9 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
 
     def _log(self, metrics: MetricsWriter, progress: Progress, scalars: dict, hist: dict) -> None:
         metrics.write(self.step, scalars, hist)
+        if self.step_samples:
+            metrics.table(self.step, "samples", self.step_samples)
+            self.step_samples = []
         if self.step % self.cc.log_every == 0 or self.step == self.cc.num_steps:
             progress.update(
                 self.step,
@@ -309,8 +313,14 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
         )
         if resumed:
             self.resume_evals()  # before the writer marks the resume (it reads the metrics)
-        metrics = MetricsWriter(self.run_dir, resume_after_step=self.step if resumed else None)
+        metrics = MetricsWriter(
+            self.run_dir,
+            resume_after_step=self.step if resumed else None,
+            sinks=self.config.observability.sinks,
+            config=self.config,
+        )
         try:
+            self.profile_workers()  # a trace of the first update (of this start) begins here
             if self.cc.mode == "deterministic":
                 self.run_deterministic(metrics, progress)
             else:

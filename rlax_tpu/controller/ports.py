@@ -27,6 +27,9 @@ class InferencePort(Protocol):
 
     def status(self) -> Any: ...  # has .version
 
+    # Starts or stops the worker's trace of update ``step`` (observability.profile_steps).
+    def profile(self, step: int, *, start: bool) -> None: ...
+
 
 class VerifierPort(Protocol):
     def verify(
@@ -39,6 +42,8 @@ class VerifierPort(Protocol):
 
 
 class TrainerPort(Protocol):
+    last_row_advantages: Any  # [B] float32: the last train_step's advantage per batch row
+
     def train_step(
         self, batch: TrainBatch, *, expect_step: int | None = None
     ) -> dict[str, float]: ...

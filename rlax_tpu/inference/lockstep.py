@@ -8,7 +8,7 @@ calls and steps too. The engine is deterministic given its calls (scheduling, sa
 so the processes stay in step without exchanging anything else.
 
     commands = [("submit", request, version), ("stage", version), ("load", version), ("abort",),
-                ("step",), ("stop",)]
+                ("profile", run_dir, step, start), ("step",), ("stop",)]
 
 Followers stage ("stage": fetch ahead, inference/standby.py) and load a version from their own
 weight source (the parameter server), so every process
@@ -28,6 +28,7 @@ from typing import Any
 import jax
 
 from rlax_tpu import multihost
+from rlax_tpu.observability.profiles import PROFILER
 
 Command = tuple[Any, ...]
 
@@ -88,6 +89,9 @@ def follow(
                     elif kind == "load":
                         if command[1] in weights:
                             engine.load_weights(command[1], weights[command[1]])
+                    elif kind == "profile":  # (run_dir, step, start): never fails
+                        _, run_dir, step, start = command
+                        (PROFILER.start if start else PROFILER.stop)(run_dir, step, "inference")
                     elif kind == "abort":
                         engine.abort_all()
                     elif kind == "step":

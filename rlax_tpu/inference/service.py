@@ -183,6 +183,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def Status(self, request: common_pb2.Empty, context) -> pb.StatusReply:  # noqa: ANN001
         return status_to_pb(self._worker.status())
 
+    @_statuses
+    def Profile(self, request: pb.ProfileRequest, context) -> common_pb2.Empty:  # noqa: ANN001
+        self._worker.profile(request.step, start=request.start)
+        return common_pb2.Empty()
+
     def Shutdown(self, request: common_pb2.Empty, context) -> common_pb2.Empty:  # noqa: ANN001
         self._worker.shutdown()
         threading.Thread(target=self._on_shutdown, daemon=True).start()  # after replying
@@ -330,6 +335,12 @@ class InferenceClient:
         return WorkerStatus(
             **{f.name: getattr(m, f.name) for f in dataclasses.fields(WorkerStatus)}
         )
+
+    def profile(self, step: int, *, start: bool) -> None:
+        try:
+            self._stub.Profile(pb.ProfileRequest(step=step, start=start))
+        except grpc.RpcError as e:
+            _raise(e)
 
     def shutdown(self) -> None:
         try:

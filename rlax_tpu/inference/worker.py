@@ -34,6 +34,7 @@ from rlax_tpu.inference import lockstep
 from rlax_tpu.inference.engine import Engine, EngineStats, InvalidRequest
 from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.inference.standby import Standby
+from rlax_tpu.observability.profiles import PROFILER
 from rlax_tpu.types import Rollout
 
 
@@ -102,9 +103,12 @@ class InferenceWorker:
         eos_ids: Collection[int] = (),
         weight_source: WeightSource | None = None,
         devices: list[Any] | None = None,
+        run_dir: str = "",
     ):
-        """``devices``: the jax devices its engine lays ``cfg.mesh`` out on (default: all)."""
+        """``devices``: the jax devices its engine lays ``cfg.mesh`` out on (default: all).
+        ``run_dir``: where its profiles go (:meth:`profile`)."""
         self.cfg = cfg
+        self.run_dir = run_dir
         self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids, devices=devices)
         self.weight_source = weight_source
         # The next version, fetched while generating.
@@ -129,7 +133,13 @@ class InferenceWorker:
         """The run's model (``load_model``), served as version 0; EOS ids from its tokenizer when
         it has one."""
         model, eos = _model_and_eos(config)
-        return cls(model, config.inference, eos_ids=eos, weight_source=weight_source)
+        return cls(
+            model,
+            config.inference,
+            eos_ids=eos,
+            weight_source=weight_source,
+            run_dir=config.controller.run_dir,
+        )
 
     @property
     def version(self) -> int:
@@ -232,6 +242,16 @@ class InferenceWorker:
         if self._lockstep:
             with self._cond:  # told to the followers at the next lockstep point
                 self._pending.append(("stage", version))
+
+    def profile(self, step: int, *, start: bool) -> None:
+        """Starts (``start``) or stops tracing for update ``step`` on every process of this
+        worker (observability/profiles.py); the followers at the next lockstep point."""
+        if not self.run_dir:
+            raise ValueError("this worker has no run directory to write profiles to")
+        (PROFILER.start if start else PROFILER.stop)(self.run_dir, step, "inference")
+        if self._lockstep:
+            with self._cond:
+                self._pending.append(("profile", self.run_dir, step, start))
 
     def status(self) -> WorkerStatus:
         with self._cond:

@@ -1,1 +1,1 @@
-"""Metrics writers (TensorBoard + JSONL), progress display and the run report."""
+"""Metrics (metrics.jsonl and the sinks: TensorBoard, Weights & Biases, plugins), progress display and the run report."""

@@ -21,34 +21,27 @@ O(n^2) bytes over a run. It holds immutable objects under ``metrics/`` instead, 
   snapshot, and logged again now), so a step is never read twice.
 A ``metrics.jsonl`` on gs:// (written before the segments) is read as the first epoch.
 
-TensorBoard event files are appended and flushed per step locally. On gs:// (where TensorBoard's
-file layer "appends" by overwriting the object with the new bytes alone) the events of each
-segment go into one new event file, uploaded with the segment: a crash loses at most the last
-SEGMENT_RECORDS - 1 steps' events there (the JSONL is the record that keeps everything).
+Every record also goes to the run's sinks (``observability.sinks``: TensorBoard, Weights &
+Biases, a plugin's; rlax_tpu/observability/sinks.py), each on a thread of its own: a sink that
+fails is dropped with a warning and never stops the run.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import io
 import json
 import logging
 import math
-import os
 import re
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from tensorboard.compat.proto import event_pb2, summary_pb2
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
-from tensorboard.summary.writer.record_writer import RecordWriter
-
 from rlax_tpu import storage
+from rlax_tpu.config import RunConfig
+from rlax_tpu.observability import sinks as sinks_lib
 
 METRICS_FILE = "metrics.jsonl"  # a local run directory's metrics
 SEGMENTS_DIR = "metrics"  # a remote run directory's metrics objects
@@ -112,37 +105,20 @@ class _SegmentLog:
             list(pool.map(lambda p: p.unlink(missing_ok=True), singles))
 
 
-class _EventSegments:
-    """TensorBoard events for a remote directory: buffered, then one new event file per
-    :meth:`flush` (files named by time, so TensorBoard reads them in order)."""
-
-    def __init__(self, directory: storage.epath.Path):
-        self.dir = directory
-        self._buf = io.BytesIO()
-        self._records = RecordWriter(self._buf)
-        self._files = 0
-
-    def add_event(self, event: event_pb2.Event) -> None:
-        self._records.write(event.SerializeToString())
-
-    def flush(self) -> None:
-        if not self._buf.tell():
-            return
-        head = io.BytesIO()
-        version = event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
-        RecordWriter(head).write(version.SerializeToString())
-        name = (
-            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}"
-            f".{os.getpid()}.{self._files:06d}"
-        )
-        storage.write_atomic(self.dir / name, head.getvalue() + self._buf.getvalue())
-        self._files += 1
-        self._buf.seek(0)
-        self._buf.truncate()
-
-
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, *, resume_after_step: int | None = None):
+    """metrics.jsonl (local) or ``metrics/`` segments (gs://), and the run's sinks.
+
+    ``sinks``: names of sinks (built-in or registered, see sinks.py), opened with ``config``
+    (its defaults when None)."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        resume_after_step: int | None = None,
+        sinks: Sequence[str] = ("tensorboard",),
+        config: RunConfig | None = None,
+    ):
         self.run_dir = storage.path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._segments: _SegmentLog | None = None
@@ -155,13 +131,7 @@ class MetricsWriter:
                 kept = [r for r in _read_file(path) if r["step"] <= resume_after_step]
                 storage.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
             self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
-        tb_dir = self.run_dir / "tensorboard"
-        self._tb: EventFileWriter | _EventSegments
-        if self._segments is not None:
-            tb_dir.mkdir(parents=True, exist_ok=True)
-            self._tb = _EventSegments(tb_dir)
-        else:
-            self._tb = EventFileWriter(os.fspath(tb_dir))
+        self.sinks = open_sinks(sinks, self.run_dir, config, resume_after_step)
         self._closed = False
 
     def write(
@@ -172,7 +142,7 @@ class MetricsWriter:
         *,
         wall_time: float | None = None,
     ) -> None:
-        """Logs one step. Non-finite scalars are stored as null in JSONL (and skipped in TB)."""
+        """Logs one step. Non-finite scalars are stored as null in JSONL (sinks skip them)."""
         wall_time = time.time() if wall_time is None else wall_time
         histograms = histograms or {}
         record = {
@@ -182,27 +152,20 @@ class MetricsWriter:
             "histograms": {k: [float(x) for x in v] for k, v in histograms.items()},
         }
         line = json.dumps(record) + "\n"
-        values = [
-            summary_pb2.Summary.Value(tag=k, simple_value=float(v))
-            for k, v in scalars.items()
-            if math.isfinite(float(v))
-        ]
-        values += [
-            summary_pb2.Summary.Value(tag=k, histo=_histogram(v))
-            for k, v in histograms.items()
-            if len(v)
-        ]
-        event = event_pb2.Event(
-            wall_time=wall_time, step=int(step), summary=summary_pb2.Summary(value=values)
-        )
-        self._tb.add_event(event)
         if self._segments is not None:
-            if self._segments.append(line):  # a segment was written: its events with it
-                self._tb.flush()
+            self._segments.append(line)
         else:
             self._jsonl.write(line)
             self._jsonl.flush()
-            self._tb.flush()
+        finite = {k: v for k, v in record["scalars"].items() if v is not None}
+        for sink in self.sinks:
+            sink.submit("log", int(step), wall_time, finite, record["histograms"])
+
+    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """A table (rows of dicts) to the sinks that show tables."""
+        rows = [dict(r) for r in rows]
+        for sink in self.sinks:
+            sink.submit("table", int(step), name, rows)
 
     def close(self) -> None:
         if self._closed:
@@ -210,10 +173,10 @@ class MetricsWriter:
         self._closed = True
         if self._jsonl is not None:
             self._jsonl.close()
-            self._tb.close()
         else:
             self._segments.compact()
-            self._tb.flush()
+        for sink in self.sinks:
+            sink.close()
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -222,19 +185,36 @@ class MetricsWriter:
         self.close()
 
 
-def _histogram(values: Sequence[float]) -> summary_pb2.HistogramProto:
-    v = np.asarray(values, dtype=np.float64)
-    edges = np.histogram_bin_edges(v, bins=min(30, max(1, len(np.unique(v)))))
-    counts, edges = np.histogram(v, bins=edges)
-    return summary_pb2.HistogramProto(
-        min=float(v.min()),
-        max=float(v.max()),
-        num=float(v.size),
-        sum=float(v.sum()),
-        sum_squares=float((v * v).sum()),
-        bucket_limit=[float(e) for e in edges[1:]],
-        bucket=[float(c) for c in counts],
-    )
+def open_sinks(
+    names: Sequence[str],
+    run_dir: storage.epath.Path,
+    config: RunConfig | None,
+    resume_after_step: int | None,
+) -> list[sinks_lib.GuardedSink]:
+    """The sinks ``names``, each opening on a thread of its own."""
+    context = sinks_lib.SinkContext(run_dir, config or RunConfig(), resume_after_step)
+    out = []
+    for name in names:
+        factory = _factory(name)
+        out.append(sinks_lib.GuardedSink(name, lambda factory=factory: factory(context)))
+    return out
+
+
+def _factory(name: str) -> sinks_lib.SinkFactory:
+    # Imported on use: W&B's client costs its import only in runs that log to it.
+    if name == "tensorboard":
+        from rlax_tpu.observability.tensorboard import TensorBoardSink
+
+        return TensorBoardSink
+    if name == "wandb":
+        from rlax_tpu.observability.wandb_sink import WandbSink
+
+        return WandbSink
+    factory = sinks_lib.registered(name)
+    if factory is None:
+        known = ["tensorboard", "wandb", *sinks_lib.registered_names()]
+        raise ValueError(f"unknown metric sink {name!r}; known: {known}")
+    return factory
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ import numpy as np
 
 from rlax_tpu import storage
 from rlax_tpu.observability.metrics import read_metrics
+from rlax_tpu.observability.samples import SAMPLES_DIR, read_samples, sampled_steps
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -174,6 +175,41 @@ def _first_last(records: Sequence[dict], name: str) -> tuple[float, float] | Non
     return (float(values[0]), float(values[-1])) if values.size else None
 
 
+def _spread(items: Sequence[int], n: int) -> list[int]:
+    """Up to ``n`` of ``items``, first and last included, evenly apart."""
+    if len(items) <= n:
+        return list(items)
+    return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)]
+
+
+def _samples_section(run_dir: storage.epath.Path, shown: int = 4) -> list[str]:
+    """Links to a few steps' training samples (observability/samples.py), one example each."""
+    steps = sampled_steps(run_dir)
+    if not steps:
+        return []
+    lines = [
+        "## Training samples",
+        "",
+        f"{len(steps)} updates have samples in `samples/`; a few:",
+        "",
+    ]
+    for step in _spread(steps, shown):
+        rows = read_samples(run_dir, step)
+        link = f"[step {step}]({SAMPLES_DIR}/step_{step:06d}.jsonl)"
+        if not rows:
+            lines.append(f"- {link}: none")
+            continue
+        r = rows[0]
+        advantage = "n/a" if r.get("advantage") is None else f"{r['advantage']:+.3f}"
+        excerpt = " ".join(str(r["completion"]).split())[:100].replace("`", "'")
+        lines.append(
+            f"- {link}: {len(rows)} rollouts; the first: reward {r['reward']:.2f}, advantage "
+            f"{advantage}, staleness {r['staleness']}, {r['finish_reason']} after "
+            f"{r['tokens']} tokens: `{excerpt}`"
+        )
+    return [*lines, ""]
+
+
 def write_report(
     run_dir: str | Path, info: RunInfo, summary: Mapping[str, Any] | None = None
 ) -> storage.epath.Path:
@@ -224,6 +260,7 @@ def write_report(
         ]
     if summary:
         lines += ["## Summary", "", "```", json.dumps(summary, indent=2, default=str), "```", ""]
+    lines += _samples_section(run_dir)
     lines += ["## Plots", ""]
     for title, (filename, plot) in plots.items():
         if plot(plots_dir / filename):

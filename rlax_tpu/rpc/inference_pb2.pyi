@@ -51,6 +51,14 @@ class GenerateRequest(_message.Message):
     version: int
     def __init__(self, prompts: _Optional[_Iterable[_Union[PromptRequest, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
 
+class ProfileRequest(_message.Message):
+    __slots__ = ("step", "start")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    start: bool
+    def __init__(self, step: _Optional[int] = ..., start: _Optional[bool] = ...) -> None: ...
+
 class Rollout(_message.Message):
     __slots__ = ("prompt_id", "sample_index", "prompt_tokens", "tokens", "logprobs", "versions", "finish_reason", "logprob_policy", "routes", "routes_shape")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]

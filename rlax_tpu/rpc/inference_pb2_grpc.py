@@ -55,6 +55,11 @@ class InferenceStub:
                 request_serializer=rlax__tpu_dot_rpc_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=rlax__tpu_dot_rpc_dot_inference__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/rlax_tpu.Inference/Profile',
+                request_serializer=rlax__tpu_dot_rpc_dot_inference__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=rlax__tpu_dot_rpc_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/rlax_tpu.Inference/Shutdown',
                 request_serializer=rlax__tpu_dot_rpc_dot_common__pb2.Empty.SerializeToString,
@@ -95,6 +100,13 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """Starts or stops this worker's part of a step's trace (observability.profile_steps).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -129,6 +141,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=rlax__tpu_dot_rpc_dot_common__pb2.Empty.FromString,
                     response_serializer=rlax__tpu_dot_rpc_dot_inference__pb2.StatusReply.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=rlax__tpu_dot_rpc_dot_inference__pb2.ProfileRequest.FromString,
+                    response_serializer=rlax__tpu_dot_rpc_dot_common__pb2.Empty.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -249,6 +266,33 @@ class Inference:
             '/rlax_tpu.Inference/Status',
             rlax__tpu_dot_rpc_dot_common__pb2.Empty.SerializeToString,
             rlax__tpu_dot_rpc_dot_inference__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlax_tpu.Inference/Profile',
+            rlax__tpu_dot_rpc_dot_inference__pb2.ProfileRequest.SerializeToString,
+            rlax__tpu_dot_rpc_dot_common__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

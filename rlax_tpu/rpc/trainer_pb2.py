@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlax_tpu.rpc import common_pb2 as rlax__tpu_dot_rpc_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlax_tpu/rpc/trainer.proto\x12\x08rlax_tpu\x1a\x19rlax_tpu/rpc/common.proto\":\n\x0cTrainerArray\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xa2\x03\n\x11TrainBatchMessage\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12.\n\x0eprompt_lengths\x18\x02 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12\x32\n\x12\x63ompletion_lengths\x18\x03 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12\x32\n\x12\x62\x65haviour_logprobs\x18\x04 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12\'\n\x07rewards\x18\x05 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12(\n\x08versions\x18\x06 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12\x12\n\ngroup_size\x18\x07 \x01(\x05\x12\x13\n\x0btemperature\x18\x08 \x01(\x01\x12)\n\tloss_mask\x18\t \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12&\n\x06routes\x18\n \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\"x\n\x0eTrainStepReply\x12\x36\n\x07metrics\x18\x01 \x03(\x0b\x32%.rlax_tpu.TrainStepReply.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\"\n\x12TrainerSaveRequest\x12\x0c\n\x04wait\x18\x01 \x01(\x08\"5\n\x15TrainerRestoreRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0e\n\x06latest\x18\x02 \x01(\x08\"\x1b\n\x0bTrainerStep\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x86\x03\n\x12TrainerStatusReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x19\n\x11published_version\x18\x02 \x01(\x03\x12\x34\n\x04mesh\x18\x03 \x03(\x0b\x32&.rlax_tpu.TrainerStatusReply.MeshEntry\x12\x15\n\rprocess_count\x18\x04 \x01(\x05\x12\x0e\n\x06halted\x18\x05 \x01(\t\x12\x18\n\x10\x63heckpoint_steps\x18\x06 \x03(\x03\x12\x43\n\x0clast_metrics\x18\x07 \x03(\x0b\x32-.rlax_tpu.TrainerStatusReply.LastMetricsEntry\x12\x12\n\npublishing\x18\x08 \x03(\x03\x12\x16\n\x0epublish_failed\x18\t \x01(\t\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xac\x03\n\x07Trainer\x12\x44\n\tTrainStep\x12\x1b.rlax_tpu.TrainBatchMessage\x1a\x18.rlax_tpu.TrainStepReply(\x01\x12\x31\n\x07Publish\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.TrainerStep\x12=\n\rWaitPublished\x12\x15.rlax_tpu.TrainerStep\x1a\x15.rlax_tpu.TrainerStep\x12;\n\x04Save\x12\x1c.rlax_tpu.TrainerSaveRequest\x1a\x15.rlax_tpu.TrainerStep\x12\x41\n\x07Restore\x12\x1f.rlax_tpu.TrainerRestoreRequest\x1a\x15.rlax_tpu.TrainerStep\x12\x37\n\x06Status\x12\x0f.rlax_tpu.Empty\x1a\x1c.rlax_tpu.TrainerStatusReply\x12\x30\n\x06Health\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlax_tpu/rpc/trainer.proto\x12\x08rlax_tpu\x1a\x19rlax_tpu/rpc/common.proto\":\n\x0cTrainerArray\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xa2\x03\n\x11TrainBatchMessage\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12.\n\x0eprompt_lengths\x18\x02 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12\x32\n\x12\x63ompletion_lengths\x18\x03 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12\x32\n\x12\x62\x65haviour_logprobs\x18\x04 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12\'\n\x07rewards\x18\x05 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12(\n\x08versions\x18\x06 \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12\x12\n\ngroup_size\x18\x07 \x01(\x05\x12\x13\n\x0btemperature\x18\x08 \x01(\x01\x12)\n\tloss_mask\x18\t \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\x12&\n\x06routes\x18\n \x01(\x0b\x32\x16.rlax_tpu.TrainerArray\"\x90\x01\n\x0eTrainStepReply\x12\x36\n\x07metrics\x18\x01 \x03(\x0b\x32%.rlax_tpu.TrainStepReply.MetricsEntry\x12\x16\n\x0erow_advantages\x18\x02 \x03(\x02\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\"\n\x12TrainerSaveRequest\x12\x0c\n\x04wait\x18\x01 \x01(\x08\"5\n\x15TrainerRestoreRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0e\n\x06latest\x18\x02 \x01(\x08\"\x1b\n\x0bTrainerStep\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x86\x03\n\x12TrainerStatusReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x19\n\x11published_version\x18\x02 \x01(\x03\x12\x34\n\x04mesh\x18\x03 \x03(\x0b\x32&.rlax_tpu.TrainerStatusReply.MeshEntry\x12\x15\n\rprocess_count\x18\x04 \x01(\x05\x12\x0e\n\x06halted\x18\x05 \x01(\t\x12\x18\n\x10\x63heckpoint_steps\x18\x06 \x03(\x03\x12\x43\n\x0clast_metrics\x18\x07 \x03(\x0b\x32-.rlax_tpu.TrainerStatusReply.LastMetricsEntry\x12\x12\n\npublishing\x18\x08 \x03(\x03\x12\x16\n\x0epublish_failed\x18\t \x01(\t\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xac\x03\n\x07Trainer\x12\x44\n\tTrainStep\x12\x1b.rlax_tpu.TrainBatchMessage\x1a\x18.rlax_tpu.TrainStepReply(\x01\x12\x31\n\x07Publish\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.TrainerStep\x12=\n\rWaitPublished\x12\x15.rlax_tpu.TrainerStep\x1a\x15.rlax_tpu.TrainerStep\x12;\n\x04Save\x12\x1c.rlax_tpu.TrainerSaveRequest\x1a\x15.rlax_tpu.TrainerStep\x12\x41\n\x07Restore\x12\x1f.rlax_tpu.TrainerRestoreRequest\x1a\x15.rlax_tpu.TrainerStep\x12\x37\n\x06Status\x12\x0f.rlax_tpu.Empty\x1a\x1c.rlax_tpu.TrainerStatusReply\x12\x30\n\x06Health\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,22 +42,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINERARRAY']._serialized_end=125
   _globals['_TRAINBATCHMESSAGE']._serialized_start=128
   _globals['_TRAINBATCHMESSAGE']._serialized_end=546
-  _globals['_TRAINSTEPREPLY']._serialized_start=548
-  _globals['_TRAINSTEPREPLY']._serialized_end=668
-  _globals['_TRAINSTEPREPLY_METRICSENTRY']._serialized_start=622
-  _globals['_TRAINSTEPREPLY_METRICSENTRY']._serialized_end=668
-  _globals['_TRAINERSAVEREQUEST']._serialized_start=670
-  _globals['_TRAINERSAVEREQUEST']._serialized_end=704
-  _globals['_TRAINERRESTOREREQUEST']._serialized_start=706
-  _globals['_TRAINERRESTOREREQUEST']._serialized_end=759
-  _globals['_TRAINERSTEP']._serialized_start=761
-  _globals['_TRAINERSTEP']._serialized_end=788
-  _globals['_TRAINERSTATUSREPLY']._serialized_start=791
-  _globals['_TRAINERSTATUSREPLY']._serialized_end=1181
-  _globals['_TRAINERSTATUSREPLY_MESHENTRY']._serialized_start=1086
-  _globals['_TRAINERSTATUSREPLY_MESHENTRY']._serialized_end=1129
-  _globals['_TRAINERSTATUSREPLY_LASTMETRICSENTRY']._serialized_start=1131
-  _globals['_TRAINERSTATUSREPLY_LASTMETRICSENTRY']._serialized_end=1181
-  _globals['_TRAINER']._serialized_start=1184
-  _globals['_TRAINER']._serialized_end=1612
+  _globals['_TRAINSTEPREPLY']._serialized_start=549
+  _globals['_TRAINSTEPREPLY']._serialized_end=693
+  _globals['_TRAINSTEPREPLY_METRICSENTRY']._serialized_start=647
+  _globals['_TRAINSTEPREPLY_METRICSENTRY']._serialized_end=693
+  _globals['_TRAINERSAVEREQUEST']._serialized_start=695
+  _globals['_TRAINERSAVEREQUEST']._serialized_end=729
+  _globals['_TRAINERRESTOREREQUEST']._serialized_start=731
+  _globals['_TRAINERRESTOREREQUEST']._serialized_end=784
+  _globals['_TRAINERSTEP']._serialized_start=786
+  _globals['_TRAINERSTEP']._serialized_end=813
+  _globals['_TRAINERSTATUSREPLY']._serialized_start=816
+  _globals['_TRAINERSTATUSREPLY']._serialized_end=1206
+  _globals['_TRAINERSTATUSREPLY_MESHENTRY']._serialized_start=1111
+  _globals['_TRAINERSTATUSREPLY_MESHENTRY']._serialized_end=1154
+  _globals['_TRAINERSTATUSREPLY_LASTMETRICSENTRY']._serialized_start=1156
+  _globals['_TRAINERSTATUSREPLY_LASTMETRICSENTRY']._serialized_end=1206
+  _globals['_TRAINER']._serialized_start=1209
+  _globals['_TRAINER']._serialized_end=1637
 # @@protoc_insertion_point(module_scope)

@@ -42,7 +42,7 @@ class TrainBatchMessage(_message.Message):
     def __init__(self, tokens: _Optional[_Union[TrainerArray, _Mapping]] = ..., prompt_lengths: _Optional[_Union[TrainerArray, _Mapping]] = ..., completion_lengths: _Optional[_Union[TrainerArray, _Mapping]] = ..., behaviour_logprobs: _Optional[_Union[TrainerArray, _Mapping]] = ..., rewards: _Optional[_Union[TrainerArray, _Mapping]] = ..., versions: _Optional[_Union[TrainerArray, _Mapping]] = ..., group_size: _Optional[int] = ..., temperature: _Optional[float] = ..., loss_mask: _Optional[_Union[TrainerArray, _Mapping]] = ..., routes: _Optional[_Union[TrainerArray, _Mapping]] = ...) -> None: ...
 
 class TrainStepReply(_message.Message):
-    __slots__ = ("metrics",)
+    __slots__ = ("metrics", "row_advantages")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,8 +51,10 @@ class TrainStepReply(_message.Message):
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    ROW_ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    row_advantages: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, metrics: _Optional[_Mapping[str, float]] = ..., row_advantages: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TrainerSaveRequest(_message.Message):
     __slots__ = ("wait",)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import numpy as np
 
 from rlax_tpu.rpc import common_pb2, trainer_pb2_grpc
 from rlax_tpu.rpc import trainer_pb2 as pb
@@ -28,6 +29,7 @@ class TrainerClient:
         self.endpoint, self.timeout_s, self.chunk_bytes = endpoint, timeout_s, chunk_bytes
         self._channel = make_channel(endpoint, credentials=credentials)
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
+        self.last_row_advantages = np.zeros(0, np.float32)  # as Trainer's, of the last step
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         wait_ready(self._channel, component="trainer", endpoint=self.endpoint, timeout_s=timeout_s)
@@ -38,6 +40,7 @@ class TrainerClient:
         chunks = batch_to_chunks(batch, self.chunk_bytes)
         metadata = None if expect_step is None else (("rlax-expect-step", str(expect_step)),)
         reply = self._stub.TrainStep(chunks, timeout=self.timeout_s, metadata=metadata)
+        self.last_row_advantages = np.asarray(reply.row_advantages, np.float32)
         return dict(reply.metrics)
 
     def publish(self) -> int:

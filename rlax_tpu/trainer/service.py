@@ -90,7 +90,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
             )
         except TrainerStateLost as e:  # as gone as a dead trainer: the caller must restore it
             context.abort(grpc.StatusCode.UNAVAILABLE, f"TrainerStateLost: {e}")
-        return pb.TrainStepReply(metrics=metrics)
+        return pb.TrainStepReply(
+            metrics=metrics, row_advantages=self._trainer.last_row_advantages.tolist()
+        )
 
     @_serialized
     def Publish(self, request: common_pb2.Empty, context) -> pb.TrainerStep:  # noqa: ANN001

@@ -49,6 +49,7 @@ from rlax_tpu.algorithms import LossInputs, RolloutBatch
 from rlax_tpu.config import InferenceConfig, ModelConfig, RunConfig
 from rlax_tpu.models.adapters import join, split_adapters
 from rlax_tpu.models.scoring import ReplayShape, replay_logprobs
+from rlax_tpu.observability.profiles import PROFILER
 from rlax_tpu.trainer import mesh as mesh_lib
 from rlax_tpu.trainer import step as step_lib
 from rlax_tpu.trainer.batching import (
@@ -190,6 +191,9 @@ class Trainer:
         self._halted = ""
         self._precompiled = False
         self._last_metrics: dict[str, float] = {}
+        # The last batch's advantage per row, [B] float32: its mean over the row's completion
+        # tokens (the samples a run records show it beside the reward).
+        self.last_row_advantages = np.zeros(0, np.float32)
         self.replay_shape = engine_replay_shape(config.inference, config.model)
         # "replay", "prefill" or "forward" (trainer.align_logprobs / trainer.old_logprobs).
         self.old_logprobs = step_lib.old_logprobs_mode(config, self.mesh.devices.flat[0].platform)
@@ -237,7 +241,21 @@ class Trainer:
         TrainerStateLost (a restarted trainer must not take the next update from where it
         restarted). Raises BatchShapeError / ValueError for a batch that does not fit the mesh,
         the micro-batching or the objective; NonFiniteLossError under nan_policy 'stop'.
+
+        An update in observability.profile_steps (by the step it makes) is traced on every
+        process of the trainer (observability/profiles.py).
         """
+        step = self._step + 1
+        if step not in self.config.observability.profile_steps:
+            return self._train_step(batch, expect_step)
+        run_dir = self.config.controller.run_dir
+        PROFILER.start(run_dir, step, "trainer")
+        try:
+            return self._train_step(batch, expect_step)
+        finally:
+            PROFILER.stop(run_dir, step, "trainer")
+
+    def _train_step(self, batch: TrainBatch, expect_step: int | None) -> dict[str, float]:
         if expect_step is not None and expect_step != self._step:
             raise TrainerStateLost(
                 f"the trainer is at step {self._step}, not {expect_step}: it restarted since the "
@@ -328,6 +346,10 @@ class Trainer:
             mesh_lib.put(np.int32(self._step), rep),
         )
         inputs_host = jax.tree.map(np.array, inputs)  # a copy: a view would keep the device buffers
+        tokens = np.maximum(mask.sum(axis=1), 1.0)
+        self.last_row_advantages = (
+            (np.asarray(inputs_host.advantages, np.float32) * mask).sum(axis=1) / tokens
+        ).astype(np.float32)
 
         t_update = time.perf_counter()
         scale = 1.0 if spec.kind == "eq3" else 1.0 / plan.num_micro_batches

@@ -20,6 +20,7 @@ from rlax_tpu.data.functions import load_functions
 from rlax_tpu.environments import feedback
 from rlax_tpu.environments.python_tool import INSTRUCTIONS
 from rlax_tpu.observability.metrics import read_metrics
+from rlax_tpu.observability.samples import read_samples, sampled_steps
 from rlax_tpu.types import FinishReason, Rollout, Verdict, VerdictKind
 from rlax_tpu.verifiers.service import VerifierService
 from tests.controller.test_scheduling import make_config, run_controller
@@ -165,6 +166,24 @@ def test_code_repair_episodes_get_the_verdicts_feedback_and_the_last_attempts_re
         assert ev["eval/pass@1"] == 0.0 and ev["eval/episode_pass@1"] == 0.5
     evaluated = sum(int(ev["eval/problems"]) for ev in evals) * k
     assert sum(t == 1 for _, _, t in asked) == sum(b.num_rows for b in batches) + evaluated
+    # Each update's training samples (observability.samples_per_step), with the episode's turns.
+    assert sampled_steps(tmp_path / "run") == [1, 2]
+    for step, batch in zip((1, 2), batches, strict=True):
+        samples = read_samples(tmp_path / "run", step)
+        assert len(samples) == min(config.observability.samples_per_step, batch.num_rows)
+        for sample in samples:
+            assert sample["step"] == step and sample["finish_reason"] == "eos"
+            assert sample["reward"] == (1.0 if sample["sample"] == 0 else 0.0)
+            # GRPO's advantage: each group's better sample above its mean, the other below.
+            assert (sample["advantage"] > 0) == (sample["reward"] == 1.0), sample
+            # The pipeline generates step 2's rollouts with version 0 (the metrics' "stale 1").
+            assert sample["versions"] == [0] and sample["staleness"] == step - 1
+            turns = sample["turns"]
+            assert [t["role"] for t in turns] == ["model", "environment", "model"]
+            assert turns[0]["text"].endswith("    return None\n```")
+            assert "Your program failed: " in turns[1]["text"]
+            assert sample["completion"].startswith(turns[0]["text"])
+            assert "def " in sample["prompt"]
 
 
 def test_feedback_is_the_verdict_rendered():

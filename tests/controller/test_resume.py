@@ -23,6 +23,9 @@ import pytest
 from rlax_tpu.controller.snapshots import SnapshotStore, full_ledger
 from rlax_tpu.observability.metrics import read_metrics
 from tests.child_env import child_env
+from tests.observability.test_wandb_sink import offline_env
+from tests.observability.traces import traced_programs
+from tests.observability.wandb_records import history
 
 REPO = Path(__file__).resolve().parents[2]
 # A uid block of its own (tests/verifiers, tests/data and test_tasks use others).
@@ -48,6 +51,8 @@ SMALL = [
     "--config.trainer.learning_rate=1e-4",  # pinned: a test below names it
 ]
 SHA = re.compile(r"final weights sha256: ([0-9a-f]{64})")
+# Programs a traced update runs, as JAX names their calls in a trace (PjitFunction(<name>)).
+PROGRAMS = {"trainer": {"_accumulate"}, "inference": {"decode_program", "prefill_program"}}
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +73,13 @@ def command(run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def run(env, run_dir: Path, *extra: str) -> str:
+def run(env, run_dir: Path, *extra: str, stderr: bool = False) -> str:
+    """The run's stdout (and its stderr after it, with ``stderr``)."""
     out = subprocess.run(
         command(run_dir, *extra), cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+    return out.stdout + (out.stderr if stderr else "")
 
 
 def started(env, run_dir: Path, *extra: str, after_step: int) -> subprocess.Popen:
@@ -145,7 +151,8 @@ def test_deterministic_mode_is_bitwise_reproducible(env, reference, tmp_path):
     """Also with two parameter-server replicas feeding two workers (worker i reads replica i) and
     the trainer in a spawned child behind gRPC (controller.trainer_process): where weights
     travel, how the work is split and where the trainer runs change no bit; the child is gone
-    when the command returns."""
+    when the command returns. Update 3 is traced (observability.profile_steps) by both
+    processes: the trainer's trace holds its update's programs, the workers' their decoding."""
     _, digest = reference
     out = run(
         env,
@@ -154,11 +161,19 @@ def test_deterministic_mode_is_bitwise_reproducible(env, reference, tmp_path):
         "--config.param_server.replicas=2",
         "--config.inference.num_workers=2",
         "--config.controller.trainer_process=true",
+        "--config.observability.profile_steps=(3,)",
     )
     assert re.search(r"param_server 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+,", out), out[-2000:]
     child = re.search(r"trainer 127\.0\.0\.1:\d+ \(child process (\d+)\)", out)
     assert child, out[-2000:]
     assert sha(out) == digest
+    traced = {p.name: p for p in (tmp_path / "b" / "profiles" / "step_000003").iterdir()}
+    assert len(traced) == 2 and any(name.endswith(f".{child.group(1)}") for name in traced)
+    for name, where in traced.items():
+        component = "trainer" if name.endswith(f".{child.group(1)}") else "inference"
+        assert json.loads((where / "components.json").read_text()) == {"components": [component]}
+        programs = traced_programs(where)
+        assert PROGRAMS[component] <= programs, (component, sorted(programs))
     # Gone (a zombie's cmdline is empty; a pid taken since is another command's).
     cmdline = Path(f"/proc/{child.group(1)}/cmdline")
     assert not cmdline.exists() or b"rlax_tpu" not in cmdline.read_bytes()
@@ -390,9 +405,21 @@ def test_sigterm_then_sigkill_each_resumed_gives_the_uninterrupted_weights(
     SIGTERM it evaluates every version beside training (data.eval_every may change on resume;
     the reference evaluates 0 and 4 only), so the SIGKILL lands among evaluations in flight:
     they change no bit of training, and the evaluations of versions 0 and 4 give the
-    reference's results."""
+    reference's results.
+
+    Its metrics go to W&B (offline) and to a plugin's sink that raises on its second record:
+    each start continues the same W&B run, whose steps hold metrics.jsonl's training scalars;
+    the failing sink is dropped with a warning and changes nothing.
+
+    Cost: about 70 CPU-s, three starts of the main command (each its imports, W&B's included,
+    and its compiles from the cache); one test for both kinds of stop and the W&B resume."""
     run_dir = tmp_path / "stopped"
-    extra = ("--config.controller.num_steps=4",)
+    env = env | offline_env(tmp_path / "home")
+    extra = (
+        "--config.controller.num_steps=4",
+        "--config.algorithm.plugins=('tests.observability.plugin_sinks',)",
+        "--config.observability.sinks=('tensorboard','wandb','exploding')",
+    )
     proc = started(env, run_dir, *extra, after_step=1)
     watchdog = threading.Timer(600, proc.kill)
     watchdog.start()
@@ -411,8 +438,9 @@ def test_sigterm_then_sigkill_each_resumed_gives_the_uninterrupted_weights(
     extra = (*extra, "--config.data.eval_every=1")
     killed_at_random(env, run_dir, *extra, after_step=2, seed=7)
     assert not (run_dir / "report.md").exists()  # it really died mid-run
-    out = run(env, run_dir, *extra)
+    out = run(env, run_dir, *extra, stderr=True)
     assert "resuming" in out and "run finished: 4 updates" in out, out[-3000:]
+    assert out.count("metric sink 'exploding' failed (log: ConnectionError") == 1, out[-3000:]
     # The restarted in-process parameter server is empty: the versions the resumed steps need
     # are republished from the trainer's checkpoints.
     assert "(the parameter server does not have it)" in out, out[-3000:]
@@ -435,6 +463,24 @@ def test_sigterm_then_sigkill_each_resumed_gives_the_uninterrupted_weights(
     for version in (0, 4):
         assert got[version][0]["eval/pass@1"] == want[version][0]["eval/pass@1"]
         assert got[version][0]["eval/problems"] == want[version][0]["eval/problems"]
+
+    # One W&B run over the three starts, with every training step and scalar metrics.jsonl has,
+    # and the same values where deterministic mode makes a step done again log the same (a
+    # start that redid a step logged it again offline; syncing, W&B keeps the first).
+    run_id = json.loads((run_dir / "wandb_run.json").read_text())["id"]
+    starts = sorted(run_dir.glob("wandb/offline-run-*"))
+    assert len(starts) == 3 and all(p.name.endswith(f"-{run_id}") for p in starts), starts
+    logged = collections.defaultdict(dict)
+    for rid, step, row in history(run_dir):
+        assert rid == run_id
+        logged[step].update(row)
+    for record in read_metrics(run_dir):
+        if "eval/pass@1" in record["scalars"]:  # evaluations: at a later step
+            continue
+        step = logged[record["step"]]
+        assert {k for k, v in record["scalars"].items() if v is not None} <= set(step)
+        for k in ("reward/mean", "rollout/length_mean", "trainer/loss", "trainer/grad_norm"):
+            assert step[k] == record["scalars"][k], (record["step"], k)
 
 
 def test_an_algorithm_of_the_users_own_trains_from_the_main_command(env, tmp_path):

@@ -24,7 +24,7 @@ from rlax_tpu.trainer import Trainer, TrainerClient
 from rlax_tpu.trainer.service import serve
 from tests.child_env import child_env
 
-from .helpers import random_batch, run_config
+from .helpers import GROUP, random_batch, run_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,11 +99,19 @@ def test_grpc_step_equals_in_process(served, tmp_path):
         assert client.save(wait=True) == 1
         assert 1 in client.status().checkpoint_steps
         assert client.restore() == 1
+        remote_advantages = client.last_row_advantages
     local = Trainer(cfg, devices=jax.devices()[:2], checkpoint_dir=tmp_path)
     expected = local.train_step(random_batch(0))
     local.close()
     for name in ("loss", "grad_norm", "update_norm", "padding_fraction"):
         assert remote[name] == expected[name], name
+    # The batch's advantage per row came back with the step (float32, as computed): GRPO's,
+    # (r - group mean) / (sample std + 1e-6), the same on each of a row's tokens.
+    np.testing.assert_array_equal(remote_advantages, local.last_row_advantages)
+    rewards = random_batch(0).rewards.reshape(-1, GROUP).astype(np.float64)
+    centered = rewards - rewards.mean(axis=1, keepdims=True)
+    textbook = centered / (rewards.std(axis=1, ddof=1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(remote_advantages, textbook.reshape(-1), rtol=1e-5, atol=1e-6)
 
 
 def test_grpc_errors_are_clear(served):
