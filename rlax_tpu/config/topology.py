@@ -47,6 +47,10 @@ class TopologyConfig:
     # The Kubernetes Secret mounted at the token and certificate files' folder: keys "token",
     # "tls.pem" (a certificate for *.<namespace>.svc with its key) and "publish-token".
     credentials_secret: str = "rlax-credentials"
+    # With the wandb sink (observability.sinks, online): the Secret whose key "api_key" the
+    # controller pod gets as WANDB_API_KEY (kubectl create secret generic rlax-wandb
+    # --from-literal=api_key=...).
+    wandb_secret: str = "rlax-wandb"
     # Kubernetes service account of the pods (Workload Identity to the run's bucket).
     service_account: str = "rlax"
     # Restarts of the whole JobSet, after a failure of a multi-host job (one of its processes

@@ -573,6 +573,9 @@ def _pod(
         "resources": _resources(config, component, tpu),
         "securityContext": _security(component),
     }
+    if component == "controller" and uses_wandb_online(config):
+        key = {"name": t.wandb_secret, "key": "api_key"}
+        container["env"].append({"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": key}})
     if slice_count(config, component) > 1:
         container["env"] += megascale_env(config, component)
     flags = libtpu_init_args(config, component)
@@ -635,6 +638,12 @@ def _pod(
         spec["hostUsers"] = False
         spec["automountServiceAccountToken"] = False
     return {"metadata": {"labels": {"app.kubernetes.io/component": component}}, "spec": spec}
+
+
+def uses_wandb_online(config: RunConfig) -> bool:
+    """The controller logs to W&B's server (the wandb sink, not offline): it needs a key."""
+    obs = config.observability
+    return "wandb" in obs.sinks and obs.wandb.mode == "online"
 
 
 def megascale_env(config: RunConfig, component: str) -> list[dict[str, Any]]:

@@ -266,6 +266,29 @@ def test_tpu_pods_start_with_the_xla_flags_the_aot_check_compiles_with(small):
     assert "LIBTPU_INIT_ARGS" not in repr(gke.render(none, SMALL))
 
 
+def test_the_controller_gets_the_wandb_key_only_when_it_logs_to_wandb(small):
+    """The wandb sink online: WANDB_API_KEY from topology.wandb_secret on the controller's pod
+    (its egress to port 443 is the GCS rule's); offline or without the sink, on no pod."""
+    config, objects = small
+    assert "WANDB_API_KEY" not in repr(objects)
+    obs = dataclasses.replace(
+        config.observability,
+        sinks=("tensorboard", "wandb"),
+        wandb=dataclasses.replace(config.observability.wandb, dir="/tmp/wandb"),
+    )
+    rendered = gke.render(dataclasses.replace(config, observability=obs), SMALL)
+    online = [o for objects in rendered.values() for o in objects]
+    env = _pod(online, "controller")["containers"][0]["env"]
+    assert {
+        "name": "WANDB_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "rlax-wandb", "key": "api_key"}},
+    } in env
+    assert repr(online).count("WANDB_API_KEY") == 1
+    offline = dataclasses.replace(obs, wandb=dataclasses.replace(obs.wandb, mode="offline"))
+    rendered = gke.render(dataclasses.replace(config, observability=offline), SMALL)
+    assert "WANDB_API_KEY" not in repr(rendered)
+
+
 def test_the_order_of_start_success_and_restarts(small):
     _, objects = small
     spec = _jobset(objects)["spec"]
