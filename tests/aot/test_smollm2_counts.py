@@ -2,7 +2,11 @@
 unrolled, a 4-row micro-batch of 256 tokens) for v5e:2x2: the compiled gradient step against a
 textbook count of FLOPs, the optimizer update against its bytes. The largest compile of the
 suite (about 25 s of CPU), so a module and a timeout of its own; the whole 30-layer preset
-compiles in `python benchmarks/aot_presets.py`."""
+compiles in `python benchmarks/aot_presets.py`.
+
+Cost: 66 CPU-s in a clean `make test` on a 2-core AMD EPYC (2026-12-03; its process's start,
+libtpu's initialization and the two compiles, under -n 3): TPU programs cannot come from the
+CPU tests' cache."""
 
 from __future__ import annotations
 
