@@ -18,6 +18,7 @@ class FinishReason(enum.Enum):
     EOS = "eos"  # the model emitted an end-of-sequence or stop token
     LENGTH = "length"  # max_new_tokens reached
     ABORTED = "aborted"  # interrupted (weight reload, shutdown); the caller re-issues it
+    STOP = "stop"  # one of the request's stop strings or stop token sequences was sampled
 
 
 @_frozen

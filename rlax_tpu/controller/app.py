@@ -266,7 +266,11 @@ def run_job(config: RunConfig, *, stream: TextIO | None = None, command: str = "
         elif not (fresh and cc.warmup_steps):
             model = models.load_model(config.model)
         comps = components_lib.build_local(
-            config, model=model, eos_ids=tokenizer.stop_ids, run_dir=run_dir
+            config,
+            model=model,
+            eos_ids=tokenizer.stop_ids,
+            run_dir=run_dir,
+            detokenize=tokenizer.text_of,
         )
     else:
         comps = components_lib.build_distributed(config)

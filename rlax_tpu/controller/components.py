@@ -97,10 +97,12 @@ def build_local(
     eos_ids: Collection[int],
     run_dir: storage.epath.Path,
     trainer_devices: list[jax.Device] | None = None,
+    detokenize: Callable[[list[int]], str] | None = None,
 ) -> Components:
     """Every component in this process (the trainer in a child process with
     ``controller.trainer_process``); the parameter server on a loopback port. The trainer's mesh
-    spans ``trainer_devices`` (default: every device; the child's own with trainer_process)."""
+    spans ``trainer_devices`` (default: every device; the child's own with trainer_process).
+    ``detokenize``: the workers' for stop strings (the tokenizer's ``text_of``)."""
     from rlax_tpu.inference.worker import InferenceWorker
     from rlax_tpu.param_server.service import serve
     from rlax_tpu.trainer.trainer import Trainer
@@ -166,6 +168,7 @@ def build_local(
                 eos_ids=eos_ids,
                 devices=split.workers[i] if split else None,
                 run_dir=config.controller.run_dir,
+                detokenize=detokenize,
             )
             closers.append(worker.shutdown)
             workers.append(worker)

@@ -3,6 +3,7 @@ groups marked trained, skipped updates, and the step's metrics."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Sequence
@@ -212,6 +213,10 @@ class ConsumptionMixin:
         scalars |= {
             f"verdict/{k}": float(v) for k, v in groups_lib.verdict_counts(results).items() if v
         }
+        # How the step's samples ended: eos, length (truncated), stop (a stop string), aborted.
+        ended = collections.Counter(ro.finish_reason.value for r in results for ro in r.rollouts)
+        total = sum(ended.values())
+        scalars |= {f"rollout/finish_{k}": n / total for k, n in ended.items()}
         if self.episodes is not None:
             turns = [_turns(ro) for r in results for ro in r.rollouts]
             scalars["episode/turns_mean"] = float(np.mean(turns)) if turns else 0.0

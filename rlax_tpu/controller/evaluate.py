@@ -103,6 +103,7 @@ def evaluate_job(
         model=models.load_model(config.model),
         eos_ids=prompter.tokenizer.stop_ids,
         run_dir=run_dir,
+        detokenize=prompter.tokenizer.text_of,
     )
     results: dict[str, dict[str, float]] = {}
     controller = None

@@ -153,6 +153,7 @@ class EvaluationMixin:
                         "answer": self.prompter.completion(ro),
                         "verdict": v.kind.value,
                         "detail": v.detail,
+                        "finish_reason": ro.finish_reason.value,
                     }
                     | (
                         {

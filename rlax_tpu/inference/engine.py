@@ -68,7 +68,7 @@ import functools
 import itertools
 import logging
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -103,6 +103,10 @@ from rlax_tpu.models.programs import (
     rows_are_independent,
 )
 from rlax_tpu.types import FinishReason, Rollout
+
+# Tokens beyond a stop string's characters that _stopped decodes (tokens that decode to nothing:
+# partial UTF-8 bytes, empty specials).
+_STOP_SLACK_TOKENS = 8
 
 
 @functools.cache  # once per process: every engine on this host would say the same
@@ -202,11 +206,15 @@ class Engine:
         version: int = 0,
         eos_ids: Collection[int] = (),
         devices: list[jax.Device] | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
     ):
-        """``devices``: where ``inference.mesh`` is laid out (default: ``jax.devices()``)."""
+        """``devices``: where ``inference.mesh`` is laid out (default: ``jax.devices()``).
+        ``detokenize``: token ids -> text (special tokens as text), for requests' stop strings
+        (None: such requests are refused)."""
         self.cfg, self.model_cfg = cfg, model.cfg
         self.version = version
         self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.detokenize = detokenize
         self.mesh = engine_mesh(cfg, devices)
         if self.mesh is None and devices and devices[0] != jax.devices()[0]:
             # One device that is not the default (a host's devices split between components):
@@ -351,6 +359,11 @@ class Engine:
             sampling.check(vocab_size=vocab, max_new_tokens=self.cfg.max_new_tokens)
         except InvalidSampling as e:
             raise InvalidRequest(f"{where}: {e}") from e
+        if sampling.stop and self.detokenize is None:
+            raise InvalidRequest(
+                f"{where}: stop strings {list(sampling.stop)} need the worker's tokenizer, and "
+                "this engine has none (stop_sequences of token ids need none)"
+            )
         longest = n + len(request.continuation) + sampling.max_new_tokens
         if longest > self.cache_len:
             raise InvalidRequest(
@@ -605,12 +618,28 @@ class Engine:
             reason = None
             if token in s.stop_token_ids or (token in self.eos_ids and not s.ignore_eos):
                 reason = FinishReason.EOS
+            elif (s.stop_sequences or s.stop) and self._stopped(seq.sampled, s):
+                reason = FinishReason.STOP
             elif len(seq.sampled) >= s.max_new_tokens:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self.scheduler.finish(seq)
                 finished.append(self._rollout(seq, reason))
         return finished
+
+    def _stopped(self, sampled: list[int], s: SamplingParams) -> bool:
+        """Whether the token just sampled completed one of ``s``'s stop sequences or strings.
+        A string is looked for in the text of the last tokens (as many as its characters, and
+        a few more for tokens that decode to nothing): checked after every token, it is found
+        at the first token that completes it."""
+        for q in s.stop_sequences:
+            if len(sampled) >= len(q) and tuple(sampled[-len(q) :]) == q:
+                return True
+        if not s.stop:
+            return False
+        window = max(len(x) for x in s.stop) + _STOP_SLACK_TOKENS
+        text = self.detokenize(sampled[-window:])
+        return any(x in text for x in s.stop)
 
     def _rollout(self, seq: Sequence, reason: FinishReason) -> Rollout:
         s = seq.request.sampling

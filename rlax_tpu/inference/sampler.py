@@ -33,6 +33,11 @@ class SamplingParams:
     top_p: float | None = None  # 1: off
     max_new_tokens: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # end a sample besides the model's EOS ids
+    # End a sample (FinishReason.STOP) once its sampled tokens end with one of these sequences,
+    # or their text (the worker's tokenizer, special tokens as text) holds one of these strings.
+    # The tokens that completed it are kept: they were sampled, and training needs them.
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # do not stop on the EOS ids (benchmarks force lengths this way)
     seed: int = 0  # low 32 bits are used
     logprob_policy: LogprobPolicy = "temperature_scaled"
@@ -65,6 +70,13 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidSampling(f"stop_token_ids {bad}: outside the vocabulary [0, {vocab_size})")
+        bad = [q for q in self.stop_sequences if not q or not all(0 <= t < vocab_size for t in q)]
+        if bad:
+            raise InvalidSampling(
+                f"stop_sequences {bad}: each a non-empty sequence of ids in [0, {vocab_size})"
+            )
+        if any(not s for s in self.stop):
+            raise InvalidSampling(f"stop {list(self.stop)}: an empty string stops nothing")
         if self.logprob_policy not in LOGPROB_POLICIES:
             raise InvalidSampling(
                 f"logprob_policy = {self.logprob_policy!r}: choose one of {sorted(LOGPROB_POLICIES)}"

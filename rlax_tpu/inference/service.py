@@ -71,6 +71,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         seed=msg.seed,
         logprob_policy=msg.logprob_policy or "temperature_scaled",
+        stop_sequences=tuple(tuple(q.ids) for q in msg.stop_sequences),
+        stop=tuple(msg.stop),
     )
 
 
@@ -84,6 +86,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         ignore_eos=s.ignore_eos,
         seed=s.seed & 0xFFFFFFFFFFFFFFFF,
         logprob_policy=s.logprob_policy,
+        stop_sequences=[pb.TokenSequence(ids=list(q)) for q in s.stop_sequences],
+        stop=list(s.stop),
     )
 
 

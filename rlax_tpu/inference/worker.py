@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 import queue
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Protocol
 
 from rlax_tpu import models, multihost
@@ -104,12 +104,16 @@ class InferenceWorker:
         weight_source: WeightSource | None = None,
         devices: list[Any] | None = None,
         run_dir: str = "",
+        detokenize: Callable[[list[int]], str] | None = None,
     ):
         """``devices``: the jax devices its engine lays ``cfg.mesh`` out on (default: all).
-        ``run_dir``: where its profiles go (:meth:`profile`)."""
+        ``run_dir``: where its profiles go (:meth:`profile`). ``detokenize``: for requests'
+        stop strings (Engine)."""
         self.cfg = cfg
         self.run_dir = run_dir
-        self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids, devices=devices)
+        self.engine = Engine(
+            model, cfg, version=version, eos_ids=eos_ids, devices=devices, detokenize=detokenize
+        )
         self.weight_source = weight_source
         # The next version, fetched while generating.
         self.standby = Standby(lambda v: _fetch(self.weight_source, v, "worker"))
@@ -132,13 +136,14 @@ class InferenceWorker:
     ) -> InferenceWorker:
         """The run's model (``load_model``), served as version 0; EOS ids from its tokenizer when
         it has one."""
-        model, eos = _model_and_eos(config)
+        model, eos, detokenize = _model_and_eos(config)
         return cls(
             model,
             config.inference,
             eos_ids=eos,
             weight_source=weight_source,
             run_dir=config.controller.run_dir,
+            detokenize=detokenize,
         )
 
     @property
@@ -354,13 +359,16 @@ class InferenceWorker:
             s.put(RuntimeError(f"inference engine step failed: {error!r}"))
 
 
-def _model_and_eos(config: RunConfig) -> tuple[models.Transformer, Collection[int]]:
+def _model_and_eos(
+    config: RunConfig,
+) -> tuple[models.Transformer, Collection[int], Callable[[list[int]], str] | None]:
+    """The model, its EOS ids and its detokenizer for stop strings (none without a tokenizer)."""
     model = models.load_model(config.model)
     try:
-        eos = models.load_tokenizer(config.model).stop_ids
+        tokenizer = models.load_tokenizer(config.model)
     except models.ModelLoadError:
-        eos = ()
-    return model, eos
+        return model, (), None
+    return model, tokenizer.stop_ids, tokenizer.text_of
 
 
 class Follower:
@@ -380,15 +388,16 @@ class Follower:
         version: int = 0,
         eos_ids: Collection[int] = (),
         weight_source: WeightSource | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
     ):
-        self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids)
+        self.engine = Engine(model, cfg, version=version, eos_ids=eos_ids, detokenize=detokenize)
         self.weight_source = weight_source
         self.standby = Standby(lambda v: _fetch(self.weight_source, v, "follower"))
 
     @classmethod
     def from_config(cls, config: RunConfig) -> Follower:
-        model, eos = _model_and_eos(config)
-        return cls(model, config.inference, eos_ids=eos)
+        model, eos, detokenize = _model_and_eos(config)
+        return cls(model, config.inference, eos_ids=eos, detokenize=detokenize)
 
     def run(self) -> int:
         """Follows until the lead shuts down; returns the engine steps taken."""

@@ -108,6 +108,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def text_of(self, ids: Sequence[int]) -> str:
+        """``ids`` as the model wrote them, special tokens as text (what stop strings match:
+        one may be a special token, "</tool_call>")."""
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, str]],

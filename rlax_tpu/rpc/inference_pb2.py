@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlax_tpu.rpc import common_pb2 as rlax__tpu_dot_rpc_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlax_tpu/rpc/inference.proto\x12\x08rlax_tpu\x1a\x19rlax_tpu/rpc/common.proto\"\xf8\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x16\n\x0elogprob_policy\x18\x08 \x01(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x11\n\x0f_max_new_tokens\"\xa4\x01\n\rPromptRequest\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.rlax_tpu.SamplingParams\x12\x14\n\x0c\x63ontinuation\x18\x05 \x03(\x05\x12\x12\n\nkeep_pages\x18\x06 \x01(\x08\"]\n\x0fGenerateRequest\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.rlax_tpu.PromptRequest\x12\x14\n\x07version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\n\n\x08_version\"-\n\x0eProfileRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x08\"\xd2\x01\n\x07Rollout\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x03(\x05\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x10\n\x08versions\x18\x06 \x03(\x03\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x16\n\x0elogprob_policy\x18\x08 \x01(\t\x12\x0e\n\x06routes\x18\t \x01(\x0c\x12\x14\n\x0croutes_shape\x18\n \x03(\x05\"<\n\x12LoadWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rrelay_sources\x18\x02 \x03(\t\"S\n\x10LoadWeightsReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x05\x12\x1d\n\x15weight_bytes_received\x18\x03 \x01(\x03\"\xa9\x02\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x13\n\x0bpages_total\x18\x04 \x01(\x05\x12\x12\n\npages_free\x18\x05 \x01(\x05\x12\x14\n\x0c\x63ompilations\x18\x06 \x01(\x03\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x03\x12\x13\n\x0bpreemptions\x18\t \x01(\x03\x12\x14\n\x0cpages_shared\x18\n \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12\x0f\n\x07serving\x18\x0c \x01(\x08\x12\x14\n\x0crows_bitwise\x18\r \x01(\x08\x12\x1c\n\x14prefix_tokens_reused\x18\x0e \x01(\x03\x32\x97\x03\n\tInference\x12:\n\x08Generate\x12\x19.rlax_tpu.GenerateRequest\x1a\x11.rlax_tpu.Rollout0\x01\x12G\n\x0bLoadWeights\x12\x1c.rlax_tpu.LoadWeightsRequest\x1a\x1a.rlax_tpu.LoadWeightsReply\x12=\n\x0cStageWeights\x12\x1c.rlax_tpu.LoadWeightsRequest\x1a\x0f.rlax_tpu.Empty\x12\x30\n\x06Status\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.StatusReply\x12\x34\n\x07Profile\x12\x18.rlax_tpu.ProfileRequest\x1a\x0f.rlax_tpu.Empty\x12,\n\x08Shutdown\x12\x0f.rlax_tpu.Empty\x1a\x0f.rlax_tpu.Empty\x12\x30\n\x06Health\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlax_tpu/rpc/inference.proto\x12\x08rlax_tpu\x1a\x19rlax_tpu/rpc/common.proto\"\xb7\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x16\n\x0elogprob_policy\x18\x08 \x01(\t\x12/\n\x0estop_sequences\x18\t \x03(\x0b\x32\x17.rlax_tpu.TokenSequence\x12\x0c\n\x04stop\x18\n \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x11\n\x0f_max_new_tokens\"\x1c\n\rTokenSequence\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa4\x01\n\rPromptRequest\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.rlax_tpu.SamplingParams\x12\x14\n\x0c\x63ontinuation\x18\x05 \x03(\x05\x12\x12\n\nkeep_pages\x18\x06 \x01(\x08\"]\n\x0fGenerateRequest\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.rlax_tpu.PromptRequest\x12\x14\n\x07version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\n\n\x08_version\"-\n\x0eProfileRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x08\"\xd2\x01\n\x07Rollout\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x03(\x05\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x10\n\x08versions\x18\x06 \x03(\x03\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x16\n\x0elogprob_policy\x18\x08 \x01(\t\x12\x0e\n\x06routes\x18\t \x01(\x0c\x12\x14\n\x0croutes_shape\x18\n \x03(\x05\"<\n\x12LoadWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rrelay_sources\x18\x02 \x03(\t\"S\n\x10LoadWeightsReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x05\x12\x1d\n\x15weight_bytes_received\x18\x03 \x01(\x03\"\xa9\x02\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x13\n\x0bpages_total\x18\x04 \x01(\x05\x12\x12\n\npages_free\x18\x05 \x01(\x05\x12\x14\n\x0c\x63ompilations\x18\x06 \x01(\x03\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x03\x12\x13\n\x0bpreemptions\x18\t \x01(\x03\x12\x14\n\x0cpages_shared\x18\n \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12\x0f\n\x07serving\x18\x0c \x01(\x08\x12\x14\n\x0crows_bitwise\x18\r \x01(\x08\x12\x1c\n\x14prefix_tokens_reused\x18\x0e \x01(\x03\x32\x97\x03\n\tInference\x12:\n\x08Generate\x12\x19.rlax_tpu.GenerateRequest\x1a\x11.rlax_tpu.Rollout0\x01\x12G\n\x0bLoadWeights\x12\x1c.rlax_tpu.LoadWeightsRequest\x1a\x1a.rlax_tpu.LoadWeightsReply\x12=\n\x0cStageWeights\x12\x1c.rlax_tpu.LoadWeightsRequest\x1a\x0f.rlax_tpu.Empty\x12\x30\n\x06Status\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.StatusReply\x12\x34\n\x07Profile\x12\x18.rlax_tpu.ProfileRequest\x1a\x0f.rlax_tpu.Empty\x12,\n\x08Shutdown\x12\x0f.rlax_tpu.Empty\x1a\x0f.rlax_tpu.Empty\x12\x30\n\x06Health\x12\x0f.rlax_tpu.Empty\x1a\x15.rlax_tpu.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlax_tpu.rpc.inference_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=70
-  _globals['_SAMPLINGPARAMS']._serialized_end=318
-  _globals['_PROMPTREQUEST']._serialized_start=321
-  _globals['_PROMPTREQUEST']._serialized_end=485
-  _globals['_GENERATEREQUEST']._serialized_start=487
-  _globals['_GENERATEREQUEST']._serialized_end=580
-  _globals['_PROFILEREQUEST']._serialized_start=582
-  _globals['_PROFILEREQUEST']._serialized_end=627
-  _globals['_ROLLOUT']._serialized_start=630
-  _globals['_ROLLOUT']._serialized_end=840
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=842
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=902
-  _globals['_LOADWEIGHTSREPLY']._serialized_start=904
-  _globals['_LOADWEIGHTSREPLY']._serialized_end=987
-  _globals['_STATUSREPLY']._serialized_start=990
-  _globals['_STATUSREPLY']._serialized_end=1287
-  _globals['_INFERENCE']._serialized_start=1290
-  _globals['_INFERENCE']._serialized_end=1697
+  _globals['_SAMPLINGPARAMS']._serialized_end=381
+  _globals['_TOKENSEQUENCE']._serialized_start=383
+  _globals['_TOKENSEQUENCE']._serialized_end=411
+  _globals['_PROMPTREQUEST']._serialized_start=414
+  _globals['_PROMPTREQUEST']._serialized_end=578
+  _globals['_GENERATEREQUEST']._serialized_start=580
+  _globals['_GENERATEREQUEST']._serialized_end=673
+  _globals['_PROFILEREQUEST']._serialized_start=675
+  _globals['_PROFILEREQUEST']._serialized_end=720
+  _globals['_ROLLOUT']._serialized_start=723
+  _globals['_ROLLOUT']._serialized_end=933
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=935
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=995
+  _globals['_LOADWEIGHTSREPLY']._serialized_start=997
+  _globals['_LOADWEIGHTSREPLY']._serialized_end=1080
+  _globals['_STATUSREPLY']._serialized_start=1083
+  _globals['_STATUSREPLY']._serialized_end=1380
+  _globals['_INFERENCE']._serialized_start=1383
+  _globals['_INFERENCE']._serialized_end=1790
 # @@protoc_insertion_point(module_scope)

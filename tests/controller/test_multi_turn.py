@@ -158,6 +158,7 @@ def test_code_repair_episodes_get_the_verdicts_feedback_and_the_last_attempts_re
     for st in steps:  # every first attempt failed; half the second ones passed
         assert st["episode/first_turn_pass_rate"] == 0.0 and st["reward/pass_rate"] == 0.5
         assert st["episode/turns_mean"] == 2.0
+        assert st["rollout/finish_eos"] == 1.0  # every turn ended by its end marker
     # Every trained episode had its second turn, and so did every evaluated one.
     evals = [r["scalars"] for r in read_metrics(tmp_path / "run") if "eval/pass@1" in r["scalars"]]
     assert len(evals) == 2

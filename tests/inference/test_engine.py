@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rlax_tpu import models
-from rlax_tpu.inference.engine import Engine
+from rlax_tpu.inference.engine import Engine, InvalidRequest
 from rlax_tpu.inference.replay import replay_logits, temperature_scaled_logprobs
 from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
@@ -202,6 +202,63 @@ def test_stop_tokens_and_eos_end_a_sample(tiny_model):
         dataclasses.replace(probe, sampling=dataclasses.replace(probe.sampling, ignore_eos=True))
     )
     assert eos.run()[0].tokens.tolist() == tokens
+
+
+def _first_end(tokens: list[int], found) -> int:
+    """The length of the shortest prefix of ``tokens`` for which ``found(prefix)`` holds."""
+    return next(n for n in range(1, len(tokens) + 1) if found(tokens[:n]))
+
+
+def test_stop_sequences_and_strings_end_a_sample_with_the_tokens_that_complete_them(tiny_model):
+    """Checked against the unconstrained sample cut where a scan of it first finds the stop;
+    the tokens that complete it are kept (they were sampled). A text made of the ids, delimited,
+    lets a string stop mid-token."""
+    probe = Request(
+        prompt_id="s",
+        prompt_tokens=(5, 6, 7),
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=12),
+    )
+    base = make_engine(tiny_model)
+    base.submit(probe)
+    tokens = base.run()[0].tokens.tolist()
+
+    def text(ids) -> str:
+        return "".join(f"<{t}>" for t in ids)
+
+    def stopped_by(**stops) -> tuple[list[int], FinishReason]:
+        engine = make_engine(tiny_model)
+        engine.detokenize = text
+        engine.submit(
+            dataclasses.replace(probe, sampling=dataclasses.replace(probe.sampling, **stops))
+        )
+        (ro,) = engine.run()
+        return ro.tokens.tolist(), ro.finish_reason
+
+    pair = tuple(tokens[4:6])
+    pairs = set(zip(tokens, tokens[1:], strict=False))
+    absent = next((a, b) for a in range(512) for b in range(512) if (a, b) not in pairs)
+    n = _first_end(tokens, lambda p: tuple(p[-2:]) == pair)
+    assert stopped_by(stop_sequences=(absent, pair)) == (tokens[:n], FinishReason.STOP)
+    mid = f"{tokens[6]}><{tokens[7]}"  # from inside one token's text into the next's
+    n = _first_end(tokens, lambda p: mid in text(p))
+    assert stopped_by(stop=("never", mid)) == (tokens[:n], FinishReason.STOP)
+    # A stop token ending the same sample first is its end-of-sequence.
+    n = _first_end(tokens, lambda p: p[-1] == tokens[5])
+    assert stopped_by(stop_token_ids=(tokens[5],), stop_sequences=(pair,)) == (
+        tokens[:n],
+        FinishReason.EOS,
+    )
+    assert stopped_by(stop_sequences=(absent,)) == (tokens, FinishReason.LENGTH)
+    no_tokenizer = make_engine(tiny_model)
+    with pytest.raises(InvalidRequest, match="stop strings \\['x'\\] need the worker's tokenizer"):
+        no_tokenizer.submit(
+            dataclasses.replace(probe, sampling=dataclasses.replace(probe.sampling, stop=("x",)))
+        )
+    for bad in ({"stop_sequences": ((),)}, {"stop_sequences": ((1 << 20,),)}, {"stop": ("",)}):
+        with pytest.raises(InvalidRequest, match="stop"):
+            no_tokenizer.submit(
+                dataclasses.replace(probe, sampling=dataclasses.replace(probe.sampling, **bad))
+            )
 
 
 def test_span_groups_sample_the_same_tokens_alone_and_in_a_full_batch(tiny_model):

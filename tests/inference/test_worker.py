@@ -22,7 +22,7 @@ from rlax_tpu.config import MeshConfig
 from rlax_tpu.inference.engine import InvalidRequest
 from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
-from rlax_tpu.inference.service import InferenceClient, serve
+from rlax_tpu.inference.service import InferenceClient, sampling_from_pb, sampling_to_pb, serve
 from rlax_tpu.inference.worker import (
     DictWeightSource,
     InferenceWorker,
@@ -234,6 +234,11 @@ def test_grpc_round_trip_on_loopback(worker):
             assert remote[key].finish_reason is ro.finish_reason
         with pytest.raises(InvalidRequest, match="empty prompt"):
             client.generate([Request(prompt_id="x", prompt_tokens=())])
+        # Stops cross the wire (this worker has no tokenizer: its refusal of a string says so).
+        stops = SamplingParams(temperature=0.0, stop_sequences=((3, 4), (5,)), stop=("</a>",))
+        assert sampling_from_pb(sampling_to_pb(stops)) == stops
+        with pytest.raises(InvalidRequest, match="need the worker's tokenizer"):
+            client.generate([Request(prompt_id="x", prompt_tokens=(1, 2), sampling=stops)])
         with pytest.raises(UnknownVersion):
             client.load_weights(9)
         with pytest.raises(VersionMismatch):
