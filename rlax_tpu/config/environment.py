@@ -48,10 +48,16 @@ class EnvironmentConfig:
     schedule: Literal["episode", "lockstep"] = "episode"
     # Environment calls (replies, tool runs) at once, over all episodes of the run.
     concurrency: int = 64
+    # Seconds an environment's reply may take (0: no bound). A reply that raises or takes longer
+    # ends its episode with the error recorded: its group is left out of the loss (as a
+    # verifier failure is), counted in episode/environment_errors and _timeouts, and the run
+    # goes on (a resumed run meets the same episode again and cuts it again).
+    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         positive(self, "max_turns")
         positive(self, "concurrency")
+        non_negative(self, "timeout_s")
         non_negative(self, "turn_tokens")
         in_range(self, "discount", 0.0, 1.0)
 

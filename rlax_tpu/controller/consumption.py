@@ -220,6 +220,10 @@ class ConsumptionMixin:
         if self.episodes is not None:
             turns = [_turns(ro) for r in results for ro in r.rollouts]
             scalars["episode/turns_mean"] = float(np.mean(turns)) if turns else 0.0
+            # Environment calls that raised or timed out since the last step (evaluations' too):
+            # each ended its episode, and its group was not trained on.
+            failed = self.episodes.take_failures()
+            scalars |= {f"episode/environment_{k}": float(n) for k, n in failed.items()}
             reused = self._prefix_tokens_reused()
             if reused is not None:  # later turns on kept pages: not computed again
                 scalars["episode/prefix_tokens_reused"] = reused

@@ -20,11 +20,14 @@ version on their workers (``WorkerPool.hold``), ahead of newer versions' jobs.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import dataclasses
+import logging
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,8 +41,10 @@ from rlax_tpu.data.problems import Problem
 from rlax_tpu.environments import Environment, Reply, Tools, episode_reward
 from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
-from rlax_tpu.types import Rollout, Verdict
+from rlax_tpu.types import Rollout, Verdict, VerdictKind
 from rlax_tpu.verifiers.api import RunTask
+
+log = logging.getLogger(__name__)
 
 _SEP = "\x1f"  # between a group key and a sample index in a turn's prompt_id
 
@@ -224,6 +229,7 @@ class EpisodeRunner:
         self._playing: set[_Playing] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self.failures: collections.Counter[str] = collections.Counter()  # take_failures
 
     @property
     def per_episode(self) -> bool:
@@ -422,12 +428,43 @@ class EpisodeRunner:
         return episodes
 
     def _reply(self, ep: _Episode) -> Reply:
-        reply = self.env.reply(
-            ep.problem, [self.tokenizer.decode(t.tokens.tolist()) for t in ep.turns], self.tools
-        )
+        answers = [self.tokenizer.decode(t.tokens.tolist()) for t in ep.turns]
+        try:
+            reply = bounded_call(
+                self.env.reply, (ep.problem, answers, self.tools), self.cfg.timeout_s
+            )
+        except Exception as e:  # noqa: BLE001 - the environment's failure ends its episode only
+            reply = self._failed(ep, e)
         ep.rewards.append(reply.reward)
         ep.verdict = reply.verdict
         return reply
+
+    def _failed(self, ep: _Episode, error: Exception) -> Reply:
+        """The reply of an environment call that raised or timed out: the episode ends, its
+        NaN reward keeps its group out of the loss (as a verifier failure does)."""
+        kind = "timeouts" if isinstance(error, EnvironmentTimeout) else "errors"
+        detail = f"{type(error).__name__}: {error}"
+        with self._lock:
+            self.failures[kind] += 1
+            first = self.failures[kind] == 1
+        if first:  # once per kind a run: every later one is counted in the metrics
+            log.warning(
+                "an environment call failed (%s, on %s turn %d): its episode ends and its group "
+                "is not trained on; the run goes on (episode/environment_%s counts them)",
+                detail,
+                ep.turns[0].prompt_id,
+                len(ep.turns),
+                kind,
+            )
+        verdict = Verdict(kind=VerdictKind.INTERNAL_ERROR, detail=f"environment: {detail}")
+        return Reply(text=None, reward=math.nan, verdict=verdict)
+
+    def take_failures(self) -> dict[str, int]:
+        """The environment calls that raised ("errors") or timed out ("timeouts") since the
+        last call."""
+        with self._lock:
+            out, self.failures = self.failures, collections.Counter()
+        return {k: out[k] for k in ("errors", "timeouts")}
 
     def _next_turn(self, ep: _Episode, reply: Reply) -> Request | None:
         """The request of the episode's next turn after ``reply`` (its tokens appended to the
@@ -458,6 +495,33 @@ class EpisodeRunner:
                 max_new_tokens=room,
             ),
         )
+
+
+class EnvironmentTimeout(TimeoutError):
+    """An environment call took longer than environment.timeout_s."""
+
+
+def bounded_call(fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
+    """``fn(*args)``, or EnvironmentTimeout after ``timeout_s`` (0: no bound). The call runs on
+    a daemon thread of its own, left behind if it hangs (Python cannot stop it): a bound pool's
+    threads would all end up held by hung calls."""
+    if not timeout_s:
+        return fn(*args)
+    done: cf.Future = cf.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            done.set_exception(e)
+
+    threading.Thread(target=run, name="environment-call", daemon=True).start()
+    try:
+        return done.result(timeout=timeout_s)
+    except cf.TimeoutError:
+        raise EnvironmentTimeout(
+            f"no reply within environment.timeout_s = {timeout_s:g} s"
+        ) from None
 
 
 def _check_count(got: int, want: int) -> None:

@@ -21,7 +21,7 @@ from rlax_tpu.inference.sampler import SamplingParams
 from rlax_tpu.inference.scheduler import Request
 from rlax_tpu.inference.worker import DictWeightSource, InferenceWorker
 from rlax_tpu.models.tokenizer import Tokenizer
-from rlax_tpu.types import FinishReason, Rollout, TrainBatch
+from rlax_tpu.types import FinishReason, Rollout, TrainBatch, VerdictKind
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +241,54 @@ def test_jobs_played_at_once_over_two_workers_all_finish(tiny_weights, per_episo
         assert [len(p.episodes) for p in played] == [2, 2, 2]
         assert all(r == 2.0 for p in played for r in p.rewards)
     finally:
+        runner.close()
+        pool.close()
+        for w in workers:
+            w.shutdown()
+
+
+class Flaky:
+    """Group g1's first reply raises, g2's hangs (until ``release``); g0's episodes play on."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def reply(self, problem, answers, tools):
+        if problem == "g1" and len(answers) == 1:
+            raise ValueError("the environment broke")
+        if problem == "g2" and len(answers) == 1:
+            self.release.wait(timeout=120)
+            return Reply(text="too late", reward=1.0)
+        return Reply(text=f"again {len(answers)}", reward=float(len(answers)))
+
+
+@pytest.mark.parametrize("per_episode", [False, True])
+def test_an_environment_that_raises_or_hangs_ends_only_its_episodes(tiny_weights, per_episode):
+    """environment.timeout_s bounds a reply; a reply that raises or times out ends its episode
+    with the error as its verdict and a NaN reward (its group is not trained on), is counted,
+    and the other episodes play to the end."""
+    model, source = tiny_weights
+    workers = [InferenceWorker(model, SCHED_CFG, weight_source=source)]
+    pool = WorkerPool(workers, exclusive_jobs=True)
+    env = Flaky()
+    runner = _runner(env, pool, per_episode=per_episode)
+    runner.cfg = dataclasses.replace(runner.cfg, timeout_s=0.5)
+    try:
+        reqs, problems = _groups(3)
+        played = runner.play(0, reqs, problems)
+        assert played.rewards == [3.0, 3.0, None, None, None, None]
+        details = [v.detail for v in played.verdicts]
+        assert details[2:4] == ["environment: ValueError: the environment broke"] * 2
+        assert all(
+            d.startswith("environment: EnvironmentTimeout: no reply within") for d in details[4:]
+        )
+        assert {v.kind for v in played.verdicts[2:]} == {VerdictKind.INTERNAL_ERROR}
+        for ep, first in zip(played.episodes[2:], played.first_turns[2:], strict=True):
+            np.testing.assert_array_equal(ep.tokens, first.tokens)  # no turn after the failure
+        assert runner.take_failures() == {"errors": 2, "timeouts": 2}
+        assert runner.take_failures() == {"errors": 0, "timeouts": 0}
+    finally:
+        env.release.set()
         runner.close()
         pool.close()
         for w in workers:
