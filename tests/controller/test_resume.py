@@ -23,6 +23,7 @@ import pytest
 from rlax_tpu.controller.snapshots import SnapshotStore, full_ledger
 from rlax_tpu.observability.metrics import read_metrics
 from tests.child_env import child_env
+from tests.environments.plugin_flaky import kind
 from tests.observability.test_wandb_sink import offline_env
 from tests.observability.traces import traced_programs
 from tests.observability.wandb_records import history
@@ -481,6 +482,45 @@ def test_sigterm_then_sigkill_each_resumed_gives_the_uninterrupted_weights(
         assert {k for k, v in record["scalars"].items() if v is not None} <= set(step)
         for k in ("reward/mean", "rollout/length_mean", "trainer/loss", "trainer/grad_norm"):
             assert step[k] == record["scalars"][k], (record["step"], k)
+
+
+def test_an_environment_that_raises_or_hangs_is_cut_and_the_run_resumes_through_it(env, tmp_path):
+    """A plugin environment raising at the first reply to some problems and hanging at others'
+    (tests/environments/plugin_flaky.py): those episodes are cut (environment.timeout_s bounds
+    the hang) and counted, their groups left out, and the run finishes; SIGKILLed mid-run and
+    resumed, it meets the same failures again and finishes again."""
+    run_dir = tmp_path / "flaky"
+    extra = (
+        "--config.controller.num_steps=4",
+        "--config.algorithm.plugins=('tests.environments.plugin_flaky',)",
+        "--config.environment.name=flaky",
+        "--config.environment.max_turns=2",
+        "--config.environment.turn_tokens=8",
+        "--config.environment.timeout_s=1",
+        "--config.data.prompt_style=chat",
+        "--config.inference.max_new_tokens=64",
+        "--config.controller.warmup_steps=0",
+        "--config.data.eval_every=0",
+        "--config.controller.prompts_per_step=4",
+        "--config.trainer.micro_batch_size=8",
+    )
+    killed_at_random(env, run_dir, *extra, after_step=2, seed=11)
+    assert not (run_dir / "report.md").exists()
+    out = run(env, run_dir, *extra, stderr=True)
+    assert "resuming" in out and "run finished: 4 updates" in out, out[-3000:]
+    # The groups left out are exactly those of the problems the environment fails on, and the
+    # seeded draw holds both kinds (16 problems, 1 raising and 3 hanging).
+    ledger = final_payload(run_dir)["ledger"]
+    problem = {g["key"]: g["key"].split("/", 1)[1].split("#")[0] for g in ledger}
+    failed = {problem[g["key"]] for g in ledger if g.get("reason") == "verifier_failed"}
+    fails = {p for p in problem.values() if kind(p) != "answers"}
+    assert failed == fails and {kind(p) for p in fails} == {"raises", "hangs"}, (failed, fails)
+    steps = [r["scalars"] for r in read_metrics(run_dir) if "episode/turns_mean" in r["scalars"]]
+    assert len(steps) == 4
+    counted = sum(
+        st["episode/environment_errors"] + st["episode/environment_timeouts"] for st in steps
+    )
+    assert counted > 0  # (those of the killed run after its last snapshot went with it)
 
 
 def test_an_algorithm_of_the_users_own_trains_from_the_main_command(env, tmp_path):
