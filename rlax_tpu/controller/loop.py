@@ -183,6 +183,14 @@ class Controller(StateMixin, GenerationMixin, EvaluationMixin, ConsumptionMixin)
                 "model's chat template, and this run's prompts are raw text (its tokenizer has "
                 "no chat template, or data.prompt_style = 'raw')"
             )
+        try:  # at start-up, not at the first later turn, after the run began generating
+            self.prompter.tokenizer.turn_ids("?", after=())
+        except ValueError as e:
+            raise ValueError(
+                f"environment.name = {env.name!r}: the model's chat template cannot carry an "
+                f"episode's turns ({e}); environments need a template that renders earlier turns "
+                "unchanged"
+            ) from None
         tools = VerifierTools(
             self.c.verifier, self.specs, style="chat", language=self.prompter.language
         )

@@ -13,6 +13,7 @@ import dataclasses
 import re
 
 import numpy as np
+import pytest
 
 from rlax_tpu.controller.episodes import _SEP, VerifierTools
 from rlax_tpu.controller.tasks import SpecCache
@@ -270,3 +271,42 @@ def test_python_tool_episodes_get_the_printed_output_back_and_grade_the_final_an
         assert batch.rewards[row] == (1.0 if row % 2 == 0 else 0.0)
     steps = [r["scalars"] for r in read_metrics(tmp_path / "run") if "reward/mean" in r["scalars"]]
     assert steps[0]["episode/turns_mean"] == 2.0 and steps[0]["reward/pass_rate"] == 0.5
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_at_start_up(tmp_path):
+    """Before the run generates anything (the version-0 evaluation's episodes found it at their
+    second turn before): the controller refuses an environment over such a template."""
+    from rlax_tpu import models
+    from rlax_tpu.controller.app import build_prompter
+    from rlax_tpu.controller.components import build_local
+    from rlax_tpu.controller.loop import Controller
+    from rlax_tpu.models.tokenizer import Tokenizer
+
+    config = make_config(tmp_path / "run", num_steps=1)
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, prompt_style="chat"),
+        environment=dataclasses.replace(config.environment, name="code_repair"),
+    )
+    prompter = build_prompter(config, tmp_path / "run")
+    rewrites = (  # the last assistant turn rendered apart from earlier ones (as Qwen3's does)
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' and not loop.last %}[earlier]{% else %}{{ m.content }}"
+        "{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    prompter.tokenizer = Tokenizer(
+        prompter.tokenizer.backend, eos="<|im_end|>", chat_template=rewrites
+    )
+    comps = build_local(
+        config,
+        model=models.load_model(config.model),
+        eos_ids=prompter.tokenizer.stop_ids,
+        run_dir=tmp_path / "run",
+    )
+    try:
+        with pytest.raises(ValueError, match="environment.name = 'code_repair': the model's chat"):
+            Controller(config, comps, prompter, run_dir=tmp_path / "run", on_event=print)
+    finally:
+        comps.close()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
