@@ -136,7 +136,9 @@ class EvaluationMixin:
                 version, requests, counted=counted, ahead=not counted
             ).result()
         items = [(by_key[ro.prompt_id][1], ro) for ro in rollouts]
-        verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items)
+        # First turns the episodes' environment graded already are not run again.
+        memo = getattr(self.episodes.tools, "memo", None) if played is not None else None
+        verdicts = groups_lib.verify(self.c.verifier, self.specs, self.prompter, items, memo)
         finals = verdicts if played is None else played.verdicts
         played = rollouts if played is None else played.episodes
         correct = {key: 0 for key, _ in problems}

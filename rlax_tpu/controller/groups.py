@@ -8,8 +8,10 @@ on which worker generates it, what else shares the batch, or whether the run was
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -277,13 +279,42 @@ class Prompter:
         return self.tokenizer.decode(list(tokens))
 
 
+class VerdictMemo:
+    """Verdicts already given, by task identity (problem, kind, language, program or answer):
+    an evaluation's first turns were graded by the episodes' environment (code_repair verifies
+    each attempt) and are not run again, so pass@1 and the episode's first verdict agree.
+    Internal errors are not kept (they say nothing of the answer); the oldest go past ``size``."""
+
+    def __init__(self, size: int = 16384):
+        self.size = size
+        self._verdicts: collections.OrderedDict[tuple[str, ...], Verdict] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, ...]) -> Verdict | None:
+        with self._lock:
+            return self._verdicts.get(key)
+
+    def put(self, key: tuple[str, ...], verdict: Verdict) -> None:
+        if verdict.kind is VerdictKind.INTERNAL_ERROR:
+            return
+        with self._lock:
+            self._verdicts[key] = verdict
+            self._verdicts.move_to_end(key)
+            while len(self._verdicts) > self.size:
+                self._verdicts.popitem(last=False)
+
+
 def verify(
     verifier: VerifierPort,
     specs: tasks_lib.SpecCache,
     prompter: Prompter,
     items: Sequence[tuple[Problem, Rollout]],
+    memo: VerdictMemo | None = None,
 ) -> list[Verdict]:
-    """One verdict per (problem, rollout); completions without a program are not run.
+    """One verdict per (problem, rollout); completions without a program are not run, nor
+    those ``memo`` has a verdict for.
 
     Identical programs for the same problem are run once and share the verdict: a sharpened
     policy writes the same program in most samples of a group, and the sandbox is the slowest
@@ -292,7 +323,7 @@ def verify(
     """
     batch: list[Any] = []
     slot: dict[tuple[str, ...], int] = {}  # task identity -> index in batch
-    where: list[int] = []  # item -> index in batch, or -1 (no program)
+    where: list[int | Verdict] = []  # item -> index in batch, -1 (no program) or the memo's
     for problem, rollout in items:
         task = tasks_lib.make_task(
             problem,
@@ -304,7 +335,11 @@ def verify(
         if task is None:
             where.append(-1)
             continue
-        key = _task_key(problem, task)
+        key = task_key(problem, task)
+        known = memo.get(key) if memo is not None else None
+        if known is not None:
+            where.append(known)
+            continue
         if key not in slot:
             slot[key] = len(batch)
             batch.append(task)
@@ -312,10 +347,16 @@ def verify(
     ran = verifier.verify(batch) if batch else []
     if len(ran) != len(batch):
         raise RuntimeError(f"the verifier answered {len(ran)} verdicts for {len(batch)} tasks")
-    return [tasks_lib.NO_PROGRAM if j < 0 else ran[j] for j in where]
+    if memo is not None:
+        for key, j in slot.items():
+            memo.put(key, ran[j])
+    return [
+        j if isinstance(j, Verdict) else tasks_lib.NO_PROGRAM if j < 0 else ran[j] for j in where
+    ]
 
 
-def _task_key(problem: Problem, task: Any) -> tuple[str, ...]:
+def task_key(problem: Problem, task: Any) -> tuple[str, ...]:
+    """A task's identity: two equal keys get the same verdict."""
     text = getattr(task, "code", None) or getattr(task, "response", "")
     return (problem.id, type(task).__name__, getattr(task, "language", ""), text)
 

@@ -72,6 +72,20 @@ def _rollout(request, sample: int, ids: list[int], version) -> Rollout:
     )
 
 
+class CountingVerifier:
+    """Forwards to the real verifier, counting the tasks it is given."""
+
+    def __init__(self, verifier):
+        self.verifier, self.tasks = verifier, 0
+
+    def __getattr__(self, name):
+        return getattr(self.verifier, name)
+
+    def verify(self, tasks, **kw):
+        self.tasks += len(tasks)
+        return self.verifier.verify(tasks, **kw)
+
+
 class Recording:
     def __init__(self, trainer):
         self.trainer, self.batches = trainer, []
@@ -111,6 +125,7 @@ def test_code_repair_episodes_get_the_verdicts_feedback_and_the_last_attempts_re
         seen["tok"] = tok
         comps.workers[0] = seen["policy"]
         comps.trainer = seen["trainer"]
+        seen["verifier"] = comps.verifier = CountingVerifier(comps.verifier)
 
     ctl = run_controller(config, wrap)
     tok, batches = seen["tok"], seen["trainer"].batches
@@ -168,6 +183,9 @@ def test_code_repair_episodes_get_the_verdicts_feedback_and_the_last_attempts_re
         assert ev["eval/pass@1"] == 0.0 and ev["eval/episode_pass@1"] == 0.5
     evaluated = sum(int(ev["eval/problems"]) for ev in evals) * k
     assert sum(t == 1 for _, _, t in asked) == sum(b.num_rows for b in batches) + evaluated
+    # Each attempt verified once, by the environment: an evaluation's pass@1 takes its first
+    # turns' verdicts from the episodes instead of running them again.
+    assert seen["verifier"].tasks == 2 * (sum(b.num_rows for b in batches) + evaluated)
     # Each update's training samples (observability.samples_per_step), with the episode's turns.
     assert sampled_steps(tmp_path / "run") == [1, 2]
     for step, batch in zip((1, 2), batches, strict=True):
