@@ -35,7 +35,7 @@ class WandbConfig:
     entity: str = ""  # "": the credentials' default entity
     name: str = ""  # the run's display name; "": the run directory's name
     group: str = ""  # groups runs in the UI (e.g. the seeds of one experiment)
-    tags: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()  # labels to filter runs by in the UI
     # online: uploads as it logs; offline: writes only the local directory (`wandb sync` it
     # later).
     mode: Literal["online", "offline"] = "online"

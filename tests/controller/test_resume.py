@@ -23,7 +23,7 @@ import pytest
 from rlax_tpu.controller.snapshots import SnapshotStore, full_ledger
 from rlax_tpu.observability.metrics import read_metrics
 from tests.child_env import child_env
-from tests.environments.plugin_flaky import kind
+from tests.environments.flaky_kinds import kind
 from tests.observability.test_wandb_sink import offline_env
 from tests.observability.traces import traced_programs
 from tests.observability.wandb_records import history

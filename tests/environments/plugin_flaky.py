@@ -7,16 +7,11 @@ A pure function of the problem: a resumed run meets the same failures."""
 from __future__ import annotations
 
 import time
-import zlib
 
 from rlax_tpu.environments import Reply, register_environment
+from tests.environments.flaky_kinds import kind
 
 HANG_S = 60.0
-
-
-def kind(problem_id: str) -> str:
-    """ "raises", "hangs" or "answers": what this environment does at a problem's first reply."""
-    return {0: "raises", 1: "hangs"}.get(zlib.crc32(problem_id.encode()) % 8, "answers")
 
 
 class Flaky:
