@@ -234,6 +234,7 @@ class EpisodeRunner:
         self._lock = threading.Lock()
         self._closed = False
         self.failures: collections.Counter[str] = collections.Counter()  # take_failures
+        self._warned: set[str] = set()  # the kinds of failure named in a warning
 
     @property
     def per_episode(self) -> bool:
@@ -450,7 +451,8 @@ class EpisodeRunner:
         detail = f"{type(error).__name__}: {error}"
         with self._lock:
             self.failures[kind] += 1
-            first = self.failures[kind] == 1
+            first = kind not in self._warned
+            self._warned.add(kind)
         if first:  # once per kind a run: every later one is counted in the metrics
             log.warning(
                 "an environment call failed (%s, on %s turn %d): its episode ends and its group "

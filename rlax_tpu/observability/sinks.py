@@ -46,8 +46,8 @@ class Sink(Protocol):
         scalars: Mapping[str, float],
         histograms: Mapping[str, Sequence[float]],
     ) -> None:
-        """One record: scalars (non-finite ones included; a sink skips what it cannot show)
-        and histograms (raw values) of ``step``."""
+        """One record: the finite scalars (metrics.jsonl keeps the others, as null) and the
+        histograms (raw values) of ``step``."""
 
     def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
         """A table logged at ``step``: one dict per row (a key missing from a row: empty)."""

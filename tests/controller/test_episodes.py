@@ -5,6 +5,7 @@ and a turn generated from other tokens than the episode's is refused."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 import numpy as np
@@ -263,13 +264,16 @@ class Flaky:
 
 
 @pytest.mark.parametrize("per_episode", [False, True])
-def test_an_environment_that_raises_or_hangs_ends_only_its_episodes(tiny_weights, per_episode):
+def test_an_environment_that_raises_or_hangs_ends_only_its_episodes(
+    tiny_weights, per_episode, caplog
+):
     """environment.timeout_s bounds a reply; a reply that raises or times out ends its episode
     with the error as its verdict and a NaN reward (its group is not trained on), is counted,
     and the other episodes play to the end."""
     model, source = tiny_weights
     workers = [InferenceWorker(model, SCHED_CFG, weight_source=source)]
     pool = WorkerPool(workers, exclusive_jobs=True)
+    caplog.set_level(logging.WARNING)
     env = Flaky()
     runner = _runner(env, pool, per_episode=per_episode)
     runner.cfg = dataclasses.replace(runner.cfg, timeout_s=0.5)
@@ -287,6 +291,12 @@ def test_an_environment_that_raises_or_hangs_ends_only_its_episodes(tiny_weights
             np.testing.assert_array_equal(ep.tokens, first.tokens)  # no turn after the failure
         assert runner.take_failures() == {"errors": 2, "timeouts": 2}
         assert runner.take_failures() == {"errors": 0, "timeouts": 0}
+        runner.play(0, *_groups(3))  # again: counted again, but named once a run
+        assert runner.take_failures() == {"errors": 2, "timeouts": 2}
+        warned = [
+            r.getMessage() for r in caplog.records if "environment call failed" in r.getMessage()
+        ]
+        assert len(warned) == 2, warned
     finally:
         env.release.set()
         runner.close()
