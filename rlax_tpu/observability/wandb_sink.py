@@ -74,8 +74,11 @@ class WandbSink:
             # WANDB_MODE in the environment wins, as W&B's own documentation has it.
             mode=os.environ.get("WANDB_MODE") or cfg.mode,
             # console off: W&B would otherwise wrap the controller's stdout and stderr (its
-            # progress lines and the logs a launcher collects).
-            settings=wandb.Settings(console="off", save_code=False, disable_git=True),
+            # progress lines and the logs a launcher collects). Stats off: no process of W&B's
+            # sampling the host beside the run (its CPU and memory; not the TPUs).
+            settings=wandb.Settings(
+                console="off", save_code=False, disable_git=True, x_disable_stats=True
+            ),
         )
         self._run.define_metric(EVAL_AXIS)
         self._run.define_metric(f"{EVAL_PREFIX}*", step_metric=EVAL_AXIS)
